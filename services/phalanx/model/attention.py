@@ -1,0 +1,171 @@
+"""Attention backends: how a layer's new K/V are stored and attended over.
+
+The transformer hands each backend post-RoPE q/k/v for a flat list of tokens;
+the backend owns the cache layout. Three exist: no cache (full causal
+forward), a contiguous per-sequence cache (the bare decode loop the engine
+is benchmarked against) and the paged cache the engine serves from.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+from phalanx.model.ops import INVARIANT_TILE
+
+
+class AttentionBackend(Protocol):
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q: [T, H, D], k/v: [T, KVH, D] for the new tokens; returns [T, H, D]."""
+        ...
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, causal: bool = False) -> torch.Tensor:
+    """q: [B, H, Lq, D]; k/v: [B, KVH, Lk, D]."""
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=True)
+
+
+class CausalNoCache:
+    """One sequence, every position at once, nothing kept."""
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        out = _sdpa(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], None, causal=True)
+        return out[0].transpose(0, 1)
+
+
+class ContiguousCache:
+    """B sequences of equal length in one [B, max_len] cache per layer; the baseline engine-free loop."""
+
+    def __init__(self, num_layers: int, batch: int, max_len: int, num_kv_heads: int, head_dim: int, *, dtype, device) -> None:
+        shape = (num_layers, 2, batch, num_kv_heads, max_len, head_dim)
+        self.cache = torch.zeros(shape, dtype=dtype, device=device)
+        self.batch = batch
+        self.length = 0
+        self._step_len = 0
+
+    def begin_step(self, new_tokens_per_seq: int) -> None:
+        self._step_len = new_tokens_per_seq
+
+    def end_step(self) -> None:
+        self.length += self._step_len
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        b, n = self.batch, self._step_len
+        start, end = self.length, self.length + n
+        q = q.view(b, n, *q.shape[1:]).transpose(1, 2)
+        self.cache[layer, 0, :, :, start:end] = k.view(b, n, *k.shape[1:]).transpose(1, 2)
+        self.cache[layer, 1, :, :, start:end] = v.view(b, n, *v.shape[1:]).transpose(1, 2)
+        keys = self.cache[layer, 0, :, :, :end]
+        values = self.cache[layer, 1, :, :, :end]
+        if n == 1:
+            out = _sdpa(q, keys, values, None)
+        else:
+            mask = torch.ones(n, end, dtype=torch.bool, device=q.device).tril(diagonal=start)
+            out = _sdpa(q, keys, values, mask)
+        return out.transpose(1, 2).reshape(b * n, *out.shape[1:2], out.shape[-1])
+
+
+@dataclass
+class SeqChunk:
+    """One sequence's share of a step: `num_tokens` new tokens at positions [start, start+num_tokens)."""
+
+    token_offset: int  # where its tokens start in the flat batch
+    start: int
+    num_tokens: int
+    block_table: torch.Tensor  # int64 [num_blocks] covering positions < start + num_tokens
+
+    @property
+    def end(self) -> int:
+        return self.start + self.num_tokens
+
+
+class PagedAttention:
+    """Attention over a paged KV cache: [layers, 2, blocks, block_size, kv_heads, head_dim].
+
+    In batch-invariant mode each sequence is attended in query tiles of
+    INVARIANT_TILE rows aligned to absolute positions, against exactly the
+    keys up to the tile's end, so its numbers never depend on the batch, on
+    how its prompt was chunked, or on how much of it came from the prefix
+    cache. Otherwise decode rows of the whole batch share one padded call.
+    """
+
+    def __init__(self, kv: torch.Tensor, slot_mapping: torch.Tensor, chunks: list[SeqChunk], *, invariant: bool) -> None:
+        self.kv = kv
+        self.block_size = kv.shape[3]
+        self.slot_mapping = slot_mapping
+        self.chunks = chunks
+        self.invariant = invariant
+        self._decode_meta = None if invariant else self._decode_metadata()
+
+    def _decode_metadata(self):
+        decodes = [c for c in self.chunks if c.num_tokens == 1]
+        if len(decodes) < 2:
+            return None
+        max_blocks = max(len(c.block_table) for c in decodes)
+        tables = torch.zeros((len(decodes), max_blocks), dtype=torch.int64)
+        for i, c in enumerate(decodes):
+            tables[i, : len(c.block_table)] = c.block_table
+        ctx = max_blocks * self.block_size
+        lens = torch.tensor([c.end for c in decodes])
+        mask = (torch.arange(ctx)[None, :] < lens[:, None])[:, None, None, :]
+        rows = torch.tensor([c.token_offset for c in decodes])
+        return decodes, tables.to(self.kv.device), mask.to(self.kv.device), rows.to(self.kv.device)
+
+    def _gather(self, layer: int, block_table: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values [1, KVH, length, D] of one sequence."""
+        kv = self.kv[layer][:, block_table]  # [2, nb, bs, KVH, D]
+        kv = kv.reshape(2, -1, *kv.shape[3:])[:, :length]
+        return kv[0].transpose(0, 1)[None], kv[1].transpose(0, 1)[None]
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        kv_flat = self.kv[layer].view(2, -1, *self.kv.shape[4:])
+        kv_flat[0].index_copy_(0, self.slot_mapping, k)
+        kv_flat[1].index_copy_(0, self.slot_mapping, v)
+        out = torch.empty_like(q)
+        done = set()
+        if self._decode_meta is not None:
+            done = self._attend_decodes(layer, q, out)
+        for chunk in self.chunks:
+            if chunk.token_offset in done:
+                continue
+            if self.invariant:
+                self._attend_tiled(layer, q, chunk, out)
+            else:
+                self._attend_chunk(layer, q, chunk, out)
+        return out
+
+    def _attend_decodes(self, layer: int, q: torch.Tensor, out: torch.Tensor) -> set[int]:
+        decodes, tables, mask, rows = self._decode_meta
+        kv = self.kv[layer][:, tables]  # [2, B, nb, bs, KVH, D]
+        kv = kv.reshape(2, tables.shape[0], -1, *kv.shape[4:]).transpose(2, 3)  # [2, B, KVH, ctx, D]
+        res = _sdpa(q[rows][:, :, None], kv[0], kv[1], mask)  # [B, H, 1, D]
+        out[rows] = res[:, :, 0]
+        return {c.token_offset for c in decodes}
+
+    def _attend_chunk(self, layer: int, q: torch.Tensor, chunk: SeqChunk, out: torch.Tensor) -> None:
+        keys, values = self._gather(layer, chunk.block_table, chunk.end)
+        rows = slice(chunk.token_offset, chunk.token_offset + chunk.num_tokens)
+        q_seq = q[rows].transpose(0, 1)[None]
+        if chunk.num_tokens == 1:
+            mask = None
+        else:
+            mask = torch.ones(chunk.num_tokens, chunk.end, dtype=torch.bool, device=q.device).tril(diagonal=chunk.start)
+        out[rows] = _sdpa(q_seq, keys, values, mask)[0].transpose(0, 1)
+
+    def _attend_tiled(self, layer: int, q: torch.Tensor, chunk: SeqChunk, out: torch.Tensor) -> None:
+        tile = INVARIANT_TILE
+        first_tile = chunk.start // tile * tile
+        for tile_start in range(first_tile, chunk.end, tile):
+            tile_end = tile_start + tile
+            lo, hi = max(tile_start, chunk.start), min(tile_end, chunk.end)
+            keys, values = self._gather(layer, chunk.block_table, tile_end)
+            q_tile = torch.zeros((tile, *q.shape[1:]), dtype=q.dtype, device=q.device)
+            q_tile[lo - tile_start : hi - tile_start] = q[chunk.token_offset + lo - chunk.start : chunk.token_offset + hi - chunk.start]
+            # Row r (absolute position tile_start + r) sees keys up to itself;
+            # rows outside the chunk are padding whose output is discarded.
+            mask = torch.ones(tile, tile_end, dtype=torch.bool, device=q.device).tril(diagonal=tile_start)
+            res = _sdpa(q_tile.transpose(0, 1)[None], keys, values, mask)[0].transpose(0, 1)
+            out[chunk.token_offset + lo - chunk.start : chunk.token_offset + hi - chunk.start] = res[lo - tile_start : hi - tile_start]

@@ -1,0 +1,102 @@
+"""Model shapes. Built-in configs run fast on two CPU cores; HF configs load from config.json."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+from phalanx.model.tokenizer import BYTE_VOCAB_SIZE, SpecialTokens
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    name: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    # 0 makes a dense (Llama-style) model; otherwise a Mixtral-style sparse MoE.
+    num_experts: int = 0
+    experts_per_token: int = 2
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-5
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    bos_token_id: int | None = SpecialTokens.BOS
+    eos_token_id: int | None = SpecialTokens.EOS
+    # Seed of the deterministic initialisation of built-in models.
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError("num_heads must be a multiple of num_kv_heads")
+        if self.num_experts and not 1 <= self.experts_per_token <= self.num_experts:
+            raise ValueError("experts_per_token must be in [1, num_experts]")
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_hf_dir(cls, path: Path) -> ModelConfig:
+        """Reads a Hugging Face Mixtral or Llama config.json."""
+        raw = json.loads((Path(path) / "config.json").read_text())
+        model_type = raw.get("model_type", "")
+        if model_type not in ("mixtral", "llama", "mistral"):
+            raise ValueError(f"unsupported model_type {model_type!r}: expected mixtral, llama or mistral")
+        rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+        if rope.get("rope_type", rope.get("type", "default")) not in ("default", None):
+            raise ValueError(f"unsupported rope scaling {rope!r}")
+        rope_theta = raw.get("rope_theta", rope.get("rope_theta", 10000.0))
+        num_heads = raw["num_attention_heads"]
+        eos = raw.get("eos_token_id")
+        return cls(
+            name=Path(path).name,
+            vocab_size=raw["vocab_size"],
+            hidden_size=raw["hidden_size"],
+            intermediate_size=raw["intermediate_size"],
+            num_layers=raw["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=raw.get("num_key_value_heads") or num_heads,
+            head_dim=raw.get("head_dim") or raw["hidden_size"] // num_heads,
+            num_experts=raw.get("num_local_experts", 0) if model_type == "mixtral" else 0,
+            experts_per_token=raw.get("num_experts_per_tok", 2),
+            rope_theta=float(rope_theta),
+            rms_norm_eps=raw.get("rms_norm_eps", 1e-5),
+            max_position_embeddings=raw.get("max_position_embeddings", 2048),
+            tie_word_embeddings=raw.get("tie_word_embeddings", False),
+            bos_token_id=raw.get("bos_token_id"),
+            eos_token_id=eos[0] if isinstance(eos, list) else eos,
+        )
+
+
+_TINY = dict(
+    vocab_size=BYTE_VOCAB_SIZE,
+    hidden_size=256,
+    num_layers=4,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=64,
+    max_position_embeddings=2048,
+)
+
+BUILTIN_MODELS: dict[str, ModelConfig] = {
+    "phalanx-tiny-moe": ModelConfig(
+        name="phalanx-tiny-moe", intermediate_size=512, num_experts=8, experts_per_token=2, **_TINY
+    ),
+    "phalanx-tiny-dense": ModelConfig(name="phalanx-tiny-dense", intermediate_size=1024, **_TINY),
+}
+
+
+def builtin_config(name: str, **overrides) -> ModelConfig:
+    try:
+        return replace(BUILTIN_MODELS[name], **overrides)
+    except KeyError:
+        raise ValueError(f"unknown built-in model {name!r}; known: {sorted(BUILTIN_MODELS)}") from None

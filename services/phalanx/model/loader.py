@@ -1,0 +1,124 @@
+"""Builds models: built-in ones from a seed, or Hugging Face Mixtral/Llama checkpoints from safetensors."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import torch
+
+from phalanx.model.config import BUILTIN_MODELS, ModelConfig, builtin_config
+from phalanx.model.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
+from phalanx.model.transformer import Transformer, initialise
+
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+_HF_EXPERT = re.compile(r"^block_sparse_moe\.experts\.(\d+)\.(w1|w2|w3)\.weight$")
+_RENAMES = {
+    "input_layernorm.weight": "input_layernorm",
+    "post_attention_layernorm.weight": "post_attention_layernorm",
+    "block_sparse_moe.gate.weight": "mlp.gate.weight",
+    # transformers >= 5 fused layout
+    "mlp.experts.gate_up_proj": "mlp.w13",
+    "mlp.experts.down_proj": "mlp.w2",
+}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint directory that cannot be loaded into the configured model."""
+
+
+def load(
+    name_or_path: str | Path,
+    *,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+    seed: int | None = None,
+) -> Transformer:
+    """Loads a built-in model by name or an HF-layout checkpoint directory.
+
+    The returned model is in eval mode and carries its tokenizer as `.tokenizer`.
+    """
+    if str(name_or_path) in BUILTIN_MODELS:
+        config = builtin_config(str(name_or_path), **({"seed": seed} if seed is not None else {}))
+        model = Transformer(config)
+        initialise(model, config.seed)
+        tokenizer: Tokenizer = ByteTokenizer()
+    else:
+        path = Path(name_or_path)
+        if not (path / "config.json").is_file():
+            raise CheckpointError(f"{path} is neither a built-in model ({sorted(BUILTIN_MODELS)}) nor a directory with config.json")
+        config = ModelConfig.from_hf_dir(path)
+        with torch.device("meta"):
+            model = Transformer(config)
+        model = model.to_empty(device="cpu")
+        load_hf_weights(model, path)
+        tokenizer = load_tokenizer(path, bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id)
+    model = model.to(device=device, dtype=dtype).eval()
+    model.requires_grad_(False)
+    model.tokenizer = tokenizer
+    return model
+
+
+def load_hf_weights(model: Transformer, path: Path) -> None:
+    from safetensors import safe_open
+
+    files = sorted(Path(path).glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"no *.safetensors files in {path}")
+    params = dict(model.named_parameters())
+    loaded: set[str] = set()
+    with torch.no_grad():
+        for file in files:
+            with safe_open(str(file), framework="pt") as f:
+                for hf_name in f.keys():
+                    target, expert, part = _map_name(hf_name)
+                    if target is None:
+                        continue
+                    if target not in params:
+                        raise CheckpointError(f"{file.name}: {hf_name} has no place in {model.config.name}")
+                    _copy(params[target], f.get_tensor(hf_name), hf_name, expert, part, model.config.intermediate_size)
+                    loaded.add(target if expert is None else f"{target}[{expert}].{part}")
+    _check_complete(model, params, loaded)
+
+
+def _map_name(hf_name: str) -> tuple[str | None, int | None, str | None]:
+    """HF parameter name -> (our parameter, expert index, w1/w2/w3 part)."""
+    if hf_name.endswith("rotary_emb.inv_freq"):
+        return None, None, None
+    if not hf_name.startswith("model.layers."):
+        return {"model.embed_tokens.weight": "embed_tokens.weight", "model.norm.weight": "norm", "lm_head.weight": "lm_head.weight"}.get(
+            hf_name, hf_name
+        ), None, None
+    layer, rest = _LAYER.match(hf_name).groups()
+    if m := _HF_EXPERT.match(rest):
+        expert, part = int(m.group(1)), m.group(2)
+        return f"layers.{layer}.mlp.{'w2' if part == 'w2' else 'w13'}", expert, part
+    return f"layers.{layer}.{_RENAMES.get(rest, rest)}", None, None
+
+
+def _copy(param: torch.Tensor, tensor: torch.Tensor, hf_name: str, expert: int | None, part: str | None, inter: int) -> None:
+    dest = param
+    if expert is not None:
+        dest = param[expert]
+        if part == "w1":
+            dest = dest[:inter]
+        elif part == "w3":
+            dest = dest[inter:]
+    if tuple(dest.shape) != tuple(tensor.shape):
+        raise CheckpointError(f"{hf_name}: shape {tuple(tensor.shape)} does not match {tuple(dest.shape)}")
+    dest.copy_(tensor.to(dest.dtype))
+
+
+def _check_complete(model: Transformer, params: dict[str, torch.Tensor], loaded: set[str]) -> None:
+    missing = []
+    for name, param in params.items():
+        if name.endswith(("mlp.w13", "mlp.w2")):
+            parts = ("w1", "w3") if name.endswith("w13") else ("w2",)
+            fused_loaded = name in loaded
+            for e in range(param.shape[0]):
+                if not fused_loaded and any(f"{name}[{e}].{p}" not in loaded for p in parts):
+                    missing.append(f"{name}[{e}]")
+        elif name not in loaded:
+            missing.append(name)
+    if missing:
+        raise CheckpointError(f"checkpoint lacks {len(missing)} parameters, e.g. {missing[:5]}")

@@ -1,0 +1,160 @@
+"""Mixtral-style MoE and Llama-style dense decoder, parameter names as in Hugging Face."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from phalanx.model.attention import AttentionBackend, CausalNoCache
+from phalanx.model.config import ModelConfig
+from phalanx.model.ops import apply_rope, linear, rms_norm, rope_tables
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        h, d = config.hidden_size, config.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, d
+        self.q_proj = nn.Linear(h, config.num_heads * d, bias=False)
+        self.k_proj = nn.Linear(h, config.num_kv_heads * d, bias=False)
+        self.v_proj = nn.Linear(h, config.num_kv_heads * d, bias=False)
+        self.o_proj = nn.Linear(config.num_heads * d, h, bias=False)
+
+    def forward(self, x, cos, sin, layer: int, backend: AttentionBackend, invariant: bool) -> torch.Tensor:
+        t = x.shape[0]
+        q = linear(x, self.q_proj.weight, invariant=invariant).view(t, self.num_heads, self.head_dim)
+        k = linear(x, self.k_proj.weight, invariant=invariant).view(t, self.num_kv_heads, self.head_dim)
+        v = linear(x, self.v_proj.weight, invariant=invariant).view(t, self.num_kv_heads, self.head_dim)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out = backend.attend(layer, q, k, v)
+        return linear(out.reshape(t, -1), self.o_proj.weight, invariant=invariant)
+
+
+class DenseMLP(nn.Module):
+    """SwiGLU feed-forward (Llama's gate_proj / up_proj / down_proj)."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor, invariant: bool) -> torch.Tensor:
+        gate = linear(x, self.gate_proj.weight, invariant=invariant)
+        up = linear(x, self.up_proj.weight, invariant=invariant)
+        return linear(F.silu(gate) * up, self.down_proj.weight, invariant=invariant)
+
+
+class SparseMoE(nn.Module):
+    """Top-k softmax gate over SwiGLU experts, as Mixtral's block_sparse_moe.
+
+    Experts are stored fused ([E, 2I, H] for w1|w3, [E, H, I] for w2) so that
+    an expert worker can hold and ship any subset as plain tensors.
+    """
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        e, h, i = config.num_experts, config.hidden_size, config.intermediate_size
+        self.top_k = config.experts_per_token
+        self.gate = nn.Linear(h, e, bias=False)
+        self.w13 = nn.Parameter(torch.empty(e, 2 * i, h))
+        self.w2 = nn.Parameter(torch.empty(e, h, i))
+
+    def route(self, x: torch.Tensor, invariant: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (weights [T, k], expert ids [T, k]) for each token."""
+        logits = linear(x, self.gate.weight, invariant=invariant)
+        probs = F.softmax(logits, dim=-1, dtype=torch.float32)
+        weights, experts = torch.topk(probs, self.top_k, dim=-1)
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights.to(x.dtype), experts
+
+    def expert(self, e: int, x: torch.Tensor, invariant: bool) -> torch.Tensor:
+        gate, up = linear(x, self.w13[e], invariant=invariant).chunk(2, dim=-1)
+        return linear(F.silu(gate) * up, self.w2[e], invariant=invariant)
+
+    def forward(self, x: torch.Tensor, invariant: bool) -> torch.Tensor:
+        weights, experts = self.route(x, invariant)
+        out = torch.zeros_like(x)
+        # Ascending expert order fixes each token's summation order whatever
+        # else is in the batch.
+        for e in torch.unique(experts).tolist():
+            token_idx, slot = torch.where(experts == e)
+            y = self.expert(e, x[token_idx], invariant) * weights[token_idx, slot, None]
+            out.index_add_(0, token_idx, y)
+        return out
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.eps = config.rms_norm_eps
+        self.input_layernorm = nn.Parameter(torch.ones(config.hidden_size))
+        self.post_attention_layernorm = nn.Parameter(torch.ones(config.hidden_size))
+        self.self_attn = Attention(config)
+        self.mlp = SparseMoE(config) if config.is_moe else DenseMLP(config)
+
+    def forward(self, x, cos, sin, layer: int, backend: AttentionBackend, invariant: bool) -> torch.Tensor:
+        x = x + self.self_attn(rms_norm(x, self.input_layernorm, self.eps), cos, sin, layer, backend, invariant)
+        return x + self.mlp(rms_norm(x, self.post_attention_layernorm, self.eps), invariant)
+
+
+class Transformer(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+        self.norm = nn.Parameter(torch.ones(config.hidden_size))
+        self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self._rope: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.weight.dtype
+
+    def rope(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._rope is None or self._rope[0].device != self.device:
+            c = self.config
+            self._rope = rope_tables(c.head_dim, c.max_position_embeddings, c.rope_theta, self.device)
+        return self._rope
+
+    def hidden_states(self, token_ids: torch.Tensor, positions: torch.Tensor, backend: AttentionBackend, *, invariant: bool = False) -> torch.Tensor:
+        """Final-norm hidden states [T, H] for a flat batch of tokens."""
+        cos_table, sin_table = self.rope()
+        cos, sin = cos_table[positions], sin_table[positions]
+        x = self.embed_tokens(token_ids)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, i, backend, invariant)
+        return rms_norm(x, self.norm, self.config.rms_norm_eps)
+
+    def logits(self, hidden: torch.Tensor, *, invariant: bool = False) -> torch.Tensor:
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return linear(hidden, weight, invariant=invariant).float()
+
+    @torch.inference_mode()
+    def forward_logits(self, token_ids: list[int]) -> torch.Tensor:
+        """Full causal forward without a cache: logits [seq, vocab] (float32)."""
+        if not token_ids:
+            raise ValueError("token_ids must not be empty")
+        ids = torch.tensor(token_ids, dtype=torch.int64, device=self.device)
+        positions = torch.arange(len(token_ids), device=self.device)
+        return self.logits(self.hidden_states(ids, positions, CausalNoCache()))
+
+
+def initialise(model: Transformer, seed: int) -> None:
+    """Deterministic weights for built-in models: the same seed gives the same bytes everywhere."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in sorted(model.named_parameters()):
+            if "layernorm" in name or name == "norm":
+                param.fill_(1.0)
+            elif name == "embed_tokens.weight":
+                param.copy_(torch.randn(param.shape, generator=gen))
+            else:
+                fan_in = param.shape[-1]
+                param.copy_(torch.randn(param.shape, generator=gen) / fan_in**0.5)

@@ -1,0 +1,58 @@
+"""Domain errors shared by every service, and their one mapping to gRPC status.
+
+Recoverable errors (the request may be retried or fixed) are named apart
+from fatal ones (the engine itself is gone), as vLLM does with
+EngineGenerateError vs EngineDeadError.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+class PhalanxError(Exception):
+    """Root of every error Phalanx raises on purpose."""
+
+    reason = "PHALANX_ERROR"
+
+
+@dataclass
+class FieldViolation:
+    field: str
+    description: str
+
+
+class InvalidRequestError(PhalanxError):
+    """The caller sent something we cannot serve; retrying it unchanged will fail again."""
+
+    reason = "INVALID_REQUEST"
+
+    def __init__(self, field: str, description: str) -> None:
+        super().__init__(f"{field}: {description}")
+        self.violations = [FieldViolation(field, description)]
+
+
+class ResourceExhaustedError(PhalanxError):
+    """Deliberate backpressure: too much queued or too large; retry after `retry_after_s`."""
+
+    reason = "RESOURCE_EXHAUSTED"
+
+    def __init__(self, message: str, *, retry_after_s: float = 1.0) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class UnavailableError(PhalanxError):
+    """Temporarily unable to serve (draining, no worker); retry elsewhere or later."""
+
+    reason = "UNAVAILABLE"
+
+    def __init__(self, message: str, *, retry_after_s: float = 0.5) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class EngineDeadError(PhalanxError):
+    """The engine loop died; nothing on this worker can be served any more."""
+
+    reason = "ENGINE_DEAD"

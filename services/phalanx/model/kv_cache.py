@@ -1,0 +1,198 @@
+"""Paged KV cache: block tables, free-block accounting and prefix reuse (pure logic, no tensors).
+
+Full blocks are registered under their chained hash once their KV has been
+computed; a later prompt with the same prefix borrows them instead of
+recomputing. Unreferenced hashed blocks stay cached until memory is needed
+(least recently used goes first). Every registration and eviction is
+recorded as an event for the router's KV-aware index.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+
+import torch
+
+from phalanx.common.block_hash import ROOT_HASH, hash_block
+
+BLOCK_SIZE = 16
+
+
+@dataclass
+class KvEvents:
+    stored: list[tuple[int, int, int]] = field(default_factory=list)  # (hash, parent hash, tokens)
+    removed: list[int] = field(default_factory=list)
+    cleared: bool = False
+
+    def __bool__(self) -> bool:
+        return bool(self.stored or self.removed or self.cleared)
+
+
+@dataclass
+class _SeqBlocks:
+    table: list[int] = field(default_factory=list)
+    hashes: list[int] = field(default_factory=list)  # chained hashes of the first len(hashes) blocks
+
+
+class KvCacheManager:
+    def __init__(self, num_blocks: int, block_size: int = BLOCK_SIZE, *, prefix_caching: bool = True) -> None:
+        if num_blocks < 1:
+            raise ValueError("num_blocks must be >= 1")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.prefix_caching = prefix_caching
+        self._free: deque[int] = deque(range(num_blocks))
+        self._refcount = [0] * num_blocks
+        self._block_hash: list[int | None] = [None] * num_blocks
+        self._by_hash: dict[int, int] = {}
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # hashed blocks nobody references, LRU first
+        self._seqs: dict[str, _SeqBlocks] = {}
+        self._events = KvEvents(cleared=True)
+
+    # -- accounting ---------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks that can be handed out now (free or evictable cache)."""
+        return len(self._free) + len(self._evictable)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._by_hash)
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def block_table(self, seq_id: str) -> list[int]:
+        return self._seqs[seq_id].table
+
+    def slot(self, seq_id: str, position: int) -> int:
+        table = self._seqs[seq_id].table
+        return table[position // self.block_size] * self.block_size + position % self.block_size
+
+    def has(self, seq_id: str) -> bool:
+        return seq_id in self._seqs
+
+    # -- allocation ---------------------------------------------------------
+    def match_prefix(self, token_ids: list[int]) -> list[int]:
+        """Cached blocks covering the longest full-block prefix, leaving at least one token to compute."""
+        if not self.prefix_caching:
+            return []
+        blocks: list[int] = []
+        parent = ROOT_HASH
+        usable = (len(token_ids) - 1) // self.block_size
+        for i in range(usable):
+            parent = hash_block(parent, token_ids[i * self.block_size : (i + 1) * self.block_size])
+            block = self._by_hash.get(parent)
+            if block is None:
+                break
+            blocks.append(block)
+        return blocks
+
+    def allocate(self, seq_id: str, token_ids: list[int], *, reserve_tokens: int = 0) -> int | None:
+        """Gives `seq_id` blocks for its tokens plus `reserve_tokens`; returns the number of
+        prompt tokens whose KV is already cached, or None if memory is short (nothing changes)."""
+        if seq_id in self._seqs:
+            raise ValueError(f"sequence {seq_id} already has blocks")
+        cached = self.match_prefix(token_ids)
+        needed = self.blocks_for(len(token_ids) + reserve_tokens) - len(cached)
+        reusable_free = sum(1 for b in cached if self._refcount[b] == 0)
+        if needed > self.num_free_blocks - reusable_free:
+            return None
+        seq = _SeqBlocks()
+        for block in cached:
+            if self._refcount[block] == 0:
+                self._evictable.pop(block)
+            self._refcount[block] += 1
+            seq.table.append(block)
+            seq.hashes.append(self._block_hash[block])
+        for _ in range(needed):
+            seq.table.append(self._take_block())
+        self._seqs[seq_id] = seq
+        return len(cached) * self.block_size
+
+    def ensure_capacity(self, seq_id: str, num_tokens: int) -> bool:
+        """Grows the table to hold `num_tokens`; False (and no change) if blocks ran out."""
+        seq = self._seqs[seq_id]
+        needed = self.blocks_for(num_tokens) - len(seq.table)
+        if needed > self.num_free_blocks:
+            return False
+        for _ in range(needed):
+            seq.table.append(self._take_block())
+        return True
+
+    def commit(self, seq_id: str, token_ids: list[int], num_computed: int) -> None:
+        """Registers the blocks that `num_computed` tokens of KV now fill completely."""
+        if not self.prefix_caching:
+            return
+        seq = self._seqs[seq_id]
+        full = min(num_computed // self.block_size, len(seq.table))
+        parent = seq.hashes[-1] if seq.hashes else ROOT_HASH
+        for i in range(len(seq.hashes), full):
+            h = hash_block(parent, token_ids[i * self.block_size : (i + 1) * self.block_size])
+            block = seq.table[i]
+            if h not in self._by_hash and self._block_hash[block] is None:
+                self._by_hash[h] = block
+                self._block_hash[block] = h
+                self._events.stored.append((h, parent, self.block_size))
+            seq.hashes.append(h)
+            parent = h
+
+    def free(self, seq_id: str) -> None:
+        seq = self._seqs.pop(seq_id, None)
+        if seq is None:
+            return
+        # Release the tail first so the LRU evicts the end of a prefix before its start.
+        for block in reversed(seq.table):
+            self._refcount[block] -= 1
+            if self._refcount[block] == 0:
+                if self._block_hash[block] is not None:
+                    self._evictable[block] = None
+                else:
+                    self._free.append(block)
+
+    def reset_prefix_cache(self) -> None:
+        for block in list(self._evictable):
+            self._evict(block)
+
+    def drain_events(self) -> KvEvents:
+        events, self._events = self._events, KvEvents()
+        return events
+
+    def _take_block(self) -> int:
+        if not self._free:
+            self._evict(next(iter(self._evictable)))
+        block = self._free.popleft()
+        self._refcount[block] = 1
+        return block
+
+    def _evict(self, block: int) -> None:
+        self._evictable.pop(block)
+        h = self._block_hash[block]
+        self._block_hash[block] = None
+        del self._by_hash[h]
+        self._events.removed.append(h)
+        self._free.append(block)
+
+
+class KvCacheTensors:
+    """The cache memory: [layers, 2 (k, v), blocks, block_size, kv_heads, head_dim], preallocated once."""
+
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, *, dtype, device) -> None:
+        self.data = torch.zeros((num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim), dtype=dtype, device=device)
+
+    @property
+    def bytes_per_block(self) -> int:
+        return self.data[:, :, 0].numel() * self.data.element_size()
+
+    def export_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        """A copy of the blocks' KV: [layers, 2, len(block_ids), block_size, kv_heads, head_dim]."""
+        index = torch.tensor(block_ids, dtype=torch.int64, device=self.data.device)
+        return self.data.index_select(2, index)
+
+    def import_blocks(self, block_ids: list[int], blocks: torch.Tensor) -> None:
+        expected = (*self.data.shape[:2], len(block_ids), *self.data.shape[3:])
+        if tuple(blocks.shape) != expected:
+            raise ValueError(f"KV blocks of shape {tuple(blocks.shape)} do not fit {expected}")
+        index = torch.tensor(block_ids, dtype=torch.int64, device=self.data.device)
+        self.data.index_copy_(2, index, blocks.to(self.data.device, self.data.dtype))

@@ -1,0 +1,35 @@
+"""Engine and worker settings (env prefix PHALANX_ENGINE_ / PHALANX_WORKER_)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class EngineConfig(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="PHALANX_ENGINE_", protected_namespaces=())
+
+    model: str = Field("phalanx-tiny-moe", description="Built-in model name or a Hugging Face checkpoint directory")
+    seed: int | None = Field(None, ge=0, description="Seed of a built-in model's weights (default: the model's own)")
+    device: str = Field("cpu", description="torch device: cpu, cuda, cuda:1 …")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="auto is float32 on CPU and bfloat16 on CUDA"
+    )
+    num_kv_blocks: int = Field(2048, ge=8, description="KV cache blocks of 16 tokens each")
+    max_num_seqs: int = Field(64, ge=1, le=4096, description="Most sequences in one batch")
+    max_batched_tokens: int = Field(512, ge=16, description="Most tokens computed in one step (prefill chunks + decodes)")
+    max_model_len: int = Field(2048, ge=16, description="Longest prompt + output, in tokens")
+    max_waiting: int = Field(1024, ge=1, description="Queued requests beyond which new ones are refused (RESOURCE_EXHAUSTED)")
+    prefix_caching: bool = Field(True, description="Reuse KV blocks of identical prompt prefixes")
+    deterministic: bool = Field(
+        False, description="Batch-invariant numerics: a sequence's logits do not depend on what else is in the batch"
+    )
+
+    def torch_dtype(self):
+        import torch
+
+        if self.dtype == "auto":
+            return torch.float32 if self.device == "cpu" else torch.bfloat16
+        return getattr(torch, self.dtype)

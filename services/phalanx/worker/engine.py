@@ -1,0 +1,243 @@
+"""The synchronous engine core: continuous batching over a paged KV cache.
+
+Every step computes, for each scheduled sequence, its next slice of tokens
+whose KV is not in the cache yet: a prompt chunk while prefilling, the last
+sampled token while decoding, prompt plus generated tokens after a
+preemption or a resume. When a slice reaches the end of the sequence the
+next token is sampled. One rule covers prefill, decode, chunking, recompute
+and resume.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+from phalanx.common.errors import InvalidRequestError, ResourceExhaustedError
+from phalanx.model.attention import PagedAttention, SeqChunk
+from phalanx.model.kv_cache import BLOCK_SIZE, KvCacheManager, KvCacheTensors, KvEvents
+from phalanx.model.sampling import RequestSampler, SamplingParams
+from phalanx.model.transformer import Transformer
+from phalanx.worker.config import EngineConfig
+from phalanx.worker.sequence import FinishReason, RequestSnapshot, Sequence, SeqStatus, TokenEvent
+
+
+@dataclass
+class EngineRequest:
+    prompt_ids: list[int]
+    params: SamplingParams
+    request_id: str = ""
+    record_top_logits: bool = False
+    resume: RequestSnapshot | None = None
+
+
+@dataclass
+class StepStats:
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    num_seqs: int = 0
+    seconds: float = 0.0
+
+
+class Engine:
+    def __init__(self, model: Transformer, config: EngineConfig) -> None:
+        c = model.config
+        if config.max_model_len > c.max_position_embeddings:
+            raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's {c.max_position_embeddings} positions")
+        if config.num_kv_blocks * BLOCK_SIZE < config.max_model_len:
+            raise ValueError("num_kv_blocks is too small to hold one sequence of max_model_len tokens")
+        self.model = model
+        self.config = config
+        self.tokenizer = model.tokenizer
+        self.kv = KvCacheManager(config.num_kv_blocks, BLOCK_SIZE, prefix_caching=config.prefix_caching)
+        self.cache = KvCacheTensors(
+            c.num_layers, config.num_kv_blocks, BLOCK_SIZE, c.num_kv_heads, c.head_dim, dtype=model.dtype, device=model.device
+        )
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.by_id: dict[str, Sequence] = {}
+        self.preemptions = 0
+        self.prefix_hit_tokens = 0
+        self.prompt_tokens_total = 0
+        self.generated_tokens_total = 0
+        self.last_step = StepStats()
+
+    # -- requests -----------------------------------------------------------
+    def validate(self, request: EngineRequest) -> None:
+        c = self.model.config
+        prompt = request.resume.prompt_ids if request.resume else request.prompt_ids
+        if not prompt:
+            raise InvalidRequestError("prompt", "must not be empty")
+        bad = [t for t in prompt if not 0 <= t < c.vocab_size]
+        if bad:
+            raise InvalidRequestError("prompt.tokens", f"ids {bad[:5]} are outside the vocabulary [0, {c.vocab_size})")
+        request.params.validate(c.vocab_size)
+        total = len(prompt) + request.params.max_tokens
+        if total > self.config.max_model_len:
+            raise InvalidRequestError(
+                "sampling.max_tokens",
+                f"prompt ({len(prompt)} tokens) + max_tokens ({request.params.max_tokens}) = {total} exceeds the context of {self.config.max_model_len} tokens",
+            )
+        if request.resume and len(request.resume.output_ids) >= request.params.max_tokens:
+            raise InvalidRequestError("resume_from.output_token_ids", "the request has already produced max_tokens tokens")
+
+    def add_request(self, request: EngineRequest) -> Sequence:
+        self.validate(request)
+        if len(self.waiting) >= self.config.max_waiting:
+            raise ResourceExhaustedError(f"{len(self.waiting)} requests are queued on this worker", retry_after_s=0.5)
+        request_id = request.request_id or uuid.uuid4().hex
+        if request_id in self.by_id:
+            raise InvalidRequestError("request_id", f"{request_id!r} is already running on this worker")
+        resume = request.resume
+        sampler = RequestSampler(request.params, seed=resume.seed if resume else -1)
+        seq = Sequence(
+            request_id=request_id,
+            prompt_ids=list(resume.prompt_ids if resume else request.prompt_ids),
+            params=request.params,
+            sampler=sampler,
+            detokenizer=self.tokenizer.detokenizer(),
+            eos_token_id=self.tokenizer.eos_token_id,
+            record_top_logits=request.record_top_logits,
+        )
+        if resume:
+            sampler.restore(resume.generator_state)
+            for token in resume.output_ids:
+                seq.detokenizer.push(token)
+            seq.output_ids = list(resume.output_ids)
+            seq.resumed_outputs = len(resume.output_ids)
+        self.waiting.append(seq)
+        self.by_id[request_id] = seq
+        return seq
+
+    def abort(self, request_id: str, reason: FinishReason = FinishReason.ABORTED) -> TokenEvent | None:
+        """Removes a request; returns its final event (with a snapshot when handed back)."""
+        seq = self.by_id.pop(request_id, None)
+        if seq is None:
+            return None
+        handoff = seq.snapshot() if reason is FinishReason.HANDED_BACK else None
+        self._finish(seq)
+        return TokenEvent(request_id, -1, "", len(seq.output_ids) - 1, reason, handoff=handoff)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def drain_kv_events(self) -> KvEvents:
+        return self.kv.drain_events()
+
+    # -- one step -----------------------------------------------------------
+    def step(self) -> list[TokenEvent]:
+        start = time.perf_counter()
+        scheduled = self._schedule()
+        if not scheduled:
+            return []
+        events = self._execute(scheduled)
+        stats = self.last_step = StepStats(num_seqs=len(scheduled), seconds=time.perf_counter() - start)
+        for seq, n in scheduled:
+            if n == 1 and seq.num_computed >= len(seq.prompt_ids) + 1:
+                stats.decode_tokens += 1
+            else:
+                stats.prefill_tokens += n
+        return events
+
+    def _schedule(self) -> list[tuple[Sequence, int]]:
+        budget = self.config.max_batched_tokens
+        scheduled: list[tuple[Sequence, int]] = []
+        # Running sequences first, decodes before long prefill chunks, oldest first.
+        for seq in sorted(self.running, key=lambda s: (s.remaining_to_compute > 1, s.arrival)):
+            if budget == 0:
+                break
+            if seq.status is not SeqStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            n = min(seq.remaining_to_compute, budget)
+            while not self.kv.ensure_capacity(seq.request_id, seq.num_computed + n):
+                victim = self._preempt_newest(exclude=[s for s, _ in scheduled])
+                if victim is None or victim is seq:
+                    break
+            if seq.status is SeqStatus.RUNNING and self.kv.has(seq.request_id):
+                if len(self.kv.block_table(seq.request_id)) * BLOCK_SIZE >= seq.num_computed + n:
+                    scheduled.append((seq, n))
+                    budget -= n
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            cached = self.kv.allocate(seq.request_id, seq.all_ids)
+            if cached is None:
+                break  # first come, first served: no overtaking of a large head request
+            self.waiting.popleft()
+            seq.status = SeqStatus.RUNNING
+            seq.num_computed = cached
+            if not seq.output_ids or seq.resumed_outputs == len(seq.output_ids):
+                seq.cached_prompt_tokens = cached
+            self.prefix_hit_tokens += cached
+            self.prompt_tokens_total += seq.num_tokens
+            self.running.append(seq)
+            n = min(seq.remaining_to_compute, budget)
+            scheduled.append((seq, n))
+            budget -= n
+        return scheduled
+
+    def _preempt_newest(self, exclude: list[Sequence]) -> Sequence | None:
+        candidates = [s for s in self.running if s not in exclude]
+        if not candidates:
+            return None
+        victim = max(candidates, key=lambda s: s.arrival)
+        self.kv.free(victim.request_id)
+        self.running.remove(victim)
+        victim.status = SeqStatus.WAITING
+        victim.num_computed = 0
+        self.waiting.appendleft(victim)
+        self.preemptions += 1
+        return victim
+
+    def _execute(self, scheduled: list[tuple[Sequence, int]]) -> list[TokenEvent]:
+        device = self.model.device
+        token_ids: list[int] = []
+        positions: list[torch.Tensor] = []
+        slots: list[torch.Tensor] = []
+        chunks: list[SeqChunk] = []
+        sample_rows: list[int] = []
+        for seq, n in scheduled:
+            start = seq.num_computed
+            table = torch.tensor(self.kv.block_table(seq.request_id)[: self.kv.blocks_for(start + n)], dtype=torch.int64)
+            pos = torch.arange(start, start + n)
+            chunks.append(SeqChunk(len(token_ids), start, n, table.to(device)))
+            slots.append(table[pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE)
+            positions.append(pos)
+            token_ids.extend(seq.all_ids[start : start + n])
+            if start + n == seq.num_tokens:
+                sample_rows.append(len(token_ids) - 1)
+        invariant = self.config.deterministic
+        with torch.inference_mode():
+            backend = PagedAttention(self.cache.data, torch.cat(slots).to(device), chunks, invariant=invariant)
+            hidden = self.model.hidden_states(
+                torch.tensor(token_ids, dtype=torch.int64, device=device), torch.cat(positions).to(device), backend, invariant=invariant
+            )
+            logits = self.model.logits(hidden[sample_rows], invariant=invariant).cpu() if sample_rows else None
+        events: list[TokenEvent] = []
+        row = 0
+        for seq, n in scheduled:
+            seq.num_computed += n
+            self.kv.commit(seq.request_id, seq.all_ids, seq.num_computed)
+            if seq.num_computed < seq.num_tokens:
+                continue
+            seq_logits = logits[row]
+            row += 1
+            top = float(seq_logits.max()) if seq.record_top_logits else None
+            event = seq.append_token(seq.sampler.sample(seq_logits), top)
+            self.generated_tokens_total += 1
+            events.append(event)
+            if event.finish_reason is not FinishReason.NONE:
+                self.by_id.pop(seq.request_id, None)
+                self._finish(seq)
+        return events
+
+    def _finish(self, seq: Sequence) -> None:
+        if seq.status is SeqStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SeqStatus.WAITING:
+            self.waiting.remove(seq)
+        seq.status = SeqStatus.FINISHED
+        self.kv.free(seq.request_id)

@@ -1,0 +1,138 @@
+"""One request inside the engine: its tokens, sampling state, stop criteria and streamed text."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from phalanx.model.sampling import RequestSampler, SamplingParams
+from phalanx.model.tokenizer import IncrementalDetokenizer
+
+
+class FinishReason(enum.IntEnum):
+    # Values match phalanx.common.v1.FinishReason.
+    NONE = 0
+    LENGTH = 1
+    STOP = 2
+    ABORTED = 3
+    HANDED_BACK = 4
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class TokenEvent:
+    """What the engine reports per generated token (or at the end)."""
+
+    request_id: str
+    token_id: int
+    text: str
+    index: int
+    finish_reason: FinishReason = FinishReason.NONE
+    top_logit: float | None = None
+    # Set on a request's first event.
+    prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0
+    # Set with HANDED_BACK: everything needed to continue elsewhere.
+    handoff: RequestSnapshot | None = None
+    # Set when the engine failed the request instead of finishing it.
+    error: Exception | None = None
+
+
+@dataclass(frozen=True)
+class RequestSnapshot:
+    request_id: str
+    prompt_ids: list[int]
+    output_ids: list[int]
+    params: SamplingParams
+    seed: int
+    generator_state: bytes
+
+
+@dataclass(eq=False)
+class Sequence:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    sampler: RequestSampler
+    detokenizer: IncrementalDetokenizer
+    eos_token_id: int | None
+    output_ids: list[int] = field(default_factory=list)
+    # Tokens already delivered before this engine saw the request (resume); indices continue after them.
+    resumed_outputs: int = 0
+    record_top_logits: bool = False
+    arrival: float = field(default_factory=time.monotonic)
+    status: SeqStatus = SeqStatus.WAITING
+    num_computed: int = 0
+    cached_prompt_tokens: int = 0
+    finish_reason: FinishReason = FinishReason.NONE
+    _pending_text: str = ""
+    _announced: bool = False
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def remaining_to_compute(self) -> int:
+        return self.num_tokens - self.num_computed
+
+    def snapshot(self) -> RequestSnapshot:
+        return RequestSnapshot(
+            request_id=self.request_id,
+            prompt_ids=list(self.prompt_ids),
+            output_ids=list(self.output_ids),
+            params=self.params,
+            seed=self.sampler.seed,
+            generator_state=self.sampler.state(),
+        )
+
+    def append_token(self, token_id: int, top_logit: float | None) -> TokenEvent:
+        """Records a sampled token, applies stop criteria and returns the event to stream."""
+        self.output_ids.append(token_id)
+        p = self.params
+        stop_token = token_id in p.stop_token_ids or (token_id == self.eos_token_id and not p.ignore_eos)
+        piece = "" if stop_token else self.detokenizer.push(token_id)
+        text, stopped_by_string = self._release_text(piece)
+        if stop_token or stopped_by_string:
+            self.finish_reason = FinishReason.STOP
+        elif len(self.output_ids) >= p.max_tokens:
+            self.finish_reason = FinishReason.LENGTH
+        if self.finish_reason is not FinishReason.NONE and not stopped_by_string:
+            text += self._pending_text + getattr(self.detokenizer, "flush", lambda: "")()
+            self._pending_text = ""
+        event = TokenEvent(self.request_id, token_id, text, len(self.output_ids) - 1, self.finish_reason, top_logit)
+        if not self._announced:
+            self._announced = True
+            event.prompt_tokens = len(self.prompt_ids)
+            event.cached_prompt_tokens = self.cached_prompt_tokens
+        return event
+
+    def _release_text(self, piece: str) -> tuple[str, bool]:
+        """Text safe to stream now; holds back any tail that could start a stop string."""
+        text = self._pending_text + piece
+        stops = self.params.stop_strings
+        if not stops:
+            self._pending_text = ""
+            return text, False
+        hits = [i for i in (text.find(s) for s in stops) if i >= 0]
+        if hits:
+            self._pending_text = ""
+            return text[: min(hits)], True
+        hold = 0
+        for s in stops:
+            for k in range(min(len(s) - 1, len(text)), 0, -1):
+                if text.endswith(s[:k]):
+                    hold = max(hold, k)
+                    break
+        self._pending_text = text[len(text) - hold :] if hold else ""
+        return text[: len(text) - hold], False

@@ -33,3 +33,17 @@ class EngineConfig(BaseSettings):
         if self.dtype == "auto":
             return torch.float32 if self.device == "cpu" else torch.bfloat16
         return getattr(torch, self.dtype)
+
+
+class WorkerConfig(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="PHALANX_WORKER_")
+
+    worker_id: str = Field("", description="Unique id; empty means <hostname>-<pid>")
+    host: str = Field("127.0.0.1", description="Address the gRPC server binds")
+    port: int = Field(0, ge=0, le=65535, description="gRPC port; 0 picks a free one")
+    advertise_host: str = Field("", description="Host others reach us at (default: host)")
+    metrics_port: int = Field(0, ge=0, le=65535, description="Prometheus /metrics port; 0 picks a free one")
+    load_interval_s: float = Field(0.1, gt=0, le=10, description="Period of load reports on NATS")
+    kv_event_interval_s: float = Field(0.02, gt=0, le=5, description="Longest a KV event waits before it is published")
+    drain_grace_s: float = Field(10.0, ge=0, description="How long running requests may finish on SIGTERM before they are handed back")
+    max_message_bytes: int = Field(4 * 1024 * 1024, ge=1024, description="Largest gRPC request accepted")

@@ -120,13 +120,17 @@ class Engine:
             return None
         handoff = seq.snapshot() if reason is FinishReason.HANDED_BACK else None
         self._finish(seq)
-        return TokenEvent(request_id, -1, "", len(seq.output_ids) - 1, reason, handoff=handoff)
+        return TokenEvent(request_id, -1, "", -1, reason, handoff=handoff)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
     def drain_kv_events(self) -> KvEvents:
         return self.kv.drain_events()
+
+    def cached_blocks(self) -> list[tuple[int, int, int]]:
+        """(hash, parent hash, tokens) of every block in the prefix cache."""
+        return self.kv.cached_blocks()
 
     # -- one step -----------------------------------------------------------
     def step(self) -> list[TokenEvent]:

@@ -38,6 +38,7 @@ class TokenEvent:
     # Set on a request's first event.
     prompt_tokens: int = 0
     cached_prompt_tokens: int = 0
+    seed: int = 0
     # Set with HANDED_BACK: everything needed to continue elsewhere.
     handoff: RequestSnapshot | None = None
     # Set when the engine failed the request instead of finishing it.
@@ -115,6 +116,7 @@ class Sequence:
             self._announced = True
             event.prompt_tokens = len(self.prompt_ids)
             event.cached_prompt_tokens = self.cached_prompt_tokens
+            event.seed = self.sampler.seed
         return event
 
     def _release_text(self, piece: str) -> tuple[str, bool]:

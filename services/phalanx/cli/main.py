@@ -1,0 +1,78 @@
+"""The `phalanx` command."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import signal
+
+import typer
+
+app = typer.Typer(help="Phalanx: LLM inference that keeps serving through failures.", no_args_is_help=True)
+bench_app = typer.Typer(help="Benchmarks that print JSON and compare side by side in one run.", no_args_is_help=True)
+app.add_typer(bench_app, name="bench")
+
+
+@app.command()
+def worker(
+    worker_id: str = typer.Option("", help="Unique worker id (default: <hostname>-<pid>)"),
+    host: str = typer.Option(None, help="Bind address [env PHALANX_WORKER_HOST]"),
+    port: int = typer.Option(None, help="gRPC port, 0 for any [env PHALANX_WORKER_PORT]"),
+    model: str = typer.Option(None, help="Built-in model or HF checkpoint dir [env PHALANX_ENGINE_MODEL]"),
+    deterministic: bool = typer.Option(None, "--deterministic/--fast", help="Batch-invariant numerics"),
+    nats_url: str = typer.Option(None, help="NATS URL [env PHALANX_NATS_URL]"),
+    etcd_endpoint: str = typer.Option(None, help="etcd host:port [env PHALANX_ETCD_ENDPOINT]"),
+    log_level: str = typer.Option("INFO"),
+) -> None:
+    """Run one engine worker: gRPC WorkerService, etcd lease, NATS load and KV events."""
+    from phalanx.common.config import EtcdConfig, NatsConfig, TelemetryConfig
+    from phalanx.worker.config import EngineConfig, WorkerConfig
+    from phalanx.worker.process import WorkerProcess
+
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+    def given(**values):
+        return {k: v for k, v in values.items() if v not in (None, "")}
+
+    process = WorkerProcess(
+        WorkerConfig(**given(worker_id=worker_id, host=host, port=port)),
+        EngineConfig(**given(model=model, deterministic=deterministic)),
+        NatsConfig(**given(url=nats_url)),
+        EtcdConfig(**given(endpoint=etcd_endpoint)),
+        TelemetryConfig(),
+    )
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, process.request_stop)
+        await process.run()
+
+    asyncio.run(main())
+
+
+@bench_app.command("engine")
+def bench_engine(
+    batches: str = typer.Option("1,8,32", help="Comma-separated batch sizes"),
+    tokens: int = typer.Option(64, help="Decode tokens per sequence"),
+    prompt_len: int = typer.Option(32, help="Prompt tokens per sequence"),
+    model: str = typer.Option("phalanx-tiny-moe"),
+    repeats: int = typer.Option(3, help="Runs per measurement; the median is reported"),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON only"),
+) -> None:
+    """Engine decode tokens/s vs the model's bare forward loop, and the cost of deterministic mode."""
+    from phalanx.bench.engine import run_engine_bench
+
+    result = run_engine_bench(
+        model=model, batches=[int(b) for b in batches.split(",")], decode_tokens=tokens, prompt_len=prompt_len, repeats=repeats
+    )
+    typer.echo(json.dumps(result, indent=None if as_json else 2))
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

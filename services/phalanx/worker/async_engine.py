@@ -1,0 +1,213 @@
+"""Runs the engine on its own thread and streams its events to asyncio callers.
+
+The step loop is CPU/GPU-bound; on its own thread it never blocks the event
+loop that serves gRPC, publishes NATS events and keeps the etcd lease. torch
+releases the GIL inside kernels, so the two overlap.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+from phalanx.common.errors import EngineDeadError, UnavailableError
+from phalanx.model.kv_cache import KvEvents
+from phalanx.worker.engine import Engine, EngineRequest, StepStats
+from phalanx.worker.sequence import FinishReason, TokenEvent
+
+log = logging.getLogger(__name__)
+_EMA_ALPHA = 0.1
+
+
+@dataclass
+class EngineLoad:
+    queue_depth: int
+    running_seqs: int
+    free_blocks: int
+    total_blocks: int
+    step_time_ms: float
+    prefill_tokens_per_s: float
+    decode_tokens_per_s: float
+
+
+class AsyncEngine:
+    def __init__(self, engine: Engine, *, on_kv_events: Callable[[KvEvents], None] | None = None) -> None:
+        self.engine = engine
+        self._on_kv_events = on_kv_events
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._streams: dict[str, asyncio.Queue[TokenEvent]] = {}
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stopping = False
+        self.dead: BaseException | None = None
+        self.draining = False
+        self.step_time_ema_s = 0.0
+        self.prefill_rate = 0.0
+        self.decode_rate = 0.0
+
+    async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="phalanx-engine", daemon=True)
+        self._thread.start()
+
+    async def stop(self) -> None:
+        """Stops the loop thread; idempotent. Requests still open end as ABORTED."""
+        self._stopping = True
+        self._wake.set()
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join)
+            self._thread = None
+        for request_id, stream in list(self._streams.items()):
+            stream.put_nowait(TokenEvent(request_id, -1, "", -1, FinishReason.ABORTED))
+
+    # -- requests -----------------------------------------------------------
+    async def generate(self, request: EngineRequest) -> AsyncIterator[TokenEvent]:
+        """Yields the request's events until its final one; cancelling the iteration aborts it."""
+        if self.dead is not None:
+            raise EngineDeadError(f"engine loop died: {self.dead!r}")
+        if self.draining or self._stopping:
+            raise UnavailableError("worker is draining; send the request to another worker", retry_after_s=0.1)
+        self.engine.validate(request)  # pure checks; safe off the engine thread
+        stream: asyncio.Queue[TokenEvent] = asyncio.Queue()
+        done = asyncio.get_running_loop().create_future()
+        self._commands.put(("add", request, stream, done))
+        self._wake.set()
+        request_id = await done  # raises what add_request raised (queue full, duplicate id)
+        finished = False
+        try:
+            while True:
+                event = await stream.get()
+                if event.error is not None:
+                    raise event.error
+                finished = event.finish_reason is not FinishReason.NONE
+                yield event
+                if finished:
+                    return
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished:
+                self._commands.put(("abort", request_id, FinishReason.ABORTED))
+                self._wake.set()
+
+    async def cached_blocks(self) -> list[tuple[int, int, int]]:
+        """Every block in the prefix cache, read on the engine thread after its pending KV events went out."""
+        done = asyncio.get_running_loop().create_future()
+        self._commands.put(("snapshot", done))
+        self._wake.set()
+        return await done
+
+    def hand_back_all(self) -> None:
+        """Ends every request with HANDED_BACK and its snapshot, for a drain past its grace."""
+        self._commands.put(("hand_back_all",))
+        self._wake.set()
+
+    @property
+    def num_requests(self) -> int:
+        return len(self._streams)
+
+    def load(self) -> EngineLoad:
+        e = self.engine
+        return EngineLoad(
+            queue_depth=len(e.waiting),
+            running_seqs=len(e.running),
+            free_blocks=e.kv.num_free_blocks,
+            total_blocks=e.kv.num_blocks,
+            step_time_ms=self.step_time_ema_s * 1e3,
+            prefill_tokens_per_s=self.prefill_rate,
+            decode_tokens_per_s=self.decode_rate,
+        )
+
+    # -- the engine thread --------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while not self._stopping:
+                self._apply_commands()
+                if not self.engine.has_work():
+                    self._flush_kv_events()
+                    self._wake.wait(0.05)
+                    self._wake.clear()
+                    continue
+                events = self.engine.step()
+                self._record(self.engine.last_step)
+                self._flush_kv_events()
+                if events:
+                    self._loop.call_soon_threadsafe(self._dispatch, events)
+        except BaseException as exc:  # the engine is unusable: fail every caller loudly
+            log.exception("engine loop died")
+            self.dead = exc
+            self._loop.call_soon_threadsafe(self._fail_all, EngineDeadError(f"engine loop died: {exc!r}"))
+
+    def _apply_commands(self) -> None:
+        events: list[TokenEvent] = []
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            if command[0] == "add":
+                _, request, stream, done = command
+                try:
+                    seq = self.engine.add_request(request)
+                except Exception as exc:  # reported to that caller only
+                    self._loop.call_soon_threadsafe(_set_exception, done, exc)
+                    continue
+                self._loop.call_soon_threadsafe(self._register, seq.request_id, stream, done)
+            elif command[0] == "abort":
+                self.engine.abort(command[1], command[2])
+            elif command[0] == "snapshot":
+                self._flush_kv_events()
+                self._loop.call_soon_threadsafe(_set_result, command[1], self.engine.cached_blocks())
+            elif command[0] == "hand_back_all":
+                for request_id in list(self.engine.by_id):
+                    event = self.engine.abort(request_id, FinishReason.HANDED_BACK)
+                    if event is not None:
+                        events.append(event)
+        if events:
+            self._loop.call_soon_threadsafe(self._dispatch, events)
+
+    def _record(self, stats: StepStats) -> None:
+        if stats.seconds <= 0:
+            return
+        a = _EMA_ALPHA
+        self.step_time_ema_s = stats.seconds if self.step_time_ema_s == 0 else (1 - a) * self.step_time_ema_s + a * stats.seconds
+        if stats.prefill_tokens:
+            self.prefill_rate = (1 - a) * self.prefill_rate + a * stats.prefill_tokens / stats.seconds if self.prefill_rate else stats.prefill_tokens / stats.seconds
+        if stats.decode_tokens:
+            rate = stats.decode_tokens / stats.seconds
+            self.decode_rate = (1 - a) * self.decode_rate + a * rate if self.decode_rate else rate
+
+    def _flush_kv_events(self) -> None:
+        events = self.engine.drain_kv_events()
+        if events and self._on_kv_events is not None:
+            self._loop.call_soon_threadsafe(self._on_kv_events, events)
+
+    # -- on the event loop --------------------------------------------------
+    def _register(self, request_id: str, stream: asyncio.Queue, done: asyncio.Future) -> None:
+        self._streams[request_id] = stream
+        if not done.done():
+            done.set_result(request_id)
+
+    def _dispatch(self, events: list[TokenEvent]) -> None:
+        for event in events:
+            stream = self._streams.get(event.request_id)
+            if stream is not None:
+                stream.put_nowait(event)
+
+    def _fail_all(self, error: Exception) -> None:
+        for request_id, stream in self._streams.items():
+            stream.put_nowait(TokenEvent(request_id, -1, "", -1, FinishReason.ABORTED, error=error))
+
+
+def _set_result(future: asyncio.Future, value) -> None:
+    if not future.done():
+        future.set_result(value)
+
+
+def _set_exception(future: asyncio.Future, exc: BaseException) -> None:
+    if not future.done():
+        future.set_exception(exc)

@@ -1,0 +1,31 @@
+"""Prometheus metrics of a worker (phalanx_worker_* names)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
+
+
+class WorkerMetrics:
+    def __init__(self, worker_id: str, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        labels = ["worker"]
+        self.requests = Counter("phalanx_worker_requests", "Generate requests by outcome", ["worker", "status"], registry=self.registry)
+        self.generated_tokens = Counter("phalanx_worker_generated_tokens", "Tokens streamed", labels, registry=self.registry)
+        self.prompt_tokens = Counter("phalanx_worker_prompt_tokens", "Prompt tokens received", labels, registry=self.registry)
+        self.cached_prompt_tokens = Counter(
+            "phalanx_worker_cached_prompt_tokens", "Prompt tokens served from the prefix cache", labels, registry=self.registry
+        )
+        self.ttft = Histogram("phalanx_worker_ttft_seconds", "Time to first token", labels, buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.itl = Histogram("phalanx_worker_itl_seconds", "Inter-token latency", labels, buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.step_time = Gauge("phalanx_worker_step_time_seconds", "EMA of the engine step time", labels, registry=self.registry)
+        self.running = Gauge("phalanx_worker_running_seqs", "Sequences in the running batch", labels, registry=self.registry)
+        self.waiting = Gauge("phalanx_worker_queue_depth", "Requests waiting for admission", labels, registry=self.registry)
+        self.free_blocks = Gauge("phalanx_worker_free_kv_blocks", "KV blocks that can be allocated", labels, registry=self.registry)
+        self.preemptions = Gauge("phalanx_worker_preemptions", "Sequences preempted for lack of KV blocks", labels, registry=self.registry)
+        self.status = Gauge("phalanx_worker_status", "1 serving, 0.5 draining, 0 stopped", labels, registry=self.registry)
+        self.worker_id = worker_id
+
+    def for_worker(self, metric):
+        return metric.labels(worker=self.worker_id)

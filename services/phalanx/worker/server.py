@@ -1,0 +1,182 @@
+"""gRPC shell of the worker: protos in, domain objects to the engine, domain errors out as status."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+
+from phalanx._proto import common_pb2, worker_pb2, worker_pb2_grpc
+from phalanx.common.errors import InvalidRequestError, PhalanxError
+from phalanx.common.grpc_status import abort_with
+from phalanx.model.sampling import SamplingParams
+from phalanx.worker.async_engine import AsyncEngine
+from phalanx.worker.engine import EngineRequest
+from phalanx.worker.metrics import WorkerMetrics
+from phalanx.worker.sequence import FinishReason, RequestSnapshot
+
+MAX_PROMPT_CHARS = 1 << 20
+CANARY_MAX_TOKENS = 64
+
+
+def sampling_from_proto(p: common_pb2.SamplingParams) -> SamplingParams:
+    return SamplingParams(
+        temperature=p.temperature,
+        top_k=p.top_k,
+        top_p=p.top_p or 1.0,
+        max_tokens=p.max_tokens,
+        stop_token_ids=tuple(p.stop_token_ids),
+        stop_strings=tuple(p.stop_strings),
+        seed=p.seed if p.HasField("seed") else None,
+        ignore_eos=p.ignore_eos,
+    )
+
+
+def sampling_to_proto(p: SamplingParams) -> common_pb2.SamplingParams:
+    msg = common_pb2.SamplingParams(
+        temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, max_tokens=p.max_tokens,
+        stop_token_ids=p.stop_token_ids, stop_strings=p.stop_strings, ignore_eos=p.ignore_eos,
+    )
+    if p.seed is not None:
+        msg.seed = p.seed
+    return msg
+
+
+def snapshot_to_proto(s: RequestSnapshot) -> common_pb2.RequestState:
+    params = sampling_to_proto(s.params)
+    params.seed = s.seed
+    return common_pb2.RequestState(
+        request_id=s.request_id, prompt_token_ids=s.prompt_ids, output_token_ids=s.output_ids,
+        sampling=params, generator_state=s.generator_state,
+    )
+
+
+def snapshot_from_proto(state: common_pb2.RequestState) -> RequestSnapshot:
+    if not state.sampling.HasField("seed"):
+        raise InvalidRequestError("resume_from.sampling.seed", "a resumed request needs the seed it started with")
+    return RequestSnapshot(
+        request_id=state.request_id, prompt_ids=list(state.prompt_token_ids), output_ids=list(state.output_token_ids),
+        params=sampling_from_proto(state.sampling), seed=state.sampling.seed, generator_state=state.generator_state,
+    )
+
+
+class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
+    def __init__(self, worker_id: str, engine: AsyncEngine, metrics: WorkerMetrics, *, on_drain, kv_sequence) -> None:
+        self.worker_id = worker_id
+        self._kv_sequence = kv_sequence
+        self.engine = engine
+        self.metrics = metrics
+        self.tokenizer = engine.engine.tokenizer
+        self._on_drain = on_drain
+
+    def _prompt_ids(self, request) -> list[int]:
+        which = request.WhichOneof("prompt")
+        if which == "text":
+            if len(request.text) > MAX_PROMPT_CHARS:
+                raise InvalidRequestError("prompt.text", f"longer than {MAX_PROMPT_CHARS} characters")
+            return self.tokenizer.encode(request.text) if request.text else []
+        if which == "tokens":
+            return list(request.tokens.ids)
+        return []
+
+    def _engine_request(self, request: worker_pb2.GenerateRequest) -> EngineRequest:
+        if request.HasField("resume_from"):
+            snapshot = snapshot_from_proto(request.resume_from)
+            return EngineRequest(snapshot.prompt_ids, snapshot.params, request.request_id or snapshot.request_id, resume=snapshot)
+        return EngineRequest(self._prompt_ids(request), sampling_from_proto(request.sampling), request.request_id)
+
+    async def Generate(self, request, context):
+        m = self.metrics
+        start = time.perf_counter()
+        last = None
+        try:
+            engine_request = self._engine_request(request)
+            async for event in self.engine.generate(engine_request):
+                now = time.perf_counter()
+                if event.index >= 0:
+                    m.for_worker(m.itl if last is not None else m.ttft).observe(now - (last or start))
+                    m.for_worker(m.generated_tokens).inc()
+                last = now
+                chunk = worker_pb2.GenerateResponse(
+                    request_id=event.request_id, token_id=event.token_id, text=event.text, index=event.index,
+                    finish_reason=int(event.finish_reason), prompt_tokens=event.prompt_tokens,
+                    cached_prompt_tokens=event.cached_prompt_tokens, seed=event.seed,
+                )
+                if event.prompt_tokens:
+                    m.for_worker(m.prompt_tokens).inc(event.prompt_tokens)
+                    m.for_worker(m.cached_prompt_tokens).inc(event.cached_prompt_tokens)
+                if event.handoff is not None:
+                    chunk.handoff.CopyFrom(snapshot_to_proto(event.handoff))
+                yield chunk
+            m.requests.labels(worker=self.worker_id, status="ok").inc()
+        except PhalanxError as exc:
+            m.requests.labels(worker=self.worker_id, status=exc.reason.lower()).inc()
+            await abort_with(context, exc)
+
+    async def Canary(self, request, context):
+        try:
+            prompt = self._prompt_ids(request)
+            max_tokens = request.max_tokens or 8
+            if not 0 < max_tokens <= CANARY_MAX_TOKENS:
+                raise InvalidRequestError("max_tokens", f"must be in [1, {CANARY_MAX_TOKENS}], got {max_tokens}")
+            engine_request = EngineRequest(
+                prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True), f"canary-{time.monotonic_ns()}", record_top_logits=True
+            )
+            start = time.perf_counter()
+            tokens, logits = [], []
+            async for event in self.engine.generate(engine_request):
+                tokens.append(event.token_id)
+                logits.append(event.top_logit)
+            return worker_pb2.CanaryResponse(
+                token_ids=tokens, top_logits=logits, latency_s=time.perf_counter() - start, model=self.engine.engine.model.config.name
+            )
+        except PhalanxError as exc:
+            await abort_with(context, exc)
+
+    async def Stats(self, request, context):
+        e = self.engine.engine
+        load = self.engine.load()
+        return worker_pb2.StatsResponse(
+            worker_id=self.worker_id, model=e.model.config.name, queue_depth=load.queue_depth,
+            running_seqs=load.running_seqs, free_blocks=load.free_blocks, total_blocks=load.total_blocks,
+            step_time_ms=load.step_time_ms, decode_tokens_per_s=load.decode_tokens_per_s,
+            prefill_tokens_per_s=load.prefill_tokens_per_s, prefix_cache_hit_tokens=e.prefix_hit_tokens,
+            prompt_tokens_total=e.prompt_tokens_total, generated_tokens_total=e.generated_tokens_total,
+            preemptions_total=e.preemptions, draining=self.engine.draining, deterministic=e.config.deterministic,
+            max_model_len=e.config.max_model_len,
+        )
+
+    async def Drain(self, request, context):
+        if request.grace_s < 0:
+            await abort_with(context, InvalidRequestError("grace_s", "must be >= 0"))
+        finished, handed_back = await self._on_drain(request.grace_s)
+        return worker_pb2.DrainResponse(finished=finished, handed_back=handed_back)
+
+    async def KvSnapshot(self, request, context):
+        # Read before the blocks: events numbered after it may be reflected in
+        # them already, and replaying add/remove events in order converges.
+        sequence = self._kv_sequence()
+        blocks = await self.engine.cached_blocks()
+        return worker_pb2.KvSnapshotResponse(
+            worker_id=self.worker_id, sequence=sequence,
+            blocks=[common_pb2.KvBlockStored(block_hash=h, parent_hash=p, num_tokens=n) for h, p, n in blocks],
+        )
+
+
+async def drain_engine(engine: AsyncEngine, grace_s: float) -> tuple[int, int]:
+    """Stops admission, lets running requests finish for up to grace_s, hands back the rest."""
+    engine.draining = True
+    in_flight = engine.num_requests
+    deadline = time.monotonic() + grace_s
+    while engine.num_requests and time.monotonic() < deadline:
+        await asyncio.sleep(0.02)
+    remaining = engine.num_requests
+    if remaining:
+        engine.hand_back_all()
+        while engine.num_requests and time.monotonic() < deadline + 2.0:
+            await asyncio.sleep(0.01)
+    return in_flight - remaining, remaining
+
+
+__all__ = ["FinishReason", "WorkerServicer", "drain_engine"]

@@ -1,0 +1,1 @@
+"""Benchmarks behind `phalanx bench …`: each compares variants side by side in one run."""

@@ -1,0 +1,1 @@
+"""Shared building blocks of every Phalanx service: config, names, telemetry, NATS, etcd."""

@@ -1,0 +1,143 @@
+"""Settings shared by every service, one pydantic-settings model per concern.
+
+Every field reads one environment variable: ``PHALANX_NATS_URL``,
+``PHALANX_ETCD_LEASE_TTL_S``, ``PHALANX_TELEMETRY_OTLP_ENDPOINT`` and so on.
+Models are frozen so that a config passed down whole cannot drift between
+the components that share it.
+"""
+
+from __future__ import annotations
+
+import re
+
+from pydantic import Field, field_validator, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+__all__ = ["EtcdConfig", "NatsConfig", "TelemetryConfig"]
+
+_HOST_PORT = re.compile(r"^\[?[A-Za-z0-9_.:-]+\]?:(\d{1,5})$")
+
+
+class NatsConfig(BaseSettings):
+    """How a service reaches NATS (env prefix ``PHALANX_NATS_``)."""
+
+    model_config = SettingsConfigDict(env_prefix="PHALANX_NATS_", extra="forbid", frozen=True)
+
+    url: str = Field(
+        "nats://127.0.0.1:4222",
+        description="NATS server URL; several may be given comma-separated for a cluster.",
+    )
+    connect_timeout_s: float = Field(2.0, gt=0, le=60, description="Timeout of one TCP connect + handshake attempt.")
+    startup_timeout_s: float = Field(
+        10.0,
+        gt=0,
+        le=600,
+        description="How long EventBus.connect keeps retrying before it raises ConnectionError.",
+    )
+    initial_reconnect_wait_s: float = Field(
+        0.05, gt=0, le=10, description="First delay of the exponential reconnect backoff."
+    )
+    max_reconnect_wait_s: float = Field(
+        2.0, gt=0, le=60, description="Cap of the exponential reconnect backoff (jittered)."
+    )
+    pending_buffer_bytes: int = Field(
+        2 * 1024 * 1024,
+        ge=0,
+        le=1024 * 1024 * 1024,
+        description="Bytes buffered while disconnected; a publish beyond it is dropped and counted.",
+    )
+    publish_timeout_s: float = Field(
+        0.25, gt=0, le=30, description="Longest a publish may block its caller before it is dropped."
+    )
+    drain_timeout_s: float = Field(2.0, gt=0, le=300, description="Longest close() waits for subscriptions to drain.")
+
+    @field_validator("url")
+    @classmethod
+    def _check_url(cls, value: str) -> str:
+        for part in value.split(","):
+            if not re.match(r"^(nats|tls|ws|wss)://[^/\s]+", part.strip()):
+                raise ValueError(f"not a NATS URL: {part!r} (expected nats://host:port)")
+        return value
+
+    @model_validator(mode="after")
+    def _check_backoff(self) -> NatsConfig:
+        if self.initial_reconnect_wait_s > self.max_reconnect_wait_s:
+            raise ValueError("initial_reconnect_wait_s must not exceed max_reconnect_wait_s")
+        return self
+
+
+class EtcdConfig(BaseSettings):
+    """How a service reaches etcd and keeps its leases (env prefix ``PHALANX_ETCD_``)."""
+
+    model_config = SettingsConfigDict(env_prefix="PHALANX_ETCD_", extra="forbid", frozen=True)
+
+    endpoint: str = Field("127.0.0.1:2379", description="etcd client endpoint as host:port.")
+    lease_ttl_s: int = Field(
+        2,
+        ge=1,
+        le=3600,
+        description=(
+            "Lease TTL: how long a dead owner's keys outlive it. 1 s needs etcd started "
+            "with --election-timeout 500 --heartbeat-interval 50; default etcd rounds it up to 2 s."
+        ),
+    )
+    keepalive_interval_s: float | None = Field(
+        None,
+        gt=0,
+        le=3600,
+        description="Seconds between keepalives on the lease stream; unset = lease_ttl_s / 4.",
+    )
+    request_timeout_s: float = Field(
+        2.0, gt=0, le=60, description="Deadline of one unary etcd request (grant, put, get, revoke)."
+    )
+    max_retry_wait_s: float = Field(
+        1.0, gt=0, le=60, description="Cap of the backoff between attempts to re-register a lost lease."
+    )
+
+    @field_validator("endpoint")
+    @classmethod
+    def _check_endpoint(cls, value: str) -> str:
+        match = _HOST_PORT.match(value)
+        if match is None or not 0 < int(match.group(1)) < 65536:
+            raise ValueError(f"etcd endpoint must be host:port, got {value!r}")
+        return value
+
+    @model_validator(mode="after")
+    def _check_interval(self) -> EtcdConfig:
+        # A keepalive slower than the TTL lets the lease expire between two beats.
+        if self.keepalive_interval_s is not None and self.keepalive_interval_s >= self.lease_ttl_s:
+            raise ValueError("keepalive_interval_s must be shorter than lease_ttl_s")
+        return self
+
+    @property
+    def host(self) -> str:
+        """Host part of ``endpoint``."""
+        return self.endpoint.rsplit(":", 1)[0].strip("[]")
+
+    @property
+    def port(self) -> int:
+        """Port part of ``endpoint``."""
+        return int(self.endpoint.rsplit(":", 1)[1])
+
+    @property
+    def effective_keepalive_interval_s(self) -> float:
+        """The keepalive period actually used: the setting, or a quarter of the TTL."""
+        return self.keepalive_interval_s or self.lease_ttl_s / 4
+
+
+class TelemetryConfig(BaseSettings):
+    """Tracing settings (env prefix ``PHALANX_TELEMETRY_``)."""
+
+    model_config = SettingsConfigDict(env_prefix="PHALANX_TELEMETRY_", extra="forbid", frozen=True)
+
+    otlp_endpoint: str | None = Field(
+        None,
+        description=(
+            "OTLP/gRPC collector, e.g. http://jaeger:4317. Unset: spans are still created "
+            "and propagated (trace ids in logs, NATS and gRPC) but never exported."
+        ),
+    )
+    otlp_insecure: bool = Field(True, description="Plaintext gRPC to the collector (no TLS).")
+    sample_ratio: float = Field(
+        1.0, ge=0.0, le=1.0, description="Fraction of new traces sampled; children follow their parent."
+    )

@@ -1,0 +1,184 @@
+"""Worker membership in etcd: list the registered workers, then watch them come and go.
+
+Each worker puts ``/phalanx/v1/workers/<id>`` (the JSON form of
+WorkerRegistration) under its LeasedKey; the key vanishes when the worker
+dies. ``list()`` records the etcd revision it read at, and ``watch()``
+resumes from the revision after it, so no change falls between the two.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from contextlib import aclosing
+from dataclasses import dataclass
+from collections.abc import AsyncIterator
+from typing import Literal
+
+import grpc
+from aetcd import rpc
+from aetcd.utils import prefix_range_end
+from google.protobuf import json_format
+
+from phalanx._proto import common_pb2
+from phalanx.common.config import EtcdConfig
+from phalanx.common.lease import TRANSIENT_ERRORS, Backoff, connect_etcd
+from phalanx.common.subjects import WORKERS_PREFIX, validate_worker_id
+
+__all__ = ["WatchEvent", "WorkerDirectory", "decode_registration", "encode_registration"]
+
+log = logging.getLogger(__name__)
+
+WorkerRegistration = common_pb2.WorkerRegistration
+# ("put", worker_id, registration) or ("delete", worker_id, None).
+WatchEvent = tuple[Literal["put", "delete"], str, "common_pb2.WorkerRegistration | None"]
+
+_DELETE = rpc.Event.EventType.DELETE
+
+
+def encode_registration(registration: common_pb2.WorkerRegistration) -> bytes:
+    """The etcd value for a registration: its canonical proto3 JSON, one line."""
+    return json_format.MessageToJson(registration, indent=None).encode()
+
+
+def decode_registration(data: bytes | str) -> common_pb2.WorkerRegistration:
+    """Parse an etcd value; unknown fields (from a newer writer) are ignored."""
+    return json_format.Parse(data, common_pb2.WorkerRegistration(), ignore_unknown_fields=True)
+
+
+@dataclass
+class _Cursor:
+    """Revision the next watch stream starts at (0: the current one)."""
+
+    next: int
+
+
+class WorkerDirectory:
+    """Read side of worker membership: ``list()`` and ``watch()`` over the workers prefix."""
+
+    def __init__(self, config: EtcdConfig, *, prefix: str = WORKERS_PREFIX) -> None:
+        self._config = config
+        self._prefix = prefix.encode()
+        self._client = connect_etcd(config)
+        self._revision: int | None = None
+        self._known: set[str] = set()
+
+    @property
+    def revision(self) -> int | None:
+        """The etcd revision the last ``list()`` read at (None before the first)."""
+        return self._revision
+
+    async def list(self) -> dict[str, common_pb2.WorkerRegistration]:
+        """All registered workers by id; also records the revision for ``watch()``."""
+        result = await self._client.get_prefix(self._prefix)
+        workers: dict[str, common_pb2.WorkerRegistration] = {}
+        for kv in result.kvs:
+            parsed = self._parse(kv.key, kv.value)
+            if parsed is not None:
+                workers[parsed[0]] = parsed[1]
+        self._revision = result.header.revision
+        self._known = set(workers)
+        return workers
+
+    async def watch(self, *, start_revision: int | None = None) -> AsyncIterator[WatchEvent]:
+        """Yield ``(event_type, worker_id, registration | None)`` for every change.
+
+        Starts at ``start_revision``, else just after the last ``list()``, else
+        now. Survives etcd restarts by resuming from the last revision seen; if
+        that was compacted away it re-lists and yields the difference. Close it
+        with ``contextlib.aclosing`` (or ``await gen.aclose()``) when done.
+        """
+        if start_revision is not None:
+            next_revision = start_revision
+        elif self._revision is not None:
+            next_revision = self._revision + 1
+        else:
+            next_revision = 0  # etcd: from the current revision on
+        cursor = _Cursor(next_revision)
+        backoff = Backoff(initial=0.05, cap=self._config.max_retry_wait_s)
+        while True:
+            try:
+                async with aclosing(self._watch_stream(cursor, backoff)) as events:
+                    async for event in events:
+                        yield event
+            except TRANSIENT_ERRORS as error:
+                delay = backoff.next()
+                log.warning(
+                    "worker watch interrupted (%s); resuming at revision %d in %.2f s", error, cursor.next, delay
+                )
+                await asyncio.sleep(delay)
+
+    async def _watch_stream(self, cursor: _Cursor, backoff: Backoff) -> AsyncIterator[WatchEvent]:
+        """Events of one Watch stream from ``cursor.next`` on; returns after a resync."""
+        await self._client.connect()
+        call = rpc.WatchStub(self._client.channel).Watch(metadata=self._client.metadata)
+        try:
+            create = rpc.WatchCreateRequest(
+                key=self._prefix, range_end=prefix_range_end(self._prefix), start_revision=cursor.next
+            )
+            await call.write(rpc.WatchRequest(create_request=create))
+            while True:
+                response = await call.read()
+                if response is grpc.aio.EOF:
+                    raise ConnectionError("etcd closed the watch stream")
+                if response.compact_revision:
+                    log.warning("watch fell behind compaction at %d; re-listing", response.compact_revision)
+                    async for event in self._resync():
+                        yield event
+                    cursor.next = (self._revision or 0) + 1
+                    return
+                if response.canceled:
+                    raise ConnectionError(f"etcd cancelled the watch: {response.cancel_reason}")
+                if response.created and cursor.next == 0:
+                    cursor.next = response.header.revision + 1
+                backoff.reset()
+                for event in response.events:
+                    cursor.next = event.kv.mod_revision + 1
+                    converted = self._convert(event)
+                    if converted is not None:
+                        yield converted
+        finally:
+            call.cancel()
+
+    async def close(self) -> None:
+        """Close the etcd connection; idempotent."""
+        await self._client.close()
+
+    async def __aenter__(self) -> WorkerDirectory:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    def _convert(self, event: rpc.Event) -> WatchEvent | None:
+        if event.type == _DELETE:
+            try:
+                worker_id = self._worker_id(event.kv.key)
+            except ValueError:
+                return None
+            self._known.discard(worker_id)
+            return ("delete", worker_id, None)
+        parsed = self._parse(event.kv.key, event.kv.value)
+        if parsed is None:
+            return None
+        self._known.add(parsed[0])
+        return ("put", parsed[0], parsed[1])
+
+    async def _resync(self) -> AsyncIterator[WatchEvent]:
+        before = set(self._known)
+        workers = await self.list()
+        for worker_id in sorted(before - set(workers)):
+            yield ("delete", worker_id, None)
+        for worker_id, registration in workers.items():
+            yield ("put", worker_id, registration)
+
+    def _worker_id(self, key: bytes) -> str:
+        return validate_worker_id(key[len(self._prefix) :].decode())
+
+    def _parse(self, key: bytes, value: bytes) -> tuple[str, common_pb2.WorkerRegistration] | None:
+        try:
+            return self._worker_id(key), decode_registration(value)
+        except (ValueError, json_format.ParseError) as error:
+            # Someone else's key or a corrupt value must not stop discovery.
+            log.warning("ignoring %r in the worker directory: %s", key, error)
+            return None

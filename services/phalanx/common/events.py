@@ -1,0 +1,236 @@
+"""Protobuf events over NATS with W3C trace context in the headers.
+
+Events (load reports, KV residency) are best-effort and periodic: a later
+report supersedes a lost one. So a publisher is never blocked for long and
+never fails because NATS is away; the message is buffered by nats-py while
+reconnecting, or dropped and counted once that buffer is full.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+import nats.errors
+from google.protobuf.message import DecodeError, Message
+from nats.aio.client import Client as NatsClient
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+from opentelemetry.context import Context
+
+from phalanx.common.config import NatsConfig
+from phalanx.common.errors import PhalanxError
+from phalanx.common.telemetry import extract_context, inject_headers
+
+__all__ = ["EventBus", "EventBusError", "Handler", "MessageTooLargeError"]
+
+log = logging.getLogger(__name__)
+
+M = TypeVar("M", bound=Message)
+Handler = Callable[[Any, str, Context], Awaitable[None]]
+
+# nats-py frames a header block as "NATS/1.0\r\n" + "key: value\r\n"... + "\r\n".
+_HEADER_OVERHEAD = len(b"NATS/1.0\r\n\r\n")
+
+
+class EventBusError(PhalanxError):
+    """Root of the event bus errors."""
+
+
+class MessageTooLargeError(EventBusError, ValueError):
+    """A message (headers included) exceeds the server's max_payload: a bug, not an outage."""
+
+    def __init__(self, subject: str, size: int, limit: int) -> None:
+        super().__init__(f"{size} bytes for {subject!r} exceed the NATS max_payload of {limit}")
+        self.subject = subject
+        self.size = size
+        self.limit = limit
+
+
+class EventBus:
+    """A NATS connection that publishes and receives protobuf messages."""
+
+    def __init__(self, nc: NatsClient, config: NatsConfig) -> None:
+        """Use ``await EventBus.connect(...)``; this wraps an already connected client."""
+        self._nc = nc
+        self._config = config
+        self._dropped = 0
+        self._closing: asyncio.Task[None] | None = None
+
+    @classmethod
+    async def connect(cls, config: NatsConfig, *, name: str) -> EventBus:
+        """Connect, retrying for ``config.startup_timeout_s``; afterwards reconnect forever.
+
+        Raises ConnectionError if no server answered within the startup timeout.
+        """
+        async def on_error(error: Exception) -> None:
+            # Called for every failed reconnect attempt; the state callbacks below
+            # already report the outage once.
+            log.debug("nats %s: %r", name, error)
+
+        async def on_disconnected() -> None:
+            if not nc.is_closed:  # close() reports a disconnect too
+                log.warning("nats %s: disconnected, reconnecting", name)
+
+        async def on_reconnected() -> None:
+            log.info("nats %s: reconnected to %s", name, nc.connected_url.netloc if nc.connected_url else "?")
+
+        nc = NatsClient()
+        try:
+            # nats-py retries the first connect forever when reconnecting is
+            # allowed; bound it so that a wrong URL fails startup, not hangs it.
+            async with asyncio.timeout(config.startup_timeout_s):
+                await nc.connect(
+                    servers=[s.strip() for s in config.url.split(",")],
+                    name=name,
+                    connect_timeout=config.connect_timeout_s,
+                    allow_reconnect=True,
+                    max_reconnect_attempts=-1,
+                    reconnect_time_wait=config.initial_reconnect_wait_s,
+                    reconnect_to_server_handler=_backoff_handler(config),
+                    pending_size=config.pending_buffer_bytes,
+                    flush_timeout=config.publish_timeout_s,
+                    drain_timeout=config.drain_timeout_s,
+                    error_cb=on_error,
+                    disconnected_cb=on_disconnected,
+                    reconnected_cb=on_reconnected,
+                    # Notice a silently dead server within seconds, not minutes.
+                    ping_interval=5,
+                    max_outstanding_pings=2,
+                )
+        except TimeoutError as error:
+            await _close_quietly(nc)
+            raise ConnectionError(f"no NATS server answered at {config.url}") from error
+        return cls(nc, config)
+
+    @property
+    def connected(self) -> bool:
+        """True while a server connection is up (False while reconnecting or closed)."""
+        return self._nc.is_connected
+
+    @property
+    def dropped(self) -> int:
+        """Messages given up because the bus was away, full, slow or closed."""
+        return self._dropped
+
+    @property
+    def max_payload(self) -> int:
+        """The server's limit for one message, headers included."""
+        return self._nc.max_payload
+
+    async def publish(self, subject: str, message: Message) -> None:
+        """Serialize and publish ``message`` with the current trace context.
+
+        Never raises for an unreachable or closed bus (the message is counted in
+        ``dropped``); raises MessageTooLargeError for an oversized message.
+        """
+        payload = message.SerializeToString()
+        headers = inject_headers()
+        size = len(payload) + _HEADER_OVERHEAD + sum(len(k) + len(v) + 4 for k, v in headers.items())
+        # The server resets the connection for an oversized message (headers
+        # count), which would cost every publisher a reconnect: refuse it here.
+        if size > self._nc.max_payload:
+            raise MessageTooLargeError(subject, size, self._nc.max_payload)
+        if self._closing is not None or self._nc.is_closed:
+            self._drop(subject, "closed")
+            return
+        try:
+            async with asyncio.timeout(self._config.publish_timeout_s):
+                await self._nc.publish(subject, payload, headers=headers or None)
+        except nats.errors.OutboundBufferLimitError:
+            self._drop(subject, "reconnect buffer full")
+        except (nats.errors.ConnectionClosedError, nats.errors.ConnectionDrainingError):
+            self._drop(subject, "closed")
+        except TimeoutError:
+            # The message may still be in nats-py's buffer; count it as lost
+            # because the caller cannot rely on it.
+            self._drop(subject, "publish timed out")
+
+    def _drop(self, subject: str, why: str) -> None:
+        self._dropped += 1
+        log.debug("dropped a message for %s: %s (%d dropped)", subject, why, self._dropped)
+
+    async def subscribe(
+        self,
+        subject: str,
+        message_type: type[M],
+        handler: Callable[[M, str, Context], Awaitable[None]],
+    ) -> Subscription:
+        """Call ``await handler(message, subject, context)`` for each message on ``subject``.
+
+        ``subject`` may hold wildcards. ``context`` is the publisher's trace
+        context: start spans with ``tracer.start_as_current_span(..., context=context)``.
+        Messages of one subscription are handled one at a time, in order. A
+        message that does not parse, or a handler that raises, is logged and
+        skipped. Returns the nats-py subscription (``await sub.unsubscribe()``).
+        """
+
+        async def on_message(msg: Msg) -> None:
+            message = message_type()
+            try:
+                message.ParseFromString(msg.data)
+            except DecodeError:
+                log.warning("undecodable %s on %s (%d bytes)", message_type.__name__, msg.subject, len(msg.data))
+                return
+            try:
+                await handler(message, msg.subject, extract_context(msg.headers))
+            except Exception:
+                # One bad message must not stop the subscription; nats-py would
+                # only pass the error to error_cb, which logs at debug level.
+                log.exception("handler for %s failed", msg.subject)
+
+        return await self._nc.subscribe(subject, cb=on_message)
+
+    async def flush(self, timeout: float = 2.0) -> None:  # noqa: ASYNC109 - nats-py's own deadline
+        """Wait until the server has processed everything sent so far (for tests and shutdown)."""
+        await self._nc.flush(timeout=timeout)
+
+    async def close(self) -> None:
+        """Drain subscriptions and pending publishes, then close; idempotent and safe to race."""
+        if self._closing is None:
+            self._closing = asyncio.ensure_future(self._close())
+        await asyncio.shield(self._closing)
+
+    async def _close(self) -> None:
+        if self._nc.is_closed:
+            return
+        if self._nc.is_connected:
+            try:
+                await self._nc.drain()
+                return
+            except (nats.errors.Error, OSError, TimeoutError) as error:
+                log.debug("drain failed, closing: %r", error)
+        # Reconnecting: nothing can be drained, just stop.
+        await self._nc.close()
+
+    async def __aenter__(self) -> EventBus:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+
+def _backoff_handler(config: NatsConfig) -> Callable[..., tuple[Any, float]]:
+    """A nats-py reconnect handler: capped exponential backoff with full jitter.
+
+    nats-py's own ``reconnect_time_wait`` is a fixed delay; a fixed delay is
+    either slow to recover or hammers a restarting server with every client.
+    """
+
+    def choose(servers: list[Any], _info: dict[str, Any]) -> tuple[Any, float]:
+        server = min(servers, key=lambda s: s.reconnects)
+        ceiling = min(config.max_reconnect_wait_s, config.initial_reconnect_wait_s * 2 ** min(server.reconnects, 30))
+        # The first retry is immediate-ish: most outages are a restart on the same port.
+        delay = random.uniform(ceiling / 2, ceiling)
+        return server, delay
+
+    return choose
+
+
+async def _close_quietly(nc: NatsClient) -> None:
+    with contextlib.suppress(nats.errors.Error, OSError):
+        await nc.close()

@@ -1,0 +1,258 @@
+"""A key that lives in etcd exactly as long as its owner: lease + one keepalive stream.
+
+aetcd's ``Lease.refresh()`` opens a new LeaseKeepAlive stream for every beat
+(~790 µs); here one bidirectional stream stays open and each beat is a
+write + read on it (~200 µs). If the lease is lost (expired after a pause,
+etcd restarted without its data) the key is re-granted and re-put with
+capped backoff, so a worker never stays invisible after an etcd hiccup.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+
+import aetcd
+import aetcd.exceptions
+import grpc
+from aetcd import rpc
+
+from phalanx.common.config import EtcdConfig
+from phalanx.common.errors import PhalanxError
+
+__all__ = ["EtcdUnavailableError", "LeaseError", "LeasedKey", "connect_etcd"]
+
+log = logging.getLogger(__name__)
+
+# Errors that mean "etcd is away or slow", worth retrying; anything else is a bug.
+TRANSIENT_ERRORS: tuple[type[BaseException], ...] = (
+    aetcd.exceptions.ClientError,
+    grpc.aio.AioRpcError,
+    ConnectionError,
+    TimeoutError,
+    OSError,
+)
+
+
+class LeaseError(PhalanxError):
+    """Root of the lease errors."""
+
+
+class EtcdUnavailableError(LeaseError, ConnectionError):
+    """etcd did not answer (down, restarting, or partitioned)."""
+
+
+def connect_etcd(config: EtcdConfig) -> aetcd.Client:
+    """An aetcd client whose gRPC channel retries a lost etcd quickly.
+
+    gRPC's default reconnect backoff grows to 120 s; after a long etcd outage
+    that would keep every call failing for minutes after etcd is back.
+    """
+    cap_ms = int(config.max_retry_wait_s * 1000)
+    return aetcd.Client(
+        host=config.host,
+        port=config.port,
+        timeout=config.request_timeout_s,
+        options={
+            "grpc.initial_reconnect_backoff_ms": min(100, cap_ms),
+            "grpc.min_reconnect_backoff_ms": min(100, cap_ms),
+            "grpc.max_reconnect_backoff_ms": cap_ms,
+        },
+    )
+
+
+class Backoff:
+    """Capped exponential backoff with jitter (half to full of the current step)."""
+
+    def __init__(self, initial: float, cap: float) -> None:
+        self._initial = min(initial, cap)
+        self._cap = cap
+        self._step = self._initial
+
+    def next(self) -> float:
+        """The next delay; each call doubles the step up to the cap."""
+        delay = random.uniform(self._step / 2, self._step)
+        self._step = min(self._cap, self._step * 2)
+        return delay
+
+    def reset(self) -> None:
+        """Start again from the initial delay (after a success)."""
+        self._step = self._initial
+
+
+async def await_cancelled(task: asyncio.Task[object]) -> None:
+    """Cancel ``task`` and wait for it, re-raising only if *we* were cancelled meanwhile."""
+    task.cancel()
+    try:
+        await task
+    except asyncio.CancelledError:
+        current = asyncio.current_task()
+        if current is not None and current.cancelling():
+            raise
+
+
+class LeasedKey:
+    """An etcd key bound to a lease that this object keeps alive until ``close()``.
+
+    If the process dies, the keepalives stop and etcd deletes the key within
+    ``lease_ttl_s`` (plus up to ~0.5 s of etcd's expiry sweep).
+    """
+
+    def __init__(self, config: EtcdConfig, key: str, value: bytes) -> None:
+        self._config = config
+        self._key = key.encode()
+        self._value = value
+        self._client = connect_etcd(config)
+        self._lease_id: int | None = None
+        self._lock = asyncio.Lock()
+        self._task: asyncio.Task[None] | None = None
+        self._closing: asyncio.Task[None] | None = None
+        self._registrations = 0
+
+    @property
+    def key(self) -> str:
+        """The etcd key."""
+        return self._key.decode()
+
+    @property
+    def value(self) -> bytes:
+        """The value last given (put now, or at the next re-registration)."""
+        return self._value
+
+    @property
+    def lease_id(self) -> int | None:
+        """ID of the current lease; None before start, after close, or while re-registering."""
+        return self._lease_id
+
+    @property
+    def registrations(self) -> int:
+        """How many times the key was put under a fresh lease (1 + re-registrations)."""
+        return self._registrations
+
+    async def start(self) -> None:
+        """Grant a lease, put the key under it, and start the keepalive stream.
+
+        Raises EtcdUnavailableError if etcd does not answer; the caller decides
+        whether to retry (at startup a missing etcd is usually a config error).
+        """
+        if self._task is not None:
+            return
+        if self._closing is not None:
+            raise LeaseError("LeasedKey was closed")
+        try:
+            await self._register()
+        except TRANSIENT_ERRORS as error:
+            raise EtcdUnavailableError(f"cannot register {self.key} at {self._config.endpoint}: {error}") from error
+        self._task = asyncio.create_task(self._keepalive_forever(), name=f"lease-keepalive {self.key}")
+
+    async def update(self, value: bytes) -> None:
+        """Replace the value, keeping the lease.
+
+        If etcd is away this raises EtcdUnavailableError, but the value is kept
+        and written whenever the key is re-registered.
+        """
+        async with self._lock:
+            self._value = value
+            if self._lease_id is None:
+                return
+            try:
+                await self._client.put(self._key, value, lease=self._lease_id)
+            except TRANSIENT_ERRORS as error:
+                raise EtcdUnavailableError(f"cannot update {self.key}: {error}") from error
+
+    async def close(self, revoke: bool = True) -> None:
+        """Stop the keepalives; with ``revoke`` the key vanishes at once, else after the TTL.
+
+        Idempotent; never raises for an unreachable etcd (the lease then just expires).
+        """
+        if self._closing is None:
+            self._closing = asyncio.ensure_future(self._close(revoke))
+        await asyncio.shield(self._closing)
+
+    async def _close(self, revoke: bool) -> None:
+        if self._task is not None:
+            await await_cancelled(self._task)
+        lease_id, self._lease_id = self._lease_id, None
+        if revoke and lease_id is not None:
+            try:
+                await self._client.revoke_lease(lease_id)
+            except TRANSIENT_ERRORS as error:
+                log.warning(
+                    "could not revoke the lease of %s (it expires in %s s): %s",
+                    self.key,
+                    self._config.lease_ttl_s,
+                    error,
+                )
+        await self._client.close()
+
+    async def __aenter__(self) -> LeasedKey:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    async def _register(self) -> None:
+        async with self._lock:
+            lease = await self._client.lease(self._config.lease_ttl_s)
+            try:
+                await self._client.put(self._key, self._value, lease=lease.id)
+            except BaseException:
+                # Do not leave an orphan lease behind (it would expire anyway).
+                await asyncio.shield(self._revoke_quietly(lease.id))
+                raise
+            self._lease_id = lease.id
+            self._registrations += 1
+
+    async def _revoke_quietly(self, lease_id: int) -> None:
+        with contextlib.suppress(*TRANSIENT_ERRORS):
+            await self._client.revoke_lease(lease_id)
+
+    async def _keepalive_forever(self) -> None:
+        backoff = Backoff(initial=0.05, cap=self._config.max_retry_wait_s)
+        while True:
+            try:
+                if self._lease_id is None:
+                    await self._register()
+                    log.info("re-registered %s under lease %x", self.key, self._lease_id)
+                await self._keepalive_stream(self._lease_id, backoff)
+                log.warning("lease of %s was lost; re-registering", self.key)
+                self._lease_id = None
+            except TRANSIENT_ERRORS as error:
+                delay = backoff.next()
+                log.warning("etcd keepalive for %s failed (%s); retrying in %.2f s", self.key, error, delay)
+                await asyncio.sleep(delay)
+            except Exception:
+                # A dead keepalive task makes the worker silently vanish from
+                # routing; keep beating and make the bug loud instead.
+                delay = backoff.next()
+                log.exception("unexpected keepalive failure for %s; retrying in %.2f s", self.key, delay)
+                await asyncio.sleep(delay)
+
+    async def _keepalive_stream(self, lease_id: int | None, backoff: Backoff) -> None:
+        """Beat on one LeaseKeepAlive stream; return when etcd says the lease is gone."""
+        assert lease_id is not None
+        await self._client.connect()
+        call = self._client.leasestub.LeaseKeepAlive(metadata=self._client.metadata)
+        interval = self._config.effective_keepalive_interval_s
+        # A reply slower than half the TTL means the stream is stuck, not slow.
+        reply_timeout = min(self._config.request_timeout_s, self._config.lease_ttl_s / 2)
+        try:
+            while True:
+                async with asyncio.timeout(reply_timeout):
+                    try:
+                        await call.write(rpc.LeaseKeepAliveRequest(ID=lease_id))
+                    except asyncio.InvalidStateError as error:
+                        # grpc.aio reports a stream that etcd already ended this way.
+                        raise ConnectionError("the keepalive stream ended") from error
+                    reply = await call.read()
+                if reply is grpc.aio.EOF:
+                    raise ConnectionError("etcd closed the keepalive stream")
+                if reply.TTL <= 0:
+                    return
+                backoff.reset()
+                await asyncio.sleep(interval)
+        finally:
+            call.cancel()

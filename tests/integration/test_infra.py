@@ -1,0 +1,292 @@
+"""The shared infrastructure against real nats-server and etcd processes, no mocks."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sys
+import textwrap
+import uuid
+from contextlib import aclosing
+
+import aetcd
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from opentelemetry import trace
+
+from phalanx._proto import common_pb2
+from phalanx.common.config import EtcdConfig, NatsConfig, TelemetryConfig
+from phalanx.common.discovery import WorkerDirectory, decode_registration, encode_registration
+from phalanx.common.events import EventBus, MessageTooLargeError
+from phalanx.common.lease import LeasedKey
+from phalanx.common.subjects import LOAD_ALL, load_subject, worker_key
+from phalanx.common.telemetry import (
+    get_tracer,
+    grpc_client_interceptors,
+    grpc_server_interceptors,
+    setup_telemetry,
+)
+from phalanx.testing.asserts import assert_eventually
+from phalanx.testing.infra import EtcdServer, NatsServer
+
+pytestmark = pytest.mark.integration
+
+
+def _worker_id() -> str:
+    return f"w-{uuid.uuid4().hex[:10]}"
+
+
+def _registration(worker_id: str, **fields) -> common_pb2.WorkerRegistration:
+    return common_pb2.WorkerRegistration(worker_id=worker_id, address="127.0.0.1:1", pid=os.getpid(), **fields)
+
+
+async def _etcd_value(config: EtcdConfig, key: str) -> aetcd.rtypes.Get | None:
+    async with aetcd.Client(host=config.host, port=config.port, timeout=2) as client:
+        return await client.get(key.encode())
+
+
+async def test_leased_key_is_visible_and_vanishes_at_once_on_close(etcd_config):
+    key = worker_key(_worker_id())
+    leased = LeasedKey(etcd_config, key, b"v1")
+    await leased.start()
+    try:
+        stored = await _etcd_value(etcd_config, key)
+        assert stored is not None and stored.value == b"v1"
+        assert stored.lease == leased.lease_id
+        await leased.update(b"v2")
+        assert (await _etcd_value(etcd_config, key)).value == b"v2"
+    finally:
+        await leased.close()
+    # Revoked, not expired: gone without waiting for the TTL.
+    assert await _etcd_value(etcd_config, key) is None
+    await leased.close()  # idempotent
+    assert leased.lease_id is None
+
+
+async def test_leased_key_outlives_one_ttl_while_its_owner_lives(etcd_config):
+    key = worker_key(_worker_id())
+    async with LeasedKey(etcd_config, key, b"alive") as leased:
+        await asyncio.sleep(etcd_config.lease_ttl_s * 2)
+        assert (await _etcd_value(etcd_config, key)).value == b"alive"
+        assert leased.registrations == 1
+
+
+async def test_leased_key_vanishes_within_ttl_after_owner_is_sigkilled(etcd_config):
+    key = worker_key(_worker_id())
+    owner = textwrap.dedent(
+        """
+        import asyncio, sys
+        from phalanx.common.config import EtcdConfig
+        from phalanx.common.lease import LeasedKey
+
+        async def main():
+            leased = LeasedKey(EtcdConfig(endpoint=sys.argv[1], lease_ttl_s=1), sys.argv[2], b"owner")
+            await leased.start()
+            print("registered", flush=True)
+            await asyncio.sleep(60)
+
+        asyncio.run(main())
+        """
+    )
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", owner, etcd_config.endpoint, key, stdout=asyncio.subprocess.PIPE
+    )
+    try:
+        line = await asyncio.wait_for(proc.stdout.readline(), timeout=15)
+        assert line.strip() == b"registered"
+        assert (await _etcd_value(etcd_config, key)).value == b"owner"
+        os.kill(proc.pid, signal.SIGKILL)
+        await proc.wait()
+        loop = asyncio.get_running_loop()
+        killed_at = loop.time()
+
+        async def gone():
+            return await _etcd_value(etcd_config, key) is None
+
+        await assert_eventually(gone, timeout=etcd_config.lease_ttl_s + 1.0, message="key of a dead owner")
+        assert loop.time() - killed_at <= etcd_config.lease_ttl_s + 1.0
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+
+
+async def test_lost_lease_is_regranted_and_key_put_again(etcd_config):
+    key = worker_key(_worker_id())
+    async with LeasedKey(etcd_config, key, b"back") as leased:
+        first = leased.lease_id
+        # Revoking from outside is what an expiry after a long pause looks like to the owner.
+        async with aetcd.Client(host=etcd_config.host, port=etcd_config.port, timeout=2) as client:
+            await client.revoke_lease(first)
+
+        async def back_under_new_lease():
+            stored = await _etcd_value(etcd_config, key)
+            return stored is not None and stored.lease not in (0, first) and stored.value == b"back"
+
+        await assert_eventually(back_under_new_lease, timeout=3.0)
+        assert leased.registrations == 2
+
+
+async def test_lease_and_watch_survive_an_etcd_restart():
+    with EtcdServer() as etcd:
+        config = EtcdConfig(endpoint=etcd.endpoint, lease_ttl_s=1)
+        worker_id = _worker_id()
+        key = worker_key(worker_id)
+        async with WorkerDirectory(config) as directory, LeasedKey(config, key, b"steady") as leased:
+            await directory.list()
+            async with aclosing(directory.watch()) as events:
+                etcd.restart()
+
+                async def present():
+                    stored = await _etcd_value(config, key)
+                    return stored is not None and stored.value == b"steady"
+
+                await assert_eventually(present, timeout=5.0)
+                # Still there after two TTLs: the keepalive stream was re-established.
+                await asyncio.sleep(config.lease_ttl_s * 2)
+                assert await present()
+                # The watch resumed too: it reports the delete made after the restart.
+                await leased.close()
+                async with asyncio.timeout(5):
+                    assert await anext(events) == ("delete", worker_id, None)
+
+
+async def test_worker_directory_lists_then_watches_put_update_and_delete(etcd_config):
+    worker_id = _worker_id()
+    async with WorkerDirectory(etcd_config) as directory:
+        before = await directory.list()
+        assert worker_id not in before
+        # Registered after list() but before watch(): the watch must still see it.
+        leased = LeasedKey(etcd_config, worker_key(worker_id), encode_registration(_registration(worker_id)))
+        await leased.start()
+        try:
+            async with aclosing(directory.watch()) as events:
+
+                async def next_for_worker():
+                    async with asyncio.timeout(5):
+                        async for event in events:
+                            if event[1] == worker_id:
+                                return event
+                    raise AssertionError("watch ended")
+
+                assert await next_for_worker() == ("put", worker_id, _registration(worker_id))
+                updated = _registration(worker_id, model="tiny", total_blocks=64)
+                await leased.update(encode_registration(updated))
+                assert await next_for_worker() == ("put", worker_id, updated)
+                await leased.close()
+                assert await next_for_worker() == ("delete", worker_id, None)
+        finally:
+            await leased.close()
+        assert worker_id not in await directory.list()
+
+
+def test_registration_round_trips_through_json():
+    registration = _registration("w1", model="m", role="attention", started_at=1.5, max_model_len=4096)
+    encoded = encode_registration(registration)
+    assert b'"workerId": "w1"' in encoded
+    assert decode_registration(encoded) == registration
+    # A newer writer's extra field does not break an older reader.
+    assert decode_registration(encoded[:-1] + b', "futureField": 1}') == registration
+
+
+async def test_event_bus_delivers_load_report_with_trace_context(nats_config):
+    setup_telemetry("phalanx-tests", TelemetryConfig())
+    worker_id = _worker_id()
+    received: asyncio.Queue = asyncio.Queue()
+
+    async def handler(message, subject, context):
+        await received.put((message, subject, context))
+
+    async with await EventBus.connect(nats_config, name="test-bus") as bus:
+        assert bus.connected
+        await bus.subscribe(LOAD_ALL, common_pb2.LoadReport, handler)
+        await bus.flush()
+        report = common_pb2.LoadReport(worker_id=worker_id, queue_depth=3, free_blocks=100, step_time_ms=4.5)
+        with get_tracer(__name__).start_as_current_span("publish-load") as span:
+            await bus.publish(load_subject(worker_id), report)
+        while True:
+            message, subject, context = await asyncio.wait_for(received.get(), timeout=5)
+            if message.worker_id == worker_id:
+                break
+        assert message == report
+        assert subject == load_subject(worker_id)
+        remote = trace.get_current_span(context).get_span_context()
+        assert remote.is_remote
+        assert remote.trace_id == span.get_span_context().trace_id
+        assert remote.span_id == span.get_span_context().span_id
+        assert bus.dropped == 0
+
+
+async def test_event_bus_survives_nats_restart_on_same_port():
+    with NatsServer() as server:
+        config = NatsConfig(url=server.url, max_reconnect_wait_s=0.5)
+        depths: list[int] = []
+
+        async def handler(message, subject, context):
+            depths.append(message.queue_depth)
+
+        async with await EventBus.connect(config, name="restart-bus") as bus:
+            await bus.subscribe(load_subject("w1"), common_pb2.LoadReport, handler)
+            await bus.flush()
+            await bus.publish(load_subject("w1"), common_pb2.LoadReport(worker_id="w1", queue_depth=1))
+            await assert_eventually(lambda: 1 in depths)
+
+            server.stop()
+            await assert_eventually(lambda: not bus.connected, message="disconnect noticed")
+            # While NATS is away a publish neither raises nor blocks for long.
+            async with asyncio.timeout(1):
+                await bus.publish(load_subject("w1"), common_pb2.LoadReport(worker_id="w1", queue_depth=2))
+            server.start()
+            await assert_eventually(lambda: bus.connected, timeout=5, message="reconnected")
+
+            await bus.publish(load_subject("w1"), common_pb2.LoadReport(worker_id="w1", queue_depth=3))
+            await assert_eventually(lambda: 3 in depths, message="delivery after restart")
+
+
+async def test_event_bus_counts_publishes_after_close_and_refuses_oversized(nats_config):
+    bus = await EventBus.connect(nats_config, name="closing-bus")
+    oversized = common_pb2.KvEvent(worker_id="w1", removed=list(range(2**40, 2**40 + 200_000)))
+    with pytest.raises(MessageTooLargeError):
+        await bus.publish("phalanx.kv.w1", oversized)
+    await bus.close()
+    await bus.close()
+    assert not bus.connected
+    await bus.publish(load_subject("w1"), common_pb2.LoadReport(worker_id="w1"))
+    assert bus.dropped == 1
+
+
+async def test_event_bus_connect_fails_fast_without_a_server():
+    config = NatsConfig(url="nats://127.0.0.1:1", startup_timeout_s=0.3, connect_timeout_s=0.1)
+    with pytest.raises(ConnectionError):
+        await EventBus.connect(config, name="nobody-home")
+
+
+class _TraceProbe(health_pb2_grpc.HealthServicer):
+    def __init__(self) -> None:
+        self.seen: list[trace.SpanContext] = []
+
+    async def Check(self, request, context):  # noqa: N802 - gRPC method name
+        self.seen.append(trace.get_current_span().get_span_context())
+        return health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.SERVING)
+
+
+async def test_grpc_interceptors_carry_the_trace_across_an_aio_call():
+    setup_telemetry("phalanx-tests", TelemetryConfig())
+    server = grpc.aio.server(interceptors=grpc_server_interceptors())
+    probe = _TraceProbe()
+    health_pb2_grpc.add_HealthServicer_to_server(probe, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}", interceptors=grpc_client_interceptors()) as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            with get_tracer(__name__).start_as_current_span("client-call") as span:
+                response = await stub.Check(health_pb2.HealthCheckRequest(), timeout=5)
+        assert response.status == health_pb2.HealthCheckResponse.SERVING
+        assert len(probe.seen) == 1
+        assert probe.seen[0].trace_id == span.get_span_context().trace_id
+        assert probe.seen[0].span_id != span.get_span_context().span_id  # the server's own span
+    finally:
+        await server.stop(None)

@@ -99,6 +99,7 @@ class PagedAttention:
         self.chunks = chunks
         self.invariant = invariant
         self._decode_meta = None if invariant else self._decode_metadata()
+        self._tile_groups = self._tiles() if invariant else None
 
     def _decode_metadata(self):
         decodes = [c for c in self.chunks if c.num_tokens == 1]
@@ -125,15 +126,12 @@ class PagedAttention:
         kv_flat[0].index_copy_(0, self.slot_mapping, k)
         kv_flat[1].index_copy_(0, self.slot_mapping, v)
         out = torch.empty_like(q)
-        done = set()
-        if self._decode_meta is not None:
-            done = self._attend_decodes(layer, q, out)
+        if self.invariant:
+            self._attend_invariant(layer, q, out)
+            return out
+        done = self._attend_decodes(layer, q, out) if self._decode_meta is not None else set()
         for chunk in self.chunks:
-            if chunk.token_offset in done:
-                continue
-            if self.invariant:
-                self._attend_tiled(layer, q, chunk, out)
-            else:
+            if chunk.token_offset not in done:
                 self._attend_chunk(layer, q, chunk, out)
         return out
 
@@ -155,17 +153,35 @@ class PagedAttention:
             mask = torch.ones(chunk.num_tokens, chunk.end, dtype=torch.bool, device=q.device).tril(diagonal=chunk.start)
         out[rows] = _sdpa(q_seq, keys, values, mask)[0].transpose(0, 1)
 
-    def _attend_tiled(self, layer: int, q: torch.Tensor, chunk: SeqChunk, out: torch.Tensor) -> None:
+    def _tiles(self) -> dict[int, list[tuple[SeqChunk, int, int]]]:
+        """Query tiles (chunk, first, last+1 position) grouped by tile end."""
         tile = INVARIANT_TILE
-        first_tile = chunk.start // tile * tile
-        for tile_start in range(first_tile, chunk.end, tile):
-            tile_end = tile_start + tile
-            lo, hi = max(tile_start, chunk.start), min(tile_end, chunk.end)
-            keys, values = self._gather(layer, chunk.block_table, tile_end)
-            q_tile = torch.zeros((tile, *q.shape[1:]), dtype=q.dtype, device=q.device)
-            q_tile[lo - tile_start : hi - tile_start] = q[chunk.token_offset + lo - chunk.start : chunk.token_offset + hi - chunk.start]
+        groups: dict[int, list[tuple[SeqChunk, int, int]]] = {}
+        for chunk in self.chunks:
+            for tile_start in range(chunk.start // tile * tile, chunk.end, tile):
+                lo, hi = max(tile_start, chunk.start), min(tile_start + tile, chunk.end)
+                groups.setdefault(tile_start + tile, []).append((chunk, lo, hi))
+        return groups
+
+    def _attend_invariant(self, layer: int, q: torch.Tensor, out: torch.Tensor) -> None:
+        # Tiles that end at the same position share one batched call: a
+        # tile's result does not depend on the batch around it (SDPA and bmm
+        # treat batch entries independently), only on its own shapes.
+        tile = INVARIANT_TILE
+        for tile_end, tiles in (self._tile_groups or {}).items():
+            tile_start = tile_end - tile
+            blocks = tile_end // self.block_size
+            tables = torch.stack([chunk.block_table[:blocks] for chunk, _, _ in tiles])
+            kv = self.kv[layer][:, tables]  # [2, G, blocks, block_size, KVH, D]
+            kv = kv.reshape(2, len(tiles), tile_end, *kv.shape[4:]).transpose(2, 3).contiguous()
+            q_tiles = torch.zeros((len(tiles), tile, *q.shape[1:]), dtype=q.dtype, device=q.device)
+            for i, (chunk, lo, hi) in enumerate(tiles):
+                rows = slice(chunk.token_offset + lo - chunk.start, chunk.token_offset + hi - chunk.start)
+                q_tiles[i, lo - tile_start : hi - tile_start] = q[rows]
             # Row r (absolute position tile_start + r) sees keys up to itself;
-            # rows outside the chunk are padding whose output is discarded.
+            # rows outside a chunk are padding whose output is discarded.
             mask = torch.ones(tile, tile_end, dtype=torch.bool, device=q.device).tril(diagonal=tile_start)
-            res = _sdpa(q_tile.transpose(0, 1)[None], keys, values, mask)[0].transpose(0, 1)
-            out[chunk.token_offset + lo - chunk.start : chunk.token_offset + hi - chunk.start] = res[lo - tile_start : hi - tile_start]
+            res = _sdpa(q_tiles.transpose(1, 2), kv[0], kv[1], mask).transpose(1, 2)
+            for i, (chunk, lo, hi) in enumerate(tiles):
+                rows = slice(chunk.token_offset + lo - chunk.start, chunk.token_offset + hi - chunk.start)
+                out[rows] = res[i, lo - tile_start : hi - tile_start]

@@ -46,6 +46,7 @@ class KvCacheManager:
         self._refcount = [0] * num_blocks
         self._block_hash: list[int | None] = [None] * num_blocks
         self._by_hash: dict[int, int] = {}
+        self._parents: dict[int, int] = {}
         self._evictable: OrderedDict[int, None] = OrderedDict()  # hashed blocks nobody references, LRU first
         self._seqs: dict[str, _SeqBlocks] = {}
         self._events = KvEvents(cleared=True)
@@ -134,6 +135,7 @@ class KvCacheManager:
             if h not in self._by_hash and self._block_hash[block] is None:
                 self._by_hash[h] = block
                 self._block_hash[block] = h
+                self._parents[h] = parent
                 self._events.stored.append((h, parent, self.block_size))
             seq.hashes.append(h)
             parent = h
@@ -150,6 +152,9 @@ class KvCacheManager:
                     self._evictable[block] = None
                 else:
                     self._free.append(block)
+
+    def cached_blocks(self) -> list[tuple[int, int, int]]:
+        return [(h, self._parents[h], self.block_size) for h in self._by_hash]
 
     def reset_prefix_cache(self) -> None:
         for block in list(self._evictable):
@@ -171,6 +176,7 @@ class KvCacheManager:
         h = self._block_hash[block]
         self._block_hash[block] = None
         del self._by_hash[h]
+        del self._parents[h]
         self._events.removed.append(h)
         self._free.append(block)
 

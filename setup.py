@@ -21,4 +21,7 @@ class BuildPyWithProtos(build_py):
         super().run()
 
 
+# Generated before setup() as well: setuptools discovers packages before
+# build_py runs, and phalanx._proto must exist by then to be packaged.
+_generate_stubs()
 setup(cmdclass={"build_py": BuildPyWithProtos})

@@ -8,7 +8,7 @@ import time
 import grpc
 
 from phalanx._proto import common_pb2, worker_pb2, worker_pb2_grpc
-from phalanx.common.errors import InvalidRequestError, PhalanxError
+from phalanx.common.errors import InvalidRequestError, PhalanxError, UnavailableError
 from phalanx.common.grpc_status import abort_with
 from phalanx.model.sampling import SamplingParams
 from phalanx.worker.async_engine import AsyncEngine
@@ -62,13 +62,24 @@ def snapshot_from_proto(state: common_pb2.RequestState) -> RequestSnapshot:
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
-    def __init__(self, worker_id: str, engine: AsyncEngine, metrics: WorkerMetrics, *, on_drain, kv_sequence) -> None:
+    """Registered before the server starts; answers UNAVAILABLE until `attach()` gives it the engine."""
+
+    def __init__(self, worker_id: str, metrics: WorkerMetrics, *, on_drain, kv_sequence) -> None:
         self.worker_id = worker_id
         self._kv_sequence = kv_sequence
-        self.engine = engine
+        self._engine: AsyncEngine | None = None
         self.metrics = metrics
-        self.tokenizer = engine.engine.tokenizer
         self._on_drain = on_drain
+
+    def attach(self, engine: AsyncEngine) -> None:
+        self._engine = engine
+        self.tokenizer = engine.engine.tokenizer
+
+    @property
+    def engine(self) -> AsyncEngine:
+        if self._engine is None:
+            raise UnavailableError("worker is still loading its model", retry_after_s=1.0)
+        return self._engine
 
     def _prompt_ids(self, request) -> list[int]:
         which = request.WhichOneof("prompt")
@@ -135,7 +146,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             await abort_with(context, exc)
 
     async def Stats(self, request, context):
-        e = self.engine.engine
+        try:
+            e = self.engine.engine
+        except PhalanxError as exc:
+            await abort_with(context, exc)
         load = self.engine.load()
         return worker_pb2.StatsResponse(
             worker_id=self.worker_id, model=e.model.config.name, queue_depth=load.queue_depth,
@@ -150,6 +164,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
     async def Drain(self, request, context):
         if request.grace_s < 0:
             await abort_with(context, InvalidRequestError("grace_s", "must be >= 0"))
+        try:
+            self.engine
+        except PhalanxError as exc:
+            await abort_with(context, exc)
         finished, handed_back = await self._on_drain(request.grace_s)
         return worker_pb2.DrainResponse(finished=finished, handed_back=handed_back)
 
@@ -157,7 +175,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         # Read before the blocks: events numbered after it may be reflected in
         # them already, and replaying add/remove events in order converges.
         sequence = self._kv_sequence()
-        blocks = await self.engine.cached_blocks()
+        try:
+            blocks = await self.engine.cached_blocks()
+        except PhalanxError as exc:
+            await abort_with(context, exc)
         return worker_pb2.KvSnapshotResponse(
             worker_id=self.worker_id, sequence=sequence,
             blocks=[common_pb2.KvBlockStored(block_hash=h, parent_hash=p, num_tokens=n) for h, p, n in blocks],

@@ -1,0 +1,72 @@
+# syntax=docker/dockerfile:1
+# The image every Phalanx service runs from: `phalanx <service> …` (CPU torch).
+# Build from the repository root: docker build -t phalanx .
+
+FROM python:3.11-slim AS build
+
+ENV PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1
+
+RUN python -m venv /opt/venv
+ENV PATH=/opt/venv/bin:$PATH
+
+# torch first and alone: the biggest layer, and it stays cached while the code changes.
+RUN pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu
+
+WORKDIR /src
+COPY . .
+
+# The stubs are generated before the install, not only inside it: setuptools lists
+# the packages before build_py generates phalanx._proto, so a clean tree would
+# otherwise build a wheel without them. grpcio-tools stays out of /opt/venv.
+RUN python -m pip install --root-user-action=ignore grpcio-tools==1.85.1 \
+ && python scripts/gen_protos.py > /dev/null \
+ && /opt/venv/bin/pip install '.[services]'
+
+
+FROM python:3.11-slim
+
+# tini is PID 1: it forwards SIGTERM to the service (which drains) and reaps children.
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends tini \
+ && rm -rf /var/lib/apt/lists/* \
+ && useradd --create-home --uid 10001 --shell /usr/sbin/nologin phalanx
+
+COPY --from=build /opt/venv /opt/venv
+
+# grpc_health_probe is not packaged; this asks the local gRPC server's grpc.health.v1.
+# Exit 0 when it answers SERVING, or with --alive when it answers at all (liveness
+# must not fail while the model loads or the worker drains, both NOT_SERVING).
+COPY --chmod=755 <<'PROBE' /usr/local/bin/phalanx-health-probe
+#!/opt/venv/bin/python
+import os
+import sys
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+target = f"127.0.0.1:{os.environ.get('PHALANX_WORKER_PORT', '50051')}"
+try:
+    with grpc.insecure_channel(target) as channel:
+        reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=2)
+except grpc.RpcError as err:
+    sys.exit(f"{target}: health check failed: {err.code().name}")
+if "--alive" not in sys.argv[1:] and reply.status != health_pb2.HealthCheckResponse.SERVING:
+    sys.exit(f"{target}: {health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)}")
+PROBE
+
+ENV PATH=/opt/venv/bin:$PATH \
+    PYTHONUNBUFFERED=1 \
+    PYTHONDONTWRITEBYTECODE=1 \
+    PHALANX_WORKER_HOST=0.0.0.0 \
+    PHALANX_WORKER_PORT=50051 \
+    PHALANX_WORKER_METRICS_PORT=9464
+
+USER phalanx
+WORKDIR /home/phalanx
+EXPOSE 50051 9464
+
+HEALTHCHECK --interval=5s --timeout=3s --start-period=60s --retries=3 CMD ["phalanx-health-probe"]
+
+ENTRYPOINT ["/usr/bin/tini", "--", "phalanx"]
+CMD ["worker"]

@@ -52,6 +52,54 @@ def worker(
     asyncio.run(main())
 
 
+@app.command()
+def up(
+    workers: int = typer.Option(2, min=1, max=16, help="Workers of the built-in model"),
+    model: str = typer.Option("phalanx-tiny-moe", help="Built-in model or HF checkpoint directory"),
+    deterministic: bool = typer.Option(True, "--deterministic/--fast", help="Batch-invariant numerics"),
+    nats_url: str = typer.Option(None, envvar="PHALANX_NATS_URL", help="External NATS (default: start one)"),
+    etcd_endpoint: str = typer.Option(None, envvar="PHALANX_ETCD_ENDPOINT", help="External etcd (default: start one)"),
+) -> None:
+    """Bring Phalanx up on this machine: embedded NATS and etcd plus supervised workers."""
+    from rich.console import Console
+
+    from phalanx.cli.up import run_up
+
+    code = asyncio.run(
+        run_up(workers=workers, model=model, deterministic=deterministic, nats_url=nats_url, etcd_endpoint=etcd_endpoint, console=Console())
+    )
+    raise typer.Exit(code)
+
+
+@app.command()
+def generate(
+    prompt: str = typer.Argument(..., help="Prompt text"),
+    target: str = typer.Option(..., help="Worker address host:port (the router comes with the next release)"),
+    max_tokens: int = typer.Option(32),
+    temperature: float = typer.Option(0.0),
+) -> None:
+    """Stream a completion from a worker."""
+    import grpc
+
+    from phalanx._proto import common_pb2, worker_pb2, worker_pb2_grpc
+
+    async def main() -> None:
+        async with grpc.aio.insecure_channel(target) as channel:
+            stub = worker_pb2_grpc.WorkerServiceStub(channel)
+            request = worker_pb2.GenerateRequest(
+                text=prompt, sampling=common_pb2.SamplingParams(max_tokens=max_tokens, temperature=temperature)
+            )
+            try:
+                async for chunk in stub.Generate(request):
+                    typer.echo(chunk.text, nl=False)
+            except grpc.aio.AioRpcError as exc:
+                typer.echo(f"\nerror: {exc.code().name}: {exc.details()}", err=True)
+                raise typer.Exit(1) from None
+        typer.echo()
+
+    asyncio.run(main())
+
+
 @bench_app.command("engine")
 def bench_engine(
     batches: str = typer.Option("1,8,32", help="Comma-separated batch sizes"),

@@ -204,8 +204,11 @@ class EventBus:
                 return
             except (nats.errors.Error, OSError, TimeoutError) as error:
                 log.debug("drain failed, closing: %r", error)
-        # Reconnecting: nothing can be drained, just stop.
-        await self._nc.close()
+        # Reconnecting or the server is gone: nothing can be drained, just stop.
+        try:
+            await self._nc.close()
+        except (nats.errors.Error, OSError) as error:
+            log.debug("close on a lost connection: %r", error)
 
     async def __aenter__(self) -> EventBus:
         return self

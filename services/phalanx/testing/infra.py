@@ -89,7 +89,7 @@ def docker_available(timeout: float = 1.0) -> bool:
         return False
 
 
-def _pdeathsig_preexec() -> Any:
+def pdeathsig_preexec() -> Any:
     """A preexec_fn that makes the child receive SIGTERM when its parent dies, or None."""
     if not sys.platform.startswith("linux"):
         return None
@@ -185,8 +185,10 @@ class _ServerProcess:
                 stderr=subprocess.STDOUT,
                 cwd=self._dir,
                 # Same session: a terminal's Ctrl-C reaches the servers too.
-                start_new_session=False,
-                preexec_fn=_pdeathsig_preexec(),  # noqa: PLW1509 - only prctl, see above
+                # Its own session: a terminal's Ctrl-C reaches only our process,
+                # which stops children in order (workers before NATS and etcd).
+                start_new_session=True,
+                preexec_fn=pdeathsig_preexec(),  # noqa: PLW1509 - only prctl, see above
             )
         except OSError as error:
             self._close_log()

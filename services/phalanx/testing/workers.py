@@ -12,6 +12,7 @@ import time
 
 from phalanx.common.config import EtcdConfig
 from phalanx.common.discovery import WorkerDirectory
+from phalanx.testing.infra import pdeathsig_preexec
 
 
 class WorkerHandle:
@@ -41,6 +42,8 @@ async def start_worker(worker_id: str, nats_url: str, etcd_config: EtcdConfig, *
         [sys.executable, "-m", "phalanx.cli", "worker", "--worker-id", worker_id, "--nats-url", nats_url,
          "--etcd-endpoint", etcd_config.endpoint, "--port", "0", "--log-level", "WARNING", *extra],
         env={**os.environ, "PHALANX_ETCD_LEASE_TTL_S": str(etcd_config.lease_ttl_s), **(env or {})},
+        start_new_session=True,
+        preexec_fn=pdeathsig_preexec(),  # dies with us: no orphans if we are SIGKILLed
     )
     directory = WorkerDirectory(etcd_config)
     deadline = time.monotonic() + 60

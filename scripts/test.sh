@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# Installs everything the tests need into .venv and runs the default suite
+# (unit + integration against real nats-server/etcd; slow benchmarks excluded).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+scripts/install.sh test
+exec .venv/bin/python -m pytest "$@"

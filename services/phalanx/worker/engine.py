@@ -221,6 +221,8 @@ class Engine:
             )
             logits = self.model.logits(hidden[sample_rows], invariant=invariant).cpu() if sample_rows else None
         events: list[TokenEvent] = []
+        # One call for every greedy row (the common case) instead of one per sequence.
+        argmax = logits.argmax(-1).tolist() if logits is not None else []
         row = 0
         for seq, n in scheduled:
             seq.num_computed += n
@@ -228,9 +230,10 @@ class Engine:
             if seq.num_computed < seq.num_tokens:
                 continue
             seq_logits = logits[row]
+            token = argmax[row] if seq.params.greedy else seq.sampler.sample(seq_logits)
             row += 1
             top = float(seq_logits.max()) if seq.record_top_logits else None
-            event = seq.append_token(seq.sampler.sample(seq_logits), top)
+            event = seq.append_token(token, top)
             self.generated_tokens_total += 1
             events.append(event)
             if event.finish_reason is not FinishReason.NONE:

@@ -62,7 +62,7 @@ async def test_32_concurrent_streams_equal_single_runs(stub):
     singles = {p: [c.token_id for c in await collect(stub, request(p, 10))] for p in prompts[:4]}
     results = await asyncio.gather(*(collect(stub, request(p, 10)) for p in prompts))
     assert all(len(r) == 10 for r in results)
-    for p, chunks in zip(prompts, results):
+    for p, chunks in zip(prompts, results, strict=True):
         if p in singles:
             assert [c.token_id for c in chunks] == singles[p]
 
@@ -194,3 +194,29 @@ async def test_sigterm_drains_hands_back_running_requests_and_deregisters(nats_s
     finally:
         handle.kill()
         await directory.close()
+
+
+async def test_drain_rpc_hands_back_and_a_resumed_request_continues_identically(nats_server, etcd_config):
+    draining = await start_worker("w-drain-rpc", nats_server.url, etcd_config, "--deterministic")
+    successor = await start_worker("w-successor", nats_server.url, etcd_config, "--deterministic")
+    try:
+        async with grpc.aio.insecure_channel(draining.address) as a, grpc.aio.insecure_channel(successor.address) as b:
+            first_stub, next_stub = worker_pb2_grpc.WorkerServiceStub(a), worker_pb2_grpc.WorkerServiceStub(b)
+            req = request("move me mid-stream", 400, temperature=0.7, seed=5)
+            reference = [c.token_id for c in await collect(next_stub, req)]
+            stream = first_stub.Generate(req)
+            chunks = [await stream.read() for _ in range(5)]
+            drained = await first_stub.Drain(worker_pb2.DrainRequest(grace_s=0))
+            while (chunk := await stream.read()) is not grpc.aio.EOF:
+                chunks.append(chunk)
+            assert drained.handed_back == 1
+            handoff = chunks[-1].handoff
+            assert chunks[-1].finish_reason == common_pb2.FINISH_REASON_HANDED_BACK
+            resumed = await collect(next_stub, worker_pb2.GenerateRequest(resume_from=handoff))
+        delivered = [c.token_id for c in chunks[:-1]]
+        assert [c.index for c in resumed] == list(range(len(delivered), 400))
+        assert delivered + [c.token_id for c in resumed] == reference, "no token lost, repeated or changed"
+        assert await asyncio.to_thread(draining.process.wait, 20) == 0
+    finally:
+        draining.kill()
+        successor.kill()

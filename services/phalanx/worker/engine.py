@@ -111,6 +111,7 @@ class Engine:
             seq.resumed_outputs = len(resume.output_ids)
         self.waiting.append(seq)
         self.by_id[request_id] = seq
+        self.prompt_tokens_total += len(seq.prompt_ids)
         return seq
 
     def abort(self, request_id: str, reason: FinishReason = FinishReason.ABORTED) -> TokenEvent | None:
@@ -176,7 +177,6 @@ class Engine:
             if not seq.output_ids or seq.resumed_outputs == len(seq.output_ids):
                 seq.cached_prompt_tokens = cached
             self.prefix_hit_tokens += cached
-            self.prompt_tokens_total += seq.num_tokens
             self.running.append(seq)
             n = min(seq.remaining_to_compute, budget)
             scheduled.append((seq, n))

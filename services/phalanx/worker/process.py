@@ -61,7 +61,6 @@ class WorkerProcess:
         self.ready = asyncio.Event()
         self._stop = asyncio.Event()
         self._drained: tuple[int, int] | None = None
-        self._engine: AsyncEngine | None = None
         self._kv_outbox: asyncio.Queue[KvEvents] = asyncio.Queue()
         self.kv_sequence = 0  # KV event messages published so far
 
@@ -80,7 +79,7 @@ class WorkerProcess:
         await self._set_serving(False)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         servicer = WorkerServicer(
-            self.worker_id, self.metrics, on_drain=self._drain_attached, kv_sequence=lambda: self.kv_sequence
+            self.worker_id, self.metrics, on_drain=self._drain, kv_sequence=lambda: self.kv_sequence
         )
         worker_pb2_grpc.add_WorkerServiceServicer_to_server(servicer, server)
         reflection.enable_server_reflection([SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
@@ -99,7 +98,6 @@ class WorkerProcess:
                 engine = AsyncEngine(Engine(model, self.engine_config), on_kv_events=self._kv_outbox.put_nowait)
             await engine.start()
             servicer.attach(engine)
-            self._engine = engine
             registration = LeasedKey(self.etcd_config, worker_key(self.worker_id), self._registration(model, metrics_server.server_port))
             await registration.start()
             await self._set_serving(True)
@@ -145,9 +143,6 @@ class WorkerProcess:
         # Streams already ended (finished or handed back); this only lets their last bytes flush.
         await server.stop(grace=1.0)
         self.metrics.for_worker(self.metrics.status).set(0)
-
-    async def _drain_attached(self, grace_s: float) -> tuple[int, int]:
-        return await self._drain(self._engine, grace_s)
 
     async def _drain(self, engine: AsyncEngine, grace_s: float) -> tuple[int, int]:
         if self._drained is None:

@@ -5,8 +5,6 @@ from __future__ import annotations
 import asyncio
 import time
 
-import grpc
-
 from phalanx._proto import common_pb2, worker_pb2, worker_pb2_grpc
 from phalanx.common.errors import InvalidRequestError, PhalanxError, UnavailableError
 from phalanx.common.grpc_status import abort_with
@@ -14,7 +12,7 @@ from phalanx.model.sampling import SamplingParams
 from phalanx.worker.async_engine import AsyncEngine
 from phalanx.worker.engine import EngineRequest
 from phalanx.worker.metrics import WorkerMetrics
-from phalanx.worker.sequence import FinishReason, RequestSnapshot
+from phalanx.worker.sequence import RequestSnapshot
 
 MAX_PROMPT_CHARS = 1 << 20
 CANARY_MAX_TOKENS = 64
@@ -162,13 +160,12 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         )
 
     async def Drain(self, request, context):
-        if request.grace_s < 0:
-            await abort_with(context, InvalidRequestError("grace_s", "must be >= 0"))
         try:
-            self.engine
+            if request.grace_s < 0:
+                raise InvalidRequestError("grace_s", "must be >= 0")
+            finished, handed_back = await self._on_drain(self.engine, request.grace_s)
         except PhalanxError as exc:
             await abort_with(context, exc)
-        finished, handed_back = await self._on_drain(request.grace_s)
         return worker_pb2.DrainResponse(finished=finished, handed_back=handed_back)
 
     async def KvSnapshot(self, request, context):
@@ -198,6 +195,3 @@ async def drain_engine(engine: AsyncEngine, grace_s: float) -> tuple[int, int]:
         while engine.num_requests and time.monotonic() < deadline + 2.0:
             await asyncio.sleep(0.01)
     return in_flight - remaining, remaining
-
-
-__all__ = ["FinishReason", "WorkerServicer", "drain_engine"]

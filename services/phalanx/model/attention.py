@@ -113,7 +113,8 @@ class PagedAttention:
         lens = torch.tensor([c.end for c in decodes])
         mask = (torch.arange(ctx)[None, :] < lens[:, None])[:, None, None, :]
         rows = torch.tensor([c.token_offset for c in decodes])
-        return decodes, tables.to(self.kv.device), mask.to(self.kv.device), rows.to(self.kv.device)
+        handled = {c.token_offset for c in decodes}
+        return tables.to(self.kv.device), mask.to(self.kv.device), rows.to(self.kv.device), handled
 
     def _gather(self, layer: int, block_table: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values [1, KVH, length, D] of one sequence."""
@@ -129,19 +130,22 @@ class PagedAttention:
         if self.invariant:
             self._attend_invariant(layer, q, out)
             return out
-        done = self._attend_decodes(layer, q, out) if self._decode_meta is not None else set()
+        handled: set[int] = set()
+        if self._decode_meta is not None:
+            self._attend_decodes(layer, q, out)
+            handled = self._decode_meta[3]
         for chunk in self.chunks:
-            if chunk.token_offset not in done:
+            if chunk.token_offset not in handled:
                 self._attend_chunk(layer, q, chunk, out)
         return out
 
-    def _attend_decodes(self, layer: int, q: torch.Tensor, out: torch.Tensor) -> set[int]:
-        decodes, tables, mask, rows = self._decode_meta
+    def _attend_decodes(self, layer: int, q: torch.Tensor, out: torch.Tensor) -> None:
+        """All single-token rows of the batch in one padded call."""
+        tables, mask, rows, _ = self._decode_meta
         kv = self.kv[layer][:, tables]  # [2, B, nb, bs, KVH, D]
         kv = kv.reshape(2, tables.shape[0], -1, *kv.shape[4:]).transpose(2, 3)  # [2, B, KVH, ctx, D]
         res = _sdpa(q[rows][:, :, None], kv[0], kv[1], mask)  # [B, H, 1, D]
         out[rows] = res[:, :, 0]
-        return {c.token_offset for c in decodes}
 
     def _attend_chunk(self, layer: int, q: torch.Tensor, chunk: SeqChunk, out: torch.Tensor) -> None:
         keys, values = self._gather(layer, chunk.block_table, chunk.end)
@@ -153,14 +157,29 @@ class PagedAttention:
             mask = torch.ones(chunk.num_tokens, chunk.end, dtype=torch.bool, device=q.device).tril(diagonal=chunk.start)
         out[rows] = _sdpa(q_seq, keys, values, mask)[0].transpose(0, 1)
 
-    def _tiles(self) -> dict[int, list[tuple[SeqChunk, int, int]]]:
-        """Query tiles (chunk, first, last+1 position) grouped by tile end."""
+    def _tiles(self) -> list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """Per group of query tiles that end at the same position, everything that
+        does not depend on the layer: (tile end, block tables [G, blocks], causal
+        mask, rows of the flat batch, their slots in the [G * tile] padded queries)."""
         tile = INVARIANT_TILE
-        groups: dict[int, list[tuple[SeqChunk, int, int]]] = {}
+        grouped: dict[int, list[tuple[SeqChunk, int, int]]] = {}
         for chunk in self.chunks:
             for tile_start in range(chunk.start // tile * tile, chunk.end, tile):
                 lo, hi = max(tile_start, chunk.start), min(tile_start + tile, chunk.end)
-                groups.setdefault(tile_start + tile, []).append((chunk, lo, hi))
+                grouped.setdefault(tile_start + tile, []).append((chunk, lo, hi))
+        device = self.kv.device
+        groups = []
+        for tile_end, tiles in grouped.items():
+            tile_start = tile_end - tile
+            tables = torch.stack([chunk.block_table[: tile_end // self.block_size] for chunk, _, _ in tiles])
+            rows, slots = [], []
+            for i, (chunk, lo, hi) in enumerate(tiles):
+                rows.extend(range(chunk.token_offset + lo - chunk.start, chunk.token_offset + hi - chunk.start))
+                slots.extend(range(i * tile + lo - tile_start, i * tile + hi - tile_start))
+            # Row r (absolute position tile_start + r) sees keys up to itself;
+            # rows outside a chunk are padding whose output is discarded.
+            mask = torch.ones(tile, tile_end, dtype=torch.bool, device=device).tril(diagonal=tile_start)
+            groups.append((tile_end, tables, mask, torch.tensor(rows, device=device), torch.tensor(slots, device=device)))
         return groups
 
     def _attend_invariant(self, layer: int, q: torch.Tensor, out: torch.Tensor) -> None:
@@ -168,20 +187,11 @@ class PagedAttention:
         # tile's result does not depend on the batch around it (SDPA and bmm
         # treat batch entries independently), only on its own shapes.
         tile = INVARIANT_TILE
-        for tile_end, tiles in (self._tile_groups or {}).items():
-            tile_start = tile_end - tile
-            blocks = tile_end // self.block_size
-            tables = torch.stack([chunk.block_table[:blocks] for chunk, _, _ in tiles])
+        for tile_end, tables, mask, rows, slots in self._tile_groups:
+            count = tables.shape[0]
             kv = self.kv[layer][:, tables]  # [2, G, blocks, block_size, KVH, D]
-            kv = kv.reshape(2, len(tiles), tile_end, *kv.shape[4:]).transpose(2, 3).contiguous()
-            q_tiles = torch.zeros((len(tiles), tile, *q.shape[1:]), dtype=q.dtype, device=q.device)
-            for i, (chunk, lo, hi) in enumerate(tiles):
-                rows = slice(chunk.token_offset + lo - chunk.start, chunk.token_offset + hi - chunk.start)
-                q_tiles[i, lo - tile_start : hi - tile_start] = q[rows]
-            # Row r (absolute position tile_start + r) sees keys up to itself;
-            # rows outside a chunk are padding whose output is discarded.
-            mask = torch.ones(tile, tile_end, dtype=torch.bool, device=q.device).tril(diagonal=tile_start)
-            res = _sdpa(q_tiles.transpose(1, 2), kv[0], kv[1], mask).transpose(1, 2)
-            for i, (chunk, lo, hi) in enumerate(tiles):
-                rows = slice(chunk.token_offset + lo - chunk.start, chunk.token_offset + hi - chunk.start)
-                out[rows] = res[i, lo - tile_start : hi - tile_start]
+            kv = kv.reshape(2, count, tile_end, *kv.shape[4:]).transpose(2, 3).contiguous()
+            q_tiles = torch.zeros((count * tile, *q.shape[1:]), dtype=q.dtype, device=q.device)
+            q_tiles[slots] = q[rows]
+            res = _sdpa(q_tiles.view(count, tile, *q.shape[1:]).transpose(1, 2), kv[0], kv[1], mask)
+            out[rows] = res.transpose(1, 2).reshape(count * tile, *q.shape[1:])[slots]

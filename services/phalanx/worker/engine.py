@@ -158,14 +158,15 @@ class Engine:
             if seq.status is not SeqStatus.RUNNING:
                 continue  # preempted earlier in this loop
             n = min(seq.remaining_to_compute, budget)
-            while not self.kv.ensure_capacity(seq.request_id, seq.num_computed + n):
+            fits = self.kv.ensure_capacity(seq.request_id, seq.num_computed + n)
+            while not fits:
                 victim = self._preempt_newest(exclude=[s for s, _ in scheduled])
                 if victim is None or victim is seq:
                     break
-            if seq.status is SeqStatus.RUNNING and self.kv.has(seq.request_id):
-                if len(self.kv.block_table(seq.request_id)) * BLOCK_SIZE >= seq.num_computed + n:
-                    scheduled.append((seq, n))
-                    budget -= n
+                fits = self.kv.ensure_capacity(seq.request_id, seq.num_computed + n)
+            if fits:
+                scheduled.append((seq, n))
+                budget -= n
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
             cached = self.kv.allocate(seq.request_id, seq.all_ids)

@@ -76,7 +76,7 @@ async def test_32_concurrent_streams_equal_single_runs(stub):
         (request(max_tokens=5000), "exceeds the context"),
         (request(top_p=2.0), "top_p"),
         (request(temperature=-0.5), "temperature"),
-        (worker_pb2.GenerateRequest(tokens=worker_pb2.PromptTokens(ids=[1, 99999]), sampling=common_pb2.SamplingParams(max_tokens=4)), "vocabulary"),
+        (worker_pb2.GenerateRequest(tokens=common_pb2.PromptTokens(ids=[1, 99999]), sampling=common_pb2.SamplingParams(max_tokens=4)), "vocabulary"),
     ],
 )
 async def test_bad_input_is_invalid_argument_and_the_worker_keeps_serving(stub, req, needle):

@@ -30,9 +30,10 @@ def test_built_stubs_match_the_protos(tmp_path):
 
 
 def test_every_service_uses_its_own_request_and_response_messages():
-    from phalanx._proto import worker_pb2
-
-    for service in worker_pb2.DESCRIPTOR.services_by_name.values():
+    modules = [getattr(phalanx._proto, name) for name in phalanx._proto.__all__ if name.endswith("_pb2")]
+    services = [s for m in modules for s in m.DESCRIPTOR.services_by_name.values()]
+    assert {s.name for s in services} >= {"RouterService", "WorkerService"}
+    for service in services:
         for method in service.methods:
             assert method.input_type.name == f"{method.name}Request"
             assert method.output_type.name == f"{method.name}Response"

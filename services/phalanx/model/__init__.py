@@ -1,8 +1,26 @@
-"""The model stack: MoE and dense decoders, paged KV cache, sampling, checkpoint loading."""
+"""The model stack: MoE and dense decoders, paged KV cache, sampling, checkpoint loading.
 
-from phalanx.model.config import BUILTIN_MODELS, ModelConfig, builtin_config
-from phalanx.model.loader import CheckpointError, load
-from phalanx.model.tokenizer import ByteTokenizer, SpecialTokens
-from phalanx.model.transformer import Transformer
+Names resolve lazily so that processes which only tokenize (the router) can
+use `phalanx.model.tokenizer` and `phalanx.model.config` without importing torch.
+"""
 
-__all__ = ["BUILTIN_MODELS", "ByteTokenizer", "CheckpointError", "ModelConfig", "SpecialTokens", "Transformer", "builtin_config", "load"]
+from importlib import import_module
+
+_EXPORTS = {
+    "BUILTIN_MODELS": "phalanx.model.config",
+    "ModelConfig": "phalanx.model.config",
+    "builtin_config": "phalanx.model.config",
+    "CheckpointError": "phalanx.model.loader",
+    "load": "phalanx.model.loader",
+    "ByteTokenizer": "phalanx.model.tokenizer",
+    "SpecialTokens": "phalanx.model.tokenizer",
+    "Transformer": "phalanx.model.transformer",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'phalanx.model' has no attribute {name!r}")
+    return getattr(import_module(_EXPORTS[name]), name)

@@ -6,7 +6,7 @@ import json
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from phalanx.model.tokenizer import BYTE_VOCAB_SIZE, SpecialTokens
+from phalanx.model.tokenizer import BYTE_VOCAB_SIZE, ByteTokenizer, SpecialTokens, Tokenizer, load_tokenizer
 
 
 @dataclass(frozen=True)
@@ -100,3 +100,14 @@ def builtin_config(name: str, **overrides) -> ModelConfig:
         return replace(BUILTIN_MODELS[name], **overrides)
     except KeyError:
         raise ValueError(f"unknown built-in model {name!r}; known: {sorted(BUILTIN_MODELS)}") from None
+
+
+def model_tokenizer(name_or_path: str | Path) -> Tokenizer:
+    """The tokenizer of a built-in model or checkpoint directory, without loading weights (or torch)."""
+    if str(name_or_path) in BUILTIN_MODELS:
+        return ByteTokenizer()
+    path = Path(name_or_path)
+    if not (path / "config.json").is_file():
+        raise ValueError(f"{path} is neither a built-in model ({sorted(BUILTIN_MODELS)}) nor a directory with config.json")
+    config = ModelConfig.from_hf_dir(path)
+    return load_tokenizer(path, bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id)

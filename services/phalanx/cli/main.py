@@ -31,18 +31,47 @@ def worker(
     from phalanx.worker.process import WorkerProcess
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-
-    def given(**values):
-        return {k: v for k, v in values.items() if v not in (None, "")}
-
     process = WorkerProcess(
-        WorkerConfig(**given(worker_id=worker_id, host=host, port=port)),
-        EngineConfig(**given(model=model, deterministic=deterministic)),
-        NatsConfig(**given(url=nats_url)),
-        EtcdConfig(**given(endpoint=etcd_endpoint)),
+        WorkerConfig(**_given(worker_id=worker_id, host=host, port=port)),
+        EngineConfig(**_given(model=model, deterministic=deterministic)),
+        NatsConfig(**_given(url=nats_url)),
+        EtcdConfig(**_given(endpoint=etcd_endpoint)),
         TelemetryConfig(),
     )
+    _run_until_signalled(process)
 
+
+@app.command()
+def router(
+    router_id: str = typer.Option("", help="Unique router id (default: router-<hostname>-<pid>)"),
+    host: str = typer.Option(None, help="Bind address [env PHALANX_ROUTER_HOST]"),
+    port: int = typer.Option(None, help="gRPC port, 0 for any [env PHALANX_ROUTER_PORT]"),
+    model: str = typer.Option(None, help="Checkpoint directory for the tokenizer (default: the workers' built-in model)"),
+    nats_url: str = typer.Option(None, help="NATS URL [env PHALANX_NATS_URL]"),
+    etcd_endpoint: str = typer.Option(None, help="etcd host:port [env PHALANX_ETCD_ENDPOINT]"),
+    log_level: str = typer.Option("INFO"),
+) -> None:
+    """Run a router: the public RouterService with KV-aware routing and resumable streams."""
+    from phalanx.common.config import EtcdConfig, NatsConfig, TelemetryConfig
+    from phalanx.router.config import RouterConfig
+    from phalanx.router.process import RouterProcess
+
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    process = RouterProcess(
+        RouterConfig(**_given(router_id=router_id, host=host, port=port, model=model)),
+        NatsConfig(**_given(url=nats_url)),
+        EtcdConfig(**_given(endpoint=etcd_endpoint)),
+        TelemetryConfig(),
+    )
+    _run_until_signalled(process)
+
+
+def _given(**values):
+    """Options given on the command line; the rest come from env vars or defaults."""
+    return {k: v for k, v in values.items() if v not in (None, "")}
+
+
+def _run_until_signalled(process) -> None:
     async def main() -> None:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):

@@ -1,9 +1,12 @@
-"""Worker membership in etcd: list the registered workers, then watch them come and go.
+"""Membership and shared state in etcd: list the keys under a prefix, then watch them change.
 
 Each worker puts ``/phalanx/v1/workers/<id>`` (the JSON form of
 WorkerRegistration) under its LeasedKey; the key vanishes when the worker
 dies. ``list()`` records the etcd revision it read at, and ``watch()``
 resumes from the revision after it, so no change falls between the two.
+``EtcdDirectory`` does this for any prefix of JSON-encoded protobuf
+messages (health records, degradation state); ``WorkerDirectory`` is the
+one for workers.
 """
 
 from __future__ import annotations
@@ -13,37 +16,48 @@ import logging
 from contextlib import aclosing
 from dataclasses import dataclass
 from collections.abc import AsyncIterator
-from typing import Literal
+from typing import Generic, Literal, TypeVar
 
 import grpc
 from aetcd import rpc
 from aetcd.utils import prefix_range_end
 from google.protobuf import json_format
+from google.protobuf.message import Message
 
 from phalanx._proto import common_pb2
 from phalanx.common.config import EtcdConfig
 from phalanx.common.lease import TRANSIENT_ERRORS, Backoff, connect_etcd
 from phalanx.common.subjects import WORKERS_PREFIX, validate_worker_id
 
-__all__ = ["WatchEvent", "WorkerDirectory", "decode_registration", "encode_registration"]
+__all__ = ["EtcdDirectory", "WatchEvent", "WorkerDirectory", "decode_json", "decode_registration", "encode_json", "encode_registration"]
 
 log = logging.getLogger(__name__)
 
-WorkerRegistration = common_pb2.WorkerRegistration
-# ("put", worker_id, registration) or ("delete", worker_id, None).
-WatchEvent = tuple[Literal["put", "delete"], str, "common_pb2.WorkerRegistration | None"]
+M = TypeVar("M", bound=Message)
+# ("put", name, message) or ("delete", name, None); name is the key below the prefix.
+WatchEvent = tuple[Literal["put", "delete"], str, "M | None"]
 
 _DELETE = rpc.Event.EventType.DELETE
 
 
+def encode_json(message: Message) -> bytes:
+    """The etcd value for a message: its canonical proto3 JSON, one line (readable with etcdctl)."""
+    return json_format.MessageToJson(message, indent=None).encode()
+
+
+def decode_json(data: bytes | str, message_type: type[M]) -> M:
+    """Parse an etcd value; unknown fields (from a newer writer) are ignored."""
+    return json_format.Parse(data, message_type(), ignore_unknown_fields=True)
+
+
 def encode_registration(registration: common_pb2.WorkerRegistration) -> bytes:
-    """The etcd value for a registration: its canonical proto3 JSON, one line."""
-    return json_format.MessageToJson(registration, indent=None).encode()
+    """The etcd value for a registration."""
+    return encode_json(registration)
 
 
 def decode_registration(data: bytes | str) -> common_pb2.WorkerRegistration:
-    """Parse an etcd value; unknown fields (from a newer writer) are ignored."""
-    return json_format.Parse(data, common_pb2.WorkerRegistration(), ignore_unknown_fields=True)
+    """Parse a registration value."""
+    return decode_json(data, common_pb2.WorkerRegistration)
 
 
 @dataclass
@@ -53,12 +67,17 @@ class _Cursor:
     next: int
 
 
-class WorkerDirectory:
-    """Read side of worker membership: ``list()`` and ``watch()`` over the workers prefix."""
+class EtcdDirectory(Generic[M]):
+    """``list()`` and ``watch()`` over the JSON-encoded ``message_type`` values under ``prefix``.
 
-    def __init__(self, config: EtcdConfig, *, prefix: str = WORKERS_PREFIX) -> None:
+    Names (the key below the prefix) must pass ``validate_worker_id`` (one
+    path segment of safe characters); other keys are logged and skipped.
+    """
+
+    def __init__(self, config: EtcdConfig, *, prefix: str, message_type: type[M]) -> None:
         self._config = config
         self._prefix = prefix.encode()
+        self._message_type = message_type
         self._client = connect_etcd(config)
         self._revision: int | None = None
         self._known: set[str] = set()
@@ -68,20 +87,20 @@ class WorkerDirectory:
         """The etcd revision the last ``list()`` read at (None before the first)."""
         return self._revision
 
-    async def list(self) -> dict[str, common_pb2.WorkerRegistration]:
-        """All registered workers by id; also records the revision for ``watch()``."""
+    async def list(self) -> dict[str, M]:
+        """Every value by name; also records the revision for ``watch()``."""
         result = await self._client.get_prefix(self._prefix)
-        workers: dict[str, common_pb2.WorkerRegistration] = {}
+        values: dict[str, M] = {}
         for kv in result.kvs:
             parsed = self._parse(kv.key, kv.value)
             if parsed is not None:
-                workers[parsed[0]] = parsed[1]
+                values[parsed[0]] = parsed[1]
         self._revision = result.header.revision
-        self._known = set(workers)
-        return workers
+        self._known = set(values)
+        return values
 
     async def watch(self, *, start_revision: int | None = None) -> AsyncIterator[WatchEvent]:
-        """Yield ``(event_type, worker_id, registration | None)`` for every change.
+        """Yield ``(event_type, name, message | None)`` for every change.
 
         Starts at ``start_revision``, else just after the last ``list()``, else
         now. Survives etcd restarts by resuming from the last revision seen; if
@@ -104,7 +123,7 @@ class WorkerDirectory:
             except TRANSIENT_ERRORS as error:
                 delay = backoff.next()
                 log.warning(
-                    "worker watch interrupted (%s); resuming at revision %d in %.2f s", error, cursor.next, delay
+                    "watch of %s interrupted (%s); resuming at revision %d in %.2f s", self._prefix.decode(), error, cursor.next, delay
                 )
                 await asyncio.sleep(delay)
 
@@ -144,7 +163,7 @@ class WorkerDirectory:
         """Close the etcd connection; idempotent."""
         await self._client.close()
 
-    async def __aenter__(self) -> WorkerDirectory:
+    async def __aenter__(self) -> EtcdDirectory[M]:
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:
@@ -153,11 +172,11 @@ class WorkerDirectory:
     def _convert(self, event: rpc.Event) -> WatchEvent | None:
         if event.type == _DELETE:
             try:
-                worker_id = self._worker_id(event.kv.key)
+                name = self._name(event.kv.key)
             except ValueError:
                 return None
-            self._known.discard(worker_id)
-            return ("delete", worker_id, None)
+            self._known.discard(name)
+            return ("delete", name, None)
         parsed = self._parse(event.kv.key, event.kv.value)
         if parsed is None:
             return None
@@ -166,19 +185,26 @@ class WorkerDirectory:
 
     async def _resync(self) -> AsyncIterator[WatchEvent]:
         before = set(self._known)
-        workers = await self.list()
-        for worker_id in sorted(before - set(workers)):
-            yield ("delete", worker_id, None)
-        for worker_id, registration in workers.items():
-            yield ("put", worker_id, registration)
+        values = await self.list()
+        for name in sorted(before - set(values)):
+            yield ("delete", name, None)
+        for name, message in values.items():
+            yield ("put", name, message)
 
-    def _worker_id(self, key: bytes) -> str:
+    def _name(self, key: bytes) -> str:
         return validate_worker_id(key[len(self._prefix) :].decode())
 
-    def _parse(self, key: bytes, value: bytes) -> tuple[str, common_pb2.WorkerRegistration] | None:
+    def _parse(self, key: bytes, value: bytes) -> tuple[str, M] | None:
         try:
-            return self._worker_id(key), decode_registration(value)
+            return self._name(key), decode_json(value, self._message_type)
         except (ValueError, json_format.ParseError) as error:
             # Someone else's key or a corrupt value must not stop discovery.
-            log.warning("ignoring %r in the worker directory: %s", key, error)
+            log.warning("ignoring %r under %s: %s", key, self._prefix.decode(), error)
             return None
+
+
+class WorkerDirectory(EtcdDirectory[common_pb2.WorkerRegistration]):
+    """Read side of worker membership: ``list()`` and ``watch()`` over the workers prefix."""
+
+    def __init__(self, config: EtcdConfig, *, prefix: str = WORKERS_PREFIX) -> None:
+        super().__init__(config, prefix=prefix, message_type=common_pb2.WorkerRegistration)

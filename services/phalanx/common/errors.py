@@ -56,3 +56,21 @@ class EngineDeadError(PhalanxError):
     """The engine loop died; nothing on this worker can be served any more."""
 
     reason = "ENGINE_DEAD"
+
+
+class NotFoundError(PhalanxError):
+    """The named thing (a request to resume, a worker) is not known, or no longer."""
+
+    reason = "NOT_FOUND"
+
+
+class AuthenticationError(PhalanxError):
+    """Missing or unknown credentials."""
+
+    reason = "UNAUTHENTICATED"
+
+
+class RequestShedError(ResourceExhaustedError):
+    """Refused by graceful degradation (its tier is shed at the current level); retry later."""
+
+    reason = "REQUEST_SHED"

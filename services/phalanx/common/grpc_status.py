@@ -8,8 +8,10 @@ from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
 from phalanx.common.errors import (
+    AuthenticationError,
     EngineDeadError,
     InvalidRequestError,
+    NotFoundError,
     PhalanxError,
     ResourceExhaustedError,
     UnavailableError,
@@ -22,6 +24,8 @@ _CODES: list[tuple[type[PhalanxError], grpc.StatusCode]] = [
     (ResourceExhaustedError, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (UnavailableError, grpc.StatusCode.UNAVAILABLE),
     (EngineDeadError, grpc.StatusCode.UNAVAILABLE),
+    (NotFoundError, grpc.StatusCode.NOT_FOUND),
+    (AuthenticationError, grpc.StatusCode.UNAUTHENTICATED),
 ]
 
 

@@ -1,4 +1,4 @@
-"""Starts real worker processes (python -m phalanx.cli worker) against a NATS and an etcd."""
+"""Starts real worker and router processes (python -m phalanx.cli …) against a NATS and an etcd."""
 
 from __future__ import annotations
 
@@ -10,14 +10,20 @@ import subprocess
 import sys
 import time
 
+from phalanx._proto import common_pb2
 from phalanx.common.config import EtcdConfig
-from phalanx.common.discovery import WorkerDirectory
+from phalanx.common.discovery import EtcdDirectory, WorkerDirectory
+from phalanx.common.subjects import ROUTERS_PREFIX
 from phalanx.testing.infra import pdeathsig_preexec
 
+__all__ = ["RouterHandle", "ServiceHandle", "WorkerHandle", "start_router", "start_worker"]
 
-class WorkerHandle:
-    def __init__(self, worker_id: str, process: subprocess.Popen, address: str) -> None:
-        self.worker_id = worker_id
+
+class ServiceHandle:
+    """A service process we started, stopped by its PID only."""
+
+    def __init__(self, name: str, process: subprocess.Popen, address: str) -> None:
+        self.name = name
         self.process = process
         self.address = address
 
@@ -37,26 +43,39 @@ class WorkerHandle:
         return self.process.returncode
 
 
-async def start_worker(worker_id: str, nats_url: str, etcd_config: EtcdConfig, *extra: str, env: dict | None = None) -> WorkerHandle:
-    process = subprocess.Popen(
-        [sys.executable, "-m", "phalanx.cli", "worker", "--worker-id", worker_id, "--nats-url", nats_url,
-         "--etcd-endpoint", etcd_config.endpoint, "--port", "0", "--log-level", "WARNING", *extra],
-        env={**os.environ, "PHALANX_ETCD_LEASE_TTL_S": str(etcd_config.lease_ttl_s), **(env or {})},
+class WorkerHandle(ServiceHandle):
+    @property
+    def worker_id(self) -> str:
+        return self.name
+
+
+class RouterHandle(ServiceHandle):
+    @property
+    def router_id(self) -> str:
+        return self.name
+
+
+def _spawn(args: list[str], env: dict[str, str]) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "phalanx.cli", *args],
+        env={**os.environ, **env},
         start_new_session=True,
         preexec_fn=pdeathsig_preexec(),  # dies with us: no orphans if we are SIGKILLed
     )
-    directory = WorkerDirectory(etcd_config)
-    deadline = time.monotonic() + 60
+
+
+async def _registered_address(process: subprocess.Popen, directory: EtcdDirectory, name: str, timeout: float) -> str:
+    """Wait until ``process`` registered ``name`` (a previous holder of the name may linger until its lease lapses)."""
+    deadline = time.monotonic() + timeout
     try:
         while time.monotonic() < deadline:
             if process.poll() is not None:
-                raise RuntimeError(f"worker {worker_id} exited with {process.returncode} before registering")
-            workers = await directory.list()
-            # A previous worker of the same id may still hold its key until its lease lapses.
-            if worker_id in workers and workers[worker_id].pid == process.pid:
-                return WorkerHandle(worker_id, process, workers[worker_id].address)
+                raise RuntimeError(f"{name} exited with {process.returncode} before registering")
+            entries = await directory.list()
+            if name in entries and entries[name].pid == process.pid:
+                return entries[name].address
             await asyncio.sleep(0.05)
-        raise TimeoutError(f"worker {worker_id} did not register within 60 s")
+        raise TimeoutError(f"{name} did not register within {timeout:.0f} s")
     except BaseException:
         with contextlib.suppress(Exception):
             process.kill()
@@ -64,3 +83,28 @@ async def start_worker(worker_id: str, nats_url: str, etcd_config: EtcdConfig, *
         raise
     finally:
         await directory.close()
+
+
+async def start_worker(worker_id: str, nats_url: str, etcd_config: EtcdConfig, *extra: str, env: dict | None = None) -> WorkerHandle:
+    """A worker process, returned once it registered (model loaded, serving)."""
+    process = _spawn(
+        ["worker", "--worker-id", worker_id, "--nats-url", nats_url, "--etcd-endpoint", etcd_config.endpoint, "--port", "0",
+         "--log-level", "WARNING", *extra],
+        {"PHALANX_ETCD_LEASE_TTL_S": str(etcd_config.lease_ttl_s), **(env or {})},
+    )
+    address = await _registered_address(process, WorkerDirectory(etcd_config), worker_id, 60)
+    return WorkerHandle(worker_id, process, address)
+
+
+async def start_router(
+    router_id: str, nats_url: str, etcd_config: EtcdConfig, *extra: str, port: int = 0, env: dict | None = None
+) -> RouterHandle:
+    """A router process, returned once it registered (index built, SERVING)."""
+    process = _spawn(
+        ["router", "--router-id", router_id, "--nats-url", nats_url, "--etcd-endpoint", etcd_config.endpoint, "--port", str(port),
+         "--log-level", "WARNING", *extra],
+        {"PHALANX_ETCD_LEASE_TTL_S": str(etcd_config.lease_ttl_s), **(env or {})},
+    )
+    directory = EtcdDirectory(etcd_config, prefix=ROUTERS_PREFIX, message_type=common_pb2.RouterRegistration)
+    address = await _registered_address(process, directory, router_id, 60)
+    return RouterHandle(router_id, process, address)

@@ -1,0 +1,97 @@
+"""Who may send what, and what the router sheds under degradation. Pure logic, no I/O.
+
+The planner publishes a degradation level (etcd, DegradationState):
+level 2 sheds best_effort, level 4 rejects every new request (existing
+streams finish). Levels 1 and 3 act on workers and SLOs, not on admission.
+Shed requests get RESOURCE_EXHAUSTED with a retry hint: the system is
+overloaded, not broken.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import IntEnum
+
+from phalanx.common.errors import AuthenticationError, InvalidRequestError, RequestShedError
+from phalanx.router.config import TenantPolicy
+
+DEFAULT_TENANT = "default"
+SHED_BEST_EFFORT_LEVEL = 2
+REJECT_ALL_LEVEL = 4
+
+
+class Tier(IntEnum):
+    """Values of phalanx.router.v1.Tier; a lower value is served longer under overload."""
+
+    PREMIUM = 1
+    STANDARD = 2
+    BEST_EFFORT = 3
+
+    @classmethod
+    def from_name(cls, name: str) -> Tier:
+        return cls[name.upper()]
+
+    @property
+    def label(self) -> str:
+        return self.name.lower()
+
+
+@dataclass(frozen=True)
+class Admitted:
+    tenant: str
+    tier: Tier
+
+
+class Admission:
+    """Resolves a request's tenant and tier and applies the degradation level."""
+
+    def __init__(self, tenants: dict[str, TenantPolicy], api_keys: dict[str, str], *, retry_after_s: float = 1.0) -> None:
+        self._tenants = dict(tenants)
+        self._api_keys = dict(api_keys)
+        self._retry_after_s = retry_after_s
+        self.level = 0
+
+    @property
+    def requires_api_key(self) -> bool:
+        return bool(self._api_keys)
+
+    def admit(self, *, tenant: str, tier: int, api_key: str | None) -> Admitted:
+        """The tenant and tier a request runs as; raises for unknown names, bad keys and shedding."""
+        tenant = self._tenant(tenant, api_key)
+        policy = self._tenants[tenant]
+        if tier == 0:
+            resolved = Tier.from_name(policy.default_tier)
+        else:
+            try:
+                resolved = Tier(tier)
+            except ValueError:
+                raise InvalidRequestError("tier", f"unknown tier {tier}; use premium, standard or best_effort") from None
+        if resolved < Tier.from_name(policy.max_tier):
+            raise InvalidRequestError("tier", f"tenant {tenant!r} may use {policy.max_tier} at most, not {resolved.label}")
+        self._check_shedding(resolved)
+        return Admitted(tenant, resolved)
+
+    def _tenant(self, tenant: str, api_key: str | None) -> str:
+        if self._api_keys:
+            if not api_key:
+                raise AuthenticationError("this router needs an API key (metadata authorization: Bearer <key>)")
+            owner = self._api_keys.get(api_key)
+            if owner is None:
+                raise AuthenticationError("unknown API key")
+            if tenant and tenant != owner:
+                raise InvalidRequestError("tenant", f"the API key belongs to tenant {owner!r}, not {tenant!r}")
+            return owner
+        tenant = tenant or DEFAULT_TENANT
+        if tenant not in self._tenants:
+            raise InvalidRequestError("tenant", f"unknown tenant {tenant!r}")
+        return tenant
+
+    def _check_shedding(self, tier: Tier) -> None:
+        if self.level >= REJECT_ALL_LEVEL:
+            raise RequestShedError(
+                f"overloaded (degradation level {self.level}): no new requests are taken", retry_after_s=self._retry_after_s * 2
+            )
+        if self.level >= SHED_BEST_EFFORT_LEVEL and tier == Tier.BEST_EFFORT:
+            raise RequestShedError(
+                f"overloaded (degradation level {self.level}): best_effort requests are shed", retry_after_s=self._retry_after_s
+            )

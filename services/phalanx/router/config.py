@@ -1,0 +1,67 @@
+"""Router settings (env prefix PHALANX_ROUTER_)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+TierName = Literal["premium", "standard", "best_effort"]
+
+
+class TenantPolicy(BaseSettings):
+    """What one tenant may ask for."""
+
+    model_config = SettingsConfigDict(extra="forbid", frozen=True)
+
+    default_tier: TierName = Field("standard", description="Tier of requests that name none")
+    max_tier: TierName = Field("premium", description="Highest tier the tenant may request")
+
+
+class RouterConfig(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="PHALANX_ROUTER_", extra="forbid", frozen=True, protected_namespaces=())
+
+    router_id: str = Field("", description="Unique id; empty means router-<hostname>-<pid>")
+    host: str = Field("127.0.0.1", description="Address the gRPC server binds")
+    port: int = Field(0, ge=0, le=65535, description="gRPC port; 0 picks a free one")
+    advertise_host: str = Field("", description="Host clients reach us at (default: host)")
+    metrics_port: int = Field(0, ge=0, le=65535, description="Prometheus /metrics port; 0 picks a free one")
+    model: str = Field(
+        "", description="Built-in model or checkpoint directory, for the tokenizer; empty: the workers' built-in model"
+    )
+    max_message_bytes: int = Field(4 * 1024 * 1024, ge=1024, description="Largest request accepted (RESOURCE_EXHAUSTED beyond)")
+    max_prompt_tokens: int = Field(32768, ge=1, description="Longest prompt accepted, in tokens")
+    tenants: dict[str, TenantPolicy] = Field(
+        default_factory=lambda: {"default": TenantPolicy()},
+        description='Known tenants as JSON, e.g. {"default": {}, "batch": {"default_tier": "best_effort", "max_tier": "standard"}}',
+    )
+    api_keys: dict[str, str] = Field(
+        default_factory=dict,
+        description="API key -> tenant as JSON; when set, every call needs `authorization: Bearer <key>` and runs as that tenant",
+    )
+    tls_cert_file: str = Field("", description="PEM certificate chain; with tls_key_file the router serves TLS only")
+    tls_key_file: str = Field("", description="PEM private key of tls_cert_file")
+    resume_window_s: int = Field(
+        30, ge=2, le=3600, description="How long a request stays resumable after its router died or its last token"
+    )
+    ready_timeout_s: float = Field(30.0, gt=0, description="Longest startup waits for KV snapshots before it serves anyway")
+    snapshot_timeout_s: float = Field(2.0, gt=0, description="Deadline of one KvSnapshot call to a worker")
+    load_stale_s: float = Field(2.0, gt=0, description="A worker silent for longer is penalised in routing")
+    no_worker_retry_after_s: float = Field(1.0, gt=0, description="Retry hint sent when no worker can take a request")
+
+    @model_validator(mode="after")
+    def _check(self) -> RouterConfig:
+        if bool(self.tls_cert_file) != bool(self.tls_key_file):
+            raise ValueError("tls_cert_file and tls_key_file go together")
+        unknown = sorted(set(self.api_keys.values()) - set(self.tenants))
+        if unknown:
+            raise ValueError(f"api_keys name unknown tenants {unknown}")
+        for name, policy in self.tenants.items():
+            if _RANK[policy.default_tier] < _RANK[policy.max_tier]:
+                raise ValueError(f"tenant {name!r}: default_tier is above max_tier")
+        return self
+
+
+# Lower rank = higher priority.
+_RANK = {"premium": 0, "standard": 1, "best_effort": 2}

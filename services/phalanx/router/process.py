@@ -1,0 +1,289 @@
+"""The router's lifecycle, in one place.
+
+Start: health NOT_SERVING -> connect NATS (subscribe KV and load events
+first, so nothing falls between the snapshot and the stream) -> list
+workers, health records and the degradation level from etcd -> KvSnapshot
+every worker into the index -> open the request-record session -> register
+-> SERVING. A fresh replica therefore routes with a full view at once.
+Stop: NOT_SERVING -> let streams finish for a grace period (clients resume
+elsewhere afterwards) -> revoke the registration (records stay for the
+resume window) -> close NATS and etcd.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import time
+from contextlib import aclosing
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from prometheus_client import start_http_server
+
+from phalanx._proto import common_pb2, router_pb2, router_pb2_grpc, worker_pb2
+from phalanx.common.config import EtcdConfig, NatsConfig, TelemetryConfig
+from phalanx.common.discovery import EtcdDirectory, WorkerDirectory, encode_json
+from phalanx.common.errors import UnavailableError
+from phalanx.common.events import EventBus
+from phalanx.common.lease import Backoff, LeasedKey
+from phalanx.common.subjects import DEGRADATION_PREFIX, HEALTH_PREFIX, KV_EVENTS_ALL, LOAD_ALL, router_key, validate_worker_id
+from phalanx.common.telemetry import grpc_server_interceptors, setup_telemetry, shutdown_telemetry
+from phalanx.model.config import BUILTIN_MODELS, model_tokenizer
+from phalanx.model.tokenizer import Tokenizer
+from phalanx.router.admission import Admission
+from phalanx.router.config import RouterConfig
+from phalanx.router.metrics import RouterMetrics
+from phalanx.router.records import RequestRecords
+from phalanx.router.routing import RoutingTable
+from phalanx.router.server import RouterServicer, WorkerChannels
+
+log = logging.getLogger(__name__)
+SERVICE_NAME = router_pb2.DESCRIPTOR.services_by_name["RouterService"].full_name
+_SHUTDOWN_GRACE_S = 5.0
+
+
+class RouterProcess:
+    def __init__(self, config: RouterConfig, nats: NatsConfig, etcd: EtcdConfig, telemetry: TelemetryConfig) -> None:
+        self.config = config
+        self.nats_config = nats
+        self.etcd_config = etcd
+        self.telemetry_config = telemetry
+        self.router_id = validate_worker_id(config.router_id or f"router-{socket.gethostname()}-{os.getpid()}")
+        self.metrics = RouterMetrics()
+        self.health = health.aio.HealthServicer()
+        self.table = RoutingTable(load_stale_s=config.load_stale_s)
+        self.admission = Admission(config.tenants, config.api_keys, retry_after_s=config.no_worker_retry_after_s)
+        self.address = ""
+        self.ready = asyncio.Event()
+        self._stop = asyncio.Event()
+        self._resync_wanted: set[str] = set()
+        self._resync_wake = asyncio.Event()
+        self._tokenizers: dict[str, Tokenizer] = {}
+        self.servicer: RouterServicer | None = None
+
+    def request_stop(self) -> None:
+        self._stop.set()
+
+    async def run(self) -> None:
+        setup_telemetry("phalanx-router", self.telemetry_config)
+        limit = self.config.max_message_bytes
+        server = grpc.aio.server(
+            interceptors=grpc_server_interceptors(),
+            options=[("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit), ("grpc.so_reuseport", 0)],
+        )
+        await self._set_serving(False)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        records = RequestRecords(self.etcd_config, self.router_id, resume_window_s=self.config.resume_window_s)
+        channels = WorkerChannels(limit)
+        servicer = self.servicer = RouterServicer(
+            self.router_id, self.config, self.table, self.admission, records, channels, self.metrics, tokenizer=self._tokenizer
+        )
+        router_pb2_grpc.add_RouterServiceServicer_to_server(servicer, server)
+        reflection.enable_server_reflection([SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
+        port = self._bind(server)
+        self.address = f"{self.config.advertise_host or self.config.host}:{port}"
+        await server.start()
+        metrics_server, metrics_thread = start_http_server(self.config.metrics_port, self.config.host, registry=self.metrics.registry)
+        workers = WorkerDirectory(self.etcd_config)
+        healths = EtcdDirectory(self.etcd_config, prefix=HEALTH_PREFIX, message_type=common_pb2.WorkerHealthRecord)
+        degradation = EtcdDirectory(self.etcd_config, prefix=DEGRADATION_PREFIX, message_type=common_pb2.DegradationState)
+        bus = registration = None
+        records_started = False
+        try:
+            bus = await EventBus.connect(self.nats_config, name=f"router-{self.router_id}")
+            await bus.subscribe(KV_EVENTS_ALL, common_pb2.KvEvent, self._on_kv_event)
+            await bus.subscribe(LOAD_ALL, common_pb2.LoadReport, self._on_load)
+            for worker_id, reg in (await workers.list()).items():
+                self._on_worker("put", worker_id, reg)
+            for worker_id, record in (await healths.list()).items():
+                self._on_health("put", worker_id, record)
+            for name, state in (await degradation.list()).items():
+                self._on_degradation("put", name, state)
+            await self._initial_sync(channels)
+            await records.start()
+            records_started = True
+            registration = LeasedKey(self.etcd_config, router_key(self.router_id), self._registration(metrics_server.server_port))
+            await registration.start()
+            await self._set_serving(True)
+            self.ready.set()
+            log.info("router %s serving on %s with %d workers", self.router_id, self.address, len(servicer.registrations))
+            async with asyncio.TaskGroup() as tasks:
+                loops = [
+                    tasks.create_task(self._follow(workers, self._on_worker)),
+                    tasks.create_task(self._follow(healths, self._on_health)),
+                    tasks.create_task(self._follow(degradation, self._on_degradation)),
+                    tasks.create_task(self._resync_loop(channels)),
+                    tasks.create_task(self._gauges_loop()),
+                ]
+                await self._stop.wait()
+                await self.health.enter_graceful_shutdown()
+                await server.stop(grace=_SHUTDOWN_GRACE_S)
+                for task in loops:
+                    task.cancel()
+        finally:
+            await server.stop(0)
+            if registration is not None:
+                await registration.close(revoke=True)
+            if records_started:
+                await records.close()
+            if bus is not None:
+                await bus.close()
+            for directory in (workers, healths, degradation):
+                await directory.close()
+            await channels.close()
+            metrics_server.shutdown()
+            metrics_thread.join(timeout=2)
+            shutdown_telemetry()
+
+    def _bind(self, server: grpc.aio.Server) -> int:
+        address = f"{self.config.host}:{self.config.port}"
+        if self.config.tls_cert_file:
+            credentials = grpc.ssl_server_credentials(
+                [(Path(self.config.tls_key_file).read_bytes(), Path(self.config.tls_cert_file).read_bytes())]
+            )
+            return server.add_secure_port(address, credentials)
+        return server.add_insecure_port(address)
+
+    async def _set_serving(self, serving: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ("", SERVICE_NAME):
+            await self.health.set(name, status)
+
+    def _registration(self, metrics_port: int) -> bytes:
+        host = self.config.advertise_host or self.config.host
+        return encode_json(
+            common_pb2.RouterRegistration(
+                router_id=self.router_id, address=self.address, pid=os.getpid(), metrics_address=f"{host}:{metrics_port}",
+                started_at=time.time(),
+            )
+        )
+
+    def _tokenizer(self) -> Tokenizer:
+        """The deployment's tokenizer: the configured model's, else the workers' built-in model's."""
+        name = self.config.model
+        if not name:
+            models = {r.model for r in self.servicer.registrations.values()}
+            if not models:
+                raise UnavailableError("no worker is registered yet", retry_after_s=self.config.no_worker_retry_after_s)
+            name = sorted(models)[0]
+            if name not in BUILTIN_MODELS:
+                raise UnavailableError(
+                    f"workers serve the checkpoint {name!r}: start the router with --model <its directory> to tokenize for it",
+                    retry_after_s=5.0,
+                )
+        tokenizer = self._tokenizers.get(name)
+        if tokenizer is None:
+            tokenizer = self._tokenizers[name] = model_tokenizer(name)
+        return tokenizer
+
+    # -- membership and shared state ------------------------------------------
+    def _on_worker(self, kind: str, worker_id: str, registration: common_pb2.WorkerRegistration | None) -> None:
+        registrations = self.servicer.registrations
+        if kind == "delete":
+            gone = registrations.pop(worker_id, None)
+            self.table.remove_worker(worker_id)
+            self._resync_wanted.discard(worker_id)
+            if gone is not None:
+                log.info("worker %s left routing", worker_id)
+                asyncio.get_running_loop().create_task(self.servicer.channels.drop(gone.address))
+            return
+        registrations[worker_id] = registration
+        changed = self.table.upsert_worker(
+            worker_id, registration.address, pid=registration.pid, model=registration.model, total_blocks=registration.total_blocks
+        )
+        if changed:
+            self._want_resync(worker_id)
+
+    def _on_health(self, kind: str, worker_id: str, record: common_pb2.WorkerHealthRecord | None) -> None:
+        if kind == "delete":
+            self.servicer.health.pop(worker_id, None)
+            self.table.set_weight(worker_id, 1.0)
+        else:
+            self.servicer.health[worker_id] = record
+            self.table.set_weight(worker_id, record.routing_weight)
+
+    def _on_degradation(self, kind: str, name: str, state: common_pb2.DegradationState | None) -> None:
+        level = 0 if kind == "delete" else state.level
+        if level != self.admission.level:
+            log.warning("degradation level %d -> %d%s", self.admission.level, level, f" ({state.reason})" if state and state.reason else "")
+        self.admission.level = level
+        self.metrics.degradation.set(level)
+
+    async def _follow(self, directory: EtcdDirectory, apply) -> None:
+        async with aclosing(directory.watch()) as events:
+            async for kind, name, message in events:
+                apply(kind, name, message)
+
+    # -- KV index and load ---------------------------------------------------------
+    async def _on_kv_event(self, event: common_pb2.KvEvent, subject: str, context) -> None:
+        if self.table.on_kv_event(event):
+            self._want_resync(event.worker_id)
+
+    async def _on_load(self, report: common_pb2.LoadReport, subject: str, context) -> None:
+        self.table.update_load(report)
+
+    def _want_resync(self, worker_id: str) -> None:
+        self._resync_wanted.add(worker_id)
+        self._resync_wake.set()
+
+    async def _snapshot(self, channels: WorkerChannels, worker_id: str) -> bool:
+        """Load one worker's KvSnapshot into the index; False if it failed (try again later)."""
+        registration = self.servicer.registrations.get(worker_id)
+        if registration is None:
+            return True
+        try:
+            snapshot = await channels.stub(registration.address).KvSnapshot(
+                worker_pb2.KvSnapshotRequest(), timeout=self.config.snapshot_timeout_s
+            )
+        except grpc.aio.AioRpcError as error:
+            log.info("KvSnapshot of %s failed (%s); retrying", worker_id, error.code().name)
+            return False
+        if worker_id not in self.servicer.registrations:
+            return True
+        self.metrics.kv_resyncs.inc()
+        if self.table.load_kv_snapshot(worker_id, snapshot.sequence, [b.block_hash for b in snapshot.blocks]):
+            self._want_resync(worker_id)
+        return True
+
+    async def _initial_sync(self, channels: WorkerChannels) -> None:
+        """Snapshot every known worker before serving, retrying failures until ready_timeout_s."""
+        deadline = time.monotonic() + self.config.ready_timeout_s
+        backoff = Backoff(initial=0.05, cap=1.0)
+        while self._resync_wanted and time.monotonic() < deadline:
+            pending, self._resync_wanted = set(self._resync_wanted), set()
+            results = await asyncio.gather(*(self._snapshot(channels, w) for w in pending))
+            failed = {w for w, ok in zip(pending, results, strict=True) if not ok}
+            self._resync_wanted |= failed
+            if failed:
+                await asyncio.sleep(backoff.next())
+        if self._resync_wanted:
+            log.warning("serving without KV snapshots of %s (they did not answer)", sorted(self._resync_wanted))
+            self._resync_wake.set()
+
+    async def _resync_loop(self, channels: WorkerChannels) -> None:
+        backoff = Backoff(initial=0.05, cap=2.0)
+        while True:
+            await self._resync_wake.wait()
+            self._resync_wake.clear()
+            pending, self._resync_wanted = set(self._resync_wanted), set()
+            results = await asyncio.gather(*(self._snapshot(channels, w) for w in pending))
+            failed = {w for w, ok in zip(pending, results, strict=True) if not ok}
+            if failed:
+                await asyncio.sleep(backoff.next())
+                for worker_id in failed:
+                    if worker_id in self.servicer.registrations:
+                        self._want_resync(worker_id)
+            else:
+                backoff.reset()
+
+    async def _gauges_loop(self) -> None:
+        while True:
+            views = self.table.workers()
+            self.metrics.workers.set(len(views))
+            self.metrics.indexed_blocks.set(sum(v.indexed_blocks for v in views))
+            await asyncio.sleep(1.0)

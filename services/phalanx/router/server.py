@@ -1,0 +1,442 @@
+"""gRPC shell of the router: validate, admit, route, relay worker streams, resume them anywhere.
+
+A request's token stream comes from a worker; the router relays it with
+each token's output index and keeps count. If a worker drains, its
+HANDED_BACK state continues on another worker within the same client
+stream. If the client's stream breaks (or this router dies) the worker
+keeps generating for a grace period, and `Resume` at any replica finds the
+worker through the request's etcd record and re-attaches from the next index.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+import grpc
+from grpc_status import rpc_status
+
+from phalanx._proto import common_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
+from phalanx.common.errors import InvalidRequestError, NotFoundError, PhalanxError, UnavailableError
+from phalanx.common.grpc_status import abort_with
+from phalanx.common.subjects import validate_request_id
+from phalanx.common.telemetry import get_tracer, grpc_client_interceptors
+from phalanx.model.params import sampling_from_proto
+from phalanx.model.tokenizer import Tokenizer
+from phalanx.router.admission import Admission, Admitted, Tier
+from phalanx.router.config import RouterConfig
+from phalanx.router.metrics import RouterMetrics
+from phalanx.router.records import RequestRecords
+from phalanx.router.routing import RoutingTable
+
+log = logging.getLogger(__name__)
+tracer = get_tracer(__name__)
+
+HANDED_BACK = common_pb2.FINISH_REASON_HANDED_BACK
+# Worker answers before the first token that mean "try another worker".
+_RETRY_ELSEWHERE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED}
+_MAX_ROUTE_ATTEMPTS = 3
+_MAX_HANDOFFS = 8
+_RECENT_RECORDS = 10_000
+
+
+class WorkerChannels:
+    """One gRPC channel per worker address, with trace context propagation."""
+
+    def __init__(self, max_message_bytes: int) -> None:
+        self._options = [
+            ("grpc.max_receive_message_length", max_message_bytes),
+            ("grpc.max_send_message_length", max_message_bytes),
+            ("grpc.keepalive_time_ms", 10_000),
+            ("grpc.keepalive_timeout_ms", 5_000),
+            ("grpc.initial_reconnect_backoff_ms", 100),
+            ("grpc.max_reconnect_backoff_ms", 1_000),
+        ]
+        self._channels: dict[str, tuple[grpc.aio.Channel, worker_pb2_grpc.WorkerServiceStub]] = {}
+
+    def stub(self, address: str) -> worker_pb2_grpc.WorkerServiceStub:
+        entry = self._channels.get(address)
+        if entry is None:
+            channel = grpc.aio.insecure_channel(address, options=self._options, interceptors=grpc_client_interceptors())
+            entry = self._channels[address] = (channel, worker_pb2_grpc.WorkerServiceStub(channel))
+        return entry[1]
+
+    async def drop(self, address: str) -> None:
+        entry = self._channels.pop(address, None)
+        if entry is not None:
+            await entry[0].close(grace=None)
+
+    async def close(self) -> None:
+        for address in list(self._channels):
+            await self.drop(address)
+
+
+@dataclass
+class _Flow:
+    """One request as this router relays it."""
+
+    record: common_pb2.RequestRecord
+    tier: Tier
+    prompt_ids: list[int]
+    next_index: int = 0
+    first_sent: bool = False
+
+
+def _api_key(context: grpc.aio.ServicerContext) -> str | None:
+    for key, value in context.invocation_metadata() or ():
+        if key == "authorization" and isinstance(value, str):
+            scheme, _, token = value.partition(" ")
+            return token.strip() if scheme.lower() == "bearer" else value.strip()
+    return None
+
+
+def _status_of(error: grpc.aio.AioRpcError) -> grpc.Status | None:
+    """The worker's status with its google.rpc details, to pass on unchanged."""
+    for key, value in error.trailing_metadata() or ():
+        if key == "grpc-status-details-bin":
+            from google.rpc import status_pb2
+
+            return rpc_status.to_status(status_pb2.Status.FromString(value))
+    return None
+
+
+class RouterServicer(router_pb2_grpc.RouterServiceServicer):
+    def __init__(
+        self,
+        router_id: str,
+        config: RouterConfig,
+        table: RoutingTable,
+        admission: Admission,
+        records: RequestRecords,
+        channels: WorkerChannels,
+        metrics: RouterMetrics,
+        *,
+        tokenizer: Callable[[], Tokenizer],
+    ) -> None:
+        self.router_id = router_id
+        self.config = config
+        self.table = table
+        self.admission = admission
+        self.records = records
+        self.channels = channels
+        self.metrics = metrics
+        self._tokenizer = tokenizer
+        # Kept current by the process's etcd watches.
+        self.registrations: dict[str, common_pb2.WorkerRegistration] = {}
+        self.health: dict[str, common_pb2.WorkerHealthRecord] = {}
+        self._recent: OrderedDict[str, common_pb2.RequestRecord] = OrderedDict()
+
+    # -- RPCs -----------------------------------------------------------------
+    async def Generate(self, request: router_pb2.GenerateRequest, context):
+        tier_label = "unknown"
+        status = "error"
+        try:
+            admitted, prompt_ids, params = self._validate(request, context)
+            tier_label = admitted.tier.label
+            request_id = request.request_id or uuid.uuid4().hex
+            flow, existing = await self._start(request_id, admitted, prompt_ids)
+            if existing is not None:
+                # A retry of a request that is already running: stream it from the start.
+                flow = _Flow(existing, Tier(existing.tier or Tier.STANDARD), prompt_ids)
+                chunks = self._attach(flow)
+            else:
+                chunks = self._generate(flow, request, params)
+            async for chunk in self._relay(flow, chunks, router_pb2.GenerateResponse):
+                yield chunk
+            status = "ok"
+        except PhalanxError as exc:
+            status = exc.reason.lower()
+            await _abort(context, exc)
+        except asyncio.CancelledError:
+            status = "cancelled"
+            raise
+        finally:
+            self.metrics.requests.labels(tier=tier_label, status=status).inc()
+
+    async def Resume(self, request: router_pb2.ResumeRequest, context):
+        status = "error"
+        try:
+            flow = await self._resumable(request, context)
+            async for chunk in self._relay(flow, self._attach(flow), router_pb2.ResumeResponse):
+                yield chunk
+            status = "ok"
+        except PhalanxError as exc:
+            status = exc.reason.lower()
+            await _abort(context, exc)
+        except asyncio.CancelledError:
+            status = "cancelled"
+            raise
+        finally:
+            self.metrics.resumes.labels(status=status).inc()
+
+    async def Cancel(self, request: router_pb2.CancelRequest, context):
+        try:
+            record = await self._record(self._request_id(request.request_id), context)
+            if record is None:
+                return router_pb2.CancelResponse(cancelled=False)
+            try:
+                reply = await self.channels.stub(record.worker_address).Cancel(
+                    worker_pb2.CancelRequest(request_id=record.request_id), timeout=2.0
+                )
+            except grpc.aio.AioRpcError as error:
+                raise UnavailableError(f"worker {record.worker_id} did not answer: {error.details()}") from None
+            self.records.release(record.request_id)
+            return router_pb2.CancelResponse(cancelled=reply.found)
+        except PhalanxError as exc:
+            await abort_with(context, exc)
+
+    async def ListWorkers(self, request, context):
+        return router_pb2.ListWorkersResponse(
+            router_id=self.router_id,
+            workers=[
+                router_pb2.WorkerStatus(
+                    worker_id=w.worker_id, address=w.address, pid=w.pid, model=w.model, health=w.health,
+                    routing_weight=w.weight, queue_depth=w.queue_depth, running_seqs=w.running_seqs,
+                    free_blocks=w.free_blocks, total_blocks=w.total_blocks, step_time_ms=w.step_time_ms,
+                    indexed_blocks=w.indexed_blocks, load_age_s=w.load_age_s,
+                )
+                for w in self.table.workers()
+            ],
+        )
+
+    # -- validation and admission --------------------------------------------
+    def _request_id(self, request_id: str) -> str:
+        try:
+            return validate_request_id(request_id)
+        except ValueError as error:
+            raise InvalidRequestError("request_id", str(error)) from None
+
+    def _validate(self, request: router_pb2.GenerateRequest, context) -> tuple[Admitted, list[int], object]:
+        if request.request_id:
+            self._request_id(request.request_id)
+        admitted = self.admission.admit(tenant=request.tenant, tier=request.tier, api_key=_api_key(context))
+        if request.media:
+            raise InvalidRequestError("media", "media inputs need the encoder pool, which this deployment does not run")
+        tokenizer = self._tokenizer()
+        which = request.WhichOneof("prompt")
+        if which == "text" and request.text:
+            prompt_ids = tokenizer.encode(request.text)
+        elif which == "tokens":
+            prompt_ids = list(request.tokens.ids)
+            bad = [t for t in prompt_ids if not 0 <= t < tokenizer.vocab_size]
+            if bad:
+                raise InvalidRequestError("prompt.tokens", f"ids {bad[:5]} are outside the vocabulary [0, {tokenizer.vocab_size})")
+        else:
+            prompt_ids = []
+        if not prompt_ids:
+            raise InvalidRequestError("prompt", "must not be empty")
+        if len(prompt_ids) > self.config.max_prompt_tokens:
+            raise InvalidRequestError("prompt", f"{len(prompt_ids)} tokens exceed the limit of {self.config.max_prompt_tokens}")
+        params = sampling_from_proto(request.sampling)
+        params.validate(tokenizer.vocab_size)
+        limit = min((r.max_model_len for r in self.registrations.values() if r.max_model_len), default=0)
+        if limit and len(prompt_ids) + params.max_tokens > limit:
+            raise InvalidRequestError(
+                "sampling.max_tokens",
+                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the context of {limit} tokens",
+            )
+        return admitted, prompt_ids, params
+
+    # -- routing ----------------------------------------------------------------
+    def _route(self, prompt_ids: list[int], exclude: frozenset[str] = frozenset()):
+        start = time.perf_counter()
+        with tracer.start_as_current_span("router.route") as span:
+            decision = self.table.route(prompt_ids, exclude=exclude)
+            if decision is None:
+                raise UnavailableError(
+                    "no worker can take the request now" + (f" (excluded: {sorted(exclude)})" if exclude else ""),
+                    retry_after_s=self.config.no_worker_retry_after_s,
+                )
+            span.set_attribute("phalanx.worker_id", decision.worker_id)
+            span.set_attribute("phalanx.cached_tokens", decision.cached_tokens)
+            span.set_attribute("phalanx.candidates", decision.candidates)
+        self.metrics.routing.observe(time.perf_counter() - start)
+        self.metrics.cached_tokens.inc(decision.cached_tokens)
+        self.table.note_routed(decision.worker_id, len(prompt_ids) - decision.cached_tokens)
+        return decision
+
+    async def _start(self, request_id: str, admitted: Admitted, prompt_ids: list[int]):
+        """Pick a worker and claim the request's record; returns (flow, existing record of a retry)."""
+        decision = self._route(prompt_ids)
+        record = common_pb2.RequestRecord(
+            request_id=request_id, worker_id=decision.worker_id, worker_address=self._address(decision.worker_id),
+            router_id=self.router_id, tenant=admitted.tenant, tier=int(admitted.tier), prompt_tokens=len(prompt_ids),
+            created_at=time.time(),
+        )
+        skipped = self.records.skipped
+        existing = self._recent.get(request_id) or await self.records.claim(record)
+        if self.records.skipped > skipped:
+            self.metrics.unrecorded.inc()
+        if existing is not None:
+            return None, existing
+        self._remember(record)
+        return _Flow(record, admitted.tier, prompt_ids), None
+
+    def _address(self, worker_id: str) -> str:
+        registration = self.registrations.get(worker_id)
+        if registration is None:
+            raise UnavailableError(f"worker {worker_id} just left", retry_after_s=0.1)
+        return registration.address
+
+    def _remember(self, record: common_pb2.RequestRecord) -> None:
+        self._recent[record.request_id] = record
+        self._recent.move_to_end(record.request_id)
+        while len(self._recent) > _RECENT_RECORDS:
+            self._recent.popitem(last=False)
+
+    async def _record(self, request_id: str, context) -> common_pb2.RequestRecord | None:
+        record = self._recent.get(request_id) or await self.records.get(request_id)
+        if record is not None and self.admission.requires_api_key:
+            caller = self.admission.admit(tenant="", tier=record.tier, api_key=_api_key(context)).tenant
+            if caller != record.tenant:
+                return None  # someone else's request: as good as unknown
+        return record
+
+    async def _resumable(self, request: router_pb2.ResumeRequest, context) -> _Flow:
+        request_id = self._request_id(request.request_id)
+        if request.tokens_received < 0:
+            raise InvalidRequestError("tokens_received", "must be >= 0")
+        record = await self._record(request_id, context)
+        if record is None:
+            raise NotFoundError(f"request {request_id!r} is unknown or no longer resumable (resume window {self.config.resume_window_s} s)")
+        return _Flow(record, Tier(record.tier or Tier.STANDARD), [], next_index=request.tokens_received)
+
+    # -- worker streams -----------------------------------------------------------
+    def _generate(self, flow: _Flow, request: router_pb2.GenerateRequest, params) -> AsyncIterator:
+        worker_request = worker_pb2.GenerateRequest(
+            request_id=flow.record.request_id, tokens=common_pb2.PromptTokens(ids=flow.prompt_ids), sampling=request.sampling
+        )
+        return self._worker_stream(flow, lambda stub: stub.Generate(worker_request), retry_elsewhere=True)
+
+    def _attach(self, flow: _Flow) -> AsyncIterator:
+        attach = worker_pb2.AttachRequest(request_id=flow.record.request_id, from_index=flow.next_index)
+        return self._worker_stream(flow, lambda stub: stub.Attach(attach), retry_elsewhere=False)
+
+    async def _worker_stream(self, flow: _Flow, open_call, *, retry_elsewhere: bool) -> AsyncIterator:
+        """Worker chunks of one request, following handoffs; re-routes a refused first attempt."""
+        tried: set[str] = set()
+        handoffs = 0
+        while True:
+            call = open_call(self.channels.stub(flow.record.worker_address))
+            handoff = None
+            got_any = False
+            try:
+                async for chunk in call:
+                    got_any = True
+                    if chunk.finish_reason == HANDED_BACK:
+                        handoff = chunk.handoff
+                        break
+                    yield chunk
+            except grpc.aio.AioRpcError as error:
+                code = error.code()
+                if retry_elsewhere and not got_any and code in _RETRY_ELSEWHERE and len(tried) + 1 < _MAX_ROUTE_ATTEMPTS:
+                    tried.add(flow.record.worker_id)
+                    log.info("worker %s refused %s (%s); routing elsewhere", flow.record.worker_id, flow.record.request_id, code.name)
+                    await self._move(flow, self._route(flow.prompt_ids, frozenset(tried)))
+                    continue
+                raise _WorkerStreamError(flow.record.worker_id, error) from None
+            finally:
+                call.cancel()
+            if handoff is None:
+                return
+            handoffs += 1
+            if handoffs > _MAX_HANDOFFS:
+                raise UnavailableError(f"request {flow.record.request_id} was handed back {handoffs} times; giving up", retry_after_s=1.0)
+            self.metrics.handoffs.inc()
+            previous = flow.record.worker_id
+            decision = self._route(list(handoff.prompt_token_ids) + list(handoff.output_token_ids), frozenset({previous}))
+            log.info("worker %s handed back %s; continuing on %s", previous, flow.record.request_id, decision.worker_id)
+            await self._move(flow, decision)
+            resume = worker_pb2.GenerateRequest(request_id=flow.record.request_id, resume_from=handoff)
+            open_call = lambda stub, resume=resume: stub.Generate(resume)  # noqa: E731
+            retry_elsewhere = False
+
+    async def _move(self, flow: _Flow, decision) -> None:
+        record = common_pb2.RequestRecord()
+        record.CopyFrom(flow.record)
+        record.worker_id = decision.worker_id
+        record.worker_address = self._address(decision.worker_id)
+        flow.record = record
+        flow.first_sent = False
+        self._remember(record)
+        await self.records.update(record)
+
+    async def _relay(self, flow: _Flow, chunks: AsyncIterator, response_type) -> AsyncIterator:
+        """Client responses from worker chunks: each index once, in order, with latency metrics."""
+        tier = flow.tier.label
+        ttft, itl, tokens = self.metrics.ttft.labels(tier=tier), self.metrics.itl.labels(tier=tier), self.metrics.tokens
+        request_id = flow.record.request_id
+        last = time.perf_counter()
+        finished = False
+        self.metrics.active.inc()
+        try:
+            async for c in chunks:
+                if c.index >= 0:
+                    if c.index < flow.next_index:
+                        continue  # already delivered (a worker replaying from an earlier index)
+                    if c.index > flow.next_index:
+                        raise UnavailableError(f"token {flow.next_index} of {request_id} is missing; resume from it", retry_after_s=0.1)
+                    flow.next_index += 1
+                    now = time.perf_counter()
+                    (itl if flow.first_sent else ttft).observe(now - last)
+                    last = now
+                    tokens.inc()
+                out = response_type(
+                    request_id=request_id, token_id=c.token_id, text=c.text, index=c.index, finish_reason=c.finish_reason
+                )
+                if not flow.first_sent:
+                    flow.first_sent = True
+                    out.worker_id = flow.record.worker_id
+                    out.prompt_tokens = c.prompt_tokens
+                    out.cached_prompt_tokens = c.cached_prompt_tokens
+                    out.seed = c.seed
+                if c.finish_reason:
+                    finished = True
+                yield out
+        except _WorkerStreamError as error:
+            raise error.to_phalanx() from None
+        finally:
+            self.metrics.active.dec()
+            if finished:
+                self.records.release(request_id)
+
+
+async def _abort(context: grpc.aio.ServicerContext, error: PhalanxError) -> None:
+    status = error.status() if isinstance(error, _PassThrough) else None
+    if status is not None:
+        await context.abort_with_status(status)
+    await abort_with(context, error)
+
+
+class _WorkerStreamError(Exception):
+    """A worker stream failed; carries the worker's status to pass on."""
+
+    def __init__(self, worker_id: str, error: grpc.aio.AioRpcError) -> None:
+        super().__init__(f"{worker_id}: {error.code().name}: {error.details()}")
+        self.worker_id = worker_id
+        self.error = error
+
+    def to_phalanx(self) -> PhalanxError:
+        code = self.error.code()
+        if code == grpc.StatusCode.NOT_FOUND:
+            return NotFoundError(f"worker {self.worker_id} no longer has the request: {self.error.details()}")
+        if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED):
+            return UnavailableError(f"worker {self.worker_id} failed mid-request ({code.name}: {self.error.details()})", retry_after_s=0.2)
+        return _PassThrough(self.error)
+
+
+class _PassThrough(PhalanxError):
+    """A worker's own status (e.g. INVALID_ARGUMENT with BadRequest), relayed unchanged."""
+
+    def __init__(self, error: grpc.aio.AioRpcError) -> None:
+        super().__init__(error.details() or error.code().name)
+        self.error = error
+        self.reason = error.code().name
+
+    def status(self) -> grpc.Status | None:
+        return _status_of(self.error)

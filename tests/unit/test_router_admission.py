@@ -1,0 +1,82 @@
+"""Tenants, tiers, API keys and shedding at the router's door."""
+
+import pytest
+from pydantic import ValidationError
+
+from phalanx.common.errors import AuthenticationError, InvalidRequestError, RequestShedError
+from phalanx.router.admission import Admission, Tier
+from phalanx.router.config import RouterConfig, TenantPolicy
+
+pytestmark = pytest.mark.unit
+
+TENANTS = {
+    "default": TenantPolicy(),
+    "batch": TenantPolicy(default_tier="best_effort", max_tier="standard"),
+}
+
+
+def test_unnamed_tenant_and_tier_default_to_the_default_tenant_at_its_default_tier():
+    admitted = Admission(TENANTS, {}).admit(tenant="", tier=0, api_key=None)
+    assert (admitted.tenant, admitted.tier) == ("default", Tier.STANDARD)
+
+
+def test_unknown_tenant_and_unknown_tier_are_invalid_arguments():
+    admission = Admission(TENANTS, {})
+    with pytest.raises(InvalidRequestError) as error:
+        admission.admit(tenant="nobody", tier=0, api_key=None)
+    assert error.value.violations[0].field == "tenant"
+    with pytest.raises(InvalidRequestError) as error:
+        admission.admit(tenant="", tier=7, api_key=None)
+    assert error.value.violations[0].field == "tier"
+
+
+def test_tenant_may_not_ask_above_its_max_tier():
+    admission = Admission(TENANTS, {})
+    assert admission.admit(tenant="batch", tier=0, api_key=None).tier == Tier.BEST_EFFORT
+    assert admission.admit(tenant="batch", tier=Tier.STANDARD, api_key=None).tier == Tier.STANDARD
+    with pytest.raises(InvalidRequestError, match="standard at most"):
+        admission.admit(tenant="batch", tier=Tier.PREMIUM, api_key=None)
+
+
+def test_api_keys_decide_the_tenant_and_are_required_when_configured():
+    admission = Admission(TENANTS, {"k-batch": "batch"})
+    assert admission.admit(tenant="", tier=0, api_key="k-batch").tenant == "batch"
+    with pytest.raises(AuthenticationError):
+        admission.admit(tenant="", tier=0, api_key=None)
+    with pytest.raises(AuthenticationError):
+        admission.admit(tenant="", tier=0, api_key="wrong")
+    with pytest.raises(InvalidRequestError, match="belongs to tenant"):
+        admission.admit(tenant="default", tier=0, api_key="k-batch")
+
+
+@pytest.mark.parametrize(
+    ("level", "shed"),
+    [(0, set()), (1, set()), (2, {Tier.BEST_EFFORT}), (3, {Tier.BEST_EFFORT}), (4, {Tier.PREMIUM, Tier.STANDARD, Tier.BEST_EFFORT})],
+)
+def test_degradation_level_sheds_tiers_with_a_retry_hint(level, shed):
+    admission = Admission(TENANTS, {}, retry_after_s=0.5)
+    admission.level = level
+    for tier in Tier:
+        if tier in shed:
+            with pytest.raises(RequestShedError) as error:
+                admission.admit(tenant="", tier=tier, api_key=None)
+            assert error.value.retry_after_s >= 0.5
+        else:
+            assert admission.admit(tenant="", tier=tier, api_key=None).tier == tier
+
+
+def test_router_config_reads_tenants_and_keys_from_env(monkeypatch):
+    monkeypatch.setenv("PHALANX_ROUTER_TENANTS", '{"default": {}, "batch": {"default_tier": "best_effort", "max_tier": "standard"}}')
+    monkeypatch.setenv("PHALANX_ROUTER_API_KEYS", '{"secret": "batch"}')
+    config = RouterConfig()
+    assert config.tenants["batch"].max_tier == "standard"
+    assert config.api_keys == {"secret": "batch"}
+
+
+def test_router_config_refuses_keys_of_unknown_tenants_and_half_tls():
+    with pytest.raises(ValidationError, match="unknown tenants"):
+        RouterConfig(api_keys={"k": "ghost"})
+    with pytest.raises(ValidationError, match="go together"):
+        RouterConfig(tls_cert_file="cert.pem")
+    with pytest.raises(ValidationError, match="above max_tier"):
+        RouterConfig(tenants={"default": TenantPolicy(default_tier="premium", max_tier="standard")})

@@ -1,0 +1,190 @@
+"""The exactly-once token stream: re-Generate or Resume across breaks, each index yielded once."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
+
+import grpc
+
+from phalanx._proto import router_pb2
+from phalanx.client._config import RetryPolicy
+from phalanx.client._errors import (
+    DeadlineExceededError,
+    PhalanxClientError,
+    RequestCancelledError,
+    StreamGapError,
+    UnavailableError,
+    from_rpc_error,
+    rich_status,
+)
+from phalanx.client._types import Chunk
+
+if TYPE_CHECKING:
+    from phalanx.client._client import Client
+
+__all__ = ["GenerateStream", "is_retryable"]
+
+_CODE = grpc.StatusCode
+# Substrings of the messages gRPC gives a call whose transport broke under it.
+_TRANSPORT_MARKERS = ("rst_stream", "stream removed", "socket closed", "connection reset", "goaway", "broken pipe", "end of tcp stream")
+# The router refused the request outright: there is nothing server-side to cancel.
+_REFUSED = frozenset({_CODE.INVALID_ARGUMENT, _CODE.OUT_OF_RANGE, _CODE.UNAUTHENTICATED, _CODE.PERMISSION_DENIED, _CODE.NOT_FOUND})
+
+
+def is_retryable(error: grpc.RpcError, policy: RetryPolicy, *, before_first_token: bool) -> bool:
+    """Whether a broken Generate/Resume call may be retried (by re-Generate or Resume)."""
+    code = error.code()
+    if code in (_CODE.UNAVAILABLE, _CODE.CANCELLED):
+        return True
+    if code is _CODE.RESOURCE_EXHAUSTED:
+        return policy.retry_overloaded and before_first_token
+    if code in (_CODE.INTERNAL, _CODE.UNKNOWN):
+        # A router's own INTERNAL carries google.rpc details; a broken transport has none.
+        details = (error.details() or "").lower()
+        return rich_status(error) is None and any(marker in details for marker in _TRANSPORT_MARKERS)
+    return False
+
+
+class _State:
+    """What the stream and its generator share (the generator must not reference the stream,
+    so that dropping the stream lets asyncio finalize the generator, which sends Cancel)."""
+
+    __slots__ = ("request_id", "next_index", "resumes", "failures", "worker_id", "cancel_task", "__weakref__")
+
+    def __init__(self, request_id: str, next_index: int) -> None:
+        self.request_id = request_id
+        self.next_index = next_index
+        self.resumes = 0
+        self.failures = 0
+        self.worker_id = ""
+        self.cancel_task: asyncio.Task | None = None
+
+
+class GenerateStream(AsyncIterator[Chunk]):
+    """Async iterator of a request's chunks, each index exactly once and in order.
+
+    Leaving early (``break``, task cancellation, ``aclose()``, or the ``async
+    with`` block) cancels the request server-side. ``async with`` or
+    ``aclose()`` does so deterministically; a plain ``break`` does when the
+    stream is garbage-collected (at once in CPython unless still referenced).
+    """
+
+    def __init__(
+        self, client: Client, *, request_id: str, request: router_pb2.GenerateRequest | None, start_index: int, timeout: float | None
+    ) -> None:
+        self._state = _State(request_id, start_index)
+        self._gen = _iterate(client, self._state, request, timeout)
+
+    @property
+    def request_id(self) -> str:
+        return self._state.request_id
+
+    @property
+    def resumes(self) -> int:
+        """Calls made so far to recover from a break (re-Generate before the first token, else Resume)."""
+        return self._state.resumes
+
+    @property
+    def tokens_received(self) -> int:
+        """The next index this stream expects (its ``tokens_received`` for a Resume)."""
+        return self._state.next_index
+
+    def __aiter__(self) -> GenerateStream:
+        return self
+
+    async def __anext__(self) -> Chunk:
+        return await self._gen.__anext__()
+
+    async def aclose(self, *, wait_s: float = 1.0) -> None:
+        """Stops the stream; if it was unfinished, waits up to ``wait_s`` for the Cancel to be sent."""
+        await self._gen.aclose()
+        task = self._state.cancel_task
+        if task is not None and not task.done():
+            await asyncio.wait({task}, timeout=wait_s)
+
+    async def __aenter__(self) -> GenerateStream:
+        return self
+
+    async def __aexit__(self, *exc_info) -> None:
+        await self.aclose()
+
+
+async def _iterate(client: Client, state: _State, request: router_pb2.GenerateRequest | None, timeout: float | None):
+    deadline = None if timeout is None else time.monotonic() + timeout
+    finished = refused = False
+    client._open_streams.add(state)
+    try:
+        while True:
+            call = _open(client, state, request, deadline)
+            failure: grpc.aio.AioRpcError | None = None
+            try:
+                async for response in call:
+                    chunk = _accept(state, response)
+                    if chunk is None:
+                        continue
+                    finished = chunk.finish_reason is not None
+                    yield chunk
+                    if finished:
+                        return
+            except grpc.aio.AioRpcError as error:
+                failure = error
+            finally:
+                call.cancel()
+            await _backoff_or_raise(client, state, failure, deadline)
+    except PhalanxClientError as error:
+        refused = error.code in _REFUSED or (error.code is _CODE.RESOURCE_EXHAUSTED and state.next_index == 0)
+        raise
+    finally:
+        client._open_streams.discard(state)
+        if not finished and not refused:
+            state.cancel_task = client._cancel_soon(state.request_id)
+
+
+def _open(client: Client, state: _State, request: router_pb2.GenerateRequest | None, deadline: float | None):
+    timeout = None
+    if deadline is not None:
+        timeout = deadline - time.monotonic()
+        if timeout <= 0:
+            raise DeadlineExceededError("the call's timeout ran out", code=_CODE.DEADLINE_EXCEEDED, request_id=state.request_id)
+    metadata = client._metadata()
+    if request is not None and state.next_index == 0:
+        # The same request_id again: the router streams a request it knows from index 0.
+        return client._stub.Generate(request, timeout=timeout, metadata=metadata)
+    resume = router_pb2.ResumeRequest(request_id=state.request_id, tokens_received=state.next_index)
+    return client._stub.Resume(resume, timeout=timeout, metadata=metadata)
+
+
+def _accept(state: _State, response) -> Chunk | None:
+    if response.index < state.next_index:
+        return None  # already yielded before the break
+    if response.index > state.next_index:
+        raise StreamGapError(expected_index=state.next_index, received_index=response.index, request_id=state.request_id)
+    state.next_index += 1
+    state.failures = 0
+    state.worker_id = response.worker_id or state.worker_id
+    return Chunk.from_proto(response, request_id=state.request_id, worker_id=state.worker_id)
+
+
+async def _backoff_or_raise(client: Client, state: _State, failure: grpc.aio.AioRpcError | None, deadline: float | None) -> None:
+    policy = client._retry
+    if failure is None:
+        error: PhalanxClientError = UnavailableError(
+            "the stream ended before its final token", code=_CODE.UNAVAILABLE, request_id=state.request_id
+        )
+        retry = True
+    elif client._cancelled_by_caller(state.request_id):
+        error, retry = RequestCancelledError("cancelled by this client", code=_CODE.CANCELLED, request_id=state.request_id), False
+    else:
+        error = from_rpc_error(failure, request_id=state.request_id)
+        retry = is_retryable(failure, policy, before_first_token=state.next_index == 0)
+    state.failures += 1
+    if not retry or state.failures >= policy.max_attempts:
+        raise error from failure
+    delay = max(policy.backoff_s(state.failures), error.retry_after_s or 0.0)
+    if deadline is not None and time.monotonic() + delay >= deadline:
+        raise error from failure
+    await asyncio.sleep(delay)
+    state.resumes += 1

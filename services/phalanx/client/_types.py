@@ -1,0 +1,166 @@
+"""The SDK's value types: what callers pass in and what they get back."""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from phalanx._proto import common_pb2, router_pb2
+
+__all__ = ["Chunk", "Completion", "FinishReason", "Tier", "WorkerHealth", "WorkerInfo"]
+
+
+class FinishReason(enum.StrEnum):
+    """Why a generation stopped (set on the last chunk only)."""
+
+    LENGTH = "length"
+    STOP = "stop"
+    ABORTED = "aborted"
+    HANDED_BACK = "handed_back"
+
+
+class Tier(enum.StrEnum):
+    """Priority under overload: best_effort is shed first, premium last."""
+
+    PREMIUM = "premium"
+    STANDARD = "standard"
+    BEST_EFFORT = "best_effort"
+
+
+class WorkerHealth(enum.StrEnum):
+    """A worker's condition as the router sees it."""
+
+    UNKNOWN = "unknown"
+    HEALTHY = "healthy"
+    SUSPICIOUS = "suspicious"
+    UNHEALTHY = "unhealthy"
+    DRAINING = "draining"
+    DEAD = "dead"
+
+
+_FINISH_FROM_PROTO = {
+    common_pb2.FINISH_REASON_LENGTH: FinishReason.LENGTH,
+    common_pb2.FINISH_REASON_STOP: FinishReason.STOP,
+    common_pb2.FINISH_REASON_ABORTED: FinishReason.ABORTED,
+    common_pb2.FINISH_REASON_HANDED_BACK: FinishReason.HANDED_BACK,
+}
+_TIER_TO_PROTO = {
+    None: router_pb2.TIER_UNSPECIFIED,
+    Tier.PREMIUM: router_pb2.TIER_PREMIUM,
+    Tier.STANDARD: router_pb2.TIER_STANDARD,
+    Tier.BEST_EFFORT: router_pb2.TIER_BEST_EFFORT,
+}
+_HEALTH_FROM_PROTO = {
+    common_pb2.WORKER_HEALTH_HEALTHY: WorkerHealth.HEALTHY,
+    common_pb2.WORKER_HEALTH_SUSPICIOUS: WorkerHealth.SUSPICIOUS,
+    common_pb2.WORKER_HEALTH_UNHEALTHY: WorkerHealth.UNHEALTHY,
+    common_pb2.WORKER_HEALTH_DRAINING: WorkerHealth.DRAINING,
+    common_pb2.WORKER_HEALTH_DEAD: WorkerHealth.DEAD,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Chunk:
+    """One generated token. ``index`` counts from 0 and is never repeated or skipped.
+
+    ``worker_id`` is the worker that produced the token (carried forward from the
+    last response that named one). ``prompt_tokens``, ``cached_prompt_tokens``
+    and ``seed`` are set on the first chunk of each underlying call and 0 elsewhere.
+    """
+
+    request_id: str
+    token_id: int
+    text: str
+    index: int
+    finish_reason: FinishReason | None
+    worker_id: str
+    prompt_tokens: int
+    cached_prompt_tokens: int
+    seed: int
+
+    @classmethod
+    def from_proto(cls, response, *, request_id: str, worker_id: str) -> Chunk:
+        """From a GenerateResponse or ResumeResponse (same fields)."""
+        return cls(
+            request_id=response.request_id or request_id,
+            token_id=response.token_id,
+            text=response.text,
+            index=response.index,
+            finish_reason=_FINISH_FROM_PROTO.get(response.finish_reason),
+            worker_id=response.worker_id or worker_id,
+            prompt_tokens=response.prompt_tokens,
+            cached_prompt_tokens=response.cached_prompt_tokens,
+            seed=response.seed,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Completion:
+    """A whole generation; ``resumes`` counts the stream breaks the SDK recovered from."""
+
+    request_id: str
+    text: str
+    token_ids: tuple[int, ...]
+    finish_reason: FinishReason | None
+    prompt_tokens: int
+    cached_prompt_tokens: int
+    seed: int
+    resumes: int
+
+    @classmethod
+    def from_chunks(cls, request_id: str, chunks: Sequence[Chunk], *, resumes: int) -> Completion:
+        """Joins the chunks of one request (prompt accounting and seed from index 0)."""
+        first = chunks[0] if chunks else None
+        return cls(
+            request_id=request_id,
+            text="".join(c.text for c in chunks),
+            token_ids=tuple(c.token_id for c in chunks),
+            finish_reason=chunks[-1].finish_reason if chunks else None,
+            prompt_tokens=first.prompt_tokens if first else 0,
+            cached_prompt_tokens=first.cached_prompt_tokens if first else 0,
+            seed=first.seed if first else 0,
+            resumes=resumes,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerInfo:
+    """A worker the router routes to, with its health and last reported load."""
+
+    worker_id: str
+    address: str
+    pid: int
+    model: str
+    health: WorkerHealth
+    routing_weight: float
+    queue_depth: int
+    running_seqs: int
+    free_blocks: int
+    total_blocks: int
+    step_time_ms: float
+    indexed_blocks: int
+    load_age_s: float
+
+    @classmethod
+    def from_proto(cls, status: router_pb2.WorkerStatus) -> WorkerInfo:
+        return cls(
+            worker_id=status.worker_id,
+            address=status.address,
+            pid=status.pid,
+            model=status.model,
+            health=_HEALTH_FROM_PROTO.get(status.health, WorkerHealth.UNKNOWN),
+            routing_weight=status.routing_weight,
+            queue_depth=status.queue_depth,
+            running_seqs=status.running_seqs,
+            free_blocks=status.free_blocks,
+            total_blocks=status.total_blocks,
+            step_time_ms=status.step_time_ms,
+            indexed_blocks=status.indexed_blocks,
+            load_age_s=status.load_age_s,
+        )
+
+
+def tier_to_proto(tier: Tier | str | None) -> int:
+    """The proto enum for a tier name or Tier; raises ValueError for an unknown one."""
+    return _TIER_TO_PROTO[None if tier is None else Tier(tier)]

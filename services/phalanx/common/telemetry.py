@@ -45,6 +45,15 @@ _provider: TracerProvider | None = None
 _shut_down = False
 
 
+class _StreamDetachNoise(logging.Filter):
+    """Drops opentelemetry-python-contrib#2357: its aio server interceptor keeps a span
+    current across a stream's yields, so a stream the client cancels is finalised in
+    another Context and OTel logs a harmless "Failed to detach context" at ERROR."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.getMessage() != "Failed to detach context"
+
+
 def setup_telemetry(service_name: str, config: TelemetryConfig) -> None:
     """Install the process-wide tracer provider; later calls are no-ops.
 
@@ -65,6 +74,7 @@ def setup_telemetry(service_name: str, config: TelemetryConfig) -> None:
 
             exporter = OTLPSpanExporter(endpoint=config.otlp_endpoint, insecure=config.otlp_insecure)
             provider.add_span_processor(BatchSpanProcessor(exporter))
+        logging.getLogger("opentelemetry.context").addFilter(_StreamDetachNoise())
         trace.set_tracer_provider(provider)
         propagate.set_global_textmap(_PROPAGATOR)
         _provider = provider

@@ -74,7 +74,14 @@ class RouterProcess:
         limit = self.config.max_message_bytes
         server = grpc.aio.server(
             interceptors=grpc_server_interceptors(),
-            options=[("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit), ("grpc.so_reuseport", 0)],
+            options=[
+                ("grpc.max_receive_message_length", limit),
+                ("grpc.max_send_message_length", limit),
+                ("grpc.so_reuseport", 0),
+                # SDK clients ping every 20 s on quiet streams (long prefills); the default would GOAWAY them.
+                ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),
+                ("grpc.keepalive_permit_without_calls", 1),
+            ],
         )
         await self._set_serving(False)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
@@ -201,11 +208,9 @@ class RouterProcess:
 
     def _on_health(self, kind: str, worker_id: str, record: common_pb2.WorkerHealthRecord | None) -> None:
         if kind == "delete":
-            self.servicer.health.pop(worker_id, None)
             self.table.set_weight(worker_id, 1.0)
         else:
-            self.servicer.health[worker_id] = record
-            self.table.set_weight(worker_id, record.routing_weight)
+            self.table.set_weight(worker_id, min(1.0, max(0.0, record.routing_weight)), health=record.health)
 
     def _on_degradation(self, kind: str, name: str, state: common_pb2.DegradationState | None) -> None:
         level = 0 if kind == "delete" else state.level

@@ -128,7 +128,6 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
         self._tokenizer = tokenizer
         # Kept current by the process's etcd watches.
         self.registrations: dict[str, common_pb2.WorkerRegistration] = {}
-        self.health: dict[str, common_pb2.WorkerHealthRecord] = {}
         self._recent: OrderedDict[str, common_pb2.RequestRecord] = OrderedDict()
 
     # -- RPCs -----------------------------------------------------------------

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 
 from phalanx._proto import common_pb2
 from phalanx.common.config import EtcdConfig
@@ -22,10 +23,16 @@ __all__ = ["RouterHandle", "ServiceHandle", "WorkerHandle", "start_router", "sta
 class ServiceHandle:
     """A service process we started, stopped by its PID only."""
 
-    def __init__(self, name: str, process: subprocess.Popen, address: str) -> None:
+    def __init__(self, name: str, process: subprocess.Popen, address: str, metrics_address: str = "") -> None:
         self.name = name
         self.process = process
         self.address = address
+        self.metrics_address = metrics_address
+
+    def metrics(self) -> str:
+        """The process's Prometheus exposition text."""
+        with urllib.request.urlopen(f"http://{self.metrics_address}/metrics", timeout=5) as reply:
+            return reply.read().decode()
 
     def kill(self) -> None:
         if self.process.poll() is None:
@@ -64,7 +71,7 @@ def _spawn(args: list[str], env: dict[str, str]) -> subprocess.Popen:
     )
 
 
-async def _registered_address(process: subprocess.Popen, directory: EtcdDirectory, name: str, timeout: float) -> str:
+async def _registration(process: subprocess.Popen, directory: EtcdDirectory, name: str, timeout: float):
     """Wait until ``process`` registered ``name`` (a previous holder of the name may linger until its lease lapses)."""
     deadline = time.monotonic() + timeout
     try:
@@ -73,7 +80,7 @@ async def _registered_address(process: subprocess.Popen, directory: EtcdDirector
                 raise RuntimeError(f"{name} exited with {process.returncode} before registering")
             entries = await directory.list()
             if name in entries and entries[name].pid == process.pid:
-                return entries[name].address
+                return entries[name]
             await asyncio.sleep(0.05)
         raise TimeoutError(f"{name} did not register within {timeout:.0f} s")
     except BaseException:
@@ -92,8 +99,8 @@ async def start_worker(worker_id: str, nats_url: str, etcd_config: EtcdConfig, *
          "--log-level", "WARNING", *extra],
         {"PHALANX_ETCD_LEASE_TTL_S": str(etcd_config.lease_ttl_s), **(env or {})},
     )
-    address = await _registered_address(process, WorkerDirectory(etcd_config), worker_id, 60)
-    return WorkerHandle(worker_id, process, address)
+    registration = await _registration(process, WorkerDirectory(etcd_config), worker_id, 60)
+    return WorkerHandle(worker_id, process, registration.address, registration.metrics_address)
 
 
 async def start_router(
@@ -106,5 +113,5 @@ async def start_router(
         {"PHALANX_ETCD_LEASE_TTL_S": str(etcd_config.lease_ttl_s), **(env or {})},
     )
     directory = EtcdDirectory(etcd_config, prefix=ROUTERS_PREFIX, message_type=common_pb2.RouterRegistration)
-    address = await _registered_address(process, directory, router_id, 60)
-    return RouterHandle(router_id, process, address)
+    registration = await _registration(process, directory, router_id, 60)
+    return RouterHandle(router_id, process, registration.address, registration.metrics_address)

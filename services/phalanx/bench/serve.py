@@ -1,0 +1,100 @@
+"""`phalanx bench serve`: output tokens/s through SDK -> router -> worker against the bare engine.
+
+Same model, engine settings, prompts and sampling on both sides, in one
+run: the bare side steps an Engine in this process (no gRPC, no NATS, no
+asyncio); the stack side is a real deployment on loopback (nats-server,
+etcd, one worker process, one router process) driven by the SDK with
+`streams` concurrent streams. Both time from submitting the requests to
+the last token, prefill included. Sides alternate per repeat and report
+the median, so machine noise hits them alike; each repeat uses fresh
+prompts (shared by both sides) so the prefix cache helps neither.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+import statistics
+import time
+import uuid
+
+from phalanx.client import Client
+from phalanx.common.config import EtcdConfig
+from phalanx.model import load
+from phalanx.model.params import SamplingParams
+from phalanx.testing.infra import EtcdServer, NatsServer
+from phalanx.testing.workers import start_router, start_worker
+from phalanx.worker.config import EngineConfig
+from phalanx.worker.engine import Engine, EngineRequest
+
+
+def _prompts(seed: int, streams: int, prompt_len: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(256) for _ in range(prompt_len)] for _ in range(streams)]
+
+
+def bare_tokens_per_s(engine: Engine, prompts: list[list[int]], tokens: int) -> float:
+    params = SamplingParams(max_tokens=tokens, ignore_eos=True)
+    start = time.perf_counter()
+    for prompt in prompts:
+        engine.add_request(EngineRequest(prompt, params, request_id=uuid.uuid4().hex))
+    produced = 0
+    while engine.has_work():
+        produced += sum(1 for e in engine.step() if e.index >= 0)
+    return produced / (time.perf_counter() - start)
+
+
+async def stack_tokens_per_s(client: Client, prompts: list[list[int]], tokens: int) -> float:
+    async def one(prompt: list[int]) -> int:
+        completion = await client.complete(prompt, max_tokens=tokens, ignore_eos=True)
+        return len(completion.token_ids)
+
+    start = time.perf_counter()
+    produced = sum(await asyncio.gather(*(one(p) for p in prompts)))
+    return produced / (time.perf_counter() - start)
+
+
+def run_serve_bench(
+    *, streams: int = 16, tokens: int = 128, prompt_len: int = 32, model: str = "phalanx-tiny-moe", repeats: int = 3,
+    deterministic: bool = False,
+) -> dict:
+    return asyncio.run(_run(streams, tokens, prompt_len, model, repeats, deterministic))
+
+
+async def _run(streams: int, tokens: int, prompt_len: int, model: str, repeats: int, deterministic: bool) -> dict:
+    engine_config = EngineConfig(model=model, deterministic=deterministic)
+    engine = Engine(load(model), engine_config)
+    runs: dict[str, list[float]] = {"bare": [], "stack": []}
+    with contextlib.ExitStack() as stack:
+        nats = stack.enter_context(NatsServer())
+        etcd = stack.enter_context(EtcdServer())
+        etcd_config = EtcdConfig(endpoint=etcd.endpoint, lease_ttl_s=1)
+        env = {"PHALANX_ENGINE_MODEL": model}
+        worker = await start_worker("bench-worker", nats.url, etcd_config, "--deterministic" if deterministic else "--fast", env=env)
+        stack.callback(worker.terminate)
+        router = await start_router("bench-router", nats.url, etcd_config)
+        stack.callback(router.terminate)
+        async with await Client.connect(router.address) as client:
+            # Warm-up: allocator, kernels, channels, the first routing decisions.
+            warm = _prompts(-1, streams, prompt_len)
+            bare_tokens_per_s(engine, warm, 8)
+            await stack_tokens_per_s(client, warm, 8)
+            for repeat in range(repeats):
+                prompts = _prompts(repeat, streams, prompt_len)
+                runs["bare"].append(bare_tokens_per_s(engine, prompts, tokens))
+                runs["stack"].append(await stack_tokens_per_s(client, prompts, tokens))
+    bare, served = statistics.median(runs["bare"]), statistics.median(runs["stack"])
+    return {
+        "model": model,
+        "streams": streams,
+        "tokens_per_stream": tokens,
+        "prompt_len": prompt_len,
+        "deterministic": deterministic,
+        "repeats": repeats,
+        "bare_tokens_per_s": round(bare, 1),
+        "stack_tokens_per_s": round(served, 1),
+        "ratio": round(served / bare, 3),
+        "runs": {k: [round(v, 1) for v in vs] for k, vs in runs.items()},
+        "goal": {"ratio_at_16_streams": 0.85},
+    }

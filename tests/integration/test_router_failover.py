@@ -1,0 +1,147 @@
+"""Routers and workers that die or restart under live traffic; each test owns its processes."""
+
+import asyncio
+import time
+
+import pytest
+
+from phalanx._proto import common_pb2
+from phalanx.client import Client
+from phalanx.common.events import EventBus
+from phalanx.common.subjects import kv_events_subject
+from phalanx.testing.asserts import assert_eventually
+from phalanx.testing.stack import Stack, free_port
+
+pytestmark = pytest.mark.integration
+
+LONG = "The quick brown fox jumps over the lazy dog while the router watches every block. " * 3
+
+
+@pytest.fixture
+async def stack(nats_config, etcd_config):
+    s = Stack(nats_config.url, etcd_config)
+    yield s
+    await asyncio.to_thread(s.stop)
+
+
+async def tokens_of(client: Client, prompt, max_tokens: int) -> list[int]:
+    return list((await client.complete(prompt, max_tokens=max_tokens, ignore_eos=True)).token_ids)
+
+
+async def first_chunk(client: Client, prompt, max_tokens: int = 8):
+    chunks = [c async for c in client.generate(prompt, max_tokens=max_tokens, ignore_eos=True)]
+    assert [c.index for c in chunks] == list(range(max_tokens))
+    return chunks[0]
+
+
+async def test_sigkilled_worker_leaves_routing_within_lease_ttl_and_requests_still_succeed(stack):
+    victim, survivor = await stack.add_workers(2)
+    router = await stack.add_router()
+    async with await Client.connect(router.address, timeout=30) as client:
+        assert {w.worker_id for w in await client.list_workers()} == {victim.worker_id, survivor.worker_id}
+        victim.kill()
+        killed = time.monotonic()
+
+        async def gone():
+            return victim.worker_id not in {w.worker_id for w in await client.list_workers()}
+
+        await assert_eventually(gone, timeout=stack.etcd_config.lease_ttl_s + 0.5, interval=0.01)
+        left_after = time.monotonic() - killed
+        firsts = await asyncio.gather(*(first_chunk(client, f"after the crash {i}") for i in range(8)))
+    assert {f.worker_id for f in firsts} == {survivor.worker_id}
+    assert left_after <= stack.etcd_config.lease_ttl_s + 0.5
+
+
+async def _stream_killing_after(client: Client, prompt: str, max_tokens: int, after: int, kill) -> tuple[list, int]:
+    stream = client.generate(prompt, max_tokens=max_tokens, ignore_eos=True)
+    seen = []
+    async with stream:
+        async for chunk in stream:
+            seen.append(chunk)
+            if len(seen) == after:
+                await kill()
+    return seen, stream.resumes
+
+
+async def test_router_killed_mid_stream_the_sdk_resumes_and_sees_every_token_once(stack):
+    await stack.add_workers(1)
+    port = free_port()
+    router = await stack.add_router(port=port, router_id="r-restart")
+    prompt = "a long answer that outlives its router"
+
+    async def kill_and_restart():
+        router.kill()
+        await stack.add_router(port=port, router_id="r-restart")
+
+    async with await Client.connect(router.address, timeout=60) as client:
+        reference = await tokens_of(client, prompt, 200)
+        seen, resumes = await _stream_killing_after(client, prompt, 200, 5, kill_and_restart)
+    assert resumes >= 1
+    assert [c.index for c in seen] == list(range(200))
+    assert [c.token_id for c in seen] == reference
+
+
+async def test_a_stream_resumes_on_another_router_replica(stack):
+    await stack.add_workers(1)
+    first = await stack.add_router()
+    second = await stack.add_router()
+    prompt = "resume me somewhere else"
+
+    async def kill_serving_router():
+        # The SDK balances over both replicas; kill whichever carries this stream.
+        serving = [r for r in (first, second) if r.process.poll() is None]
+        for router in serving:
+            router.kill()
+            break
+
+    async with await Client.connect(f"ipv4:{first.address},{second.address}", timeout=60) as client:
+        reference = await tokens_of(client, prompt, 150)
+        seen, resumes = await _stream_killing_after(client, prompt, 150, 5, kill_serving_router)
+    assert [c.index for c in seen] == list(range(150))
+    assert [c.token_id for c in seen] == reference
+
+
+async def test_a_restarted_router_routes_by_prefix_as_soon_as_it_serves(stack):
+    await stack.add_workers(2)
+    router = await stack.add_router()
+    async with await Client.connect(router.address, timeout=30) as client:
+        first = await first_chunk(client, LONG)
+    router.terminate()
+    fresh = await stack.add_router()  # registers only after it loaded every worker's KvSnapshot
+    async with await Client.connect(fresh.address, timeout=30) as client:
+        again = await first_chunk(client, LONG)
+    assert again.worker_id == first.worker_id
+    assert again.cached_prompt_tokens >= 16 * 10
+
+
+def resyncs(metrics_text: str) -> float:
+    return next(float(line.split()[-1]) for line in metrics_text.splitlines() if line.startswith("phalanx_router_kv_resyncs_total"))
+
+
+async def test_a_kv_event_gap_makes_the_router_resync_that_worker(stack, nats_config):
+    (worker,) = await stack.add_workers(1)
+    router = await stack.add_router()
+    async with await Client.connect(router.address, timeout=30) as client:
+        await tokens_of(client, LONG, 4)
+
+        async def indexed():
+            (w,) = await client.list_workers()
+            return w.indexed_blocks if w.indexed_blocks > 0 else None
+
+        true_count = await assert_eventually(indexed, timeout=5)
+        resyncs_before = resyncs(await asyncio.to_thread(router.metrics))
+        # Far ahead of the worker's own sequence: a gap, carrying blocks the worker never had.
+        bogus = common_pb2.KvEvent(
+            worker_id=worker.worker_id, sequence=10_000_000,
+            stored=[common_pb2.KvBlockStored(block_hash=i, parent_hash=0, num_tokens=16) for i in range(1, 501)],
+        )
+        async with await EventBus.connect(nats_config, name="gap-test") as bus:
+            await bus.publish(kv_events_subject(worker.worker_id), bogus)
+            await bus.flush()
+
+        async def back_to_truth():
+            assert resyncs(await asyncio.to_thread(router.metrics)) > resyncs_before
+            (w,) = await client.list_workers()
+            return w.indexed_blocks == true_count
+
+        await assert_eventually(back_to_truth, timeout=5, message="the router did not re-sync from KvSnapshot")

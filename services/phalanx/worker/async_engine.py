@@ -13,6 +13,7 @@ import queue
 import threading
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 from phalanx.common.errors import EngineDeadError, UnavailableError
 from phalanx.model.kv_cache import KvEvents
@@ -21,6 +22,12 @@ from phalanx.worker.sequence import FinishReason, TokenEvent
 
 log = logging.getLogger(__name__)
 _EMA_ALPHA = 0.1
+
+
+class EventSink(Protocol):
+    """Where a request's events go, on the event loop, in order, until its final one."""
+
+    def put_nowait(self, event: TokenEvent) -> None: ...
 
 
 @dataclass
@@ -40,7 +47,7 @@ class AsyncEngine:
         self._on_kv_events = on_kv_events
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
-        self._streams: dict[str, asyncio.Queue[TokenEvent]] = {}
+        self._streams: dict[str, EventSink] = {}
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopping = False
@@ -62,22 +69,36 @@ class AsyncEngine:
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join)
             self._thread = None
-        for request_id, stream in list(self._streams.items()):
+        streams, self._streams = self._streams, {}
+        for request_id, stream in streams.items():
             stream.put_nowait(TokenEvent(request_id, -1, "", -1, FinishReason.ABORTED))
 
     # -- requests -----------------------------------------------------------
-    async def generate(self, request: EngineRequest) -> AsyncIterator[TokenEvent]:
-        """Yields the request's events until its final one; cancelling the iteration aborts it."""
+    async def submit(self, request: EngineRequest, sink: EventSink) -> str:
+        """Admits a request and returns its id; its events then go to `sink` until the final one.
+
+        Raises what admission raises (invalid, queue full, draining, engine
+        dead). Events arrive whoever reads them; only `abort` stops the request.
+        """
         if self.dead is not None:
             raise EngineDeadError(f"engine loop died: {self.dead!r}")
         if self.draining or self._stopping:
             raise UnavailableError("worker is draining; send the request to another worker", retry_after_s=0.1)
         self.engine.validate(request)  # pure checks; safe off the engine thread
-        stream: asyncio.Queue[TokenEvent] = asyncio.Queue()
         done = asyncio.get_running_loop().create_future()
-        self._commands.put(("add", request, stream, done))
+        self._commands.put(("add", request, sink, done))
         self._wake.set()
-        request_id = await done  # raises what add_request raised (queue full, duplicate id)
+        return await done  # raises what add_request raised (queue full, duplicate id)
+
+    def abort(self, request_id: str) -> None:
+        """Ends a request with ABORTED (freeing its KV); a no-op once it has finished."""
+        self._commands.put(("abort", request_id, FinishReason.ABORTED))
+        self._wake.set()
+
+    async def generate(self, request: EngineRequest) -> AsyncIterator[TokenEvent]:
+        """Yields the request's events until its final one; cancelling the iteration aborts it."""
+        stream: asyncio.Queue[TokenEvent] = asyncio.Queue()
+        request_id = await self.submit(request, stream)
         finished = False
         try:
             while True:
@@ -91,8 +112,7 @@ class AsyncEngine:
         finally:
             self._streams.pop(request_id, None)
             if not finished:
-                self._commands.put(("abort", request_id, FinishReason.ABORTED))
-                self._wake.set()
+                self.abort(request_id)
 
     async def cached_blocks(self) -> list[tuple[int, int, int]]:
         """Every block in the prefix cache, read on the engine thread after its pending KV events went out."""
@@ -158,7 +178,10 @@ class AsyncEngine:
                     continue
                 self._loop.call_soon_threadsafe(self._register, seq.request_id, stream, done)
             elif command[0] == "abort":
-                self.engine.abort(command[1], command[2])
+                # Its final event also tells the sink, if any still listens, that nothing follows.
+                event = self.engine.abort(command[1], command[2])
+                if event is not None:
+                    events.append(event)
             elif command[0] == "snapshot":
                 self._flush_kv_events()
                 self._loop.call_soon_threadsafe(_set_result, command[1], self.engine.cached_blocks())
@@ -187,19 +210,25 @@ class AsyncEngine:
             self._loop.call_soon_threadsafe(self._on_kv_events, events)
 
     # -- on the event loop --------------------------------------------------
-    def _register(self, request_id: str, stream: asyncio.Queue, done: asyncio.Future) -> None:
-        self._streams[request_id] = stream
+    def _register(self, request_id: str, sink: EventSink, done: asyncio.Future) -> None:
+        # Registered even if the caller stopped waiting for admission: the
+        # request runs, and its sink (or an abort) decides what becomes of it.
+        self._streams[request_id] = sink
         if not done.done():
             done.set_result(request_id)
 
     def _dispatch(self, events: list[TokenEvent]) -> None:
+        streams = self._streams
         for event in events:
-            stream = self._streams.get(event.request_id)
-            if stream is not None:
-                stream.put_nowait(event)
+            sink = streams.get(event.request_id)
+            if sink is not None:
+                if event.finish_reason is not FinishReason.NONE:
+                    del streams[event.request_id]
+                sink.put_nowait(event)
 
     def _fail_all(self, error: Exception) -> None:
-        for request_id, stream in self._streams.items():
+        streams, self._streams = self._streams, {}
+        for request_id, stream in streams.items():
             stream.put_nowait(TokenEvent(request_id, -1, "", -1, FinishReason.ABORTED, error=error))
 
 

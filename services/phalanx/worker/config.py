@@ -46,4 +46,9 @@ class WorkerConfig(BaseSettings):
     load_interval_s: float = Field(0.1, gt=0, le=10, description="Period of load reports on NATS")
     kv_event_interval_s: float = Field(0.02, gt=0, le=5, description="Longest a KV event waits before it is published")
     drain_grace_s: float = Field(10.0, ge=0, description="How long running requests may finish on SIGTERM before they are handed back")
+    detach_grace_s: float = Field(
+        15.0, ge=0, description="How long a request runs on after its last stream broke, for a caller to Attach again, before it is aborted"
+    )
+    retain_s: float = Field(30.0, ge=0, description="How long a finished request's output is kept for a late Attach")
+    max_retained: int = Field(10_000, ge=0, description="Most finished requests kept for Attach; the oldest go first")
     max_message_bytes: int = Field(4 * 1024 * 1024, ge=1024, description="Largest gRPC request accepted")

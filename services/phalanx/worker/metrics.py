@@ -17,6 +17,15 @@ class WorkerMetrics:
         self.cached_prompt_tokens = Counter(
             "phalanx_worker_cached_prompt_tokens", "Prompt tokens served from the prefix cache", labels, registry=self.registry
         )
+        self.detached = Counter(
+            "phalanx_worker_detached_requests", "Running requests left by their last reader (the stream broke)", labels, registry=self.registry
+        )
+        self.detach_timeouts = Counter(
+            "phalanx_worker_detach_timeouts", "Detached requests aborted because nobody attached within the grace", labels,
+            registry=self.registry,
+        )
+        self.attaches = Counter("phalanx_worker_attaches", "Attach calls that found their request", labels, registry=self.registry)
+        self.cancels = Counter("phalanx_worker_cancels", "Cancel calls that found their request", labels, registry=self.registry)
         self.ttft = Histogram("phalanx_worker_ttft_seconds", "Time to first token", labels, buckets=_LATENCY_BUCKETS, registry=self.registry)
         self.itl = Histogram("phalanx_worker_itl_seconds", "Inter-token latency", labels, buckets=_LATENCY_BUCKETS, registry=self.registry)
         self.step_time = Gauge("phalanx_worker_step_time_seconds", "EMA of the engine step time", labels, registry=self.registry)

@@ -78,8 +78,10 @@ class WorkerProcess:
         )
         await self._set_serving(False)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        c = self.config
         servicer = WorkerServicer(
-            self.worker_id, self.metrics, on_drain=self._drain, kv_sequence=lambda: self.kv_sequence
+            self.worker_id, self.metrics, on_drain=self._drain, kv_sequence=lambda: self.kv_sequence,
+            detach_grace_s=c.detach_grace_s, retain_s=c.retain_s, max_retained=c.max_retained,
         )
         worker_pb2_grpc.add_WorkerServiceServicer_to_server(servicer, server)
         reflection.enable_server_reflection([SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
@@ -116,6 +118,7 @@ class WorkerProcess:
         finally:
             if engine is not None:
                 await engine.stop()
+            servicer.close()  # no detach timer outlives the loop; readers still waiting see ABORTED
             await server.stop(0)
             if registration is not None:
                 await registration.close(revoke=True)

@@ -4,15 +4,18 @@ from __future__ import annotations
 
 import asyncio
 import time
+import uuid
+from collections.abc import Callable
 
 from phalanx._proto import common_pb2, worker_pb2, worker_pb2_grpc
-from phalanx.common.errors import InvalidRequestError, PhalanxError, UnavailableError
+from phalanx.common.errors import InvalidRequestError, NotFoundError, PhalanxError, UnavailableError
 from phalanx.common.grpc_status import abort_with
-from phalanx.model.sampling import SamplingParams
+from phalanx.model.params import SamplingParams
 from phalanx.worker.async_engine import AsyncEngine
 from phalanx.worker.engine import EngineRequest
 from phalanx.worker.metrics import WorkerMetrics
-from phalanx.worker.sequence import RequestSnapshot
+from phalanx.worker.sequence import FinishReason, RequestSnapshot, TokenEvent
+from phalanx.worker.streams import RequestLog, RequestStreams
 
 MAX_PROMPT_CHARS = 1 << 20
 CANARY_MAX_TOKENS = 64
@@ -50,6 +53,18 @@ def snapshot_to_proto(s: RequestSnapshot) -> common_pb2.RequestState:
     )
 
 
+def event_to_proto(cls, event: TokenEvent):
+    """A GenerateResponse or an AttachResponse (the same fields) for one event."""
+    chunk = cls(
+        request_id=event.request_id, token_id=event.token_id, text=event.text, index=event.index,
+        finish_reason=int(event.finish_reason), prompt_tokens=event.prompt_tokens,
+        cached_prompt_tokens=event.cached_prompt_tokens, seed=event.seed,
+    )
+    if event.handoff is not None:
+        chunk.handoff.CopyFrom(snapshot_to_proto(event.handoff))
+    return chunk
+
+
 def snapshot_from_proto(state: common_pb2.RequestState) -> RequestSnapshot:
     if not state.sampling.HasField("seed"):
         raise InvalidRequestError("resume_from.sampling.seed", "a resumed request needs the seed it started with")
@@ -60,24 +75,45 @@ def snapshot_from_proto(state: common_pb2.RequestState) -> RequestSnapshot:
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
-    """Registered before the server starts; answers UNAVAILABLE until `attach()` gives it the engine."""
+    """Registered before the server starts; answers UNAVAILABLE until `attach()` gives it the engine.
 
-    def __init__(self, worker_id: str, metrics: WorkerMetrics, *, on_drain, kv_sequence) -> None:
+    Requests outlive the calls that started them: their output goes to a
+    RequestLog (streams.py) that Generate and Attach read from any index.
+    """
+
+    def __init__(
+        self, worker_id: str, metrics: WorkerMetrics, *, on_drain, kv_sequence,
+        detach_grace_s: float = 15.0, retain_s: float = 30.0, max_retained: int = 10_000,
+    ) -> None:
         self.worker_id = worker_id
         self._kv_sequence = kv_sequence
         self._engine: AsyncEngine | None = None
-        self.metrics = metrics
+        self.metrics = m = metrics
         self._on_drain = on_drain
+        self._ttft, self._itl, self._generated = m.for_worker(m.ttft), m.for_worker(m.itl), m.for_worker(m.generated_tokens)
+        self._prompt, self._cached_prompt = m.for_worker(m.prompt_tokens), m.for_worker(m.cached_prompt_tokens)
+        self.streams = RequestStreams(
+            abort=self._abort, detach_grace_s=detach_grace_s, retain_s=retain_s, max_retained=max_retained,
+            on_detach=m.for_worker(m.detached).inc, on_detach_timeout=m.for_worker(m.detach_timeouts).inc,
+        )
 
     def attach(self, engine: AsyncEngine) -> None:
         self._engine = engine
         self.tokenizer = engine.engine.tokenizer
+
+    def close(self) -> None:
+        """Ends what still waits on a request log and stops detach timers; idempotent."""
+        self.streams.close()
 
     @property
     def engine(self) -> AsyncEngine:
         if self._engine is None:
             raise UnavailableError("worker is still loading its model", retry_after_s=1.0)
         return self._engine
+
+    def _abort(self, request_id: str) -> None:
+        if self._engine is not None:
+            self._engine.abort(request_id)
 
     def _prompt_ids(self, request) -> list[int]:
         which = request.WhichOneof("prompt")
@@ -90,38 +126,91 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         return []
 
     def _engine_request(self, request: worker_pb2.GenerateRequest) -> EngineRequest:
+        # The id is fixed here, not by the engine, so that a retry can find the request's log.
         if request.HasField("resume_from"):
             snapshot = snapshot_from_proto(request.resume_from)
-            return EngineRequest(snapshot.prompt_ids, snapshot.params, request.request_id or snapshot.request_id, resume=snapshot)
-        return EngineRequest(self._prompt_ids(request), sampling_from_proto(request.sampling), request.request_id)
+            request_id = request.request_id or snapshot.request_id or uuid.uuid4().hex
+            return EngineRequest(snapshot.prompt_ids, snapshot.params, request_id, resume=snapshot)
+        return EngineRequest(self._prompt_ids(request), sampling_from_proto(request.sampling), request.request_id or uuid.uuid4().hex)
+
+    def _count(self, error: BaseException | None) -> None:
+        status = "ok" if error is None else getattr(error, "reason", "internal").lower()
+        self.metrics.requests.labels(worker=self.worker_id, status=status).inc()
+
+    def _observer(self) -> Callable[[TokenEvent], None]:
+        """Metrics of one request, taken as its events arrive: once per token, however many read it."""
+        ttft, itl, generated = self._ttft, self._itl, self._generated
+        last = time.perf_counter()
+        first = True
+
+        def on_event(event: TokenEvent) -> None:
+            nonlocal last, first
+            if event.index >= 0:
+                now = time.perf_counter()
+                (ttft if first else itl).observe(now - last)
+                generated.inc()
+                last, first = now, False
+            if event.prompt_tokens:
+                self._prompt.inc(event.prompt_tokens)
+                self._cached_prompt.inc(event.cached_prompt_tokens)
+            if event.finish_reason is not FinishReason.NONE:
+                self._count(event.error)
+
+        return on_event
+
+    async def _submit(self, engine: AsyncEngine, request: EngineRequest, log: RequestLog) -> None:
+        try:
+            await engine.submit(request, log)
+        except asyncio.CancelledError:
+            raise  # the caller left during admission: the request may still start, and detaches like any other
+        except Exception as exc:
+            # Not retained, and a retry that joined meanwhile gets the same error.
+            self.streams.discard(log, exc)
+            raise
 
     async def Generate(self, request, context):
-        m = self.metrics
-        start = time.perf_counter()
-        last = None
         try:
+            engine = self.engine
             engine_request = self._engine_request(request)
-            async for event in self.engine.generate(engine_request):
-                now = time.perf_counter()
-                if event.index >= 0:
-                    m.for_worker(m.itl if last is not None else m.ttft).observe(now - (last or start))
-                    m.for_worker(m.generated_tokens).inc()
-                last = now
-                chunk = worker_pb2.GenerateResponse(
-                    request_id=event.request_id, token_id=event.token_id, text=event.text, index=event.index,
-                    finish_reason=int(event.finish_reason), prompt_tokens=event.prompt_tokens,
-                    cached_prompt_tokens=event.cached_prompt_tokens, seed=event.seed,
-                )
-                if event.prompt_tokens:
-                    m.for_worker(m.prompt_tokens).inc(event.prompt_tokens)
-                    m.for_worker(m.cached_prompt_tokens).inc(event.cached_prompt_tokens)
-                if event.handoff is not None:
-                    chunk.handoff.CopyFrom(snapshot_to_proto(event.handoff))
-                yield chunk
-            m.requests.labels(worker=self.worker_id, status="ok").inc()
         except PhalanxError as exc:
-            m.requests.labels(worker=self.worker_id, status=exc.reason.lower()).inc()
+            self._count(exc)
             await abort_with(context, exc)
+        streams = self.streams
+        log = streams.get(engine_request.request_id)
+        fresh = log is None
+        if fresh:
+            resumed = engine_request.resume
+            log = streams.start(
+                engine_request.request_id, first_index=len(resumed.output_ids) if resumed else 0, on_event=self._observer()
+            )
+        try:
+            with streams.reader(log):
+                if fresh:
+                    await self._submit(engine, engine_request, log)
+                async for event in log.read(log.first_index):
+                    yield event_to_proto(worker_pb2.GenerateResponse, event)
+        except PhalanxError as exc:
+            await abort_with(context, exc)
+
+    async def Attach(self, request, context):
+        try:
+            if request.from_index < 0:
+                raise InvalidRequestError("from_index", "must be >= 0")
+            log = self.streams.get(request.request_id)
+            if log is None:
+                raise NotFoundError(f"request {request.request_id!r} is not running on this worker and did not finish recently")
+            self.metrics.for_worker(self.metrics.attaches).inc()
+            with self.streams.reader(log):
+                async for event in log.read(request.from_index):
+                    yield event_to_proto(worker_pb2.AttachResponse, event)
+        except PhalanxError as exc:
+            await abort_with(context, exc)
+
+    async def Cancel(self, request, context):
+        found = self.streams.cancel(request.request_id)
+        if found:
+            self.metrics.for_worker(self.metrics.cancels).inc()
+        return worker_pb2.CancelResponse(found=found)
 
     async def Canary(self, request, context):
         try:

@@ -125,7 +125,7 @@ class Client:
         )  # fmt: skip
         async with stream:
             chunks = [chunk async for chunk in stream]
-        return Completion.from_chunks(stream.request_id, chunks, resumes=stream.resumes)
+        return Completion.from_chunks(stream.request_id, chunks, resumes=stream.resumes, finish_reason=stream.finish_reason)
 
     def resume(self, request_id: str, tokens_received: int, *, timeout: float | None = None) -> GenerateStream:
         """Continues a request from index ``tokens_received`` (e.g. in another process)."""

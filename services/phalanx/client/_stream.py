@@ -20,7 +20,7 @@ from phalanx.client._errors import (
     from_rpc_error,
     rich_status,
 )
-from phalanx.client._types import Chunk
+from phalanx.client._types import FINISH_FROM_PROTO, Chunk, FinishReason
 
 if TYPE_CHECKING:
     from phalanx.client._client import Client
@@ -52,7 +52,7 @@ class _State:
     """What the stream and its generator share (the generator must not reference the stream,
     so that dropping the stream lets asyncio finalize the generator, which sends Cancel)."""
 
-    __slots__ = ("request_id", "next_index", "resumes", "failures", "worker_id", "cancel_task", "__weakref__")
+    __slots__ = ("request_id", "next_index", "resumes", "failures", "worker_id", "finish_reason", "cancel_task", "__weakref__")
 
     def __init__(self, request_id: str, next_index: int) -> None:
         self.request_id = request_id
@@ -60,6 +60,7 @@ class _State:
         self.resumes = 0
         self.failures = 0
         self.worker_id = ""
+        self.finish_reason: FinishReason | None = None
         self.cancel_task: asyncio.Task | None = None
 
 
@@ -86,6 +87,11 @@ class GenerateStream(AsyncIterator[Chunk]):
     def resumes(self) -> int:
         """Calls made so far to recover from a break (re-Generate before the first token, else Resume)."""
         return self._state.resumes
+
+    @property
+    def finish_reason(self) -> FinishReason | None:
+        """Why the request ended, once it has (also when the end came without a token, e.g. ABORTED)."""
+        return self._state.finish_reason
 
     @property
     def tokens_received(self) -> int:
@@ -122,10 +128,18 @@ async def _iterate(client: Client, state: _State, request: router_pb2.GenerateRe
             failure: grpc.aio.AioRpcError | None = None
             try:
                 async for response in call:
+                    if response.index < 0:
+                        # An end without a token (aborted, or the end of a request already fully held).
+                        if response.finish_reason:
+                            state.finish_reason = FINISH_FROM_PROTO.get(response.finish_reason)
+                            finished = True
+                            return
+                        continue
                     chunk = _accept(state, response)
                     if chunk is None:
                         continue
                     finished = chunk.finish_reason is not None
+                    state.finish_reason = chunk.finish_reason
                     yield chunk
                     if finished:
                         return

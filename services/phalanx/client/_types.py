@@ -39,7 +39,7 @@ class WorkerHealth(enum.StrEnum):
     DEAD = "dead"
 
 
-_FINISH_FROM_PROTO = {
+FINISH_FROM_PROTO = {
     common_pb2.FINISH_REASON_LENGTH: FinishReason.LENGTH,
     common_pb2.FINISH_REASON_STOP: FinishReason.STOP,
     common_pb2.FINISH_REASON_ABORTED: FinishReason.ABORTED,
@@ -87,7 +87,7 @@ class Chunk:
             token_id=response.token_id,
             text=response.text,
             index=response.index,
-            finish_reason=_FINISH_FROM_PROTO.get(response.finish_reason),
+            finish_reason=FINISH_FROM_PROTO.get(response.finish_reason),
             worker_id=response.worker_id or worker_id,
             prompt_tokens=response.prompt_tokens,
             cached_prompt_tokens=response.cached_prompt_tokens,
@@ -109,14 +109,14 @@ class Completion:
     resumes: int
 
     @classmethod
-    def from_chunks(cls, request_id: str, chunks: Sequence[Chunk], *, resumes: int) -> Completion:
+    def from_chunks(cls, request_id: str, chunks: Sequence[Chunk], *, resumes: int, finish_reason: FinishReason | None = None) -> Completion:
         """Joins the chunks of one request (prompt accounting and seed from index 0)."""
         first = chunks[0] if chunks else None
         return cls(
             request_id=request_id,
             text="".join(c.text for c in chunks),
             token_ids=tuple(c.token_id for c in chunks),
-            finish_reason=chunks[-1].finish_reason if chunks else None,
+            finish_reason=finish_reason or (chunks[-1].finish_reason if chunks else None),
             prompt_tokens=first.prompt_tokens if first else 0,
             cached_prompt_tokens=first.cached_prompt_tokens if first else 0,
             seed=first.seed if first else 0,

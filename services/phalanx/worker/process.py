@@ -74,6 +74,8 @@ class WorkerProcess:
             options=[
                 ("grpc.max_receive_message_length", self.config.max_message_bytes),
                 ("grpc.so_reuseport", 0),
+                # Routers ping every 10 s on open streams to notice a dead worker; the default would GOAWAY them.
+                ("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000),
             ],
         )
         await self._set_serving(False)

@@ -3,27 +3,53 @@
 A block's hash covers its tokens and, through its parent's hash, every token
 before it, so equal hashes mean equal prefixes. blake2b makes the value the
 same in every process (Python's hash() is salted per process for str/bytes).
+
+The value is blake2b-64 of the little-endian bytes <u64 parent><i32 token>...,
+read back as a little-endian u64. The router hashes every prompt on its hot
+path, so `prefix_block_hashes` packs the whole prompt once and chains the raw
+digests: a digest's bytes are exactly the next block's packed parent.
 """
 
 from __future__ import annotations
 
 import hashlib
 import struct
+from functools import lru_cache
 
 ROOT_HASH = 0
 
+_ROOT_BYTES = bytes(8)
+_blake2b = hashlib.blake2b
+
+
+@lru_cache(maxsize=512)
+def _tokens_struct(n: int) -> struct.Struct:
+    # struct.Struct.pack beats array('i', ...) and a fresh format string per call.
+    return struct.Struct(f"<{n}i")
+
+
+@lru_cache(maxsize=512)
+def _digests_struct(n: int) -> struct.Struct:
+    return struct.Struct(f"<{n}Q")
+
 
 def hash_block(parent_hash: int, token_ids: list[int] | tuple[int, ...]) -> int:
-    data = struct.pack(f"<Q{len(token_ids)}i", parent_hash, *token_ids)
-    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
+    data = parent_hash.to_bytes(8, "little") + _tokens_struct(len(token_ids)).pack(*token_ids)
+    return int.from_bytes(_blake2b(data, digest_size=8).digest(), "little")
 
 
-def prefix_block_hashes(token_ids: list[int], block_size: int, *, limit_tokens: int | None = None) -> list[int]:
+def prefix_block_hashes(token_ids: list[int] | tuple[int, ...], block_size: int, *, limit_tokens: int | None = None) -> list[int]:
     """Hashes of the full blocks among the first `limit_tokens` tokens (all tokens by default)."""
-    n = len(token_ids) if limit_tokens is None else min(limit_tokens, len(token_ids))
-    hashes: list[int] = []
-    parent = ROOT_HASH
-    for start in range(0, n - n % block_size, block_size):
-        parent = hash_block(parent, token_ids[start : start + block_size])
-        hashes.append(parent)
-    return hashes
+    n = len(token_ids) if limit_tokens is None else max(0, min(limit_tokens, len(token_ids)))
+    n -= n % block_size
+    if n == 0:
+        return []
+    raw = _tokens_struct(n).pack(*token_ids[:n]) if n < len(token_ids) else _tokens_struct(n).pack(*token_ids)
+    step = 4 * block_size
+    digests: list[bytes] = []
+    append = digests.append
+    digest = _ROOT_BYTES
+    for start in range(0, 4 * n, step):
+        digest = _blake2b(digest + raw[start : start + step], digest_size=8).digest()
+        append(digest)
+    return list(_digests_struct(len(digests)).unpack(b"".join(digests)))

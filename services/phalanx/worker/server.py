@@ -10,7 +10,7 @@ from collections.abc import Callable
 from phalanx._proto import common_pb2, worker_pb2, worker_pb2_grpc
 from phalanx.common.errors import InvalidRequestError, NotFoundError, PhalanxError, UnavailableError
 from phalanx.common.grpc_status import abort_with
-from phalanx.model.params import SamplingParams
+from phalanx.model.params import SamplingParams, sampling_from_proto
 from phalanx.worker.async_engine import AsyncEngine
 from phalanx.worker.engine import EngineRequest
 from phalanx.worker.metrics import WorkerMetrics
@@ -19,19 +19,6 @@ from phalanx.worker.streams import RequestLog, RequestStreams
 
 MAX_PROMPT_CHARS = 1 << 20
 CANARY_MAX_TOKENS = 64
-
-
-def sampling_from_proto(p: common_pb2.SamplingParams) -> SamplingParams:
-    return SamplingParams(
-        temperature=p.temperature,
-        top_k=p.top_k,
-        top_p=p.top_p or 1.0,
-        max_tokens=p.max_tokens,
-        stop_token_ids=tuple(p.stop_token_ids),
-        stop_strings=tuple(p.stop_strings),
-        seed=p.seed if p.HasField("seed") else None,
-        ignore_eos=p.ignore_eos,
-    )
 
 
 def sampling_to_proto(p: SamplingParams) -> common_pb2.SamplingParams:

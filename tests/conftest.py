@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 
 import pytest
 
-from phalanx.common.config import EtcdConfig, NatsConfig
-from phalanx.testing.infra import EtcdServer, NatsServer
+# Tests start services with subprocess + preexec_fn (PR_SET_PDEATHSIG) while gRPC
+# runs; grpcio >= 1.80's fork handlers then abort the child now and then
+# (grpc/grpc#43055). The children exec at once, so the handlers are not needed.
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
+
+from phalanx.common.config import EtcdConfig, NatsConfig  # noqa: E402
+from phalanx.testing.infra import EtcdServer, NatsServer  # noqa: E402
 
 
 @pytest.fixture(scope="session")

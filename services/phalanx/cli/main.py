@@ -5,7 +5,9 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import signal
+from pathlib import Path
 
 import typer
 
@@ -83,50 +85,93 @@ def _run_until_signalled(process) -> None:
 
 @app.command()
 def up(
-    workers: int = typer.Option(2, min=1, max=16, help="Workers of the built-in model"),
+    workers: int = typer.Option(2, min=1, max=16, help="Workers of the model"),
     model: str = typer.Option("phalanx-tiny-moe", help="Built-in model or HF checkpoint directory"),
     deterministic: bool = typer.Option(True, "--deterministic/--fast", help="Batch-invariant numerics"),
+    port: int = typer.Option(50051, min=0, max=65535, help="Router gRPC port; 0 for any free one"),
     nats_url: str = typer.Option(None, envvar="PHALANX_NATS_URL", help="External NATS (default: start one)"),
-    etcd_endpoint: str = typer.Option(None, envvar="PHALANX_ETCD_ENDPOINT", help="External etcd (default: start one)"),
+    etcd_endpoint: str = typer.Option(None, envvar="PHALANX_ETCD_ENDPOINT", help="External etcd host:port (default: start one)"),
+    state_file: str = typer.Option(None, envvar="PHALANX_STATE_FILE", help="State file [default: ~/.phalanx/up.json]"),
+    detach: bool = typer.Option(False, "--detach", help="Run in the background; stop it with `phalanx down`"),
+    log_file: str = typer.Option(None, hidden=True, help="Set by --detach: where this supervisor's output goes"),
 ) -> None:
-    """Bring Phalanx up on this machine: embedded NATS and etcd plus supervised workers."""
+    """Bring Phalanx up on this machine: NATS, etcd, workers and a router as supervised local processes."""
     from rich.console import Console
 
-    from phalanx.cli.up import run_up
+    from phalanx.cli.up import UpOptions, run_detached, run_up
 
-    code = asyncio.run(
-        run_up(workers=workers, model=model, deterministic=deterministic, nats_url=nats_url, etcd_endpoint=etcd_endpoint, console=Console())
-    )
-    raise typer.Exit(code)
+    if Path(model).exists():
+        model = str(Path(model).resolve())  # the detached supervisor and its workers may not share our directory
+    options = UpOptions(
+        workers=workers, model=model, deterministic=deterministic, port=port, state_file=_state_file(state_file),
+        nats_url=nats_url, etcd_endpoint=etcd_endpoint, log_file=Path(log_file) if log_file else None,
+    )  # fmt: skip
+    console = Console(soft_wrap=True)  # long lines stay whole in the detached log
+    raise typer.Exit(run_detached(options, console) if detach else asyncio.run(run_up(options, console)))
+
+
+@app.command()
+def down(
+    state_file: str = typer.Option(None, envvar="PHALANX_STATE_FILE", help="State file [default: ~/.phalanx/up.json]"),
+) -> None:
+    """Stop what `phalanx up` started (SIGTERM to its supervisor, which stops everything in order)."""
+    from rich.console import Console
+
+    from phalanx.cli.up import run_down
+
+    raise typer.Exit(run_down(_state_file(state_file), Console(soft_wrap=True)))
+
+
+_TARGET_HELP = "Router host:port [default: the running `phalanx up`'s router, else 127.0.0.1:50051]"
 
 
 @app.command()
 def generate(
     prompt: str = typer.Argument(..., help="Prompt text"),
-    target: str = typer.Option(..., help="Worker address host:port (the router comes with the next release)"),
-    max_tokens: int = typer.Option(32),
-    temperature: float = typer.Option(0.0),
+    target: str = typer.Option(None, envvar="PHALANX_TARGET", help=_TARGET_HELP),
+    max_tokens: int = typer.Option(32, min=1),
+    temperature: float = typer.Option(0.0, min=0.0),
+    seed: int = typer.Option(None, help="Sampling seed (default: the router picks one)"),
+    tier: str = typer.Option(None, help="premium, standard or best_effort (default: the tenant's)"),
+    tenant: str = typer.Option(None, help="Tenant to run as"),
+    api_key: str = typer.Option(None, envvar="PHALANX_API_KEY", help="API key, if the router requires one"),
+    state_file: str = typer.Option(None, envvar="PHALANX_STATE_FILE", help="State file to find the router in"),
 ) -> None:
-    """Stream a completion from a worker."""
-    import grpc
+    """Stream a completion through the router."""
+    from phalanx.cli.state import resolve_target
+    from phalanx.cli.status import stream_generate
 
-    from phalanx._proto import common_pb2, worker_pb2, worker_pb2_grpc
+    target = resolve_target(target, _state_file(state_file))
+    options = {"max_tokens": max_tokens, "temperature": temperature, "seed": seed, "tier": tier, "tenant": tenant}
+    raise typer.Exit(_run_client(stream_generate(target, prompt, api_key=api_key, **options)))
 
-    async def main() -> None:
-        async with grpc.aio.insecure_channel(target) as channel:
-            stub = worker_pb2_grpc.WorkerServiceStub(channel)
-            request = worker_pb2.GenerateRequest(
-                text=prompt, sampling=common_pb2.SamplingParams(max_tokens=max_tokens, temperature=temperature)
-            )
-            try:
-                async for chunk in stub.Generate(request):
-                    typer.echo(chunk.text, nl=False)
-            except grpc.aio.AioRpcError as exc:
-                typer.echo(f"\nerror: {exc.code().name}: {exc.details()}", err=True)
-                raise typer.Exit(1) from None
-        typer.echo()
 
-    asyncio.run(main())
+@app.command()
+def status(
+    target: str = typer.Option(None, envvar="PHALANX_TARGET", help=_TARGET_HELP),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON only"),
+    api_key: str = typer.Option(None, envvar="PHALANX_API_KEY", help="API key, if the router requires one"),
+    state_file: str = typer.Option(None, envvar="PHALANX_STATE_FILE", help="State file to find the router in"),
+) -> None:
+    """The workers the router routes to: health, load and KV cache."""
+    from phalanx.cli.state import resolve_target
+    from phalanx.cli.status import show_status
+
+    raise typer.Exit(_run_client(show_status(resolve_target(target, _state_file(state_file)), as_json=as_json, api_key=api_key)))
+
+
+def _run_client(call) -> int:
+    """Run an SDK coroutine to its exit code; Ctrl-C leaves quietly (leaving a stream cancels its request)."""
+    try:
+        return asyncio.run(call)
+    except KeyboardInterrupt:
+        return 130
+
+
+def _state_file(given: str | None) -> Path:
+    from phalanx.cli.state import default_state_file
+
+    return (Path(given) if given else default_state_file()).expanduser().absolute()
 
 
 @bench_app.command("engine")
@@ -143,6 +188,40 @@ def bench_engine(
 
     result = run_engine_bench(
         model=model, batches=[int(b) for b in batches.split(",")], decode_tokens=tokens, prompt_len=prompt_len, repeats=repeats
+    )
+    typer.echo(json.dumps(result, indent=None if as_json else 2))
+
+
+@bench_app.command("route")
+def bench_route(
+    workers: str = typer.Option("8,64,256", help="Comma-separated worker counts"),
+    blocks: int = typer.Option(100_000, help="KV blocks indexed in total"),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON only"),
+) -> None:
+    """Routing decision latency against the KV index, by worker count."""
+    from phalanx.bench.route import run_route_bench
+
+    result = run_route_bench(worker_counts=[int(w) for w in workers.split(",")], total_blocks=blocks)
+    typer.echo(json.dumps(result, indent=None if as_json else 2))
+
+
+@bench_app.command("serve")
+def bench_serve(
+    streams: int = typer.Option(16, help="Concurrent streams"),
+    tokens: int = typer.Option(128, help="Tokens generated per stream"),
+    prompt_len: int = typer.Option(32, help="Prompt tokens per stream"),
+    model: str = typer.Option("phalanx-tiny-moe"),
+    repeats: int = typer.Option(3, help="Runs per measurement; the median is reported"),
+    deterministic: bool = typer.Option(False, "--deterministic/--fast", help="Batch-invariant numerics"),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON only"),
+) -> None:
+    """End-to-end streaming throughput through a router and workers."""
+    # It forks worker and router processes while its gRPC clients run: see run_up for why this is off.
+    os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
+    from phalanx.bench.serve import run_serve_bench
+
+    result = run_serve_bench(
+        streams=streams, tokens=tokens, prompt_len=prompt_len, model=model, repeats=repeats, deterministic=deterministic
     )
     typer.echo(json.dumps(result, indent=None if as_json else 2))
 

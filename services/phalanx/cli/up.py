@@ -1,62 +1,553 @@
-"""`phalanx up`: NATS, etcd and N workers as supervised local processes on loopback.
+"""`phalanx up` / `phalanx down`: NATS, etcd, N workers and a router as supervised local processes.
 
-This issue's version brings up the serving layer (workers); the router and
-the other services join it as they land. Nothing restarts silently: a
-worker that exits takes the whole group down with a message, and Ctrl-C /
-SIGTERM stops every process this command started, by PID.
+Nothing restarts silently: if any process exits, the supervisor says which
+one and with what code, stops the rest and exits 1. SIGINT / SIGTERM /
+SIGHUP stop everything in order (router, then workers, which drain on
+SIGTERM, then etcd and NATS), by PID, and exit 0. Every child also gets
+PR_SET_PDEATHSIG, so even a SIGKILLed supervisor leaves no orphans.
+
+``--detach`` runs the same supervisor in its own session, logging next to
+the state file (see ``phalanx.cli.state``), and returns once it is ready;
+`phalanx down` SIGTERMs it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
+import os
 import signal
+import socket
+import subprocess
+import sys
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rich.console import Console
+from rich.live import Live
+from rich.spinner import Spinner
+from rich.table import Table
+from rich.text import Text
 
-from phalanx.common.config import EtcdConfig
-from phalanx.testing.infra import EtcdServer, NatsServer
-from phalanx.testing.workers import WorkerHandle, start_worker
+from phalanx.cli.state import (
+    DEFAULT_TARGET,
+    UpState,
+    WorkerEntry,
+    claim_state,
+    default_state_file,
+    is_phalanx_up,
+    live_state,
+    log_file_for,
+    pid_alive,
+    read_state,
+    remove_state,
+    write_state,
+)
+
+if TYPE_CHECKING:
+    from phalanx.common.config import EtcdConfig
+    from phalanx.testing.infra import EtcdServer, NatsServer
+    from phalanx.testing.workers import RouterHandle, WorkerHandle
+
+__all__ = ["UpOptions", "run_detached", "run_down", "run_up"]
+
+ROUTER_ID = "router-0"
+# Together under `phalanx down`'s 60 s. The router's own grace is 5 s; workers let running
+# requests finish for drain_grace_s (10 s by default) before handing them back.
+_ROUTER_STOP_S = 15.0
+_WORKER_STOP_S = 40.0
+_DETACH_READY_S = 300.0
+_POLL_S = 0.2
 
 
-async def run_up(*, workers: int, model: str, deterministic: bool, nats_url: str | None, etcd_endpoint: str | None, console: Console) -> int:
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    with contextlib.ExitStack() as stack:
-        with console.status("starting NATS and etcd…"):
-            if nats_url is None:
-                nats_url = stack.enter_context(NatsServer()).url
-            if etcd_endpoint is None:
-                etcd_endpoint = stack.enter_context(EtcdServer()).endpoint
-        console.print(f"[green]✓[/] NATS {nats_url}   etcd {etcd_endpoint}")
-        etcd = EtcdConfig(endpoint=etcd_endpoint, lease_ttl_s=1)
-        extra = ["--deterministic" if deterministic else "--fast"]
-        handles: list[WorkerHandle] = []
+@dataclass(frozen=True)
+class UpOptions:
+    workers: int
+    model: str
+    deterministic: bool
+    port: int
+    state_file: Path
+    nats_url: str | None = None
+    etcd_endpoint: str | None = None
+    log_file: Path | None = None  # where a detached supervisor's output goes; recorded in the state file
+
+    def command(self) -> list[str]:
+        """The `phalanx up` command line that runs this configuration in the foreground."""
+        args = [sys.executable, "-m", "phalanx.cli", "up", "--workers", str(self.workers), "--model", self.model,
+                "--deterministic" if self.deterministic else "--fast", "--port", str(self.port),
+                "--state-file", str(self.state_file)]  # fmt: skip
+        if self.nats_url:
+            args += ["--nats-url", self.nats_url]
+        if self.etcd_endpoint:
+            args += ["--etcd-endpoint", self.etcd_endpoint]
+        if self.log_file:
+            args += ["--log-file", str(self.log_file)]
+        return args
+
+
+class UpError(Exception):
+    """The stack cannot start; the message says why and what to do."""
+
+
+# --- preflight ----------------------------------------------------------------------------
+
+
+def _already_up_message(state: UpState, state_file: Path) -> str:
+    what = f"router {state.router_address}" if state.status == "ready" else "still starting"
+    return f"Phalanx is already up (supervisor pid {state.supervisor_pid}, {what}; state file {state_file}); run `phalanx down` first"
+
+
+def _check_port(port: int) -> None:
+    """Fail fast when the router's port is taken, before anything starts."""
+    if port == 0:
+        return
+    host = os.environ.get("PHALANX_ROUTER_HOST") or "127.0.0.1"  # where the router will bind
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as sock:
+        # gRPC binds with SO_REUSEADDR too: a port with only TIME_WAIT connections counts as free.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
-            with console.status(f"starting {workers} worker(s) of {model}…"):
-                started = time.monotonic()
-                handles = list(
-                    await asyncio.gather(
-                        *(start_worker(f"worker-{i}", nats_url, etcd, *extra, env={"PHALANX_ENGINE_MODEL": model}) for i in range(workers))
-                    )
-                )
-            for h in handles:
-                console.print(f"[green]✓[/] {h.worker_id}  grpc {h.address}  pid {h.process.pid}")
-            console.print(f"[bold]Phalanx is up[/] in {time.monotonic() - started:.1f} s. Ctrl-C stops everything.")
-            while not stop.is_set():
-                dead = [h for h in handles if h.process.poll() is not None]
-                if dead:
-                    console.print(f"[red]✗ {dead[0].worker_id} exited with {dead[0].process.returncode}; stopping[/]")
-                    return 1
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(stop.wait(), 0.5)
-            return 0
+            sock.bind((host, port))
+        except OSError as error:
+            if error.errno == errno.EADDRINUSE:
+                raise UpError(f"port {port} is taken; pass --port 0 for any free port (or --port N)") from None
+            raise UpError(f"cannot use port {port}: {error.strerror}") from None
+
+
+def _preflight(options: UpOptions) -> None:
+    state = live_state(options.state_file)
+    if state is not None:
+        raise UpError(_already_up_message(state, options.state_file))
+    _check_port(options.port)
+
+
+# --- progress display -------------------------------------------------------------------------
+
+
+@dataclass
+class _Row:
+    state: str = "starting"
+    address: str = ""
+    pid: int | None = None
+
+
+@dataclass
+class _Board:
+    """Each component's status: a live table on a terminal, one line per change otherwise (a log file)."""
+
+    console: Console
+    rows: dict[str, _Row] = field(default_factory=dict)
+    _live: Live | None = None
+
+    @contextlib.contextmanager
+    def live(self) -> Iterator[None]:
+        if not self.console.is_terminal:
+            yield
+            return
+        with Live(self._render(), console=self.console, refresh_per_second=8) as self._live:
+            try:
+                yield
+            finally:
+                self._live.update(self._render(), refresh=True)
+                self._live = None
+
+    def set(self, name: str, state: str, address: str = "", pid: int | None = None) -> None:
+        self.rows[name] = _Row(state, address, pid)
+        if self._live is not None:
+            self._live.update(self._render())
+        else:
+            self.console.print(self._line(name, self.rows[name]))
+
+    def _line(self, name: str, row: _Row) -> Text:
+        mark = {"ready": ("✓", "green"), "external": ("✓", "green"), "failed": ("✗", "red")}.get(row.state, ("…", "yellow"))
+        text = Text.assemble((mark[0], mark[1]), f" {name:<10} {row.state:<9}")
+        if row.address:
+            text.append(f" {row.address}")
+        if row.pid:
+            text.append(f"  pid {row.pid}")
+        return text
+
+    def _render(self) -> Table:
+        table = Table(box=None, show_header=False, padding=(0, 1))
+        for name, row in self.rows.items():
+            if row.state == "starting":
+                table.add_row(Spinner("dots", style="yellow"), name, Text("starting…", style="yellow"), "", "")
+            else:
+                line = self._line(name, row)
+                table.add_row(line[:1], name, row.state, row.address, f"pid {row.pid}" if row.pid else "")
+        return table
+
+
+# --- the supervised stack -----------------------------------------------------------------------
+
+
+def _describe_exit(code: int | None) -> str:
+    if code is None:
+        return "an unknown code"
+    if code < 0:
+        with contextlib.suppress(ValueError):
+            return f"signal {signal.Signals(-code).name}"
+    return f"code {code}"
+
+
+class _Stack:
+    """The processes one `phalanx up` started, in start order."""
+
+    def __init__(self, options: UpOptions, board: _Board, console: Console) -> None:
+        self.options = options
+        self.board = board
+        self.console = console
+        self.nats: NatsServer | None = None  # None: external, or not started yet
+        self.etcd: EtcdServer | None = None
+        self.nats_url = options.nats_url or ""
+        self.etcd_endpoint = options.etcd_endpoint or ""
+        self.workers: dict[str, WorkerHandle] = {}  # in id order once all started
+        self.router: RouterHandle | None = None
+        self.router_metrics = ""
+        self.hurry = asyncio.Event()  # a second signal while stopping: SIGKILL what is left
+
+    def start_infra(self) -> None:
+        """NATS and etcd (unless external); blocking, from the main thread so PR_SET_PDEATHSIG holds."""
+        from phalanx.testing.infra import EtcdServer, NatsServer
+
+        for name, given in (("nats", self.nats_url), ("etcd", self.etcd_endpoint)):
+            self.board.set(name, "external" if given else "starting", given)
+        if not self.nats_url:
+            self.nats = NatsServer().start()
+            self.nats_url = self.nats.url
+            self.board.set("nats", "ready", self.nats_url, self.nats.pid)
+        if not self.etcd_endpoint:
+            self.etcd = EtcdServer().start()
+            self.etcd_endpoint = self.etcd.endpoint
+            self.board.set("etcd", "ready", self.etcd_endpoint, self.etcd.pid)
+
+    async def start_services(self) -> None:
+        """The workers in parallel, then the router, so it starts with every worker's KV blocks indexed."""
+        from phalanx.common.config import EtcdConfig
+        from phalanx.testing.workers import start_router, start_worker
+
+        etcd = EtcdConfig(endpoint=self.etcd_endpoint)
+        mode = "--deterministic" if self.options.deterministic else "--fast"
+        env = {"PHALANX_ENGINE_MODEL": self.options.model}
+        ids = [f"worker-{i}" for i in range(self.options.workers)]
+        for worker_id in ids:
+            self.board.set(worker_id, "starting")
+        self.board.set(ROUTER_ID, "waiting")  # for the workers
+
+        async def one(worker_id: str) -> None:
+            handle = await start_worker(worker_id, self.nats_url, etcd, mode, env=env)
+            self.workers[worker_id] = handle
+            self.board.set(worker_id, "ready", handle.address, handle.process.pid)
+
+        try:
+            async with asyncio.TaskGroup() as group:
+                for worker_id in ids:
+                    group.create_task(one(worker_id))
+        except* Exception as failed:  # the first failure cancels the other starts, which kill their process
+            raise UpError("; ".join(f"{e}" or type(e).__name__ for e in failed.exceptions)) from None
+        self.workers = {worker_id: self.workers[worker_id] for worker_id in ids}
+        self.board.set(ROUTER_ID, "starting")
+        try:
+            self.router = await start_router(ROUTER_ID, self.nats_url, etcd, "--model", self.options.model, port=self.options.port)
+        except Exception as error:  # noqa: BLE001 - whatever it is, report it and stop the rest
+            hint = f" (is port {self.options.port} taken? try --port 0)" if self.options.port else ""
+            raise UpError(f"{error or type(error).__name__}{hint}") from None
+        self.board.set(ROUTER_ID, "ready", self.router.address, self.router.process.pid)
+        self.router_metrics = await _router_metrics_address(etcd, self.router.process.pid)
+
+    def state(self, supervisor: UpState) -> UpState:
+        """``supervisor`` filled in with every process, marked ready."""
+        return UpState(
+            supervisor_pid=supervisor.supervisor_pid, started_at=supervisor.started_at, status="ready", model=self.options.model,
+            router_id=ROUTER_ID, router_address=self.router.address, router_metrics_address=self.router_metrics,
+            router_pid=self.router.process.pid,
+            workers=[WorkerEntry(w.worker_id, w.address, w.process.pid) for w in self.workers.values()],
+            nats_url=self.nats_url, nats_pid=self.nats.pid if self.nats else None,
+            etcd_endpoint=self.etcd_endpoint, etcd_pid=self.etcd.pid if self.etcd else None,
+            log_file=supervisor.log_file, ready_at=time.time(),
+        )  # fmt: skip
+
+    def first_exit(self) -> tuple[str, int | None, int | None] | None:
+        """(name, pid, exit code) of a process of ours that exited, or None while all run."""
+        services = [*self.workers.values(), *([self.router] if self.router else [])]
+        for handle in services:
+            if handle.process.poll() is not None:
+                return handle.name, handle.process.pid, handle.process.returncode
+        for name, server in (("nats", self.nats), ("etcd", self.etcd)):
+            # infra.py's servers expose no exit code; their Popen is the one place it lives.
+            proc = getattr(server, "_proc", None)
+            if server is not None and proc is not None and proc.poll() is not None:
+                return name, proc.pid, proc.returncode
+        return None
+
+    async def stop(self) -> None:
+        """Router, then workers (SIGTERM: they drain), then etcd and NATS; only what is still running."""
+        if self.router is not None:
+            await self._terminate({ROUTER_ID: self.router.process}, _ROUTER_STOP_S)
+        if self.workers:
+            await self._terminate({w.worker_id: w.process for w in self.workers.values()}, _WORKER_STOP_S)
+        for name, server in (("etcd", self.etcd), ("nats", self.nats)):
+            if server is not None:
+                server.close()
+                self.console.print(f"  stopped {name}", highlight=False)
+
+    async def _terminate(self, processes: dict[str, subprocess.Popen], timeout: float) -> None:
+        running = {name: p for name, p in processes.items() if p.poll() is None}
+        for process in running.values():
+            process.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        while any(p.poll() is None for p in running.values()):
+            if time.monotonic() > deadline or self.hurry.is_set():
+                for name, process in running.items():
+                    if process.poll() is None:
+                        self.console.print(f"  [red]{name} (pid {process.pid}) did not stop; killing it[/]")
+                        process.kill()
+                        process.wait(10)
+                break
+            await asyncio.sleep(0.05)
+        for name, process in running.items():
+            self.console.print(f"  stopped {name} (pid {process.pid}, {_describe_exit(process.returncode)})", highlight=False)
+
+
+async def _router_metrics_address(etcd: EtcdConfig, pid: int) -> str:
+    """The router's /metrics address from its registration; "" if it cannot be read at once (optional)."""
+    from phalanx._proto import common_pb2
+    from phalanx.common.discovery import EtcdDirectory
+    from phalanx.common.subjects import ROUTERS_PREFIX
+
+    directory = EtcdDirectory(etcd, prefix=ROUTERS_PREFIX, message_type=common_pb2.RouterRegistration)
+    try:
+        async with asyncio.timeout(5):
+            registration = (await directory.list()).get(ROUTER_ID)
+        return registration.metrics_address if registration is not None and registration.pid == pid else ""
+    except Exception:  # noqa: BLE001 - the address is a nicety; never fail `up` over it
+        return ""
+    finally:
+        await directory.close()
+
+
+def _print_ready(console: Console, state: UpState, state_file: Path, seconds: float) -> None:
+    console.print(f"[bold green]Phalanx is up[/] in {seconds:.1f} s: router [bold]{state.router_address}[/]", highlight=False)
+    if state.router_metrics_address:
+        console.print(f"  metrics  http://{state.router_metrics_address}/metrics", highlight=False)
+    # The client commands find the router through the state file, unless it is one they would not look in.
+    default = state_file == default_state_file()
+    flags = "" if default or state.router_address == DEFAULT_TARGET else f" --target {state.router_address}"
+    down = "" if default else f" --state-file {state_file}"
+    console.print(f'  try      phalanx generate "Hello"{flags}', highlight=False)
+    console.print(f"           phalanx status{flags}", highlight=False)
+    console.print(f"  stop     phalanx down{down}  (or Ctrl-C in the foreground)", highlight=False)
+
+
+# --- phalanx up (foreground supervisor) -------------------------------------------------------------
+
+
+async def run_up(options: UpOptions, console: Console) -> int:
+    """Start the stack, supervise it until a signal (exit 0) or a process exit (exit 1)."""
+    # We fork children (preexec_fn forces fork over vfork) while our etcd client's gRPC threads
+    # run; gRPC's fork handlers then restart a poller in the child that dies on EBADF before exec
+    # (SIGABRT, grpc/grpc#43055, grpcio >= 1.80). We never use gRPC in a forked child, so turn them
+    # off; read when gRPC initialises, which is after this (it is imported lazily).
+    os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
+    try:
+        _preflight(options)
+    except UpError as error:
+        console.print(f"[red]error:[/] {error}", highlight=False)
+        return 1
+    me = UpState(supervisor_pid=os.getpid(), model=options.model, log_file=str(options.log_file or ""))
+    existing = claim_state(options.state_file, me)
+    if existing is not None:
+        console.print(f"[red]error:[/] {_already_up_message(existing, options.state_file)}", highlight=False)
+        return 1
+
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    board = _Board(console)
+    stack = _Stack(options, board, console)
+    received: list[str] = []
+
+    def on_signal(sig: signal.Signals) -> None:
+        received.append(sig.name)
+        if stop.is_set():
+            stack.hurry.set()
+        stop.set()
+
+    signals = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    for sig in signals:
+        loop.add_signal_handler(sig, on_signal, sig)
+    started = time.monotonic()
+    try:
+        with board.live():
+            code = await _start(stack, stop, console)
+        if code is None:
+            ready = stack.state(me)
+            write_state(options.state_file, ready)
+            _print_ready(console, ready, options.state_file, time.monotonic() - started)
+            code = await _supervise(stack, stop, console)
+        if code == 0 and received:
+            console.print(f"{received[0]}: stopping…", highlight=False)
+        return code
+    finally:
+        try:
+            await stack.stop()
         finally:
-            with console.status("stopping…"):
-                for h in handles:
-                    with contextlib.suppress(Exception):
-                        h.terminate(timeout=30)
-            console.print("stopped")
+            remove_state(options.state_file, os.getpid())
+            for sig in signals:
+                loop.remove_signal_handler(sig)
+        console.print("stopped")
+
+
+async def _start(stack: _Stack, stop: asyncio.Event, console: Console) -> int | None:
+    """None once everything is ready; else the exit code (0: interrupted by a signal, 1: failed)."""
+    try:
+        stack.start_infra()
+    except Exception as error:  # noqa: BLE001 - InfraError and spawn errors: report, stop what started
+        console.print(f"[red]error:[/] {error}", highlight=False)
+        return 1
+    if stop.is_set():
+        return 0
+    starting = asyncio.create_task(stack.start_services())
+    stopping = asyncio.create_task(stop.wait())
+    await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    stopping.cancel()
+    if not starting.done():
+        starting.cancel()  # start_worker/start_router kill the process they were waiting for
+        with contextlib.suppress(asyncio.CancelledError, UpError):
+            await starting
+        return 0
+    try:
+        starting.result()
+    except UpError as error:
+        console.print(f"[red]error:[/] {error}", highlight=False)
+        return 1
+    return None
+
+
+async def _supervise(stack: _Stack, stop: asyncio.Event, console: Console) -> int:
+    while not stop.is_set():
+        exited = stack.first_exit()
+        if exited is not None:
+            name, pid, code = exited
+            console.print(f"[red]✗ {name} (pid {pid}) exited with {_describe_exit(code)}; stopping everything[/]", highlight=False)
+            return 1
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), _POLL_S)
+    return 0
+
+
+# --- phalanx up --detach ----------------------------------------------------------------------------
+
+
+def run_detached(options: UpOptions, console: Console) -> int:
+    """Start the supervisor in its own session and return once it is ready (0) or has failed (1)."""
+    try:
+        _preflight(options)
+    except UpError as error:
+        console.print(f"[red]error:[/] {error}", highlight=False)
+        return 1
+    log_file = log_file_for(options.state_file)
+    log_file.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_file, "wb") as log:
+        # Its own session and no PR_SET_PDEATHSIG: it must outlive us and our terminal.
+        process = subprocess.Popen(
+            replace(options, log_file=log_file).command(),
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    try:
+        state = _wait_ready(process, options.state_file, log_file, console)
+    except KeyboardInterrupt:
+        console.print("interrupted: stopping the supervisor…")
+        process.terminate()  # ours, started a moment ago: no PID reuse to fear
+        process.wait(_WORKER_STOP_S + _ROUTER_STOP_S)
+        return 130
+    if state is None:
+        return 1
+    # It runs on without us: mark the Popen done so its finaliser does not warn about a running child.
+    process.returncode = 0
+    _print_ready(console, state, options.state_file, (state.ready_at or time.time()) - state.started_at)
+    console.print(f"  log      {log_file}  (supervisor pid {state.supervisor_pid})", highlight=False)
+    return 0
+
+
+def _wait_ready(process: subprocess.Popen, state_file: Path, log_file: Path, console: Console) -> UpState | None:
+    """The state once the supervisor says it is ready; None (reported, supervisor gone) if it fails."""
+    deadline = time.monotonic() + _DETACH_READY_S
+    with console.status(f"starting Phalanx in the background (log: {log_file})…"):
+        while True:
+            code = process.poll()
+            if code is not None:
+                console.print(f"[red]error:[/] the supervisor exited with {_describe_exit(code)}; the end of {log_file}:", highlight=False)
+                console.print(_tail(log_file), markup=False, highlight=False)
+                return None
+            state = _read_quietly(state_file)
+            if state is not None and state.supervisor_pid == process.pid and state.status == "ready":
+                return state
+            if time.monotonic() > deadline:
+                console.print(f"[red]error:[/] not ready after {_DETACH_READY_S:.0f} s; stopping it. The end of {log_file}:")
+                console.print(_tail(log_file), markup=False, highlight=False)
+                process.terminate()
+                process.wait(_WORKER_STOP_S + _ROUTER_STOP_S)
+                return None
+            time.sleep(_POLL_S)
+
+
+def _read_quietly(path: Path) -> UpState | None:
+    try:
+        return read_state(path)
+    except ValueError:
+        return None  # not there yet in full (never, with atomic writes) or foreign: keep waiting
+
+
+def _tail(path: Path, lines: int = 30) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError as error:
+        return f"(cannot read it: {error.strerror})"
+
+
+# --- phalanx down -------------------------------------------------------------------------------------
+
+
+def run_down(state_file: Path, console: Console, *, timeout: float = 60.0) -> int:
+    """SIGTERM the supervisor the state file names, if it is still a `phalanx up`; wait for it to stop."""
+    try:
+        state = read_state(state_file)
+    except ValueError as error:
+        console.print(f"removing {state_file}: {error}", highlight=False)
+        remove_state(state_file)
+        return 0
+    if state is None:
+        console.print(f"nothing is up (no {state_file})", highlight=False)
+        return 0
+    pid = state.supervisor_pid
+    if not is_phalanx_up(pid):
+        remove_state(state_file)
+        console.print(f"nothing is up: supervisor pid {pid} is gone; removed the stale {state_file}", highlight=False)
+        _report_leftovers(state, console)
+        return 0
+    started = time.monotonic()
+    with console.status(f"stopping Phalanx (supervisor pid {pid})…"):
+        with contextlib.suppress(ProcessLookupError):  # it exited since we looked: the wait below ends at once
+            os.kill(pid, signal.SIGTERM)
+        while is_phalanx_up(pid):
+            if time.monotonic() - started > timeout:
+                console.print(f"[red]error:[/] supervisor pid {pid} did not stop within {timeout:.0f} s", highlight=False)
+                return 1
+            time.sleep(0.1)
+    # A clean stop removes the file; one that was killed on the way out leaves it.
+    remove_state(state_file, pid)
+    console.print(f"stopped Phalanx (supervisor pid {pid}) in {time.monotonic() - started:.1f} s", highlight=False)
+    _report_leftovers(state, console)
+    return 0
+
+
+def _report_leftovers(state: UpState, console: Console) -> None:
+    left = [pid for pid in state.pids() if pid != state.supervisor_pid and pid_alive(pid)]
+    if left:
+        console.print(f"[yellow]warning:[/] PIDs {left} of the stack still run (stopping after their supervisor died, or reused PIDs)")

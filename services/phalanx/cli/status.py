@@ -1,0 +1,77 @@
+"""`phalanx generate` and `phalanx status`: the router's public API through the SDK."""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import asdict
+
+from rich import box
+from rich.console import Console
+from rich.measure import Measurement
+from rich.table import Table
+
+from phalanx.client import Client, PhalanxClientError, WorkerInfo
+
+__all__ = ["show_status", "stream_generate", "workers_table"]
+
+_STATUS_TIMEOUT_S = 10.0
+_HEALTH_STYLE = {"healthy": "green", "suspicious": "yellow", "draining": "yellow", "unhealthy": "red", "dead": "red"}
+
+
+def _report(error: Exception) -> int:
+    message = error.message if isinstance(error, PhalanxClientError) else str(error)
+    print(f"error: {type(error).__name__}: {message}", file=sys.stderr)
+    return 1
+
+
+async def stream_generate(target: str, prompt: str, *, api_key: str | None, **options) -> int:
+    """Print the completion's text as it streams (stdout holds the text only); the exit code."""
+    wrote = False
+    try:
+        async with await Client.connect(target, api_key=api_key) as client:
+            async for chunk in client.generate(prompt, **options):
+                sys.stdout.write(chunk.text)
+                sys.stdout.flush()
+                wrote = True
+    except (PhalanxClientError, ValueError) as error:  # ValueError: an option the SDK rejects (an unknown tier)
+        if wrote:
+            print()
+        return _report(error)
+    print()
+    return 0
+
+
+async def show_status(target: str, *, as_json: bool, api_key: str | None) -> int:
+    """The router's workers as a table, or ``{"router": target, "workers": [...]}``; the exit code."""
+    try:
+        async with await Client.connect(target, api_key=api_key, timeout=_STATUS_TIMEOUT_S) as client:
+            workers = await client.list_workers()
+    except PhalanxClientError as error:
+        return _report(error)
+    workers = sorted(workers, key=lambda w: w.worker_id)
+    if as_json:
+        print(json.dumps({"router": target, "workers": [asdict(w) for w in workers]}, indent=2))
+    else:
+        table = workers_table(target, workers)
+        console = Console()
+        if not console.is_terminal:  # piped: as wide as the table needs, not 80 columns
+            wide = Console(width=1000)
+            console = Console(width=Measurement.get(wide, wide.options, table).maximum)
+        console.print(table)
+    return 0
+
+
+def workers_table(target: str, workers: list[WorkerInfo]) -> Table:
+    table = Table(title=f"router {target}: {len(workers)} worker(s)", title_justify="left", box=box.SIMPLE_HEAD)
+    for column in ("worker", "address", "pid", "health", "weight", "queue", "running", "KV free/total", "step ms", "indexed",
+                   "load age"):  # fmt: skip
+        table.add_column(column, justify="left" if column in ("worker", "address", "health") else "right", no_wrap=True)
+    for w in workers:
+        health = str(w.health)
+        table.add_row(
+            w.worker_id, w.address, str(w.pid or "-"), f"[{_HEALTH_STYLE.get(health, 'dim')}]{health}[/]", f"{w.routing_weight:.2f}",
+            str(w.queue_depth), str(w.running_seqs), f"{w.free_blocks}/{w.total_blocks}", f"{w.step_time_ms:.1f}",
+            str(w.indexed_blocks), f"{w.load_age_s:.1f} s",
+        )  # fmt: skip
+    return table

@@ -37,6 +37,9 @@ COPY --from=build /opt/venv /opt/venv
 # grpc_health_probe is not packaged; this asks the local gRPC server's grpc.health.v1.
 # Exit 0 when it answers SERVING, or with --alive when it answers at all (liveness
 # must not fail while the model loads or the worker drains, both NOT_SERVING).
+# By default it asks the worker's port about the whole server; a router container sets
+# PHALANX_PROBE_PORT to its gRPC port and PHALANX_PROBE_SERVICE=phalanx.router.v1.RouterService,
+# which turns SERVING only once the router's KV index is built.
 COPY --chmod=755 <<'PROBE' /usr/local/bin/phalanx-health-probe
 #!/opt/venv/bin/python
 import os
@@ -45,14 +48,17 @@ import sys
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-target = f"127.0.0.1:{os.environ.get('PHALANX_WORKER_PORT', '50051')}"
+port = os.environ.get("PHALANX_PROBE_PORT") or os.environ.get("PHALANX_WORKER_PORT", "50051")
+service = os.environ.get("PHALANX_PROBE_SERVICE", "")
+target = f"127.0.0.1:{port}"
+what = f"{target} {service}" if service else target
 try:
     with grpc.insecure_channel(target) as channel:
-        reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=2)
+        reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service), timeout=2)
 except grpc.RpcError as err:
-    sys.exit(f"{target}: health check failed: {err.code().name}")
+    sys.exit(f"{what}: health check failed: {err.code().name}")
 if "--alive" not in sys.argv[1:] and reply.status != health_pb2.HealthCheckResponse.SERVING:
-    sys.exit(f"{target}: {health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)}")
+    sys.exit(f"{what}: {health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)}")
 PROBE
 
 ENV PATH=/opt/venv/bin:$PATH \
@@ -60,11 +66,15 @@ ENV PATH=/opt/venv/bin:$PATH \
     PYTHONDONTWRITEBYTECODE=1 \
     PHALANX_WORKER_HOST=0.0.0.0 \
     PHALANX_WORKER_PORT=50051 \
-    PHALANX_WORKER_METRICS_PORT=9464
+    PHALANX_WORKER_METRICS_PORT=9464 \
+    PHALANX_ROUTER_HOST=0.0.0.0 \
+    PHALANX_ROUTER_PORT=50051 \
+    PHALANX_ROUTER_METRICS_PORT=9465
 
 USER phalanx
 WORKDIR /home/phalanx
-EXPOSE 50051 9464
+# gRPC (worker or router), worker metrics, router metrics.
+EXPOSE 50051 9464 9465
 
 HEALTHCHECK --interval=5s --timeout=3s --start-period=60s --retries=3 CMD ["phalanx-health-probe"]
 

@@ -49,7 +49,6 @@ from phalanx.cli.state import (
 )
 
 if TYPE_CHECKING:
-    from phalanx.common.config import EtcdConfig
     from phalanx.testing.infra import EtcdServer, NatsServer
     from phalanx.testing.workers import RouterHandle, WorkerHandle
 
@@ -231,7 +230,9 @@ class _Stack:
 
         etcd = EtcdConfig(endpoint=self.etcd_endpoint)
         mode = "--deterministic" if self.options.deterministic else "--fast"
-        env = {"PHALANX_ENGINE_MODEL": self.options.model}
+        # Free ports for every process: an environment made for one service per host (the
+        # container image sets fixed metrics ports) must not make the second one fail to bind.
+        env = {"PHALANX_ENGINE_MODEL": self.options.model, "PHALANX_WORKER_METRICS_PORT": "0", "PHALANX_ROUTER_METRICS_PORT": "0"}
         ids = [f"worker-{i}" for i in range(self.options.workers)]
         for worker_id in ids:
             self.board.set(worker_id, "starting")
@@ -251,12 +252,12 @@ class _Stack:
         self.workers = {worker_id: self.workers[worker_id] for worker_id in ids}
         self.board.set(ROUTER_ID, "starting")
         try:
-            self.router = await start_router(ROUTER_ID, self.nats_url, etcd, "--model", self.options.model, port=self.options.port)
+            self.router = await start_router(ROUTER_ID, self.nats_url, etcd, "--model", self.options.model, port=self.options.port, env=env)
         except Exception as error:  # noqa: BLE001 - whatever it is, report it and stop the rest
             hint = f" (is port {self.options.port} taken? try --port 0)" if self.options.port else ""
             raise UpError(f"{error or type(error).__name__}{hint}") from None
         self.board.set(ROUTER_ID, "ready", self.router.address, self.router.process.pid)
-        self.router_metrics = await _router_metrics_address(etcd, self.router.process.pid)
+        self.router_metrics = self.router.metrics_address
 
     def state(self, supervisor: UpState) -> UpState:
         """``supervisor`` filled in with every process, marked ready."""
@@ -310,23 +311,6 @@ class _Stack:
             await asyncio.sleep(0.05)
         for name, process in running.items():
             self.console.print(f"  stopped {name} (pid {process.pid}, {_describe_exit(process.returncode)})", highlight=False)
-
-
-async def _router_metrics_address(etcd: EtcdConfig, pid: int) -> str:
-    """The router's /metrics address from its registration; "" if it cannot be read at once (optional)."""
-    from phalanx._proto import common_pb2
-    from phalanx.common.discovery import EtcdDirectory
-    from phalanx.common.subjects import ROUTERS_PREFIX
-
-    directory = EtcdDirectory(etcd, prefix=ROUTERS_PREFIX, message_type=common_pb2.RouterRegistration)
-    try:
-        async with asyncio.timeout(5):
-            registration = (await directory.list()).get(ROUTER_ID)
-        return registration.metrics_address if registration is not None and registration.pid == pid else ""
-    except Exception:  # noqa: BLE001 - the address is a nicety; never fail `up` over it
-        return ""
-    finally:
-        await directory.close()
 
 
 def _print_ready(console: Console, state: UpState, state_file: Path, seconds: float) -> None:

@@ -146,13 +146,16 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
             else:
                 chunks = self._generate(flow, request, params)
             async for chunk in self._relay(flow, chunks, router_pb2.GenerateResponse):
+                if chunk.finish_reason:
+                    # Counted before the yield: a client may hang up as soon as it has the last token.
+                    status = "ok"
                 yield chunk
-            status = "ok"
         except PhalanxError as exc:
             status = exc.reason.lower()
             await _abort(context, exc)
         except asyncio.CancelledError:
-            status = "cancelled"
+            if status != "ok":
+                status = "cancelled"
             raise
         finally:
             self.metrics.requests.labels(tier=tier_label, status=status).inc()
@@ -162,13 +165,15 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
         try:
             flow = await self._resumable(request, context)
             async for chunk in self._relay(flow, self._attach(flow), router_pb2.ResumeResponse):
+                if chunk.finish_reason:
+                    status = "ok"
                 yield chunk
-            status = "ok"
         except PhalanxError as exc:
             status = exc.reason.lower()
             await _abort(context, exc)
         except asyncio.CancelledError:
-            status = "cancelled"
+            if status != "ok":
+                status = "cancelled"
             raise
         finally:
             self.metrics.resumes.labels(status=status).inc()

@@ -54,3 +54,19 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- required "etcd.endpoint is required unless etcd.bundled.enabled" .Values.etcd.endpoint }}
 {{- end }}
 {{- end }}
+
+{{/* A value as JSON for a PHALANX_* env var: a string is taken as JSON already, anything else is encoded. */}}
+{{- define "phalanx.json" -}}
+{{- if kindIs "string" . }}{{ . }}{{ else }}{{ toJson . }}{{ end }}
+{{- end }}
+
+{{/* The Secret holding the routers' API keys: the one named in values, or the chart's own; empty when there are none. */}}
+{{- define "phalanx.routerApiKeysSecret" -}}
+{{- if and .Values.router.apiKeysSecret .Values.router.apiKeys }}
+{{- fail "set router.apiKeys or router.apiKeysSecret, not both" }}
+{{- else if .Values.router.apiKeysSecret }}
+{{- .Values.router.apiKeysSecret }}
+{{- else if .Values.router.apiKeys }}
+{{- printf "%s-router-api-keys" (include "phalanx.fullname" .) }}
+{{- end }}
+{{- end }}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Literal
 
 from pydantic import Field
@@ -26,6 +27,21 @@ class EngineConfig(BaseSettings):
     deterministic: bool = Field(
         False, description="Batch-invariant numerics: a sequence's logits do not depend on what else is in the batch"
     )
+
+    torch_threads: int = Field(
+        0,
+        ge=0,
+        le=1024,
+        description=(
+            "Intra-op threads of the engine on CPU; 0 means all cores but one, which the gRPC event loop "
+            "needs (torch threads that share a core with it spin and slow both)"
+        ),
+    )
+
+    def effective_torch_threads(self) -> int:
+        if self.torch_threads:
+            return self.torch_threads
+        return max(1, (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1) - 1)
 
     def torch_dtype(self):
         import torch

@@ -15,6 +15,7 @@ import socket
 import time
 
 import grpc
+import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
@@ -94,6 +95,8 @@ class WorkerProcess:
         bus = registration = engine = None
         try:
             bus = await EventBus.connect(self.nats_config, name=f"worker-{self.worker_id}")
+            if self.engine_config.device == "cpu":
+                torch.set_num_threads(self.engine_config.effective_torch_threads())
             with get_tracer(__name__).start_as_current_span("worker.load_model"):
                 model = await asyncio.to_thread(
                     load, self.engine_config.model, device=self.engine_config.device,

@@ -6,9 +6,11 @@ import time
 import pytest
 
 from phalanx._proto import common_pb2
-from phalanx.client import Client
+from phalanx.client import Client, OverloadedError
+from phalanx.common.discovery import encode_json
 from phalanx.common.events import EventBus
-from phalanx.common.subjects import kv_events_subject
+from phalanx.common.lease import connect_etcd
+from phalanx.common.subjects import DEGRADATION_KEY, health_key, kv_events_subject
 from phalanx.testing.asserts import assert_eventually
 from phalanx.testing.stack import Stack, free_port
 
@@ -145,3 +147,57 @@ async def test_a_kv_event_gap_makes_the_router_resync_that_worker(stack, nats_co
             return w.indexed_blocks == true_count
 
         await assert_eventually(back_to_truth, timeout=5, message="the router did not re-sync from KvSnapshot")
+
+
+async def test_degradation_level_and_health_weights_in_etcd_steer_the_router(stack, etcd_config):
+    first, second = await stack.add_workers(2)
+    router = await stack.add_router()
+    etcd = connect_etcd(etcd_config)
+    try:
+        async with await Client.connect(router.address, timeout=30) as client:
+            # The health service takes a worker out of routing with weight 0.
+            record = common_pb2.WorkerHealthRecord(worker_id=first.worker_id, health=common_pb2.WORKER_HEALTH_UNHEALTHY)
+            await etcd.put(health_key(first.worker_id).encode(), encode_json(record))
+
+            async def first_is_out():
+                workers = {w.worker_id: w for w in await client.list_workers()}
+                return workers[first.worker_id].routing_weight == 0
+
+            await assert_eventually(first_is_out, timeout=5)
+            firsts = await asyncio.gather(*(first_chunk(client, f"steered {i}") for i in range(6)))
+            assert {f.worker_id for f in firsts} == {second.worker_id}
+
+            # The planner sheds best_effort at level 2; premium is still served.
+            await etcd.put(DEGRADATION_KEY.encode(), encode_json(common_pb2.DegradationState(level=2, reason="test")))
+
+            async def shed():
+                with pytest.raises(OverloadedError) as error:
+                    await client.complete("cheap", max_tokens=2, tier="best_effort")
+                return error.value.retry_after_s and error.value.retry_after_s > 0
+
+            await assert_eventually(shed, timeout=5)
+            assert len((await client.complete("important", max_tokens=2, tier="premium")).token_ids) == 2
+    finally:
+        await etcd.delete(DEGRADATION_KEY.encode())
+        await etcd.delete(health_key(first.worker_id).encode())
+        await etcd.close()
+
+
+async def test_a_draining_worker_hands_its_stream_to_another_without_the_client_noticing(stack):
+    workers = await stack.add_workers(2, env={"PHALANX_WORKER_DRAIN_GRACE_S": "0"})
+    router = await stack.add_router()
+    prompt = "moved mid-answer to another worker"
+    async with await Client.connect(router.address, timeout=60) as client:
+        reference = await tokens_of(client, prompt, 200)
+        stream = client.generate(prompt, max_tokens=200, ignore_eos=True)
+        seen = []
+        async with stream:
+            async for chunk in stream:
+                seen.append(chunk)
+                if len(seen) == 5:
+                    serving = next(w for w in workers if w.worker_id == chunk.worker_id)
+                    serving.process.terminate()  # SIGTERM: drain, hand the request back
+        assert stream.resumes == 0
+    assert [c.index for c in seen] == list(range(200))
+    assert [c.token_id for c in seen] == reference
+    assert len({c.worker_id for c in seen}) == 2

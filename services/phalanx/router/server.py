@@ -132,20 +132,43 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
 
     # -- RPCs -----------------------------------------------------------------
     async def Generate(self, request: router_pb2.GenerateRequest, context):
-        tier_label = "unknown"
-        status = "error"
-        try:
+        tier = "unknown"  # until admission resolves it
+
+        async def open_flow():
+            nonlocal tier
             admitted, prompt_ids, params = self._validate(request, context)
-            tier_label = admitted.tier.label
+            tier = admitted.tier.label
             request_id = request.request_id or uuid.uuid4().hex
             flow, existing = await self._start(request_id, admitted, prompt_ids)
             if existing is not None:
                 # A retry of a request that is already running: stream it from the start.
                 flow = _Flow(existing, Tier(existing.tier or Tier.STANDARD), prompt_ids)
-                chunks = self._attach(flow)
-            else:
-                chunks = self._generate(flow, request, params)
-            async for chunk in self._relay(flow, chunks, router_pb2.GenerateResponse):
+                return flow, self._attach(flow)
+            return flow, self._generate(flow, request, params)
+
+        def count(status: str) -> None:
+            self.metrics.requests.labels(tier=tier, status=status).inc()
+
+        async for chunk in self._serve(context, open_flow, router_pb2.GenerateResponse, count):
+            yield chunk
+
+    async def Resume(self, request: router_pb2.ResumeRequest, context):
+        async def open_flow():
+            flow = await self._resumable(request, context)
+            return flow, self._attach(flow)
+
+        def count(status: str) -> None:
+            self.metrics.resumes.labels(status=status).inc()
+
+        async for chunk in self._serve(context, open_flow, router_pb2.ResumeResponse, count):
+            yield chunk
+
+    async def _serve(self, context, open_flow, response_type, count) -> AsyncIterator:
+        """Relays one stream and counts how it ended: ok, cancelled, or the error's reason."""
+        status = "error"
+        try:
+            flow, chunks = await open_flow()
+            async for chunk in self._relay(flow, chunks, response_type):
                 if chunk.finish_reason:
                     # Counted before the yield: a client may hang up as soon as it has the last token.
                     status = "ok"
@@ -158,25 +181,7 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
                 status = "cancelled"
             raise
         finally:
-            self.metrics.requests.labels(tier=tier_label, status=status).inc()
-
-    async def Resume(self, request: router_pb2.ResumeRequest, context):
-        status = "error"
-        try:
-            flow = await self._resumable(request, context)
-            async for chunk in self._relay(flow, self._attach(flow), router_pb2.ResumeResponse):
-                if chunk.finish_reason:
-                    status = "ok"
-                yield chunk
-        except PhalanxError as exc:
-            status = exc.reason.lower()
-            await _abort(context, exc)
-        except asyncio.CancelledError:
-            if status != "ok":
-                status = "cancelled"
-            raise
-        finally:
-            self.metrics.resumes.labels(status=status).inc()
+            count(status)
 
     async def Cancel(self, request: router_pb2.CancelRequest, context):
         try:

@@ -19,6 +19,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 import grpc
+from google.rpc import status_pb2
 from grpc_status import rpc_status
 
 from phalanx._proto import common_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
@@ -99,8 +100,6 @@ def _status_of(error: grpc.aio.AioRpcError) -> grpc.Status | None:
     """The worker's status with its google.rpc details, to pass on unchanged."""
     for key, value in error.trailing_metadata() or ():
         if key == "grpc-status-details-bin":
-            from google.rpc import status_pb2
-
             return rpc_status.to_status(status_pb2.Status.FromString(value))
     return None
 

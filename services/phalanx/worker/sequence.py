@@ -25,7 +25,7 @@ class SeqStatus(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclass
+@dataclass(slots=True)
 class TokenEvent:
     """What the engine reports per generated token (or at the end)."""
 

@@ -255,14 +255,18 @@ class RouterProcess:
             self._want_resync(worker_id)
         return True
 
+    async def _snapshot_wanted(self, channels: WorkerChannels) -> set[str]:
+        """Snapshot every worker that wants a re-sync, concurrently; returns those that failed."""
+        pending, self._resync_wanted = set(self._resync_wanted), set()
+        results = await asyncio.gather(*(self._snapshot(channels, w) for w in pending))
+        return {w for w, ok in zip(pending, results, strict=True) if not ok}
+
     async def _initial_sync(self, channels: WorkerChannels) -> None:
         """Snapshot every known worker before serving, retrying failures until ready_timeout_s."""
         deadline = time.monotonic() + self.config.ready_timeout_s
         backoff = Backoff(initial=0.05, cap=1.0)
         while self._resync_wanted and time.monotonic() < deadline:
-            pending, self._resync_wanted = set(self._resync_wanted), set()
-            results = await asyncio.gather(*(self._snapshot(channels, w) for w in pending))
-            failed = {w for w, ok in zip(pending, results, strict=True) if not ok}
+            failed = await self._snapshot_wanted(channels)
             self._resync_wanted |= failed
             if failed:
                 await asyncio.sleep(backoff.next())
@@ -275,9 +279,7 @@ class RouterProcess:
         while True:
             await self._resync_wake.wait()
             self._resync_wake.clear()
-            pending, self._resync_wanted = set(self._resync_wanted), set()
-            results = await asyncio.gather(*(self._snapshot(channels, w) for w in pending))
-            failed = {w for w, ok in zip(pending, results, strict=True) if not ok}
+            failed = await self._snapshot_wanted(channels)
             if failed:
                 await asyncio.sleep(backoff.next())
                 for worker_id in failed:

@@ -63,12 +63,15 @@ async def test_a_repeated_prompt_goes_to_the_worker_that_holds_its_blocks(shared
     async with await Client.connect(shared.routers[0].address, timeout=30) as client:
         for n in range(4):
             prompt = f"{n}: {LONG}"
+            indexed_before = {w.worker_id: w.indexed_blocks for w in await client.list_workers()}
             first, tokens = await first_chunk_and_tokens(client, prompt)
             holder = first.worker_id
 
+            # Earlier prompts' blocks are indexed already; wait for this prompt's ten or more
+            # full blocks, whose KV events reach the router asynchronously over NATS.
             async def indexed(holder=holder):
                 workers = {w.worker_id: w for w in await client.list_workers()}
-                return workers[holder].indexed_blocks > 0
+                return workers[holder].indexed_blocks >= indexed_before.get(holder, 0) + 10
 
             await assert_eventually(indexed, timeout=5)
             again, again_tokens = await first_chunk_and_tokens(client, prompt)

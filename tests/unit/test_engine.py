@@ -166,3 +166,16 @@ def test_abort_releases_the_requests_blocks(moe):
     assert engine.kv.num_free_blocks < 64
     assert engine.abort("gone").finish_reason is FinishReason.ABORTED
     assert engine.kv.num_free_blocks == 64 and not engine.has_work()
+
+
+def test_a_canary_joins_a_full_batch_ahead_of_the_queue(moe):
+    engine = Engine(moe, EngineConfig(max_num_seqs=1, max_waiting=4))
+    engine.add_request(EngineRequest([1, 2, 3], SamplingParams(max_tokens=50, ignore_eos=True), request_id="running"))
+    engine.step()
+    engine.add_request(EngineRequest([4, 5, 6], SamplingParams(max_tokens=50, ignore_eos=True), request_id="queued"))
+    engine.add_request(EngineRequest([7, 8, 9], SamplingParams(max_tokens=2, ignore_eos=True), request_id="canary", canary=True, record_top_logits=True))
+    finished = []
+    for _ in range(4):
+        finished += [e.request_id for e in engine.step() if e.finish_reason is not FinishReason.NONE]
+    assert finished == ["canary"]  # done while the full batch still runs and the queued request still waits
+    assert [s.request_id for s in engine.waiting] == ["queued"]

@@ -3,7 +3,7 @@
 import pytest
 from pydantic import ValidationError
 
-from phalanx.common.errors import AuthenticationError, InvalidRequestError, RequestShedError
+from phalanx.common.errors import AuthenticationError, InvalidRequestError, RequestShedError, ResourceExhaustedError
 from phalanx.router.admission import Admission, Tier
 from phalanx.router.config import RouterConfig, TenantPolicy
 
@@ -51,18 +51,53 @@ def test_api_keys_decide_the_tenant_and_are_required_when_configured():
 
 @pytest.mark.parametrize(
     ("level", "shed"),
-    [(0, set()), (1, set()), (2, {Tier.BEST_EFFORT}), (3, {Tier.BEST_EFFORT}), (4, {Tier.PREMIUM, Tier.STANDARD, Tier.BEST_EFFORT})],
+    [(0, set()), (1, set()), (2, {Tier.BEST_EFFORT}), (3, {Tier.BEST_EFFORT}), (4, {Tier.STANDARD, Tier.BEST_EFFORT})],
 )
 def test_degradation_level_sheds_tiers_with_a_retry_hint(level, shed):
     admission = Admission(TENANTS, {}, retry_after_s=0.5)
     admission.level = level
     for tier in Tier:
         if tier in shed:
-            with pytest.raises(RequestShedError) as error:
+            with pytest.raises(RequestShedError, match=f"level {level}.*{tier.label}") as error:
                 admission.admit(tenant="", tier=tier, api_key=None)
             assert error.value.retry_after_s >= 0.5
         else:
             assert admission.admit(tenant="", tier=tier, api_key=None).tier == tier
+
+
+def test_shedding_hits_best_effort_before_standard_and_never_premium():
+    admission = Admission(TENANTS, {})
+    first_shed = {}
+    for level in range(6):  # 5: a level beyond the known ones sheds no more than 4
+        admission.level = level
+        for tier in Tier:
+            try:
+                admission.admit(tenant="", tier=tier, api_key=None)
+            except RequestShedError:
+                first_shed.setdefault(tier, level)
+    assert first_shed == {Tier.BEST_EFFORT: 2, Tier.STANDARD: 4}
+
+
+def test_shed_request_is_resource_exhausted_and_waits_longer_at_level_four():
+    admission = Admission(TENANTS, {}, retry_after_s=1.5)
+    admission.level = 2
+    with pytest.raises(RequestShedError) as at_two:
+        admission.admit(tenant="", tier=Tier.BEST_EFFORT, api_key=None)
+    admission.level = 4
+    with pytest.raises(RequestShedError) as at_four:
+        admission.admit(tenant="", tier=Tier.STANDARD, api_key=None)
+    assert isinstance(at_two.value, ResourceExhaustedError) and at_two.value.reason == "REQUEST_SHED"
+    assert at_two.value.retry_after_s == 1.5
+    assert at_four.value.retry_after_s == 3.0
+
+
+def test_level_four_still_admits_a_premium_tenant_by_default_tier():
+    tenants = {"default": TenantPolicy(), "gold": TenantPolicy(default_tier="premium", max_tier="premium")}
+    admission = Admission(tenants, {})
+    admission.level = 4
+    assert admission.admit(tenant="gold", tier=0, api_key=None).tier == Tier.PREMIUM
+    with pytest.raises(RequestShedError):
+        admission.admit(tenant="default", tier=0, api_key=None)
 
 
 def test_router_config_reads_tenants_and_keys_from_env(monkeypatch):

@@ -11,9 +11,12 @@ from pathlib import Path
 
 import typer
 
+from phalanx.cli.chaos import chaos_app
+
 app = typer.Typer(help="Phalanx: LLM inference that keeps serving through failures.", no_args_is_help=True)
 bench_app = typer.Typer(help="Benchmarks that print JSON and compare side by side in one run.", no_args_is_help=True)
 app.add_typer(bench_app, name="bench")
+app.add_typer(chaos_app, name="chaos")
 
 
 @app.command()
@@ -25,6 +28,9 @@ def worker(
     deterministic: bool = typer.Option(None, "--deterministic/--fast", help="Batch-invariant numerics"),
     nats_url: str = typer.Option(None, help="NATS URL [env PHALANX_NATS_URL]"),
     etcd_endpoint: str = typer.Option(None, help="etcd host:port [env PHALANX_ETCD_ENDPOINT]"),
+    chaos_token: str = typer.Option(
+        None, help="Admin token of fault injection, which PHALANX_WORKER_CHAOS_ENABLED=true turns on [env PHALANX_WORKER_CHAOS_TOKEN]"
+    ),
     log_level: str = typer.Option("INFO"),
 ) -> None:
     """Run one engine worker: gRPC WorkerService, etcd lease, NATS load and KV events."""
@@ -34,7 +40,7 @@ def worker(
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     process = WorkerProcess(
-        WorkerConfig(**_given(worker_id=worker_id, host=host, port=port)),
+        WorkerConfig(**_given(worker_id=worker_id, host=host, port=port, chaos_token=chaos_token)),
         EngineConfig(**_given(model=model, deterministic=deterministic)),
         NatsConfig(**_given(url=nats_url)),
         EtcdConfig(**_given(endpoint=etcd_endpoint)),
@@ -61,6 +67,83 @@ def router(
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     process = RouterProcess(
         RouterConfig(**_given(router_id=router_id, host=host, port=port, model=model)),
+        NatsConfig(**_given(url=nats_url)),
+        EtcdConfig(**_given(endpoint=etcd_endpoint)),
+        TelemetryConfig(),
+    )
+    _run_until_signalled(process)
+
+
+@app.command("health")
+def health_service(
+    instance_id: str = typer.Option("", help="Unique instance id (default: health-<hostname>-<pid>)"),
+    host: str = typer.Option(None, help="Bind address [env PHALANX_HEALTH_HOST]"),
+    port: int = typer.Option(None, help="gRPC port, 0 for any [env PHALANX_HEALTH_PORT]"),
+    check_interval_s: float = typer.Option(None, help="Canary period per worker [env PHALANX_HEALTH_CHECK_INTERVAL_S]"),
+    nats_url: str = typer.Option(None, help="NATS URL [env PHALANX_NATS_URL]"),
+    etcd_endpoint: str = typer.Option(None, help="etcd host:port [env PHALANX_ETCD_ENDPOINT]"),
+    log_level: str = typer.Option("INFO"),
+) -> None:
+    """Run a health service instance: canaries, circuit breakers, liveness, degradation (one leads, others stand by)."""
+    from phalanx.common.config import EtcdConfig, NatsConfig, TelemetryConfig
+    from phalanx.health.config import DegradationConfig, HealthConfig
+    from phalanx.health.process import HealthProcess
+
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    process = HealthProcess(
+        HealthConfig(**_given(instance_id=instance_id, host=host, port=port, check_interval_s=check_interval_s)),
+        DegradationConfig(),
+        NatsConfig(**_given(url=nats_url)),
+        EtcdConfig(**_given(endpoint=etcd_endpoint)),
+        TelemetryConfig(),
+    )
+    _run_until_signalled(process)
+
+
+@app.command("checkpoint-store")
+def checkpoint_store(
+    store_id: str = typer.Option("", help="Unique store id (default: ckpt-<hostname>-<pid>)"),
+    host: str = typer.Option(None, help="Bind address [env PHALANX_CHECKPOINT_HOST]"),
+    port: int = typer.Option(None, help="gRPC port, 0 for any [env PHALANX_CHECKPOINT_PORT]"),
+    memory_limit_bytes: int = typer.Option(None, help="KV kept in memory before spilling [env PHALANX_CHECKPOINT_MEMORY_LIMIT_BYTES]"),
+    spill_dir: str = typer.Option(None, help="Where spilled KV goes [env PHALANX_CHECKPOINT_SPILL_DIR]"),
+    etcd_endpoint: str = typer.Option(None, help="etcd host:port [env PHALANX_ETCD_ENDPOINT]"),
+    log_level: str = typer.Option("INFO"),
+) -> None:
+    """Run a KV checkpoint store: workers stream in-flight requests' KV to it; it restores them into other workers."""
+    from phalanx.checkpoint_store.config import CheckpointStoreConfig
+    from phalanx.checkpoint_store.process import CheckpointStoreProcess
+    from phalanx.common.config import EtcdConfig, TelemetryConfig
+
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    config = CheckpointStoreConfig(
+        **_given(store_id=store_id, host=host, port=port, memory_limit_bytes=memory_limit_bytes, spill_dir=spill_dir)
+    )
+    process = CheckpointStoreProcess(config, EtcdConfig(**_given(endpoint=etcd_endpoint)), TelemetryConfig())
+    _run_until_signalled(process)
+
+
+@app.command("migration")
+def migration_service(
+    migration_id: str = typer.Option("", help="Unique instance id (default: migration-<hostname>-<pid>)"),
+    host: str = typer.Option(None, help="Bind address [env PHALANX_MIGRATION_HOST]"),
+    port: int = typer.Option(None, help="gRPC port, 0 for any [env PHALANX_MIGRATION_PORT]"),
+    strategy: str = typer.Option(
+        None, help="checkpoint | transfer-only | reprefill | sequential-replay | restart [env PHALANX_MIGRATION_STRATEGY]"
+    ),
+    transport: str = typer.Option(None, help="channel | grpc [env PHALANX_MIGRATION_TRANSPORT]"),
+    nats_url: str = typer.Option(None, help="NATS URL [env PHALANX_NATS_URL]"),
+    etcd_endpoint: str = typer.Option(None, help="etcd host:port [env PHALANX_ETCD_ENDPOINT]"),
+    log_level: str = typer.Option("INFO"),
+) -> None:
+    """Run a migration service: moves in-flight requests off failed or drained workers (KV transfer, checkpoint, re-prefill)."""
+    from phalanx.common.config import EtcdConfig, NatsConfig, TelemetryConfig
+    from phalanx.migration.config import MigrationConfig
+    from phalanx.migration.process import MigrationProcess
+
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    process = MigrationProcess(
+        MigrationConfig(**_given(migration_id=migration_id, host=host, port=port, strategy=strategy, transport=transport)),
         NatsConfig(**_given(url=nats_url)),
         EtcdConfig(**_given(endpoint=etcd_endpoint)),
         TelemetryConfig(),
@@ -205,6 +288,42 @@ def bench_route(
     typer.echo(json.dumps(result, indent=None if as_json else 2))
 
 
+@bench_app.command("health")
+def bench_health(
+    workers: int = typer.Option(3, min=2, help="Chaos-enabled workers"),
+    repeats: int = typer.Option(3, min=1, help="Injections per fault (the median is reported)"),
+    interval_s: float = typer.Option(1.0, help="Check interval of the detection runs"),
+    fp_interval_s: float = typer.Option(0.05, help="Check interval of the fault-free run"),
+    min_checks: int = typer.Option(1000, min=1, help="Checks in the fault-free run"),
+    load_streams: int = typer.Option(4, min=0, help="Background streams through the router"),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON only"),
+) -> None:
+    """Detection latency per fault (inject -> weight 0 in the router), false positives, canary share of engine work."""
+    os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
+    from phalanx.bench.health import run_health_bench
+
+    result = run_health_bench(
+        workers=workers, repeats=repeats, interval_s=interval_s, fp_interval_s=fp_interval_s, min_checks=min_checks,
+        load_streams=load_streams,
+    )
+    print(json.dumps(result, indent=None if as_json else 2))
+
+
+@bench_app.command("channel")
+def bench_channel(
+    sizes_mib: str = typer.Option("1,16,64", help="Comma-separated tensor sizes in MiB"),
+    repeats: int = typer.Option(5, min=1, help="Transfers per size (the median is reported)"),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON only"),
+) -> None:
+    """Bandwidth of tensor channels (2-rank gloo) vs the gRPC byte-stream fallback vs a local memcpy; setup time, RTT."""
+    os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
+    from phalanx.bench.channel import run_channel_bench
+
+    sizes = [int(s) for s in sizes_mib.split(",") if s.strip()]
+    result = asyncio.run(run_channel_bench(sizes_mib=sizes, repeats=repeats))
+    print(json.dumps(result, indent=None if as_json else 2))
+
+
 @bench_app.command("serve")
 def bench_serve(
     streams: int = typer.Option(16, help="Concurrent streams"),
@@ -224,6 +343,39 @@ def bench_serve(
         streams=streams, tokens=tokens, prompt_len=prompt_len, model=model, repeats=repeats, deterministic=deterministic
     )
     typer.echo(json.dumps(result, indent=None if as_json else 2))
+
+
+@bench_app.command("failover")
+def bench_failover(
+    streams: int = typer.Option(12, min=1, help="Concurrent greedy streams per wave"),
+    tokens: int = typer.Option(64, min=16, help="Tokens generated per stream"),
+    prompt_min: int = typer.Option(100, min=1, help="Shortest prompt, in tokens"),
+    prompt_max: int = typer.Option(300, min=1, help="Longest prompt, in tokens"),
+    kill_after: int = typer.Option(16, min=1, help="Tokens each of the busiest worker's streams has when it is SIGKILLed"),
+    repeats: int = typer.Option(2, min=1, help="Kills (one wave each) per strategy"),
+    strategies: str = typer.Option(
+        "checkpoint,transfer-only,reprefill,sequential-replay,restart", help="Comma-separated migration strategies"
+    ),
+    restore_tokens: str = typer.Option("64,256,1024", help="Comma-separated tokens generated before a timed restore"),
+    restore_repeats: int = typer.Option(3, min=1, help="Timed restores per size (the median is reported)"),
+    overhead_pairs: int = typer.Option(8, min=1, help="Checkpointing on/off run pairs, alternating (medians compared)"),
+    overhead_waves: int = typer.Option(1, min=1, help="Waves of streams per overhead run"),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON only"),
+) -> None:
+    """Failover per migration strategy (stall, tokens lost, identical output), restore time vs tokens generated,
+    and the cost of checkpointing when nothing fails."""
+    # It forks worker and service processes while its gRPC clients run: see run_up for why this is off.
+    os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
+    from phalanx.bench.failover import run_failover_bench
+
+    result = run_failover_bench(
+        streams=streams, max_tokens=tokens, prompt_tokens=(prompt_min, max(prompt_min, prompt_max)), kill_after=kill_after,
+        repeats=repeats, strategies=tuple(s.strip() for s in strategies.split(",") if s.strip()),
+        restore_tokens=tuple(int(n) for n in restore_tokens.split(",") if n.strip()), restore_repeats=restore_repeats,
+        overhead_pairs=overhead_pairs,
+        overhead_waves=overhead_waves,
+    )  # fmt: skip
+    print(json.dumps(result, indent=None if as_json else 2))
 
 
 def main() -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from dataclasses import asdict
 
 from rich import box
@@ -16,6 +17,7 @@ from phalanx.client import Client, PhalanxClientError, WorkerInfo
 __all__ = ["show_status", "stream_generate", "workers_table"]
 
 _STATUS_TIMEOUT_S = 10.0
+_CIRCUIT_STYLE = {"closed": "green", "half_open": "yellow", "open": "red"}
 _HEALTH_STYLE = {"healthy": "green", "suspicious": "yellow", "draining": "yellow", "unhealthy": "red", "dead": "red"}
 
 
@@ -64,14 +66,31 @@ async def show_status(target: str, *, as_json: bool, api_key: str | None) -> int
 
 def workers_table(target: str, workers: list[WorkerInfo]) -> Table:
     table = Table(title=f"router {target}: {len(workers)} worker(s)", title_justify="left", box=box.SIMPLE_HEAD)
-    for column in ("worker", "address", "pid", "health", "weight", "queue", "running", "KV free/total", "step ms", "indexed",
-                   "load age"):  # fmt: skip
-        table.add_column(column, justify="left" if column in ("worker", "address", "health") else "right", no_wrap=True)
+    left = ("worker", "address", "health", "circuit", "last failure")
+    for column in ("worker", "address", "pid", "health", "weight", "circuit", "queue", "running", "KV free/total", "step ms", "indexed",
+                   "load age", "last failure"):  # fmt: skip
+        table.add_column(column, justify="left" if column in left else "right", no_wrap=column != "last failure")
     for w in workers:
         health = str(w.health)
         table.add_row(
             w.worker_id, w.address, str(w.pid or "-"), f"[{_HEALTH_STYLE.get(health, 'dim')}]{health}[/]", f"{w.routing_weight:.2f}",
-            str(w.queue_depth), str(w.running_seqs), f"{w.free_blocks}/{w.total_blocks}", f"{w.step_time_ms:.1f}",
-            str(w.indexed_blocks), f"{w.load_age_s:.1f} s",
+            f"[{_CIRCUIT_STYLE.get(w.circuit, 'dim')}]{w.circuit or '-'}[/]", str(w.queue_depth), str(w.running_seqs),
+            f"{w.free_blocks}/{w.total_blocks}", f"{w.step_time_ms:.1f}", str(w.indexed_blocks), f"{w.load_age_s:.1f} s",
+            _last_failure(w),
         )  # fmt: skip
     return table
+
+
+def _last_failure(w: WorkerInfo) -> str:
+    if not w.last_failure:
+        return "-"
+    ago = time.time() - w.last_failure_at if w.last_failure_at else 0.0
+    return f"{w.last_failure} ({_ago(ago)} ago)" if w.last_failure_at else w.last_failure
+
+
+def _ago(seconds: float) -> str:
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.0f} h"

@@ -1,8 +1,8 @@
-"""`phalanx up` / `phalanx down`: NATS, etcd, N workers and a router as supervised local processes.
+"""`phalanx up` / `phalanx down`: NATS, etcd, checkpoint store, migration, N workers, a router and health as supervised processes.
 
 Nothing restarts silently: if any process exits, the supervisor says which
 one and with what code, stops the rest and exits 1. SIGINT / SIGTERM /
-SIGHUP stop everything in order (router, then workers, which drain on
+SIGHUP stop everything in order (health, router, then workers, which drain on
 SIGTERM, then etcd and NATS), by PID, and exit 0. Every child also gets
 PR_SET_PDEATHSIG, so even a SIGKILLed supervisor leaves no orphans.
 
@@ -50,11 +50,14 @@ from phalanx.cli.state import (
 
 if TYPE_CHECKING:
     from phalanx.testing.infra import EtcdServer, NatsServer
-    from phalanx.testing.workers import RouterHandle, WorkerHandle
+    from phalanx.testing.workers import HealthHandle, RouterHandle, ServiceHandle, WorkerHandle
 
 __all__ = ["UpOptions", "run_detached", "run_down", "run_up"]
 
 ROUTER_ID = "router-0"
+HEALTH_ID = "health-0"
+STORE_ID = "checkpoint-0"
+MIGRATION_ID = "migration-0"
 # Together under `phalanx down`'s 60 s. The router's own grace is 5 s; workers let running
 # requests finish for drain_grace_s (10 s by default) before handing them back.
 _ROUTER_STOP_S = 15.0
@@ -206,6 +209,9 @@ class _Stack:
         self.workers: dict[str, WorkerHandle] = {}  # in id order once all started
         self.router: RouterHandle | None = None
         self.router_metrics = ""
+        self.health: HealthHandle | None = None
+        self.store: ServiceHandle | None = None
+        self.migration: ServiceHandle | None = None
         self.hurry = asyncio.Event()  # a second signal while stopping: SIGKILL what is left
 
     def start_infra(self) -> None:
@@ -224,9 +230,9 @@ class _Stack:
             self.board.set("etcd", "ready", self.etcd_endpoint, self.etcd.pid)
 
     async def start_services(self) -> None:
-        """The workers in parallel, then the router, so it starts with every worker's KV blocks indexed."""
+        """The workers in parallel, then the router, so it starts with every worker's KV blocks indexed, then health."""
         from phalanx.common.config import EtcdConfig
-        from phalanx.testing.workers import start_router, start_worker
+        from phalanx.testing.workers import start_checkpoint_store, start_health, start_migration, start_router, start_worker
 
         etcd = EtcdConfig(endpoint=self.etcd_endpoint)
         mode = "--deterministic" if self.options.deterministic else "--fast"
@@ -237,6 +243,17 @@ class _Stack:
         for worker_id in ids:
             self.board.set(worker_id, "starting")
         self.board.set(ROUTER_ID, "waiting")  # for the workers
+        self.board.set(HEALTH_ID, "waiting")
+        # The checkpoint store and migration first: workers checkpoint from their first request on.
+        for name in (STORE_ID, MIGRATION_ID):
+            self.board.set(name, "starting")
+        try:
+            self.store = await start_checkpoint_store(STORE_ID, etcd, env={"PHALANX_CHECKPOINT_METRICS_PORT": "0"})
+            self.board.set(STORE_ID, "ready", self.store.address, self.store.process.pid)
+            self.migration = await start_migration(MIGRATION_ID, self.nats_url, etcd)
+            self.board.set(MIGRATION_ID, "ready", self.migration.address, self.migration.process.pid)
+        except Exception as error:  # noqa: BLE001 - whatever it is, report it and stop the rest
+            raise UpError(f"checkpoint store / migration: {error or type(error).__name__}") from None
 
         async def one(worker_id: str) -> None:
             handle = await start_worker(worker_id, self.nats_url, etcd, mode, env=env)
@@ -258,6 +275,12 @@ class _Stack:
             raise UpError(f"{error or type(error).__name__}{hint}") from None
         self.board.set(ROUTER_ID, "ready", self.router.address, self.router.process.pid)
         self.router_metrics = self.router.metrics_address
+        self.board.set(HEALTH_ID, "starting")
+        try:
+            self.health = await start_health(HEALTH_ID, self.nats_url, etcd)
+        except Exception as error:  # noqa: BLE001 - whatever it is, report it and stop the rest
+            raise UpError(f"health service: {error or type(error).__name__}") from None
+        self.board.set(HEALTH_ID, "ready", self.health.address, self.health.process.pid)
 
     def state(self, supervisor: UpState) -> UpState:
         """``supervisor`` filled in with every process, marked ready."""
@@ -273,7 +296,8 @@ class _Stack:
 
     def first_exit(self) -> tuple[str, int | None, int | None] | None:
         """(name, pid, exit code) of a process of ours that exited, or None while all run."""
-        services = [*self.workers.values(), *([self.router] if self.router else [])]
+        extras = [h for h in (self.router, self.health, self.store, self.migration) if h is not None]
+        services = [*self.workers.values(), *extras]
         for handle in services:
             if handle.process.poll() is not None:
                 return handle.name, handle.process.pid, handle.process.returncode
@@ -285,11 +309,17 @@ class _Stack:
         return None
 
     async def stop(self) -> None:
-        """Router, then workers (SIGTERM: they drain), then etcd and NATS; only what is still running."""
+        """Health (so it marks nobody dead on the way out), router, workers (SIGTERM: they drain), etcd, NATS."""
+        if self.health is not None:
+            await self._terminate({HEALTH_ID: self.health.process}, _ROUTER_STOP_S)
         if self.router is not None:
             await self._terminate({ROUTER_ID: self.router.process}, _ROUTER_STOP_S)
+        if self.migration is not None:
+            await self._terminate({MIGRATION_ID: self.migration.process}, _ROUTER_STOP_S)
         if self.workers:
             await self._terminate({w.worker_id: w.process for w in self.workers.values()}, _WORKER_STOP_S)
+        if self.store is not None:
+            await self._terminate({STORE_ID: self.store.process}, _ROUTER_STOP_S)
         for name, server in (("etcd", self.etcd), ("nats", self.nats)):
             if server is not None:
                 server.close()

@@ -51,6 +51,11 @@ _TIER_TO_PROTO = {
     Tier.STANDARD: router_pb2.TIER_STANDARD,
     Tier.BEST_EFFORT: router_pb2.TIER_BEST_EFFORT,
 }
+_CIRCUIT_FROM_PROTO = {
+    common_pb2.CIRCUIT_STATE_CLOSED: "closed",
+    common_pb2.CIRCUIT_STATE_OPEN: "open",
+    common_pb2.CIRCUIT_STATE_HALF_OPEN: "half_open",
+}
 _HEALTH_FROM_PROTO = {
     common_pb2.WORKER_HEALTH_HEALTHY: WorkerHealth.HEALTHY,
     common_pb2.WORKER_HEALTH_SUSPICIOUS: WorkerHealth.SUSPICIOUS,
@@ -141,6 +146,11 @@ class WorkerInfo:
     step_time_ms: float
     indexed_blocks: int
     load_age_s: float
+    # From the health service ("" while it has not judged the worker).
+    circuit: str = ""  # closed, open or half_open
+    health_reason: str = ""
+    last_failure: str = ""
+    last_failure_at: float = 0.0
 
     @classmethod
     def from_proto(cls, status: router_pb2.WorkerStatus) -> WorkerInfo:
@@ -158,6 +168,10 @@ class WorkerInfo:
             step_time_ms=status.step_time_ms,
             indexed_blocks=status.indexed_blocks,
             load_age_s=status.load_age_s,
+            circuit=_CIRCUIT_FROM_PROTO.get(status.circuit, ""),
+            health_reason=status.health_reason,
+            last_failure=status.last_failure,
+            last_failure_at=status.last_failure_at,
         )
 
 

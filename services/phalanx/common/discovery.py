@@ -12,6 +12,7 @@ one for workers.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from contextlib import aclosing
 from dataclasses import dataclass
@@ -29,7 +30,7 @@ from phalanx.common.config import EtcdConfig
 from phalanx.common.lease import TRANSIENT_ERRORS, Backoff, connect_etcd
 from phalanx.common.subjects import WORKERS_PREFIX, validate_worker_id
 
-__all__ = ["EtcdDirectory", "WatchEvent", "WorkerDirectory", "decode_json", "decode_registration", "encode_json", "encode_registration"]
+__all__ = ["EtcdDirectory", "advertised_addresses", "WatchEvent", "WorkerDirectory", "decode_json", "decode_registration", "encode_json", "encode_registration"]
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +59,18 @@ def encode_registration(registration: common_pb2.WorkerRegistration) -> bytes:
 def decode_registration(data: bytes | str) -> common_pb2.WorkerRegistration:
     """Parse a registration value."""
     return decode_json(data, common_pb2.WorkerRegistration)
+
+
+async def advertised_addresses(client, prefix: str) -> list[str]:
+    """The "address" of each JSON advertisement under ``prefix`` (a service's instances), in key order."""
+    result = await client.get_prefix(prefix.encode())
+    addresses = []
+    for kv in result.kvs:
+        try:
+            addresses.append(json.loads(kv.value)["address"])
+        except (ValueError, KeyError, TypeError):
+            continue
+    return addresses
 
 
 @dataclass

@@ -110,6 +110,7 @@ class LeasedKey:
         self._task: asyncio.Task[None] | None = None
         self._closing: asyncio.Task[None] | None = None
         self._registrations = 0
+        self._paused = False
 
     @property
     def key(self) -> str:
@@ -161,6 +162,29 @@ class LeasedKey:
                 await self._client.put(self._key, value, lease=self._lease_id)
             except TRANSIENT_ERRORS as error:
                 raise EtcdUnavailableError(f"cannot update {self.key}: {error}") from error
+
+    @property
+    def paused(self) -> bool:
+        """True between ``pause()`` and ``resume()``."""
+        return self._paused
+
+    async def pause(self) -> None:
+        """Stop the keepalives without revoking: the key lapses after the TTL, as if this process hung.
+
+        For fault injection. A no-op before ``start()``, after ``close()`` or when paused already.
+        """
+        if self._task is None or self._closing is not None or self._paused:
+            return
+        self._paused = True
+        await await_cancelled(self._task)
+        self._lease_id = None  # abandoned, not revoked
+
+    def resume(self) -> None:
+        """After ``pause()``: put the key again under a fresh lease (in the background) and keep it alive."""
+        if not self._paused or self._closing is not None:
+            return
+        self._paused = False
+        self._task = asyncio.create_task(self._keepalive_forever(), name=f"lease-keepalive {self.key}")
 
     async def close(self, revoke: bool = True) -> None:
         """Stop the keepalives; with ``revoke`` the key vanishes at once, else after the TTL.

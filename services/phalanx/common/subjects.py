@@ -7,12 +7,20 @@ or ``>`` would turn a publish into a wildcard, and ``/`` would nest keys.
 
 from __future__ import annotations
 
+import hashlib
 import re
 
 __all__ = [
+    "CANARY_PREFIX",
     "DEGRADATION_KEY",
     "DEGRADATION_PREFIX",
+    "DEGRADATION_SUBJECT",
+    "HEALTH_EVENTS_ALL",
+    "HEALTH_EVENTS_PREFIX",
+    "HEALTH_LEADER_KEY",
     "HEALTH_PREFIX",
+    "HEALTH_REPORTS_ALL",
+    "HEALTH_REPORTS_PREFIX",
     "REQUESTS_PREFIX",
     "ROUTERS_PREFIX",
     "KV_EVENTS_ALL",
@@ -20,8 +28,11 @@ __all__ = [
     "LOAD_ALL",
     "LOAD_PREFIX",
     "WORKERS_PREFIX",
+    "canary_key",
     "kv_events_subject",
+    "health_events_subject",
     "health_key",
+    "health_report_subject",
     "load_subject",
     "request_key",
     "router_key",
@@ -36,12 +47,30 @@ KV_EVENTS_PREFIX = "phalanx.kv."
 LOAD_PREFIX = "phalanx.load."
 KV_EVENTS_ALL = KV_EVENTS_PREFIX + "*"
 LOAD_ALL = LOAD_PREFIX + "*"
+# Health transitions (WorkerHealthRecord), published by the health service after its etcd write.
+HEALTH_EVENTS_PREFIX = "phalanx.health."
+HEALTH_EVENTS_ALL = HEALTH_EVENTS_PREFIX + "*"
+# Broken worker streams seen by routers (WorkerStreamBroken); the health service probes at once.
+HEALTH_REPORTS_PREFIX = "phalanx.health_report."
+HEALTH_REPORTS_ALL = HEALTH_REPORTS_PREFIX + "*"
+# DegradationState changes, published after the etcd write of DEGRADATION_KEY.
+DEGRADATION_SUBJECT = "phalanx.degradation"
 WORKERS_PREFIX = "/phalanx/v1/workers/"
 ROUTERS_PREFIX = "/phalanx/v1/routers/"
 HEALTH_PREFIX = "/phalanx/v1/health/"
 REQUESTS_PREFIX = "/phalanx/v1/requests/"
 DEGRADATION_PREFIX = "/phalanx/v1/degradation/"
 DEGRADATION_KEY = DEGRADATION_PREFIX + "global"
+CANARY_PREFIX = "/phalanx/v1/canary/"
+HEALTH_LEADER_KEY = "/phalanx/v1/health-leader"
+# Tensor-channel rendezvous endpoints: <prefix><endpoint id> -> JSON {"host", "port", "backend", ...}, leased.
+CHANNELS_PREFIX = "/phalanx/v1/channels/"
+# Checkpoint store instances: <prefix><store id> -> JSON {"address", "channel_endpoint"}, leased.
+CHECKPOINT_STORES_PREFIX = "/phalanx/v1/checkpoint-stores/"
+# Migration service instances: <prefix><id> -> JSON {"address"}, leased.
+MIGRATIONS_PREFIX = "/phalanx/v1/migration/"
+# A request moved to another worker (MigrationEvent): routers relaying it re-attach there.
+MIGRATION_EVENTS_SUBJECT = "phalanx.migrated"
 
 _WORKER_ID = re.compile(r"[A-Za-z0-9_-]+")
 # Client-chosen, so a little wider (UUIDs, "tenant:job.42"), but never "/".
@@ -72,6 +101,22 @@ def load_subject(worker_id: str) -> str:
     return LOAD_PREFIX + validate_worker_id(worker_id)
 
 
+def health_events_subject(worker_id: str) -> str:
+    """Subject of a worker's health transitions: ``phalanx.health.<worker_id>``."""
+    return HEALTH_EVENTS_PREFIX + validate_worker_id(worker_id)
+
+
+def health_report_subject(worker_id: str) -> str:
+    """Subject on which routers report a worker's broken stream: ``phalanx.health_report.<worker_id>``."""
+    return HEALTH_REPORTS_PREFIX + validate_worker_id(worker_id)
+
+
+def canary_key(model_version: str) -> str:
+    """etcd key of a model version's canary calibration: ``/phalanx/v1/canary/<hex digest of the version>``."""
+    # Versions hold paths and '@': a digest keeps the key one segment.
+    return CANARY_PREFIX + hashlib.sha256(model_version.encode()).hexdigest()[:32]
+
+
 def worker_key(worker_id: str) -> str:
     """etcd key of a worker's registration: ``/phalanx/v1/workers/<worker_id>``."""
     return WORKERS_PREFIX + validate_worker_id(worker_id)
@@ -93,8 +138,8 @@ def request_key(request_id: str) -> str:
 
 
 def worker_id_from_subject(subject: str) -> str:
-    """The worker id in a ``phalanx.kv.<id>`` or ``phalanx.load.<id>`` subject."""
-    for prefix in (KV_EVENTS_PREFIX, LOAD_PREFIX):
+    """The worker id in a per-worker subject (``phalanx.kv.<id>``, ``phalanx.load.<id>``, ``phalanx.health.<id>`` …)."""
+    for prefix in (KV_EVENTS_PREFIX, LOAD_PREFIX, HEALTH_EVENTS_PREFIX, HEALTH_REPORTS_PREFIX):
         if subject.startswith(prefix):
             return validate_worker_id(subject[len(prefix) :])
     raise ValueError(f"not a per-worker subject: {subject!r}")

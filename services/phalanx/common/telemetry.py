@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from opentelemetry import propagate, trace
 from opentelemetry.baggage.propagation import W3CBaggagePropagator
 from opentelemetry.context import Context
-from opentelemetry.instrumentation.grpc import aio_client_interceptors, aio_server_interceptor
+from opentelemetry.instrumentation.grpc import aio_client_interceptors, aio_server_interceptor, filters
 from opentelemetry.propagators.composite import CompositePropagator
 from opentelemetry.sdk.resources import SERVICE_NAME, Resource
 from opentelemetry.sdk.trace import TracerProvider
@@ -98,8 +98,12 @@ def get_tracer(name: str) -> trace.Tracer:
 
 
 def grpc_server_interceptors() -> list:
-    """Interceptors for ``grpc.aio.server(interceptors=...)``: a server span per RPC."""
-    return [aio_server_interceptor()]
+    """Interceptors for ``grpc.aio.server(interceptors=...)``: a server span per RPC, except grpc.health's Watch.
+
+    The interceptor breaks Watch (a coroutine that writes, not an async
+    generator), which the health service keeps open to every worker.
+    """
+    return [aio_server_interceptor(filter_=filters.negate(filters.full_method_name("/grpc.health.v1.Health/Watch")))]
 
 
 def grpc_client_interceptors() -> list:

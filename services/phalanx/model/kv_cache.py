@@ -67,6 +67,12 @@ class KvCacheManager:
     def block_table(self, seq_id: str) -> list[int]:
         return self._seqs[seq_id].table
 
+    def slots(self, seq_id: str, start: int, end: int) -> torch.Tensor:
+        """Cache slots of token positions [start, end) of a sequence."""
+        table = torch.tensor(self._seqs[seq_id].table, dtype=torch.int64)
+        pos = torch.arange(start, end)
+        return table[pos // self.block_size] * self.block_size + pos % self.block_size
+
     def slot(self, seq_id: str, position: int) -> int:
         table = self._seqs[seq_id].table
         return table[position // self.block_size] * self.block_size + position % self.block_size
@@ -195,6 +201,22 @@ class KvCacheTensors:
         """A copy of the blocks' KV: [layers, 2, len(block_ids), block_size, kv_heads, head_dim]."""
         index = torch.tensor(block_ids, dtype=torch.int64, device=self.data.device)
         return self.data.index_select(2, index)
+
+    def _flat(self) -> torch.Tensor:
+        d = self.data
+        return d.view(d.shape[0], 2, d.shape[2] * d.shape[3], *d.shape[4:])
+
+    def gather(self, slots: torch.Tensor) -> torch.Tensor:
+        """The KV of token slots (block * block_size + offset): [layers, 2, len(slots), kv_heads, head_dim], a copy."""
+        return self._flat().index_select(2, slots.to(self.data.device))
+
+    def scatter(self, slots: torch.Tensor, kv: torch.Tensor) -> None:
+        """Writes [layers, 2, len(slots), kv_heads, head_dim] into the token slots."""
+        flat = self._flat()
+        expected = (*flat.shape[:2], len(slots), *flat.shape[3:])
+        if tuple(kv.shape) != expected:
+            raise ValueError(f"KV of shape {tuple(kv.shape)} does not fit {expected}")
+        flat.index_copy_(2, slots.to(self.data.device), kv.to(self.data.device, self.data.dtype))
 
     def import_blocks(self, block_ids: list[int], blocks: torch.Tensor) -> None:
         expected = (*self.data.shape[:2], len(block_ids), *self.data.shape[3:])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import re
 from pathlib import Path
 
@@ -36,7 +37,8 @@ def load(
 ) -> Transformer:
     """Loads a built-in model by name or an HF-layout checkpoint directory.
 
-    The returned model is in eval mode and carries its tokenizer as `.tokenizer`.
+    The returned model is in eval mode and carries its tokenizer as
+    `.tokenizer` and its `model_version` as `.version`.
     """
     if str(name_or_path) in BUILTIN_MODELS:
         config = builtin_config(str(name_or_path), **({"seed": seed} if seed is not None else {}))
@@ -56,7 +58,25 @@ def load(
     model = model.to(device=device, dtype=dtype).eval()
     model.requires_grad_(False)
     model.tokenizer = tokenizer
+    model.version = model_version(name_or_path, config)
     return model
+
+
+def model_version(name_or_path: str | Path, config: ModelConfig) -> str:
+    """What the weights are: ``<name>@seed=<seed>`` (built-in) or ``<name>@<12 hex digits>`` (checkpoint).
+
+    A checkpoint's digest covers the names, sizes and mtimes of its config and
+    weight files: cheap to compute, and it changes whenever a file is replaced.
+    """
+    if str(name_or_path) in BUILTIN_MODELS:
+        return f"{config.name}@seed={config.seed}"
+    path = Path(name_or_path)
+    files = {p.relative_to(path).as_posix(): p for pattern in ("config.json", "*.safetensors", "*.bin") for p in path.glob(pattern)}
+    digest = hashlib.sha256()
+    for relative, file in sorted(files.items()):
+        stat = file.stat()
+        digest.update(f"{relative}\0{stat.st_size}\0{stat.st_mtime_ns}\n".encode())
+    return f"{config.name}@{digest.hexdigest()[:12]}"
 
 
 def load_hf_weights(model: Transformer, path: Path) -> None:

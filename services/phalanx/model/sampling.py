@@ -30,10 +30,12 @@ class RequestSampler:
         self.generator = torch.Generator(device="cpu").manual_seed(self.seed)
 
     def state(self) -> bytes:
-        return bytes(self.generator.get_state().tolist())
+        return self.generator.get_state().numpy().tobytes()
 
     def restore(self, state: bytes) -> None:
-        self.generator.set_state(torch.tensor(list(state), dtype=torch.uint8))
+        """Continues from `state`; empty keeps the seeded start (a greedy request, whose generator is never drawn)."""
+        if state:
+            self.generator.set_state(torch.frombuffer(bytearray(state), dtype=torch.uint8))
 
     def sample(self, logits: torch.Tensor) -> int:
         """logits: [vocab] float32 for the next position."""

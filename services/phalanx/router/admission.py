@@ -1,10 +1,13 @@
 """Who may send what, and what the router sheds under degradation. Pure logic, no I/O.
 
-The planner publishes a degradation level (etcd, DegradationState):
-level 2 sheds best_effort, level 4 rejects every new request (existing
-streams finish). Levels 1 and 3 act on workers and SLOs, not on admission.
-Shed requests get RESOURCE_EXHAUSTED with a retry hint: the system is
-overloaded, not broken.
+The health service publishes a degradation level (etcd, DegradationState;
+see phalanx.health.degradation). Shedding goes by tier, lowest first:
+level 2 sheds best_effort, level 4 sheds standard too. Premium is never
+shed by the level: it is served as long as any worker can take it (with
+none, routing answers UNAVAILABLE). Levels 1 and 3 act on workers and SLOs,
+not on admission. Requests already streaming always finish. Shed requests
+get RESOURCE_EXHAUSTED with a retry hint: the system is overloaded, not
+broken.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from phalanx.router.config import TenantPolicy
 
 DEFAULT_TENANT = "default"
 SHED_BEST_EFFORT_LEVEL = 2
-REJECT_ALL_LEVEL = 4
+SHED_STANDARD_LEVEL = 4
 
 
 class Tier(IntEnum):
@@ -87,11 +90,11 @@ class Admission:
         return tenant
 
     def _check_shedding(self, tier: Tier) -> None:
-        if self.level >= REJECT_ALL_LEVEL:
-            raise RequestShedError(
-                f"overloaded (degradation level {self.level}): no new requests are taken", retry_after_s=self._retry_after_s * 2
-            )
-        if self.level >= SHED_BEST_EFFORT_LEVEL and tier == Tier.BEST_EFFORT:
-            raise RequestShedError(
-                f"overloaded (degradation level {self.level}): best_effort requests are shed", retry_after_s=self._retry_after_s
-            )
+        shed = (tier == Tier.BEST_EFFORT and self.level >= SHED_BEST_EFFORT_LEVEL) or (
+            tier == Tier.STANDARD and self.level >= SHED_STANDARD_LEVEL
+        )
+        if not shed:
+            return
+        # Level 4 is the deepest overload and drops only one step per lower_after_s: ask for a longer wait there.
+        retry_after_s = self._retry_after_s * (2 if self.level >= SHED_STANDARD_LEVEL else 1)
+        raise RequestShedError(f"overloaded (degradation level {self.level}): {tier.label} requests are shed", retry_after_s=retry_after_s)

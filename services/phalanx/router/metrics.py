@@ -20,6 +20,11 @@ class RouterMetrics:
         self.tokens = Counter("phalanx_router_tokens", "Tokens relayed to clients", registry=r)
         self.cached_tokens = Counter("phalanx_router_routed_cached_tokens", "Prompt tokens the chosen worker held already", registry=r)
         self.resumes = Counter("phalanx_router_resumes", "Resume calls by outcome", ["status"], registry=r)
+        self.migrations = Counter("phalanx_router_migrations", "Streams moved to another worker by the migration service", registry=r)
+        self.migration_stall = Histogram(
+            "phalanx_migration_stall_seconds", "Gap between the tokens before and after a migration, as the client saw it",
+            buckets=(0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 1.0, 2.0, 5.0, 10.0), registry=r,
+        )
         self.handoffs = Counter("phalanx_router_handoffs", "Requests moved to another worker after a drain", registry=r)
         self.workers = Gauge("phalanx_router_workers", "Workers known to routing", registry=r)
         self.indexed_blocks = Gauge("phalanx_router_indexed_blocks", "KV blocks in the routing index", registry=r)

@@ -31,13 +31,24 @@ from phalanx.common.discovery import EtcdDirectory, WorkerDirectory, encode_json
 from phalanx.common.errors import UnavailableError
 from phalanx.common.events import EventBus
 from phalanx.common.lease import Backoff, LeasedKey
-from phalanx.common.subjects import DEGRADATION_PREFIX, HEALTH_PREFIX, KV_EVENTS_ALL, LOAD_ALL, router_key, validate_worker_id
+from phalanx.common.subjects import (
+    DEGRADATION_PREFIX,
+    DEGRADATION_SUBJECT,
+    HEALTH_EVENTS_ALL,
+    HEALTH_PREFIX,
+    KV_EVENTS_ALL,
+    LOAD_ALL,
+    health_report_subject,
+    router_key,
+    validate_worker_id,
+)
 from phalanx.common.telemetry import grpc_server_interceptors, setup_telemetry, shutdown_telemetry
 from phalanx.model.config import BUILTIN_MODELS, model_tokenizer
 from phalanx.model.tokenizer import Tokenizer
 from phalanx.router.admission import Admission
 from phalanx.router.config import RouterConfig
 from phalanx.router.metrics import RouterMetrics
+from phalanx.router.migration_client import MigrationClient
 from phalanx.router.records import RequestRecords
 from phalanx.router.routing import RoutingTable
 from phalanx.router.server import RouterServicer, WorkerChannels
@@ -65,6 +76,7 @@ class RouterProcess:
         self._resync_wake = asyncio.Event()
         self._tokenizers: dict[str, Tokenizer] = {}
         self.servicer: RouterServicer | None = None
+        self._bus: EventBus | None = None
 
     def request_stop(self) -> None:
         self._stop.set()
@@ -87,8 +99,10 @@ class RouterProcess:
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         records = RequestRecords(self.etcd_config, self.router_id, resume_window_s=self.config.resume_window_s)
         channels = WorkerChannels(limit)
+        migration = self.migration = MigrationClient(self.etcd_config)
         servicer = self.servicer = RouterServicer(
-            self.router_id, self.config, self.table, self.admission, records, channels, self.metrics, tokenizer=self._tokenizer
+            self.router_id, self.config, self.table, self.admission, records, channels, self.metrics, tokenizer=self._tokenizer,
+            on_broken_stream=self._report_broken_stream, migrate=migration.migrate,
         )
         router_pb2_grpc.add_RouterServiceServicer_to_server(servicer, server)
         reflection.enable_server_reflection([SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
@@ -105,6 +119,10 @@ class RouterProcess:
             bus = await EventBus.connect(self.nats_config, name=f"router-{self.router_id}")
             await bus.subscribe(KV_EVENTS_ALL, common_pb2.KvEvent, self._on_kv_event)
             await bus.subscribe(LOAD_ALL, common_pb2.LoadReport, self._on_load)
+            # Health changes arrive on NATS first (the etcd watch confirms them); versions keep the newest.
+            await bus.subscribe(HEALTH_EVENTS_ALL, common_pb2.WorkerHealthRecord, self._on_health_event)
+            await bus.subscribe(DEGRADATION_SUBJECT, common_pb2.DegradationState, self._on_degradation_event)
+            self._bus = bus
             for worker_id, reg in (await workers.list()).items():
                 self._on_worker("put", worker_id, reg)
             for worker_id, record in (await healths.list()).items():
@@ -143,6 +161,7 @@ class RouterProcess:
             for directory in (workers, healths, degradation):
                 await directory.close()
             await channels.close()
+            await migration.close()
             metrics_server.shutdown()
             metrics_thread.join(timeout=2)
             shutdown_telemetry()
@@ -207,10 +226,31 @@ class RouterProcess:
             self._want_resync(worker_id)
 
     def _on_health(self, kind: str, worker_id: str, record: common_pb2.WorkerHealthRecord | None) -> None:
+        records = self.servicer.health_records
         if kind == "delete":
+            records.pop(worker_id, None)
             self.table.set_weight(worker_id, 1.0)
-        else:
-            self.table.set_weight(worker_id, min(1.0, max(0.0, record.routing_weight)), health=record.health)
+            return
+        known = records.get(worker_id)
+        if known is not None and record.version < known.version and record.worker_started_at == known.worker_started_at:
+            return  # an older state arriving late (NATS and the etcd watch interleave)
+        records[worker_id] = record
+        self.table.set_weight(worker_id, min(1.0, max(0.0, record.routing_weight)), health=record.health)
+
+    async def _on_health_event(self, record: common_pb2.WorkerHealthRecord, subject: str, context) -> None:
+        self._on_health("put", record.worker_id, record)
+
+    async def _on_degradation_event(self, state: common_pb2.DegradationState, subject: str, context) -> None:
+        self._on_degradation("put", "global", state)
+
+    def _report_broken_stream(self, worker_id: str, error: grpc.aio.AioRpcError) -> None:
+        """Tell the health service at once: it probes the worker instead of waiting for a canary or the lease."""
+        if self._bus is None:
+            return
+        report = common_pb2.WorkerStreamBroken(
+            worker_id=worker_id, router_id=self.router_id, code=error.code().name, detail=(error.details() or "")[:200], timestamp=time.time()
+        )
+        asyncio.get_running_loop().create_task(self._bus.publish(health_report_subject(worker_id), report))
 
     def _on_degradation(self, kind: str, name: str, state: common_pb2.DegradationState | None) -> None:
         level = 0 if kind == "delete" else state.level

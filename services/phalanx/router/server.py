@@ -15,14 +15,14 @@ import logging
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
 
 import grpc
 from google.rpc import status_pb2
 from grpc_status import rpc_status
 
-from phalanx._proto import common_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
+from phalanx._proto import common_pb2, migration_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 from phalanx.common.errors import InvalidRequestError, NotFoundError, PhalanxError, UnavailableError
 from phalanx.common.grpc_status import abort_with
 from phalanx.common.subjects import validate_request_id
@@ -43,6 +43,9 @@ HANDED_BACK = common_pb2.FINISH_REASON_HANDED_BACK
 _RETRY_ELSEWHERE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED}
 _MAX_ROUTE_ATTEMPTS = 3
 _MAX_HANDOFFS = 8
+# Mid-stream worker failures that a migration can hide from the client.
+_MIGRATABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.INTERNAL,
+               grpc.StatusCode.UNKNOWN}
 _RECENT_RECORDS = 10_000
 
 
@@ -86,6 +89,12 @@ class _Flow:
     prompt_ids: list[int]
     next_index: int = 0
     first_sent: bool = False
+    # What the client has: the fallback state for a migration when the checkpoint store has none.
+    sampling: common_pb2.SamplingParams | None = None
+    output_ids: list[int] = field(default_factory=list)
+    seed: int = 0
+    migrations: int = 0
+    stalls_seen: int = 0
 
 
 def _api_key(context: grpc.aio.ServicerContext) -> str | None:
@@ -116,6 +125,8 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
         metrics: RouterMetrics,
         *,
         tokenizer: Callable[[], Tokenizer],
+        on_broken_stream: Callable[[str, grpc.aio.AioRpcError], None] | None = None,
+        migrate: Callable[[migration_pb2.MigrateRequest], Awaitable[migration_pb2.MigrateResponse | None]] | None = None,
     ) -> None:
         self.router_id = router_id
         self.config = config
@@ -125,8 +136,11 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
         self.channels = channels
         self.metrics = metrics
         self._tokenizer = tokenizer
-        # Kept current by the process's etcd watches.
+        self._on_broken_stream = on_broken_stream or (lambda worker_id, error: None)
+        self._migrate = migrate
+        # Kept current by the process's etcd watches (and health notifications on NATS).
         self.registrations: dict[str, common_pb2.WorkerRegistration] = {}
+        self.health_records: dict[str, common_pb2.WorkerHealthRecord] = {}
         self._recent: OrderedDict[str, common_pb2.RequestRecord] = OrderedDict()
 
     # -- RPCs -----------------------------------------------------------------
@@ -199,18 +213,22 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
             await abort_with(context, exc)
 
     async def ListWorkers(self, request, context):
-        return router_pb2.ListWorkersResponse(
-            router_id=self.router_id,
-            workers=[
-                router_pb2.WorkerStatus(
-                    worker_id=w.worker_id, address=w.address, pid=w.pid, model=w.model, health=w.health,
-                    routing_weight=w.weight, queue_depth=w.queue_depth, running_seqs=w.running_seqs,
-                    free_blocks=w.free_blocks, total_blocks=w.total_blocks, step_time_ms=w.step_time_ms,
-                    indexed_blocks=w.indexed_blocks, load_age_s=w.load_age_s,
-                )
-                for w in self.table.workers()
-            ],
-        )
+        statuses = []
+        for w in self.table.workers():
+            status = router_pb2.WorkerStatus(
+                worker_id=w.worker_id, address=w.address, pid=w.pid, model=w.model, health=w.health,
+                routing_weight=w.weight, queue_depth=w.queue_depth, running_seqs=w.running_seqs,
+                free_blocks=w.free_blocks, total_blocks=w.total_blocks, step_time_ms=w.step_time_ms,
+                indexed_blocks=w.indexed_blocks, load_age_s=w.load_age_s,
+            )
+            record = self.health_records.get(w.worker_id)
+            if record is not None:
+                status.circuit = record.circuit
+                status.health_reason = record.reason
+                status.last_failure = record.last_failure
+                status.last_failure_at = record.last_failure_at
+            statuses.append(status)
+        return router_pb2.ListWorkersResponse(router_id=self.router_id, workers=statuses)
 
     # -- validation and admission --------------------------------------------
     def _request_id(self, request_id: str) -> str:
@@ -316,6 +334,7 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
 
     # -- worker streams -----------------------------------------------------------
     def _generate(self, flow: _Flow, request: router_pb2.GenerateRequest, params) -> AsyncIterator:
+        flow.sampling = request.sampling
         worker_request = worker_pb2.GenerateRequest(
             request_id=flow.record.request_id, tokens=common_pb2.PromptTokens(ids=flow.prompt_ids), sampling=request.sampling
         )
@@ -326,43 +345,95 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
         return self._worker_stream(flow, lambda stub: stub.Attach(attach), retry_elsewhere=False)
 
     async def _worker_stream(self, flow: _Flow, open_call, *, retry_elsewhere: bool) -> AsyncIterator:
-        """Worker chunks of one request, following handoffs; re-routes a refused first attempt."""
+        """Worker chunks of one request, following handoffs and migrations; re-routes a refused first attempt."""
         tried: set[str] = set()
         handoffs = 0
         while True:
             call = open_call(self.channels.stub(flow.record.worker_address))
             handoff = None
+            handoff_chunk = None
             got_any = False
+            broken: grpc.aio.AioRpcError | None = None
             try:
                 async for chunk in call:
                     got_any = True
                     if chunk.finish_reason == HANDED_BACK:
-                        handoff = chunk.handoff
+                        handoff, handoff_chunk = chunk.handoff, chunk
                         break
                     yield chunk
             except grpc.aio.AioRpcError as error:
                 code = error.code()
+                if code == grpc.StatusCode.UNAVAILABLE:
+                    self._on_broken_stream(flow.record.worker_id, error)
                 if retry_elsewhere and not got_any and code in _RETRY_ELSEWHERE and len(tried) + 1 < _MAX_ROUTE_ATTEMPTS:
                     tried.add(flow.record.worker_id)
                     log.info("worker %s refused %s (%s); routing elsewhere", flow.record.worker_id, flow.record.request_id, code.name)
                     await self._move(flow, self._route(flow.prompt_ids, frozenset(tried)))
                     continue
-                raise _WorkerStreamError(flow.record.worker_id, error) from None
+                if code not in _MIGRATABLE or self._migrate is None:
+                    raise _WorkerStreamError(flow.record.worker_id, error) from None
+                broken = error
             finally:
                 call.cancel()
-            if handoff is None:
+            if handoff is None and broken is None:
                 return
             handoffs += 1
             if handoffs > _MAX_HANDOFFS:
-                raise UnavailableError(f"request {flow.record.request_id} was handed back {handoffs} times; giving up", retry_after_s=1.0)
-            self.metrics.handoffs.inc()
+                raise UnavailableError(f"request {flow.record.request_id} was moved {handoffs} times; giving up", retry_after_s=1.0)
             previous = flow.record.worker_id
+            moved = await self._migrate_flow(flow, handoff, handoff_chunk, broken)
+            if moved is not None:
+                open_call = lambda stub, flow=flow: stub.Attach(  # noqa: E731
+                    worker_pb2.AttachRequest(request_id=flow.record.request_id, from_index=flow.next_index)
+                )
+                retry_elsewhere = False
+                continue
+            if broken is not None:
+                raise _WorkerStreamError(previous, broken) from None
+            self.metrics.handoffs.inc()
             decision = self._route(list(handoff.prompt_token_ids) + list(handoff.output_token_ids), frozenset({previous}))
             log.info("worker %s handed back %s; continuing on %s", previous, flow.record.request_id, decision.worker_id)
             await self._move(flow, decision)
             resume = worker_pb2.GenerateRequest(request_id=flow.record.request_id, resume_from=handoff)
             open_call = lambda stub, resume=resume: stub.Generate(resume)  # noqa: E731
             retry_elsewhere = False
+
+    async def _migrate_flow(self, flow: _Flow, handoff, handoff_chunk, broken) -> migration_pb2.MigrateResponse | None:
+        """Asks the migration service to move the request; None without one (the caller falls back)."""
+        if self._migrate is None:
+            return None
+        request = migration_pb2.MigrateRequest(
+            request_id=flow.record.request_id, worker_id=flow.record.worker_id, tokens_delivered=flow.next_index, seed=flow.seed,
+            reason="handed back" if handoff is not None else f"stream broke: {broken.code().name}",
+        )
+        if flow.prompt_ids:
+            known = request.known_state
+            known.request_id = flow.record.request_id
+            known.prompt_token_ids.extend(flow.prompt_ids)
+            known.output_token_ids.extend(flow.output_ids)
+            if flow.sampling is not None:
+                known.sampling.CopyFrom(flow.sampling)
+            known.sampling.seed = flow.seed
+        if handoff is not None:
+            request.handoff.CopyFrom(handoff)
+            request.handoff_kv_tokens = handoff_chunk.handoff_kv_tokens
+            request.handoff_source_address = handoff_chunk.handoff_source
+        with tracer.start_as_current_span("router.migrate") as span:
+            span.set_attribute("phalanx.request_id", flow.record.request_id)
+            moved = await self._migrate(request)
+            if moved is None:
+                return None
+            span.set_attribute("phalanx.worker_id", moved.worker_id)
+        flow.migrations += 1
+        self.metrics.migrations.inc()
+        log.info("%s moved from %s to %s (%s)", flow.record.request_id, flow.record.worker_id, moved.worker_id, request.reason)
+        record = common_pb2.RequestRecord()
+        record.CopyFrom(flow.record)
+        record.worker_id, record.worker_address = moved.worker_id, moved.worker_address
+        flow.record = record
+        self._remember(record)
+        await self.records.update(record)
+        return moved
 
     async def _move(self, flow: _Flow, decision) -> None:
         record = common_pb2.RequestRecord()
@@ -390,13 +461,19 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
                     if c.index > flow.next_index:
                         raise UnavailableError(f"token {flow.next_index} of {request_id} is missing; resume from it", retry_after_s=0.1)
                     flow.next_index += 1
+                    flow.output_ids.append(c.token_id)
                     now = time.perf_counter()
+                    if flow.migrations > flow.stalls_seen:
+                        flow.stalls_seen = flow.migrations
+                        self.metrics.migration_stall.observe(now - last)
                     (itl if flow.first_sent else ttft).observe(now - last)
                     last = now
                     tokens.inc()
                 out = response_type(
                     request_id=request_id, token_id=c.token_id, text=c.text, index=c.index, finish_reason=c.finish_reason
                 )
+                if c.seed and not flow.seed:
+                    flow.seed = c.seed
                 if not flow.first_sent:
                     flow.first_sent = True
                     out.worker_id = flow.record.worker_id

@@ -8,9 +8,22 @@ import socket
 import uuid
 
 from phalanx.common.config import EtcdConfig
-from phalanx.testing.workers import RouterHandle, WorkerHandle, start_router, start_worker
+from phalanx.common.lease import connect_etcd
+from phalanx.common.subjects import CANARY_PREFIX, DEGRADATION_PREFIX, HEALTH_PREFIX
+from phalanx.testing.workers import (
+    CheckpointStoreHandle,
+    HealthHandle,
+    RouterHandle,
+    ServiceHandle,
+    WorkerHandle,
+    start_checkpoint_store,
+    start_health,
+    start_migration,
+    start_router,
+    start_worker,
+)
 
-__all__ = ["Stack", "free_port", "unique_id"]
+__all__ = ["Stack", "forget_health_state", "free_port", "unique_id"]
 
 
 def unique_id(name: str) -> str:
@@ -25,14 +38,27 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+async def forget_health_state(etcd_config: EtcdConfig) -> None:
+    """Delete what a health service wrote (weights, canaries, degradation level), so later tests start clean."""
+    client = connect_etcd(etcd_config)
+    try:
+        for prefix in (DEGRADATION_PREFIX, HEALTH_PREFIX, CANARY_PREFIX):
+            await client.delete_prefix(prefix.encode())
+    finally:
+        await client.close()
+
+
 class Stack:
-    """Workers and routers against one NATS and one etcd."""
+    """Workers, routers and health instances against one NATS and one etcd."""
 
     def __init__(self, nats_url: str, etcd_config: EtcdConfig) -> None:
         self.nats_url = nats_url
         self.etcd_config = etcd_config
         self.workers: list[WorkerHandle] = []
         self.routers: list[RouterHandle] = []
+        self.healths: list[HealthHandle] = []
+        self.stores: list[CheckpointStoreHandle] = []
+        self.migrations: list[ServiceHandle] = []
 
     async def add_workers(self, count: int, *extra: str, env: dict | None = None) -> list[WorkerHandle]:
         """``count`` workers started in parallel (deterministic numerics unless ``extra`` says --fast)."""
@@ -48,8 +74,24 @@ class Stack:
         self.routers.append(router)
         return router
 
+    async def add_health(self, *extra: str, instance_id: str | None = None, env: dict | None = None) -> HealthHandle:
+        handle = await start_health(instance_id or unique_id("h"), self.nats_url, self.etcd_config, *extra, env=env)
+        self.healths.append(handle)
+        return handle
+
+    async def add_checkpoint_store(self, *extra: str, store_id: str | None = None, env: dict | None = None) -> CheckpointStoreHandle:
+        handle = await start_checkpoint_store(store_id or unique_id("ckpt"), self.etcd_config, *extra, env=env)
+        self.stores.append(handle)
+        return handle
+
+    async def add_migration(self, *extra: str, instance_id: str | None = None, env: dict | None = None) -> ServiceHandle:
+        handle = await start_migration(instance_id or unique_id("mig"), self.nats_url, self.etcd_config, *extra, env=env)
+        self.migrations.append(handle)
+        return handle
+
     def stop(self) -> None:
-        """SIGTERM every process (routers first, so that none routes to a stopping worker)."""
-        for handle in [*self.routers, *self.workers]:
+        """SIGTERM every process (health first, so that it marks nothing dead on the way out; then routers, so that none
+        routes to a stopping worker)."""
+        for handle in [*self.healths, *self.routers, *self.migrations, *self.workers, *self.stores]:
             with contextlib.suppress(Exception):
                 handle.terminate(timeout=20)

@@ -11,13 +11,16 @@ import sys
 import time
 import urllib.request
 
-from phalanx._proto import common_pb2
+import grpc
+from prometheus_client.parser import text_string_to_metric_families
+
+from phalanx._proto import common_pb2, health_pb2, health_pb2_grpc
 from phalanx.common.config import EtcdConfig
 from phalanx.common.discovery import EtcdDirectory, WorkerDirectory
 from phalanx.common.subjects import ROUTERS_PREFIX
 from phalanx.testing.infra import pdeathsig_preexec
 
-__all__ = ["RouterHandle", "ServiceHandle", "WorkerHandle", "start_router", "start_worker"]
+__all__ = ["HealthHandle", "RouterHandle", "ServiceHandle", "WorkerHandle", "start_health", "start_router", "start_worker"]
 
 
 class ServiceHandle:
@@ -33,6 +36,16 @@ class ServiceHandle:
         """The process's Prometheus exposition text."""
         with urllib.request.urlopen(f"http://{self.metrics_address}/metrics", timeout=5) as reply:
             return reply.read().decode()
+
+    def metric(self, name: str, **labels: str) -> float | None:
+        """Sum of the samples called ``name`` (e.g. ``x_total``) whose labels include ``labels``; None if there is none."""
+        values = [
+            sample.value
+            for family in text_string_to_metric_families(self.metrics())
+            for sample in family.samples
+            if sample.name == name and labels.items() <= sample.labels.items()
+        ]
+        return sum(values) if values else None
 
     def kill(self) -> None:
         if self.process.poll() is None:
@@ -60,6 +73,16 @@ class RouterHandle(ServiceHandle):
     @property
     def router_id(self) -> str:
         return self.name
+
+
+class HealthHandle(ServiceHandle):
+    @property
+    def instance_id(self) -> str:
+        return self.name
+
+    async def list_health(self, timeout: float = 2.0) -> health_pb2.ListWorkerHealthResponse:
+        async with grpc.aio.insecure_channel(self.address) as channel:
+            return await health_pb2_grpc.HealthServiceStub(channel).ListWorkerHealth(health_pb2.ListWorkerHealthRequest(), timeout=timeout)
 
 
 def _spawn(args: list[str], env: dict[str, str]) -> subprocess.Popen:
@@ -115,3 +138,130 @@ async def start_router(
     directory = EtcdDirectory(etcd_config, prefix=ROUTERS_PREFIX, message_type=common_pb2.RouterRegistration)
     registration = await _registration(process, directory, router_id, 60)
     return RouterHandle(router_id, process, registration.address, registration.metrics_address)
+
+
+async def start_health(
+    instance_id: str, nats_url: str, etcd_config: EtcdConfig, *extra: str, env: dict | None = None, timeout: float = 30.0
+) -> HealthHandle:
+    """A health service instance, returned once it answers (leader or standby)."""
+    from phalanx.testing.stack import free_port
+
+    port, metrics_port = free_port(), free_port()
+    process = _spawn(
+        ["health", "--instance-id", instance_id, "--nats-url", nats_url, "--etcd-endpoint", etcd_config.endpoint, "--port", str(port),
+         "--log-level", "WARNING", *extra],
+        {"PHALANX_HEALTH_METRICS_PORT": str(metrics_port), **(env or {})},
+    )
+    handle = HealthHandle(instance_id, process, f"127.0.0.1:{port}", f"127.0.0.1:{metrics_port}")
+    deadline = time.monotonic() + timeout
+    while True:
+        if process.poll() is not None:
+            raise RuntimeError(f"{instance_id} exited with {process.returncode} before it served")
+        try:
+            await handle.list_health(timeout=1.0)
+            return handle
+        except grpc.aio.AioRpcError:
+            if time.monotonic() > deadline:
+                handle.kill()
+                raise TimeoutError(f"{instance_id} did not serve within {timeout:.0f} s") from None
+            await asyncio.sleep(0.1)
+
+
+class CheckpointStoreHandle(ServiceHandle):
+    """A checkpoint store process; ``advertisement`` is the JSON it put in etcd."""
+
+    def __init__(self, name: str, process: subprocess.Popen, advertisement: dict) -> None:
+        super().__init__(name, process, advertisement["address"], advertisement.get("metrics_address", ""))
+        self.advertisement = advertisement
+
+    @property
+    def store_id(self) -> str:
+        return self.name
+
+    @property
+    def channel_endpoint(self) -> str:
+        """Id of the store's tensor-channel endpoint (what SendKv sends from)."""
+        return self.advertisement["channel_endpoint"]
+
+    async def stats(self, timeout: float = 2.0):
+        from phalanx._proto import checkpoint_pb2, checkpoint_pb2_grpc
+
+        async with grpc.aio.insecure_channel(self.address) as channel:
+            return await checkpoint_pb2_grpc.CheckpointStoreStub(channel).Stats(checkpoint_pb2.StatsRequest(), timeout=timeout)
+
+    async def get_commit(self, request_id: str, timeout: float = 2.0):
+        from phalanx._proto import checkpoint_pb2, checkpoint_pb2_grpc
+
+        async with grpc.aio.insecure_channel(self.address) as channel:
+            stub = checkpoint_pb2_grpc.CheckpointStoreStub(channel)
+            return (await stub.GetCommit(checkpoint_pb2.GetCommitRequest(request_id=request_id), timeout=timeout)).commit
+
+
+async def start_checkpoint_store(
+    store_id: str, etcd_config: EtcdConfig, *extra: str, env: dict | None = None, timeout: float = 30.0
+) -> CheckpointStoreHandle:
+    """A checkpoint store process (``phalanx checkpoint-store``), returned once it advertised itself in etcd (SERVING).
+
+    ``extra`` are more CLI flags (e.g. ``--memory-limit-bytes``); ``env`` more PHALANX_CHECKPOINT_* settings.
+    """
+
+    from phalanx.common.subjects import CHECKPOINT_STORES_PREFIX
+
+    process = _spawn(
+        ["checkpoint-store", "--store-id", store_id, "--etcd-endpoint", etcd_config.endpoint, "--port", "0", "--log-level", "WARNING",
+         *extra],
+        {"PHALANX_ETCD_LEASE_TTL_S": str(etcd_config.lease_ttl_s), **(env or {})},
+    )  # fmt: skip
+    advertisement = await _advertisement(process, etcd_config, CHECKPOINT_STORES_PREFIX + store_id, store_id, timeout)
+    return CheckpointStoreHandle(store_id, process, advertisement)
+
+
+async def _advertisement(process: subprocess.Popen, etcd_config: EtcdConfig, key: str, name: str, timeout: float) -> dict:
+    """The JSON ``process`` put at ``key`` (with its pid: not a previous holder's, lingering until its lease lapses)."""
+    import json
+
+    from phalanx.common.lease import connect_etcd
+
+    client = connect_etcd(etcd_config)
+    deadline = time.monotonic() + timeout
+    try:
+        while True:
+            if process.poll() is not None:
+                raise RuntimeError(f"{name} exited with {process.returncode} before it advertised itself")
+            held = await client.get(key.encode())
+            advertisement = json.loads(held.value) if held is not None else {}
+            if advertisement.get("pid") == process.pid:
+                return advertisement
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{name} did not advertise itself within {timeout:.0f} s")
+            await asyncio.sleep(0.05)
+    except BaseException:
+        with contextlib.suppress(Exception):
+            process.kill()
+            process.wait(5)
+        raise
+    finally:
+        await client.close()
+
+
+__all__ += ["CheckpointStoreHandle", "start_checkpoint_store"]
+
+
+async def start_migration(
+    instance_id: str, nats_url: str, etcd_config: EtcdConfig, *extra: str, env: dict | None = None, timeout: float = 30.0
+) -> ServiceHandle:
+    """A migration service (``phalanx migration``), returned once it advertised itself in etcd."""
+    from phalanx.common.subjects import MIGRATIONS_PREFIX
+    from phalanx.testing.stack import free_port
+
+    metrics_port = free_port()
+    process = _spawn(
+        ["migration", "--migration-id", instance_id, "--nats-url", nats_url, "--etcd-endpoint", etcd_config.endpoint, "--port", "0",
+         "--log-level", "WARNING", *extra],
+        {"PHALANX_ETCD_LEASE_TTL_S": str(etcd_config.lease_ttl_s), "PHALANX_MIGRATION_METRICS_PORT": str(metrics_port), **(env or {})},
+    )  # fmt: skip
+    advertisement = await _advertisement(process, etcd_config, MIGRATIONS_PREFIX + instance_id, instance_id, timeout)
+    return ServiceHandle(instance_id, process, advertisement["address"], f"127.0.0.1:{metrics_port}")
+
+
+__all__ += ["start_migration"]

@@ -17,6 +17,7 @@ from typing import Protocol
 
 from phalanx.common.errors import EngineDeadError, UnavailableError
 from phalanx.model.kv_cache import KvEvents
+from phalanx.worker.checkpointing import CheckpointCapture
 from phalanx.worker.engine import Engine, EngineRequest, StepStats
 from phalanx.worker.sequence import FinishReason, TokenEvent
 
@@ -42,17 +43,25 @@ class EngineLoad:
 
 
 class AsyncEngine:
-    def __init__(self, engine: Engine, *, on_kv_events: Callable[[KvEvents], None] | None = None) -> None:
+    def __init__(
+        self, engine: Engine, *, on_kv_events: Callable[[KvEvents], None] | None = None, checkpoints: CheckpointCapture | None = None
+    ) -> None:
         self.engine = engine
         self._on_kv_events = on_kv_events
+        # Copies each step's new KV for the checkpoint store (on this thread, between steps).
+        self.checkpoints = checkpoints
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._streams: dict[str, EventSink] = {}
+        self._canaries: set[str] = set()  # ids in _streams that are canaries
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopping = False
         self.dead: BaseException | None = None
+        # Draining: no new requests, but canaries still (a quarantine, or on the way to exit).
         self.draining = False
+        # Exiting: not even canaries; the worker is going away.
+        self.exiting = False
         self.step_time_ema_s = 0.0
         self.prefill_rate = 0.0
         self.decode_rate = 0.0
@@ -66,10 +75,12 @@ class AsyncEngine:
         """Stops the loop thread; idempotent. Requests still open end as ABORTED."""
         self._stopping = True
         self._wake.set()
+        self.engine.faults.interrupt()  # a hung engine thread must still end
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join)
             self._thread = None
         streams, self._streams = self._streams, {}
+        self._canaries.clear()
         for request_id, stream in streams.items():
             stream.put_nowait(TokenEvent(request_id, -1, "", -1, FinishReason.ABORTED))
 
@@ -82,11 +93,11 @@ class AsyncEngine:
         """
         if self.dead is not None:
             raise EngineDeadError(f"engine loop died: {self.dead!r}")
-        if self.draining or self._stopping:
+        if self._stopping or self.exiting or (self.draining and not request.canary):
             raise UnavailableError("worker is draining; send the request to another worker", retry_after_s=0.1)
         self.engine.validate(request)  # pure checks; safe off the engine thread
         done = asyncio.get_running_loop().create_future()
-        self._commands.put(("add", request, sink, done))
+        self._commands.put(("add", request, sink, done, request.canary))
         self._wake.set()
         return await done  # raises what add_request raised (queue full, duplicate id)
 
@@ -110,7 +121,7 @@ class AsyncEngine:
                 if finished:
                     return
         finally:
-            self._streams.pop(request_id, None)
+            self._forget(request_id)
             if not finished:
                 self.abort(request_id)
 
@@ -121,14 +132,40 @@ class AsyncEngine:
         self._wake.set()
         return await done
 
+    async def restore(self, request: EngineRequest, kv, kv_tokens: int, sink: EventSink) -> list[TokenEvent]:
+        """Adds a migrated request with its KV; returns the events of the tokens it brought (its log starts with them)."""
+        if self.dead is not None:
+            raise EngineDeadError(f"engine loop died: {self.dead!r}")
+        if self._stopping or self.exiting or self.draining:
+            raise UnavailableError("worker is draining; restore the request on another worker", retry_after_s=0.1)
+        return await self._call("restore", request, kv, kv_tokens, sink)
+
+    async def park(self, request_ids: list[str] | None, ttl_s: float) -> list[TokenEvent]:
+        """Stops requests keeping their KV (see Engine.park); their logs end with HANDED_BACK."""
+        return await self._call("park", request_ids, ttl_s)
+
+    async def export_kv(self, request_id: str, kv_tokens: int):
+        return await self._call("export", request_id, kv_tokens)
+
+    async def unpark(self, request_id: str) -> int:
+        return await self._call("unpark", request_id)
+
+    async def _call(self, *command):
+        """Runs a command on the engine thread between steps; its result or exception comes back here."""
+        done = asyncio.get_running_loop().create_future()
+        self._commands.put(("call", done, *command))
+        self._wake.set()
+        return await done
+
     def hand_back_all(self) -> None:
-        """Ends every request with HANDED_BACK and its snapshot, for a drain past its grace."""
+        """Ends every request but canaries with HANDED_BACK and its snapshot, for a drain past its grace."""
         self._commands.put(("hand_back_all",))
         self._wake.set()
 
     @property
     def num_requests(self) -> int:
-        return len(self._streams)
+        """Requests in flight, canaries left out."""
+        return len(self._streams) - len(self._canaries)
 
     def load(self) -> EngineLoad:
         e = self.engine
@@ -148,12 +185,14 @@ class AsyncEngine:
             while not self._stopping:
                 self._apply_commands()
                 if not self.engine.has_work():
+                    self._capture_checkpoints()
                     self._flush_kv_events()
                     self._wake.wait(0.05)
                     self._wake.clear()
                     continue
                 events = self.engine.step()
                 self._record(self.engine.last_step)
+                self._capture_checkpoints()
                 self._flush_kv_events()
                 if events:
                     self._loop.call_soon_threadsafe(self._dispatch, events)
@@ -170,13 +209,13 @@ class AsyncEngine:
             except queue.Empty:
                 break
             if command[0] == "add":
-                _, request, stream, done = command
+                _, request, stream, done, canary = command
                 try:
                     seq = self.engine.add_request(request)
                 except Exception as exc:  # reported to that caller only
                     self._loop.call_soon_threadsafe(_set_exception, done, exc)
                     continue
-                self._loop.call_soon_threadsafe(self._register, seq.request_id, stream, done)
+                self._loop.call_soon_threadsafe(self._register, seq.request_id, stream, done, canary, seq.replayed)
             elif command[0] == "abort":
                 # Its final event also tells the sink, if any still listens, that nothing follows.
                 event = self.engine.abort(command[1], command[2])
@@ -185,13 +224,49 @@ class AsyncEngine:
             elif command[0] == "snapshot":
                 self._flush_kv_events()
                 self._loop.call_soon_threadsafe(_set_result, command[1], self.engine.cached_blocks())
+            elif command[0] == "call":
+                events.extend(self._run_call(command[1], command[2], command[3:]))
             elif command[0] == "hand_back_all":
-                for request_id in list(self.engine.by_id):
+                for request_id, seq in list(self.engine.by_id.items()):
+                    if seq.canary:
+                        continue  # short, and a quarantined worker still runs them
                     event = self.engine.abort(request_id, FinishReason.HANDED_BACK)
                     if event is not None:
                         events.append(event)
         if events:
             self._loop.call_soon_threadsafe(self._dispatch, events)
+
+    def _run_call(self, done: asyncio.Future, name: str, args: tuple) -> list[TokenEvent]:
+        events: list[TokenEvent] = []
+        try:
+            if name == "restore":
+                request, kv, kv_tokens, sink = args
+                seq = self.engine.restore(request, kv, kv_tokens)
+                result = seq.replayed
+                # Before any event of its next step: the log must start with the tokens it brought.
+                self._loop.call_soon_threadsafe(self._register_restored, seq.request_id, sink, seq.replayed)
+            elif name == "park":
+                events = result = self.engine.park(*args)
+            elif name == "export":
+                result = self.engine.export_kv(*args)
+            elif name == "unpark":
+                result = self.engine.unpark(*args)
+            else:
+                raise ValueError(f"unknown engine command {name!r}")
+        except Exception as exc:  # reported to that caller only
+            self._loop.call_soon_threadsafe(_set_exception, done, exc)
+            return []
+        self._loop.call_soon_threadsafe(_set_result, done, result)
+        return events
+
+    def _capture_checkpoints(self) -> None:
+        engine = self.engine
+        if engine.parked:
+            engine.unpark()  # transfers that never came
+        if self.checkpoints is not None:
+            self.checkpoints.capture(engine)
+        else:
+            engine.released.clear()
 
     def _record(self, stats: StepStats) -> None:
         if stats.seconds <= 0:
@@ -210,12 +285,24 @@ class AsyncEngine:
             self._loop.call_soon_threadsafe(self._on_kv_events, events)
 
     # -- on the event loop --------------------------------------------------
-    def _register(self, request_id: str, sink: EventSink, done: asyncio.Future) -> None:
+    def _register(self, request_id: str, sink: EventSink, done: asyncio.Future, canary: bool = False, replayed=()) -> None:
         # Registered even if the caller stopped waiting for admission: the
         # request runs, and its sink (or an abort) decides what becomes of it.
+        if replayed:
+            self._register_restored(request_id, sink, replayed)
         self._streams[request_id] = sink
+        if canary:
+            self._canaries.add(request_id)
         if not done.done():
             done.set_result(request_id)
+
+    def _register_restored(self, request_id: str, sink: EventSink, replayed: list[TokenEvent]) -> None:
+        self._streams[request_id] = sink
+        seed = getattr(sink, "seed", None)
+        for event in replayed if seed is None else ():
+            sink.put_nowait(event)
+        if seed is not None:
+            seed(replayed)
 
     def _dispatch(self, events: list[TokenEvent]) -> None:
         streams = self._streams
@@ -223,11 +310,16 @@ class AsyncEngine:
             sink = streams.get(event.request_id)
             if sink is not None:
                 if event.finish_reason is not FinishReason.NONE:
-                    del streams[event.request_id]
+                    self._forget(event.request_id)
                 sink.put_nowait(event)
+
+    def _forget(self, request_id: str) -> None:
+        self._streams.pop(request_id, None)
+        self._canaries.discard(request_id)
 
     def _fail_all(self, error: Exception) -> None:
         streams, self._streams = self._streams, {}
+        self._canaries.clear()
         for request_id, stream in streams.items():
             stream.put_nowait(TokenEvent(request_id, -1, "", -1, FinishReason.ABORTED, error=error))
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -51,6 +51,9 @@ class EngineConfig(BaseSettings):
         return getattr(torch, self.dtype)
 
 
+MIN_CHAOS_TOKEN_CHARS = 16
+
+
 class WorkerConfig(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="PHALANX_WORKER_")
 
@@ -67,4 +70,29 @@ class WorkerConfig(BaseSettings):
     )
     retain_s: float = Field(30.0, ge=0, description="How long a finished request's output is kept for a late Attach")
     max_retained: int = Field(10_000, ge=0, description="Most finished requests kept for Attach; the oldest go first")
+    checkpointing: bool = Field(
+        True, description="Stream every running request's new KV to the checkpoint store (when one is registered in etcd)"
+    )
+    checkpoint_max_pending_bytes: int = Field(
+        64 << 20, ge=1 << 20, description="KV queued for the store beyond which capture skips steps (coarser segments, never a stall)"
+    )
+    park_ttl_s: float = Field(10.0, gt=0, description="How long a handed-back request's KV waits here for a transfer")
+    transfer_on_drain: bool = Field(
+        True, description="A drain parks requests with their KV so that migration can transfer it instead of recomputing"
+    )
+    channel_timeout_s: float = Field(10.0, gt=0, description="Timeout of tensor-channel setup and transfers")
     max_message_bytes: int = Field(4 * 1024 * 1024, ge=1024, description="Largest gRPC request accepted")
+    chaos_enabled: bool = Field(
+        False, description="Serve the ChaosService (fault injection, for tests and game days); needs chaos_token"
+    )
+    chaos_token: str = Field(
+        "", repr=False, description="Admin token the ChaosService requires as 'authorization: Bearer <token>' (16+ characters)"
+    )
+
+    @model_validator(mode="after")
+    def _check_chaos(self) -> WorkerConfig:
+        if self.chaos_enabled and len(self.chaos_token) < MIN_CHAOS_TOKEN_CHARS:
+            raise ValueError(
+                f"chaos_enabled needs a chaos_token of at least {MIN_CHAOS_TOKEN_CHARS} characters (PHALANX_WORKER_CHAOS_TOKEN)"
+            )
+        return self

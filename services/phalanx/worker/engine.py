@@ -17,13 +17,14 @@ from dataclasses import dataclass
 
 import torch
 
-from phalanx.common.errors import InvalidRequestError, ResourceExhaustedError
+from phalanx.common.errors import InvalidRequestError, NotFoundError, ResourceExhaustedError
 from phalanx.model.attention import PagedAttention, SeqChunk
 from phalanx.model.kv_cache import BLOCK_SIZE, KvCacheManager, KvCacheTensors, KvEvents
 from phalanx.model.sampling import RequestSampler, SamplingParams
 from phalanx.model.transformer import Transformer
 from phalanx.worker.config import EngineConfig
-from phalanx.worker.sequence import FinishReason, RequestSnapshot, Sequence, SeqStatus, TokenEvent
+from phalanx.worker.faults import FaultState
+from phalanx.worker.sequence import FinishReason, RequestSnapshot, SeqStatus, Sequence, TokenEvent
 
 
 @dataclass
@@ -33,6 +34,12 @@ class EngineRequest:
     request_id: str = ""
     record_top_logits: bool = False
     resume: RequestSnapshot | None = None
+    # A health check: counted apart, and admitted while the worker is quarantined.
+    canary: bool = False
+    # Moved here from another worker: first in line, and its log starts with the tokens it brought along.
+    migrated: bool = False
+    # With migrated: recompute the outputs one token per step (the sequential-replay strategy).
+    sequential_replay: bool = False
 
 
 @dataclass
@@ -44,7 +51,7 @@ class StepStats:
 
 
 class Engine:
-    def __init__(self, model: Transformer, config: EngineConfig) -> None:
+    def __init__(self, model: Transformer, config: EngineConfig, *, faults: FaultState | None = None) -> None:
         c = model.config
         if config.max_model_len > c.max_position_embeddings:
             raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's {c.max_position_embeddings} positions")
@@ -64,7 +71,34 @@ class Engine:
         self.prefix_hit_tokens = 0
         self.prompt_tokens_total = 0
         self.generated_tokens_total = 0
+        # Tokens computed in steps (prompt, recompute and decode), all and for canaries: the cost of health checks.
+        self.tokens_computed = 0
+        self.canary_tokens_computed = 0
+        self.canaries_total = 0
         self.last_step = StepStats()
+        # Injected faults (chaos); inactive unless someone injects one.
+        self.faults = faults or FaultState()
+        self._batch_scale = 1.0
+        self.max_num_seqs = config.max_num_seqs
+        # Requests stopped with their KV kept for a transfer to another worker: id -> (sequence, expiry).
+        self.parked: dict[str, tuple[Sequence, float]] = {}
+        # Ids of requests that ended for good (finished, cancelled): the checkpoint store may forget them.
+        self.released: list[str] = []
+
+    @property
+    def batch_scale(self) -> float:
+        return self._batch_scale
+
+    def set_batch_scale(self, scale: float) -> float:
+        """Shrinks the batch (degradation): fewer new sequences are admitted; running ones are never dropped.
+
+        0 means 1.0; the rest is clamped to [0.1, 1]. Returns the scale applied.
+        """
+        scale = 1.0 if not scale or scale != scale else min(1.0, max(0.1, scale))
+        self._batch_scale = scale
+        # One int the scheduler reads, assigned whole: safe from another thread.
+        self.max_num_seqs = max(1, int(self.config.max_num_seqs * scale))
+        return scale
 
     # -- requests -----------------------------------------------------------
     def validate(self, request: EngineRequest) -> None:
@@ -102,16 +136,27 @@ class Engine:
             detokenizer=self.tokenizer.detokenizer(),
             eos_token_id=self.tokenizer.eos_token_id,
             record_top_logits=request.record_top_logits,
+            canary=request.canary,
+            sequential_replay=request.sequential_replay,
         )
         if resume:
             sampler.restore(resume.generator_state)
-            for token in resume.output_ids:
-                seq.detokenizer.push(token)
             seq.output_ids = list(resume.output_ids)
-            seq.resumed_outputs = len(resume.output_ids)
-        self.waiting.append(seq)
+            if request.migrated:
+                seq.replayed = seq.replayed_events()
+            else:
+                for token in resume.output_ids:
+                    seq.detokenizer.push(token)
+                seq.resumed_outputs = len(resume.output_ids)
+        if request.canary or request.migrated:
+            # Admitted like any request, then first in line and allowed one slot over max_num_seqs: a canary
+            # measures how the worker computes, not how long its queue is (a full batch is no fault).
+            self.waiting.appendleft(seq)
+        else:
+            self.waiting.append(seq)
         self.by_id[request_id] = seq
         self.prompt_tokens_total += len(seq.prompt_ids)
+        self.canaries_total += int(request.canary)
         return seq
 
     def abort(self, request_id: str, reason: FinishReason = FinishReason.ABORTED) -> TokenEvent | None:
@@ -121,7 +166,91 @@ class Engine:
             return None
         handoff = seq.snapshot() if reason is FinishReason.HANDED_BACK else None
         self._finish(seq)
+        if reason is FinishReason.ABORTED:
+            self.released.append(request_id)
         return TokenEvent(request_id, -1, "", -1, reason, handoff=handoff)
+
+    # -- migration ----------------------------------------------------------
+    def restore(self, request: EngineRequest, kv: torch.Tensor | None, kv_tokens: int) -> Sequence:
+        """Adds a migrated request whose KV positions [0, kv_tokens) arrive in `kv`; it runs from the next step.
+
+        Raises ResourceExhaustedError (nothing changes) when the blocks are not free here.
+        """
+        self.validate(request)
+        resume = request.resume
+        if resume is None:
+            raise InvalidRequestError("state", "a restore needs the request's state")
+        if request.request_id in self.by_id or request.request_id in self.parked:
+            raise InvalidRequestError("request_id", f"{request.request_id!r} is already on this worker")
+        ids = resume.prompt_ids + resume.output_ids
+        if not 0 <= kv_tokens < len(ids):
+            raise InvalidRequestError("kv_tokens", f"{kv_tokens} must be in [0, {len(ids)}) for {len(ids)} tokens")
+        cached = self.kv.allocate(request.request_id, ids, reserve_tokens=1)
+        if cached is None:
+            raise ResourceExhaustedError(f"{self.kv.blocks_for(len(ids) + 1)} KV blocks are not free here", retry_after_s=0.1)
+        if kv is not None and kv_tokens > cached:
+            # Blocks borrowed from the prefix cache hold the same KV already and may be shared: left alone.
+            self.cache.scatter(self.kv.slots(request.request_id, cached, kv_tokens), kv[:, :, cached:kv_tokens])
+        sampler = RequestSampler(request.params, seed=resume.seed)
+        sampler.restore(resume.generator_state)
+        seq = Sequence(
+            request_id=request.request_id, prompt_ids=list(resume.prompt_ids), params=request.params, sampler=sampler,
+            detokenizer=self.tokenizer.detokenizer(), eos_token_id=self.tokenizer.eos_token_id,
+        )
+        seq.output_ids = list(resume.output_ids)
+        seq.cached_prompt_tokens = min(cached, len(seq.prompt_ids))
+        seq.replayed = seq.replayed_events()
+        seq.status = SeqStatus.RUNNING
+        seq.num_computed = max(cached, kv_tokens)
+        self.kv.commit(seq.request_id, seq.all_ids, seq.num_computed)
+        self.running.append(seq)
+        self.by_id[seq.request_id] = seq
+        self.prefix_hit_tokens += cached
+        return seq
+
+    def park(self, request_ids: list[str] | None, ttl_s: float) -> list[TokenEvent]:
+        """Stops requests (all but canaries when None) and keeps their KV for `ttl_s` for a transfer.
+
+        Returns each one's HANDED_BACK event, with its state and how many KV positions stay here.
+        """
+        events = []
+        expiry = time.monotonic() + ttl_s
+        for request_id in list(self.by_id) if request_ids is None else request_ids:
+            seq = self.by_id.get(request_id)
+            if seq is None or (request_ids is None and seq.canary):
+                continue
+            del self.by_id[request_id]
+            if seq.status is SeqStatus.RUNNING:
+                self.running.remove(seq)
+            elif seq.status is SeqStatus.WAITING:
+                self.waiting.remove(seq)
+            kv_tokens = seq.num_computed if self.kv.has(request_id) else 0
+            seq.status = SeqStatus.FINISHED
+            if kv_tokens:
+                self.parked[request_id] = (seq, expiry)
+            else:
+                self.kv.free(request_id)
+            events.append(TokenEvent(request_id, -1, "", -1, FinishReason.HANDED_BACK, handoff=seq.snapshot(), handoff_kv_tokens=kv_tokens))
+        return events
+
+    def export_kv(self, request_id: str, kv_tokens: int) -> torch.Tensor:
+        """A copy of the KV of positions [0, kv_tokens) of a parked (or running) request."""
+        entry = self.parked.get(request_id)
+        seq = entry[0] if entry is not None else self.by_id.get(request_id)
+        if seq is None or not self.kv.has(request_id):
+            raise NotFoundError(f"request {request_id!r} has no KV on this worker")
+        if not 0 < kv_tokens <= seq.num_computed:
+            raise InvalidRequestError("kv_tokens", f"{kv_tokens} is outside the {seq.num_computed} positions computed here")
+        return self.cache.gather(self.kv.slots(request_id, 0, kv_tokens))
+
+    def unpark(self, request_id: str | None = None) -> int:
+        """Frees parked KV: one request's, or every expired one's (None). Returns how many were freed."""
+        now = time.monotonic()
+        gone = [r for r, (_, expiry) in self.parked.items() if (r == request_id if request_id is not None else expiry <= now)]
+        for r in gone:
+            del self.parked[r]
+            self.kv.free(r)
+        return len(gone)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -135,13 +264,23 @@ class Engine:
 
     # -- one step -----------------------------------------------------------
     def step(self) -> list[TokenEvent]:
+        faults = self.faults if self.faults.active else None
+        if faults is not None:
+            faults.hold()  # a hang: no progress until it is cleared, expires or the engine stops
+            if faults.sync_weights(self.model):
+                self.kv.reset_prefix_cache()  # cached KV came from the other weights
         start = time.perf_counter()
         scheduled = self._schedule()
         if not scheduled:
             return []
-        events = self._execute(scheduled)
+        events = self._execute(scheduled, faults)
+        if faults is not None:
+            faults.slow_down()
         stats = self.last_step = StepStats(num_seqs=len(scheduled), seconds=time.perf_counter() - start)
         for seq, n in scheduled:
+            self.tokens_computed += n
+            if seq.canary:
+                self.canary_tokens_computed += n
             if n == 1 and seq.num_computed >= len(seq.prompt_ids) + 1:
                 stats.decode_tokens += 1
             else:
@@ -157,7 +296,7 @@ class Engine:
                 break
             if seq.status is not SeqStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            n = min(seq.remaining_to_compute, budget)
+            n = self._chunk(seq, budget)
             fits = self.kv.ensure_capacity(seq.request_id, seq.num_computed + n)
             while not fits:
                 victim = self._preempt_newest(exclude=[s for s, _ in scheduled])
@@ -167,7 +306,7 @@ class Engine:
             if fits:
                 scheduled.append((seq, n))
                 budget -= n
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while self.waiting and budget > 0 and (len(self.running) < self.max_num_seqs or self.waiting[0].canary):
             seq = self.waiting[0]
             cached = self.kv.allocate(seq.request_id, seq.all_ids)
             if cached is None:
@@ -179,10 +318,19 @@ class Engine:
                 seq.cached_prompt_tokens = cached
             self.prefix_hit_tokens += cached
             self.running.append(seq)
-            n = min(seq.remaining_to_compute, budget)
+            n = self._chunk(seq, budget)
             scheduled.append((seq, n))
             budget -= n
         return scheduled
+
+    @staticmethod
+    def _chunk(seq: Sequence, budget: int) -> int:
+        n = min(seq.remaining_to_compute, budget)
+        if seq.sequential_replay:
+            prompt = len(seq.prompt_ids)
+            # The prompt in one pass, then every output token in a step of its own, as its first decode went.
+            n = min(n, prompt - seq.num_computed) if seq.num_computed < prompt else min(n, 1)
+        return n
 
     def _preempt_newest(self, exclude: list[Sequence]) -> Sequence | None:
         candidates = [s for s in self.running if s not in exclude]
@@ -197,7 +345,7 @@ class Engine:
         self.preemptions += 1
         return victim
 
-    def _execute(self, scheduled: list[tuple[Sequence, int]]) -> list[TokenEvent]:
+    def _execute(self, scheduled: list[tuple[Sequence, int]], faults: FaultState | None = None) -> list[TokenEvent]:
         device = self.model.device
         token_ids: list[int] = []
         positions: list[torch.Tensor] = []
@@ -221,6 +369,8 @@ class Engine:
                 torch.tensor(token_ids, dtype=torch.int64, device=device), torch.cat(positions).to(device), backend, invariant=invariant
             )
             logits = self.model.logits(hidden[sample_rows], invariant=invariant).cpu() if sample_rows else None
+        if faults is not None and logits is not None:
+            logits = faults.corrupt_logits(logits)  # silent data corruption: wrong tokens, no error
         events: list[TokenEvent] = []
         # One call for every greedy row (the common case) instead of one per sequence.
         argmax = logits.argmax(-1).tolist() if logits is not None else []
@@ -233,13 +383,17 @@ class Engine:
             seq_logits = logits[row]
             token = argmax[row] if seq.params.greedy else seq.sampler.sample(seq_logits)
             row += 1
-            top = float(seq_logits.max()) if seq.record_top_logits else None
-            event = seq.append_token(token, top)
+            top = margin = None
+            if seq.record_top_logits:
+                best = seq_logits.topk(2).values.tolist()
+                top, margin = best[0], best[0] - best[1]
+            event = seq.append_token(token, top, margin)
             self.generated_tokens_total += 1
             events.append(event)
             if event.finish_reason is not FinishReason.NONE:
                 self.by_id.pop(seq.request_id, None)
                 self._finish(seq)
+                self.released.append(seq.request_id)
         return events
 
     def _finish(self, seq: Sequence) -> None:

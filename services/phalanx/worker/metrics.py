@@ -33,7 +33,33 @@ class WorkerMetrics:
         self.waiting = Gauge("phalanx_worker_queue_depth", "Requests waiting for admission", labels, registry=self.registry)
         self.free_blocks = Gauge("phalanx_worker_free_kv_blocks", "KV blocks that can be allocated", labels, registry=self.registry)
         self.preemptions = Gauge("phalanx_worker_preemptions", "Sequences preempted for lack of KV blocks", labels, registry=self.registry)
-        self.status = Gauge("phalanx_worker_status", "1 serving, 0.5 draining, 0 stopped", labels, registry=self.registry)
+        # Named apart from phalanx_worker_status, which the health service exports (its view of the worker).
+        self.serving = Gauge("phalanx_worker_serving", "1 serving, 0.5 draining or quarantined, 0 stopped", labels, registry=self.registry)
+        self.batch_scale = Gauge(
+            "phalanx_worker_batch_scale", "Share of max_num_seqs admitted (below 1 under degradation)", labels, registry=self.registry
+        )
+        self.computed_tokens = Counter(
+            "phalanx_worker_computed_tokens", "Tokens computed by the engine (prompt, recompute and decode)", labels, registry=self.registry
+        )
+        self.canary_tokens = Counter(
+            "phalanx_worker_canary_tokens", "Tokens computed by the engine for canaries (health checks)", labels, registry=self.registry
+        )
+        self.canaries = Counter("phalanx_worker_canaries", "Canary requests admitted", labels, registry=self.registry)
+        self.faults_active = Gauge(
+            "phalanx_worker_faults_active", "1 while a fault of this kind is injected (chaos)", ["worker", "kind"], registry=self.registry
+        )
+        self.restores = Counter("phalanx_worker_restores", "Requests migrated onto this worker", labels, registry=self.registry)
+        self.checkpoint_lag = Gauge(
+            "phalanx_checkpoint_lag_tokens", "KV positions computed here and not yet captured for the checkpoint store", labels,
+            registry=self.registry,
+        )
+        self.checkpoint_bytes = Counter(
+            "phalanx_checkpoint_sent_bytes", "KV bytes streamed to the checkpoint store", labels, registry=self.registry
+        )
+        self.checkpoint_skipped = Counter(
+            "phalanx_checkpoint_skipped_captures", "Steps whose KV capture waited for the store (backpressure)", labels,
+            registry=self.registry,
+        )
         self.worker_id = worker_id
 
     def for_worker(self, metric):

@@ -3,7 +3,8 @@
 Start: health NOT_SERVING -> connect NATS and etcd -> load the model ->
 engine -> register in etcd -> SERVING. Stop (SIGTERM or Drain): NOT_SERVING
 -> drain the engine (finish or hand back) -> stop gRPC -> revoke the lease
--> close NATS.
+-> close NATS. Quarantine (Drain keep_running): NOT_SERVING, drained, up and
+running canaries until Undrain (SERVING again) or a stop.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import logging
 import os
 import socket
 import time
+from contextlib import aclosing
 
 import grpc
 import torch
@@ -20,23 +22,37 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 
-from phalanx._proto import common_pb2, worker_pb2, worker_pb2_grpc
+from phalanx._proto import chaos_pb2, chaos_pb2_grpc, checkpoint_pb2, common_pb2, migration_pb2, migration_pb2_grpc, worker_pb2, worker_pb2_grpc
+from phalanx.common.channels import ChannelEndpoint
 from phalanx.common.config import EtcdConfig, NatsConfig, TelemetryConfig
-from phalanx.common.discovery import encode_registration
+from phalanx.common.discovery import EtcdDirectory, encode_registration
 from phalanx.common.events import EventBus
-from phalanx.common.lease import LeasedKey
-from phalanx.common.subjects import kv_events_subject, load_subject, validate_worker_id, worker_key
+from phalanx.common.lease import TRANSIENT_ERRORS, Backoff, LeasedKey
+from phalanx.common.subjects import (
+    DEGRADATION_KEY,
+    DEGRADATION_PREFIX,
+    kv_events_subject,
+    load_subject,
+    validate_worker_id,
+    worker_key,
+)
 from phalanx.common.telemetry import get_tracer, grpc_server_interceptors, setup_telemetry, shutdown_telemetry
 from phalanx.model import load
 from phalanx.model.kv_cache import BLOCK_SIZE, KvEvents
 from phalanx.worker.async_engine import AsyncEngine
+from phalanx.worker.chaos import ChaosServicer
 from phalanx.worker.config import EngineConfig, WorkerConfig
 from phalanx.worker.engine import Engine
+from phalanx.worker.faults import FaultKind, FaultState
 from phalanx.worker.metrics import WorkerMetrics
-from phalanx.worker.server import WorkerServicer, drain_engine
+from phalanx.worker.checkpointing import CheckpointCapture, CheckpointStreamer
+from phalanx.worker.server import KvSourceServicer, WorkerServicer, drain_engine, snapshot_to_proto
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["WorkerService"].full_name
+KV_SOURCE_SERVICE_NAME = migration_pb2.DESCRIPTOR.services_by_name["KvSource"].full_name
+CHAOS_SERVICE_NAME = chaos_pb2.DESCRIPTOR.services_by_name["ChaosService"].full_name
+_DEGRADATION_NAME = DEGRADATION_KEY[len(DEGRADATION_PREFIX) :]
 # Stored hashes per KV event message: ~30 bytes each keeps messages far below NATS's 1 MiB.
 _MAX_BLOCKS_PER_EVENT = 8192
 
@@ -61,9 +77,17 @@ class WorkerProcess:
         self.address = ""
         self.ready = asyncio.Event()
         self._stop = asyncio.Event()
-        self._drained: tuple[int, int] | None = None
+        self._exit_drain: asyncio.Future[tuple[int, int]] | None = None
+        self._quarantined = False
+        self.faults = FaultState()
+        # None while a DROP_NATS fault holds the connection closed: events are then dropped.
+        self._bus: EventBus | None = None
+        self._nats_reconnect: asyncio.Task[None] | None = None
+        self._registration: LeasedKey | None = None
         self._kv_outbox: asyncio.Queue[KvEvents] = asyncio.Queue()
         self.kv_sequence = 0  # KV event messages published so far
+        self.channels: ChannelEndpoint | None = None
+        self._streamer: CheckpointStreamer | None = None
 
     def request_stop(self) -> None:
         self._stop.set()
@@ -83,18 +107,27 @@ class WorkerProcess:
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         c = self.config
         servicer = WorkerServicer(
-            self.worker_id, self.metrics, on_drain=self._drain, kv_sequence=lambda: self.kv_sequence,
+            self.worker_id, self.metrics, on_drain=self._drain, on_undrain=self._undrain, kv_sequence=lambda: self.kv_sequence,
             detach_grace_s=c.detach_grace_s, retain_s=c.retain_s, max_retained=c.max_retained,
         )
         worker_pb2_grpc.add_WorkerServiceServicer_to_server(servicer, server)
-        reflection.enable_server_reflection([SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
+        migration_pb2_grpc.add_KvSourceServicer_to_server(KvSourceServicer(servicer), server)
+        # Peers connect to the advertised host (a container's service name), which must resolve to this host.
+        self.channels = ChannelEndpoint(f"worker-{self.worker_id}", self.etcd_config, host=c.advertise_host or c.host, timeout_s=c.channel_timeout_s)
+        self.channels.add_grpc_service(server)
+        servicer.channels, servicer.channel_timeout_s = self.channels, c.channel_timeout_s
+        services = [SERVICE_NAME, KV_SOURCE_SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME]
+        if c.chaos_enabled:
+            self._add_chaos_service(server)
+            services.append(CHAOS_SERVICE_NAME)
+        reflection.enable_server_reflection(services, server)
         port = server.add_insecure_port(f"{self.config.host}:{self.config.port}")
-        self.address = f"{self.config.advertise_host or self.config.host}:{port}"
+        self.address = servicer.address = f"{self.config.advertise_host or self.config.host}:{port}"
         await server.start()
         metrics_server, metrics_thread = start_http_server(self.config.metrics_port, self.config.host, registry=self.metrics.registry)
-        bus = registration = engine = None
+        registration = engine = None
         try:
-            bus = await EventBus.connect(self.nats_config, name=f"worker-{self.worker_id}")
+            self._bus = await EventBus.connect(self.nats_config, name=f"worker-{self.worker_id}")
             if self.engine_config.device == "cpu":
                 torch.set_num_threads(self.engine_config.effective_torch_threads())
             with get_tracer(__name__).start_as_current_span("worker.load_model"):
@@ -102,33 +135,49 @@ class WorkerProcess:
                     load, self.engine_config.model, device=self.engine_config.device,
                     dtype=self.engine_config.torch_dtype(), seed=self.engine_config.seed,
                 )
-                engine = AsyncEngine(Engine(model, self.engine_config), on_kv_events=self._kv_outbox.put_nowait)
+                capture = CheckpointCapture(c.checkpoint_max_pending_bytes) if c.checkpointing else None
+                engine = AsyncEngine(
+                    Engine(model, self.engine_config, faults=self.faults), on_kv_events=self._kv_outbox.put_nowait, checkpoints=capture
+                )
             await engine.start()
-            servicer.attach(engine)
-            registration = LeasedKey(self.etcd_config, worker_key(self.worker_id), self._registration(model, metrics_server.server_port))
+            await self.channels.start()
+            if capture is not None:
+                streamer = self._streamer = self._checkpoint_streamer(capture, engine, model)
+                await streamer.start()
+            servicer.attach(engine, model_version=model.version)
+            registration = self._registration = LeasedKey(
+                self.etcd_config, worker_key(self.worker_id), self._registration_value(model, metrics_server.server_port)
+            )
             await registration.start()
             await self._set_serving(True)
-            self.metrics.for_worker(self.metrics.status).set(1)
+            self.metrics.for_worker(self.metrics.serving).set(1)
+            self.metrics.for_worker(self.metrics.batch_scale).set(1)
             self.ready.set()
-            log.info("worker %s serving %s on %s", self.worker_id, model.config.name, self.address)
+            log.info("worker %s serving %s (%s) on %s", self.worker_id, model.config.name, model.version, self.address)
             async with asyncio.TaskGroup() as tasks:
-                publishers = [
-                    tasks.create_task(self._publish_kv_events(bus)),
-                    tasks.create_task(self._publish_load(bus, engine)),
+                loops = [
+                    tasks.create_task(self._publish_kv_events()),
+                    tasks.create_task(self._publish_load(engine)),
+                    tasks.create_task(self._follow_degradation(engine)),
                 ]
                 await self._wait_for_stop(engine)
                 await self._shutdown(server, engine)
-                for task in publishers:
+                for task in loops:
                     task.cancel()
         finally:
+            if self._streamer is not None:
+                await self._streamer.stop()
             if engine is not None:
                 await engine.stop()
+            await self.channels.close()
             servicer.close()  # no detach timer outlives the loop; readers still waiting see ABORTED
             await server.stop(0)
             if registration is not None:
                 await registration.close(revoke=True)
-            if bus is not None:
-                await bus.close()
+            if self._nats_reconnect is not None:
+                self._nats_reconnect.cancel()
+            if self._bus is not None:
+                await self._bus.close()
             metrics_server.shutdown()
             metrics_thread.join(timeout=2)
             shutdown_telemetry()
@@ -144,38 +193,155 @@ class WorkerProcess:
                 pass
 
     async def _shutdown(self, server: grpc.aio.Server, engine: AsyncEngine) -> None:
-        self.metrics.for_worker(self.metrics.status).set(0.5)
+        self.metrics.for_worker(self.metrics.serving).set(0.5)
         await self.health.enter_graceful_shutdown()
-        if self._drained is None:
-            await self._drain(engine, self.config.drain_grace_s)
+        await self._drain(engine, self.config.drain_grace_s)  # a no-op after a Drain that already ran
         # Streams already ended (finished or handed back); this only lets their last bytes flush.
         await server.stop(grace=1.0)
-        self.metrics.for_worker(self.metrics.status).set(0)
+        self.metrics.for_worker(self.metrics.serving).set(0)
 
-    async def _drain(self, engine: AsyncEngine, grace_s: float) -> tuple[int, int]:
-        if self._drained is None:
+    async def _drain(self, engine: AsyncEngine, grace_s: float, keep_running: bool = False) -> tuple[int, int]:
+        """Drain RPC and SIGTERM: quarantine (keep_running), or drain once and exit."""
+        if keep_running and not engine.exiting:
+            self._quarantined = True
+            self.metrics.for_worker(self.metrics.serving).set(0.5)
             await self._set_serving(False)
-            self._drained = await drain_engine(engine, grace_s)
-            log.info("drained: %d finished, %d handed back", *self._drained)
-            self._stop.set()
-        return self._drained
+            drained = await drain_engine(engine, grace_s, keep_running=True, park_ttl_s=self._park_ttl())
+            log.warning("quarantined: %d finished, %d handed back; admitting canaries only until Undrain", *drained)
+            return drained
+        if self._exit_drain is None:
+            self._exit_drain = asyncio.ensure_future(self._drain_to_exit(engine, grace_s))
+        return await asyncio.shield(self._exit_drain)
+
+    async def _drain_to_exit(self, engine: AsyncEngine, grace_s: float) -> tuple[int, int]:
+        self.metrics.for_worker(self.metrics.serving).set(0.5)
+        await self._set_serving(False)
+        drained = await drain_engine(engine, grace_s, park_ttl_s=self._park_ttl())
+        log.info("drained: %d finished, %d handed back", *drained)
+        # Parked KV leaves with the process: stay up (serving KvSource only) until it was transferred or expired.
+        deadline = time.monotonic() + self._park_ttl()
+        while engine.engine.parked and time.monotonic() < deadline and engine.dead is None:
+            await asyncio.sleep(0.01)
+        self._stop.set()
+        return drained
+
+    def _park_ttl(self) -> float:
+        return self.config.park_ttl_s if self.config.transfer_on_drain and self.channels is not None else 0.0
+
+    async def _undrain(self, engine: AsyncEngine) -> bool:
+        """Lifts a quarantine; False if there is none or the worker is on its way out."""
+        if not self._quarantined or engine.exiting or self._stop.is_set():
+            return False
+        self._quarantined = False
+        engine.draining = False
+        await self._set_serving(True)
+        self.metrics.for_worker(self.metrics.serving).set(1)
+        log.warning("quarantine lifted: admitting requests again")
+        return True
 
     async def _set_serving(self, serving: bool) -> None:
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
         for name in ("", SERVICE_NAME):
             await self.health.set(name, status)
 
-    def _registration(self, model, metrics_port: int) -> bytes:
+    def _checkpoint_streamer(self, capture: CheckpointCapture, engine: AsyncEngine, model) -> CheckpointStreamer:
+        cache = engine.engine.cache.data
+        layout = checkpoint_pb2.KvLayout(
+            num_layers=cache.shape[0], num_kv_heads=cache.shape[4], head_dim=cache.shape[5], dtype=str(cache.dtype).removeprefix("torch.")
+        )
+        return CheckpointStreamer(
+            capture, worker_id=self.worker_id, model_version=model.version, layout=layout,
+            channel_endpoint=self.channels.endpoint_id, etcd_config=self.etcd_config, sent_bytes=self.metrics.for_worker(self.metrics.checkpoint_bytes),
+            snapshot_to_proto=snapshot_to_proto,
+        )
+
+    def _registration_value(self, model, metrics_port: int) -> bytes:
         return encode_registration(
             common_pb2.WorkerRegistration(
                 worker_id=self.worker_id, address=self.address, pid=os.getpid(), model=model.config.name,
                 role="monolithic", block_size=BLOCK_SIZE, total_blocks=self.engine_config.num_kv_blocks,
                 metrics_address=f"{self.config.advertise_host or self.config.host}:{metrics_port}",
-                started_at=time.time(), max_model_len=self.engine_config.max_model_len,
+                started_at=time.time(), max_model_len=self.engine_config.max_model_len, model_version=model.version,
+                channel_endpoint=self.channels.endpoint_id if self.channels is not None else "",
             )
         )
 
-    async def _publish_kv_events(self, bus: EventBus) -> None:
+    # -- fault injection (chaos) ------------------------------------------------------
+    def _add_chaos_service(self, server: grpc.aio.Server) -> None:
+        # Only with chaos enabled: otherwise its calls get UNIMPLEMENTED.
+        chaos = ChaosServicer(
+            self.worker_id, self.config.chaos_token, self.faults, self.metrics, ready=self.ready,
+            on_inject=self._inject_fault, on_clear=self._clear_fault,
+        )
+        chaos_pb2_grpc.add_ChaosServiceServicer_to_server(chaos, server)
+        log.warning("chaos enabled: this worker accepts fault injection from holders of its token")
+
+    async def _inject_fault(self, kind: FaultKind) -> None:
+        if kind is FaultKind.DROP_NATS:
+            bus, self._bus = self._bus, None
+            if bus is not None:
+                await bus.close()
+        elif kind is FaultKind.DROP_ETCD and self._registration is not None:
+            # Not revoked: the key lapses after its TTL, as when a worker hangs.
+            await self._registration.pause()
+
+    async def _clear_fault(self, kind: FaultKind) -> None:
+        if kind is FaultKind.DROP_NATS:
+            if self._bus is None and (self._nats_reconnect is None or self._nats_reconnect.done()):
+                self._nats_reconnect = asyncio.create_task(self._reconnect_nats())
+        elif kind is FaultKind.DROP_ETCD and self._registration is not None:
+            self._registration.resume()  # a fresh lease, put in the background
+
+    async def _reconnect_nats(self) -> None:
+        backoff = Backoff(initial=self.nats_config.initial_reconnect_wait_s, cap=self.nats_config.max_reconnect_wait_s)
+        while True:
+            try:
+                bus = await EventBus.connect(self.nats_config, name=f"worker-{self.worker_id}")
+            except ConnectionError as error:
+                delay = backoff.next()
+                log.warning("NATS reconnect after a dropped connection failed (%s); retrying in %.2f s", error, delay)
+                await asyncio.sleep(delay)
+                continue
+            if self.faults.get(FaultKind.DROP_NATS) is not None:  # dropped again meanwhile
+                await bus.close()
+            else:
+                self._bus = bus
+                log.warning("NATS connection restored after a drop")
+            return
+
+    # -- background loops ----------------------------------------------------------
+    async def _follow_degradation(self, engine: AsyncEngine) -> None:
+        """Shrinks the batch while the health service's DegradationState asks for it."""
+        directory = EtcdDirectory(self.etcd_config, prefix=DEGRADATION_PREFIX, message_type=common_pb2.DegradationState)
+        backoff = Backoff(initial=0.05, cap=self.etcd_config.max_retry_wait_s)
+        try:
+            while True:
+                try:
+                    states = await directory.list()
+                    break
+                except TRANSIENT_ERRORS as error:
+                    delay = backoff.next()
+                    log.warning("cannot read the degradation state (%s); retrying in %.2f s", error, delay)
+                    await asyncio.sleep(delay)
+            self._apply_degradation(engine, states.get(_DEGRADATION_NAME))
+            async with aclosing(directory.watch()) as events:
+                async for kind, name, state in events:
+                    if name == _DEGRADATION_NAME:
+                        self._apply_degradation(engine, state if kind == "put" else None)
+        finally:
+            await directory.close()
+
+    def _apply_degradation(self, engine: AsyncEngine, state: common_pb2.DegradationState | None) -> None:
+        before = engine.engine.batch_scale
+        scale = engine.engine.set_batch_scale(state.batch_scale if state is not None else 1.0)
+        if scale != before:
+            log.warning(
+                "batch scale %.2f -> %.2f (degradation level %d): at most %d sequences per batch",
+                before, scale, state.level if state is not None else 0, engine.engine.max_num_seqs,
+            )
+        self.metrics.for_worker(self.metrics.batch_scale).set(scale)
+
+    async def _publish_kv_events(self) -> None:
         subject = kv_events_subject(self.worker_id)
         while True:
             events = await self._kv_outbox.get()
@@ -192,26 +358,38 @@ class WorkerProcess:
                 )
                 stored, removed = stored[_MAX_BLOCKS_PER_EVENT:], removed[_MAX_BLOCKS_PER_EVENT:]
                 first = False
+                # Numbered even while NATS is dropped: the gap tells indexers to re-sync.
                 self.kv_sequence += 1
-                await bus.publish(subject, message)
+                if self._bus is not None:
+                    await self._bus.publish(subject, message)
 
-    async def _publish_load(self, bus: EventBus, engine: AsyncEngine) -> None:
+    async def _publish_load(self, engine: AsyncEngine) -> None:
         subject = load_subject(self.worker_id)
         m = self.metrics
+        e = engine.engine
+        counted = {m.computed_tokens: 0, m.canary_tokens: 0, m.canaries: 0}
         while True:
             load = engine.load()
-            await bus.publish(
-                subject,
-                common_pb2.LoadReport(
-                    worker_id=self.worker_id, queue_depth=load.queue_depth, running_seqs=load.running_seqs,
-                    free_blocks=load.free_blocks, total_blocks=load.total_blocks, step_time_ms=load.step_time_ms,
-                    prefill_tokens_per_s=load.prefill_tokens_per_s, decode_tokens_per_s=load.decode_tokens_per_s,
-                    timestamp=time.time(), draining=engine.draining,
-                ),
-            )
+            if self._bus is not None:
+                await self._bus.publish(
+                    subject,
+                    common_pb2.LoadReport(
+                        worker_id=self.worker_id, queue_depth=load.queue_depth, running_seqs=load.running_seqs,
+                        free_blocks=load.free_blocks, total_blocks=load.total_blocks, step_time_ms=load.step_time_ms,
+                        prefill_tokens_per_s=load.prefill_tokens_per_s, decode_tokens_per_s=load.decode_tokens_per_s,
+                        timestamp=time.time(), draining=engine.draining,
+                    ),
+                )
             m.for_worker(m.step_time).set(load.step_time_ms / 1e3)
+            if engine.checkpoints is not None:
+                m.for_worker(m.checkpoint_lag).set(engine.checkpoints.lag_tokens)
             m.for_worker(m.running).set(load.running_seqs)
             m.for_worker(m.waiting).set(load.queue_depth)
             m.for_worker(m.free_blocks).set(load.free_blocks)
-            m.for_worker(m.preemptions).set(engine.engine.preemptions)
+            m.for_worker(m.preemptions).set(e.preemptions)
+            for counter, total in ((m.computed_tokens, e.tokens_computed), (m.canary_tokens, e.canary_tokens_computed),
+                                   (m.canaries, e.canaries_total)):  # fmt: skip
+                if total > counted[counter]:
+                    m.for_worker(counter).inc(total - counted[counter])
+                    counted[counter] = total
             await asyncio.sleep(self.config.load_interval_s)

@@ -35,6 +35,8 @@ class TokenEvent:
     index: int
     finish_reason: FinishReason = FinishReason.NONE
     top_logit: float | None = None
+    # Largest minus second-largest logit: how close greedy decoding was to a tie.
+    top_margin: float | None = None
     # Set on a request's first event.
     prompt_tokens: int = 0
     cached_prompt_tokens: int = 0
@@ -43,6 +45,8 @@ class TokenEvent:
     handoff: RequestSnapshot | None = None
     # Set when the engine failed the request instead of finishing it.
     error: Exception | None = None
+    # With HANDED_BACK from a park: KV positions [0, handoff_kv_tokens) stay on this worker for a transfer.
+    handoff_kv_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -67,6 +71,15 @@ class Sequence:
     # Tokens already delivered before this engine saw the request (resume); indices continue after them.
     resumed_outputs: int = 0
     record_top_logits: bool = False
+    canary: bool = False
+    # Migrated here by replaying: recompute one output token per step, as the original decode did.
+    sequential_replay: bool = False
+    # Checkpointing: KV positions and output tokens already captured for the store, and the segment counter.
+    ckpt_kv: int = 0
+    ckpt_outputs: int = 0
+    ckpt_seq: int = 0
+    # Events of the output tokens a migrated request arrived with (its log starts with them).
+    replayed: list[TokenEvent] = field(default_factory=list)
     arrival: float = field(default_factory=time.monotonic)
     status: SeqStatus = SeqStatus.WAITING
     num_computed: int = 0
@@ -97,7 +110,21 @@ class Sequence:
             generator_state=self.sampler.state(),
         )
 
-    def append_token(self, token_id: int, top_logit: float | None) -> TokenEvent:
+    def replayed_events(self) -> list[TokenEvent]:
+        """Events for the output tokens this sequence was restored with (indices 0..), text included.
+
+        Pushes them through the detokenizer, so call once, before any new token.
+        """
+        events = []
+        for index, token in enumerate(self.output_ids):
+            events.append(TokenEvent(self.request_id, token, self.detokenizer.push(token), index))
+        if events:
+            first = events[0]
+            first.prompt_tokens, first.cached_prompt_tokens, first.seed = len(self.prompt_ids), self.cached_prompt_tokens, self.sampler.seed
+            self._announced = True
+        return events
+
+    def append_token(self, token_id: int, top_logit: float | None, top_margin: float | None = None) -> TokenEvent:
         """Records a sampled token, applies stop criteria and returns the event to stream."""
         self.output_ids.append(token_id)
         p = self.params
@@ -111,7 +138,7 @@ class Sequence:
         if self.finish_reason is not FinishReason.NONE and not stopped_by_string:
             text += self._pending_text + getattr(self.detokenizer, "flush", lambda: "")()
             self._pending_text = ""
-        event = TokenEvent(self.request_id, token_id, text, len(self.output_ids) - 1, self.finish_reason, top_logit)
+        event = TokenEvent(self.request_id, token_id, text, len(self.output_ids) - 1, self.finish_reason, top_logit, top_margin)
         if not self._announced:
             self._announced = True
             event.prompt_tokens = len(self.prompt_ids)

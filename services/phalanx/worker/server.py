@@ -7,11 +7,16 @@ import time
 import uuid
 from collections.abc import Callable
 
-from phalanx._proto import common_pb2, worker_pb2, worker_pb2_grpc
-from phalanx.common.errors import InvalidRequestError, NotFoundError, PhalanxError, UnavailableError
+import grpc
+import torch
+
+from phalanx._proto import common_pb2, migration_pb2, migration_pb2_grpc, worker_pb2, worker_pb2_grpc
+from phalanx.common.errors import InvalidRequestError, NotFoundError, PhalanxError, ResourceExhaustedError, UnavailableError
 from phalanx.common.grpc_status import abort_with
+from phalanx.model.kv_cache import BLOCK_SIZE
 from phalanx.model.params import SamplingParams, sampling_from_proto
 from phalanx.worker.async_engine import AsyncEngine
+from phalanx.worker.checkpointing import tensor_bytes
 from phalanx.worker.engine import EngineRequest
 from phalanx.worker.metrics import WorkerMetrics
 from phalanx.worker.sequence import FinishReason, RequestSnapshot, TokenEvent
@@ -49,6 +54,7 @@ def event_to_proto(cls, event: TokenEvent):
     )
     if event.handoff is not None:
         chunk.handoff.CopyFrom(snapshot_to_proto(event.handoff))
+        chunk.handoff_kv_tokens = event.handoff_kv_tokens
     return chunk
 
 
@@ -69,14 +75,21 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
     """
 
     def __init__(
-        self, worker_id: str, metrics: WorkerMetrics, *, on_drain, kv_sequence,
+        self, worker_id: str, metrics: WorkerMetrics, *, on_drain, on_undrain, kv_sequence,
         detach_grace_s: float = 15.0, retain_s: float = 30.0, max_retained: int = 10_000,
     ) -> None:
         self.worker_id = worker_id
         self._kv_sequence = kv_sequence
         self._engine: AsyncEngine | None = None
         self.metrics = m = metrics
+        # (engine, grace_s, keep_running) -> (finished, handed back); (engine) -> undrained
         self._on_drain = on_drain
+        self._on_undrain = on_undrain
+        self.model_version = ""
+        # Set by the process once known: where this worker's parked KV can be fetched (KvSource) and its channel endpoint.
+        self.address = ""
+        self.channels = None  # phalanx.common.channels.ChannelEndpoint
+        self.channel_timeout_s = 10.0
         self._ttft, self._itl, self._generated = m.for_worker(m.ttft), m.for_worker(m.itl), m.for_worker(m.generated_tokens)
         self._prompt, self._cached_prompt = m.for_worker(m.prompt_tokens), m.for_worker(m.cached_prompt_tokens)
         self.streams = RequestStreams(
@@ -84,9 +97,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             on_detach=m.for_worker(m.detached).inc, on_detach_timeout=m.for_worker(m.detach_timeouts).inc,
         )
 
-    def attach(self, engine: AsyncEngine) -> None:
+    def attach(self, engine: AsyncEngine, model_version: str = "") -> None:
         self._engine = engine
         self.tokenizer = engine.engine.tokenizer
+        self.model_version = model_version
 
     def close(self) -> None:
         """Ends what still waits on a request log and stops detach timers; idempotent."""
@@ -175,7 +189,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
                 if fresh:
                     await self._submit(engine, engine_request, log)
                 async for event in log.read(log.first_index):
-                    yield event_to_proto(worker_pb2.GenerateResponse, event)
+                    yield self._chunk(worker_pb2.GenerateResponse, event)
         except PhalanxError as exc:
             await abort_with(context, exc)
 
@@ -189,9 +203,133 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             self.metrics.for_worker(self.metrics.attaches).inc()
             with self.streams.reader(log):
                 async for event in log.read(request.from_index):
-                    yield event_to_proto(worker_pb2.AttachResponse, event)
+                    yield self._chunk(worker_pb2.AttachResponse, event)
         except PhalanxError as exc:
             await abort_with(context, exc)
+
+    def _chunk(self, cls, event: TokenEvent):
+        chunk = event_to_proto(cls, event)
+        if event.handoff_kv_tokens:
+            chunk.handoff_source = self.address
+        return chunk
+
+    # -- migration ----------------------------------------------------------------
+    async def Restore(self, request, context):
+        """Brings migrated requests back here; each gets a result (a short target refuses, the rest go on)."""
+        try:
+            engine = self.engine
+            timeout = request.timeout_s or self.channel_timeout_s
+            prepared, results = [], {}
+            for item in request.items:
+                try:
+                    prepared.append((item, self._restore_request(item, engine)))
+                except PhalanxError as exc:
+                    results[item.state.request_id] = _failed(item.state.request_id, exc)
+            wants_kv = [(item, er) for item, er in prepared if _kv_method(item) and item.kv_tokens > 0]
+            kv: dict[str, torch.Tensor] = {}
+            kv_bytes, transfer_s = 0, 0.0
+            if wants_kv:
+                start = time.perf_counter()
+                kv = await self._receive_kv(
+                    [item for item, _ in wants_kv], request.kv_source_address, request.transport, timeout, engine
+                )
+                transfer_s = time.perf_counter() - start
+                kv_bytes = sum(t.numel() * t.element_size() for t in kv.values())
+            for item, engine_request in prepared:
+                request_id = engine_request.request_id
+                try:
+                    log = self.streams.start_migrated(request_id, on_event=self._observer())
+                except ValueError as exc:
+                    results[request_id] = _failed(request_id, InvalidRequestError("request_id", str(exc)))
+                    continue
+                try:
+                    if _kv_method(item):
+                        kv_tokens = item.kv_tokens if request_id in kv else 0
+                        await engine.restore(engine_request, kv.get(request_id), kv_tokens, log)
+                    else:
+                        await engine.submit(engine_request, log)
+                except PhalanxError as exc:
+                    self.streams.discard(log, exc)
+                    results[request_id] = _failed(request_id, exc)
+                    continue
+                results[request_id] = worker_pb2.RestoreResult(request_id=request_id, ok=True, kv_tokens=item.kv_tokens if request_id in kv else 0)
+            self.metrics.for_worker(self.metrics.restores).inc(sum(1 for r in results.values() if r.ok))
+            return worker_pb2.RestoreResponse(
+                results=[results[i.state.request_id] for i in request.items if i.state.request_id in results],
+                kv_bytes=kv_bytes, transfer_s=transfer_s,
+            )
+        except PhalanxError as exc:
+            await abort_with(context, exc)
+
+    def _restore_request(self, item, engine: AsyncEngine) -> EngineRequest:
+        state = common_pb2.RequestState()
+        state.CopyFrom(item.state)
+        if not state.sampling.HasField("seed"):
+            state.sampling.seed = item.seed
+        snapshot = snapshot_from_proto(state)
+        if not snapshot.request_id:
+            raise InvalidRequestError("items.state.request_id", "is required")
+        request = EngineRequest(
+            snapshot.prompt_ids, snapshot.params, snapshot.request_id, resume=snapshot, migrated=True,
+            sequential_replay=item.method == migration_pb2.MIGRATION_METHOD_SEQUENTIAL_REPLAY,
+        )
+        engine.engine.validate(request)
+        total = len(snapshot.prompt_ids) + len(snapshot.output_ids) + 1
+        needed = -(-total // BLOCK_SIZE)
+        if needed > engine.load().free_blocks:
+            raise ResourceExhaustedError(f"{needed} KV blocks are not free here", retry_after_s=0.1)
+        return request
+
+    async def _receive_kv(self, items, source: str, transport: int, timeout: float, engine: AsyncEngine) -> dict[str, torch.Tensor]:
+        """KV of each item from `source` (a KvSource) into fresh tensors, over a tensor channel or gRPC."""
+        if not source:
+            raise InvalidRequestError("kv_source_address", "is required for transfer and checkpoint restores")
+        cache = engine.engine.cache.data
+        layers, _, _, _, heads, dim = cache.shape
+        buffers = {i.state.request_id: torch.empty((layers, 2, i.kv_tokens, heads, dim), dtype=cache.dtype) for i in items}
+        pieces = [migration_pb2.KvPiece(request_id=i.state.request_id, kv_tokens=i.kv_tokens) for i in items]
+        async with grpc.aio.insecure_channel(source, options=_BULK_OPTIONS) as channel:
+            stub = migration_pb2_grpc.KvSourceStub(channel)
+            try:
+                if transport == migration_pb2.KV_TRANSPORT_GRPC or self.channels is None:
+                    await _fetch_kv(stub, pieces, buffers, timeout)
+                else:
+                    channel_id = uuid.uuid4().hex
+                    accepted = asyncio.ensure_future(self.channels.accept(channel_id, timeout_s=timeout))
+                    send = stub.SendKv(
+                        migration_pb2.SendKvRequest(pieces=pieces, target_endpoint=self.channels.endpoint_id, channel_id=channel_id, timeout_s=timeout),
+                        timeout=timeout + 1.0,
+                    )
+
+                    async def receive() -> None:
+                        tensor_channel = await accepted
+                        try:
+                            for piece in pieces:
+                                await tensor_channel.recv_into(buffers[piece.request_id], timeout_s=timeout)
+                        finally:
+                            await tensor_channel.close()
+
+                    try:
+                        await asyncio.gather(send, receive())
+                    finally:
+                        accepted.cancel()
+            except grpc.aio.AioRpcError as error:
+                raise UnavailableError(f"the KV source {source} failed: {error.code().name}: {error.details()}", retry_after_s=0.1) from None
+        return buffers
+
+    async def Park(self, request, context):
+        try:
+            ttl = request.ttl_s or 10.0
+            events = await self.engine.park(list(request.request_ids) or None, ttl)
+        except PhalanxError as exc:
+            await abort_with(context, exc)
+        return worker_pb2.ParkResponse(
+            parked=[
+                worker_pb2.ParkedRequest(state=snapshot_to_proto(e.handoff), seed=e.handoff.seed, kv_tokens=e.handoff_kv_tokens)
+                for e in events
+            ],
+            channel_endpoint=self.channels.endpoint_id if self.channels is not None else "",
+        )
 
     async def Cancel(self, request, context):
         found = self.streams.cancel(request.request_id)
@@ -206,15 +344,21 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             if not 0 < max_tokens <= CANARY_MAX_TOKENS:
                 raise InvalidRequestError("max_tokens", f"must be in [1, {CANARY_MAX_TOKENS}], got {max_tokens}")
             engine_request = EngineRequest(
-                prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True), f"canary-{time.monotonic_ns()}", record_top_logits=True
+                prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True), f"canary-{time.monotonic_ns()}",
+                record_top_logits=True, canary=True,
             )
             start = time.perf_counter()
-            tokens, logits = [], []
+            tokens, logits, margins = [], [], []
             async for event in self.engine.generate(engine_request):
-                tokens.append(event.token_id)
-                logits.append(event.top_logit)
+                if event.index >= 0:
+                    tokens.append(event.token_id)
+                    logits.append(event.top_logit)
+                    margins.append(event.top_margin)
+                if event.finish_reason in (FinishReason.ABORTED, FinishReason.HANDED_BACK):
+                    raise UnavailableError("the canary was interrupted: the worker is stopping", retry_after_s=0.5)
             return worker_pb2.CanaryResponse(
-                token_ids=tokens, top_logits=logits, latency_s=time.perf_counter() - start, model=self.engine.engine.model.config.name
+                token_ids=tokens, top_logits=logits, top_margins=margins, latency_s=time.perf_counter() - start,
+                model=self.engine.engine.model.config.name, model_version=self.model_version,
             )
         except PhalanxError as exc:
             await abort_with(context, exc)
@@ -232,17 +376,25 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             prefill_tokens_per_s=load.prefill_tokens_per_s, prefix_cache_hit_tokens=e.prefix_hit_tokens,
             prompt_tokens_total=e.prompt_tokens_total, generated_tokens_total=e.generated_tokens_total,
             preemptions_total=e.preemptions, draining=self.engine.draining, deterministic=e.config.deterministic,
-            max_model_len=e.config.max_model_len,
+            max_model_len=e.config.max_model_len, canary_tokens_total=e.canary_tokens_computed,
+            computed_tokens_total=e.tokens_computed, canaries_total=e.canaries_total, model_version=self.model_version,
         )
 
     async def Drain(self, request, context):
         try:
             if request.grace_s < 0:
                 raise InvalidRequestError("grace_s", "must be >= 0")
-            finished, handed_back = await self._on_drain(self.engine, request.grace_s)
+            finished, handed_back = await self._on_drain(self.engine, request.grace_s, request.keep_running)
         except PhalanxError as exc:
             await abort_with(context, exc)
         return worker_pb2.DrainResponse(finished=finished, handed_back=handed_back)
+
+    async def Undrain(self, request, context):
+        try:
+            undrained = await self._on_undrain(self.engine)
+        except PhalanxError as exc:
+            await abort_with(context, exc)
+        return worker_pb2.UndrainResponse(undrained=undrained)
 
     async def KvSnapshot(self, request, context):
         # Read before the blocks: events numbered after it may be reflected in
@@ -258,16 +410,97 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         )
 
 
-async def drain_engine(engine: AsyncEngine, grace_s: float) -> tuple[int, int]:
-    """Stops admission, lets running requests finish for up to grace_s, hands back the rest."""
+def _kv_method(item) -> bool:
+    return item.method in (migration_pb2.MIGRATION_METHOD_TRANSFER, migration_pb2.MIGRATION_METHOD_CHECKPOINT)
+
+
+def _failed(request_id: str, exc: PhalanxError) -> worker_pb2.RestoreResult:
+    return worker_pb2.RestoreResult(request_id=request_id, ok=False, code=exc.reason, message=str(exc))
+
+
+_BULK_OPTIONS = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
+_CHUNK_BYTES = 1 << 20
+
+
+async def _fetch_kv(stub, pieces, buffers: dict[str, torch.Tensor], timeout: float) -> None:
+    """The gRPC fallback: each piece's bytes in chunks, copied into its buffer."""
+    views = [buffers[p.request_id].view(-1).view(torch.uint8) for p in pieces]
+    filled = [0] * len(pieces)
+    async for chunk in stub.FetchKv(migration_pb2.FetchKvRequest(pieces=pieces), timeout=timeout):
+        view, start = views[chunk.piece], filled[chunk.piece]
+        data = torch.frombuffer(bytearray(chunk.data), dtype=torch.uint8)
+        view[start : start + len(data)].copy_(data)
+        filled[chunk.piece] += len(data)
+    for piece, view, n in zip(pieces, views, filled, strict=True):
+        if n != view.numel():
+            raise UnavailableError(f"the KV source sent {n} of {view.numel()} bytes of {piece.request_id}", retry_after_s=0.1)
+
+
+class KvSourceServicer(migration_pb2_grpc.KvSourceServicer):
+    """This worker's parked KV, sent to a migration target."""
+
+    def __init__(self, servicer: WorkerServicer) -> None:
+        self.worker = servicer
+
+    async def SendKv(self, request, context):
+        try:
+            engine = self.worker.engine
+            channels = self.worker.channels
+            if channels is None:
+                raise UnavailableError("this worker has no tensor-channel endpoint; use FetchKv", retry_after_s=0.1)
+            timeout = request.timeout_s or self.worker.channel_timeout_s
+            start = time.perf_counter()
+            tensors = [await engine.export_kv(p.request_id, p.kv_tokens) for p in request.pieces]
+            channel = await channels.open(request.target_endpoint, request.channel_id, timeout_s=timeout)
+            try:
+                for tensor in tensors:
+                    await channel.send(tensor, timeout_s=timeout)
+            finally:
+                await channel.close()
+            for p in request.pieces:
+                await engine.unpark(p.request_id)
+            nbytes = sum(t.numel() * t.element_size() for t in tensors)
+            return migration_pb2.SendKvResponse(bytes=nbytes, seconds=time.perf_counter() - start)
+        except PhalanxError as exc:
+            await abort_with(context, exc)
+
+    async def FetchKv(self, request, context):
+        try:
+            engine = self.worker.engine
+            for index, p in enumerate(request.pieces):
+                data = tensor_bytes(await engine.export_kv(p.request_id, p.kv_tokens))
+                for offset in range(0, len(data), _CHUNK_BYTES):
+                    yield migration_pb2.FetchKvResponse(piece=index, data=data[offset : offset + _CHUNK_BYTES])
+            for p in request.pieces:
+                await engine.unpark(p.request_id)
+        except PhalanxError as exc:
+            await abort_with(context, exc)
+
+
+async def drain_engine(engine: AsyncEngine, grace_s: float, *, keep_running: bool = False, park_ttl_s: float = 0.0) -> tuple[int, int]:
+    """Stops admission, lets running requests finish for up to grace_s, hands back the rest.
+
+    Canaries are not counted and not handed back. With keep_running the
+    worker stays up admitting canaries only (a quarantine); without, it
+    admits nothing more. A quarantine lifted meanwhile (Undrain) ends the
+    drain early and hands nothing back.
+    """
     engine.draining = True
+    if not keep_running:
+        engine.exiting = True
     in_flight = engine.num_requests
     deadline = time.monotonic() + grace_s
-    while engine.num_requests and time.monotonic() < deadline:
+    while engine.num_requests and time.monotonic() < deadline and engine.draining:
         await asyncio.sleep(0.02)
     remaining = engine.num_requests
+    if not engine.draining:
+        return in_flight - remaining, 0
     if remaining:
-        engine.hand_back_all()
+        if park_ttl_s > 0:
+            # Their KV waits here for park_ttl_s, so migration can transfer it instead of recomputing.
+            await engine.park(None, park_ttl_s)
+        else:
+            engine.hand_back_all()
         while engine.num_requests and time.monotonic() < deadline + 2.0:
             await asyncio.sleep(0.01)
     return in_flight - remaining, remaining

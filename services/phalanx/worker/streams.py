@@ -62,6 +62,13 @@ class RequestLog:
                 self._on_end(self)
         self._changed.set()
 
+    def seed(self, events: list[TokenEvent]) -> None:
+        """Starts the log with tokens produced elsewhere (a migrated request); not counted as generated here."""
+        if self.tokens or self.end is not None or self.first_index:
+            raise ValueError(f"the log of {self.request_id} is not empty")
+        self.tokens.extend(events)
+        self._changed.set()
+
     def close(self, reason: FinishReason = FinishReason.ABORTED, error: Exception | None = None) -> None:
         """Ends the log here, with no token, unless it has ended already."""
         self.put_nowait(TokenEvent(self.request_id, -1, "", -1, reason, error=error))
@@ -153,6 +160,21 @@ class RequestStreams:
         log = RequestLog(request_id, first_index, on_event)
         log._on_end = self._ended
         self._running[request_id] = log
+        return log
+
+    def start_migrated(self, request_id: str, *, on_event: Callable[[TokenEvent], None] | None = None) -> RequestLog:
+        """A log for a request migrated here; replaces a finished one (it may have run here before).
+
+        Nobody reads it yet: the detach grace starts at once, so a request nobody attaches to is aborted.
+        """
+        old = self.get(request_id)
+        if old is not None:
+            if not old.finished:
+                raise ValueError(f"request {request_id!r} is running here already")
+            self._forget(old)
+        log = self.start(request_id, on_event=on_event)
+        if not self._closed:
+            self._timers[request_id] = asyncio.get_running_loop().call_later(self.detach_grace_s, self._detach_timeout, log)
         return log
 
     def discard(self, log: RequestLog, error: Exception) -> None:

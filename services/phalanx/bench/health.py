@@ -1,0 +1,203 @@
+"""`phalanx bench health`: how fast the health service takes a faulty worker out of routing, and at what cost.
+
+A real deployment on loopback (nats-server, etcd, chaos-enabled workers, a
+router, the health service) under a steady load of streams. For each fault
+(crash, hang, corrupt, slow) it injects the fault into one worker and times
+until the router gives that worker weight 0 (polling ListWorkers every
+5 ms), then clears it (a crashed worker is replaced) and waits for the
+worker to be healthy again. A fault-free phase with a fast check interval
+counts false positives over at least `min_checks` checks; the canaries'
+share of engine work is read from the workers' counters at the 1 s interval.
+"""
+
+from __future__ import annotations
+
+__all__ = ["run_health_bench"]
+
+import asyncio
+import contextlib
+import statistics
+import time
+
+import grpc
+
+from phalanx._proto import chaos_pb2, chaos_pb2_grpc, common_pb2, worker_pb2, worker_pb2_grpc
+from phalanx.client import Client, PhalanxClientError
+from phalanx.common.config import EtcdConfig
+from phalanx.testing.infra import EtcdServer, NatsServer
+from phalanx.testing.stack import Stack
+
+_TOKEN = "bench-chaos-token-0123456789abcdef"
+_AUTH = (("authorization", f"Bearer {_TOKEN}"),)
+_WORKER_ENV = {"PHALANX_WORKER_CHAOS_ENABLED": "true", "PHALANX_WORKER_CHAOS_TOKEN": _TOKEN}
+_FAULTS = {
+    "crash": chaos_pb2.InjectFaultRequest(kind=chaos_pb2.FAULT_KIND_CRASH),
+    "hang": chaos_pb2.InjectFaultRequest(kind=chaos_pb2.FAULT_KIND_HANG),
+    "corrupt": chaos_pb2.InjectFaultRequest(kind=chaos_pb2.FAULT_KIND_CORRUPT, corrupt_target=chaos_pb2.CORRUPT_TARGET_LOGITS, corrupt_scale=1.0),
+    "slow": chaos_pb2.InjectFaultRequest(kind=chaos_pb2.FAULT_KIND_SLOW, slow_step_s=0.05),
+}
+GOALS_S = {"crash": 1.0, "corrupt": 2.5, "hang": 4.5}
+
+
+def run_health_bench(*, workers: int = 3, repeats: int = 3, interval_s: float = 1.0, fp_interval_s: float = 0.05,
+                     min_checks: int = 1000, load_streams: int = 4) -> dict:  # fmt: skip
+    return asyncio.run(_run(workers, repeats, interval_s, fp_interval_s, min_checks, load_streams))
+
+
+def _health_env(interval_s: float) -> dict[str, str]:
+    return {
+        "PHALANX_HEALTH_CHECK_INTERVAL_S": str(interval_s),
+        "PHALANX_HEALTH_CIRCUIT_RECOVERY_S": "2",
+        "PHALANX_HEALTH_DRAIN_GRACE_S": "1",
+        "PHALANX_HEALTH_LEADER_TTL_S": "1",
+    }
+
+
+async def _run(workers: int, repeats: int, interval_s: float, fp_interval_s: float, min_checks: int, load_streams: int) -> dict:
+    with contextlib.ExitStack() as exits:
+        nats = exits.enter_context(NatsServer())
+        etcd = exits.enter_context(EtcdServer())
+        stack = Stack(nats.url, EtcdConfig(endpoint=etcd.endpoint, lease_ttl_s=1))
+        exits.callback(stack.stop)
+        await stack.add_workers(workers, "--fast", env=_WORKER_ENV)
+        router = await stack.add_router()
+        async with await Client.connect(router.address, timeout=60) as client, _Load(client, load_streams) as load:
+            fp = await _false_positives(stack, fp_interval_s, min_checks)
+            health = await stack.add_health(env=_health_env(interval_s))
+            await _until_all_healthy(stack, timeout=60)
+            share = await _canary_share(stack, window_s=max(10 * interval_s, 5.0))
+            runs: dict[str, list[float]] = {name: [] for name in _FAULTS}
+            for _ in range(repeats):
+                for name, fault in _FAULTS.items():
+                    runs[name].append(await _detect(stack, client, name, fault))
+            checks = _count(health, "phalanx_health_checks_total")
+    detection = {name: round(statistics.median(values), 3) for name, values in runs.items()}
+    return {
+        "detection_s": detection,
+        "false_positives": fp["false_positives"],
+        "checks": fp["checks"],
+        "canary_time_share": round(share, 5),
+        "check_interval_s": interval_s,
+        "fp_check_interval_s": fp_interval_s,
+        "fp_transitions": fp["transitions"],
+        "detection_runs_s": {name: [round(v, 3) for v in values] for name, values in runs.items()},
+        "checks_during_faults": checks,
+        "load": {"streams": load_streams, "completed": load.completed, "errors": load.errors},
+        "workers": workers,
+        "goals": {"detection_s": GOALS_S, "false_positives": 0},
+        "met": {**{name: detection[name] < goal for name, goal in GOALS_S.items()}, "false_positives": fp["false_positives"] == 0},
+    }
+
+
+class _Load:
+    """Steady background streams through the router; failures (a worker being broken) are counted, not raised."""
+
+    def __init__(self, client: Client, streams: int) -> None:
+        self._client = client
+        self._streams = streams
+        self._tasks: list[asyncio.Task] = []
+        self.completed = 0
+        self.errors = 0
+
+    async def __aenter__(self) -> _Load:
+        self._tasks = [asyncio.create_task(self._loop(i)) for i in range(self._streams)]
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    async def _loop(self, n: int) -> None:
+        i = 0
+        while True:
+            i += 1
+            try:
+                await self._client.complete(f"background stream {n} request {i}: tell me a story", max_tokens=32, ignore_eos=True)
+                self.completed += 1
+            except PhalanxClientError:
+                self.errors += 1
+                await asyncio.sleep(0.05)
+
+
+async def _false_positives(stack: Stack, interval_s: float, min_checks: int) -> dict:
+    """A fault-free run of at least ``min_checks`` checks at a fast interval: failed checks and status changes."""
+    health = await stack.add_health(env=_health_env(interval_s))
+    await _until_all_healthy(stack, timeout=60)
+    start_checks = _count(health, "phalanx_health_checks_total")
+    start_fail = _count(health, "phalanx_health_checks_total", result="fail")
+    start_transitions = _count(health, "phalanx_health_transitions_total")
+    deadline = time.monotonic() + 600
+    while _count(health, "phalanx_health_checks_total") - start_checks < min_checks and time.monotonic() < deadline:
+        await asyncio.sleep(0.5)
+    result = {
+        "checks": int(_count(health, "phalanx_health_checks_total") - start_checks),
+        "false_positives": int(_count(health, "phalanx_health_checks_total", result="fail") - start_fail),
+        "transitions": int(_count(health, "phalanx_health_transitions_total") - start_transitions),
+    }
+    await asyncio.to_thread(health.terminate)
+    stack.healths.remove(health)
+    return result
+
+
+async def _canary_share(stack: Stack, window_s: float) -> float:
+    """Canary tokens over all tokens the engines computed in a window of normal operation."""
+    before = await asyncio.gather(*(_stats(w.address) for w in _live(stack)))
+    await asyncio.sleep(window_s)
+    after = await asyncio.gather(*(_stats(w.address) for w in _live(stack)))
+    canary = sum(a.canary_tokens_total - b.canary_tokens_total for a, b in zip(after, before, strict=True))
+    computed = sum(a.computed_tokens_total - b.computed_tokens_total for a, b in zip(after, before, strict=True))
+    return canary / computed if computed else 0.0
+
+
+async def _detect(stack: Stack, client: Client, name: str, fault: chaos_pb2.InjectFaultRequest) -> float:
+    """Seconds from injecting ``fault`` into a worker to weight 0 for it in the router; restores the fleet after."""
+    victim = _live(stack)[0]
+    async with grpc.aio.insecure_channel(victim.address) as channel:
+        chaos = chaos_pb2_grpc.ChaosServiceStub(channel)
+        await chaos.InjectFault(fault, metadata=_AUTH, timeout=5)
+        injected = time.monotonic()
+        while True:
+            view = next((w for w in await client.list_workers() if w.worker_id == victim.worker_id), None)
+            if view is None or view.routing_weight == 0:
+                break
+            if time.monotonic() - injected > 60:
+                raise TimeoutError(f"{name}: {victim.worker_id} still routed after 60 s")
+            await asyncio.sleep(0.005)
+        detected = time.monotonic() - injected
+        if name == "crash":
+            await asyncio.to_thread(victim.process.wait, 10)
+            stack.workers.remove(victim)
+            await stack.add_workers(1, "--fast", env=_WORKER_ENV)
+        else:
+            await chaos.ClearFaults(chaos_pb2.ClearFaultsRequest(), metadata=_AUTH, timeout=5)
+    await _until_all_healthy(stack, timeout=60)
+    return detected
+
+
+
+def _live(stack: Stack):
+    return [w for w in stack.workers if w.process.poll() is None]
+
+
+async def _until_all_healthy(stack: Stack, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    wanted = {w.worker_id for w in _live(stack)}
+    while True:
+        listing = await stack.healths[-1].list_health()
+        healthy = {r.worker_id for r in listing.workers if r.health == common_pb2.WORKER_HEALTH_HEALTHY and r.latency_baseline_s > 0}
+        if listing.leader and listing.calibrations and wanted <= healthy:
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"workers {sorted(wanted - healthy)} not healthy within {timeout} s")
+        await asyncio.sleep(0.1)
+
+
+async def _stats(address: str) -> worker_pb2.StatsResponse:
+    async with grpc.aio.insecure_channel(address) as channel:
+        return await worker_pb2_grpc.WorkerServiceStub(channel).Stats(worker_pb2.StatsRequest(), timeout=5)
+
+
+def _count(health, name: str, **labels: str) -> float:
+    """A counter on a health instance's /metrics (0 before its first sample)."""
+    return health.metric(name, **labels) or 0.0

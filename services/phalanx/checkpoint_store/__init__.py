@@ -1,0 +1,1 @@
+"""The KV checkpoint store: incremental KV segments, commit records, per-request restore."""

@@ -1,0 +1,39 @@
+"""Prometheus metrics of the checkpoint store."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from phalanx.checkpoint_store.store import CheckpointStore
+
+_RESTORE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+
+
+class CheckpointMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = r = registry or CollectorRegistry()
+        self.bytes_received = Counter("phalanx_checkpoint_bytes_received", "KV bytes received in segments", registry=r)
+        self.segments = Counter(
+            "phalanx_checkpoint_segments", "Segments received by outcome (applied, duplicate, gap)", ["result"], registry=r
+        )
+        self.requests = Gauge("phalanx_checkpoint_requests", "Requests with a commit record", registry=r)
+        self.memory_bytes = Gauge("phalanx_checkpoint_memory_bytes", "KV bytes held in memory", registry=r)
+        self.spilled_bytes = Gauge("phalanx_checkpoint_spilled_bytes", "KV bytes spilled to disk", registry=r)
+        self.committed_tokens = Gauge("phalanx_checkpoint_committed_tokens", "KV token positions committed, all requests", registry=r)
+        self.connected_workers = Gauge("phalanx_checkpoint_connected_workers", "Workers with an open checkpoint stream", registry=r)
+        self.restores = Counter("phalanx_checkpoint_restores", "Requests whose KV was restored, by transport", ["transport"], registry=r)
+        self.restore_seconds = Histogram(
+            "phalanx_checkpoint_restore_seconds", "Duration of one restore call (all its requests), by transport", ["transport"],
+            buckets=_RESTORE_BUCKETS, registry=r,
+        )  # fmt: skip
+        for result in ("applied", "duplicate", "gap"):
+            self.segments.labels(result=result)
+        for transport in ("channel", "grpc"):
+            self.restores.labels(transport=transport)
+
+    def observe_store(self, store: CheckpointStore) -> None:
+        """Copy the store's gauges (cheap: running totals)."""
+        self.requests.set(len(store))
+        self.memory_bytes.set(store.memory_bytes)
+        self.spilled_bytes.set(store.spilled_bytes)
+        self.committed_tokens.set(store.committed_tokens)

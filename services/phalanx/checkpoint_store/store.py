@@ -1,0 +1,566 @@
+"""Commit records and KV of in-flight requests: the checkpoint store's logic, with no network.
+
+Workers stream every request's newly computed KV as segments of token
+positions ``[kv_start, kv_end)``. Per request the store keeps a
+``CommitRecord`` (prompt, committed outputs, sampling, generator state, seed)
+and the KV of positions ``[0, kv_tokens)``:
+
+- ``kv_start == 0`` (re)starts the request: full state, new owner, old KV dropped;
+- ``0 < kv_start <= kv_tokens`` with a newer ``seq`` (or from another worker,
+  which after a migration may number its segments afresh) truncates the KV to
+  ``kv_start`` and appends;
+- an old ``seq`` from the owner is a duplicate and changes nothing;
+- anything that would leave a hole is a gap: nothing is applied and the ack
+  asks the worker to resync (send the request again from position 0).
+
+KV lives in memory up to ``memory_limit_bytes``; beyond it the least recently
+updated requests' KV is appended to one spill file per request and read back
+from there (file part + memory tail) on restore. A failed spill keeps the KV
+in memory: a committed byte is never lost to spilling.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import logging
+import math
+import os
+import time
+import warnings
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from phalanx._proto import checkpoint_pb2
+from phalanx.common.errors import InvalidRequestError, NotFoundError, PhalanxError
+from phalanx.common.subjects import validate_request_id, validate_worker_id
+
+__all__ = [
+    "Ack",
+    "CheckpointStore",
+    "CheckpointStoreError",
+    "InvalidCheckpointError",
+    "KvLayout",
+    "NotCommittedError",
+    "SegmentResult",
+    "StoreStats",
+    "UnknownRequestError",
+    "Writer",
+    "byte_view",
+]
+
+log = logging.getLogger(__name__)
+
+# Spilling goes on until memory is back under this share of the limit, so that a
+# store at its limit does not write a sliver of KV on every segment.
+_SPILL_LOW_WATER = 0.75
+# A request's in-memory KV buffer grows by this factor (amortised appends) ...
+_GROWTH = 1.5
+# ... from at least this many token positions.
+_MIN_CAPACITY_TOKENS = 16
+
+
+class CheckpointStoreError(PhalanxError):
+    """Root of the checkpoint store's errors."""
+
+    reason = "CHECKPOINT_STORE_ERROR"
+
+
+class InvalidCheckpointError(CheckpointStoreError, InvalidRequestError):
+    """A Hello or Segment that breaks the protocol (bad layout, wrong byte count, reversed range)."""
+
+    reason = "INVALID_CHECKPOINT"
+
+
+class UnknownRequestError(CheckpointStoreError, NotFoundError):
+    """The store holds no commit for this request (never streamed, released or expired)."""
+
+    reason = "CHECKPOINT_NOT_FOUND"
+
+    def __init__(self, request_id: str) -> None:
+        super().__init__(f"the checkpoint store holds no commit of request {request_id!r}")
+        self.request_id = request_id
+
+
+class NotCommittedError(CheckpointStoreError):
+    """More KV was asked for than is committed (the caller's view is ahead of the store's)."""
+
+    reason = "KV_NOT_COMMITTED"
+
+    def __init__(self, request_id: str, wanted: int, committed: int) -> None:
+        super().__init__(
+            f"request {request_id!r}: {wanted} KV tokens asked for, but only {committed} are committed in the checkpoint store"
+        )
+        self.request_id = request_id
+        self.wanted = wanted
+        self.committed = committed
+
+
+@dataclass(frozen=True)
+class KvLayout:
+    """Shape of one token position of KV: [num_layers, 2 (k, v), num_kv_heads, head_dim] of ``dtype``."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+    @classmethod
+    def from_proto(cls, layout: checkpoint_pb2.KvLayout) -> KvLayout:
+        for name in ("num_layers", "num_kv_heads", "head_dim"):
+            if getattr(layout, name) < 1:
+                raise InvalidCheckpointError(f"layout.{name}", "must be at least 1")
+        dtype = getattr(torch, layout.dtype, None) if layout.dtype else None
+        if not isinstance(dtype, torch.dtype):
+            raise InvalidCheckpointError("layout.dtype", f"{layout.dtype!r} is not a torch dtype name (e.g. 'float32', 'bfloat16')")
+        return cls(layout.num_layers, layout.num_kv_heads, layout.head_dim, dtype)
+
+    def to_proto(self) -> checkpoint_pb2.KvLayout:
+        return checkpoint_pb2.KvLayout(
+            num_layers=self.num_layers, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, dtype=self.dtype_name
+        )
+
+    @property
+    def dtype_name(self) -> str:
+        return str(self.dtype).removeprefix("torch.")
+
+    @property
+    def token_bytes(self) -> int:
+        """Bytes of KV per token position."""
+        return self.num_layers * 2 * self.num_kv_heads * self.head_dim * self.dtype.itemsize
+
+    def shape(self, tokens: int) -> tuple[int, int, int, int, int]:
+        """[num_layers, 2, tokens, num_kv_heads, head_dim]: the layout of segments and restores."""
+        return (self.num_layers, 2, tokens, self.num_kv_heads, self.head_dim)
+
+
+@dataclass(frozen=True)
+class Writer:
+    """The worker behind one Stream, as its Hello described it."""
+
+    worker_id: str
+    layout: KvLayout
+    model_version: str = ""
+
+    @classmethod
+    def from_hello(cls, hello: checkpoint_pb2.Hello) -> Writer:
+        try:
+            validate_worker_id(hello.worker_id)
+        except ValueError as error:
+            raise InvalidCheckpointError("hello.worker_id", str(error)) from None
+        return cls(hello.worker_id, KvLayout.from_proto(hello.layout), hello.model_version)
+
+
+class SegmentResult(enum.Enum):
+    APPLIED = "applied"
+    DUPLICATE = "duplicate"
+    GAP = "gap"
+
+
+@dataclass(frozen=True)
+class Ack:
+    """What the store did with a segment, and the request's commit point afterwards."""
+
+    request_id: str
+    seq: int
+    kv_tokens: int
+    result: SegmentResult
+
+    @property
+    def resync(self) -> bool:
+        """True for a gap: the worker must send the request again from KV position 0."""
+        return self.result is SegmentResult.GAP
+
+    def to_proto(self) -> checkpoint_pb2.StreamResponse:
+        return checkpoint_pb2.StreamResponse(request_id=self.request_id, seq=self.seq, kv_tokens=self.kv_tokens, resync=self.resync)
+
+
+@dataclass(frozen=True)
+class StoreStats:
+    requests: int
+    memory_bytes: int
+    spilled_bytes: int
+    committed_tokens: int
+    bytes_received_total: int
+    segments_total: dict[SegmentResult, int]
+
+
+@dataclass
+class _FileChunk:
+    """KV of positions [start, start + tokens) at ``offset`` of the spill file, written as [L, 2, stored, H, D]."""
+
+    start: int
+    tokens: int
+    stored: int
+    offset: int
+
+
+class _KvTrack:
+    """One request's KV: spilled chunks for positions [0, spilled_tokens), then a memory buffer for the rest."""
+
+    def __init__(self, layout: KvLayout, path: Path) -> None:
+        self.layout = layout
+        self.path = path
+        self._chunks: list[_FileChunk] = []
+        self._spilled_tokens = 0
+        self._buffer: torch.Tensor | None = None  # [L, 2, capacity, H, D]
+        self._tail = 0  # valid positions in the buffer
+
+    @property
+    def tokens(self) -> int:
+        return self._spilled_tokens + self._tail
+
+    @property
+    def memory_bytes(self) -> int:
+        return 0 if self._buffer is None else self._buffer.nbytes
+
+    @property
+    def disk_bytes(self) -> int:
+        return self._file_end()
+
+    @property
+    def spilled(self) -> bool:
+        return bool(self._chunks)
+
+    def truncate(self, tokens: int) -> None:
+        """Keep positions [0, tokens) only."""
+        if tokens >= self.tokens:
+            return
+        if tokens >= self._spilled_tokens:
+            self._tail = tokens - self._spilled_tokens
+            return
+        self._tail = 0
+        self._chunks = [c for c in self._chunks if c.start < tokens]
+        if self._chunks:
+            last = self._chunks[-1]
+            last.tokens = min(last.tokens, tokens - last.start)  # its stored bytes stay, read and sliced
+        self._spilled_tokens = tokens
+        self._trim_file()
+
+    def append(self, kv: torch.Tensor) -> None:
+        """Add positions [tokens, tokens + kv.shape[2]) from a [L, 2, t, H, D] tensor."""
+        end = self._tail + kv.shape[2]
+        if end == self._tail:
+            return
+        if self._buffer is None or self._buffer.shape[2] < end:
+            self._grow(end)
+        assert self._buffer is not None
+        self._buffer[:, :, self._tail : end].copy_(kv)
+        self._tail = end
+
+    def _grow(self, needed: int) -> None:
+        capacity = 0 if self._buffer is None else self._buffer.shape[2]
+        buffer = torch.empty(self.layout.shape(max(needed, math.ceil(capacity * _GROWTH), _MIN_CAPACITY_TOKENS)), dtype=self.layout.dtype)
+        if self._tail:
+            assert self._buffer is not None
+            buffer[:, :, : self._tail].copy_(self._buffer[:, :, : self._tail])
+        self._buffer = buffer
+
+    def spill(self) -> int:
+        """Move the memory tail to the end of the spill file; the bytes written (0 if the write failed: the KV stays)."""
+        if self._tail == 0:
+            self._buffer = None
+            return 0
+        assert self._buffer is not None
+        data = self._buffer[:, :, : self._tail].contiguous()
+        offset = self._file_end()
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            _write_at(self.path, offset, byte_view(data))
+        except OSError as error:
+            log.warning("cannot spill %d bytes of KV to %s (kept in memory): %s", data.nbytes, self.path, error)
+            with contextlib.suppress(OSError):
+                if self.path.exists():
+                    os.truncate(self.path, offset)
+            return 0
+        self._chunks.append(_FileChunk(start=self._spilled_tokens, tokens=self._tail, stored=self._tail, offset=offset))
+        self._spilled_tokens += self._tail
+        self._tail = 0
+        self._buffer = None
+        return data.nbytes
+
+    def read(self, tokens: int) -> torch.Tensor:
+        """A new contiguous [L, 2, tokens, H, D] tensor of positions [0, tokens)."""
+        parts: list[torch.Tensor] = []
+        if self._chunks and tokens > 0:
+            with open(self.path, "rb") as file:
+                for chunk in self._chunks:
+                    if chunk.start >= tokens:
+                        break
+                    part = torch.empty(self.layout.shape(chunk.stored), dtype=self.layout.dtype)
+                    file.seek(chunk.offset)
+                    got = file.readinto(byte_view(part))
+                    if got != part.nbytes:
+                        raise OSError(f"spill file {self.path} is short: {got} of {part.nbytes} bytes at {chunk.offset}")
+                    parts.append(part[:, :, : min(chunk.tokens, tokens - chunk.start)])
+        if tokens > self._spilled_tokens:
+            assert self._buffer is not None
+            parts.append(self._buffer[:, :, : tokens - self._spilled_tokens])
+        if not parts:
+            return torch.empty(self.layout.shape(0), dtype=self.layout.dtype)
+        return torch.cat(parts, dim=2)  # always a copy: later segments may overwrite the buffer
+
+    def drop(self) -> None:
+        """Free the memory and delete the spill file."""
+        self._buffer = None
+        self._chunks = []
+        self._spilled_tokens = self._tail = 0
+        self._trim_file()
+
+    def _trim_file(self) -> None:
+        """Cut the spill file to the chunks still listed (delete it when none is).
+
+        Best effort: writes go to explicit offsets, so bytes left past the end are never read.
+        """
+        try:
+            if self._chunks:
+                os.truncate(self.path, self._file_end())
+            else:
+                self.path.unlink(missing_ok=True)
+        except OSError as error:
+            log.warning("cannot trim the spill file %s: %s", self.path, error)
+
+    def _file_end(self) -> int:
+        if not self._chunks:
+            return 0
+        last = self._chunks[-1]
+        return last.offset + last.stored * self.layout.token_bytes
+
+
+@dataclass
+class _Entry:
+    record: checkpoint_pb2.CommitRecord
+    kv: _KvTrack
+
+
+class CheckpointStore:
+    """Commit records and KV of in-flight requests, bounded in memory, spilling to ``spill_dir``.
+
+    Not thread-safe: the service calls it from its event loop only.
+    """
+
+    def __init__(
+        self,
+        spill_dir: Path | str,
+        *,
+        memory_limit_bytes: int = 1 << 30,
+        retention_s: float = 600.0,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.spill_dir = Path(spill_dir)
+        self.memory_limit_bytes = memory_limit_bytes
+        self.retention_s = retention_s
+        self._clock = clock
+        self._entries: dict[str, _Entry] = {}
+        self._files = 0
+        self._memory = 0
+        self._disk = 0
+        self._committed_tokens = 0
+        self._bytes_received = 0
+        self._segments = dict.fromkeys(SegmentResult, 0)
+
+    # -- writes ---------------------------------------------------------------------------------
+
+    def apply(self, writer: Writer, segment: checkpoint_pb2.Segment) -> Ack:
+        """Apply one segment from ``writer`` by the rules in the module docstring."""
+        kv = _segment_tensor(writer.layout, segment)
+        self._bytes_received += len(segment.kv)
+        entry = self._entries.get(segment.request_id)
+        if entry is not None and entry.record.worker_id == writer.worker_id and segment.seq <= entry.record.seq:
+            return self._count(Ack(segment.request_id, entry.record.seq, entry.record.kv_tokens, SegmentResult.DUPLICATE))
+        if segment.kv_start == 0:
+            entry = self._restart(writer, segment)
+        elif entry is None or segment.kv_start > entry.record.kv_tokens or entry.kv.layout != writer.layout:
+            kv_tokens = 0 if entry is None else entry.record.kv_tokens
+            return self._count(Ack(segment.request_id, segment.seq, kv_tokens, SegmentResult.GAP))
+        else:
+            record = entry.record
+            record.state.output_token_ids.extend(segment.appended_output_ids)
+            if segment.generator_state:
+                record.state.generator_state = segment.generator_state
+            record.worker_id = writer.worker_id
+            record.model_version = writer.model_version
+        with self._accounting(entry):
+            entry.kv.truncate(segment.kv_start)
+            entry.kv.append(kv)
+            record = entry.record
+            record.kv_tokens = segment.kv_end
+            record.seq = segment.seq
+            record.last_index = len(record.state.output_token_ids) - 1
+            record.updated_at = self._clock()
+        self._enforce_limit()
+        return self._count(Ack(segment.request_id, segment.seq, segment.kv_end, SegmentResult.APPLIED))
+
+    def release(self, request_id: str, *, worker_id: str | None = None) -> bool:
+        """Drop a request's commit and KV; with ``worker_id``, only if that worker owns it. True if dropped.
+
+        A worker that handed a request over may release it after the new owner
+        started checkpointing it; the owner check keeps the new owner's commit.
+        """
+        entry = self._entries.get(request_id)
+        if entry is None or (worker_id is not None and entry.record.worker_id != worker_id):
+            return False
+        self._drop(request_id)
+        return True
+
+    def expire(self) -> list[str]:
+        """Drop the requests not updated for ``retention_s``; their ids."""
+        cutoff = self._clock() - self.retention_s
+        expired = [request_id for request_id, entry in self._entries.items() if entry.record.updated_at < cutoff]
+        for request_id in expired:
+            self._drop(request_id)
+        return expired
+
+    def close(self) -> None:
+        """Drop everything (memory and spill files)."""
+        for request_id in list(self._entries):
+            self._drop(request_id)
+
+    # -- reads ----------------------------------------------------------------------------------
+
+    def get(self, request_id: str) -> checkpoint_pb2.CommitRecord:
+        """A copy of the request's commit record."""
+        entry = self._entry(request_id)
+        record = checkpoint_pb2.CommitRecord()
+        record.CopyFrom(entry.record)
+        return record
+
+    def records(self, worker_id: str = "") -> list[checkpoint_pb2.CommitRecord]:
+        """Copies of the commit records owned by ``worker_id`` (every record if empty), by request id."""
+        return [self.get(request_id) for request_id, entry in sorted(self._entries.items())
+                if not worker_id or entry.record.worker_id == worker_id]  # fmt: skip
+
+    def check(self, request_id: str, kv_tokens: int) -> KvLayout:
+        """The request's KV layout if positions [0, kv_tokens) are committed; else UnknownRequestError / NotCommittedError."""
+        entry = self._entry(request_id)
+        if kv_tokens < 0 or kv_tokens > entry.record.kv_tokens:
+            raise NotCommittedError(request_id, kv_tokens, entry.record.kv_tokens)
+        return entry.kv.layout
+
+    def read_kv(self, request_id: str, kv_tokens: int) -> torch.Tensor:
+        """A new contiguous [num_layers, 2, kv_tokens, num_kv_heads, head_dim] tensor of positions [0, kv_tokens)."""
+        self.check(request_id, kv_tokens)
+        return self._entries[request_id].kv.read(kv_tokens)
+
+    def __contains__(self, request_id: object) -> bool:
+        return request_id in self._entries
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    @property
+    def memory_bytes(self) -> int:
+        return self._memory
+
+    @property
+    def spilled_bytes(self) -> int:
+        return self._disk
+
+    @property
+    def committed_tokens(self) -> int:
+        return self._committed_tokens
+
+    def stats(self) -> StoreStats:
+        return StoreStats(
+            requests=len(self._entries), memory_bytes=self._memory, spilled_bytes=self._disk,
+            committed_tokens=self._committed_tokens, bytes_received_total=self._bytes_received, segments_total=dict(self._segments),
+        )  # fmt: skip
+
+    # -- internals ------------------------------------------------------------------------------
+
+    def _entry(self, request_id: str) -> _Entry:
+        entry = self._entries.get(request_id)
+        if entry is None:
+            raise UnknownRequestError(request_id)
+        return entry
+
+    def _restart(self, writer: Writer, segment: checkpoint_pb2.Segment) -> _Entry:
+        if segment.request_id in self._entries:
+            self._drop(segment.request_id)
+        record = checkpoint_pb2.CommitRecord(
+            request_id=segment.request_id, worker_id=writer.worker_id, seed=segment.seed, model_version=writer.model_version,
+            layout=writer.layout.to_proto(), last_index=-1,
+        )  # fmt: skip
+        record.state.CopyFrom(segment.state)
+        record.state.request_id = segment.request_id
+        if segment.generator_state:
+            record.state.generator_state = segment.generator_state
+        self._files += 1
+        entry = self._entries[segment.request_id] = _Entry(record, _KvTrack(writer.layout, self.spill_dir / f"{self._files:08d}.kv"))
+        return entry
+
+    def _drop(self, request_id: str) -> None:
+        entry = self._entries.pop(request_id)
+        with self._accounting(entry):
+            entry.kv.drop()
+            entry.record.kv_tokens = 0
+
+    @contextlib.contextmanager
+    def _accounting(self, entry: _Entry) -> Iterator[None]:
+        """Keep the running totals right across a change of one entry's KV."""
+        memory, disk, tokens = entry.kv.memory_bytes, entry.kv.disk_bytes, entry.record.kv_tokens
+        try:
+            yield
+        finally:
+            self._memory += entry.kv.memory_bytes - memory
+            self._disk += entry.kv.disk_bytes - disk
+            self._committed_tokens += entry.record.kv_tokens - tokens
+            entry.record.spilled = entry.kv.spilled
+
+    def _enforce_limit(self) -> None:
+        if self._memory <= self.memory_limit_bytes:
+            return
+        target = int(self.memory_limit_bytes * _SPILL_LOW_WATER)
+        # Least recently updated first (a finished or dead worker's requests), the largest among equals.
+        victims = sorted(
+            (e for e in self._entries.values() if e.kv.memory_bytes), key=lambda e: (e.record.updated_at, -e.kv.memory_bytes)
+        )
+        for entry in victims:
+            if self._memory <= target:
+                break
+            with self._accounting(entry):
+                entry.kv.spill()
+
+    def _count(self, ack: Ack) -> Ack:
+        self._segments[ack.result] += 1
+        return ack
+
+
+def _segment_tensor(layout: KvLayout, segment: checkpoint_pb2.Segment) -> torch.Tensor:
+    """The segment's KV as a [L, 2, t, H, D] view of its bytes, after checking the range and the byte count."""
+    try:
+        validate_request_id(segment.request_id)
+    except ValueError as error:
+        raise InvalidCheckpointError("segment.request_id", str(error)) from None
+    if segment.kv_start < 0 or segment.kv_end < segment.kv_start:
+        raise InvalidCheckpointError("segment.kv_end", f"[{segment.kv_start}, {segment.kv_end}) is not a range of KV positions")
+    tokens = segment.kv_end - segment.kv_start
+    if len(segment.kv) != tokens * layout.token_bytes:
+        raise InvalidCheckpointError(
+            "segment.kv", f"{len(segment.kv)} bytes for {tokens} positions of {layout.token_bytes} bytes each ({layout})"
+        )
+    if tokens == 0:
+        return torch.empty(layout.shape(0), dtype=layout.dtype)
+    with warnings.catch_warnings():
+        # Read-only bytes: the tensor is only ever copied from, never written.
+        warnings.simplefilter("ignore", UserWarning)
+        flat = torch.frombuffer(segment.kv, dtype=layout.dtype)
+    return flat.view(layout.shape(tokens))
+
+
+def byte_view(tensor: torch.Tensor) -> memoryview:
+    """The raw bytes of a contiguous CPU tensor, without a copy (writable: ``readinto`` fills it)."""
+    return memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
+
+
+def _write_at(path: Path, offset: int, data: memoryview) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
+    try:
+        done = 0
+        while done < len(data):
+            done += os.pwrite(fd, data[done:], offset + done)
+    finally:
+        os.close(fd)

@@ -1,0 +1,1 @@
+"""The health service: canary checks, circuit breakers, liveness and degradation."""

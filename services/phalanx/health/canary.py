@@ -1,0 +1,141 @@
+"""Canary expectations: calibrating them on healthy workers and judging answers. Pure logic, no I/O.
+
+A canary is a short greedy generation through the worker's normal
+scheduler. Calibration runs candidate prompts on up to
+``calibration_workers`` workers of one model version, twice each, and keeps
+the prompts on which a majority of workers agree token for token and whose
+greedy choices win by a clear margin (a near-tie could flip with harmless
+batch-order rounding and raise false alarms). The expected tokens and the
+range of top logits seen are stored in etcd per model version and reused.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter, defaultdict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from phalanx._proto import common_pb2
+from phalanx.health.state import CheckOutcome
+
+__all__ = ["CANDIDATE_PROMPTS", "CanaryRun", "CalibrationResult", "calibrate", "judge"]
+
+# Varied, plain prompts; calibration keeps the steadiest of them.
+CANDIDATE_PROMPTS: tuple[str, ...] = (
+    "The capital of France is",
+    "Once upon a time, in a small village by the sea,",
+    "def fibonacci(n):\n    if n < 2:\n        return n\n",
+    "The three primary colors are red, blue and",
+    "Water boils at one hundred degrees",
+    "In 1969 the first humans walked on the",
+    "A quick brown fox jumps over the lazy",
+    "SELECT name, email FROM users WHERE",
+    "The mitochondria is the powerhouse of the",
+    "To be, or not to be, that is the",
+    "1, 1, 2, 3, 5, 8, 13, 21,",
+    "Dear customer, thank you for your",
+)
+_MIN_ABS_LOGIT_TOLERANCE = 0.05
+
+
+@dataclass(frozen=True)
+class CanaryRun:
+    """One Canary answer of one worker."""
+
+    worker_id: str
+    prompt: str
+    token_ids: tuple[int, ...]
+    top_logits: tuple[float, ...]
+    top_margins: tuple[float, ...]
+
+
+@dataclass(frozen=True)
+class CalibrationResult:
+    calibration: common_pb2.CanaryCalibration | None  # None: no prompt qualified
+    # Workers whose answers differ from the majority, with why: they are suspect from the start.
+    dissenters: dict[str, str]
+    rejected: dict[str, str]  # prompt -> why it was not kept
+
+
+def calibrate(
+    model_version: str, model: str, runs: Iterable[CanaryRun], *, prompts_wanted: int, min_margin: float, now: float | None = None
+) -> CalibrationResult:
+    by_prompt: dict[str, list[CanaryRun]] = defaultdict(list)
+    for run in runs:
+        by_prompt[run.prompt].append(run)
+    cases: list[common_pb2.CanaryCase] = []
+    dissenters: dict[str, str] = {}
+    rejected: dict[str, str] = {}
+    workers: set[str] = set()
+    for prompt in sorted(by_prompt, key=_candidate_order):
+        prompt_runs = by_prompt[prompt]
+        workers.update(r.worker_id for r in prompt_runs)
+        case, why, odd = _calibrate_prompt(prompt, prompt_runs, min_margin)
+        for worker_id in odd:
+            dissenters.setdefault(worker_id, f"answered {prompt!r} unlike the majority")
+        if case is None:
+            rejected[prompt] = why
+        elif len(cases) < prompts_wanted:
+            cases.append(case)
+    if not cases:
+        return CalibrationResult(None, dissenters, rejected)
+    calibration = common_pb2.CanaryCalibration(
+        model_version=model_version, model=model, cases=cases, calibrated_on=sorted(workers - set(dissenters)),
+        calibrated_at=time.time() if now is None else now,
+    )
+    return CalibrationResult(calibration, dissenters, rejected)
+
+
+def _candidate_order(prompt: str) -> int:
+    try:
+        return CANDIDATE_PROMPTS.index(prompt)
+    except ValueError:
+        return len(CANDIDATE_PROMPTS)
+
+
+def _calibrate_prompt(prompt: str, runs: Sequence[CanaryRun], min_margin: float) -> tuple[common_pb2.CanaryCase | None, str, set[str]]:
+    """The case for one prompt (or None and why), and the workers that disagree with the majority."""
+    answers: dict[str, set[tuple[int, ...]]] = defaultdict(set)
+    for run in runs:
+        answers[run.worker_id].add(run.token_ids)
+    if any(len(a) > 1 for a in answers.values()):
+        unsteady = sorted(w for w, a in answers.items() if len(a) > 1)
+        return None, f"repeated runs on {unsteady} gave different tokens", set()
+    votes = Counter(next(iter(a)) for a in answers.values())
+    tokens, count = votes.most_common(1)[0]
+    if count * 2 <= len(answers) and len(answers) > 1:
+        return None, f"no majority among {len(answers)} workers", set()
+    odd = {w for w, a in answers.items() if tokens not in a}
+    agreeing = [r for r in runs if r.token_ids == tokens]
+    margin = min(min(r.top_margins, default=0.0) for r in agreeing)
+    if margin < min_margin:
+        return None, f"greedy margin {margin:.4f} below {min_margin}", odd
+    positions = len(tokens)
+    case = common_pb2.CanaryCase(
+        prompt_text=prompt,
+        expected_token_ids=tokens,
+        top_logit_min=[min(r.top_logits[i] for r in agreeing) for i in range(positions)],
+        top_logit_max=[max(r.top_logits[i] for r in agreeing) for i in range(positions)],
+    )
+    return case, "", odd
+
+
+def judge(case: common_pb2.CanaryCase, token_ids: Sequence[int], top_logits: Sequence[float], latency_s: float, *, tolerance: float) -> CheckOutcome:
+    """PASS, or FAIL with token_mismatch / logit_out_of_range (latency is the tracker's business)."""
+    expected = list(case.expected_token_ids)
+    got = list(token_ids)
+    if got != expected:
+        at = next((i for i, (e, g) in enumerate(zip(expected, got, strict=False)) if e != g), min(len(expected), len(got)))
+        return CheckOutcome.failed(
+            "token_mismatch", f"{case.prompt_text[:24]!r}: position {at} expected {expected[at:at + 1]} got {got[at:at + 1]}", latency_s
+        )
+    for i, value in enumerate(top_logits):
+        lo, hi = case.top_logit_min[i], case.top_logit_max[i]
+        slack = max(_MIN_ABS_LOGIT_TOLERANCE, tolerance * max(abs(lo), abs(hi)))
+        if not lo - slack <= value <= hi + slack:
+            return CheckOutcome.failed(
+                "logit_out_of_range", f"{case.prompt_text[:24]!r}: top logit {value:.3f} at position {i} outside [{lo - slack:.3f}, {hi + slack:.3f}]",
+                latency_s,
+            )
+    return CheckOutcome.passed(latency_s)

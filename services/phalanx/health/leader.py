@@ -1,0 +1,130 @@
+"""Leader election through one etcd key under a lease, and writes fenced by it.
+
+The key is created only if absent (a transaction), under a lease this
+instance keeps alive on one stream. A standby polls until the key is gone
+(its holder died: the lease lapsed) and creates it. Every write of the
+leader compares the key's value with its own in the same transaction, so a
+deposed leader that has not noticed yet cannot overwrite its successor.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import aetcd
+
+from phalanx.common.config import EtcdConfig
+from phalanx.common.lease import TRANSIENT_ERRORS, LeasedKey, LeaseError
+
+__all__ = ["LeaderElection", "NotElectedError"]
+
+log = logging.getLogger(__name__)
+
+
+class NotElectedError(LeaseError):
+    """Another instance holds the leadership key."""
+
+
+class _LeadershipKey(LeasedKey):
+    """A LeasedKey that is put only if nobody holds it (also when its lease is re-granted)."""
+
+    async def _register(self) -> None:
+        async with self._lock:
+            lease = await self._client.lease(self._config.lease_ttl_s)
+            tx = self._client.transactions
+            try:
+                created, _ = await self._client.transaction(
+                    compare=[tx.create(self._key) == 0], success=[tx.put(self._key, self._value, lease=lease.id)], failure=[]
+                )
+            except BaseException:
+                await asyncio.shield(self._revoke_quietly(lease.id))
+                raise
+            if not created:
+                await self._revoke_quietly(lease.id)
+                raise NotElectedError(f"{self.key} is held by another instance")
+            self._lease_id = lease.id
+            self._registrations += 1
+
+
+class LeaderElection:
+    """Campaign for ``key``; while elected, `fenced_*` writes succeed only if we still hold it."""
+
+    def __init__(self, config: EtcdConfig, key: str, *, ttl_s: int, poll_s: float = 0.1) -> None:
+        self._config = config.model_copy(update={"lease_ttl_s": ttl_s})
+        self._key = key
+        self._value = b""
+        self._poll_s = poll_s
+        self._client: aetcd.Client | None = None
+        self._held: _LeadershipKey | None = None
+
+    @property
+    def value(self) -> bytes:
+        return self._value
+
+    def attach(self, client: aetcd.Client) -> None:
+        """The client used for polling and fenced writes (shared with the caller)."""
+        self._client = client
+
+    async def campaign(self, value: bytes) -> None:
+        """Return once elected with ``value`` in the key (poll for a vacancy while another instance leads)."""
+        self._value = value
+        while True:
+            if await self._vacant():
+                key = _LeadershipKey(self._config, self._key, self._value)
+                try:
+                    await key.start()
+                except NotElectedError:
+                    await key.close(revoke=False)
+                except LeaseError as error:
+                    await key.close(revoke=False)
+                    log.warning("campaign failed: %s", error)
+                else:
+                    self._held = key
+                    return
+            await asyncio.sleep(self._poll_s)
+
+    async def _vacant(self) -> bool:
+        try:
+            held = await self._client.get(self._key.encode())
+        except TRANSIENT_ERRORS as error:
+            log.debug("leader key read failed: %s", error)
+            return False
+        return held is None
+
+    @property
+    def elected(self) -> bool:
+        """Whether we hold the key as far as we know (the lease may have lapsed a moment ago)."""
+        return self._held is not None and self._held.lease_id is not None
+
+    async def holder(self) -> bytes | None:
+        """The leader's value, or None while nobody leads."""
+        held = await self._client.get(self._key.encode())
+        return None if held is None else held.value
+
+    async def fenced_put(self, key: str, value: bytes) -> bool:
+        """Put ``key`` if we still lead; False (and nothing written) if we do not."""
+        tx = self._client.transactions
+        ok, _ = await self._client.transaction(
+            compare=[tx.value(self._key.encode()) == self._value], success=[tx.put(key.encode(), value)], failure=[]
+        )
+        return ok
+
+    async def fenced_delete(self, key: str) -> bool:
+        tx = self._client.transactions
+        ok, _ = await self._client.transaction(
+            compare=[tx.value(self._key.encode()) == self._value], success=[tx.delete(key.encode())], failure=[]
+        )
+        return ok
+
+    async def resign(self) -> None:
+        """Give the key up (at once, so a standby takes over without waiting for the TTL); idempotent."""
+        held, self._held = self._held, None
+        if held is not None:
+            await held.close(revoke=True)
+
+    async def abandon(self) -> None:
+        """Stop keeping the key alive without revoking it (we lost it, or we are being killed)."""
+        held, self._held = self._held, None
+        if held is not None:
+            await held.close(revoke=False)

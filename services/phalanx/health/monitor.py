@@ -1,0 +1,574 @@
+"""What the elected health instance does: check every worker, classify, write, drain, degrade.
+
+Per registered worker two tasks run: a checker (canaries through the
+worker's normal scheduler, every interval with jitter, sooner after a
+failure, per the circuit breaker) and a liveness watch (a grpc.health Watch
+stream that breaks the moment the process dies; a failed probe then marks it
+DEAD without waiting for a canary or for its lease). Routers report broken
+streams on NATS and get the same probe. Every change is written to etcd in
+a transaction fenced by the leadership key, then announced on NATS.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import time
+from contextlib import aclosing
+from dataclasses import dataclass, field
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from phalanx._proto import common_pb2, worker_pb2, worker_pb2_grpc
+from phalanx.common.config import EtcdConfig
+from phalanx.common.discovery import EtcdDirectory, WorkerDirectory, encode_json
+from phalanx.common.events import EventBus
+from phalanx.common.lease import Backoff
+from phalanx.common.subjects import (
+    CANARY_PREFIX,
+    DEGRADATION_KEY,
+    DEGRADATION_PREFIX,
+    DEGRADATION_SUBJECT,
+    HEALTH_PREFIX,
+    HEALTH_REPORTS_ALL,
+    LOAD_ALL,
+    canary_key,
+    health_events_subject,
+    health_key,
+)
+from phalanx.health.canary import CANDIDATE_PROMPTS, CanaryRun, calibrate, judge
+from phalanx.health.config import DegradationConfig, HealthConfig
+from phalanx.health.degradation import DegradationPolicy, WorkerCapacity
+from phalanx.health.leader import LeaderElection
+from phalanx.health.metrics import HealthMetrics
+from phalanx.health.state import CheckOutcome, CheckResult, Health, TrackerPolicy, Transition, WorkerTracker
+
+log = logging.getLogger(__name__)
+_CALIBRATION_RETRY_S = 5.0
+_RETENTION_SWEEP_S = 10.0
+_INCONCLUSIVE_CODES = {
+    # The checker's own mistake, or deliberate backpressure: never the worker's fault.
+    grpc.StatusCode.INVALID_ARGUMENT,
+    grpc.StatusCode.RESOURCE_EXHAUSTED,
+    grpc.StatusCode.UNAUTHENTICATED,
+    grpc.StatusCode.PERMISSION_DENIED,
+}
+
+
+class LeadershipLostError(Exception):
+    """A fenced write failed or the lease lapsed: another instance leads now."""
+
+
+@dataclass
+class _Worker:
+    registration: common_pb2.WorkerRegistration
+    tracker: WorkerTracker
+    channel: grpc.aio.Channel
+    wake: asyncio.Event = field(default_factory=asyncio.Event)
+    tasks: list[asyncio.Task] = field(default_factory=list)
+    write_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    probing: bool = False
+    stopping: bool = False  # its grpc health said NOT_SERVING: it shuts down by itself
+    case_turn: int = 0
+    persisted_baseline: float = 0.0
+
+    @property
+    def stub(self) -> worker_pb2_grpc.WorkerServiceStub:
+        return worker_pb2_grpc.WorkerServiceStub(self.channel)
+
+
+class FleetMonitor:
+    def __init__(
+        self, config: HealthConfig, degradation: DegradationConfig, etcd_config: EtcdConfig, election: LeaderElection,
+        bus: EventBus, metrics: HealthMetrics,
+    ) -> None:
+        self.config = config
+        self.degradation_config = degradation
+        self.etcd_config = etcd_config
+        self.election = election
+        self.bus = bus
+        self.metrics = metrics
+        self.policy = TrackerPolicy.from_config(config)
+        self.workers: dict[str, _Worker] = {}
+        self.gone: dict[str, WorkerTracker] = {}  # DEAD and deregistered, kept for dead_retention_s
+        self.calibrations: dict[str, common_pb2.CanaryCalibration] = {}
+        self.degradation: common_pb2.DegradationState | None = None
+        self._records: dict[str, common_pb2.WorkerHealthRecord] = {}
+        self._loads: dict[str, tuple[common_pb2.LoadReport, float]] = {}
+        self._calibrate_wake = asyncio.Event()
+        self._calibrating: set[str] = set()
+        self._tasks: asyncio.TaskGroup | None = None
+
+    # -- the leader's life ----------------------------------------------------------
+    async def run(self) -> None:
+        """Monitor until cancelled; raises LeadershipLostError when deposed."""
+        workers = WorkerDirectory(self.etcd_config)
+        records = EtcdDirectory(self.etcd_config, prefix=HEALTH_PREFIX, message_type=common_pb2.WorkerHealthRecord)
+        canaries = EtcdDirectory(self.etcd_config, prefix=CANARY_PREFIX, message_type=common_pb2.CanaryCalibration)
+        degradation = EtcdDirectory(self.etcd_config, prefix=DEGRADATION_PREFIX, message_type=common_pb2.DegradationState)
+        subscriptions = []
+        try:
+            self._records = await records.list()
+            self.calibrations = {c.model_version: c for c in (await canaries.list()).values()}
+            stored = (await degradation.list()).get(DEGRADATION_KEY.rsplit("/", 1)[1])
+            self.degradation = stored
+            registered = await workers.list()
+            subscriptions.append(await self.bus.subscribe(LOAD_ALL, common_pb2.LoadReport, self._on_load))
+            subscriptions.append(await self.bus.subscribe(HEALTH_REPORTS_ALL, common_pb2.WorkerStreamBroken, self._on_report))
+            async with asyncio.TaskGroup() as tasks:
+                self._tasks = tasks
+                for worker_id, registration in registered.items():
+                    await self._on_registered(worker_id, registration)
+                await self._bury_unregistered(set(registered))
+                tasks.create_task(self._follow_workers(workers))
+                tasks.create_task(self._calibration_loop())
+                tasks.create_task(self._retention_loop())
+                tasks.create_task(self._watch_leadership())
+                if self.degradation_config.enabled:
+                    tasks.create_task(self._degradation_loop(stored.level if stored else 0))
+        finally:
+            for sub in subscriptions:
+                with contextlib.suppress(Exception):
+                    await sub.unsubscribe()
+            for w in self.workers.values():
+                for task in w.tasks:
+                    task.cancel()
+                await w.channel.close()
+            self.workers.clear()
+            for directory in (workers, records, canaries, degradation):
+                await directory.close()
+
+    async def _watch_leadership(self) -> None:
+        while self.election.elected:
+            await asyncio.sleep(0.1)
+        raise LeadershipLostError("the leadership lease lapsed")
+
+    async def _follow_workers(self, directory: WorkerDirectory) -> None:
+        async with aclosing(directory.watch()) as events:
+            async for kind, worker_id, registration in events:
+                if kind == "delete":
+                    await self._on_deregistered(worker_id)
+                else:
+                    await self._on_registered(worker_id, registration)
+
+    # -- membership -----------------------------------------------------------------
+    async def _on_registered(self, worker_id: str, registration: common_pb2.WorkerRegistration) -> None:
+        known = self.workers.get(worker_id)
+        if known is not None and known.registration.started_at == registration.started_at and known.tracker.health is not Health.DEAD:
+            known.registration = registration
+            return
+        if known is not None:
+            await self._stop_worker(worker_id)
+        tracker = self._tracker_for(worker_id, registration)
+        self.gone.pop(worker_id, None)
+        w = self.workers[worker_id] = _Worker(registration, tracker, _channel(registration.address))
+        w.persisted_baseline = tracker.baseline_s
+        self.metrics.set_worker(worker_id, tracker.health, tracker.weight, tracker.circuit)
+        record = self._records.get(worker_id)
+        if record is None or record.version != tracker.version or record.worker_started_at != registration.started_at:
+            await self._write(w)
+        log.info("watching worker %s (%s, %s) as %s", worker_id, registration.address, registration.model_version, tracker.health.label)
+        w.tasks = [
+            self._tasks.create_task(self._check_loop(w)),
+            self._tasks.create_task(self._liveness_loop(w)),
+        ]
+        if registration.model_version not in self.calibrations:
+            self._calibrate_wake.set()
+
+    def _tracker_for(self, worker_id: str, registration: common_pb2.WorkerRegistration) -> WorkerTracker:
+        """The stored state if it judges this very process (a new leader resuming), else a fresh start."""
+        record = self._records.get(worker_id)
+        if record is not None and record.worker_started_at == registration.started_at and record.health != Health.DEAD:
+            return WorkerTracker.from_record(record, self.policy)
+        tracker = WorkerTracker(worker_id, self.policy, worker_started_at=registration.started_at)
+        if record is not None:
+            tracker.version = record.version + 1  # routers must not take the new record for an old one
+            if record.worker_started_at == registration.started_at:
+                tracker.baseline_s = record.latency_baseline_s
+                tracker.reason = "registered again"
+        tracker.updated_at = time.time()
+        return tracker
+
+    async def _on_deregistered(self, worker_id: str) -> None:
+        w = self.workers.get(worker_id)
+        if w is None:
+            return
+        if w.stopping:
+            reason = "deregistered: the worker shut down"
+        else:
+            reason = "etcd lease expired or revoked: the worker is gone"
+            self.metrics.liveness_deaths.labels(signal="lease").inc()
+        await self._transition(w, w.tracker.mark_dead(reason))
+        await self._stop_worker(worker_id)
+        self.gone[worker_id] = w.tracker
+
+    async def _stop_worker(self, worker_id: str) -> None:
+        w = self.workers.pop(worker_id, None)
+        if w is None:
+            return
+        current = asyncio.current_task()
+        for task in w.tasks:
+            if task is not current:
+                task.cancel()
+        await w.channel.close()
+
+    async def _bury_unregistered(self, registered: set[str]) -> None:
+        """Records of workers that vanished while no instance was leading: DEAD now."""
+        for worker_id, record in list(self._records.items()):
+            if worker_id in registered:
+                continue
+            tracker = WorkerTracker.from_record(record, self.policy)
+            if tracker.mark_dead("not registered when this health instance took over") is not None:
+                await self._store(tracker.to_record())
+            self.gone[worker_id] = tracker
+
+    # -- checks ---------------------------------------------------------------------
+    async def _check_loop(self, w: _Worker) -> None:
+        c = self.config
+        tracker = w.tracker
+        delay = random.uniform(0, min(c.check_interval_s, 1.0))
+        last_reason: str | None = None
+        while tracker.health is not Health.DEAD:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(delay):
+                    await w.wake.wait()
+            w.wake.clear()
+            now = time.time()
+            if w.stopping or not tracker.may_check(now):
+                half_open_at = tracker.next_half_open_at()
+                delay = max(0.01, half_open_at - now) if half_open_at is not None else c.check_interval_s
+                continue
+            outcome = await self.check(w, confirming_timeout=last_reason == "timeout")
+            if w.tracker.judge_latency(outcome, self._fleet_slowdown(w)).reason == "latency":
+                # One slow answer is as often the host's scheduler as the worker: a second one, at once, decides.
+                self.metrics.latency_rechecks.inc()
+                outcome = await self.check(w)
+            await self._observe(w, outcome)
+            last_reason = outcome.reason if outcome.result is CheckResult.FAIL else None
+            if last_reason == "timeout":
+                delay = 0.0  # the deadline already waited; a hang should not wait twice
+            elif outcome.result is CheckResult.FAIL:
+                delay = min(c.check_interval_s, c.failure_recheck_s)
+            else:
+                delay = c.check_interval_s * random.uniform(1 - c.check_jitter, 1 + c.check_jitter)
+
+    async def _observe(self, w: _Worker, outcome: CheckOutcome) -> None:
+        worker_id = w.registration.worker_id
+        slowdown = self._fleet_slowdown(w)
+        outcome = w.tracker.judge_latency(outcome, slowdown)
+        self.metrics.checks.labels(result=outcome.result.value).inc()
+        if outcome.result is CheckResult.FAIL:
+            self.metrics.canary_failures.labels(worker=worker_id, reason=outcome.reason).inc()
+        if outcome.latency_s is not None:
+            self.metrics.check_duration.labels(worker=worker_id, result=outcome.result.value).observe(outcome.latency_s)
+        if outcome.result is CheckResult.FAIL:
+            log.warning("worker %s failed a check: %s: %s", worker_id, outcome.reason, outcome.detail)
+        transition = w.tracker.observe(outcome, fleet_slowdown=slowdown)
+        if transition is None and abs(w.tracker.baseline_s - w.persisted_baseline) > 0.1 * max(w.persisted_baseline, 1e-3):
+            transition = Transition(w.tracker.health, w.tracker.health, w.tracker.reason)  # keep the baseline for a successor
+            w.tracker.version += 1
+        await self._transition(w, transition)
+
+    def _fleet_slowdown(self, w: _Worker) -> float:
+        """Median of how much slower than usual the worker's healthy peers answered their latest canaries."""
+        recent = time.time() - (3 * self.config.check_interval_s + 1.0)
+        ratios = sorted(
+            p.tracker.last_ratio for p in self.workers.values()
+            if p is not w and p.registration.model_version == w.registration.model_version
+            and p.tracker.health is Health.HEALTHY and p.tracker.last_ratio_at >= recent
+        )  # fmt: skip
+        if not ratios:
+            return 1.0
+        return min(10.0, max(1.0, ratios[len(ratios) // 2]))
+
+    def _deadline(self, w: _Worker, confirming_timeout: bool = False) -> float:
+        c = self.config
+        # Not stretched by the peers' slowdown: a hang must not hide behind a busy fleet.
+        limit = w.tracker.latency_limit_s()
+        if limit is None:
+            return c.check_timeout_s
+        if confirming_timeout:
+            # The worker already missed one long deadline; an answer past its latency limit fails anyway, so
+            # confirming needs no longer than that limit (with the peers' slowdown: a busy fleet is no fault).
+            return min(c.check_timeout_s, max(c.min_check_timeout_s, w.tracker.latency_limit_s(self._fleet_slowdown(w))))
+        # Past the latency limit the answer fails anyway; waiting a little longer tells slow from hung. Never
+        # past one interval: a longer wait would push the worker's checks behind their schedule.
+        return min(c.check_timeout_s, max(c.min_check_timeout_s, min(3 * limit, c.check_interval_s)))
+
+    def _next_case(self, w: _Worker) -> common_pb2.CanaryCase | None:
+        calibration = self.calibrations.get(w.registration.model_version)
+        if calibration is None or not calibration.cases:
+            return None
+        w.case_turn += 1
+        return calibration.cases[w.case_turn % len(calibration.cases)]
+
+    async def check(self, w: _Worker, confirming_timeout: bool = False) -> CheckOutcome:
+        """One canary with deadline and retries of failed connects, judged against the calibration."""
+        case = self._next_case(w)
+        max_tokens = len(case.expected_token_ids) if case is not None else self.config.canary_max_tokens
+        request = worker_pb2.CanaryRequest(max_tokens=max_tokens)
+        if case is not None and not case.prompt_text:
+            request.tokens.ids.extend(case.prompt_token_ids)
+        else:
+            request.text = case.prompt_text if case is not None else CANDIDATE_PROMPTS[0]
+        timeout = self._deadline(w, confirming_timeout)
+        backoff = Backoff(initial=0.05, cap=0.2)
+        for attempt in range(self.config.check_retries + 1):
+            start = time.perf_counter()
+            try:
+                response = await w.stub.Canary(request, timeout=timeout)
+            except grpc.aio.AioRpcError as error:
+                code = error.code()
+                if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+                    return CheckOutcome.failed("timeout", f"no answer within {timeout:.2f} s", time.perf_counter() - start)
+                if code in _INCONCLUSIVE_CODES:
+                    return CheckOutcome.inconclusive(f"{code.name}: {error.details()}")
+                if code == grpc.StatusCode.UNAVAILABLE and attempt < self.config.check_retries:
+                    await asyncio.sleep(backoff.next())
+                    continue
+                reason = "unreachable" if code == grpc.StatusCode.UNAVAILABLE else "error"
+                return CheckOutcome.failed(reason, f"{code.name}: {error.details()}")
+            latency = time.perf_counter() - start
+            if case is None:
+                return CheckOutcome.passed(latency)
+            return judge(case, response.token_ids, response.top_logits, latency, tolerance=self.config.logit_tolerance)
+        raise AssertionError("unreachable")
+
+    # -- liveness -------------------------------------------------------------------
+    async def _liveness_loop(self, w: _Worker) -> None:
+        stub = health_pb2_grpc.HealthStub(w.channel)
+        backoff = Backoff(initial=0.05, cap=2.0)
+        while w.tracker.health is not Health.DEAD:
+            why = "its health stream ended"
+            try:
+                async for status in stub.Watch(health_pb2.HealthCheckRequest(service="")):
+                    backoff.reset()
+                    await self._on_serving_status(w, status.status)
+            except grpc.aio.AioRpcError as error:
+                why = f"its health stream broke ({error.code().name})"
+            if await self.probe(w, why):
+                return
+            await asyncio.sleep(backoff.next())
+
+    async def _on_serving_status(self, w: _Worker, status: int) -> None:
+        if status == health_pb2.HealthCheckResponse.NOT_SERVING and not w.stopping:
+            w.stopping = w.tracker.health in (Health.HEALTHY, Health.SUSPICIOUS)
+            if w.stopping:
+                await self._transition(w, w.tracker.worker_stopping())
+        elif status == health_pb2.HealthCheckResponse.SERVING and w.stopping:
+            w.stopping = False
+            await self._transition(w, w.tracker.worker_serving())
+
+    async def probe(self, w: _Worker, why: str) -> bool:
+        """Is the process still there? Marks it DEAD (returns True) when it refuses connections."""
+        if w.probing or w.tracker.health is Health.DEAD:
+            return w.tracker.health is Health.DEAD
+        w.probing = True
+        try:
+            await health_pb2_grpc.HealthStub(w.channel).Check(health_pb2.HealthCheckRequest(), timeout=self.config.probe_timeout_s)
+            return False
+        except grpc.aio.AioRpcError as error:
+            if error.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                # Up but unresponsive: evidence of a fault, not of death.
+                await self._observe(w, CheckOutcome.failed("probe_timeout", f"{why}; no liveness answer within {self.config.probe_timeout_s} s"))
+                return False
+            if error.code() != grpc.StatusCode.UNAVAILABLE:
+                return False
+            self.metrics.liveness_deaths.labels(signal="stream").inc()
+            await self._transition(w, w.tracker.mark_dead(f"{why}, then it refused connections ({error.details()})"))
+            return True
+        finally:
+            w.probing = False
+
+    async def _on_report(self, report: common_pb2.WorkerStreamBroken, subject: str, context) -> None:
+        w = self.workers.get(report.worker_id)
+        if w is not None and w.tracker.health is not Health.DEAD:
+            self._tasks.create_task(self.probe(w, f"router {report.router_id} saw its stream break ({report.code})"))
+
+    async def _on_load(self, report: common_pb2.LoadReport, subject: str, context) -> None:
+        self._loads[report.worker_id] = (report, time.monotonic())
+
+    # -- writing --------------------------------------------------------------------
+    async def _transition(self, w: _Worker, transition: Transition | None) -> None:
+        if transition is None:
+            return
+        worker_id = w.registration.worker_id
+        tracker = w.tracker
+        if transition.new is not transition.old:
+            self.metrics.transitions.labels(from_status=transition.old.label, to_status=transition.new.label).inc()
+            level = logging.INFO if transition.new in (Health.HEALTHY, Health.DRAINING) else logging.WARNING
+            log.log(level, "worker %s: %s -> %s (%s)", worker_id, transition.old.label, transition.new.label, transition.reason)
+        self.metrics.set_worker(worker_id, tracker.health, tracker.weight, tracker.circuit)
+        await self._write(w)
+        if transition.drain:
+            self._tasks.create_task(self._quarantine(w))
+        if transition.undrain:
+            self._tasks.create_task(self._release(w))
+
+    async def _write(self, w: _Worker) -> None:
+        async with w.write_lock:  # one write at a time per worker, always of the latest state
+            record = w.tracker.to_record()
+            await self._store(record)
+            w.persisted_baseline = record.latency_baseline_s
+
+    async def _store(self, record: common_pb2.WorkerHealthRecord) -> None:
+        """etcd first (fenced: the authority), then the NATS notification routers act on at once."""
+        await self._fenced(health_key(record.worker_id), encode_json(record))
+        self._records[record.worker_id] = record
+        await self.bus.publish(health_events_subject(record.worker_id), record)
+
+    async def _fenced(self, key: str, value: bytes) -> None:
+        if not await self.election.fenced_put(key, value):
+            raise LeadershipLostError(f"another health instance leads (write of {key} refused)")
+
+    async def _quarantine(self, w: _Worker) -> None:
+        """Drain an UNHEALTHY worker: its requests finish or are handed back; it stays up for the half-open canary."""
+        grace = self.config.drain_grace_s
+        try:
+            result = await w.stub.Drain(worker_pb2.DrainRequest(grace_s=grace, keep_running=True), timeout=grace + 10)
+            log.info("drained unhealthy worker %s: %d finished, %d handed back", w.registration.worker_id, result.finished, result.handed_back)
+        except grpc.aio.AioRpcError as error:
+            log.warning("drain of unhealthy worker %s failed: %s", w.registration.worker_id, error.code().name)
+        if w.tracker.health is Health.UNHEALTHY:
+            await self._transition(w, w.tracker.draining())
+
+    async def _release(self, w: _Worker) -> None:
+        try:
+            await w.stub.Undrain(worker_pb2.UndrainRequest(), timeout=self.config.check_timeout_s)
+        except grpc.aio.AioRpcError as error:
+            log.warning("undrain of recovered worker %s failed: %s", w.registration.worker_id, error.code().name)
+
+    # -- calibration ----------------------------------------------------------------
+    async def _calibration_loop(self) -> None:
+        while True:
+            await self._calibrate_wake.wait()
+            self._calibrate_wake.clear()
+            versions = {w.registration.model_version for w in self.workers.values()} - set(self.calibrations)
+            failed = False
+            for version in sorted(versions):
+                failed |= not await self.calibrate(version)
+            if failed:
+                await asyncio.sleep(_CALIBRATION_RETRY_S)
+                self._calibrate_wake.set()
+
+    def recalibrate(self, model_version: str = "") -> None:
+        """Forget stored expectations (one version or all) and calibrate again."""
+        for version in [model_version] if model_version else list(self.calibrations):
+            self.calibrations.pop(version, None)
+        self._calibrate_wake.set()
+
+    async def calibrate(self, model_version: str) -> bool:
+        """Compute and store the canary expectations of one model version on workers that pass; False to retry later."""
+        candidates = [
+            w for w in self.workers.values()
+            if w.registration.model_version == model_version and w.tracker.health is Health.HEALTHY and not w.stopping
+        ][: self.config.calibration_workers]
+        if not candidates:
+            return False
+        runs = await asyncio.gather(*(self._calibration_runs(w) for w in candidates))
+        result = calibrate(
+            model_version, candidates[0].registration.model, [r for rs in runs for r in rs],
+            prompts_wanted=self.config.canary_prompts, min_margin=self.config.min_margin,
+        )
+        for worker_id, why in result.dissenters.items():
+            w = self.workers.get(worker_id)
+            if w is not None:
+                await self._observe(w, CheckOutcome.failed("token_mismatch", f"at calibration: {why}"))
+        if result.calibration is None:
+            self.metrics.calibrations.labels(outcome="failed").inc()
+            log.warning("canary calibration of %s failed: %s", model_version, result.rejected)
+            return False
+        await self._fenced(canary_key(model_version), encode_json(result.calibration))
+        self.calibrations[model_version] = result.calibration
+        self.metrics.calibrations.labels(outcome="ok").inc()
+        log.info(
+            "calibrated %d canaries for %s on %s", len(result.calibration.cases), model_version, list(result.calibration.calibrated_on)
+        )
+        return True
+
+    async def _calibration_runs(self, w: _Worker) -> list[CanaryRun]:
+        runs = []
+        for prompt in CANDIDATE_PROMPTS:
+            for _ in range(2):
+                try:
+                    r = await w.stub.Canary(
+                        worker_pb2.CanaryRequest(text=prompt, max_tokens=self.config.canary_max_tokens), timeout=self.config.check_timeout_s
+                    )
+                except grpc.aio.AioRpcError as error:
+                    log.info("calibration canary on %s failed: %s", w.registration.worker_id, error.code().name)
+                    return runs
+                runs.append(CanaryRun(w.registration.worker_id, prompt, tuple(r.token_ids), tuple(r.top_logits), tuple(r.top_margins)))
+        return runs
+
+    # -- degradation ----------------------------------------------------------------
+    async def _degradation_loop(self, level: int) -> None:
+        policy = DegradationPolicy(self.degradation_config, level=level)
+        # Every live worker reports load within this; judged earlier, a new leader would see no capacity at all.
+        await asyncio.sleep(self.degradation_config.report_stale_s)
+        while True:
+            decision = policy.evaluate(time.monotonic(), self._capacities())
+            self.metrics.degradation.set(decision.level)
+            self.metrics.pressure.set(min(decision.pressure, 1e6))
+            if self.degradation is None or decision.level != self.degradation.level:
+                state = common_pb2.DegradationState(
+                    level=decision.level, reason=decision.reason, updated_at=time.time(), pressure=min(decision.pressure, 1e6),
+                    healthy_workers=decision.healthy_workers, ttft_slo_s=decision.ttft_slo_s, tpot_slo_s=decision.tpot_slo_s,
+                    batch_scale=decision.batch_scale,
+                )
+                await self._fenced(DEGRADATION_KEY, encode_json(state))
+                await self.bus.publish(DEGRADATION_SUBJECT, state)
+                previous = self.degradation.level if self.degradation else 0
+                (log.warning if decision.level > previous else log.info)("degradation level %d -> %d: %s", previous, decision.level, decision.reason)
+                self.degradation = state
+            await asyncio.sleep(self.degradation_config.interval_s)
+
+    def _capacities(self) -> list[WorkerCapacity]:
+        now = time.monotonic()
+        out = []
+        for worker_id, w in self.workers.items():
+            report, at = self._loads.get(worker_id, (None, None))
+            t = w.tracker
+            routable = t.weight > 0 and not w.stopping and not (report is not None and report.draining)
+            if report is None:
+                out.append(WorkerCapacity(worker_id, routable, t.weight, 0.0, 0.0, 0.0, 0, 0, 0, 0, float("inf")))
+                continue
+            out.append(
+                WorkerCapacity(
+                    worker_id, routable, t.weight, report.decode_tokens_per_s, report.prefill_tokens_per_s, report.step_time_ms / 1e3,
+                    report.queue_depth, report.running_seqs, report.free_blocks, report.total_blocks, now - at,
+                )
+            )
+        return out
+
+    # -- housekeeping ---------------------------------------------------------------
+    async def _retention_loop(self) -> None:
+        while True:
+            await asyncio.sleep(min(_RETENTION_SWEEP_S, max(0.5, self.config.dead_retention_s)))
+            cutoff = time.time() - self.config.dead_retention_s
+            for worker_id, tracker in list(self.gone.items()):
+                if tracker.updated_at < cutoff and worker_id not in self.workers:
+                    if not await self.election.fenced_delete(health_key(worker_id)):
+                        raise LeadershipLostError("another health instance leads (delete refused)")
+                    del self.gone[worker_id]
+                    self._records.pop(worker_id, None)
+                    self.metrics.forget_worker(worker_id)
+
+    def records(self) -> list[common_pb2.WorkerHealthRecord]:
+        live = [w.tracker.to_record() for w in self.workers.values()]
+        return live + [t.to_record() for t in self.gone.values()]
+
+
+def _channel(address: str) -> grpc.aio.Channel:
+    return grpc.aio.insecure_channel(
+        address,
+        options=[
+            # Notice a silent peer on the Watch stream, and reconnect fast once it is back.
+            ("grpc.keepalive_time_ms", 10_000),
+            ("grpc.keepalive_timeout_ms", 5_000),
+            ("grpc.initial_reconnect_backoff_ms", 100),
+            ("grpc.max_reconnect_backoff_ms", 1_000),
+        ],
+    )

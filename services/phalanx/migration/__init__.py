@@ -1,0 +1,1 @@
+"""Migration service: moves in-flight requests off failed or drained workers (see core.py)."""

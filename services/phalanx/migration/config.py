@@ -1,0 +1,38 @@
+"""Settings of `phalanx migration` (env PHALANX_MIGRATION_*)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+Strategy = Literal["checkpoint", "transfer-only", "reprefill", "sequential-replay", "restart"]
+
+
+class MigrationConfig(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="PHALANX_MIGRATION_", extra="ignore")
+
+    migration_id: str = Field("", description="Unique id; empty means <hostname>-<pid>")
+    host: str = Field("127.0.0.1", description="Address the gRPC server binds")
+    port: int = Field(0, ge=0, le=65535, description="gRPC port; 0 picks a free one")
+    advertise_host: str = Field("", description="Host others reach us at (default: host)")
+    metrics_port: int = Field(0, ge=0, le=65535, description="Prometheus /metrics port; 0 picks a free one")
+    strategy: Strategy = Field(
+        "checkpoint",
+        description="checkpoint: cheapest of KV transfer, checkpoint restore and re-prefill by the cost model; transfer-only: "
+        "KV from a live source else re-prefill; reprefill: always recompute (in parallel); sequential-replay: recompute "
+        "one output token per step; restart: the whole group's requests are recomputed after a failure",
+    )
+    transport: Literal["channel", "grpc"] = Field("channel", description="How KV moves: tensor channel, or the gRPC byte stream")
+    # Cost model defaults until measured: loopback gloo ~3.5 GB/s, CPU prefill of the built-in model ~2k tokens/s.
+    link_bytes_per_s: float = Field(3.0e9, gt=0, description="KV transfer bandwidth assumed before one is measured")
+    prefill_tokens_per_s: float = Field(2000.0, gt=0, description="Prefill rate assumed when a worker reports none")
+    kv_restore_overhead_s: float = Field(
+        0.03, ge=0, description="Fixed cost of a KV restore (channel setup, RPCs) on top of bytes over the link"
+    )
+    restore_timeout_s: float = Field(10.0, gt=0, description="Longest one restore (transfer included) may take")
+    max_attempts: int = Field(4, ge=1, le=16, description="Targets tried per request before giving up")
+    remember_s: float = Field(120.0, gt=0, description="How long a finished migration answers repeated calls for the same request")
+    parallel: int = Field(16, ge=1, le=256, description="Requests of one worker migrated at once")
+    trigger_on_dead: bool = Field(True, description="Migrate a worker's requests when the health service marks it DEAD")

@@ -1,0 +1,328 @@
+"""Moving one in-flight request to another worker, the cheapest way that is possible.
+
+Where the request's state can come from, best first:
+- a live source that parked it with its KV (a drain or a quarantine): (a) transfer;
+- the checkpoint store's commit record (a dead source): (b) restore from it;
+- what the caller delivered to the client so far: (c) re-prefill only.
+The cost model compares KV bytes over the measured link with recomputing on
+the target: the KV methods still recompute the tokens past their KV, so a
+commit that lags far behind can lose to a fresh re-prefill. Targets are
+tried in order of load among workers with enough free blocks, never the
+failing one; a target that refuses (no blocks) passes the request on.
+
+Concurrent calls for the same request (the router saw the stream break
+while health declared the worker dead) share one migration, and a finished
+one answers late callers for `remember_s`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+
+import grpc
+
+from phalanx._proto import checkpoint_pb2, checkpoint_pb2_grpc, common_pb2, migration_pb2, worker_pb2, worker_pb2_grpc
+from phalanx.common.discovery import WorkerDirectory, advertised_addresses
+from phalanx.common.errors import InvalidRequestError, UnavailableError
+from phalanx.common.events import EventBus
+from phalanx.common.lease import connect_etcd
+from phalanx.common.subjects import CHECKPOINT_STORES_PREFIX, MIGRATION_EVENTS_SUBJECT
+from phalanx.common.telemetry import get_tracer
+from phalanx.migration.config import MigrationConfig
+from phalanx.migration.metrics import MigrationMetrics
+
+log = logging.getLogger(__name__)
+tracer = get_tracer(__name__)
+
+M = migration_pb2
+METHOD_NAMES = {
+    M.MIGRATION_METHOD_TRANSFER: "transfer",
+    M.MIGRATION_METHOD_CHECKPOINT: "checkpoint",
+    M.MIGRATION_METHOD_REPREFILL: "reprefill",
+    M.MIGRATION_METHOD_SEQUENTIAL_REPLAY: "sequential_replay",
+}
+_OPTIONS = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
+
+
+@dataclass
+class Plan:
+    """How one request comes back: its state, method, and where its KV is."""
+
+    state: common_pb2.RequestState
+    seed: int
+    method: int
+    kv_tokens: int = 0
+    kv_source: str = ""
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.state.prompt_token_ids) + len(self.state.output_token_ids)
+
+
+def choose_plan(
+    strategy: str, *, handoff: Plan | None, commit: Plan | None, known: Plan | None, bytes_per_token: int,
+    link_bytes_per_s: float, prefill_tokens_per_s: float, decode_step_s: float = 0.02, kv_overhead_s: float = 0.03,
+) -> Plan:
+    """The cheapest way allowed by the strategy (pure: unit-tested).
+
+    A plan whose state holds fewer output tokens than the freshest one known
+    must decode the missing ones again, one step each: a lagging commit
+    costs that much more than a live source's exact state.
+    """
+    states = [p for p in (handoff, commit, known) if p is not None]
+    if not states:
+        raise InvalidRequestError("known_state", "nothing is known of this request: no handoff, no commit, no caller state")
+    freshest = max(len(p.state.output_token_ids) for p in states)
+    candidates: list[Plan] = []
+    if strategy in ("checkpoint", "transfer-only") and handoff is not None and handoff.kv_tokens > 0:
+        candidates.append(handoff)
+    if strategy == "checkpoint" and commit is not None and commit.kv_tokens > 0:
+        candidates.append(commit)
+    # Recomputing starts from an exact state: a live source's, else the freshest of the commit and what the client got
+    # (the client's only for greedy requests: it carries no generator state).
+    if handoff is not None:
+        base = handoff
+    else:
+        usable = [p for p in (commit, known) if p is not None and (p is commit or p.state.sampling.temperature == 0 or commit is None)]
+        base = max(usable, key=lambda p: len(p.state.output_token_ids))
+    replay = M.MIGRATION_METHOD_SEQUENTIAL_REPLAY if strategy == "sequential-replay" else M.MIGRATION_METHOD_REPREFILL
+    recompute = Plan(base.state, base.seed, replay)
+    if not candidates:
+        return recompute
+
+    def cost(plan: Plan) -> float:
+        behind = (freshest - len(plan.state.output_token_ids)) * decode_step_s
+        if plan.method in (M.MIGRATION_METHOD_REPREFILL, M.MIGRATION_METHOD_SEQUENTIAL_REPLAY):
+            return plan.num_tokens / prefill_tokens_per_s + behind
+        moved = kv_overhead_s + plan.kv_tokens * bytes_per_token / link_bytes_per_s
+        return moved + (plan.num_tokens - plan.kv_tokens) / prefill_tokens_per_s + behind
+
+    return min([*candidates, recompute], key=cost)
+
+
+class Migrator:
+    def __init__(self, config: MigrationConfig, etcd_config, bus: EventBus | None, metrics: MigrationMetrics) -> None:
+        self.config = config
+        self.etcd_config = etcd_config
+        self.bus = bus
+        self.metrics = metrics
+        self.workers = WorkerDirectory(etcd_config)
+        self._etcd = connect_etcd(etcd_config)
+        self._inflight: dict[str, asyncio.Future] = {}
+        self._done: dict[tuple[str, str], tuple[float, M.MigrateResponse]] = {}
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        # First failure seen per worker (the restart strategy waits for a worker registered after it).
+        self._failed_at: dict[str, float] = {}
+        # Measured as transfers happen (EMA), starting from the configured guess.
+        self.link_bytes_per_s = config.link_bytes_per_s
+
+    async def close(self) -> None:
+        for channel in self._channels.values():
+            await channel.close(grace=None)
+        await self._etcd.close()
+
+    def _channel(self, address: str) -> grpc.aio.Channel:
+        channel = self._channels.get(address)
+        if channel is None:
+            channel = self._channels[address] = grpc.aio.insecure_channel(address, options=_OPTIONS)
+        return channel
+
+    # -- one request ------------------------------------------------------------------
+    async def migrate(self, request: M.MigrateRequest) -> M.MigrateResponse:
+        request_id = request.request_id
+        if not request_id:
+            raise InvalidRequestError("request_id", "is required")
+        key = (request_id, request.worker_id)
+        self._forget_old()
+        done = self._done.get(key)
+        if done is not None:
+            return done[1]
+        running = self._inflight.get(request_id)
+        if running is None:
+            running = self._inflight[request_id] = asyncio.ensure_future(self._migrate(request))
+            running.add_done_callback(lambda _f: self._inflight.pop(request_id, None))
+        response = await asyncio.shield(running)
+        self._done[key] = (time.monotonic(), response)
+        return response
+
+    def _forget_old(self) -> None:
+        horizon = time.monotonic() - self.config.remember_s
+        for key in [k for k, (at, _) in self._done.items() if at < horizon]:
+            del self._done[key]
+
+    async def _migrate(self, request: M.MigrateRequest) -> M.MigrateResponse:
+        start = time.perf_counter()
+        with tracer.start_as_current_span("migration.migrate") as span:
+            span.set_attribute("phalanx.request_id", request.request_id)
+            span.set_attribute("phalanx.from_worker", request.worker_id)
+            store_address, commit = await self._commit(request)
+            handoff = known = None
+            if request.HasField("handoff") and request.handoff.prompt_token_ids:
+                handoff = Plan(request.handoff, request.handoff.sampling.seed, M.MIGRATION_METHOD_TRANSFER,
+                               request.handoff_kv_tokens, request.handoff_source_address)  # fmt: skip
+            if request.HasField("known_state") and request.known_state.prompt_token_ids:
+                known = Plan(request.known_state, request.seed or request.known_state.sampling.seed, M.MIGRATION_METHOD_REPREFILL)
+            registrations = await self.workers.list()
+            if self.config.strategy == "restart":
+                # The coarse baseline: nothing is moved to the survivors; the request waits for a restarted worker
+                # (one that registered after the failure) and is replayed there from scratch.
+                registrations = await self._replacements(request.worker_id)
+                commit = None
+            layout_bytes = commit[1] if commit is not None else 0
+            largest = max((p for p in (handoff, commit[0] if commit else None, known) if p is not None), key=lambda p: p.num_tokens, default=None)
+            # The likely target's own measured rates price recomputing; the link's measured bandwidth prices moving KV.
+            target = await self._pick_target(largest, registrations, {request.worker_id}) if largest is not None else None
+            stats = target[1] if target is not None else None
+            plan = choose_plan(
+                self.config.strategy, handoff=handoff, commit=commit[0] if commit else None, known=known,
+                bytes_per_token=layout_bytes or _guess_bytes_per_token(registrations), link_bytes_per_s=self.link_bytes_per_s,
+                prefill_tokens_per_s=(stats.prefill_tokens_per_s if stats and stats.prefill_tokens_per_s > 0 else self.config.prefill_tokens_per_s),
+                decode_step_s=(stats.step_time_ms / 1e3 if stats and stats.step_time_ms > 0 else 0.02),
+                kv_overhead_s=self.config.kv_restore_overhead_s,
+            )
+            if plan.method == M.MIGRATION_METHOD_CHECKPOINT:
+                plan.kv_source = store_address
+            response = await self._restore(request, plan, registrations, first=target[0] if target else None)
+            response.seconds = time.perf_counter() - start
+            method = METHOD_NAMES[response.method]
+            span.set_attribute("phalanx.method", method)
+            span.set_attribute("phalanx.to_worker", response.worker_id)
+        self.metrics.migrations.labels(method=method).inc()
+        self.metrics.duration.labels(method=method).observe(response.seconds)
+        log.info("migrated %s from %s to %s by %s in %.3f s", request.request_id, request.worker_id, response.worker_id, method, response.seconds)
+        if self.bus is not None:
+            await self.bus.publish(MIGRATION_EVENTS_SUBJECT, M.MigrationEvent(
+                request_id=request.request_id, from_worker_id=request.worker_id, worker_id=response.worker_id,
+                worker_address=response.worker_address, method=response.method, at=time.time(),
+            ))  # fmt: skip
+        return response
+
+    async def _commit(self, request: M.MigrateRequest) -> tuple[str, tuple[Plan, int] | None]:
+        """The store's address and the request's commit record as a plan (with KV bytes per token), if any."""
+        store = await self.store_address()
+        if store is None or self.config.strategy not in ("checkpoint",):
+            return store or "", None
+        try:
+            record = (await checkpoint_pb2_grpc.CheckpointStoreStub(self._channel(store)).GetCommit(
+                checkpoint_pb2.GetCommitRequest(request_id=request.request_id), timeout=1.0
+            )).commit
+        except grpc.aio.AioRpcError as error:
+            if error.code() != grpc.StatusCode.NOT_FOUND:
+                log.warning("checkpoint store %s: %s", store, error.details())
+            return store, None
+        layout = record.layout
+        per_token = layout.num_layers * 2 * layout.num_kv_heads * layout.head_dim * _dtype_bytes(layout.dtype)
+        return store, (Plan(record.state, record.seed, M.MIGRATION_METHOD_CHECKPOINT, record.kv_tokens), per_token)
+
+    async def _replacements(self, failed_worker: str) -> dict:
+        failed_at = self._failed_at.setdefault(failed_worker, time.time())
+        deadline = time.monotonic() + 6 * self.config.restore_timeout_s
+        while time.monotonic() < deadline:
+            fresh = {w: r for w, r in (await self.workers.list()).items() if r.started_at > failed_at}
+            if fresh:
+                return fresh
+            await asyncio.sleep(0.05)
+        raise UnavailableError(f"no worker restarted within {6 * self.config.restore_timeout_s:.0f} s of {failed_worker}'s failure", retry_after_s=1.0)
+
+    async def store_address(self) -> str | None:
+        return next(iter(await advertised_addresses(self._etcd, CHECKPOINT_STORES_PREFIX)), None)
+
+    async def _restore(self, request: M.MigrateRequest, plan: Plan, registrations, first=None) -> M.MigrateResponse:
+        tried: set[str] = {request.worker_id}
+        last_error = "no worker can take it"
+        for attempt in range(self.config.max_attempts):
+            if attempt == 0 and first is not None:
+                target = first
+            else:
+                picked = await self._pick_target(plan, registrations, tried)
+                if picked is None:
+                    break
+                target = picked[0]
+            tried.add(target.worker_id)
+            state = common_pb2.RequestState()
+            state.CopyFrom(plan.state)
+            state.request_id = request.request_id
+            state.sampling.seed = plan.seed
+            item = M.RestoreItem(state=state, seed=plan.seed, method=plan.method, kv_tokens=plan.kv_tokens)
+            transport = M.KV_TRANSPORT_GRPC if self.config.transport == "grpc" else M.KV_TRANSPORT_CHANNEL
+            stub = worker_pb2_grpc.WorkerServiceStub(self._channel(target.address))
+            try:
+                reply = await stub.Restore(
+                    worker_pb2.RestoreRequest(items=[item], kv_source_address=plan.kv_source, transport=transport,
+                                              timeout_s=self.config.restore_timeout_s),
+                    timeout=self.config.restore_timeout_s + 2.0,
+                )  # fmt: skip
+            except grpc.aio.AioRpcError as error:
+                last_error = f"{target.worker_id}: {error.code().name}: {error.details()}"
+                if plan.method in (M.MIGRATION_METHOD_TRANSFER, M.MIGRATION_METHOD_CHECKPOINT) and error.code() == grpc.StatusCode.UNAVAILABLE:
+                    # The KV source failed (or the target): recompute instead, on the next target.
+                    log.warning("KV restore of %s failed (%s); re-prefilling", request.request_id, last_error)
+                    plan = Plan(plan.state, plan.seed, M.MIGRATION_METHOD_REPREFILL)
+                continue
+            result = reply.results[0] if reply.results else None
+            if result is not None and result.ok:
+                if reply.transfer_s > 0 and reply.kv_bytes > 1 << 20:
+                    self.link_bytes_per_s = 0.8 * self.link_bytes_per_s + 0.2 * reply.kv_bytes / reply.transfer_s
+                self.metrics.kv_bytes.inc(reply.kv_bytes)
+                return M.MigrateResponse(
+                    request_id=request.request_id, worker_id=target.worker_id, worker_address=target.address, method=plan.method,
+                    restored_outputs=len(plan.state.output_token_ids),
+                )
+            last_error = f"{target.worker_id}: {result.code if result else '?'}: {result.message if result else 'no result'}"
+            if result is not None and result.code == "INVALID_ARGUMENT":
+                raise InvalidRequestError("request", last_error)
+        self.metrics.failures.inc()
+        raise UnavailableError(f"request {request.request_id} could not be migrated ({last_error})", retry_after_s=0.5)
+
+    async def _pick_target(self, plan: Plan, registrations, exclude: set[str]):
+        """(registration, stats) of the least loaded live worker with the blocks for the request, by a Stats call to each."""
+        candidates = [r for worker_id, r in registrations.items() if worker_id not in exclude]
+
+        async def stats(registration):
+            try:
+                return registration, await worker_pb2_grpc.WorkerServiceStub(self._channel(registration.address)).Stats(
+                    worker_pb2.StatsRequest(), timeout=0.5
+                )
+            except grpc.aio.AioRpcError:
+                return registration, None
+
+        needed = -(-(plan.num_tokens + 1) // 16)
+        answers = await asyncio.gather(*(stats(r) for r in candidates))
+        usable = [(r, s) for r, s in answers if s is not None and not s.draining and s.free_blocks >= needed]
+        if not usable:
+            return None
+        return min(usable, key=lambda rs: (rs[1].queue_depth + rs[1].running_seqs, -rs[1].free_blocks))
+
+    # -- a whole worker -----------------------------------------------------------------
+    async def migrate_worker(self, worker_id: str, reason: str) -> M.MigrateWorkerResponse:
+        """Every request the store holds for `worker_id`, in parallel (bounded)."""
+        store = await self.store_address()
+        if store is None:
+            return M.MigrateWorkerResponse()
+        listing = await checkpoint_pb2_grpc.CheckpointStoreStub(self._channel(store)).ListCommits(
+            checkpoint_pb2.ListCommitsRequest(worker_id=worker_id), timeout=2.0
+        )
+        gate = asyncio.Semaphore(self.config.parallel)
+        response = M.MigrateWorkerResponse()
+
+        async def one(commit: checkpoint_pb2.CommitRecord) -> None:
+            async with gate:
+                try:
+                    response.migrated.append(await self.migrate(M.MigrateRequest(request_id=commit.request_id, worker_id=worker_id, reason=reason)))
+                except Exception as exc:  # one request's failure must not stop the others
+                    log.warning("migrating %s off %s failed: %s", commit.request_id, worker_id, exc)
+                    response.failed.append(commit.request_id)
+
+        await asyncio.gather(*(one(c) for c in listing.commits))
+        return response
+
+
+def _dtype_bytes(name: str) -> int:
+    return {"float32": 4, "float64": 8, "bfloat16": 2, "float16": 2}.get(name, 4)
+
+
+def _guess_bytes_per_token(registrations) -> int:
+    return 4096  # only orders methods when no commit tells the layout; recompute vs transfer differ by orders of magnitude

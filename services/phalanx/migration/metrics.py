@@ -1,0 +1,22 @@
+"""Prometheus metrics of the migration service."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+
+_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
+
+
+class MigrationMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        self.migrations = Counter("phalanx_migration", "Requests migrated, by method", ["method"], registry=self.registry)
+        self.duration = Histogram(
+            "phalanx_migration_duration_seconds", "From the migration call to the request running on its target", ["method"],
+            buckets=_BUCKETS, registry=self.registry,
+        )
+        self.failures = Counter("phalanx_migration_failures", "Requests no target could take", registry=self.registry)
+        self.kv_bytes = Counter("phalanx_migration_kv_bytes", "KV bytes moved into targets", registry=self.registry)
+        self.worker_triggers = Counter(
+            "phalanx_migration_worker_triggers", "Whole-worker migrations, by what triggered them", ["trigger"], registry=self.registry
+        )

@@ -1,0 +1,67 @@
+"""The router's way to the migration service: found in etcd, called when a worker stream ends early."""
+
+from __future__ import annotations
+
+import logging
+
+import grpc
+
+from phalanx._proto import migration_pb2, migration_pb2_grpc
+from phalanx.common.config import EtcdConfig
+from phalanx.common.discovery import advertised_addresses
+from phalanx.common.errors import UnavailableError
+from phalanx.common.lease import TRANSIENT_ERRORS, connect_etcd
+from phalanx.common.subjects import MIGRATIONS_PREFIX
+from phalanx.common.telemetry import grpc_client_interceptors
+
+log = logging.getLogger(__name__)
+
+
+class MigrationClient:
+    """Calls may run concurrently: one channel per service address, kept for the client's life (never swapped under
+    a call in flight), and the address that answered last is tried first."""
+
+    def __init__(self, config: EtcdConfig, *, timeout_s: float = 15.0) -> None:
+        self._etcd = connect_etcd(config)
+        self.timeout_s = timeout_s
+        self._preferred = ""
+        self._channels: dict[str, grpc.aio.Channel] = {}
+
+    async def close(self) -> None:
+        for channel in self._channels.values():
+            await channel.close(grace=None)
+        self._channels.clear()
+        await self._etcd.close()
+
+    async def _addresses(self) -> list[str]:
+        try:
+            addresses = await advertised_addresses(self._etcd, MIGRATIONS_PREFIX)
+        except TRANSIENT_ERRORS as exc:
+            log.warning("cannot look up the migration service: %r", exc)
+            return [self._preferred] if self._preferred else []
+        return sorted(addresses, key=lambda a: a != self._preferred)
+
+    def _stub(self, address: str) -> migration_pb2_grpc.MigrationServiceStub:
+        channel = self._channels.get(address)
+        if channel is None:
+            channel = self._channels[address] = grpc.aio.insecure_channel(address, interceptors=grpc_client_interceptors())
+        return migration_pb2_grpc.MigrationServiceStub(channel)
+
+    async def migrate(self, request: migration_pb2.MigrateRequest) -> migration_pb2.MigrateResponse | None:
+        """Where the request runs now; None when no migration service runs (the caller falls back)."""
+        addresses = await self._addresses()
+        if not addresses:
+            return None
+        last: grpc.aio.AioRpcError | None = None
+        for address in addresses:
+            try:
+                response = await self._stub(address).Migrate(request, timeout=self.timeout_s)
+            except grpc.aio.AioRpcError as error:
+                last = error
+                if error.code() != grpc.StatusCode.UNAVAILABLE:
+                    break
+                continue
+            self._preferred = address
+            return response
+        assert last is not None
+        raise UnavailableError(f"migration of {request.request_id} failed: {last.code().name}: {last.details()}", retry_after_s=0.5)

@@ -1,0 +1,275 @@
+"""Incremental KV checkpointing: every running request's new KV goes to the checkpoint store.
+
+Two halves. `CheckpointCapture` runs on the engine thread between steps:
+it copies the KV positions computed since the last capture of every running
+request (one gather for all of them) together with the request's new output
+tokens, and queues them. `CheckpointStreamer` runs on the event loop: it
+sends what is queued over one gRPC stream to the store, reads the store's
+acks, and reconnects (re-sending every request from position 0) when the
+store restarts. A decode step never waits for the store: when the queue is
+over its byte budget, capture skips steps, and the next capture takes the
+larger range in one segment (coarser batching instead of a stall).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import threading
+from dataclasses import dataclass, field
+
+import grpc
+import torch
+
+from phalanx._proto import checkpoint_pb2, checkpoint_pb2_grpc
+from phalanx.common.config import EtcdConfig
+from phalanx.common.discovery import advertised_addresses
+from phalanx.common.lease import Backoff, connect_etcd
+from phalanx.common.subjects import CHECKPOINT_STORES_PREFIX
+from phalanx.worker.engine import Engine
+from phalanx.worker.sequence import Sequence
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class _Piece:
+    """One request's part of a capture."""
+
+    request_id: str
+    seq: int
+    kv_start: int
+    kv_end: int
+    kv: torch.Tensor  # [layers, 2, kv_end - kv_start, heads, dim]
+    state: object | None  # full RequestState when kv_start == 0
+    appended: list[int]
+    generator_state: bytes
+    seed: int
+
+
+@dataclass
+class _Capture:
+    pieces: list[_Piece] = field(default_factory=list)
+    released: list[str] = field(default_factory=list)
+    nbytes: int = 0
+
+
+class CheckpointCapture:
+    """The engine-thread half; `streamer` decides whether to capture and takes what is captured."""
+
+    def __init__(self, max_pending_bytes: int = 64 << 20) -> None:
+        self.max_pending_bytes = max_pending_bytes
+        self._lock = threading.Lock()
+        self._queue: collections.deque[_Capture] = collections.deque()
+        self._pending_bytes = 0
+        self.connected = False
+        # Set from the event loop: re-send these requests (or all) from position 0.
+        self._resync_all = False
+        self._resync: set[str] = set()
+        self._notify = None  # called (thread-safe) when something was queued
+        self.lag_tokens = 0
+        self.captures_skipped = 0
+
+    # -- called from the event loop -------------------------------------------
+    def resync(self, request_id: str | None = None) -> None:
+        with self._lock:
+            if request_id is None:
+                self._resync_all = True
+                self._queue.clear()
+                self._pending_bytes = 0
+            else:
+                self._resync.add(request_id)
+
+    def take(self) -> list[_Capture]:
+        with self._lock:
+            items = list(self._queue)
+            self._queue.clear()
+            return items
+
+    def sent(self, nbytes: int) -> None:
+        with self._lock:
+            self._pending_bytes -= nbytes
+
+    # -- the engine thread ------------------------------------------------------
+    def capture(self, engine: Engine) -> None:
+        released, engine.released = engine.released, []
+        if not self.connected:
+            return
+        with self._lock:
+            resync_all, self._resync_all = self._resync_all, False
+            resync, self._resync = self._resync, set()
+            over_budget = self._pending_bytes > self.max_pending_bytes
+        lag = 0
+        todo: list[tuple[Sequence, int, int]] = []
+        for seq in engine.running:
+            if seq.canary:
+                continue
+            if resync_all or seq.request_id in resync:
+                seq.ckpt_kv = seq.ckpt_outputs = 0
+            end = seq.num_computed
+            if end <= seq.ckpt_kv:
+                continue  # nothing new, or recomputing KV the store has already (after a preemption)
+            lag += end - seq.ckpt_kv
+            todo.append((seq, seq.ckpt_kv, end))
+        if over_budget and todo:
+            self.lag_tokens = lag
+            self.captures_skipped += 1
+            todo = []
+        if not todo and not released:
+            self.lag_tokens = lag
+            return
+        capture = _Capture(released=released)
+        if todo:
+            slots = torch.cat([engine.kv.slots(seq.request_id, start, end) for seq, start, end in todo])
+            kv = engine.cache.gather(slots)
+            offset = 0
+            for seq, start, end in todo:
+                n = end - start
+                piece_kv = kv[:, :, offset : offset + n]
+                offset += n
+                seq.ckpt_seq += 1
+                state = None
+                if start == 0:
+                    state = seq.snapshot()
+                    appended: list[int] = []
+                else:
+                    appended = seq.output_ids[seq.ckpt_outputs :]
+                generator_state = b"" if seq.params.greedy else seq.sampler.state()
+                capture.pieces.append(
+                    _Piece(seq.request_id, seq.ckpt_seq, start, end, piece_kv, state, appended, generator_state, seq.sampler.seed)
+                )
+                capture.nbytes += piece_kv.numel() * piece_kv.element_size()
+                seq.ckpt_kv = end
+                seq.ckpt_outputs = len(seq.output_ids)
+        self.lag_tokens = 0
+        with self._lock:
+            self._queue.append(capture)
+            self._pending_bytes += capture.nbytes
+        if self._notify is not None:
+            self._notify()
+
+
+class CheckpointStreamer:
+    """The event-loop half: one stream to the store found in etcd, kept up for the worker's life."""
+
+    def __init__(
+        self, capture: CheckpointCapture, *, worker_id: str, model_version: str, layout: checkpoint_pb2.KvLayout,
+        channel_endpoint: str, etcd_config: EtcdConfig, sent_bytes=None, snapshot_to_proto=None,
+    ) -> None:
+        self.capture = capture
+        self.worker_id = worker_id
+        self.hello = checkpoint_pb2.Hello(worker_id=worker_id, model_version=model_version, layout=layout, channel_endpoint=channel_endpoint)
+        self.etcd_config = etcd_config
+        self._sent_bytes = sent_bytes  # a Counter (labelled), or None
+        self._snapshot_to_proto = snapshot_to_proto
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task | None = None
+        self.store_address = ""
+        self.acked_segments = 0
+        self.bytes_sent = 0
+
+    async def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        self.capture._notify = lambda: loop.call_soon_threadsafe(self._wake.set)
+        self._task = asyncio.create_task(self._run(), name="checkpoint-streamer")
+
+    async def stop(self) -> None:
+        self.capture.connected = False
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
+
+    async def _run(self) -> None:
+        backoff = Backoff(initial=0.05, cap=1.0)
+        etcd = connect_etcd(self.etcd_config)
+        try:
+            while True:
+                try:
+                    address = next(iter(await advertised_addresses(etcd, CHECKPOINT_STORES_PREFIX)), None)
+                except Exception as exc:  # etcd away: keep serving, try again
+                    log.debug("no checkpoint store lookup: %r", exc)
+                    address = None
+                if address is None:
+                    await asyncio.sleep(min(1.0, backoff.next() * 4))
+                    continue
+                try:
+                    await self._stream(address)
+                    backoff.reset()
+                except (grpc.aio.AioRpcError, ConnectionError, TimeoutError) as exc:
+                    log.warning("checkpoint stream to %s broke (%s); re-syncing every request", address, _describe(exc))
+                except Exception:
+                    log.exception("checkpoint stream to %s failed; re-syncing every request", address)
+                finally:
+                    self.capture.connected = False
+                    self.capture.resync()
+                await asyncio.sleep(backoff.next())
+        finally:
+            await etcd.close()
+
+    async def _stream(self, address: str) -> None:
+        async with grpc.aio.insecure_channel(
+            address, options=[("grpc.max_send_message_length", 256 << 20), ("grpc.max_receive_message_length", 64 << 20)]
+        ) as channel:
+            await asyncio.wait_for(channel.channel_ready(), timeout=2.0)
+            call = checkpoint_pb2_grpc.CheckpointStoreStub(channel).Stream()
+            await call.write(checkpoint_pb2.StreamRequest(hello=self.hello))
+            self.store_address = address
+            self.capture.resync()
+            self.capture.connected = True
+            log.info("checkpointing to the store at %s", address)
+            acks = asyncio.create_task(self._read_acks(call))
+            try:
+                while True:
+                    if acks.done():
+                        acks.result()  # raises what broke the stream
+                        raise ConnectionError("the store ended the stream")
+                    items = self.capture.take()
+                    if not items:
+                        self._wake.clear()
+                        waiter = asyncio.ensure_future(self._wake.wait())
+                        await asyncio.wait({waiter, acks}, return_when=asyncio.FIRST_COMPLETED)
+                        waiter.cancel()
+                        continue
+                    for item in items:
+                        await self._send(call, item)
+            finally:
+                acks.cancel()
+                call.cancel()
+                self.store_address = ""
+
+    async def _send(self, call, item: _Capture) -> None:
+        for piece in item.pieces:
+            segment = checkpoint_pb2.Segment(
+                request_id=piece.request_id, seq=piece.seq, kv_start=piece.kv_start, kv_end=piece.kv_end,
+                kv=tensor_bytes(piece.kv),
+                appended_output_ids=piece.appended, generator_state=piece.generator_state, seed=piece.seed,
+            )
+            if piece.state is not None:
+                segment.state.CopyFrom(self._snapshot_to_proto(piece.state))
+            await call.write(checkpoint_pb2.StreamRequest(segment=segment))
+            nbytes = len(segment.kv)
+            self.bytes_sent += nbytes
+            if self._sent_bytes is not None:
+                self._sent_bytes.inc(nbytes)
+        for request_id in item.released:
+            await call.write(checkpoint_pb2.StreamRequest(release=checkpoint_pb2.Release(request_id=request_id)))
+        self.capture.sent(item.nbytes)
+
+    async def _read_acks(self, call) -> None:
+        async for ack in call:
+            self.acked_segments += 1
+            if ack.resync:
+                self.capture.resync(ack.request_id)
+
+
+def tensor_bytes(tensor: torch.Tensor) -> bytes:
+    """The tensor's raw C-order bytes, any dtype (numpy has no bfloat16, so through a byte view)."""
+    return tensor.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+
+
+def _describe(exc: BaseException) -> str:
+    if isinstance(exc, grpc.aio.AioRpcError):
+        return f"{exc.code().name}: {exc.details()}"
+    return repr(exc)

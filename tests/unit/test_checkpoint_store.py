@@ -1,0 +1,253 @@
+"""The checkpoint store's apply rules, spilling and retention, on the pure logic (no gRPC)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from phalanx._proto import checkpoint_pb2, common_pb2
+from phalanx.checkpoint_store.store import (
+    CheckpointStore,
+    InvalidCheckpointError,
+    KvLayout,
+    NotCommittedError,
+    SegmentResult,
+    UnknownRequestError,
+    Writer,
+)
+
+pytestmark = pytest.mark.unit
+
+LAYOUT = KvLayout(num_layers=2, num_kv_heads=2, head_dim=4, dtype=torch.float32)  # 128 bytes per token
+W1 = Writer("w1", LAYOUT, "m@1")
+W2 = Writer("w2", LAYOUT, "m@1")
+PROMPT = [11, 12, 13, 14]
+
+
+def kv_of(start: int, end: int, *, salt: float = 0.0, layout: KvLayout = LAYOUT) -> torch.Tensor:
+    """Distinct values per (layer, k/v, position, head, dim), so any misplaced byte shows."""
+    base = torch.arange(layout.num_layers * 2 * layout.num_kv_heads * layout.head_dim, dtype=torch.float64)
+    base = base.view(layout.num_layers, 2, 1, layout.num_kv_heads, layout.head_dim)
+    positions = torch.arange(start, end, dtype=torch.float64).view(1, 1, -1, 1, 1)
+    return (positions * 1000 + base + salt).to(layout.dtype).contiguous()
+
+
+def segment(request_id: str, seq: int, start: int, end: int, *, outputs=(), salt: float = 0.0, **fields) -> checkpoint_pb2.Segment:
+    message = checkpoint_pb2.Segment(
+        request_id=request_id, seq=seq, kv_start=start, kv_end=end, kv=kv_of(start, end, salt=salt).numpy().tobytes(), **fields
+    )
+    if start == 0:
+        message.state.CopyFrom(common_pb2.RequestState(request_id=request_id, prompt_token_ids=PROMPT, output_token_ids=list(outputs)))
+        message.seed = 7
+    else:
+        message.appended_output_ids.extend(outputs)
+    return message
+
+
+@pytest.fixture
+def store(tmp_path) -> CheckpointStore:
+    store = CheckpointStore(tmp_path / "spill")
+    yield store
+    store.close()
+
+
+def test_first_segment_starts_a_commit_with_the_full_state(store):
+    ack = store.apply(W1, segment("r1", 1, 0, 4, outputs=[21], generator_state=b"gen"))
+    assert (ack.result, ack.seq, ack.kv_tokens, ack.resync) == (SegmentResult.APPLIED, 1, 4, False)
+    record = store.get("r1")
+    assert record.worker_id == "w1" and record.seq == 1 and record.kv_tokens == 4 and record.seed == 7
+    assert list(record.state.prompt_token_ids) == PROMPT and list(record.state.output_token_ids) == [21]
+    assert record.last_index == 0 and record.state.generator_state == b"gen" and record.model_version == "m@1"
+    assert record.layout.dtype == "float32" and record.layout.num_layers == 2 and record.updated_at > 0
+    assert torch.equal(store.read_kv("r1", 4), kv_of(0, 4))
+    assert store.committed_tokens == 4 and len(store) == 1
+
+
+def test_appended_segments_extend_kv_and_outputs(store):
+    store.apply(W1, segment("r1", 1, 0, 4, outputs=[21]))
+    store.apply(W1, segment("r1", 2, 4, 5, outputs=[22], generator_state=b"g2"))
+    ack = store.apply(W1, segment("r1", 3, 5, 7, outputs=[23, 24]))
+    assert ack.kv_tokens == 7 and ack.result is SegmentResult.APPLIED
+    record = store.get("r1")
+    assert list(record.state.output_token_ids) == [21, 22, 23, 24] and record.last_index == 3 and record.seq == 3
+    assert record.state.generator_state == b"g2"  # an empty generator_state keeps the last one
+    assert torch.equal(store.read_kv("r1", 7), kv_of(0, 7))
+    assert torch.equal(store.read_kv("r1", 5), kv_of(0, 5))
+    assert store.read_kv("r1", 5).is_contiguous()
+
+
+def test_duplicate_segment_changes_nothing_and_acks_the_current_commit(store):
+    store.apply(W1, segment("r1", 1, 0, 4, outputs=[21]))
+    store.apply(W1, segment("r1", 2, 4, 6, outputs=[22]))
+    ack = store.apply(W1, segment("r1", 2, 4, 6, outputs=[22], salt=0.5))
+    assert (ack.result, ack.seq, ack.kv_tokens, ack.resync) == (SegmentResult.DUPLICATE, 2, 6, False)
+    ack = store.apply(W1, segment("r1", 1, 0, 4, outputs=[21], salt=0.5))  # even an old restart
+    assert ack.result is SegmentResult.DUPLICATE
+    assert list(store.get("r1").state.output_token_ids) == [21, 22]
+    assert torch.equal(store.read_kv("r1", 6), kv_of(0, 6))
+    assert store.stats().segments_total == {SegmentResult.APPLIED: 2, SegmentResult.DUPLICATE: 2, SegmentResult.GAP: 0}
+
+
+def test_gap_is_not_applied_and_asks_for_a_resync(store):
+    ack = store.apply(W1, segment("unknown", 5, 8, 9, outputs=[30]))
+    assert ack.resync and ack.result is SegmentResult.GAP and ack.kv_tokens == 0 and "unknown" not in store
+    store.apply(W1, segment("r1", 1, 0, 4))
+    ack = store.apply(W1, segment("r1", 3, 6, 8, outputs=[22]))  # positions 4..5 never arrived
+    assert ack.resync and ack.kv_tokens == 4 and ack.seq == 3
+    record = store.get("r1")
+    assert record.kv_tokens == 4 and record.seq == 1 and list(record.state.output_token_ids) == []
+    ack = store.apply(W1, segment("r1", 4, 0, 8, outputs=[21, 22]))  # the resync: from 0 again
+    assert ack.result is SegmentResult.APPLIED and store.get("r1").kv_tokens == 8
+    assert torch.equal(store.read_kv("r1", 8), kv_of(0, 8))
+
+
+def test_new_owner_continues_with_its_own_seq_numbering(store):
+    store.apply(W1, segment("r1", 40, 0, 4, outputs=[21]))
+    store.apply(W1, segment("r1", 41, 4, 6, outputs=[22]))
+    ack = store.apply(W2, segment("r1", 1, 6, 7, outputs=[23], salt=0.25))  # restored on w2, seq starts over
+    assert ack.result is SegmentResult.APPLIED and ack.kv_tokens == 7
+    record = store.get("r1")
+    assert record.worker_id == "w2" and record.seq == 1 and list(record.state.output_token_ids) == [21, 22, 23]
+    assert store.apply(W2, segment("r1", 1, 6, 7)).result is SegmentResult.DUPLICATE
+    assert [r.request_id for r in store.records("w2")] == ["r1"] and store.records("w1") == []
+    kv = store.read_kv("r1", 7)
+    assert torch.equal(kv[:, :, :6], kv_of(0, 6)) and torch.equal(kv[:, :, 6:], kv_of(6, 7, salt=0.25))
+
+
+def test_overlapping_segment_truncates_then_appends(store):
+    store.apply(W1, segment("r1", 1, 0, 6))
+    store.apply(W2, segment("r1", 1, 3, 5, outputs=[9], salt=0.5))
+    assert store.get("r1").kv_tokens == 5
+    kv = store.read_kv("r1", 5)
+    assert torch.equal(kv[:, :, :3], kv_of(0, 3)) and torch.equal(kv[:, :, 3:], kv_of(3, 5, salt=0.5))
+    with pytest.raises(NotCommittedError) as caught:
+        store.read_kv("r1", 6)
+    assert caught.value.committed == 5 and "only 5 are committed" in str(caught.value)
+
+
+def test_restart_from_zero_by_another_worker_replaces_the_request(store):
+    store.apply(W1, segment("r1", 3, 0, 6, outputs=[21, 22]))
+    store.apply(W2, segment("r1", 1, 0, 2, outputs=[], salt=0.5))
+    record = store.get("r1")
+    assert record.worker_id == "w2" and record.kv_tokens == 2 and list(record.state.output_token_ids) == [] and record.last_index == -1
+    assert torch.equal(store.read_kv("r1", 2), kv_of(0, 2, salt=0.5))
+    assert store.committed_tokens == 2
+
+
+def test_release_drops_the_request_only_for_its_owner(store):
+    store.apply(W1, segment("r1", 1, 0, 4))
+    assert not store.release("r1", worker_id="w2")  # a former owner's release must not drop the new owner's commit
+    assert store.release("r1", worker_id="w1")
+    assert "r1" not in store and store.memory_bytes == 0 and store.committed_tokens == 0
+    with pytest.raises(UnknownRequestError):
+        store.get("r1")
+    with pytest.raises(UnknownRequestError):
+        store.read_kv("r1", 1)
+    assert not store.release("r1")
+
+
+def test_invalid_segments_are_refused(store):
+    bad = segment("r1", 1, 0, 4)
+    bad.kv = bad.kv[:-1]
+    with pytest.raises(InvalidCheckpointError):
+        store.apply(W1, bad)
+    with pytest.raises(InvalidCheckpointError):
+        store.apply(W1, checkpoint_pb2.Segment(request_id="r/1", seq=1, kv_start=0, kv_end=0))
+    with pytest.raises(InvalidCheckpointError):
+        store.apply(W1, checkpoint_pb2.Segment(request_id="r1", seq=1, kv_start=3, kv_end=2))
+    with pytest.raises(InvalidCheckpointError):
+        Writer.from_hello(checkpoint_pb2.Hello(worker_id="w", layout=checkpoint_pb2.KvLayout(num_layers=1, num_kv_heads=1, head_dim=1, dtype="nope")))
+
+
+def test_bfloat16_layout_round_trips_bytes(tmp_path):
+    layout = KvLayout.from_proto(checkpoint_pb2.KvLayout(num_layers=3, num_kv_heads=1, head_dim=8, dtype="bfloat16"))
+    assert layout.dtype is torch.bfloat16 and layout.token_bytes == 3 * 2 * 8 * 2
+    store = CheckpointStore(tmp_path, memory_limit_bytes=layout.token_bytes * 20)
+    writer = Writer("w1", layout)
+    expected = torch.randn(layout.shape(50)).to(torch.bfloat16)
+    message = checkpoint_pb2.Segment(request_id="r", seq=1, kv_start=0, kv_end=10)
+    message.kv = expected[:, :, :10].contiguous().view(torch.uint8).numpy().tobytes()
+    store.apply(writer, message)
+    for seq, start in enumerate(range(10, 50, 5), start=2):  # spills along the way
+        chunk = expected[:, :, start : start + 5].contiguous()
+        store.apply(writer, checkpoint_pb2.Segment(request_id="r", seq=seq, kv_start=start, kv_end=start + 5,
+                                                   kv=chunk.view(torch.uint8).numpy().tobytes()))  # fmt: skip
+    assert store.get("r").spilled
+    assert torch.equal(store.read_kv("r", 50).view(torch.int16), expected.view(torch.int16))
+    store.close()
+
+
+def test_spilling_keeps_memory_bounded_and_reads_back_byte_exact(tmp_path):
+    token_bytes = LAYOUT.token_bytes
+    now = [1000.0]
+    store = CheckpointStore(tmp_path / "spill", memory_limit_bytes=64 * token_bytes, clock=lambda: now[0])
+    expected: dict[str, torch.Tensor] = {}
+    seqs = dict.fromkeys((f"r{i}" for i in range(6)), 0)
+    for step in range(12):  # six requests of up to 80 tokens: 480 tokens against a 64-token budget
+        for i, request_id in enumerate(seqs):
+            now[0] += 1
+            start = 0 if step == 0 else step * 6 + 2
+            end = (step + 1) * 6 + 2 if i != 5 or step < 6 else start  # r5 stops growing halfway
+            seqs[request_id] += 1
+            store.apply(W1, segment(request_id, seqs[request_id], start, end, salt=i / 8))
+            assert store.memory_bytes <= store.memory_limit_bytes
+    assert store.spilled_bytes > 0 and store.stats().spilled_bytes == store.spilled_bytes
+    for i, request_id in enumerate(seqs):
+        record = store.get(request_id)
+        expected[request_id] = kv_of(0, record.kv_tokens, salt=i / 8)
+        assert torch.equal(store.read_kv(request_id, record.kv_tokens), expected[request_id]), request_id
+        assert torch.equal(store.read_kv(request_id, 5), expected[request_id][:, :, :5])
+    assert any(store.get(r).spilled for r in seqs)
+    assert store.committed_tokens == sum(store.get(r).kv_tokens for r in seqs)
+
+    # Truncate into the spilled part, then keep appending: file part + memory tail still line up.
+    spilled = next(r for r in seqs if store.get(r).spilled)
+    i = list(seqs).index(spilled)
+    store.apply(W2, segment(spilled, 1, 3, 9, salt=0.75))
+    kv = store.read_kv(spilled, 9)
+    assert torch.equal(kv[:, :, :3], kv_of(0, 3, salt=i / 8)) and torch.equal(kv[:, :, 3:], kv_of(3, 9, salt=0.75))
+
+    files = set((tmp_path / "spill").iterdir())
+    assert files
+    for request_id in seqs:
+        store.release(request_id)
+    assert store.memory_bytes == 0 and store.spilled_bytes == 0 and store.committed_tokens == 0
+    assert list((tmp_path / "spill").iterdir()) == []
+
+
+def test_restart_from_zero_deletes_the_spill_file(tmp_path):
+    store = CheckpointStore(tmp_path, memory_limit_bytes=LAYOUT.token_bytes * 16)
+    store.apply(W1, segment("r1", 1, 0, 40))
+    assert store.get("r1").spilled and store.spilled_bytes == 40 * LAYOUT.token_bytes
+    store.apply(W1, segment("r1", 2, 0, 2, salt=0.5))
+    assert not store.get("r1").spilled and store.spilled_bytes == 0 and list(tmp_path.iterdir()) == []
+    assert torch.equal(store.read_kv("r1", 2), kv_of(0, 2, salt=0.5))
+
+
+def test_failed_spill_keeps_the_kv_in_memory(tmp_path):
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_bytes(b"")
+    store = CheckpointStore(blocker / "spill", memory_limit_bytes=LAYOUT.token_bytes * 8)
+    store.apply(W1, segment("r1", 1, 0, 20))
+    assert not store.get("r1").spilled and store.memory_bytes >= 20 * LAYOUT.token_bytes
+    assert torch.equal(store.read_kv("r1", 20), kv_of(0, 20))
+
+
+def test_requests_idle_past_retention_are_dropped(tmp_path):
+    now = [0.0]
+    store = CheckpointStore(tmp_path, memory_limit_bytes=LAYOUT.token_bytes * 16, retention_s=600, clock=lambda: now[0])
+    store.apply(W1, segment("old", 1, 0, 20))
+    assert store.get("old").spilled
+    now[0] = 500
+    store.apply(W1, segment("young", 1, 0, 2))
+    now[0] = 601
+    assert store.expire() == ["old"]
+    assert "old" not in store and "young" in store and store.spilled_bytes == 0
+    now[0] = 1101
+    assert store.expire() == ["young"] and len(store) == 0
+
+
+def test_a_dead_workers_requests_stay_until_released_or_expired(store):
+    store.apply(W1, segment("r1", 1, 0, 4))
+    # Nothing ties a commit to its stream: the store keeps it for a restore elsewhere.
+    assert store.records("w1")[0].kv_tokens == 4 and store.expire() == []

@@ -1,0 +1,63 @@
+"""The migration cost model: which way a request comes back."""
+
+import pytest
+
+from phalanx._proto import common_pb2, migration_pb2 as M
+from phalanx.common.errors import InvalidRequestError
+from phalanx.migration.core import Plan, choose_plan
+
+pytestmark = pytest.mark.unit
+
+RATES = dict(bytes_per_token=8192, link_bytes_per_s=3e9, prefill_tokens_per_s=2000.0, decode_step_s=0.02)
+
+
+def state(prompt: int, outputs: int, temperature: float = 0.0) -> common_pb2.RequestState:
+    s = common_pb2.RequestState(prompt_token_ids=[1] * prompt, output_token_ids=[2] * outputs)
+    s.sampling.temperature = temperature
+    return s
+
+
+def plan(prompt, outputs, method, kv=0, temperature=0.0):
+    return Plan(state(prompt, outputs, temperature), 5, method, kv, "source")
+
+
+def test_live_source_transfer_wins_over_a_commit_that_lags():
+    handoff = plan(1000, 100, M.MIGRATION_METHOD_TRANSFER, kv=1099)
+    commit = plan(1000, 90, M.MIGRATION_METHOD_CHECKPOINT, kv=1089)
+    chosen = choose_plan("checkpoint", handoff=handoff, commit=commit, known=None, **RATES)
+    assert chosen is handoff
+
+
+def test_dead_source_restores_from_the_commit_for_long_requests():
+    commit = plan(1000, 100, M.MIGRATION_METHOD_CHECKPOINT, kv=1099)
+    known = plan(1000, 100, M.MIGRATION_METHOD_REPREFILL)
+    assert choose_plan("checkpoint", handoff=None, commit=commit, known=known, **RATES) is commit
+
+
+def test_a_commit_far_behind_the_client_loses_to_reprefill_of_what_the_client_has():
+    commit = plan(40, 2, M.MIGRATION_METHOD_CHECKPOINT, kv=41)
+    known = plan(40, 30, M.MIGRATION_METHOD_REPREFILL)
+    chosen = choose_plan("checkpoint", handoff=None, commit=commit, known=known, **RATES)
+    assert chosen.method == M.MIGRATION_METHOD_REPREFILL and len(chosen.state.output_token_ids) == 30
+
+
+def test_sampled_requests_never_recompute_from_the_client_state():
+    commit = plan(40, 2, M.MIGRATION_METHOD_CHECKPOINT, kv=41, temperature=0.7)
+    known = plan(40, 30, M.MIGRATION_METHOD_REPREFILL, temperature=0.7)
+    chosen = choose_plan("reprefill", handoff=None, commit=commit, known=known, **RATES)
+    assert len(chosen.state.output_token_ids) == 2  # the commit's, which carries the generator state
+
+
+@pytest.mark.parametrize(
+    ("strategy", "method"),
+    [("reprefill", M.MIGRATION_METHOD_REPREFILL), ("sequential-replay", M.MIGRATION_METHOD_SEQUENTIAL_REPLAY),
+     ("transfer-only", M.MIGRATION_METHOD_REPREFILL)],
+)
+def test_strategies_restrict_the_methods(strategy, method):
+    commit = plan(1000, 100, M.MIGRATION_METHOD_CHECKPOINT, kv=1099)
+    assert choose_plan(strategy, handoff=None, commit=commit, known=None, **RATES).method == method
+
+
+def test_nothing_known_is_invalid():
+    with pytest.raises(InvalidRequestError):
+        choose_plan("checkpoint", handoff=None, commit=None, known=None, **RATES)

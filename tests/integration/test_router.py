@@ -69,9 +69,11 @@ async def test_a_repeated_prompt_goes_to_the_worker_that_holds_its_blocks(shared
 
             # Earlier prompts' blocks are indexed already; wait for this prompt's ten or more
             # full blocks, whose KV events reach the router asynchronously over NATS.
-            async def indexed(holder=holder):
+            wanted = indexed_before.get(holder, 0) + 10
+
+            async def indexed(holder=holder, wanted=wanted):
                 workers = {w.worker_id: w for w in await client.list_workers()}
-                return workers[holder].indexed_blocks >= indexed_before.get(holder, 0) + 10
+                return workers[holder].indexed_blocks >= wanted
 
             await assert_eventually(indexed, timeout=5)
             again, again_tokens = await first_chunk_and_tokens(client, prompt)

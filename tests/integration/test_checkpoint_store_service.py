@@ -79,7 +79,7 @@ class FakeWorker:
         await self._grpc.close()
 
     async def segment(self, request_id: str, kv: torch.Tensor, start: int, end: int, *, outputs=(), seq: int | None = None,
-                      prompt=(1, 2, 3)) -> checkpoint_pb2.StreamResponse:  # fmt: skip
+                      prompt=(1, 2, 3)) -> checkpoint_pb2.SegmentAck:  # fmt: skip
         """Send KV positions [start, end) of ``kv`` and wait for the ack."""
         self.seq[request_id] = seq if seq is not None else self.seq.get(request_id, 0) + 1
         message = checkpoint_pb2.Segment(
@@ -91,13 +91,14 @@ class FakeWorker:
             message.seed = 1234
         else:
             message.appended_output_ids.extend(outputs)
-        await self.call.write(checkpoint_pb2.StreamRequest(segment=message))
-        ack = await self.call.read()
-        assert ack.request_id == request_id, ack
-        return ack
+        await self.call.write(checkpoint_pb2.StreamRequest(batch=checkpoint_pb2.Batch(segments=[message])))
+        response = await self.call.read()
+        assert [ack.request_id for ack in response.acks] == [request_id], response
+        return response.acks[0]
 
     async def release(self, request_id: str) -> None:
-        await self.call.write(checkpoint_pb2.StreamRequest(release=checkpoint_pb2.Release(request_id=request_id)))
+        await self.call.write(checkpoint_pb2.StreamRequest(batch=checkpoint_pb2.Batch(released_request_ids=[request_id])))
+        assert not (await self.call.read()).acks
 
 
 async def list_commits(store: CheckpointStoreHandle, worker_id: str) -> list[str]:
@@ -235,7 +236,7 @@ async def test_errors_name_what_is_missing(store):
 
     async with grpc.aio.insecure_channel(store.address) as channel:
         call = checkpoint_pb2_grpc.CheckpointStoreStub(channel).Stream()
-        await call.write(checkpoint_pb2.StreamRequest(release=checkpoint_pb2.Release(request_id="req-a")))
+        await call.write(checkpoint_pb2.StreamRequest(batch=checkpoint_pb2.Batch(released_request_ids=["req-a"])))
         with pytest.raises(grpc.aio.AioRpcError) as caught:
             await call.read()
     assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "Hello" in caught.value.details()

@@ -76,6 +76,20 @@ def test_appended_segments_extend_kv_and_outputs(store):
     assert store.read_kv("r1", 5).is_contiguous()
 
 
+def test_token_only_segments_move_outputs_ahead_of_the_kv(store):
+    store.apply(W1, segment("r1", 1, 0, 4, outputs=[21]))
+    store.apply(W1, segment("r1", 2, 4, 4, outputs=[22], generator_state=b"g2"))
+    ack = store.apply(W1, segment("r1", 3, 4, 4, outputs=[23]))
+    assert (ack.result, ack.kv_tokens) == (SegmentResult.APPLIED, 4)
+    record = store.get("r1")
+    assert list(record.state.output_token_ids) == [21, 22, 23] and record.kv_tokens == 4 and record.state.generator_state == b"g2"
+    # The KV that was held back follows in one segment from where the KV ends.
+    store.apply(W1, segment("r1", 4, 4, 6, outputs=[24]))
+    record = store.get("r1")
+    assert list(record.state.output_token_ids) == [21, 22, 23, 24] and record.kv_tokens == 6
+    assert torch.equal(store.read_kv("r1", 6), kv_of(0, 6))
+
+
 def test_duplicate_segment_changes_nothing_and_acks_the_current_commit(store):
     store.apply(W1, segment("r1", 1, 0, 4, outputs=[21]))
     store.apply(W1, segment("r1", 2, 4, 6, outputs=[22]))

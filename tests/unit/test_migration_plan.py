@@ -61,3 +61,22 @@ def test_strategies_restrict_the_methods(strategy, method):
 def test_nothing_known_is_invalid():
     with pytest.raises(InvalidRequestError):
         choose_plan("checkpoint", handoff=None, commit=None, known=None, **RATES)
+
+
+def test_a_lagging_commit_restores_its_kv_under_the_greedy_client_state():
+    commit = plan(1000, 95, M.MIGRATION_METHOD_CHECKPOINT, kv=1090)  # tokens and KV a few steps behind
+    known = plan(1000, 100, M.MIGRATION_METHOD_REPREFILL)
+    chosen = choose_plan("checkpoint", handoff=None, commit=commit, known=known, **RATES)
+    assert chosen.method == M.MIGRATION_METHOD_CHECKPOINT and chosen.kv_tokens == 1090 and chosen.kv_source == "source"
+    assert len(chosen.state.output_token_ids) == 100  # nothing decoded twice: positions 1090.. are prefilled
+
+
+def test_a_client_state_that_disagrees_with_the_commit_is_not_trusted_for_it():
+    commit = plan(1000, 95, M.MIGRATION_METHOD_CHECKPOINT, kv=1090)
+    known = plan(1000, 100, M.MIGRATION_METHOD_REPREFILL)
+    known.state.output_token_ids[3] = 9
+    sampled_commit = plan(1000, 95, M.MIGRATION_METHOD_CHECKPOINT, kv=1090, temperature=0.7)
+    sampled_known = plan(1000, 100, M.MIGRATION_METHOD_REPREFILL, temperature=0.7)
+    for c, k in ((commit, known), (sampled_commit, sampled_known)):
+        chosen = choose_plan("checkpoint", handoff=None, commit=c, known=k, **RATES)
+        assert chosen is c

@@ -26,4 +26,9 @@ class CheckpointStoreConfig(BaseSettings):
     max_message_bytes: int = Field(
         256 * 1024 * 1024, ge=4 * 1024 * 1024, description="Largest gRPC message accepted (a segment's KV rides in one message)"
     )
+    nice: int = Field(
+        10, ge=0, le=19,
+        description="Lower CPU priority by this much: checkpointing is background work, and where the store shares "
+        "cores with workers (one machine) their decode steps come first; 0 keeps the default priority",
+    )
     shutdown_grace_s: float = Field(1.0, ge=0, description="How long in-flight RPCs may finish at shutdown")

@@ -77,6 +77,8 @@ class CheckpointStoreProcess:
 
     async def run(self) -> None:
         setup_telemetry("phalanx-checkpoint-store", self.telemetry_config)
+        if self.config.nice:
+            os.nice(self.config.nice)
         limit = self.config.max_message_bytes
         server = grpc.aio.server(
             interceptors=grpc_server_interceptors(),

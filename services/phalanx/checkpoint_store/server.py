@@ -52,25 +52,30 @@ class CheckpointStoreServicer(checkpoint_pb2_grpc.CheckpointStoreServicer, migra
                         raise InvalidCheckpointError("hello", "the first message of a checkpoint stream must be a Hello")
                     writer = Writer.from_hello(message.hello)
                     self._connected(writer.worker_id, +1)
-                elif body == "segment":
-                    ack = self.store.apply(writer, message.segment)
-                    self.metrics.bytes_received.inc(len(message.segment.kv))
-                    self.metrics.segments.labels(result=ack.result.value).inc()
-                    self.metrics.observe_store(self.store)
-                    if ack.resync:
-                        log.info("request %s from %s: gap at KV %d (store has %d); resync",
-                                 ack.request_id, writer.worker_id, message.segment.kv_start, ack.kv_tokens)  # fmt: skip
-                    yield ack.to_proto()
-                elif body == "release":
-                    self.store.release(message.release.request_id, worker_id=writer.worker_id)
-                    self.metrics.observe_store(self.store)
+                elif body == "batch":
+                    yield self._apply(writer, message.batch)
                 else:
-                    raise InvalidCheckpointError(body or "body", "expected a Segment or a Release after the Hello")
+                    raise InvalidCheckpointError(body or "body", "expected a Batch after the Hello")
         except PhalanxError as error:
             await _abort(context, error)
         finally:
             if writer is not None:
                 self._connected(writer.worker_id, -1)
+
+    def _apply(self, writer: Writer, batch: checkpoint_pb2.Batch) -> checkpoint_pb2.StreamResponse:
+        response = checkpoint_pb2.StreamResponse()
+        for segment in batch.segments:
+            ack = self.store.apply(writer, segment)
+            self.metrics.bytes_received.inc(len(segment.kv))
+            self.metrics.segments.labels(result=ack.result.value).inc()
+            if ack.resync:
+                log.info("request %s from %s: gap at KV %d (store has %d); resync",
+                         ack.request_id, writer.worker_id, segment.kv_start, ack.kv_tokens)  # fmt: skip
+            response.acks.append(ack.to_proto())
+        for request_id in batch.released_request_ids:
+            self.store.release(request_id, worker_id=writer.worker_id)
+        self.metrics.observe_store(self.store)
+        return response
 
     async def GetCommit(self, request, context) -> checkpoint_pb2.GetCommitResponse:
         try:

@@ -174,8 +174,8 @@ class Ack:
         """True for a gap: the worker must send the request again from KV position 0."""
         return self.result is SegmentResult.GAP
 
-    def to_proto(self) -> checkpoint_pb2.StreamResponse:
-        return checkpoint_pb2.StreamResponse(request_id=self.request_id, seq=self.seq, kv_tokens=self.kv_tokens, resync=self.resync)
+    def to_proto(self) -> checkpoint_pb2.SegmentAck:
+        return checkpoint_pb2.SegmentAck(request_id=self.request_id, seq=self.seq, kv_tokens=self.kv_tokens, resync=self.resync)
 
 
 @dataclass(frozen=True)

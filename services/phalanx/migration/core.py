@@ -80,7 +80,7 @@ def choose_plan(
     if strategy in ("checkpoint", "transfer-only") and handoff is not None and handoff.kv_tokens > 0:
         candidates.append(handoff)
     if strategy == "checkpoint" and commit is not None and commit.kv_tokens > 0:
-        candidates.append(commit)
+        candidates.append(_with_fresher_tokens(commit, known))
     # Recomputing starts from an exact state: a live source's, else the freshest of the commit and what the client got
     # (the client's only for greedy requests: it carries no generator state).
     if handoff is not None:
@@ -101,6 +101,21 @@ def choose_plan(
         return moved + (plan.num_tokens - plan.kv_tokens) / prefill_tokens_per_s + behind
 
     return min([*candidates, recompute], key=cost)
+
+
+def _with_fresher_tokens(commit: Plan, known: Plan | None) -> Plan:
+    """The commit's KV under the caller's state when that extends the commit's tokens (greedy only: no generator state).
+
+    The target then prefills the few positions past the KV in one pass instead of decoding them again step by step.
+    """
+    if known is None or known.state.sampling.temperature != 0:
+        return commit
+    committed, delivered = commit.state.output_token_ids, known.state.output_token_ids
+    if len(delivered) <= len(committed) or list(delivered[: len(committed)]) != list(committed):
+        return commit
+    if list(known.state.prompt_token_ids) != list(commit.state.prompt_token_ids):
+        return commit
+    return Plan(known.state, commit.seed, commit.method, commit.kv_tokens, commit.kv_source)
 
 
 class Migrator:

@@ -1,14 +1,21 @@
-"""Incremental KV checkpointing: every running request's new KV goes to the checkpoint store.
+"""Incremental KV checkpointing: every running request's progress goes to the checkpoint store.
 
-Two halves. `CheckpointCapture` runs on the engine thread between steps:
-it copies the KV positions computed since the last capture of every running
-request (one gather for all of them) together with the request's new output
-tokens, and queues them. `CheckpointStreamer` runs on the event loop: it
-sends what is queued over one gRPC stream to the store, reads the store's
+Two halves. `CheckpointCapture` runs on the engine thread between steps: for
+every running request it takes the output tokens produced since the last
+capture (and a sampled request's generator state) and, once
+`interval_tokens` new KV positions are due, copies them too (one gather for
+all requests). `CheckpointStreamer` runs on the event loop: it sends each
+capture as one message over one gRPC stream to the store, reads the store's
 acks, and reconnects (re-sending every request from position 0) when the
-store restarts. A decode step never waits for the store: when the queue is
-over its byte budget, capture skips steps, and the next capture takes the
-larger range in one segment (coarser batching instead of a stall).
+store restarts.
+
+Tokens every step but KV every few tokens keeps the cost per step small (one
+message, a few KB) while a commit is never more than a step behind: a
+restore recomputes the at most `interval_tokens` positions between the
+committed KV and the committed tokens in one prefill pass. A decode step
+never waits for the store: while the queue is over its byte budget, capture
+takes tokens only, and KV follows in one larger segment later (coarser
+batching instead of a stall).
 """
 
 from __future__ import annotations
@@ -41,7 +48,7 @@ class _Piece:
     seq: int
     kv_start: int
     kv_end: int
-    kv: torch.Tensor  # [layers, 2, kv_end - kv_start, heads, dim]
+    kv: torch.Tensor | None  # [layers, 2, kv_end - kv_start, heads, dim]; None when kv_end == kv_start
     state: object | None  # full RequestState when kv_start == 0
     appended: list[int]
     generator_state: bytes
@@ -58,8 +65,9 @@ class _Capture:
 class CheckpointCapture:
     """The engine-thread half; `streamer` decides whether to capture and takes what is captured."""
 
-    def __init__(self, max_pending_bytes: int = 64 << 20) -> None:
+    def __init__(self, max_pending_bytes: int = 64 << 20, *, interval_tokens: int = 16) -> None:
         self.max_pending_bytes = max_pending_bytes
+        self.interval_tokens = interval_tokens
         self._lock = threading.Lock()
         self._queue: collections.deque[_Capture] = collections.deque()
         self._pending_bytes = 0
@@ -101,48 +109,50 @@ class CheckpointCapture:
             resync, self._resync = self._resync, set()
             over_budget = self._pending_bytes > self.max_pending_bytes
         lag = 0
-        todo: list[tuple[Sequence, int, int]] = []
+        todo: list[tuple[Sequence, int, int]] = []  # (seq, kv_start, kv_end); kv_start == kv_end: tokens only
         for seq in engine.running:
             if seq.canary:
                 continue
             if resync_all or seq.request_id in resync:
                 seq.ckpt_kv = seq.ckpt_outputs = 0
             end = seq.num_computed
-            if end <= seq.ckpt_kv:
-                continue  # nothing new, or recomputing KV the store has already (after a preemption)
-            lag += end - seq.ckpt_kv
-            todo.append((seq, seq.ckpt_kv, end))
-        if over_budget and todo:
-            self.lag_tokens = lag
+            if seq.ckpt_kv == 0:  # the first segment: whole state and all KV so far (the prompt's, mostly)
+                if over_budget:
+                    lag += end
+                elif end > 0:
+                    todo.append((seq, 0, end))
+                continue
+            due = end - seq.ckpt_kv  # negative while recomputing KV the store has already (after a preemption)
+            if due >= self.interval_tokens and not over_budget:
+                todo.append((seq, seq.ckpt_kv, end))
+                continue
+            lag += max(0, due)
+            if len(seq.output_ids) > seq.ckpt_outputs:
+                todo.append((seq, seq.ckpt_kv, seq.ckpt_kv))
+        if over_budget:
             self.captures_skipped += 1
-            todo = []
+        self.lag_tokens = lag
         if not todo and not released:
-            self.lag_tokens = lag
             return
         capture = _Capture(released=released)
-        if todo:
-            slots = torch.cat([engine.kv.slots(seq.request_id, start, end) for seq, start, end in todo])
-            kv = engine.cache.gather(slots)
-            offset = 0
-            for seq, start, end in todo:
-                n = end - start
-                piece_kv = kv[:, :, offset : offset + n]
-                offset += n
-                seq.ckpt_seq += 1
-                state = None
-                if start == 0:
-                    state = seq.snapshot()
-                    appended: list[int] = []
-                else:
-                    appended = seq.output_ids[seq.ckpt_outputs :]
-                generator_state = b"" if seq.params.greedy else seq.sampler.state()
-                capture.pieces.append(
-                    _Piece(seq.request_id, seq.ckpt_seq, start, end, piece_kv, state, appended, generator_state, seq.sampler.seed)
-                )
+        with_kv = [(seq, start, end) for seq, start, end in todo if end > start]
+        kv = engine.cache.gather(torch.cat([engine.kv.slots(seq.request_id, start, end) for seq, start, end in with_kv])) if with_kv else None
+        offset = 0
+        for seq, start, end in todo:
+            piece_kv = None
+            if end > start:
+                piece_kv = kv[:, :, offset : offset + end - start]
+                offset += end - start
                 capture.nbytes += piece_kv.numel() * piece_kv.element_size()
-                seq.ckpt_kv = end
-                seq.ckpt_outputs = len(seq.output_ids)
-        self.lag_tokens = 0
+            seq.ckpt_seq += 1
+            if start == 0:
+                state, appended = seq.snapshot(), []
+            else:
+                state, appended = None, seq.output_ids[seq.ckpt_outputs :]
+            generator_state = b"" if seq.params.greedy else seq.sampler.state()
+            capture.pieces.append(_Piece(seq.request_id, seq.ckpt_seq, start, end, piece_kv, state, appended, generator_state, seq.sampler.seed))
+            seq.ckpt_kv = end
+            seq.ckpt_outputs = len(seq.output_ids)
         with self._lock:
             self._queue.append(capture)
             self._pending_bytes += capture.nbytes
@@ -240,28 +250,35 @@ class CheckpointStreamer:
                 self.store_address = ""
 
     async def _send(self, call, item: _Capture) -> None:
-        for piece in item.pieces:
-            segment = checkpoint_pb2.Segment(
-                request_id=piece.request_id, seq=piece.seq, kv_start=piece.kv_start, kv_end=piece.kv_end,
-                kv=tensor_bytes(piece.kv),
-                appended_output_ids=piece.appended, generator_state=piece.generator_state, seed=piece.seed,
-            )
-            if piece.state is not None:
-                segment.state.CopyFrom(self._snapshot_to_proto(piece.state))
-            await call.write(checkpoint_pb2.StreamRequest(segment=segment))
-            nbytes = len(segment.kv)
-            self.bytes_sent += nbytes
-            if self._sent_bytes is not None:
-                self._sent_bytes.inc(nbytes)
-        for request_id in item.released:
-            await call.write(checkpoint_pb2.StreamRequest(release=checkpoint_pb2.Release(request_id=request_id)))
+        batch = batch_of(item, self._snapshot_to_proto)
+        await call.write(checkpoint_pb2.StreamRequest(batch=batch))
+        nbytes = sum(len(segment.kv) for segment in batch.segments)
+        self.bytes_sent += nbytes
+        if self._sent_bytes is not None and nbytes:
+            self._sent_bytes.inc(nbytes)
         self.capture.sent(item.nbytes)
 
     async def _read_acks(self, call) -> None:
-        async for ack in call:
-            self.acked_segments += 1
-            if ack.resync:
-                self.capture.resync(ack.request_id)
+        async for response in call:
+            self.acked_segments += len(response.acks)
+            for ack in response.acks:
+                if ack.resync:
+                    self.capture.resync(ack.request_id)
+
+
+def batch_of(capture: _Capture, snapshot_to_proto) -> checkpoint_pb2.Batch:
+    """One capture as the message that carries it to the store."""
+    batch = checkpoint_pb2.Batch(released_request_ids=capture.released)
+    for piece in capture.pieces:
+        segment = batch.segments.add(
+            request_id=piece.request_id, seq=piece.seq, kv_start=piece.kv_start, kv_end=piece.kv_end,
+            appended_output_ids=piece.appended, generator_state=piece.generator_state, seed=piece.seed,
+        )
+        if piece.kv is not None:
+            segment.kv = tensor_bytes(piece.kv)
+        if piece.state is not None:
+            segment.state.CopyFrom(snapshot_to_proto(piece.state))
+    return batch
 
 
 def tensor_bytes(tensor: torch.Tensor) -> bytes:

@@ -73,6 +73,11 @@ class WorkerConfig(BaseSettings):
     checkpointing: bool = Field(
         True, description="Stream every running request's new KV to the checkpoint store (when one is registered in etcd)"
     )
+    checkpoint_interval_tokens: int = Field(
+        16, ge=1,
+        description="KV goes to the store once this many new positions are due (output tokens go every step; a restore "
+        "recomputes the positions in between)",
+    )
     checkpoint_max_pending_bytes: int = Field(
         64 << 20, ge=1 << 20, description="KV queued for the store beyond which capture skips steps (coarser segments, never a stall)"
     )

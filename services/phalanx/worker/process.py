@@ -135,7 +135,7 @@ class WorkerProcess:
                     load, self.engine_config.model, device=self.engine_config.device,
                     dtype=self.engine_config.torch_dtype(), seed=self.engine_config.seed,
                 )
-                capture = CheckpointCapture(c.checkpoint_max_pending_bytes) if c.checkpointing else None
+                capture = CheckpointCapture(c.checkpoint_max_pending_bytes, interval_tokens=c.checkpoint_interval_tokens) if c.checkpointing else None
                 engine = AsyncEngine(
                     Engine(model, self.engine_config, faults=self.faults), on_kv_events=self._kv_outbox.put_nowait, checkpoints=capture
                 )

@@ -1,0 +1,95 @@
+"""Checkpoint capture on a real engine into the store's logic: tokens every step, KV every interval, exact restores."""
+
+import pytest
+import torch
+
+import phalanx.model
+from phalanx.checkpoint_store.store import CheckpointStore, KvLayout, SegmentResult, Writer
+from phalanx.model.sampling import SamplingParams
+from phalanx.worker.checkpointing import CheckpointCapture, batch_of
+from phalanx.worker.config import EngineConfig
+from phalanx.worker.engine import Engine, EngineRequest
+from phalanx.worker.server import snapshot_from_proto, snapshot_to_proto
+
+pytestmark = pytest.mark.unit
+
+N = 40
+INTERVAL = 16
+
+
+@pytest.fixture(scope="module")
+def moe():
+    return phalanx.model.load("phalanx-tiny-moe")
+
+
+def engine_of(model) -> Engine:
+    return Engine(model, EngineConfig(deterministic=True))
+
+
+def tokens_of(engine: Engine, request_id: str) -> list[int]:
+    tokens = []
+    while engine.has_work():
+        tokens += [e.token_id for e in engine.step() if e.request_id == request_id and e.index >= 0]
+    return tokens
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_a_commit_after_any_step_restores_to_the_same_continuation(moe, tmp_path, temperature):
+    prompt = moe.tokenizer.encode("checkpoints follow the stream of tokens one step behind at most " * 2)
+    params = SamplingParams(max_tokens=N, ignore_eos=True, temperature=temperature, seed=11)
+    reference = engine_of(moe)
+    reference.add_request(EngineRequest(prompt, params, "r"))
+    expected = tokens_of(reference, "r")
+
+    source = engine_of(moe)
+    cache = source.cache.data
+    layout = KvLayout(num_layers=cache.shape[0], num_kv_heads=cache.shape[4], head_dim=cache.shape[5], dtype=cache.dtype)
+    store = CheckpointStore(tmp_path)
+    writer = Writer("w", layout, "tiny@1")
+    capture = CheckpointCapture(interval_tokens=INTERVAL)
+    capture.connected = True
+    source.add_request(EngineRequest(prompt, params, "r"))
+    kv_segments = 0
+    for outputs in range(1, N - 4):
+        source.step()
+        capture.capture(source)
+        for item in capture.take():
+            for segment in batch_of(item, snapshot_to_proto).segments:
+                assert store.apply(writer, segment).result is SegmentResult.APPLIED
+                kv_segments += segment.kv_end > segment.kv_start
+        record = store.get("r")
+        # Every step's tokens are committed; the KV at most an interval behind them.
+        assert list(record.state.output_token_ids) == expected[:outputs]
+        assert 0 <= len(prompt) + outputs - 1 - record.kv_tokens < INTERVAL
+        if outputs in (5, 17, 30):  # between KV segments, just after one, and later
+            target = engine_of(moe)
+            snapshot = snapshot_from_proto(record.state)
+            kv = store.read_kv("r", record.kv_tokens)
+            target.restore(EngineRequest(snapshot.prompt_ids, snapshot.params, "r", resume=snapshot, migrated=True), kv, record.kv_tokens)
+            assert tokens_of(target, "r") == expected[outputs:], outputs
+    assert kv_segments == 1 + (N - 5) // INTERVAL  # the prompt's, then one per interval
+    store.close()
+
+
+def test_over_budget_capture_sends_tokens_and_holds_kv_back(moe):
+    engine = engine_of(moe)
+    capture = CheckpointCapture(interval_tokens=1)
+    capture.connected = True
+    engine.add_request(EngineRequest(moe.tokenizer.encode("budget"), SamplingParams(max_tokens=8, ignore_eos=True), "r"))
+    engine.step()
+    capture.capture(engine)
+    (first,) = capture.take()
+    assert first.pieces[0].kv_start == 0 and first.pieces[0].state is not None and first.nbytes > 0
+    capture.max_pending_bytes = 0  # nothing was reported sent: the queue is over budget from here on
+    for _ in range(3):
+        engine.step()
+        capture.capture(engine)
+    pieces = [p for item in capture.take() for p in item.pieces]
+    assert [p.kv for p in pieces] == [None] * 3 and [len(p.appended) for p in pieces] == [1, 1, 1]
+    assert capture.lag_tokens == 3 and capture.captures_skipped == 3
+    capture.sent(first.nbytes)
+    capture.max_pending_bytes = 1 << 20
+    engine.step()
+    capture.capture(engine)
+    ((piece,),) = [item.pieces for item in capture.take()]
+    assert piece.kv_end - piece.kv_start == 4 and isinstance(piece.kv, torch.Tensor)

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from phalanx.health.config import DegradationConfig, HealthConfig
+from phalanx.testing.settings import unknown_settings
 
 yaml = pytest.importorskip("yaml")
 
@@ -30,13 +31,7 @@ _SETTING = re.compile(r"PHALANX_(HEALTH|DEGRADATION)_[A-Z0-9_]+")
 
 
 def _unknown_settings(names) -> list[str]:
-    fields = {"HEALTH": HealthConfig.model_fields, "DEGRADATION": DegradationConfig.model_fields}
-    unknown = []
-    for name in names:
-        group, _, field = name.removeprefix("PHALANX_").partition("_")
-        if group in fields and field.lower() not in fields[group]:
-            unknown.append(name)
-    return unknown
+    return unknown_settings(names, {"HEALTH": HealthConfig, "DEGRADATION": DegradationConfig})
 
 
 def _load(path: Path):

@@ -32,7 +32,11 @@ class MigrationConfig(BaseSettings):
         0.03, ge=0, description="Fixed cost of a KV restore (channel setup, RPCs) on top of bytes over the link"
     )
     restore_timeout_s: float = Field(10.0, gt=0, description="Longest one restore (transfer included) may take")
+    restore_batch_window_s: float = Field(
+        0.005, ge=0, le=1.0,
+        description="Restores to one target that come within this of the first (or while a call to it runs) go in one Restore call",
+    )
     max_attempts: int = Field(4, ge=1, le=16, description="Targets tried per request before giving up")
     remember_s: float = Field(120.0, gt=0, description="How long a finished migration answers repeated calls for the same request")
-    parallel: int = Field(16, ge=1, le=256, description="Requests of one worker migrated at once")
+    parallel: int = Field(16, ge=1, le=256, description="Migrations run at once; the rest wait, lower RequestState.priority (premium) first")
     trigger_on_dead: bool = Field(True, description="Migrate a worker's requests when the health service marks it DEAD")

@@ -31,8 +31,10 @@ from phalanx.common.events import EventBus
 from phalanx.common.lease import connect_etcd
 from phalanx.common.subjects import CHECKPOINT_STORES_PREFIX, MIGRATION_EVENTS_SUBJECT
 from phalanx.common.telemetry import get_tracer
+from phalanx.migration.batching import RestoreBatcher
 from phalanx.migration.config import MigrationConfig
 from phalanx.migration.metrics import MigrationMetrics
+from phalanx.migration.priority import PriorityGate, effective_priority
 
 log = logging.getLogger(__name__)
 tracer = get_tracer(__name__)
@@ -127,6 +129,12 @@ class Migrator:
         self.workers = WorkerDirectory(etcd_config)
         self._etcd = connect_etcd(etcd_config)
         self._inflight: dict[str, asyncio.Future] = {}
+        # Migrations at once; the rest wait, premium first, whoever asked (health's DEAD event or a router).
+        self._gate = PriorityGate(config.parallel)
+        # Restores to one target (from one KV source) that come together go in one Restore call.
+        self._batcher: RestoreBatcher[M.RestoreItem, worker_pb2.RestoreResult] = RestoreBatcher(
+            self._send_restores, window_s=config.restore_batch_window_s
+        )
         self._done: dict[tuple[str, str], tuple[float, M.MigrateResponse]] = {}
         self._channels: dict[str, grpc.aio.Channel] = {}
         # First failure seen per worker (the restart strategy waits for a worker registered after it).
@@ -157,7 +165,7 @@ class Migrator:
             return done[1]
         running = self._inflight.get(request_id)
         if running is None:
-            running = self._inflight[request_id] = asyncio.ensure_future(self._migrate(request))
+            running = self._inflight[request_id] = asyncio.ensure_future(self._migrate_in_turn(request))
             running.add_done_callback(lambda _f: self._inflight.pop(request_id, None))
         response = await asyncio.shield(running)
         self._done[key] = (time.monotonic(), response)
@@ -167,6 +175,11 @@ class Migrator:
         horizon = time.monotonic() - self.config.remember_s
         for key in [k for k, (at, _) in self._done.items() if at < horizon]:
             del self._done[key]
+
+    async def _migrate_in_turn(self, request: M.MigrateRequest) -> M.MigrateResponse:
+        priority = effective_priority(request.priority, request.known_state.priority, request.handoff.priority)
+        async with self._gate.slot(priority):
+            return await self._migrate(request)
 
     async def _migrate(self, request: M.MigrateRequest) -> M.MigrateResponse:
         start = time.perf_counter()
@@ -216,18 +229,26 @@ class Migrator:
         return response
 
     async def _commit(self, request: M.MigrateRequest) -> tuple[str, tuple[Plan, int] | None]:
-        """The store's address and the request's commit record as a plan (with KV bytes per token), if any."""
-        store = await self.store_address()
-        if store is None or self.config.strategy not in ("checkpoint",):
-            return store or "", None
-        try:
-            record = (await checkpoint_pb2_grpc.CheckpointStoreStub(self._channel(store)).GetCommit(
-                checkpoint_pb2.GetCommitRequest(request_id=request.request_id), timeout=1.0
-            )).commit
-        except grpc.aio.AioRpcError as error:
-            if error.code() != grpc.StatusCode.NOT_FOUND:
-                log.warning("checkpoint store %s: %s", store, error.details())
-            return store, None
+        """The address of the store holding the request's commit record, and that record as a plan (with KV bytes
+        per token); ("", None) without one.
+
+        Every advertised store is asked in turn: while a crashed store's advertisement lingers for its lease TTL,
+        the workers already stream to its replacement.
+        """
+        if self.config.strategy not in ("checkpoint",):
+            return "", None
+        record = None
+        for store in await self.store_addresses():
+            try:
+                record = (await checkpoint_pb2_grpc.CheckpointStoreStub(self._channel(store)).GetCommit(
+                    checkpoint_pb2.GetCommitRequest(request_id=request.request_id), timeout=1.0
+                )).commit
+                break
+            except grpc.aio.AioRpcError as error:
+                if error.code() != grpc.StatusCode.NOT_FOUND:
+                    log.warning("checkpoint store %s: %s", store, error.details())
+        if record is None:
+            return "", None
         layout = record.layout
         per_token = layout.num_layers * 2 * layout.num_kv_heads * layout.head_dim * _dtype_bytes(layout.dtype)
         return store, (Plan(record.state, record.seed, M.MIGRATION_METHOD_CHECKPOINT, record.kv_tokens), per_token)
@@ -242,8 +263,8 @@ class Migrator:
             await asyncio.sleep(0.05)
         raise UnavailableError(f"no worker restarted within {6 * self.config.restore_timeout_s:.0f} s of {failed_worker}'s failure", retry_after_s=1.0)
 
-    async def store_address(self) -> str | None:
-        return next(iter(await advertised_addresses(self._etcd, CHECKPOINT_STORES_PREFIX)), None)
+    async def store_addresses(self) -> list[str]:
+        return await advertised_addresses(self._etcd, CHECKPOINT_STORES_PREFIX)
 
     async def _restore(self, request: M.MigrateRequest, plan: Plan, registrations, first=None) -> M.MigrateResponse:
         tried: set[str] = {request.worker_id}
@@ -262,14 +283,8 @@ class Migrator:
             state.request_id = request.request_id
             state.sampling.seed = plan.seed
             item = M.RestoreItem(state=state, seed=plan.seed, method=plan.method, kv_tokens=plan.kv_tokens)
-            transport = M.KV_TRANSPORT_GRPC if self.config.transport == "grpc" else M.KV_TRANSPORT_CHANNEL
-            stub = worker_pb2_grpc.WorkerServiceStub(self._channel(target.address))
             try:
-                reply = await stub.Restore(
-                    worker_pb2.RestoreRequest(items=[item], kv_source_address=plan.kv_source, transport=transport,
-                                              timeout_s=self.config.restore_timeout_s),
-                    timeout=self.config.restore_timeout_s + 2.0,
-                )  # fmt: skip
+                result = await self._batcher.submit((target.address, plan.kv_source), item)
             except grpc.aio.AioRpcError as error:
                 last_error = f"{target.worker_id}: {error.code().name}: {error.details()}"
                 if plan.method in (M.MIGRATION_METHOD_TRANSFER, M.MIGRATION_METHOD_CHECKPOINT) and error.code() == grpc.StatusCode.UNAVAILABLE:
@@ -277,24 +292,43 @@ class Migrator:
                     log.warning("KV restore of %s failed (%s); re-prefilling", request.request_id, last_error)
                     plan = Plan(plan.state, plan.seed, M.MIGRATION_METHOD_REPREFILL)
                 continue
-            result = reply.results[0] if reply.results else None
-            if result is not None and result.ok:
-                if reply.transfer_s > 0 and reply.kv_bytes > 1 << 20:
-                    self.link_bytes_per_s = 0.8 * self.link_bytes_per_s + 0.2 * reply.kv_bytes / reply.transfer_s
-                self.metrics.kv_bytes.inc(reply.kv_bytes)
+            if result.ok:
                 return M.MigrateResponse(
                     request_id=request.request_id, worker_id=target.worker_id, worker_address=target.address, method=plan.method,
                     restored_outputs=len(plan.state.output_token_ids),
                 )
-            last_error = f"{target.worker_id}: {result.code if result else '?'}: {result.message if result else 'no result'}"
-            if result is not None and result.code == "INVALID_ARGUMENT":
+            last_error = f"{target.worker_id}: {result.code}: {result.message}"
+            if result.code == "INVALID_ARGUMENT":
                 raise InvalidRequestError("request", last_error)
         self.metrics.failures.inc()
         raise UnavailableError(f"request {request.request_id} could not be migrated ({last_error})", retry_after_s=0.5)
 
+    async def _send_restores(self, key: tuple[str, str], items: list[M.RestoreItem]) -> list[worker_pb2.RestoreResult]:
+        """One Restore call to the target `key[0]` with every item, KV from `key[1]`; a result per item, in order."""
+        address, kv_source = key
+        transport = M.KV_TRANSPORT_GRPC if self.config.transport == "grpc" else M.KV_TRANSPORT_CHANNEL
+        reply = await worker_pb2_grpc.WorkerServiceStub(self._channel(address)).Restore(
+            worker_pb2.RestoreRequest(items=items, kv_source_address=kv_source, transport=transport, timeout_s=self.config.restore_timeout_s),
+            timeout=self.config.restore_timeout_s + 2.0,
+        )
+        if reply.transfer_s > 0 and reply.kv_bytes > 1 << 20:
+            self.link_bytes_per_s = 0.8 * self.link_bytes_per_s + 0.2 * reply.kv_bytes / reply.transfer_s
+        self.metrics.kv_bytes.inc(reply.kv_bytes)
+        self.metrics.restore_calls.observe(len(items))
+        results = {r.request_id: r for r in reply.results}
+        missing = worker_pb2.RestoreResult(ok=False, code="UNAVAILABLE", message="the target returned no result for it")
+        return [results.get(i.state.request_id, missing) for i in items]
+
     async def _pick_target(self, plan: Plan, registrations, exclude: set[str]):
-        """(registration, stats) of the least loaded live worker with the blocks for the request, by a Stats call to each."""
+        """(registration, stats) of the least loaded live worker with the blocks for the request, by a Stats call to each.
+
+        Workers of the failed one's tensor-parallel size come first: greedy outputs are bit-identical only between
+        groups of the same size. Any other worker with room is the fallback.
+        """
         candidates = [r for worker_id, r in registrations.items() if worker_id not in exclude]
+        # The failed worker is excluded but often still registered (its lease outlives it by a TTL); failed targets
+        # excluded later were picked with the same preference, so their size is the one to keep.
+        source_sizes = {r.tensor_parallel_size or 1 for worker_id, r in registrations.items() if worker_id in exclude}
 
         async def stats(registration):
             try:
@@ -309,29 +343,36 @@ class Migrator:
         usable = [(r, s) for r, s in answers if s is not None and not s.draining and s.free_blocks >= needed]
         if not usable:
             return None
-        return min(usable, key=lambda rs: (rs[1].queue_depth + rs[1].running_seqs, -rs[1].free_blocks))
+        same_size = [(r, s) for r, s in usable if (r.tensor_parallel_size or 1) in source_sizes]
+        return min(same_size or usable, key=lambda rs: (rs[1].queue_depth + rs[1].running_seqs, -rs[1].free_blocks))
 
     # -- a whole worker -----------------------------------------------------------------
     async def migrate_worker(self, worker_id: str, reason: str) -> M.MigrateWorkerResponse:
-        """Every request the store holds for `worker_id`, in parallel (bounded)."""
-        store = await self.store_address()
-        if store is None:
-            return M.MigrateWorkerResponse()
-        listing = await checkpoint_pb2_grpc.CheckpointStoreStub(self._channel(store)).ListCommits(
-            checkpoint_pb2.ListCommitsRequest(worker_id=worker_id), timeout=2.0
-        )
-        gate = asyncio.Semaphore(self.config.parallel)
+        """Every request the store holds for `worker_id`, in parallel (bounded), premium first."""
+        held: dict[str, checkpoint_pb2.CommitRecord] = {}
+        for store in await self.store_addresses():  # a replacement store may hold some while the old one lingers
+            try:
+                listing = await checkpoint_pb2_grpc.CheckpointStoreStub(self._channel(store)).ListCommits(
+                    checkpoint_pb2.ListCommitsRequest(worker_id=worker_id), timeout=2.0
+                )
+            except grpc.aio.AioRpcError as error:
+                log.warning("checkpoint store %s: %s", store, error.details())
+                continue
+            for commit in listing.commits:
+                held.setdefault(commit.request_id, commit)
         response = M.MigrateWorkerResponse()
 
         async def one(commit: checkpoint_pb2.CommitRecord) -> None:
-            async with gate:
-                try:
-                    response.migrated.append(await self.migrate(M.MigrateRequest(request_id=commit.request_id, worker_id=worker_id, reason=reason)))
-                except Exception as exc:  # one request's failure must not stop the others
-                    log.warning("migrating %s off %s failed: %s", commit.request_id, worker_id, exc)
-                    response.failed.append(commit.request_id)
+            request = M.MigrateRequest(request_id=commit.request_id, worker_id=worker_id, reason=reason, priority=commit.state.priority)
+            try:
+                response.migrated.append(await self.migrate(request))
+            except Exception as exc:  # one request's failure must not stop the others
+                log.warning("migrating %s off %s failed: %s", commit.request_id, worker_id, exc)
+                response.failed.append(commit.request_id)
 
-        await asyncio.gather(*(one(c) for c in listing.commits))
+        # In priority order, so that equal priorities queue at the gate in the store's order.
+        commits = sorted(held.values(), key=lambda c: effective_priority(c.state.priority))
+        await asyncio.gather(*(one(c) for c in commits))
         return response
 
 

@@ -17,6 +17,10 @@ class MigrationMetrics:
         )
         self.failures = Counter("phalanx_migration_failures", "Requests no target could take", registry=self.registry)
         self.kv_bytes = Counter("phalanx_migration_kv_bytes", "KV bytes moved into targets", registry=self.registry)
+        self.restore_calls = Histogram(
+            "phalanx_migration_restore_batch_size", "Requests per Restore call to a target", buckets=(1, 2, 4, 8, 16, 32, 64),
+            registry=self.registry,
+        )
         self.worker_triggers = Counter(
             "phalanx_migration_worker_triggers", "Whole-worker migrations, by what triggered them", ["trigger"], registry=self.registry
         )

@@ -1,0 +1,100 @@
+"""Queued migrations go premium first, then in arrival order; cancelled waiters never hold a slot."""
+
+import asyncio
+
+import pytest
+
+from phalanx.migration.priority import STANDARD, PriorityGate, effective_priority
+
+pytestmark = pytest.mark.unit
+
+
+def test_effective_priority_is_the_first_set_value_else_standard():
+    assert effective_priority(0, 3, 1) == 3
+    assert effective_priority(1) == 1
+    assert effective_priority(0, 0) == STANDARD
+    assert effective_priority() == STANDARD
+
+
+async def test_waiters_get_the_slot_by_priority_then_arrival():
+    gate = PriorityGate(1)
+    order: list[str] = []
+    release_first = asyncio.Event()
+
+    async def holder():
+        async with gate.slot(3):
+            order.append("first")
+            await release_first.wait()
+
+    async def waiter(name: str, priority: int):
+        async with gate.slot(priority):
+            order.append(name)
+
+    first = asyncio.create_task(holder())
+    await asyncio.sleep(0)
+    waiters = [asyncio.create_task(waiter(n, p)) for n, p in [("best-a", 3), ("standard", 2), ("premium-a", 1), ("best-b", 3), ("premium-b", 1)]]
+    for _ in range(3):
+        await asyncio.sleep(0)
+    assert gate.waiting == 5 and order == ["first"]
+    release_first.set()
+    await asyncio.gather(first, *waiters)
+    assert order == ["first", "premium-a", "premium-b", "standard", "best-a", "best-b"]
+    assert gate.waiting == 0
+
+
+async def test_up_to_slots_run_at_once_and_a_new_arrival_waits_behind_queued_ones():
+    gate = PriorityGate(2)
+    running = 0
+    most = 0
+    proceed = asyncio.Event()
+
+    async def work(priority: int):
+        nonlocal running, most
+        async with gate.slot(priority):
+            running += 1
+            most = max(most, running)
+            await proceed.wait()
+            running -= 1
+
+    tasks = [asyncio.create_task(work(2)) for _ in range(5)]
+    for _ in range(3):
+        await asyncio.sleep(0)
+    assert running == 2 and gate.waiting == 3
+    proceed.set()
+    await asyncio.gather(*tasks)
+    assert most == 2 and running == 0
+
+
+async def test_a_cancelled_waiter_passes_its_turn_on():
+    gate = PriorityGate(1)
+    hold = asyncio.Event()
+    got: list[str] = []
+
+    async def holder():
+        async with gate.slot(2):
+            await hold.wait()
+
+    async def waiter(name: str, priority: int):
+        async with gate.slot(priority):
+            got.append(name)
+
+    first = asyncio.create_task(holder())
+    await asyncio.sleep(0)
+    cancelled = asyncio.create_task(waiter("cancelled", 1))
+    later = asyncio.create_task(waiter("later", 3))
+    await asyncio.sleep(0)
+    cancelled.cancel()
+    hold.set()
+    await asyncio.gather(first, later)
+    with pytest.raises(asyncio.CancelledError):
+        await cancelled
+    assert got == ["later"]
+    # The slot came back: a new caller gets it at once.
+    async with asyncio.timeout(1):
+        async with gate.slot(2):
+            pass
+
+
+def test_slots_must_be_positive():
+    with pytest.raises(ValueError):
+        PriorityGate(0)

@@ -20,9 +20,9 @@ import torch
 
 from phalanx.common import channels
 from phalanx.common.channels import ChannelEndpoint, ChannelError, TensorChannel, channel_key
+from phalanx.common.children import pdeathsig_preexec
 from phalanx.common.config import EtcdConfig
 from phalanx.testing.asserts import assert_eventually
-from phalanx.testing.infra import pdeathsig_preexec
 
 pytestmark = pytest.mark.integration
 

@@ -3,11 +3,12 @@
 import asyncio
 import time
 
+import grpc
 import pytest
 
-from phalanx._proto import common_pb2
+from phalanx._proto import chaos_pb2, chaos_pb2_grpc, common_pb2
 from phalanx.client import Client, OverloadedError
-from phalanx.common.discovery import encode_json
+from phalanx.common.discovery import WorkerDirectory, encode_json
 from phalanx.common.events import EventBus
 from phalanx.common.lease import connect_etcd
 from phalanx.common.subjects import DEGRADATION_KEY, health_key, kv_events_subject
@@ -201,3 +202,50 @@ async def test_a_draining_worker_hands_its_stream_to_another_without_the_client_
     assert [c.index for c in seen] == list(range(200))
     assert [c.token_id for c in seen] == reference
     assert len({c.worker_id for c in seen}) == 2
+
+
+async def test_a_live_worker_whose_lease_lapses_keeps_its_streams(stack):
+    """A lease that lapses under load (etcd unreachable for a TTL) takes the worker out of routing, not its streams."""
+    token = "lease-lapse-test-token-0123"
+    (worker,) = await stack.add_workers(1, "--deterministic", env={"PHALANX_WORKER_CHAOS_ENABLED": "true", "PHALANX_WORKER_CHAOS_TOKEN": token})
+    router = await stack.add_router()
+    prompts = [f"stream {i} outlives the lease of its worker" for i in range(4)]
+    async with await Client.connect(router.address, timeout=60) as client:
+        reference = [await tokens_of(client, p, 120) for p in prompts]
+        async with grpc.aio.insecure_channel(worker.address) as channel:
+            chaos = chaos_pb2_grpc.ChaosServiceStub(channel)
+            auth = (("authorization", f"Bearer {token}"),)
+            directory = WorkerDirectory(stack.etcd_config)
+            lapsed = asyncio.Event()
+
+            async def drop_etcd_once_streaming(i: int, chunk) -> None:
+                if i == 0 and chunk.index == 10:
+                    await chaos.InjectFault(chaos_pb2.InjectFaultRequest(kind=chaos_pb2.FAULT_KIND_DROP_ETCD), metadata=auth)
+
+                    async def gone():
+                        return worker.worker_id not in await directory.list()
+
+                    await assert_eventually(gone, timeout=5, interval=0.05, message="the registration lapses")
+                    lapsed.set()
+
+            resumes = []
+
+            async def one(i: int) -> list:
+                chunks = []
+                stream = client.generate(prompts[i], max_tokens=120, ignore_eos=True)
+                async with stream:
+                    async for chunk in stream:
+                        chunks.append(chunk)
+                        await drop_etcd_once_streaming(i, chunk)
+                resumes.append(stream.resumes)
+                return chunks
+
+            try:
+                results = await asyncio.gather(*(one(i) for i in range(len(prompts))))
+            finally:
+                await chaos.ClearFaults(chaos_pb2.ClearFaultsRequest(), metadata=auth)
+    assert lapsed.is_set()
+    assert resumes == [0] * len(prompts), "the router relayed every stream unbroken"
+    for i, chunks in enumerate(results):
+        assert [c.index for c in chunks] == list(range(120)), i
+        assert [c.token_id for c in chunks] == reference[i], i

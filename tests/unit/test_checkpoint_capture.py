@@ -6,7 +6,7 @@ import torch
 import phalanx.model
 from phalanx.checkpoint_store.store import CheckpointStore, KvLayout, SegmentResult, Writer
 from phalanx.model.sampling import SamplingParams
-from phalanx.worker.checkpointing import CheckpointCapture, batch_of
+from phalanx.worker.checkpointing import CheckpointCapture, batch_of, pick_store
 from phalanx.worker.config import EngineConfig
 from phalanx.worker.engine import Engine, EngineRequest
 from phalanx.worker.server import snapshot_from_proto, snapshot_to_proto
@@ -54,7 +54,7 @@ def test_a_commit_after_any_step_restores_to_the_same_continuation(moe, tmp_path
         source.step()
         capture.capture(source)
         for item in capture.take():
-            for segment in batch_of(item, snapshot_to_proto).segments:
+            for segment in batch_of([item], snapshot_to_proto).segments:
                 assert store.apply(writer, segment).result is SegmentResult.APPLIED
                 kv_segments += segment.kv_end > segment.kv_start
         record = store.get("r")
@@ -93,3 +93,10 @@ def test_over_budget_capture_sends_tokens_and_holds_kv_back(moe):
     capture.capture(engine)
     ((piece,),) = [item.pieces for item in capture.take()]
     assert piece.kv_end - piece.kv_start == 4 and isinstance(piece.kv, torch.Tensor)
+
+
+def test_a_worker_whose_store_stream_broke_prefers_another_advertised_store():
+    assert pick_store(["a:1", "b:2"], failed="") == "a:1"
+    assert pick_store(["a:1", "b:2"], failed="a:1") == "b:2"  # a crashed store lingers in etcd until its lease lapses
+    assert pick_store(["a:1"], failed="a:1") == "a:1"  # the only one: it may have restarted on the same address
+    assert pick_store([], failed="a:1") is None

@@ -33,8 +33,9 @@ import grpc
 import torch
 
 from phalanx.common.channels import ChannelEndpoint, TensorChannel
+from phalanx.common.children import pdeathsig_preexec
 from phalanx.common.config import EtcdConfig
-from phalanx.testing.infra import EtcdServer, pdeathsig_preexec
+from phalanx.testing.infra import EtcdServer
 
 MIB = 1 << 20
 _RTT_ROUNDS = 200

@@ -77,6 +77,9 @@ _TAG_MODULUS = 1 << 31
 _MAX_UNREAD_MESSAGES = 64
 # Handshake chunk of a gRPC channel: message 0, data = the opener's name.
 _HELLO = 0
+# Call metadata of a Push: which channel and message it carries, known before its first chunk.
+_CHANNEL_HEADER = "phalanx-channel-id"
+_MESSAGE_HEADER = "phalanx-channel-message"
 # Rendezvous waits poll the store: fast at first (the peer is usually there), then every 5 ms.
 _POLL_FIRST_S = 0.0002
 _POLL_MAX_S = 0.005
@@ -590,7 +593,8 @@ class _GrpcSender(TensorChannel):
 
     async def _send(self, tensor: torch.Tensor, sequence: int, timeout: float) -> None:
         wire = tensor.to("cpu").contiguous()
-        await self._stub.Push(_chunks(self.channel_id, sequence, wire), timeout=timeout)
+        metadata = ((_CHANNEL_HEADER, self.channel_id), (_MESSAGE_HEADER, str(sequence)))
+        await self._stub.Push(_chunks(self.channel_id, sequence, wire), timeout=timeout, metadata=metadata)
 
     async def _release(self) -> None:
         await self._grpc_channel.close()
@@ -655,6 +659,10 @@ class TensorStreamServicer(channel_pb2_grpc.TensorStreamServicer):
         self._endpoint = endpoint
 
     async def Push(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> channel_pb2.PushResponse:  # noqa: N802
+        # The sender names channel and message in the call's metadata too: they arrive with the headers, so a sender
+        # that dies before its first chunk gets here still fails the receiver at once.
+        headers = dict(context.invocation_metadata() or ())
+        channel_id, message = headers.get(_CHANNEL_HEADER, ""), int(headers.get(_MESSAGE_HEADER, _HELLO) or _HELLO)
         first: channel_pb2.PushRequest | None = None
         pushed: _Pushed | None = None
         received = 0
@@ -662,6 +670,7 @@ class TensorStreamServicer(channel_pb2_grpc.TensorStreamServicer):
             async for chunk in request_iterator:
                 if first is None:
                     first = chunk
+                    channel_id, message = chunk.channel_id, chunk.message
                     pushed = _Pushed(chunk.total_bytes, chunk.dtype, tuple(chunk.shape))
                 received += len(chunk.data)
                 if received > first.total_bytes:
@@ -669,19 +678,28 @@ class TensorStreamServicer(channel_pb2_grpc.TensorStreamServicer):
                 pushed.chunks.append(chunk.data)
         except asyncio.CancelledError:
             # The sender died or gave up mid-tensor: fail the receiver now rather than at its timeout.
-            if first is not None and first.message != _HELLO:
-                await self._endpoint._fail_inbox(
-                    first.channel_id, f"the push of message {first.message} broke off after {received} of {first.total_bytes} bytes"
-                )
+            await self._broke_off(channel_id, message, received, first)
             raise
         if first is None or pushed is None:
+            await self._broke_off(channel_id, message, received, first)
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "empty push")
         if received != first.total_bytes:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"got {received} of total_bytes={first.total_bytes}")
+            # A sender cancelled mid-tensor can end the request stream like a half-close, with no CancelledError here.
+            why = await self._broke_off(channel_id, message, received, first)
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, why)
         refusal = await self._endpoint._deliver(first.channel_id, first.message, pushed)
         if refusal is not None:
             await context.abort(*refusal)
         return channel_pb2.PushResponse(bytes=received)
+
+    async def _broke_off(self, channel_id: str, message: int, received: int, first: channel_pb2.PushRequest | None) -> str:
+        """Fails the channel's receiver over a push that ended short; returns why."""
+        total = f"{first.total_bytes}" if first is not None else "?"
+        why = f"the push of message {message} broke off after {received} of {total} bytes"
+        if channel_id and message != _HELLO:
+            # Shielded: a second cancellation must not skip waking the receiver.
+            await asyncio.shield(self._endpoint._fail_inbox(channel_id, why))
+        return why
 
 
 # --- the endpoint -----------------------------------------------------------------------------------

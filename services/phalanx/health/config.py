@@ -54,6 +54,15 @@ class HealthConfig(BaseSettings):
         0.05, ge=0, description="...and slower than baseline plus this, so a few ms of jitter on a fast canary is no fault"
     )
     latency_ema_alpha: float = Field(0.1, gt=0, le=1, description="Weight of a new passing latency in the baseline")
+    latency_recheck_delay_s: float = Field(
+        0.2, ge=0,
+        description="A canary over the latency limit is checked again this much later (at most half an interval)",
+    )
+    latency_rechecks: int = Field(
+        2, ge=0, le=5,
+        description="Rechecks of a slow canary; it fails only if every one is slow too (a slow answer on a shared host is "
+        "as often its scheduler as the worker, a slow worker stays slow)",
+    )
     unhealthy_after: int = Field(3, ge=1, description="Consecutive failures that make a worker UNHEALTHY (weight 0, drained)")
     circuit_failure_threshold: int = Field(3, ge=1, description="Consecutive failures that open a worker's circuit")
     circuit_recovery_s: float = Field(60.0, ge=0, description="How long a circuit stays open before one half-open canary")

@@ -29,7 +29,10 @@ class HealthMetrics:
         self.canary_failures = Counter("phalanx_canary_failures", "Failed canary checks by reason", ["worker", "reason"], registry=r)
         self.checks = Counter("phalanx_health_checks", "Canary checks by result (pass, fail, inconclusive)", ["result"], registry=r)
         self.latency_rechecks = Counter(
-            "phalanx_health_latency_rechecks", "Canaries repeated at once because the first was only too slow", registry=r
+            "phalanx_health_latency_rechecks", "Canaries repeated because the first was only too slow", registry=r
+        )
+        self.timeout_rechecks = Counter(
+            "phalanx_health_timeout_rechecks", "Canaries repeated at once because a healthy worker missed one deadline while its engine made progress", registry=r
         )
         self.transitions = Counter("phalanx_health_transitions", "Health status changes", ["from_status", "to_status"], registry=r)
         self.liveness_deaths = Counter("phalanx_health_liveness_deaths", "Workers marked DEAD by a liveness signal", ["signal"], registry=r)

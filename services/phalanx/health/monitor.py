@@ -241,10 +241,21 @@ class FleetMonitor:
                 half_open_at = tracker.next_half_open_at()
                 delay = max(0.01, half_open_at - now) if half_open_at is not None else c.check_interval_s
                 continue
+            first_miss_counts = tracker.consecutive_failures > 0
+            computed = None if first_miss_counts else await self._computed_tokens(w)
             outcome = await self.check(w, confirming_timeout=last_reason == "timeout")
-            if w.tracker.judge_latency(outcome, self._fleet_slowdown(w)).reason == "latency":
-                # One slow answer is as often the host's scheduler as the worker: a second one, at once, decides.
+            if outcome.reason == "timeout" and not first_miss_counts and await self._progressed(w, computed):
+                # The engine computed tokens while the canary waited: busy (a shared host, a burst), not hung. A hung
+                # one computes nothing, and its miss counts at once; this one gets a confirming check first.
+                self.metrics.timeout_rechecks.inc()
+                outcome = await self.check(w, confirming_timeout=True)
+            for _ in range(c.latency_rechecks):
+                if w.tracker.judge_latency(outcome, self._fleet_slowdown(w)).reason != "latency":
+                    break
+                # One slow answer is as often the host's scheduler as the worker: slow answers spread over a moment,
+                # so that they do not all land in the same hiccup, decide.
                 self.metrics.latency_rechecks.inc()
+                await asyncio.sleep(min(c.latency_recheck_delay_s, c.check_interval_s / 2))
                 outcome = await self.check(w)
             await self._observe(w, outcome)
             last_reason = outcome.reason if outcome.result is CheckResult.FAIL else None
@@ -297,6 +308,18 @@ class FleetMonitor:
         # Past the latency limit the answer fails anyway; waiting a little longer tells slow from hung. Never
         # past one interval: a longer wait would push the worker's checks behind their schedule.
         return min(c.check_timeout_s, max(c.min_check_timeout_s, min(3 * limit, c.check_interval_s)))
+
+    async def _computed_tokens(self, w: _Worker) -> int | None:
+        """Tokens the worker's engine computed so far (None: no answer within the probe timeout)."""
+        try:
+            stats = await w.stub.Stats(worker_pb2.StatsRequest(), timeout=self.config.probe_timeout_s)
+        except grpc.aio.AioRpcError:
+            return None
+        return stats.computed_tokens_total
+
+    async def _progressed(self, w: _Worker, before: int | None) -> bool:
+        after = await self._computed_tokens(w)
+        return before is not None and after is not None and after > before
 
     def _next_case(self, w: _Worker) -> common_pb2.CanaryCase | None:
         calibration = self.calibrations.get(w.registration.model_version)

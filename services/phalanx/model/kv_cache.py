@@ -197,6 +197,14 @@ class KvCacheTensors:
     def bytes_per_block(self) -> int:
         return self.data[:, :, 0].numel() * self.data.element_size()
 
+    @property
+    def full_shape(self) -> tuple[int, ...]:
+        """Shape of the model's whole KV cache, which gather returns and scatter takes (per slot).
+
+        The same as ``data``'s here; a tensor-parallel cache holds only its rank's heads in ``data``.
+        """
+        return tuple(self.data.shape)
+
     def export_blocks(self, block_ids: list[int]) -> torch.Tensor:
         """A copy of the blocks' KV: [layers, 2, len(block_ids), block_size, kv_heads, head_dim]."""
         index = torch.tensor(block_ids, dtype=torch.int64, device=self.data.device)

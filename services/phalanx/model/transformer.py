@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -93,10 +95,15 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = nn.Parameter(torch.ones(config.hidden_size))
         self.self_attn = Attention(config)
         self.mlp = SparseMoE(config) if config.is_moe else DenseMLP(config)
+        # Under tensor parallelism (model/tensor_parallel.py) attention and MLP give this rank's partial
+        # sums; this completes them over the group. None: the layer is whole.
+        self.reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def forward(self, x, cos, sin, layer: int, backend: AttentionBackend, invariant: bool) -> torch.Tensor:
-        x = x + self.self_attn(rms_norm(x, self.input_layernorm, self.eps), cos, sin, layer, backend, invariant)
-        return x + self.mlp(rms_norm(x, self.post_attention_layernorm, self.eps), invariant)
+        attn = self.self_attn(rms_norm(x, self.input_layernorm, self.eps), cos, sin, layer, backend, invariant)
+        x = x + (attn if self.reduce is None else self.reduce(attn))
+        mlp = self.mlp(rms_norm(x, self.post_attention_layernorm, self.eps), invariant)
+        return x + (mlp if self.reduce is None else self.reduce(mlp))
 
 
 class Transformer(nn.Module):

@@ -216,7 +216,7 @@ class RouterProcess:
             self._resync_wanted.discard(worker_id)
             if gone is not None:
                 log.info("worker %s left routing", worker_id)
-                asyncio.get_running_loop().create_task(self.servicer.channels.drop(gone.address))
+                self.servicer.channels.retire(gone.address)
             return
         registrations[worker_id] = registration
         changed = self.table.upsert_worker(

@@ -50,9 +50,15 @@ _RECENT_RECORDS = 10_000
 
 
 class WorkerChannels:
-    """One gRPC channel per worker address, with trace context propagation."""
+    """One gRPC channel per worker address, with trace context propagation.
 
-    def __init__(self, max_message_bytes: int) -> None:
+    Closing a channel cancels every call on it, so a worker that leaves etcd keeps its channel for `linger_s`:
+    a live worker whose lease lapsed (etcd unreachable, an overloaded host) still streams its requests, and one
+    that registers again reuses the channel. A dead worker's streams have broken on their own long before.
+    """
+
+    def __init__(self, max_message_bytes: int, *, linger_s: float = 30.0) -> None:
+        self.linger_s = linger_s
         self._options = [
             ("grpc.max_receive_message_length", max_message_bytes),
             ("grpc.max_send_message_length", max_message_bytes),
@@ -62,15 +68,32 @@ class WorkerChannels:
             ("grpc.max_reconnect_backoff_ms", 1_000),
         ]
         self._channels: dict[str, tuple[grpc.aio.Channel, worker_pb2_grpc.WorkerServiceStub]] = {}
+        self._retiring: dict[str, asyncio.TimerHandle] = {}
 
     def stub(self, address: str) -> worker_pb2_grpc.WorkerServiceStub:
+        timer = self._retiring.pop(address, None)
+        if timer is not None:
+            timer.cancel()  # in use again (re-registered, or a resume on it)
         entry = self._channels.get(address)
         if entry is None:
             channel = grpc.aio.insecure_channel(address, options=self._options, interceptors=grpc_client_interceptors())
             entry = self._channels[address] = (channel, worker_pb2_grpc.WorkerServiceStub(channel))
         return entry[1]
 
+    def retire(self, address: str) -> None:
+        """The worker left membership: close its channel after `linger_s` unless it is used again before."""
+        if address in self._channels and address not in self._retiring:
+            loop = asyncio.get_running_loop()
+            self._retiring[address] = loop.call_later(self.linger_s, lambda: loop.create_task(self._close_retired(address)))
+
+    async def _close_retired(self, address: str) -> None:
+        if self._retiring.pop(address, None) is not None:
+            await self.drop(address)
+
     async def drop(self, address: str) -> None:
+        timer = self._retiring.pop(address, None)
+        if timer is not None:
+            timer.cancel()
         entry = self._channels.pop(address, None)
         if entry is not None:
             await entry[0].close(grace=None)
@@ -336,7 +359,8 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
     def _generate(self, flow: _Flow, request: router_pb2.GenerateRequest, params) -> AsyncIterator:
         flow.sampling = request.sampling
         worker_request = worker_pb2.GenerateRequest(
-            request_id=flow.record.request_id, tokens=common_pb2.PromptTokens(ids=flow.prompt_ids), sampling=request.sampling
+            request_id=flow.record.request_id, tokens=common_pb2.PromptTokens(ids=flow.prompt_ids), sampling=request.sampling,
+            priority=int(flow.tier),
         )
         return self._worker_stream(flow, lambda stub: stub.Generate(worker_request), retry_elsewhere=True)
 
@@ -361,7 +385,14 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
                         handoff, handoff_chunk = chunk.handoff, chunk
                         break
                     yield chunk
-            except grpc.aio.AioRpcError as error:
+            except (grpc.aio.AioRpcError, asyncio.CancelledError) as caught:
+                if isinstance(caught, asyncio.CancelledError):
+                    if _cancelling():
+                        raise  # our own caller's cancellation (the client went away)
+                    # The call was cancelled under us (its channel closed): a broken stream, not the end of this
+                    # handler, which would otherwise leave the client's stream open with no status until its deadline.
+                    caught = _locally_cancelled(flow.record.worker_id)
+                error = caught
                 code = error.code()
                 if code == grpc.StatusCode.UNAVAILABLE:
                     self._on_broken_stream(flow.record.worker_id, error)
@@ -404,7 +435,7 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
             return None
         request = migration_pb2.MigrateRequest(
             request_id=flow.record.request_id, worker_id=flow.record.worker_id, tokens_delivered=flow.next_index, seed=flow.seed,
-            reason="handed back" if handoff is not None else f"stream broke: {broken.code().name}",
+            reason="handed back" if handoff is not None else f"stream broke: {broken.code().name}", priority=int(flow.tier),
         )
         if flow.prompt_ids:
             known = request.known_state
@@ -414,6 +445,7 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
             if flow.sampling is not None:
                 known.sampling.CopyFrom(flow.sampling)
             known.sampling.seed = flow.seed
+            known.priority = int(flow.tier)
         if handoff is not None:
             request.handoff.CopyFrom(handoff)
             request.handoff_kv_tokens = handoff_chunk.handoff_kv_tokens
@@ -489,6 +521,17 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
             self.metrics.active.dec()
             if finished:
                 self.records.release(request_id)
+
+
+def _cancelling() -> bool:
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
+
+
+def _locally_cancelled(worker_id: str) -> grpc.aio.AioRpcError:
+    return grpc.aio.AioRpcError(
+        grpc.StatusCode.CANCELLED, grpc.aio.Metadata(), grpc.aio.Metadata(), details=f"the call to worker {worker_id} was cancelled locally"
+    )
 
 
 async def _abort(context: grpc.aio.ServicerContext, error: PhalanxError) -> None:

@@ -12,8 +12,6 @@ instead, but only when a Docker engine answers; otherwise the binaries.
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import importlib.util
 import logging
 import os
@@ -29,6 +27,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any, Self
 
+from phalanx.common.children import pdeathsig_preexec
+
 __all__ = [
     "EtcdServer",
     "InfraError",
@@ -40,7 +40,6 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-_PR_SET_PDEATHSIG = 1
 NATS_IMAGE = "nats:2.10-alpine"
 ETCD_IMAGE = "quay.io/coreos/etcd:v3.5.17"
 
@@ -87,24 +86,6 @@ def docker_available(timeout: float = 1.0) -> bool:
             client.close()
     except Exception:  # noqa: BLE001 - any failure means "no usable engine"
         return False
-
-
-def pdeathsig_preexec() -> Any:
-    """A preexec_fn that makes the child receive SIGTERM when its parent dies, or None."""
-    if not sys.platform.startswith("linux"):
-        return None
-    # Resolved before fork: loading a library between fork and exec is unsafe.
-    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-    prctl = libc.prctl
-    parent = os.getpid()
-
-    def preexec() -> None:
-        prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
-        # The parent may have died between fork and prctl: then no signal comes.
-        if os.getppid() != parent:
-            os._exit(1)
-
-    return preexec
 
 
 def _http_ok(url: str, timeout: float = 0.5) -> bytes | None:

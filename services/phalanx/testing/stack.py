@@ -60,12 +60,14 @@ class Stack:
         self.stores: list[CheckpointStoreHandle] = []
         self.migrations: list[ServiceHandle] = []
 
-    async def add_workers(self, count: int, *extra: str, env: dict | None = None) -> list[WorkerHandle]:
-        """``count`` workers started in parallel (deterministic numerics unless ``extra`` says --fast)."""
+    async def add_workers(self, count: int, *extra: str, env: dict | None = None, tensor_parallel_size: int = 1) -> list[WorkerHandle]:
+        """``count`` workers started in parallel (deterministic numerics unless ``extra`` says --fast); each one a group
+        of ``tensor_parallel_size`` processes."""
         flags = extra if "--fast" in extra else ("--deterministic", *extra)
         started = await asyncio.gather(
-            *(start_worker(unique_id(f"w{i}"), self.nats_url, self.etcd_config, *flags, env=env) for i in range(count))
-        )
+            *(start_worker(unique_id(f"w{i}"), self.nats_url, self.etcd_config, *flags, env=env, tensor_parallel_size=tensor_parallel_size)
+              for i in range(count))
+        )  # fmt: skip
         self.workers.extend(started)
         return list(started)
 

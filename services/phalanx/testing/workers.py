@@ -10,15 +10,16 @@ import subprocess
 import sys
 import time
 import urllib.request
+from pathlib import Path
 
 import grpc
 from prometheus_client.parser import text_string_to_metric_families
 
 from phalanx._proto import common_pb2, health_pb2, health_pb2_grpc
+from phalanx.common.children import pdeathsig_preexec
 from phalanx.common.config import EtcdConfig
 from phalanx.common.discovery import EtcdDirectory, WorkerDirectory
 from phalanx.common.subjects import ROUTERS_PREFIX
-from phalanx.testing.infra import pdeathsig_preexec
 
 __all__ = ["HealthHandle", "RouterHandle", "ServiceHandle", "WorkerHandle", "start_health", "start_router", "start_worker"]
 
@@ -68,6 +69,16 @@ class WorkerHandle(ServiceHandle):
     def worker_id(self) -> str:
         return self.name
 
+    def follower_pids(self) -> list[int]:
+        """PIDs of the tensor-parallel follower ranks this worker started (its children running phalanx.worker.tp_follower)."""
+        pids = []
+        for children in Path(f"/proc/{self.process.pid}/task").glob("*/children"):
+            for pid in children.read_text().split():
+                with contextlib.suppress(OSError):
+                    if b"phalanx.worker.tp_follower" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                        pids.append(int(pid))
+        return sorted(pids)
+
 
 class RouterHandle(ServiceHandle):
     @property
@@ -115,11 +126,13 @@ async def _registration(process: subprocess.Popen, directory: EtcdDirectory, nam
         await directory.close()
 
 
-async def start_worker(worker_id: str, nats_url: str, etcd_config: EtcdConfig, *extra: str, env: dict | None = None) -> WorkerHandle:
-    """A worker process, returned once it registered (model loaded, serving)."""
+async def start_worker(
+    worker_id: str, nats_url: str, etcd_config: EtcdConfig, *extra: str, env: dict | None = None, tensor_parallel_size: int = 1
+) -> WorkerHandle:
+    """A worker process, returned once it registered (model loaded, serving; with its follower ranks, if tensor-parallel)."""
     process = _spawn(
         ["worker", "--worker-id", worker_id, "--nats-url", nats_url, "--etcd-endpoint", etcd_config.endpoint, "--port", "0",
-         "--log-level", "WARNING", *extra],
+         "--log-level", "WARNING", *(("--tensor-parallel-size", str(tensor_parallel_size)) if tensor_parallel_size != 1 else ()), *extra],
         {"PHALANX_ETCD_LEASE_TTL_S": str(etcd_config.lease_ttl_s), **(env or {})},
     )
     registration = await _registration(process, WorkerDirectory(etcd_config), worker_id, 60)

@@ -154,9 +154,10 @@ class CheckpointCapture:
             seq.ckpt_kv = end
             seq.ckpt_outputs = len(seq.output_ids)
         with self._lock:
+            wake = not self._queue  # one wake-up per fill: the streamer takes everything queued by then
             self._queue.append(capture)
             self._pending_bytes += capture.nbytes
-        if self._notify is not None:
+        if wake and self._notify is not None:
             self._notify()
 
 
@@ -165,9 +166,12 @@ class CheckpointStreamer:
 
     def __init__(
         self, capture: CheckpointCapture, *, worker_id: str, model_version: str, layout: checkpoint_pb2.KvLayout,
-        channel_endpoint: str, etcd_config: EtcdConfig, sent_bytes=None, snapshot_to_proto=None,
+        channel_endpoint: str, etcd_config: EtcdConfig, sent_bytes=None, snapshot_to_proto=None, flush_interval_s: float = 0.0,
     ) -> None:
         self.capture = capture
+        # Captures queued within this of the last message go in the next one: fewer, larger messages (each costs the
+        # event loop, whose GIL the engine thread shares, about the same whatever its size).
+        self.flush_interval_s = flush_interval_s
         self.worker_id = worker_id
         self.hello = checkpoint_pb2.Hello(worker_id=worker_id, model_version=model_version, layout=layout, channel_endpoint=channel_endpoint)
         self.etcd_config = etcd_config
@@ -194,19 +198,22 @@ class CheckpointStreamer:
     async def _run(self) -> None:
         backoff = Backoff(initial=0.05, cap=1.0)
         etcd = connect_etcd(self.etcd_config)
+        failed = ""
         try:
             while True:
                 try:
-                    address = next(iter(await advertised_addresses(etcd, CHECKPOINT_STORES_PREFIX)), None)
+                    address = pick_store(await advertised_addresses(etcd, CHECKPOINT_STORES_PREFIX), failed)
                 except Exception as exc:  # etcd away: keep serving, try again
                     log.debug("no checkpoint store lookup: %r", exc)
                     address = None
                 if address is None:
                     await asyncio.sleep(min(1.0, backoff.next() * 4))
                     continue
+                failed = address  # unless it ends well: the next lookup then prefers another store
                 try:
                     await self._stream(address)
                     backoff.reset()
+                    failed = ""
                 except (grpc.aio.AioRpcError, ConnectionError, TimeoutError) as exc:
                     log.warning("checkpoint stream to %s broke (%s); re-syncing every request", address, _describe(exc))
                 except Exception:
@@ -241,22 +248,24 @@ class CheckpointStreamer:
                         waiter = asyncio.ensure_future(self._wake.wait())
                         await asyncio.wait({waiter, acks}, return_when=asyncio.FIRST_COMPLETED)
                         waiter.cancel()
+                        if self.flush_interval_s > 0:
+                            await asyncio.sleep(self.flush_interval_s)  # let the next steps' captures join this message
                         continue
-                    for item in items:
-                        await self._send(call, item)
+                    await self._send(call, items)
             finally:
                 acks.cancel()
                 call.cancel()
                 self.store_address = ""
 
-    async def _send(self, call, item: _Capture) -> None:
-        batch = batch_of(item, self._snapshot_to_proto)
+    async def _send(self, call, items: list[_Capture]) -> None:
+        """Every queued capture in one message, in capture order (so each request's segments stay in order)."""
+        batch = batch_of(items, self._snapshot_to_proto)
         await call.write(checkpoint_pb2.StreamRequest(batch=batch))
         nbytes = sum(len(segment.kv) for segment in batch.segments)
         self.bytes_sent += nbytes
         if self._sent_bytes is not None and nbytes:
             self._sent_bytes.inc(nbytes)
-        self.capture.sent(item.nbytes)
+        self.capture.sent(sum(item.nbytes for item in items))
 
     async def _read_acks(self, call) -> None:
         async for response in call:
@@ -266,18 +275,29 @@ class CheckpointStreamer:
                     self.capture.resync(ack.request_id)
 
 
-def batch_of(capture: _Capture, snapshot_to_proto) -> checkpoint_pb2.Batch:
-    """One capture as the message that carries it to the store."""
-    batch = checkpoint_pb2.Batch(released_request_ids=capture.released)
-    for piece in capture.pieces:
-        segment = batch.segments.add(
-            request_id=piece.request_id, seq=piece.seq, kv_start=piece.kv_start, kv_end=piece.kv_end,
-            appended_output_ids=piece.appended, generator_state=piece.generator_state, seed=piece.seed,
-        )
-        if piece.kv is not None:
-            segment.kv = tensor_bytes(piece.kv)
-        if piece.state is not None:
-            segment.state.CopyFrom(snapshot_to_proto(piece.state))
+def pick_store(addresses: list[str], failed: str) -> str | None:
+    """The first advertised store, passing over the one whose stream just broke while another is advertised.
+
+    A crashed store stays advertised until its lease lapses (a TTL); its replacement is usually there already.
+    """
+    others = [a for a in addresses if a != failed]
+    return (others or addresses or [None])[0]
+
+
+def batch_of(captures: list[_Capture], snapshot_to_proto) -> checkpoint_pb2.Batch:
+    """Captures, in order, as the one message that carries them to the store (each request's segments stay in order)."""
+    batch = checkpoint_pb2.Batch()
+    for capture in captures:
+        batch.released_request_ids.extend(capture.released)
+        for piece in capture.pieces:
+            segment = batch.segments.add(
+                request_id=piece.request_id, seq=piece.seq, kv_start=piece.kv_start, kv_end=piece.kv_end,
+                appended_output_ids=piece.appended, generator_state=piece.generator_state, seed=piece.seed,
+            )
+            if piece.kv is not None:
+                segment.kv = tensor_bytes(piece.kv)
+            if piece.state is not None:
+                segment.state.CopyFrom(snapshot_to_proto(piece.state))
     return batch
 
 

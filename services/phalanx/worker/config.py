@@ -28,6 +28,17 @@ class EngineConfig(BaseSettings):
         False, description="Batch-invariant numerics: a sequence's logits do not depend on what else is in the batch"
     )
 
+    tensor_parallel_size: int = Field(
+        1, ge=1, le=64,
+        description=(
+            "Processes on this host that split the model's heads and MLP (Megatron-style); this worker leads and "
+            "starts the others. They fail as one: a lost rank stops the whole group, and its requests migrate"
+        ),
+    )
+    tensor_parallel_timeout_s: float = Field(
+        30.0, gt=0, description="Longest a tensor-parallel collective waits for a rank before the group fail-stops"
+    )
+
     torch_threads: int = Field(
         0,
         ge=0,
@@ -37,6 +48,12 @@ class EngineConfig(BaseSettings):
             "needs (torch threads that share a core with it spin and slow both)"
         ),
     )
+
+    @model_validator(mode="after")
+    def _check_tensor_parallel(self) -> EngineConfig:
+        if self.tensor_parallel_size > 1 and self.device != "cpu":
+            raise ValueError("tensor_parallel_size > 1 runs on CPU (gloo) only so far; set PHALANX_ENGINE_DEVICE=cpu")
+        return self
 
     def effective_torch_threads(self) -> int:
         if self.torch_threads:
@@ -77,6 +94,11 @@ class WorkerConfig(BaseSettings):
         16, ge=1,
         description="KV goes to the store once this many new positions are due (output tokens go every step; a restore "
         "recomputes the positions in between)",
+    )
+    checkpoint_flush_interval_s: float = Field(
+        0.05, ge=0, le=1.0,
+        description="Steps captured within this of each other go to the store in one message (the store's commits lag "
+        "the client by at most this plus a step)",
     )
     checkpoint_max_pending_bytes: int = Field(
         64 << 20, ge=1 << 20, description="KV queued for the store beyond which capture skips steps (coarser segments, never a stall)"

@@ -40,6 +40,8 @@ class EngineRequest:
     migrated: bool = False
     # With migrated: recompute the outputs one token per step (the sequential-replay strategy).
     sequential_replay: bool = False
+    # Migration order if this worker fails (a resume brings its own in `resume`).
+    priority: int = 0
 
 
 @dataclass
@@ -51,7 +53,9 @@ class StepStats:
 
 
 class Engine:
-    def __init__(self, model: Transformer, config: EngineConfig, *, faults: FaultState | None = None) -> None:
+    def __init__(
+        self, model: Transformer, config: EngineConfig, *, faults: FaultState | None = None, cache: KvCacheTensors | None = None
+    ) -> None:
         c = model.config
         if config.max_model_len > c.max_position_embeddings:
             raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's {c.max_position_embeddings} positions")
@@ -61,7 +65,8 @@ class Engine:
         self.config = config
         self.tokenizer = model.tokenizer
         self.kv = KvCacheManager(config.num_kv_blocks, BLOCK_SIZE, prefix_caching=config.prefix_caching)
-        self.cache = KvCacheTensors(
+        # A tensor-parallel leader brings its group's cache (worker/tp_leader.py); otherwise every head lives here.
+        self.cache = cache if cache is not None else KvCacheTensors(
             c.num_layers, config.num_kv_blocks, BLOCK_SIZE, c.num_kv_heads, c.head_dim, dtype=model.dtype, device=model.device
         )
         self.waiting: deque[Sequence] = deque()
@@ -138,6 +143,7 @@ class Engine:
             record_top_logits=request.record_top_logits,
             canary=request.canary,
             sequential_replay=request.sequential_replay,
+            priority=resume.priority if resume else request.priority,
         )
         if resume:
             sampler.restore(resume.generator_state)
@@ -195,7 +201,7 @@ class Engine:
         sampler.restore(resume.generator_state)
         seq = Sequence(
             request_id=request.request_id, prompt_ids=list(resume.prompt_ids), params=request.params, sampler=sampler,
-            detokenizer=self.tokenizer.detokenizer(), eos_token_id=self.tokenizer.eos_token_id,
+            detokenizer=self.tokenizer.detokenizer(), eos_token_id=self.tokenizer.eos_token_id, priority=resume.priority,
         )
         seq.output_ids = list(resume.output_ids)
         seq.cached_prompt_tokens = min(cached, len(seq.prompt_ids))

@@ -47,6 +47,7 @@ from phalanx.worker.faults import FaultKind, FaultState
 from phalanx.worker.metrics import WorkerMetrics
 from phalanx.worker.checkpointing import CheckpointCapture, CheckpointStreamer
 from phalanx.worker.server import KvSourceServicer, WorkerServicer, drain_engine, snapshot_to_proto
+from phalanx.worker.tp_leader import TensorParallelLeader
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["WorkerService"].full_name
@@ -88,6 +89,8 @@ class WorkerProcess:
         self.kv_sequence = 0  # KV event messages published so far
         self.channels: ChannelEndpoint | None = None
         self._streamer: CheckpointStreamer | None = None
+        # The follower ranks and their group, when tensor_parallel_size > 1.
+        self._tensor_parallel: TensorParallelLeader | None = None
 
     def request_stop(self) -> None:
         self._stop.set()
@@ -135,9 +138,12 @@ class WorkerProcess:
                     load, self.engine_config.model, device=self.engine_config.device,
                     dtype=self.engine_config.torch_dtype(), seed=self.engine_config.seed,
                 )
+                cache = None
+                if self.engine_config.tensor_parallel_size > 1:
+                    model, cache = await self._start_tensor_parallel(model)
                 capture = CheckpointCapture(c.checkpoint_max_pending_bytes, interval_tokens=c.checkpoint_interval_tokens) if c.checkpointing else None
                 engine = AsyncEngine(
-                    Engine(model, self.engine_config, faults=self.faults), on_kv_events=self._kv_outbox.put_nowait, checkpoints=capture
+                    Engine(model, self.engine_config, faults=self.faults, cache=cache), on_kv_events=self._kv_outbox.put_nowait, checkpoints=capture
                 )
             await engine.start()
             await self.channels.start()
@@ -169,6 +175,9 @@ class WorkerProcess:
                 await self._streamer.stop()
             if engine is not None:
                 await engine.stop()
+            if self._tensor_parallel is not None:
+                # After the engine thread ended: nothing else issues a collective any more.
+                await asyncio.to_thread(self._tensor_parallel.shutdown)
             await self.channels.close()
             servicer.close()  # no detach timer outlives the loop; readers still waiting see ABORTED
             await server.stop(0)
@@ -181,6 +190,16 @@ class WorkerProcess:
             metrics_server.shutdown()
             metrics_thread.join(timeout=2)
             shutdown_telemetry()
+
+    async def _start_tensor_parallel(self, model):
+        """Starts the follower ranks and forms the group; returns the model and KV cache the Engine runs on.
+
+        The followers are started from this, the main, thread: they die with
+        it (PDEATHSIG follows the thread that forked them).
+        """
+        leader = self._tensor_parallel = TensorParallelLeader(self.engine_config)
+        leader.start_followers(model)
+        return await asyncio.to_thread(leader.connect, model)
 
     async def _wait_for_stop(self, engine: AsyncEngine) -> None:
         while not self._stop.is_set():
@@ -245,14 +264,15 @@ class WorkerProcess:
             await self.health.set(name, status)
 
     def _checkpoint_streamer(self, capture: CheckpointCapture, engine: AsyncEngine, model) -> CheckpointStreamer:
-        cache = engine.engine.cache.data
+        cache = engine.engine.cache
+        shape = cache.full_shape  # all heads: a tensor-parallel leader gathers every rank's into each segment
         layout = checkpoint_pb2.KvLayout(
-            num_layers=cache.shape[0], num_kv_heads=cache.shape[4], head_dim=cache.shape[5], dtype=str(cache.dtype).removeprefix("torch.")
+            num_layers=shape[0], num_kv_heads=shape[4], head_dim=shape[5], dtype=str(cache.data.dtype).removeprefix("torch.")
         )
         return CheckpointStreamer(
             capture, worker_id=self.worker_id, model_version=model.version, layout=layout,
             channel_endpoint=self.channels.endpoint_id, etcd_config=self.etcd_config, sent_bytes=self.metrics.for_worker(self.metrics.checkpoint_bytes),
-            snapshot_to_proto=snapshot_to_proto,
+            snapshot_to_proto=snapshot_to_proto, flush_interval_s=self.config.checkpoint_flush_interval_s,
         )
 
     def _registration_value(self, model, metrics_port: int) -> bytes:
@@ -263,6 +283,7 @@ class WorkerProcess:
                 metrics_address=f"{self.config.advertise_host or self.config.host}:{metrics_port}",
                 started_at=time.time(), max_model_len=self.engine_config.max_model_len, model_version=model.version,
                 channel_endpoint=self.channels.endpoint_id if self.channels is not None else "",
+                tensor_parallel_size=self.engine_config.tensor_parallel_size,
             )
         )
 

@@ -57,6 +57,8 @@ class RequestSnapshot:
     params: SamplingParams
     seed: int
     generator_state: bytes
+    # Migration order, lower first (RequestState.priority).
+    priority: int = 0
 
 
 @dataclass(eq=False)
@@ -74,6 +76,8 @@ class Sequence:
     canary: bool = False
     # Migrated here by replaying: recompute one output token per step, as the original decode did.
     sequential_replay: bool = False
+    # Migration order if this worker fails, lower first (the router's tier; 0 unknown).
+    priority: int = 0
     # Checkpointing: KV positions and output tokens already captured for the store, and the segment counter.
     ckpt_kv: int = 0
     ckpt_outputs: int = 0
@@ -108,6 +112,7 @@ class Sequence:
             params=self.params,
             seed=self.sampler.seed,
             generator_state=self.sampler.state(),
+            priority=self.priority,
         )
 
     def replayed_events(self) -> list[TokenEvent]:

@@ -41,7 +41,7 @@ def snapshot_to_proto(s: RequestSnapshot) -> common_pb2.RequestState:
     params.seed = s.seed
     return common_pb2.RequestState(
         request_id=s.request_id, prompt_token_ids=s.prompt_ids, output_token_ids=s.output_ids,
-        sampling=params, generator_state=s.generator_state,
+        sampling=params, generator_state=s.generator_state, priority=s.priority,
     )
 
 
@@ -64,6 +64,7 @@ def snapshot_from_proto(state: common_pb2.RequestState) -> RequestSnapshot:
     return RequestSnapshot(
         request_id=state.request_id, prompt_ids=list(state.prompt_token_ids), output_ids=list(state.output_token_ids),
         params=sampling_from_proto(state.sampling), seed=state.sampling.seed, generator_state=state.generator_state,
+        priority=state.priority,
     )
 
 
@@ -132,7 +133,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             snapshot = snapshot_from_proto(request.resume_from)
             request_id = request.request_id or snapshot.request_id or uuid.uuid4().hex
             return EngineRequest(snapshot.prompt_ids, snapshot.params, request_id, resume=snapshot)
-        return EngineRequest(self._prompt_ids(request), sampling_from_proto(request.sampling), request.request_id or uuid.uuid4().hex)
+        return EngineRequest(
+            self._prompt_ids(request), sampling_from_proto(request.sampling), request.request_id or uuid.uuid4().hex, priority=request.priority
+        )
 
     def _count(self, error: BaseException | None) -> None:
         status = "ok" if error is None else getattr(error, "reason", "internal").lower()
@@ -235,13 +238,13 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
                 )
                 transfer_s = time.perf_counter() - start
                 kv_bytes = sum(t.numel() * t.element_size() for t in kv.values())
-            for item, engine_request in prepared:
+
+            async def restore_one(item, engine_request: EngineRequest) -> worker_pb2.RestoreResult:
                 request_id = engine_request.request_id
                 try:
                     log = self.streams.start_migrated(request_id, on_event=self._observer())
                 except ValueError as exc:
-                    results[request_id] = _failed(request_id, InvalidRequestError("request_id", str(exc)))
-                    continue
+                    return _failed(request_id, InvalidRequestError("request_id", str(exc)))
                 try:
                     if _kv_method(item):
                         kv_tokens = item.kv_tokens if request_id in kv else 0
@@ -250,9 +253,12 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
                         await engine.submit(engine_request, log)
                 except PhalanxError as exc:
                     self.streams.discard(log, exc)
-                    results[request_id] = _failed(request_id, exc)
-                    continue
-                results[request_id] = worker_pb2.RestoreResult(request_id=request_id, ok=True, kv_tokens=item.kv_tokens if request_id in kv else 0)
+                    return _failed(request_id, exc)
+                return worker_pb2.RestoreResult(request_id=request_id, ok=True, kv_tokens=item.kv_tokens if request_id in kv else 0)
+
+            # Together: the engine takes them all at its next step boundary, not one per step.
+            for result in await asyncio.gather(*(restore_one(item, engine_request) for item, engine_request in prepared)):
+                results[result.request_id] = result
             self.metrics.for_worker(self.metrics.restores).inc(sum(1 for r in results.values() if r.ok))
             return worker_pb2.RestoreResponse(
                 results=[results[i.state.request_id] for i in request.items if i.state.request_id in results],
@@ -284,9 +290,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         """KV of each item from `source` (a KvSource) into fresh tensors, over a tensor channel or gRPC."""
         if not source:
             raise InvalidRequestError("kv_source_address", "is required for transfer and checkpoint restores")
-        cache = engine.engine.cache.data
-        layers, _, _, _, heads, dim = cache.shape
-        buffers = {i.state.request_id: torch.empty((layers, 2, i.kv_tokens, heads, dim), dtype=cache.dtype) for i in items}
+        cache = engine.engine.cache
+        layers, _, _, _, heads, dim = cache.full_shape
+        buffers = {i.state.request_id: torch.empty((layers, 2, i.kv_tokens, heads, dim), dtype=cache.data.dtype) for i in items}
         pieces = [migration_pb2.KvPiece(request_id=i.state.request_id, kv_tokens=i.kv_tokens) for i in items]
         async with grpc.aio.insecure_channel(source, options=_BULK_OPTIONS) as channel:
             stub = migration_pb2_grpc.KvSourceStub(channel)

@@ -326,3 +326,45 @@ async def test_close_removes_the_advertisement_and_is_idempotent(etcd_config):
     await endpoint.close()
     with pytest.raises(ChannelError, match="closed"):
         await endpoint.accept("after-close")
+
+
+async def test_kept_channels_are_reused_in_step_and_closed_when_broken_stale_or_too_many(etcd_config, spawn_peer):
+    peer = _name("peer")
+    await spawn_peer(peer, "a", "b", "c", "d")
+    endpoint = ChannelEndpoint(_name("test"), etcd_config, timeout_s=10, idle_channel_s=0.5, max_idle_channels=2)
+    await endpoint.start()
+    try:
+        async with endpoint.opened(peer, "a") as first:
+            assert torch.equal(await _echo(first, torch.ones(4)), torch.ones(4))
+        # Kept: the same channel comes back, its sends and receives still pair up with the peer's.
+        async with endpoint.opened(peer, "a", reuse=True) as again:
+            assert again is first
+            data = torch.randn(1 << 16)
+            assert torch.equal(await _echo(again, data), data)
+        # Reused at most once: taken, it is not kept any more until given back.
+        taken = endpoint.reuse(f"opened/{peer}/a")
+        with pytest.raises(channels.ChannelNotKeptError, match="keeps no channel"):
+            endpoint.reuse(f"opened/{peer}/a")
+        endpoint.keep(f"opened/{peer}/a", taken)
+
+        # A block that raises closes its channel (its two ends may be out of step) instead of keeping it.
+        with pytest.raises(RuntimeError, match="midway"):
+            async with endpoint.opened(peer, "b") as failing:
+                raise RuntimeError("failed midway")
+        assert failing.broken
+        with pytest.raises(channels.ChannelNotKeptError):
+            endpoint.reuse(f"opened/{peer}/b")
+
+        # Beyond max_idle_channels the longest idle is closed; idle past idle_channel_s, all are.
+        for channel_id in ("c", "d"):
+            async with endpoint.opened(peer, channel_id):
+                pass
+        await assert_eventually(lambda: first.broken, timeout=5)
+        kept = [c for c in endpoint.channels if c.channel_id in ("c", "d")]
+        assert len(kept) == 2 and not any(c.broken for c in kept)
+        await asyncio.sleep(0.6)
+        with pytest.raises(channels.ChannelNotKeptError):
+            endpoint.reuse(f"opened/{peer}/c")
+        await assert_eventually(lambda: all(c.broken for c in kept), timeout=5)
+    finally:
+        await endpoint.close()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
+import time
 
 import grpc
 import pytest
@@ -17,6 +18,7 @@ from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 
 from phalanx._proto import checkpoint_pb2, checkpoint_pb2_grpc, common_pb2, migration_pb2, migration_pb2_grpc
+from phalanx.common.channels import TensorChannel
 from phalanx.common.config import EtcdConfig
 from phalanx.common.lease import connect_etcd
 from phalanx.common.subjects import CHECKPOINT_STORES_PREFIX
@@ -290,6 +292,58 @@ async def test_send_kv_over_a_tensor_channel_is_byte_exact(store, etcd_config):
                     timeout=10,
                 )  # fmt: skip
         assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
+    finally:
+        await endpoint.close()
+
+
+async def test_send_kv_keeps_its_channel_for_the_next_restore_into_that_target(store, etcd_config):
+    """Forming a channel costs more than sending a request's KV: both ends keep it, and a reuse the store cannot
+    honour (it no longer keeps that channel) is NOT_FOUND at once, not a wait for the timeout."""
+    from phalanx.common.channels import ChannelEndpoint
+
+    endpoint_id = unique_id("target")
+    endpoint = ChannelEndpoint(endpoint_id, etcd_config, host="127.0.0.1", timeout_s=10)
+    await endpoint.start()
+    expected = random_kv(F32, 40, seed=1)
+    channel_id = unique_id("kept")
+
+    def send_kv(stub, *, reuse: bool, channel: str = channel_id):
+        request = migration_pb2.SendKvRequest(
+            pieces=[migration_pb2.KvPiece(request_id="req-a", kv_tokens=40)],
+            target_endpoint=endpoint_id, channel_id=channel, timeout_s=5, reuse_channel=reuse,
+        )  # fmt: skip
+        return stub.SendKv(request, timeout=10)
+
+    try:
+        async with grpc.aio.insecure_channel(store.address) as grpc_channel:
+            stub = migration_pb2_grpc.KvSourceStub(grpc_channel)
+            async def restore(channel_or_accept, *, reuse: bool, channel: str = channel_id) -> TensorChannel:
+                sending = asyncio.ensure_future(send_kv(stub, reuse=reuse, channel=channel))
+                target = await channel_or_accept if asyncio.isfuture(channel_or_accept) else channel_or_accept
+                buffer = torch.empty_like(expected)
+                await target.recv_into(buffer, timeout_s=10)
+                await sending
+                assert raw(buffer) == raw(expected)
+                return target
+
+            channel = await restore(asyncio.ensure_future(endpoint.accept(channel_id)), reuse=False)
+            for _ in range(2):
+                await restore(channel, reuse=True)
+            assert endpoint.channels == {channel} and not channel.broken
+
+            started = time.monotonic()
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                await send_kv(stub, reuse=True, channel=unique_id("never-formed"))
+            assert caught.value.code() == grpc.StatusCode.NOT_FOUND and "keeps no channel" in caught.value.details()
+            assert time.monotonic() - started < 2
+
+            # The target closing its end breaks the store's: a reuse then fails, and a fresh channel works again.
+            await channel.close()
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                await send_kv(stub, reuse=True)
+            assert caught.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.NOT_FOUND)
+            fresh_id = unique_id("fresh")
+            await restore(asyncio.ensure_future(endpoint.accept(fresh_id)), reuse=False, channel=fresh_id)
     finally:
         await endpoint.close()
 

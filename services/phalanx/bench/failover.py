@@ -18,7 +18,9 @@ in one run:
    from the number of outputs the restored state holds); that token must equal the fault-free run's. Each size is
    run `restore_repeats` times (the median is reported), after a warm-up at a small N.
 3. Overhead. The same waves against a worker with checkpointing on and one with it off, in alternating runs, as
-   generated tokens/s at the bench's gRPC client (straight to the worker: see `_overhead`); medians are compared.
+   generated tokens/s at the bench's gRPC client (straight to the worker: see `_overhead`); medians are compared. The
+   CPU seconds per 1000 tokens of both workers and of the store (from /proc) tell the worker's own cost from the
+   store's, which on a small machine also comes out of the worker's throughput.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ import statistics
 import time
 import uuid
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import grpc
 
@@ -60,6 +63,7 @@ _SLACK = 32
 _RESTORE_PROMPT = 16
 # Longest a stream may take, stalls and resumes included: a stream stuck past it counts as failed (its tokens lost).
 _STREAM_TIMEOUT_S = 30.0
+_CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 _BULK = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
 
 
@@ -354,6 +358,8 @@ def _restore_detail(runs: list[dict]) -> dict:
         "checkpoint_kv_tokens": [r["checkpoint"]["kv_tokens"] for r in runs],
         "checkpoint_kv_bytes": [r["checkpoint"]["kv_bytes"] for r in runs],
         "checkpoint_transfer_s": [r["checkpoint"]["transfer_s"] for r in runs],
+        # The Restore call alone (KV in, request added); the rest of `runs_s` is its first step and the Attach.
+        "restore_call_s": {m: [r[m]["restore_call_s"] for r in runs] for m in RESTORE_METHODS},
     }
 
 
@@ -408,6 +414,7 @@ async def _time_restore(b, item: migration_pb2.RestoreItem, kv_source: str, expe
     from_index = len(item.state.output_token_ids)
     start = time.perf_counter()
     reply = await b.Restore(worker_pb2.RestoreRequest(items=[item], kv_source_address=kv_source, timeout_s=60), timeout=90)
+    restore_call_s = time.perf_counter() - start
     result = reply.results[0] if reply.results else None
     if result is None or not result.ok:
         raise RuntimeError(f"Restore of {request_id} failed: {result.code if result else '?'}: {result.message if result else 'no result'}")
@@ -422,7 +429,7 @@ async def _time_restore(b, item: migration_pb2.RestoreItem, kv_source: str, expe
         await b.Cancel(worker_pb2.CancelRequest(request_id=request_id), timeout=10)
     return {
         "seconds": _round(seconds), "from_index": from_index, "kv_tokens": result.kv_tokens, "kv_bytes": reply.kv_bytes,
-        "transfer_s": _round(reply.transfer_s), "token_matches": chunk.index < len(expected) and chunk.token_id == expected[chunk.index],
+        "transfer_s": _round(reply.transfer_s), "restore_call_s": _round(restore_call_s), "token_matches": chunk.index < len(expected) and chunk.token_id == expected[chunk.index],
     }  # fmt: skip
 
 
@@ -442,6 +449,10 @@ async def _overhead(fleet: Stack, o: _Options, rng: random.Random) -> dict:
         for mode in ("on", "off")
     }
     runs: dict[str, list[float]] = {"on": [], "off": []}
+    # CPU seconds each process spent per run: the worker's own cost of checkpointing, and the store's, apart from
+    # whatever else the machine ran meanwhile (on 2 cores the store's share comes out of the worker's throughput).
+    cpu: dict[str, list[float]] = {"worker_on": [], "worker_off": [], "store": []}
+    store = fleet.stores[0]
     async with contextlib.AsyncExitStack() as channels:
         stubs = {
             mode: worker_pb2_grpc.WorkerServiceStub(await channels.enter_async_context(grpc.aio.insecure_channel(w.address)))
@@ -452,22 +463,43 @@ async def _overhead(fleet: Stack, o: _Options, rng: random.Random) -> dict:
         for pair in range(o.overhead_pairs):
             waves = [_prompts(rng, o.streams, o.prompt_tokens) for _ in range(o.overhead_waves)]
             for mode in ("on", "off") if pair % 2 == 0 else ("off", "on"):
+                cpu_before = _cpu_seconds(workers[mode]), _cpu_seconds(store)
                 start, produced = time.perf_counter(), 0
                 for prompts in waves:
                     produced += await _direct_wave(stubs[mode], prompts, o.max_tokens)
                 runs[mode].append(produced / (time.perf_counter() - start))
+                cpu_after = _cpu_seconds(workers[mode]), _cpu_seconds(store)
+                cpu[f"worker_{mode}"].append(cpu_after[0] - cpu_before[0])
+                if mode == "on":
+                    cpu["store"].append(cpu_after[1] - cpu_before[1])
     sent = {mode: int(await asyncio.to_thread(w.metric, "phalanx_checkpoint_sent_bytes_total") or 0) for mode, w in workers.items()}
     # Medians, and each pair's own ratio: other work on the machine slows whole stretches, both modes alike.
     on, off = statistics.median(runs["on"]), statistics.median(runs["off"])
+    tokens = o.overhead_waves * o.streams * o.max_tokens
+    worker_on, worker_off = statistics.median(cpu["worker_on"]), statistics.median(cpu["worker_off"])
     return {
         "throughput_on_tok_s": round(on, 1),
         "throughput_off_tok_s": round(off, 1),
         "overhead_fraction": round(1 - on / off, 4),
         "pair_overhead_fractions": [round(1 - a / b, 4) for a, b in zip(runs["on"], runs["off"], strict=True)],
         "runs_tok_s": {mode: [round(v, 1) for v in values] for mode, values in runs.items()},
+        # CPU time per 1000 generated tokens (medians of the runs): the serving worker with checkpointing on and off,
+        # and the checkpoint store while it took the "on" worker's stream.
+        "cpu_s_per_1k_tokens": {
+            "worker_on": round(worker_on / tokens * 1e3, 4),
+            "worker_off": round(worker_off / tokens * 1e3, 4),
+            "store": round(statistics.median(cpu["store"]) / tokens * 1e3, 4),
+        },
+        "worker_cpu_overhead_fraction": round(worker_on / worker_off - 1, 4) if worker_off > 0 else None,
         "checkpoint_sent_bytes": sent,
-        "tokens_per_run": o.overhead_waves * o.streams * o.max_tokens,
+        "tokens_per_run": tokens,
     }
+
+
+def _cpu_seconds(handle: ServiceHandle) -> float:
+    """User + system CPU seconds of the process so far (all its threads), from /proc."""
+    fields = Path(f"/proc/{handle.process.pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS
 
 
 async def _direct_wave(stub: worker_pb2_grpc.WorkerServiceStub, prompts: list[list[int]], max_tokens: int) -> int:

@@ -98,7 +98,10 @@ class CheckpointStoreProcess:
         self.metrics_address = f"{host}:{metrics_server.server_port}"
         endpoint = advertisement = None
         try:
-            endpoint = ChannelEndpoint(self.channel_endpoint_id, self.etcd_config, host=host, timeout_s=self.config.channel_timeout_s)
+            # Kept channels: one per worker it restored into lately (see ChannelEndpoint.keep).
+            endpoint = ChannelEndpoint(
+                self.channel_endpoint_id, self.etcd_config, host=host, timeout_s=self.config.channel_timeout_s, max_idle_channels=64
+            )
             await endpoint.start()
             self.servicer.channel_endpoint = endpoint
             advertisement = LeasedKey(self.etcd_config, checkpoint_store_key(self.store_id), self._advertisement())

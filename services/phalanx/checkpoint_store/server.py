@@ -118,17 +118,15 @@ class CheckpointStoreServicer(checkpoint_pb2_grpc.CheckpointStoreServicer, migra
             with tracer.start_as_current_span(
                 "checkpoint.restore", attributes={"phalanx.transport": "channel", "phalanx.pieces": len(pieces)}
             ) as span:
+                # Kept between restores into the same target: forming a channel costs more than sending a request's KV.
                 with _channel_failure(request.target_endpoint):
-                    channel = await endpoint.open(request.target_endpoint, request.channel_id, timeout_s=_left(deadline))
-                try:
-                    for piece in pieces:
-                        tensor = self.store.read_kv(piece.request_id, piece.kv_tokens)
-                        with _channel_failure(request.target_endpoint):
+                    async with endpoint.opened(
+                        request.target_endpoint, request.channel_id, reuse=request.reuse_channel, timeout_s=_left(deadline)
+                    ) as channel:
+                        for piece in pieces:
+                            tensor = self.store.read_kv(piece.request_id, piece.kv_tokens)
                             await channel.send(tensor, timeout_s=_left(deadline))
-                        sent += tensor.nbytes
-                finally:
-                    with contextlib.suppress(*_CHANNEL_FAILURES, PhalanxError):
-                        await channel.close()
+                            sent += tensor.nbytes
                 span.set_attribute("phalanx.bytes", sent)
         except PhalanxError as error:
             await _abort(context, error)

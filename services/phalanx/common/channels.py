@@ -40,7 +40,7 @@ import re
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
 from functools import partial
@@ -53,11 +53,19 @@ import torch.distributed as dist
 
 from phalanx._proto import channel_pb2, channel_pb2_grpc
 from phalanx.common.config import EtcdConfig
-from phalanx.common.errors import UnavailableError
+from phalanx.common.errors import NotFoundError, UnavailableError
 from phalanx.common.lease import TRANSIENT_ERRORS, LeasedKey, connect_etcd
 from phalanx.common.subjects import CHANNELS_PREFIX, validate_worker_id
 
-__all__ = ["CHUNK_BYTES", "ChannelEndpoint", "ChannelError", "TensorChannel", "TensorStreamServicer", "channel_key"]
+__all__ = [
+    "CHUNK_BYTES",
+    "ChannelEndpoint",
+    "ChannelError",
+    "ChannelNotKeptError",
+    "TensorChannel",
+    "TensorStreamServicer",
+    "channel_key",
+]
 
 log = logging.getLogger(__name__)
 
@@ -99,6 +107,12 @@ class ChannelError(UnavailableError):
         super().__init__(message)
         self.channel_id = channel_id
         self.peer = peer
+
+
+class ChannelNotKeptError(NotFoundError):
+    """``reuse`` found no idle channel under that key: never kept, closed idle, or the process restarted."""
+
+    reason = "CHANNEL_NOT_KEPT"
 
 
 def channel_key(endpoint_id: str) -> str:
@@ -729,9 +743,13 @@ class ChannelEndpoint:
         host: str = "127.0.0.1",
         timeout_s: float = 10.0,
         grpc_address: str = "",
+        idle_channel_s: float = 60.0,
+        max_idle_channels: int = 16,
     ) -> None:
         if timeout_s <= 0:
             raise ValueError("timeout_s must be positive")
+        if idle_channel_s <= 0 or max_idle_channels < 0:
+            raise ValueError("idle_channel_s must be positive and max_idle_channels at least 0")
         self.endpoint_id = validate_worker_id(endpoint_id)
         self._etcd_config = etcd_config
         self._host = host
@@ -749,6 +767,11 @@ class ChannelEndpoint:
         self._accepting: set[str] = set()
         self._inboxes: dict[str, _Inbox] = {}
         self._closing: asyncio.Future[None] | None = None
+        # Formed channels parked between transfers (keep/reuse): key -> (parked at, channel), oldest first.
+        self._idle: dict[str, tuple[float, TensorChannel]] = {}
+        self._idle_channel_s = idle_channel_s
+        self._max_idle_channels = max_idle_channels
+        self._closing_idle: set[asyncio.Future[None]] = set()
 
     def __repr__(self) -> str:
         return f"<ChannelEndpoint {self.endpoint_id!r} store={self._store_address_or_none()}>"
@@ -778,6 +801,7 @@ class ChannelEndpoint:
         await asyncio.shield(self._closing)
 
     async def _close(self) -> None:
+        self._idle.clear()  # each is in _channels too
         channels, self._channels = list(self._channels), set()
         await asyncio.gather(*(channel.close() for channel in channels), return_exceptions=True)
         for channel_id in list(self._inboxes):
@@ -845,6 +869,66 @@ class ChannelEndpoint:
 
     def _forget(self, channel: TensorChannel) -> None:
         self._channels.discard(channel)
+
+    # --- reuse between transfers ------------------------------------------------------------------
+    def keep(self, key: str, channel: TensorChannel) -> None:
+        """Park ``channel`` idle under ``key`` for one later ``reuse``, instead of closing it.
+
+        Forming a channel and tearing its group down cost milliseconds each, and
+        a fresh TCP pair starts slow: peers that transfer again (a store and the
+        workers it restores into) should keep theirs. Both ends must keep it, and
+        stay in step: every send of one end matched by a receive of the other.
+        A broken channel is closed instead; so is one idle past
+        ``idle_channel_s``, and the longest idle beyond ``max_idle_channels``.
+        """
+        self._close_stale()
+        previous = self._idle.pop(key, None)
+        if previous is not None and previous[1] is not channel:
+            self._close_idle(previous[1])
+        if channel.broken or self._closing is not None:
+            self._close_idle(channel)
+            return
+        self._idle[key] = (time.monotonic(), channel)
+        while len(self._idle) > self._max_idle_channels:
+            self._close_idle(self._idle.pop(next(iter(self._idle)))[1])
+
+    def reuse(self, key: str) -> TensorChannel:
+        """The channel kept under ``key``, now the caller's (keep it again, or close it); ChannelNotKeptError if none."""
+        self._close_stale()
+        kept = self._idle.pop(key, None)
+        if kept is None or kept[1].broken:
+            raise ChannelNotKeptError(f"endpoint {self.endpoint_id!r} keeps no channel {key!r} (closed idle, or never kept)")
+        return kept[1]
+
+    @contextlib.asynccontextmanager
+    async def opened(
+        self, peer_endpoint_id: str, channel_id: str, *, reuse: bool = False, timeout_s: float | None = None, device: str = "cpu"
+    ) -> AsyncIterator[TensorChannel]:
+        """Channel ``channel_id`` to the peer for one transfer, kept afterwards for the next (see ``keep``).
+
+        ``reuse``: the one kept by an earlier block with the same peer and id
+        (ChannelNotKeptError if there is none); else a new one (``open``). The
+        block ending well keeps it again; raising closes it, since the two ends
+        may be out of step.
+        """
+        key = f"opened/{peer_endpoint_id}/{channel_id}"
+        channel = self.reuse(key) if reuse else await self.open(peer_endpoint_id, channel_id, timeout_s=timeout_s, device=device)
+        try:
+            yield channel
+        except BaseException:
+            await channel.close()
+            raise
+        self.keep(key, channel)
+
+    def _close_stale(self) -> None:
+        oldest = time.monotonic() - self._idle_channel_s
+        for key in [k for k, (parked, _) in self._idle.items() if parked < oldest]:
+            self._close_idle(self._idle.pop(key)[1])
+
+    def _close_idle(self, channel: TensorChannel) -> None:
+        closing = asyncio.ensure_future(channel.close())
+        self._closing_idle.add(closing)
+        closing.add_done_callback(self._closing_idle.discard)
 
     # --- discovery --------------------------------------------------------------------------------
     async def lookup(self, peer_endpoint_id: str, *, timeout_s: float | None = None) -> dict[str, Any]:

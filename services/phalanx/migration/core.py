@@ -28,6 +28,7 @@ from phalanx._proto import checkpoint_pb2, checkpoint_pb2_grpc, common_pb2, migr
 from phalanx.common.discovery import WorkerDirectory, advertised_addresses
 from phalanx.common.errors import InvalidRequestError, UnavailableError
 from phalanx.common.events import EventBus
+from phalanx.common.grpc_channels import GrpcChannels
 from phalanx.common.lease import connect_etcd
 from phalanx.common.subjects import CHECKPOINT_STORES_PREFIX, MIGRATION_EVENTS_SUBJECT
 from phalanx.common.telemetry import get_tracer
@@ -136,22 +137,18 @@ class Migrator:
             self._send_restores, window_s=config.restore_batch_window_s
         )
         self._done: dict[tuple[str, str], tuple[float, M.MigrateResponse]] = {}
-        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._channels = GrpcChannels(_OPTIONS, traced=False)
         # First failure seen per worker (the restart strategy waits for a worker registered after it).
         self._failed_at: dict[str, float] = {}
         # Measured as transfers happen (EMA), starting from the configured guess.
         self.link_bytes_per_s = config.link_bytes_per_s
 
     async def close(self) -> None:
-        for channel in self._channels.values():
-            await channel.close(grace=None)
+        await self._channels.close()
         await self._etcd.close()
 
     def _channel(self, address: str) -> grpc.aio.Channel:
-        channel = self._channels.get(address)
-        if channel is None:
-            channel = self._channels[address] = grpc.aio.insecure_channel(address, options=_OPTIONS)
-        return channel
+        return self._channels.get(address)
 
     # -- one request ------------------------------------------------------------------
     async def migrate(self, request: M.MigrateRequest) -> M.MigrateResponse:

@@ -10,9 +10,9 @@ from phalanx._proto import migration_pb2, migration_pb2_grpc
 from phalanx.common.config import EtcdConfig
 from phalanx.common.discovery import advertised_addresses
 from phalanx.common.errors import UnavailableError
+from phalanx.common.grpc_channels import GrpcChannels
 from phalanx.common.lease import TRANSIENT_ERRORS, connect_etcd
 from phalanx.common.subjects import MIGRATIONS_PREFIX
-from phalanx.common.telemetry import grpc_client_interceptors
 
 log = logging.getLogger(__name__)
 
@@ -25,12 +25,10 @@ class MigrationClient:
         self._etcd = connect_etcd(config)
         self.timeout_s = timeout_s
         self._preferred = ""
-        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._channels = GrpcChannels()
 
     async def close(self) -> None:
-        for channel in self._channels.values():
-            await channel.close(grace=None)
-        self._channels.clear()
+        await self._channels.close()
         await self._etcd.close()
 
     async def _addresses(self) -> list[str]:
@@ -42,10 +40,7 @@ class MigrationClient:
         return sorted(addresses, key=lambda a: a != self._preferred)
 
     def _stub(self, address: str) -> migration_pb2_grpc.MigrationServiceStub:
-        channel = self._channels.get(address)
-        if channel is None:
-            channel = self._channels[address] = grpc.aio.insecure_channel(address, interceptors=grpc_client_interceptors())
-        return migration_pb2_grpc.MigrationServiceStub(channel)
+        return migration_pb2_grpc.MigrationServiceStub(self._channels.get(address))
 
     async def migrate(self, request: migration_pb2.MigrateRequest) -> migration_pb2.MigrateResponse | None:
         """Where the request runs now; None when no migration service runs (the caller falls back)."""

@@ -192,10 +192,10 @@ class AsyncEngine:
                     continue
                 events = self.engine.step()
                 self._record(self.engine.last_step)
+                if events:  # first: the step's tokens should not wait for its checkpoint capture
+                    self._loop.call_soon_threadsafe(self._dispatch, events)
                 self._capture_checkpoints()
                 self._flush_kv_events()
-                if events:
-                    self._loop.call_soon_threadsafe(self._dispatch, events)
         except BaseException as exc:  # the engine is unusable: fail every caller loudly
             log.exception("engine loop died")
             self.dead = exc

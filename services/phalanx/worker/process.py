@@ -179,7 +179,7 @@ class WorkerProcess:
                 # After the engine thread ended: nothing else issues a collective any more.
                 await asyncio.to_thread(self._tensor_parallel.shutdown)
             await self.channels.close()
-            servicer.close()  # no detach timer outlives the loop; readers still waiting see ABORTED
+            await servicer.close()  # no detach timer outlives the loop; readers still waiting see ABORTED
             await server.stop(0)
             if registration is not None:
                 await registration.close(revoke=True)

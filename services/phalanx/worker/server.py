@@ -6,12 +6,15 @@ import asyncio
 import time
 import uuid
 from collections.abc import Callable
+from functools import partial
 
 import grpc
 import torch
 
 from phalanx._proto import common_pb2, migration_pb2, migration_pb2_grpc, worker_pb2, worker_pb2_grpc
+from phalanx.common.channels import ChannelNotKeptError
 from phalanx.common.errors import InvalidRequestError, NotFoundError, PhalanxError, ResourceExhaustedError, UnavailableError
+from phalanx.common.grpc_channels import GrpcChannels
 from phalanx.common.grpc_status import abort_with
 from phalanx.model.kv_cache import BLOCK_SIZE
 from phalanx.model.params import SamplingParams, sampling_from_proto
@@ -90,6 +93,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         # Set by the process once known: where this worker's parked KV can be fetched (KvSource) and its channel endpoint.
         self.address = ""
         self.channels = None  # phalanx.common.channels.ChannelEndpoint
+        self.kv_sources = GrpcChannels(_BULK_OPTIONS)  # the checkpoint stores and workers KV is restored from
         self.channel_timeout_s = 10.0
         self._ttft, self._itl, self._generated = m.for_worker(m.ttft), m.for_worker(m.itl), m.for_worker(m.generated_tokens)
         self._prompt, self._cached_prompt = m.for_worker(m.prompt_tokens), m.for_worker(m.cached_prompt_tokens)
@@ -103,9 +107,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         self.tokenizer = engine.engine.tokenizer
         self.model_version = model_version
 
-    def close(self) -> None:
-        """Ends what still waits on a request log and stops detach timers; idempotent."""
+    async def close(self) -> None:
+        """Ends what still waits on a request log, stops detach timers, closes channels to KV sources; idempotent."""
         self.streams.close()
+        await self.kv_sources.close()
 
     @property
     def engine(self) -> AsyncEngine:
@@ -294,34 +299,47 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         layers, _, _, _, heads, dim = cache.full_shape
         buffers = {i.state.request_id: torch.empty((layers, 2, i.kv_tokens, heads, dim), dtype=cache.data.dtype) for i in items}
         pieces = [migration_pb2.KvPiece(request_id=i.state.request_id, kv_tokens=i.kv_tokens) for i in items]
-        async with grpc.aio.insecure_channel(source, options=_BULK_OPTIONS) as channel:
-            stub = migration_pb2_grpc.KvSourceStub(channel)
-            try:
-                if transport == migration_pb2.KV_TRANSPORT_GRPC or self.channels is None:
-                    await _fetch_kv(stub, pieces, buffers, timeout)
-                else:
-                    channel_id = uuid.uuid4().hex
-                    accepted = asyncio.ensure_future(self.channels.accept(channel_id, timeout_s=timeout))
-                    send = stub.SendKv(
-                        migration_pb2.SendKvRequest(pieces=pieces, target_endpoint=self.channels.endpoint_id, channel_id=channel_id, timeout_s=timeout),
-                        timeout=timeout + 1.0,
-                    )
-
-                    async def receive() -> None:
-                        tensor_channel = await accepted
-                        try:
-                            for piece in pieces:
-                                await tensor_channel.recv_into(buffers[piece.request_id], timeout_s=timeout)
-                        finally:
-                            await tensor_channel.close()
-
-                    try:
-                        await asyncio.gather(send, receive())
-                    finally:
-                        accepted.cancel()
-            except grpc.aio.AioRpcError as error:
-                raise UnavailableError(f"the KV source {source} failed: {error.code().name}: {error.details()}", retry_after_s=0.1) from None
+        stub = migration_pb2_grpc.KvSourceStub(self.kv_sources.get(source))
+        try:
+            if transport == migration_pb2.KV_TRANSPORT_GRPC or self.channels is None:
+                await _fetch_kv(stub, pieces, buffers, timeout)
+            else:
+                await self._receive_over_channel(stub, source, pieces, buffers, timeout)
+        except grpc.aio.AioRpcError as error:
+            if error.code() == grpc.StatusCode.UNAVAILABLE:
+                self.kv_sources.discard(source)  # a new connection next time, not one stuck in reconnect backoff
+            raise UnavailableError(f"the KV source {source} failed: {error.code().name}: {error.details()}", retry_after_s=0.1) from None
         return buffers
+
+    async def _receive_over_channel(self, stub, source: str, pieces, buffers: dict[str, torch.Tensor], timeout: float) -> None:
+        """The pieces over the channel kept from the last transfer from `source`, or over a new one.
+
+        Forming a channel and tearing it down took longer than sending 4 MB of
+        KV (about 20 ms against 2), so both ends keep it for the next restore.
+        """
+        key = f"kv-source/{source}"
+        try:
+            kept = self.channels.reuse(key)
+        except ChannelNotKeptError:
+            kept = None
+        if kept is not None:
+            request = migration_pb2.SendKvRequest(
+                pieces=pieces, target_endpoint=self.channels.endpoint_id, channel_id=kept.channel_id, timeout_s=timeout, reuse_channel=True
+            )
+            try:
+                await _transfer_kv(stub, request, _ready(kept), pieces, buffers, timeout, keep=partial(self.channels.keep, key))
+                return
+            except grpc.aio.AioRpcError as error:
+                if error.code() != grpc.StatusCode.NOT_FOUND:
+                    raise
+                # The source no longer keeps its end (it restarted, or closed it idle): form a new one.
+        channel_id = uuid.uuid4().hex
+        accepted = asyncio.ensure_future(self.channels.accept(channel_id, timeout_s=timeout))
+        request = migration_pb2.SendKvRequest(pieces=pieces, target_endpoint=self.channels.endpoint_id, channel_id=channel_id, timeout_s=timeout)
+        try:
+            await _transfer_kv(stub, request, accepted, pieces, buffers, timeout, keep=partial(self.channels.keep, key))
+        finally:
+            accepted.cancel()
 
     async def Park(self, request, context):
         try:
@@ -428,6 +446,40 @@ _BULK_OPTIONS = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_
 _CHUNK_BYTES = 1 << 20
 
 
+async def _transfer_kv(stub, request, channel_ready: asyncio.Future, pieces, buffers: dict[str, torch.Tensor], timeout: float, *, keep) -> None:
+    """SendKv on the source while receiving its pieces here; the channel goes to `keep` if every piece arrived, else closed.
+
+    A failure on either side ends the other at once (a channel the source never
+    opened must not hold a receive until the timeout).
+    """
+
+    async def receive() -> None:
+        channel = await channel_ready
+        try:
+            for piece in pieces:
+                await channel.recv_into(buffers[piece.request_id], timeout_s=timeout)
+        except BaseException:
+            await channel.close()
+            raise
+        keep(channel)
+
+    send = asyncio.ensure_future(stub.SendKv(request, timeout=timeout + 1.0))
+    received = asyncio.ensure_future(receive())
+    try:
+        await asyncio.gather(send, received)
+    except BaseException:
+        send.cancel()
+        received.cancel()
+        await asyncio.gather(send, received, return_exceptions=True)
+        raise
+
+
+def _ready(value) -> asyncio.Future:
+    future = asyncio.get_running_loop().create_future()
+    future.set_result(value)
+    return future
+
+
 async def _fetch_kv(stub, pieces, buffers: dict[str, torch.Tensor], timeout: float) -> None:
     """The gRPC fallback: each piece's bytes in chunks, copied into its buffer."""
     views = [buffers[p.request_id].view(-1).view(torch.uint8) for p in pieces]
@@ -457,12 +509,10 @@ class KvSourceServicer(migration_pb2_grpc.KvSourceServicer):
             timeout = request.timeout_s or self.worker.channel_timeout_s
             start = time.perf_counter()
             tensors = [await engine.export_kv(p.request_id, p.kv_tokens) for p in request.pieces]
-            channel = await channels.open(request.target_endpoint, request.channel_id, timeout_s=timeout)
-            try:
+            # Kept afterwards: a drain moves many requests to the same few targets.
+            async with channels.opened(request.target_endpoint, request.channel_id, reuse=request.reuse_channel, timeout_s=timeout) as channel:
                 for tensor in tensors:
                     await channel.send(tensor, timeout_s=timeout)
-            finally:
-                await channel.close()
             for p in request.pieces:
                 await engine.unpark(p.request_id)
             nbytes = sum(t.numel() * t.element_size() for t in tensors)

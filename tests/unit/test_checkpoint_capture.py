@@ -100,3 +100,61 @@ def test_a_worker_whose_store_stream_broke_prefers_another_advertised_store():
     assert pick_store(["a:1", "b:2"], failed="a:1") == "b:2"  # a crashed store lingers in etcd until its lease lapses
     assert pick_store(["a:1"], failed="a:1") == "a:1"  # the only one: it may have restarted on the same address
     assert pick_store([], failed="a:1") is None
+
+
+def test_a_worker_restored_from_the_store_continues_that_commit_without_resending_its_kv(moe, tmp_path):
+    """A and B stream to one store; A dies after 20 tokens and B restores from A's commit: B's segments take the
+    commit over (its owner, its later tokens and KV) and carry none of the KV the store already has."""
+    prompt = moe.tokenizer.encode("the store keeps what the dead worker computed " * 2)
+    params = SamplingParams(max_tokens=N, ignore_eos=True)
+    reference = engine_of(moe)
+    reference.add_request(EngineRequest(prompt, params, "r"))
+    expected = tokens_of(reference, "r")
+
+    a, b = engine_of(moe), engine_of(moe)
+    cache = a.cache.data
+    layout = KvLayout(num_layers=cache.shape[0], num_kv_heads=cache.shape[4], head_dim=cache.shape[5], dtype=cache.dtype)
+    store = CheckpointStore(tmp_path)
+
+    def stream(engine: Engine, capture: CheckpointCapture, writer: Writer) -> list:
+        capture.capture(engine)
+        segments = [s for item in capture.take() for s in batch_of([item], snapshot_to_proto).segments]
+        for segment in segments:
+            assert store.apply(writer, segment).result is SegmentResult.APPLIED
+        return segments
+
+    capture_a = CheckpointCapture(interval_tokens=INTERVAL)
+    capture_a.connected = True
+    a.add_request(EngineRequest(prompt, params, "r"))
+    def committed_outputs() -> int:
+        return next((len(r.state.output_token_ids) for r in store.records() if r.request_id == "r"), 0)
+
+    while committed_outputs() < 20:
+        a.step()
+        stream(a, capture_a, Writer("a", layout, "tiny@1"))
+    record = store.get("r")  # A dies here
+    committed_outputs, committed_kv = len(record.state.output_token_ids), record.kv_tokens
+
+    snapshot = snapshot_from_proto(record.state)
+    request = EngineRequest(snapshot.prompt_ids, snapshot.params, "r", resume=snapshot, migrated=True, continues_commit=True)
+    b.restore(request, store.read_kv("r", committed_kv), committed_kv)
+    capture_b = CheckpointCapture(interval_tokens=INTERVAL)
+    capture_b.connected = True
+    writer_b = Writer("b", layout, "tiny@1")
+    b.step()
+    [takeover] = stream(b, capture_b, writer_b)
+    assert takeover.kv_start == committed_kv and takeover.HasField("state")  # none of the stored KV again
+    outputs = list(store.get("r").state.output_token_ids)
+    assert outputs == expected[: committed_outputs + 1] and store.get("r").worker_id == "b"
+    while b.has_work():
+        b.step()
+        stream(b, capture_b, writer_b)
+        record = store.get("r")
+        assert list(record.state.output_token_ids) == expected[: len(record.state.output_token_ids)]
+    # The store's KV, A's part and B's, is what an uninterrupted run computes: a restore from it goes on identically.
+    target = engine_of(moe)
+    snapshot = snapshot_from_proto(record.state)
+    request = EngineRequest(snapshot.prompt_ids, snapshot.params, "r", resume=snapshot, migrated=True)
+    target.restore(request, store.read_kv("r", record.kv_tokens), record.kv_tokens)
+    assert tokens_of(target, "r") == expected[len(record.state.output_token_ids) :]
+    store.close()

@@ -8,7 +8,9 @@ and the KV of positions ``[0, kv_tokens)``:
 - ``kv_start == 0`` (re)starts the request: full state, new owner, old KV dropped;
 - ``0 < kv_start <= kv_tokens`` with a newer ``seq`` (or from another worker,
   which after a migration may number its segments afresh) truncates the KV to
-  ``kv_start`` and appends;
+  ``kv_start`` and appends; one that carries a full state replaces the
+  commit's (a worker that restored the request from this commit takes it
+  over without sending its KV again);
 - an old ``seq`` from the owner is a duplicate and changes nothing;
 - anything that would leave a hole is a gap: nothing is applied and the ack
   asks the worker to resync (send the request again from position 0).
@@ -378,6 +380,8 @@ class CheckpointStore:
             return self._count(Ack(segment.request_id, segment.seq, kv_tokens, SegmentResult.GAP))
         else:
             record = entry.record
+            if segment.HasField("state"):  # a new owner takes the commit over (restored from it): its whole state
+                record.state.CopyFrom(segment.state)
             record.state.output_token_ids.extend(segment.appended_output_ids)
             if segment.generator_state:
                 record.state.generator_state = segment.generator_state

@@ -49,7 +49,7 @@ class _Piece:
     kv_start: int
     kv_end: int
     kv: torch.Tensor | None  # [layers, 2, kv_end - kv_start, heads, dim]; None when kv_end == kv_start
-    state: object | None  # full RequestState when kv_start == 0
+    state: object | None  # full RequestState when kv_start == 0, or when taking over a commit
     appended: list[int]
     generator_state: bytes
     seed: int
@@ -115,6 +115,7 @@ class CheckpointCapture:
                 continue
             if resync_all or seq.request_id in resync:
                 seq.ckpt_kv = seq.ckpt_outputs = 0
+                seq.ckpt_adopt = False
             end = seq.num_computed
             if seq.ckpt_kv == 0:  # the first segment: whole state and all KV so far (the prompt's, mostly)
                 if over_budget:
@@ -127,7 +128,7 @@ class CheckpointCapture:
                 todo.append((seq, seq.ckpt_kv, end))
                 continue
             lag += max(0, due)
-            if len(seq.output_ids) > seq.ckpt_outputs:
+            if len(seq.output_ids) > seq.ckpt_outputs or seq.ckpt_adopt:
                 todo.append((seq, seq.ckpt_kv, seq.ckpt_kv))
         if over_budget:
             self.captures_skipped += 1
@@ -145,8 +146,9 @@ class CheckpointCapture:
                 offset += end - start
                 capture.nbytes += piece_kv.numel() * piece_kv.element_size()
             seq.ckpt_seq += 1
-            if start == 0:
+            if start == 0 or seq.ckpt_adopt:  # the whole state: a new commit, or one this worker takes over
                 state, appended = seq.snapshot(), []
+                seq.ckpt_adopt = False
             else:
                 state, appended = None, seq.output_ids[seq.ckpt_outputs :]
             generator_state = b"" if seq.params.greedy else seq.sampler.state()

@@ -42,6 +42,9 @@ class EngineRequest:
     sequential_replay: bool = False
     # Migration order if this worker fails (a resume brings its own in `resume`).
     priority: int = 0
+    # Restored from the checkpoint store this worker streams to: it holds the request's commit and KV up to the
+    # restored KV already, so checkpointing here continues that commit instead of sending it all again.
+    continues_commit: bool = False
 
 
 @dataclass
@@ -206,6 +209,8 @@ class Engine:
         seq.output_ids = list(resume.output_ids)
         seq.cached_prompt_tokens = min(cached, len(seq.prompt_ids))
         seq.replayed = seq.replayed_events()
+        if request.continues_commit and kv is not None and kv_tokens > 0:
+            seq.ckpt_kv, seq.ckpt_outputs, seq.ckpt_adopt = kv_tokens, len(seq.output_ids), True
         seq.status = SeqStatus.RUNNING
         seq.num_computed = max(cached, kv_tokens)
         self.kv.commit(seq.request_id, seq.all_ids, seq.num_computed)

@@ -150,6 +150,7 @@ class WorkerProcess:
             if capture is not None:
                 streamer = self._streamer = self._checkpoint_streamer(capture, engine, model)
                 await streamer.start()
+                servicer.checkpointing_to = lambda: streamer.store_address if capture.connected else ""
             servicer.attach(engine, model_version=model.version)
             registration = self._registration = LeasedKey(
                 self.etcd_config, worker_key(self.worker_id), self._registration_value(model, metrics_server.server_port)

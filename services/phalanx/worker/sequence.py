@@ -82,6 +82,8 @@ class Sequence:
     ckpt_kv: int = 0
     ckpt_outputs: int = 0
     ckpt_seq: int = 0
+    # Restored from the store's commit, which another worker wrote: the next segment takes it over (full state).
+    ckpt_adopt: bool = False
     # Events of the output tokens a migrated request arrived with (its log starts with them).
     replayed: list[TokenEvent] = field(default_factory=list)
     arrival: float = field(default_factory=time.monotonic)

@@ -94,6 +94,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         self.address = ""
         self.channels = None  # phalanx.common.channels.ChannelEndpoint
         self.kv_sources = GrpcChannels(_BULK_OPTIONS)  # the checkpoint stores and workers KV is restored from
+        self.checkpointing_to: Callable[[], str] = lambda: ""  # the store this worker's checkpoints stream to now, if any
         self.channel_timeout_s = 10.0
         self._ttft, self._itl, self._generated = m.for_worker(m.ttft), m.for_worker(m.itl), m.for_worker(m.generated_tokens)
         self._prompt, self._cached_prompt = m.for_worker(m.prompt_tokens), m.for_worker(m.cached_prompt_tokens)
@@ -228,9 +229,12 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             engine = self.engine
             timeout = request.timeout_s or self.channel_timeout_s
             prepared, results = [], {}
+            continues_commits = bool(request.kv_source_address) and request.kv_source_address == self.checkpointing_to()
             for item in request.items:
                 try:
-                    prepared.append((item, self._restore_request(item, engine)))
+                    engine_request = self._restore_request(item, engine)
+                    engine_request.continues_commit = continues_commits and item.method == migration_pb2.MIGRATION_METHOD_CHECKPOINT
+                    prepared.append((item, engine_request))
                 except PhalanxError as exc:
                     results[item.state.request_id] = _failed(item.state.request_id, exc)
             wants_kv = [(item, er) for item, er in prepared if _kv_method(item) and item.kv_tokens > 0]

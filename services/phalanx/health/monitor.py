@@ -242,11 +242,13 @@ class FleetMonitor:
                 delay = max(0.01, half_open_at - now) if half_open_at is not None else c.check_interval_s
                 continue
             first_miss_counts = tracker.consecutive_failures > 0
-            computed = None if first_miss_counts else await self._computed_tokens(w)
+            before = None if first_miss_counts else await self._engine_stats(w)
             outcome = await self.check(w, confirming_timeout=last_reason == "timeout")
-            if outcome.reason == "timeout" and not first_miss_counts and await self._progressed(w, computed):
-                # The engine computed tokens while the canary waited: busy (a shared host, a burst), not hung. A hung
-                # one computes nothing, and its miss counts at once; this one gets a confirming check first.
+            if outcome.reason == "timeout" and not first_miss_counts and not await self._stuck_with_work(w, before):
+                # Not the signature of a hang: the engine computed tokens while the canary waited (a busy host, a
+                # burst), or it holds nothing (the canary never reached it), or it did not answer (a host that
+                # stalls everything). A hung engine holds its work and computes nothing, and its miss counts at
+                # once; this one gets a confirming check first.
                 self.metrics.timeout_rechecks.inc()
                 outcome = await self.check(w, confirming_timeout=True)
             for _ in range(c.latency_rechecks):
@@ -309,17 +311,19 @@ class FleetMonitor:
         # past one interval: a longer wait would push the worker's checks behind their schedule.
         return min(c.check_timeout_s, max(c.min_check_timeout_s, min(3 * limit, c.check_interval_s)))
 
-    async def _computed_tokens(self, w: _Worker) -> int | None:
-        """Tokens the worker's engine computed so far (None: no answer within the probe timeout)."""
+    async def _engine_stats(self, w: _Worker) -> worker_pb2.StatsResponse | None:
+        """The worker's engine counters and load (None: no answer within the probe timeout)."""
         try:
-            stats = await w.stub.Stats(worker_pb2.StatsRequest(), timeout=self.config.probe_timeout_s)
+            return await w.stub.Stats(worker_pb2.StatsRequest(), timeout=self.config.probe_timeout_s)
         except grpc.aio.AioRpcError:
             return None
-        return stats.computed_tokens_total
 
-    async def _progressed(self, w: _Worker, before: int | None) -> bool:
-        after = await self._computed_tokens(w)
-        return before is not None and after is not None and after > before
+    async def _stuck_with_work(self, w: _Worker, before: worker_pb2.StatsResponse | None) -> bool:
+        """Since `before`, the engine computed nothing though it holds requests (the missed canary among them)."""
+        after = await self._engine_stats(w)
+        if before is None or after is None:
+            return False
+        return after.computed_tokens_total == before.computed_tokens_total and after.queue_depth + after.running_seqs > 0
 
     def _next_case(self, w: _Worker) -> common_pb2.CanaryCase | None:
         calibration = self.calibrations.get(w.registration.model_version)

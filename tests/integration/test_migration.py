@@ -25,13 +25,18 @@ MAX_TOKENS = 40
 PROMPTS = [f"Request {i}: tell the story of the lighthouse keeper number {i} and the long winter storm. " * 4 for i in range(STREAMS)]
 
 
+# This model's KV is a few MB a request, under the size at which a worker forms a tensor channel rather than fetch
+# over gRPC (PHALANX_WORKER_CHANNEL_MIN_BYTES): these tests move all of it over channels, the path for large KV.
+CHANNELS_ALWAYS = {"PHALANX_WORKER_CHANNEL_MIN_BYTES": "0"}
+
+
 @pytest.fixture
 async def fleet(nats_config, etcd_config):
     s = Stack(nats_config.url, etcd_config)
     try:
         await s.add_checkpoint_store()
         await s.add_migration()
-        await s.add_workers(3)
+        await s.add_workers(3, env=CHANNELS_ALWAYS)
         await s.add_router()
         yield s
     finally:
@@ -126,6 +131,8 @@ async def test_sigkill_mid_generation_every_stream_completes_exactly_once_with_i
     # (re-decoding the missing tokens costs more than one re-prefill); never from the dead worker.
     assert by_method["router"] >= len(moved) and by_method["transfer"] == 0, by_method
     assert by_method["checkpoint"] + by_method["reprefill"] == by_method["router"], by_method
+    if by_method["checkpoint"]:
+        assert await asyncio.to_thread(fleet.stores[0].metric, "phalanx_checkpoint_restores_total", transport="channel") >= 1
 
 
 async def test_graceful_drain_transfers_kv_from_the_live_worker(fleet):

@@ -4,7 +4,7 @@ import asyncio
 
 import pytest
 
-from phalanx.migration.batching import RestoreBatcher
+from phalanx.migration.batching import Reservations, RestoreBatcher, SharedCalls
 
 pytestmark = pytest.mark.unit
 
@@ -76,3 +76,64 @@ def test_settings_are_checked():
         RestoreBatcher(Target().send, window_s=-1)
     with pytest.raises(ValueError):
         RestoreBatcher(Target().send, max_items=0)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+async def test_callers_of_one_key_share_the_call_in_flight_and_its_result_for_reuse_s():
+    clock, started = Clock(), []
+    gate = asyncio.Event()
+
+    async def read(name: str) -> str:
+        started.append(name)
+        await gate.wait()
+        return f"{name}#{len(started)}"
+
+    shared = SharedCalls(reuse_s=0.1, clock=clock)
+    waiting = [asyncio.ensure_future(shared.get("k", lambda: read("k"))) for _ in range(5)]
+    other = asyncio.ensure_future(shared.get("j", lambda: read("j")))
+    await asyncio.sleep(0)
+    gate.set()
+    assert await asyncio.gather(*waiting) == ["k#1"] * 5 and await other == "j#2"
+    assert started == ["k", "j"]
+    clock.now = 0.09  # within reuse_s of the answer
+    assert await shared.get("k", lambda: read("k")) == "k#1"
+    clock.now = 0.2
+    assert await shared.get("k", lambda: read("k")) == "k#3"
+    assert shared.calls == 3
+
+
+async def test_a_failed_shared_call_serves_only_its_waiters_and_a_waiter_leaving_does_not_cancel_it():
+    gate, calls = asyncio.Event(), []
+
+    async def read() -> int:
+        calls.append(1)
+        await gate.wait()
+        if len(calls) == 1:
+            raise RuntimeError("etcd went away")
+        return len(calls)
+
+    shared = SharedCalls(reuse_s=10.0)
+    leaver = asyncio.ensure_future(shared.get("k", read))
+    stayer = asyncio.ensure_future(shared.get("k", read))
+    await asyncio.sleep(0)
+    leaver.cancel()
+    gate.set()
+    with pytest.raises(RuntimeError, match="etcd went away"):
+        await stayer
+    assert await shared.get("k", read) == 2  # the failure is not reused
+
+
+def test_reservations_count_requests_and_blocks_per_target_until_released():
+    reserved = Reservations()
+    with reserved.hold("w1", 5), reserved.hold("w1", 3), reserved.hold("w2", 1):
+        assert reserved.of("w1") == (2, 8) and reserved.of("w2") == (1, 1)
+    with pytest.raises(RuntimeError), reserved.hold("w1", 4):
+        raise RuntimeError("the restore failed")
+    assert reserved.of("w1") == (0, 0) and reserved.of("w3") == (0, 0)

@@ -5,13 +5,16 @@ milliseconds. Sent one by one, each restore pays a gRPC call, a tensor
 channel to the KV source and a step boundary on the target on its own, and
 under that burst the fixed costs, not the bytes, make the stall. Items that
 arrive within `window_s` of the first one, or while a call to the same
-target is in flight, are sent in one call.
+target is in flight, are sent in one call. The same burst shares its reads
+(`SharedCalls`) and books what it sends to each target (`Reservations`).
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Hashable
+import contextlib
+import time
+from collections.abc import Awaitable, Callable, Hashable, Iterator
 from typing import Generic, TypeVar
 
 Item = TypeVar("Item")
@@ -71,3 +74,69 @@ class RestoreBatcher(Generic[Item, Result]):
         finally:
             self._senders.pop(key, None)
             self._pending.pop(key, None)
+
+
+class SharedCalls(Generic[Result]):
+    """Callers that ask for the same key while a call for it runs share that call's result.
+
+    A failed worker's streams all ask for a migration within milliseconds, and
+    each wants the same facts (the stores, the workers, the targets' load):
+    one read serves them all instead of one per request on a host that the
+    failure has just made busier. A result also serves callers up to `reuse_s`
+    after it arrived; a failure serves only those that were waiting for it.
+    """
+
+    def __init__(self, *, reuse_s: float = 0.0, clock: Callable[[], float] = time.monotonic) -> None:
+        if reuse_s < 0:
+            raise ValueError("reuse_s must be >= 0")
+        self.reuse_s = reuse_s
+        self._clock = clock
+        self._calls: dict[Hashable, tuple[float, asyncio.Future[Result]]] = {}
+        self.calls = 0
+
+    async def get(self, key: Hashable, call: Callable[[], Awaitable[Result]]) -> Result:
+        now = self._clock()
+        for old in [k for k, (at, f) in self._calls.items() if f.done() and (f.exception() is not None or now - at > self.reuse_s)]:
+            del self._calls[old]
+        entry = self._calls.get(key)
+        if entry is None:
+            self.calls += 1
+            future = asyncio.ensure_future(call())
+            future.add_done_callback(lambda f, key=key: self._stamp(key, f))
+            entry = self._calls[key] = (now, future)
+        # Shielded: one caller going away must not cancel the read the others wait for.
+        return await asyncio.shield(entry[1])
+
+    def _stamp(self, key: Hashable, future: asyncio.Future[Result]) -> None:
+        """A result is reused from when it arrived, not from when it was asked for."""
+        if self._calls.get(key, (0.0, None))[1] is future:
+            self._calls[key] = (self._clock(), future)
+
+
+class Reservations:
+    """Requests and KV blocks promised to each target by migrations whose restore has not finished.
+
+    The targets' reported load lags behind the restores in flight; a burst
+    priced against it alone would pile onto the one target that looked
+    emptiest, and overrun its free blocks.
+    """
+
+    def __init__(self) -> None:
+        self._held: dict[str, list[int]] = {}  # target -> [requests, blocks]
+
+    def of(self, target: str) -> tuple[int, int]:
+        requests, blocks = self._held.get(target, (0, 0))
+        return requests, blocks
+
+    @contextlib.contextmanager
+    def hold(self, target: str, blocks: int) -> Iterator[None]:
+        held = self._held.setdefault(target, [0, 0])
+        held[0] += 1
+        held[1] += blocks
+        try:
+            yield
+        finally:
+            held[0] -= 1
+            held[1] -= blocks
+            if held[0] == 0:
+                del self._held[target]

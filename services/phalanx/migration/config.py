@@ -36,6 +36,10 @@ class MigrationConfig(BaseSettings):
         0.005, ge=0, le=1.0,
         description="Restores to one target that come within this of the first (or while a call to it runs) go in one Restore call",
     )
+    target_stats_reuse_s: float = Field(
+        0.1, ge=0, le=5.0,
+        description="The targets' Stats serve the migrations that come within this of the answer (their own restores are counted on top)",
+    )
     max_attempts: int = Field(4, ge=1, le=16, description="Targets tried per request before giving up")
     remember_s: float = Field(120.0, gt=0, description="How long a finished migration answers repeated calls for the same request")
     parallel: int = Field(16, ge=1, le=256, description="Migrations run at once; the rest wait, lower RequestState.priority (premium) first")

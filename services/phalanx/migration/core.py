@@ -32,7 +32,7 @@ from phalanx.common.grpc_channels import GrpcChannels
 from phalanx.common.lease import connect_etcd
 from phalanx.common.subjects import CHECKPOINT_STORES_PREFIX, MIGRATION_EVENTS_SUBJECT
 from phalanx.common.telemetry import get_tracer
-from phalanx.migration.batching import RestoreBatcher
+from phalanx.migration.batching import Reservations, RestoreBatcher, SharedCalls
 from phalanx.migration.config import MigrationConfig
 from phalanx.migration.metrics import MigrationMetrics
 from phalanx.migration.priority import PriorityGate, effective_priority
@@ -136,6 +136,10 @@ class Migrator:
         self._batcher: RestoreBatcher[M.RestoreItem, worker_pb2.RestoreResult] = RestoreBatcher(
             self._send_restores, window_s=config.restore_batch_window_s
         )
+        # A failed worker's requests arrive together: they share their etcd reads and the targets' Stats.
+        self._reads: SharedCalls = SharedCalls()
+        self._target_stats: SharedCalls = SharedCalls(reuse_s=config.target_stats_reuse_s)
+        self._reserved = Reservations()
         self._done: dict[tuple[str, str], tuple[float, M.MigrateResponse]] = {}
         self._channels = GrpcChannels(_OPTIONS, traced=False)
         # First failure seen per worker (the restart strategy waits for a worker registered after it).
@@ -190,7 +194,7 @@ class Migrator:
                                request.handoff_kv_tokens, request.handoff_source_address)  # fmt: skip
             if request.HasField("known_state") and request.known_state.prompt_token_ids:
                 known = Plan(request.known_state, request.seed or request.known_state.sampling.seed, M.MIGRATION_METHOD_REPREFILL)
-            registrations = await self.workers.list()
+            registrations = await self._reads.get("workers", self.workers.list)
             if self.config.strategy == "restart":
                 # The coarse baseline: nothing is moved to the survivors; the request waits for a restarted worker
                 # (one that registered after the failure) and is replayed there from scratch.
@@ -261,7 +265,7 @@ class Migrator:
         raise UnavailableError(f"no worker restarted within {6 * self.config.restore_timeout_s:.0f} s of {failed_worker}'s failure", retry_after_s=1.0)
 
     async def store_addresses(self) -> list[str]:
-        return await advertised_addresses(self._etcd, CHECKPOINT_STORES_PREFIX)
+        return await self._reads.get("stores", lambda: advertised_addresses(self._etcd, CHECKPOINT_STORES_PREFIX))
 
     async def _restore(self, request: M.MigrateRequest, plan: Plan, registrations, first=None) -> M.MigrateResponse:
         tried: set[str] = {request.worker_id}
@@ -281,7 +285,8 @@ class Migrator:
             state.sampling.seed = plan.seed
             item = M.RestoreItem(state=state, seed=plan.seed, method=plan.method, kv_tokens=plan.kv_tokens)
             try:
-                result = await self._batcher.submit((target.address, plan.kv_source), item)
+                with self._reserved.hold(target.worker_id, _blocks_for(plan)):
+                    result = await self._batcher.submit((target.address, plan.kv_source), item)
             except grpc.aio.AioRpcError as error:
                 last_error = f"{target.worker_id}: {error.code().name}: {error.details()}"
                 if plan.method in (M.MIGRATION_METHOD_TRANSFER, M.MIGRATION_METHOD_CHECKPOINT) and error.code() == grpc.StatusCode.UNAVAILABLE:
@@ -317,31 +322,43 @@ class Migrator:
         return [results.get(i.state.request_id, missing) for i in items]
 
     async def _pick_target(self, plan: Plan, registrations, exclude: set[str]):
-        """(registration, stats) of the least loaded live worker with the blocks for the request, by a Stats call to each.
+        """(registration, stats) of the least loaded live worker with the blocks for the request.
 
-        Workers of the failed one's tensor-parallel size come first: greedy outputs are bit-identical only between
-        groups of the same size. Any other worker with room is the fallback.
+        Load and free blocks are the workers' Stats (one fan-out shared by the migrations of a burst) plus what
+        migrations still in flight have reserved on them. Workers of the failed one's tensor-parallel size come
+        first: greedy outputs are bit-identical only between groups of the same size. Any other worker with room is
+        the fallback.
         """
-        candidates = [r for worker_id, r in registrations.items() if worker_id not in exclude]
+        candidates = {worker_id: r for worker_id, r in registrations.items() if worker_id not in exclude}
         # The failed worker is excluded but often still registered (its lease outlives it by a TTL); failed targets
         # excluded later were picked with the same preference, so their size is the one to keep.
         source_sizes = {r.tensor_parallel_size or 1 for worker_id, r in registrations.items() if worker_id in exclude}
+        stats = await self._target_stats.get(frozenset((w, r.address) for w, r in candidates.items()), lambda: self._stats_of(candidates))
+        needed = _blocks_for(plan)
+        usable = []
+        for worker_id, registration in candidates.items():
+            s, (requests, blocks) = stats.get(worker_id), self._reserved.of(worker_id)
+            if s is not None and not s.draining and s.free_blocks - blocks >= needed:
+                usable.append((registration, s, s.queue_depth + s.running_seqs + requests, s.free_blocks - blocks))
+        if not usable:
+            return None
+        same_size = [u for u in usable if (u[0].tensor_parallel_size or 1) in source_sizes]
+        registration, s, _, _ = min(same_size or usable, key=lambda u: (u[2], -u[3]))
+        return registration, s
+
+    async def _stats_of(self, registrations) -> dict[str, worker_pb2.StatsResponse | None]:
+        """Each worker's Stats (None: no answer within 0.5 s), asked in parallel."""
 
         async def stats(registration):
             try:
-                return registration, await worker_pb2_grpc.WorkerServiceStub(self._channel(registration.address)).Stats(
+                return await worker_pb2_grpc.WorkerServiceStub(self._channel(registration.address)).Stats(
                     worker_pb2.StatsRequest(), timeout=0.5
                 )
             except grpc.aio.AioRpcError:
-                return registration, None
+                return None
 
-        needed = -(-(plan.num_tokens + 1) // 16)
-        answers = await asyncio.gather(*(stats(r) for r in candidates))
-        usable = [(r, s) for r, s in answers if s is not None and not s.draining and s.free_blocks >= needed]
-        if not usable:
-            return None
-        same_size = [(r, s) for r, s in usable if (r.tensor_parallel_size or 1) in source_sizes]
-        return min(same_size or usable, key=lambda rs: (rs[1].queue_depth + rs[1].running_seqs, -rs[1].free_blocks))
+        answers = await asyncio.gather(*(stats(r) for r in registrations.values()))
+        return dict(zip(registrations, answers, strict=True))
 
     # -- a whole worker -----------------------------------------------------------------
     async def migrate_worker(self, worker_id: str, reason: str) -> M.MigrateWorkerResponse:
@@ -371,6 +388,11 @@ class Migrator:
         commits = sorted(held.values(), key=lambda c: effective_priority(c.state.priority))
         await asyncio.gather(*(one(c) for c in commits))
         return response
+
+
+def _blocks_for(plan: Plan) -> int:
+    """KV blocks the request needs on its target: its tokens and the next one's."""
+    return -(-(plan.num_tokens + 1) // 16)  # the KV block size; phalanx.model.kv_cache would import torch here
 
 
 def _dtype_bytes(name: str) -> int:

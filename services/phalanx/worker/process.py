@@ -118,7 +118,7 @@ class WorkerProcess:
         # Peers connect to the advertised host (a container's service name), which must resolve to this host.
         self.channels = ChannelEndpoint(f"worker-{self.worker_id}", self.etcd_config, host=c.advertise_host or c.host, timeout_s=c.channel_timeout_s)
         self.channels.add_grpc_service(server)
-        servicer.channels, servicer.channel_timeout_s = self.channels, c.channel_timeout_s
+        servicer.channels, servicer.channel_timeout_s, servicer.channel_min_bytes = self.channels, c.channel_timeout_s, c.channel_min_bytes
         services = [SERVICE_NAME, KV_SOURCE_SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME]
         if c.chaos_enabled:
             self._add_chaos_service(server)

@@ -46,6 +46,7 @@ class RequestRecords:
         self._linger_s = linger_s
         self._unavailable_until = 0.0
         self._deletions: set[asyncio.Task[None]] = set()
+        self._updates: dict[str, asyncio.Task[None]] = {}  # the latest background update of each request
         self.skipped = 0
 
     async def start(self) -> None:
@@ -87,6 +88,24 @@ class RequestRecords:
         except (*TRANSIENT_ERRORS, TimeoutError) as error:
             self._cool_down(error)
 
+    def update_soon(self, record: common_pb2.RequestRecord) -> None:
+        """`update` in the background, after the request's earlier updates.
+
+        A stream that continues on another worker must not wait on etcd (a
+        stalled put costs up to its timeout): the record serves only a resume
+        at another router, and until it lands that resume finds the old
+        worker, whose request a migration brings back anyway.
+        """
+        previous = self._updates.get(record.request_id)
+        task = asyncio.create_task(self._update_after(previous, record))
+        self._updates[record.request_id] = task
+        task.add_done_callback(lambda done: self._updates.pop(record.request_id, None) if self._updates.get(record.request_id) is done else None)
+
+    async def _update_after(self, previous: asyncio.Task[None] | None, record: common_pb2.RequestRecord) -> None:
+        if previous is not None:
+            await asyncio.wait({previous})  # its outcome is its own; only the order matters here
+        await self.update(record)
+
     async def get(self, request_id: str) -> common_pb2.RequestRecord | None:
         """The record of a request, or None if there is none (or etcd is away)."""
         try:
@@ -120,8 +139,9 @@ class RequestRecords:
 
     async def close(self) -> None:
         """Stop the session's keepalives without revoking it: records outlive us by the resume window."""
-        for task in list(self._deletions):
+        pending = [*self._deletions, *self._updates.values()]
+        for task in pending:
             task.cancel()
-        await asyncio.gather(*self._deletions, return_exceptions=True)
+        await asyncio.gather(*pending, return_exceptions=True)
         await self._session.close(revoke=False)
         await self._client.close()

@@ -464,7 +464,7 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
         record.worker_id, record.worker_address = moved.worker_id, moved.worker_address
         flow.record = record
         self._remember(record)
-        await self.records.update(record)
+        self.records.update_soon(record)
         return moved
 
     async def _move(self, flow: _Flow, decision) -> None:
@@ -475,7 +475,7 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
         flow.record = record
         flow.first_sent = False
         self._remember(record)
-        await self.records.update(record)
+        self.records.update_soon(record)
 
     async def _relay(self, flow: _Flow, chunks: AsyncIterator, response_type) -> AsyncIterator:
         """Client responses from worker chunks: each index once, in order, with latency metrics."""

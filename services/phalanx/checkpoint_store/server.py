@@ -104,7 +104,7 @@ class CheckpointStoreServicer(checkpoint_pb2_grpc.CheckpointStoreServicer, migra
         started = time.perf_counter()
         sent = 0
         try:
-            pieces = self._check_pieces(request.pieces)
+            pieces = self._check_pieces(request.pieces, required=False)  # none: only form the channel and keep it
             if not request.target_endpoint:
                 raise InvalidRequestError("target_endpoint", "required: the tensor-channel endpoint id of the target worker")
             try:
@@ -131,7 +131,8 @@ class CheckpointStoreServicer(checkpoint_pb2_grpc.CheckpointStoreServicer, migra
         except PhalanxError as error:
             await _abort(context, error)
         seconds = time.perf_counter() - started
-        self._restored("channel", len(pieces), seconds)
+        if pieces:
+            self._restored("channel", len(pieces), seconds)
         return migration_pb2.SendKvResponse(bytes=sent, seconds=seconds)
 
     async def FetchKv(self, request, context) -> AsyncIterator[migration_pb2.FetchKvResponse]:
@@ -149,9 +150,9 @@ class CheckpointStoreServicer(checkpoint_pb2_grpc.CheckpointStoreServicer, migra
 
     # -- helpers --------------------------------------------------------------------------------
 
-    def _check_pieces(self, pieces) -> list[migration_pb2.KvPiece]:
+    def _check_pieces(self, pieces, *, required: bool = True) -> list[migration_pb2.KvPiece]:
         """Every piece committed (so that nothing is sent when one would fail), else the error for the first that is not."""
-        if not pieces:
+        if required and not pieces:
             raise InvalidRequestError("pieces", "at least one piece is required")
         for i, piece in enumerate(pieces):
             try:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
 from collections.abc import Callable
@@ -24,6 +25,8 @@ from phalanx.worker.engine import EngineRequest
 from phalanx.worker.metrics import WorkerMetrics
 from phalanx.worker.sequence import FinishReason, RequestSnapshot, TokenEvent
 from phalanx.worker.streams import RequestLog, RequestStreams
+
+logger = logging.getLogger(__name__)  # `log` names request logs here
 
 MAX_PROMPT_CHARS = 1 << 20
 CANARY_MAX_TOKENS = 64
@@ -97,6 +100,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         self.checkpointing_to: Callable[[], str] = lambda: ""  # the store this worker's checkpoints stream to now, if any
         self.channel_timeout_s = 10.0
         self.channel_min_bytes = 32 << 20  # smaller KV from a source with no channel kept goes over gRPC
+        self._warming: dict[str, asyncio.Task] = {}  # channels being formed ahead of the next transfer, by source key
         self._ttft, self._itl, self._generated = m.for_worker(m.ttft), m.for_worker(m.itl), m.for_worker(m.generated_tokens)
         self._prompt, self._cached_prompt = m.for_worker(m.prompt_tokens), m.for_worker(m.cached_prompt_tokens)
         self.streams = RequestStreams(
@@ -112,6 +116,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
     async def close(self) -> None:
         """Ends what still waits on a request log, stops detach timers, closes channels to KV sources; idempotent."""
         self.streams.close()
+        warming = list(self._warming.values())
+        for task in warming:
+            task.cancel()
+        await asyncio.gather(*warming, return_exceptions=True)
         await self.kv_sources.close()
 
     @property
@@ -323,7 +331,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         KV (about 20 ms against 2), so both ends keep it for the next restore.
         On a host that a failure has just loaded, forming one took 300 ms
         against 15-80 ms for a few MB over gRPC: without a kept channel, KV
-        under `channel_min_bytes` goes over gRPC.
+        under `channel_min_bytes` goes over gRPC, and a channel forms in the
+        background for the next transfer from `source` (4 MB: 7 ms over a kept
+        channel, 14 ms over gRPC).
         """
         key = f"kv-source/{source}"
         try:
@@ -343,6 +353,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
                 # The source no longer keeps its end (it restarted, or closed it idle): form a new one.
         if sum(b.nbytes for b in buffers.values()) < self.channel_min_bytes:
             await _fetch_kv(stub, pieces, buffers, timeout)
+            self._warm_channel(stub, key, timeout)
             return
         channel_id = uuid.uuid4().hex
         accepted = asyncio.ensure_future(self.channels.accept(channel_id, timeout_s=timeout))
@@ -351,6 +362,26 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             await _transfer_kv(stub, request, accepted, pieces, buffers, timeout, keep=partial(self.channels.keep, key))
         finally:
             accepted.cancel()
+
+    def _warm_channel(self, stub, key: str, timeout: float) -> None:
+        """Forms a channel to a KV source in the background (an empty SendKv) and keeps it; one at a time per source."""
+        if key in self._warming or self.channels is None:
+            return
+        channels = self.channels
+
+        async def warm() -> None:
+            channel_id = uuid.uuid4().hex
+            accepted = asyncio.ensure_future(channels.accept(channel_id, timeout_s=timeout))
+            request = migration_pb2.SendKvRequest(target_endpoint=channels.endpoint_id, channel_id=channel_id, timeout_s=timeout)
+            try:
+                await _transfer_kv(stub, request, accepted, [], {}, timeout, keep=partial(channels.keep, key))
+            except (grpc.aio.AioRpcError, PhalanxError) as error:
+                logger.info("could not form a tensor channel for %s ahead of time: %s", key, error)
+            finally:
+                accepted.cancel()
+
+        task = self._warming[key] = asyncio.ensure_future(warm())
+        task.add_done_callback(lambda _t: self._warming.pop(key, None))
 
     async def Park(self, request, context):
         try:

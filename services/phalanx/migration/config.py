@@ -36,6 +36,10 @@ class MigrationConfig(BaseSettings):
         0.005, ge=0, le=1.0,
         description="Restores to one target that come within this of the first (or while a call to it runs) go in one Restore call",
     )
+    load_report_max_age_s: float = Field(
+        0.5, ge=0, le=10.0,
+        description="A target's NATS load report younger than this prices it without a Stats call (workers report every 0.1 s)",
+    )
     target_stats_reuse_s: float = Field(
         0.1, ge=0, le=5.0,
         description="The targets' Stats serve the migrations that come within this of the answer (their own restores are counted on top)",

@@ -140,6 +140,8 @@ class Migrator:
         self._reads: SharedCalls = SharedCalls()
         self._target_stats: SharedCalls = SharedCalls(reuse_s=config.target_stats_reuse_s)
         self._reserved = Reservations()
+        # Each worker's latest NATS load report and when it came: targets are priced without a Stats call.
+        self._loads: dict[str, tuple[common_pb2.LoadReport, float]] = {}
         self._done: dict[tuple[str, str], tuple[float, M.MigrateResponse]] = {}
         self._channels = GrpcChannels(_OPTIONS, traced=False)
         # First failure seen per worker (the restart strategy waits for a worker registered after it).
@@ -153,6 +155,9 @@ class Migrator:
 
     def _channel(self, address: str) -> grpc.aio.Channel:
         return self._channels.get(address)
+
+    async def on_load(self, report: common_pb2.LoadReport, subject: str = "", context=None) -> None:
+        self._loads[report.worker_id] = (report, time.monotonic())
 
     # -- one request ------------------------------------------------------------------
     async def migrate(self, request: M.MigrateRequest) -> M.MigrateResponse:
@@ -322,40 +327,57 @@ class Migrator:
         return [results.get(i.state.request_id, missing) for i in items]
 
     async def _pick_target(self, plan: Plan, registrations, exclude: set[str]):
-        """(registration, stats) of the least loaded live worker with the blocks for the request.
+        """(registration, load report) of the least loaded live worker with the blocks for the request.
 
-        Load and free blocks are the workers' Stats (one fan-out shared by the migrations of a burst) plus what
-        migrations still in flight have reserved on them. Workers of the failed one's tensor-parallel size come
-        first: greedy outputs are bit-identical only between groups of the same size. Any other worker with room is
-        the fallback.
+        Load and free blocks are the workers' latest load reports (a Stats call, shared by the migrations of a
+        burst, for those with none fresh) plus what migrations still in flight have reserved on them. Workers of
+        the failed one's tensor-parallel size come first: greedy outputs are bit-identical only between groups of
+        the same size. Any other worker with room is the fallback.
         """
         candidates = {worker_id: r for worker_id, r in registrations.items() if worker_id not in exclude}
         # The failed worker is excluded but often still registered (its lease outlives it by a TTL); failed targets
         # excluded later were picked with the same preference, so their size is the one to keep.
         source_sizes = {r.tensor_parallel_size or 1 for worker_id, r in registrations.items() if worker_id in exclude}
-        stats = await self._target_stats.get(frozenset((w, r.address) for w, r in candidates.items()), lambda: self._stats_of(candidates))
+        loads = await self._loads_of(candidates)
         needed = _blocks_for(plan)
         usable = []
         for worker_id, registration in candidates.items():
-            s, (requests, blocks) = stats.get(worker_id), self._reserved.of(worker_id)
-            if s is not None and not s.draining and s.free_blocks - blocks >= needed:
-                usable.append((registration, s, s.queue_depth + s.running_seqs + requests, s.free_blocks - blocks))
+            load, (requests, blocks) = loads.get(worker_id), self._reserved.of(worker_id)
+            if load is not None and not load.draining and load.free_blocks - blocks >= needed:
+                usable.append((registration, load, load.queue_depth + load.running_seqs + requests, load.free_blocks - blocks))
         if not usable:
             return None
         same_size = [u for u in usable if (u[0].tensor_parallel_size or 1) in source_sizes]
-        registration, s, _, _ = min(same_size or usable, key=lambda u: (u[2], -u[3]))
-        return registration, s
+        registration, load, _, _ = min(same_size or usable, key=lambda u: (u[2], -u[3]))
+        return registration, load
 
-    async def _stats_of(self, registrations) -> dict[str, worker_pb2.StatsResponse | None]:
-        """Each worker's Stats (None: no answer within 0.5 s), asked in parallel."""
+    async def _loads_of(self, registrations) -> dict[str, common_pb2.LoadReport | None]:
+        """Each worker's load: its report if fresh, else from a Stats call (None: neither)."""
+        now = time.monotonic()
+        if len(self._loads) > 2 * len(registrations) + 16:  # workers that left stop reporting: forget them
+            self._loads = {w: (report, at) for w, (report, at) in self._loads.items() if now - at < 60.0}
+        oldest = now - self.config.load_report_max_age_s
+        loads = {w: report for w, (report, at) in self._loads.items() if w in registrations and at >= oldest}
+        if missing := {w: r for w, r in registrations.items() if w not in loads}:
+            key = frozenset((w, r.address) for w, r in missing.items())
+            loads.update(await self._target_stats.get(key, lambda: self._stats_of(missing)))
+        return loads
+
+    async def _stats_of(self, registrations) -> dict[str, common_pb2.LoadReport | None]:
+        """Each worker's Stats as a load report (None: no answer within 0.5 s), asked in parallel."""
 
         async def stats(registration):
             try:
-                return await worker_pb2_grpc.WorkerServiceStub(self._channel(registration.address)).Stats(
+                s = await worker_pb2_grpc.WorkerServiceStub(self._channel(registration.address)).Stats(
                     worker_pb2.StatsRequest(), timeout=0.5
                 )
             except grpc.aio.AioRpcError:
                 return None
+            return common_pb2.LoadReport(
+                worker_id=s.worker_id, queue_depth=s.queue_depth, running_seqs=s.running_seqs, free_blocks=s.free_blocks,
+                total_blocks=s.total_blocks, step_time_ms=s.step_time_ms, prefill_tokens_per_s=s.prefill_tokens_per_s,
+                decode_tokens_per_s=s.decode_tokens_per_s, draining=s.draining,
+            )
 
         answers = await asyncio.gather(*(stats(r) for r in registrations.values()))
         return dict(zip(registrations, answers, strict=True))

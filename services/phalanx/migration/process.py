@@ -27,7 +27,7 @@ from phalanx._proto import common_pb2, migration_pb2, migration_pb2_grpc
 from phalanx.common.config import EtcdConfig, NatsConfig, TelemetryConfig
 from phalanx.common.events import EventBus
 from phalanx.common.lease import LeasedKey
-from phalanx.common.subjects import HEALTH_EVENTS_ALL, MIGRATIONS_PREFIX, validate_worker_id
+from phalanx.common.subjects import HEALTH_EVENTS_ALL, LOAD_ALL, MIGRATIONS_PREFIX, validate_worker_id
 from phalanx.common.telemetry import grpc_server_interceptors, setup_telemetry, shutdown_telemetry
 from phalanx.migration.config import MigrationConfig
 from phalanx.migration.core import Migrator
@@ -63,7 +63,7 @@ class MigrationProcess:
         port = server.add_insecure_port(f"{self.config.host}:{self.config.port}")
         self.address = f"{self.config.advertise_host or self.config.host}:{port}"
         metrics_server, metrics_thread = start_http_server(self.config.metrics_port, self.config.host, registry=self.metrics.registry)
-        bus = migrator = advertisement = subscription = None
+        bus = migrator = advertisement = subscription = loads = None
         try:
             bus = await EventBus.connect(self.nats_config, name=f"migration-{self.instance_id}")
             migrator = Migrator(self.config, self.etcd_config, bus, self.metrics)
@@ -75,6 +75,7 @@ class MigrationProcess:
                 json.dumps({"address": self.address, "pid": os.getpid(), "strategy": self.config.strategy}).encode(),
             )
             await advertisement.start()
+            loads = await bus.subscribe(LOAD_ALL, common_pb2.LoadReport, migrator.on_load)
             if self.config.trigger_on_dead:
                 subscription = await bus.subscribe(HEALTH_EVENTS_ALL, common_pb2.WorkerHealthRecord, self._on_health(migrator))
             await self._set_serving(True)
@@ -83,8 +84,9 @@ class MigrationProcess:
             await self._stop.wait()
             await self.health.enter_graceful_shutdown()
         finally:
-            if subscription is not None:
-                await subscription.unsubscribe()
+            for sub in (subscription, loads):
+                if sub is not None:
+                    await sub.unsubscribe()
             await server.stop(1.0)
             if advertisement is not None:
                 await advertisement.close(revoke=True)

@@ -16,23 +16,27 @@ def test_effective_priority_is_the_first_set_value_else_standard():
     assert effective_priority() == STANDARD
 
 
+async def hold(gate: PriorityGate, priority: int, until: asyncio.Event, order: list[str]) -> None:
+    """Takes a slot, notes "first" in `order`, and keeps the slot until `until` is set."""
+    async with gate.slot(priority):
+        order.append("first")
+        await until.wait()
+
+
+async def wait_turn(gate: PriorityGate, name: str, priority: int, order: list[str]) -> None:
+    """Notes `name` in `order` once it gets a slot."""
+    async with gate.slot(priority):
+        order.append(name)
+
+
 async def test_waiters_get_the_slot_by_priority_then_arrival():
     gate = PriorityGate(1)
     order: list[str] = []
     release_first = asyncio.Event()
 
-    async def holder():
-        async with gate.slot(3):
-            order.append("first")
-            await release_first.wait()
-
-    async def waiter(name: str, priority: int):
-        async with gate.slot(priority):
-            order.append(name)
-
-    first = asyncio.create_task(holder())
+    first = asyncio.create_task(hold(gate, 3, release_first, order))
     await asyncio.sleep(0)
-    waiters = [asyncio.create_task(waiter(n, p)) for n, p in [("best-a", 3), ("standard", 2), ("premium-a", 1), ("best-b", 3), ("premium-b", 1)]]
+    waiters = [asyncio.create_task(wait_turn(gate, n, p, order)) for n, p in [("best-a", 3), ("standard", 2), ("premium-a", 1), ("best-b", 3), ("premium-b", 1)]]
     for _ in range(3):
         await asyncio.sleep(0)
     assert gate.waiting == 5 and order == ["first"]
@@ -67,24 +71,16 @@ async def test_up_to_slots_run_at_once_and_a_new_arrival_waits_behind_queued_one
 
 async def test_a_cancelled_waiter_passes_its_turn_on():
     gate = PriorityGate(1)
-    hold = asyncio.Event()
+    release = asyncio.Event()
     got: list[str] = []
 
-    async def holder():
-        async with gate.slot(2):
-            await hold.wait()
-
-    async def waiter(name: str, priority: int):
-        async with gate.slot(priority):
-            got.append(name)
-
-    first = asyncio.create_task(holder())
+    first = asyncio.create_task(hold(gate, 2, release, []))  # the holder's turn is not under test here
     await asyncio.sleep(0)
-    cancelled = asyncio.create_task(waiter("cancelled", 1))
-    later = asyncio.create_task(waiter("later", 3))
+    cancelled = asyncio.create_task(wait_turn(gate, "cancelled", 1, got))
+    later = asyncio.create_task(wait_turn(gate, "later", 3, got))
     await asyncio.sleep(0)
     cancelled.cancel()
-    hold.set()
+    release.set()
     await asyncio.gather(first, later)
     with pytest.raises(asyncio.CancelledError):
         await cancelled

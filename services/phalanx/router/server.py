@@ -399,7 +399,7 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
                 if retry_elsewhere and not got_any and code in _RETRY_ELSEWHERE and len(tried) + 1 < _MAX_ROUTE_ATTEMPTS:
                     tried.add(flow.record.worker_id)
                     log.info("worker %s refused %s (%s); routing elsewhere", flow.record.worker_id, flow.record.request_id, code.name)
-                    await self._move(flow, self._route(flow.prompt_ids, frozenset(tried)))
+                    self._move(flow, self._route(flow.prompt_ids, frozenset(tried)))
                     continue
                 if code not in _MIGRATABLE or self._migrate is None:
                     raise _WorkerStreamError(flow.record.worker_id, error) from None
@@ -424,7 +424,7 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
             self.metrics.handoffs.inc()
             decision = self._route(list(handoff.prompt_token_ids) + list(handoff.output_token_ids), frozenset({previous}))
             log.info("worker %s handed back %s; continuing on %s", previous, flow.record.request_id, decision.worker_id)
-            await self._move(flow, decision)
+            self._move(flow, decision)
             resume = worker_pb2.GenerateRequest(request_id=flow.record.request_id, resume_from=handoff)
             open_call = lambda stub, resume=resume: stub.Generate(resume)  # noqa: E731
             retry_elsewhere = False
@@ -459,21 +459,19 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
         flow.migrations += 1
         self.metrics.migrations.inc()
         log.info("%s moved from %s to %s (%s)", flow.record.request_id, flow.record.worker_id, moved.worker_id, request.reason)
-        record = common_pb2.RequestRecord()
-        record.CopyFrom(flow.record)
-        record.worker_id, record.worker_address = moved.worker_id, moved.worker_address
-        flow.record = record
-        self._remember(record)
-        self.records.update_soon(record)
+        self._repoint(flow, moved.worker_id, moved.worker_address)
         return moved
 
-    async def _move(self, flow: _Flow, decision) -> None:
+    def _move(self, flow: _Flow, decision) -> None:
+        self._repoint(flow, decision.worker_id, self._address(decision.worker_id))
+        flow.first_sent = False
+
+    def _repoint(self, flow: _Flow, worker_id: str, worker_address: str) -> None:
+        """The request now runs on `worker_id`: a new record, here and (in the background) in etcd."""
         record = common_pb2.RequestRecord()
         record.CopyFrom(flow.record)
-        record.worker_id = decision.worker_id
-        record.worker_address = self._address(decision.worker_id)
+        record.worker_id, record.worker_address = worker_id, worker_address
         flow.record = record
-        flow.first_sent = False
         self._remember(record)
         self.records.update_soon(record)
 

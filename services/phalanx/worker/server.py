@@ -355,6 +355,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             await _fetch_kv(stub, pieces, buffers, timeout)
             self._warm_channel(stub, key, timeout)
             return
+        await self._over_new_channel(stub, key, pieces, buffers, timeout)
+
+    async def _over_new_channel(self, stub, key: str, pieces, buffers: dict[str, torch.Tensor], timeout: float) -> None:
+        """Forms a channel with the source (kept under `key` if it ends well) and receives the pieces over it; none: only forms it."""
         channel_id = uuid.uuid4().hex
         accepted = asyncio.ensure_future(self.channels.accept(channel_id, timeout_s=timeout))
         request = migration_pb2.SendKvRequest(pieces=pieces, target_endpoint=self.channels.endpoint_id, channel_id=channel_id, timeout_s=timeout)
@@ -367,18 +371,12 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         """Forms a channel to a KV source in the background (an empty SendKv) and keeps it; one at a time per source."""
         if key in self._warming or self.channels is None:
             return
-        channels = self.channels
 
         async def warm() -> None:
-            channel_id = uuid.uuid4().hex
-            accepted = asyncio.ensure_future(channels.accept(channel_id, timeout_s=timeout))
-            request = migration_pb2.SendKvRequest(target_endpoint=channels.endpoint_id, channel_id=channel_id, timeout_s=timeout)
             try:
-                await _transfer_kv(stub, request, accepted, [], {}, timeout, keep=partial(channels.keep, key))
+                await self._over_new_channel(stub, key, [], {}, timeout)
             except (grpc.aio.AioRpcError, PhalanxError) as error:
                 logger.info("could not form a tensor channel for %s ahead of time: %s", key, error)
-            finally:
-                accepted.cancel()
 
         task = self._warming[key] = asyncio.ensure_future(warm())
         task.add_done_callback(lambda _t: self._warming.pop(key, None))

@@ -186,15 +186,29 @@ async def test_kill_during_prefill_and_two_kills_one_after_the_other(fleet):
         baseline = await baseline_tokens(client, long_prompts)
         first, second = fleet.workers[0], fleet.workers[1]
 
+        channel = grpc.aio.insecure_channel(first.address)
+        stub = worker_pb2_grpc.WorkerServiceStub(channel)
+        before = await stub.Stats(worker_pb2.StatsRequest(), timeout=5)
+        killed_in_prefill = asyncio.Event()
+
         async def kill_twice():
-            await asyncio.sleep(0.05)  # requests are in their prefill
+            # Killed once the first worker holds requests and has generated no token for them yet: mid-prefill.
+            async with channel:
+                while True:
+                    stats = await stub.Stats(worker_pb2.StatsRequest(), timeout=5)
+                    if stats.running_seqs + stats.queue_depth > 0:
+                        break
+                    await asyncio.sleep(0.001)
             first.kill()
+            if stats.generated_tokens_total == before.generated_tokens_total:
+                killed_in_prefill.set()
             await asyncio.sleep(1.0)
             second.kill()
 
         killing = asyncio.ensure_future(kill_twice())
         results = await run_streams(client, long_prompts)
         await killing
+    assert killed_in_prefill.is_set(), "the first worker had generated tokens before it was killed"
     for i, chunks in results.items():
         assert [c.index for c in chunks] == list(range(MAX_TOKENS)), i
         assert [c.token_id for c in chunks] == baseline[i], i

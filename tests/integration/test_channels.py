@@ -20,7 +20,7 @@ import torch
 
 from phalanx.common import channels
 from phalanx.common.channels import ChannelEndpoint, ChannelError, TensorChannel, channel_key
-from phalanx.common.channels import endpoint as channel_endpoint
+from phalanx.common.channels import grpc_stream
 from phalanx.common.children import pdeathsig_preexec
 from phalanx.common.config import EtcdConfig
 from phalanx.testing.asserts import assert_eventually
@@ -260,7 +260,7 @@ async def test_grpc_fallback_round_trips_tensors_both_ways(etcd_config, monkeypa
         # A sender that dies mid-tensor fails the receiver at once, not at its timeout.
         sender, receiver = await asyncio.gather(a.open_grpc(address_b, "g3"), b.accept_grpc("g3"))
         chunks_made = 0
-        make_chunks = channel_endpoint._chunks
+        make_chunks = grpc_stream._chunks
 
         def counted(*args):
             nonlocal chunks_made
@@ -268,7 +268,7 @@ async def test_grpc_fallback_round_trips_tensors_both_ways(etcd_config, monkeypa
                 chunks_made += 1
                 yield chunk
 
-        monkeypatch.setattr(channel_endpoint, "_chunks", counted)
+        monkeypatch.setattr(grpc_stream, "_chunks", counted)
         pending = asyncio.ensure_future(receiver.recv_into(torch.empty(64 << 20, dtype=torch.uint8), timeout_s=30))
         sending = asyncio.ensure_future(sender.send(torch.ones(64 << 20, dtype=torch.uint8)))
         await assert_eventually(lambda: chunks_made >= 4, timeout=5, interval=0.001)  # the first ones are on the wire

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import os
 import time
@@ -22,7 +21,7 @@ import grpc
 import torch
 import torch.distributed as dist
 
-from phalanx._proto import channel_pb2_grpc
+from phalanx._proto import channel_pb2, channel_pb2_grpc
 from phalanx.common.channels.channel import ChannelError, ChannelNotKeptError, TensorChannel, _check_channel_id, _describe, _is_timeout
 from phalanx.common.channels.grpc_stream import (
     TensorStreamServicer,
@@ -37,6 +36,7 @@ from phalanx.common.channels.process_group import _backend_for, _GroupChannel, _
 from phalanx.common.channels.rendezvous import _host_store, _lookup, _Rendezvous, channel_key
 from phalanx.common.channels.threads import _DaemonPool, _in_thread
 from phalanx.common.config import EtcdConfig
+from phalanx.common.discovery import encode_json
 from phalanx.common.lease import TRANSIENT_ERRORS, LeasedKey, connect_etcd
 from phalanx.common.subjects import validate_worker_id
 
@@ -50,7 +50,7 @@ class ChannelEndpoint:
     """One per process: the rendezvous store, its etcd advertisement, and the channels formed through it.
 
     Hosts a torch TCPStore on ``host`` (free port) and, given an EtcdConfig,
-    advertises ``{"host", "port", "grpc_address", "pid", "backend"}`` as JSON at
+    advertises it (a ChannelEndpointAdvertisement, as JSON) at
     ``/phalanx/v1/channels/<endpoint_id>`` under a lease. ``open`` (rank 0)
     joins a peer's store; ``accept`` (rank 1) waits on its own. A channel id
     names one channel per acceptor at a time; reuse it once both sides closed.
@@ -105,7 +105,7 @@ class ChannelEndpoint:
         self._store = await _in_thread(self._pool, partial(_host_store, self._host, self._timeout_s))
         self._gloo_device = await _in_thread(self._pool, partial(dist.ProcessGroupGloo.create_device, hostname=self._host))
         if self._etcd_config is not None:
-            self._lease = LeasedKey(self._etcd_config, channel_key(self.endpoint_id), json.dumps(self.advertisement).encode())
+            self._lease = LeasedKey(self._etcd_config, channel_key(self.endpoint_id), encode_json(self.advertisement))
             try:
                 await self._lease.start()
             except BaseException:
@@ -154,17 +154,16 @@ class ChannelEndpoint:
         return None if self._store is None else (self._host, self._store.port)
 
     @property
-    def advertisement(self) -> dict[str, Any]:
+    def advertisement(self) -> channel_pb2.ChannelEndpointAdvertisement:
         """What this endpoint puts in etcd."""
-        value: dict[str, Any] = {
-            "host": self._host,
-            "port": self.store_address[1],
-            "pid": os.getpid(),
-            "backend": "nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo",
-        }
-        if self._grpc_address:
-            value["grpc_address"] = self._grpc_address
-        return value
+        nccl = torch.cuda.is_available() and dist.is_nccl_available()
+        return channel_pb2.ChannelEndpointAdvertisement(
+            host=self._host,
+            port=self.store_address[1],
+            pid=os.getpid(),
+            backend=channel_pb2.CHANNEL_BACKEND_NCCL if nccl else channel_pb2.CHANNEL_BACKEND_GLOO,
+            grpc_address=self._grpc_address,
+        )
 
     @property
     def channels(self) -> frozenset[TensorChannel]:
@@ -247,7 +246,7 @@ class ChannelEndpoint:
         closing.add_done_callback(self._closing_idle.discard)
 
     # --- discovery --------------------------------------------------------------------------------
-    async def lookup(self, peer_endpoint_id: str, *, timeout_s: float | None = None) -> dict[str, Any]:
+    async def lookup(self, peer_endpoint_id: str, *, timeout_s: float | None = None) -> channel_pb2.ChannelEndpointAdvertisement:
         """The advertisement of ``peer_endpoint_id`` from etcd; ChannelError if it is absent or etcd is away."""
         if self._etcd_config is None:
             raise ChannelError(f"cannot look up {peer_endpoint_id!r}: this endpoint has no etcd config", peer=peer_endpoint_id)
@@ -276,7 +275,7 @@ class ChannelEndpoint:
         deadline = time.monotonic() + timeout
         if address is None:
             advert = await self.lookup(peer_endpoint_id, timeout_s=timeout)
-            address = (advert["host"], int(advert["port"]))
+            address = (advert.host, advert.port)
         backend = _backend_for(device)
         form = partial(_make_group, backend=backend, device=torch.device(device), deadline=deadline, gloo_device=self._gloo_device)
         join = partial(self._rendezvous.join_as_opener, address, channel_id, backend, deadline, form)

@@ -3,9 +3,9 @@
 The opener (rank 0) joins the acceptor's (rank 1) store under
 ``ch/<channel_id>/``: it writes who it is, both form the channel's group
 through that namespace, and the acceptor deletes the keys once the opener
-says its group formed. The advertisement lives under a lease
-(``/phalanx/v1/channels/<endpoint id>``), so a peer that dies disappears
-from discovery within the lease TTL.
+says its group formed. The advertisement (a ChannelEndpointAdvertisement,
+proto3 JSON) lives under a lease (``/phalanx/v1/channels/<endpoint id>``),
+so a peer that dies disappears from discovery within the lease TTL.
 """
 
 from __future__ import annotations
@@ -22,8 +22,11 @@ from typing import Any
 
 import aetcd
 import torch.distributed as dist
+from google.protobuf import json_format
 
+from phalanx._proto import channel_pb2
 from phalanx.common.channels.channel import ChannelError, _describe
+from phalanx.common.discovery import decode_json
 from phalanx.common.lease import TRANSIENT_ERRORS
 from phalanx.common.subjects import CHANNELS_PREFIX, validate_worker_id
 
@@ -133,8 +136,7 @@ def _host_store(host: str, timeout: float) -> dist.TCPStore:
 
 
 
-
-async def _lookup(etcd: aetcd.Client, peer_endpoint_id: str, timeout: float) -> dict[str, Any]:
+async def _lookup(etcd: aetcd.Client, peer_endpoint_id: str, timeout: float) -> channel_pb2.ChannelEndpointAdvertisement:
     """The advertisement of ``peer_endpoint_id``; ChannelError if it is absent or etcd is away."""
     key = channel_key(peer_endpoint_id)
     try:
@@ -144,7 +146,10 @@ async def _lookup(etcd: aetcd.Client, peer_endpoint_id: str, timeout: float) -> 
         raise ChannelError(f"cannot look up {key} in etcd: {error}", peer=peer_endpoint_id) from error
     if stored is None:
         raise ChannelError(f"endpoint {peer_endpoint_id!r} is not advertised (no {key}): dead or not started", peer=peer_endpoint_id)
-    return json.loads(stored.value)
+    try:
+        return decode_json(stored.value, channel_pb2.ChannelEndpointAdvertisement)
+    except json_format.ParseError as error:
+        raise ChannelError(f"the advertisement at {key} is unreadable: {error}", peer=peer_endpoint_id) from error
 
 
 class _Rendezvous:

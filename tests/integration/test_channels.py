@@ -18,10 +18,13 @@ import grpc
 import pytest
 import torch
 
+from phalanx._proto import channel_pb2
 from phalanx.common import channels
 from phalanx.common.channels import ChannelEndpoint, ChannelError, TensorChannel, channel_key
+from phalanx.common.channels import grpc_stream
 from phalanx.common.children import pdeathsig_preexec
 from phalanx.common.config import EtcdConfig
+from phalanx.common.discovery import decode_json
 from phalanx.testing.asserts import assert_eventually
 
 pytestmark = pytest.mark.integration
@@ -230,7 +233,7 @@ async def test_grpc_fallback_round_trips_tensors_both_ways(etcd_config, monkeypa
     b.add_grpc_service(server_b)
     await asyncio.gather(server_a.start(), server_b.start(), a.start(), b.start())
     try:
-        found = (await a.lookup(b.endpoint_id))["grpc_address"]
+        found = (await a.lookup(b.endpoint_id)).grpc_address
         assert found == address_b
         a_to_b, at_b = await asyncio.gather(a.open_grpc(found, "g1"), b.accept_grpc("g1"))
         b_to_a, at_a = await asyncio.gather(b.open_grpc(address_a, "g2"), a.accept_grpc("g2"))
@@ -259,7 +262,7 @@ async def test_grpc_fallback_round_trips_tensors_both_ways(etcd_config, monkeypa
         # A sender that dies mid-tensor fails the receiver at once, not at its timeout.
         sender, receiver = await asyncio.gather(a.open_grpc(address_b, "g3"), b.accept_grpc("g3"))
         chunks_made = 0
-        make_chunks = channels._chunks
+        make_chunks = grpc_stream._chunks
 
         def counted(*args):
             nonlocal chunks_made
@@ -267,7 +270,7 @@ async def test_grpc_fallback_round_trips_tensors_both_ways(etcd_config, monkeypa
                 chunks_made += 1
                 yield chunk
 
-        monkeypatch.setattr(channels, "_chunks", counted)
+        monkeypatch.setattr(grpc_stream, "_chunks", counted)
         pending = asyncio.ensure_future(receiver.recv_into(torch.empty(64 << 20, dtype=torch.uint8), timeout_s=30))
         sending = asyncio.ensure_future(sender.send(torch.ones(64 << 20, dtype=torch.uint8)))
         await assert_eventually(lambda: chunks_made >= 4, timeout=5, interval=0.001)  # the first ones are on the wire
@@ -318,9 +321,12 @@ async def test_accept_times_out_when_nobody_opens_and_the_id_stays_usable(etcd_c
 async def test_close_removes_the_advertisement_and_is_idempotent(etcd_config):
     endpoint = ChannelEndpoint(_name("adv"), etcd_config, grpc_address="127.0.0.1:1")
     await endpoint.start()
-    advertised = json.loads(await _etcd_value(etcd_config, channel_key(endpoint.endpoint_id)))
-    assert advertised["host"] == "127.0.0.1" and advertised["port"] == endpoint.store_address[1]
-    assert advertised["pid"] == os.getpid() and advertised["grpc_address"] == "127.0.0.1:1"
+    value = await _etcd_value(etcd_config, channel_key(endpoint.endpoint_id))
+    advertised = decode_json(value, channel_pb2.ChannelEndpointAdvertisement)
+    assert advertised.host == "127.0.0.1" and advertised.port == endpoint.store_address[1]
+    assert advertised.pid == os.getpid() and advertised.grpc_address == "127.0.0.1:1"
+    assert advertised.backend in (channel_pb2.CHANNEL_BACKEND_GLOO, channel_pb2.CHANNEL_BACKEND_NCCL)
+    assert json.loads(value)["grpcAddress"] == "127.0.0.1:1", "proto3 JSON, readable with etcdctl"
     await endpoint.close()
     assert await _etcd_value(etcd_config, channel_key(endpoint.endpoint_id)) is None
     await endpoint.close()

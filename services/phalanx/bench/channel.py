@@ -78,7 +78,7 @@ async def _run(sizes_mib: list[int], repeats: int, etcd_config: EtcdConfig) -> d
             open_ms.append((time.perf_counter() - started) * 1e3)
             await setup.close()
         channel = await endpoint.open(peer_id, "bench")
-        grpc_address = (await endpoint.lookup(peer_id))["grpc_address"]
+        grpc_address = (await endpoint.lookup(peer_id)).grpc_address
         sender = await endpoint.open_grpc(grpc_address, "bench-grpc")
         rtt_us = await _round_trips(channel)
         sizes: dict[str, dict[str, float]] = {}

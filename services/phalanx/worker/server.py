@@ -7,13 +7,11 @@ import logging
 import time
 import uuid
 from collections.abc import Callable
-from functools import partial
 
 import grpc
 import torch
 
 from phalanx._proto import common_pb2, migration_pb2, migration_pb2_grpc, worker_pb2, worker_pb2_grpc
-from phalanx.common.channels import ChannelNotKeptError
 from phalanx.common.errors import InvalidRequestError, NotFoundError, PhalanxError, ResourceExhaustedError, UnavailableError
 from phalanx.common.grpc_channels import GrpcChannels
 from phalanx.common.grpc_status import abort_with
@@ -22,6 +20,7 @@ from phalanx.model.params import SamplingParams, sampling_from_proto
 from phalanx.worker.async_engine import AsyncEngine
 from phalanx.worker.checkpointing import tensor_bytes
 from phalanx.worker.engine import EngineRequest
+from phalanx.worker.kv_fetch import KvFetcher, KvFetchPolicy
 from phalanx.worker.metrics import WorkerMetrics
 from phalanx.worker.sequence import FinishReason, RequestSnapshot, TokenEvent
 from phalanx.worker.streams import RequestLog, RequestStreams
@@ -313,73 +312,14 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         buffers = {i.state.request_id: torch.empty((layers, 2, i.kv_tokens, heads, dim), dtype=cache.data.dtype) for i in items}
         pieces = [migration_pb2.KvPiece(request_id=i.state.request_id, kv_tokens=i.kv_tokens) for i in items]
         stub = migration_pb2_grpc.KvSourceStub(self.kv_sources.get(source))
+        fetcher = KvFetcher(self.channels, KvFetchPolicy(self.channel_min_bytes), warming=self._warming)
         try:
-            if transport == migration_pb2.KV_TRANSPORT_GRPC or self.channels is None:
-                await _fetch_kv(stub, pieces, buffers, timeout)
-            else:
-                await self._receive_over_channel(stub, source, pieces, buffers, timeout)
+            await fetcher.fetch(stub, source, pieces, buffers, timeout, grpc_requested=transport == migration_pb2.KV_TRANSPORT_GRPC)
         except grpc.aio.AioRpcError as error:
             if error.code() == grpc.StatusCode.UNAVAILABLE:
                 self.kv_sources.discard(source)  # a new connection next time, not one stuck in reconnect backoff
             raise UnavailableError(f"the KV source {source} failed: {error.code().name}: {error.details()}", retry_after_s=0.1) from None
         return buffers
-
-    async def _receive_over_channel(self, stub, source: str, pieces, buffers: dict[str, torch.Tensor], timeout: float) -> None:
-        """The pieces over the channel kept from the last transfer from `source`, or over a new one, or over gRPC.
-
-        Forming a channel and tearing it down took longer than sending 4 MB of
-        KV (about 20 ms against 2), so both ends keep it for the next restore.
-        On a host that a failure has just loaded, forming one took 300 ms
-        against 15-80 ms for a few MB over gRPC: without a kept channel, KV
-        under `channel_min_bytes` goes over gRPC, and a channel forms in the
-        background for the next transfer from `source` (4 MB: 7 ms over a kept
-        channel, 14 ms over gRPC).
-        """
-        key = f"kv-source/{source}"
-        try:
-            kept = self.channels.reuse(key)
-        except ChannelNotKeptError:
-            kept = None
-        if kept is not None:
-            request = migration_pb2.SendKvRequest(
-                pieces=pieces, target_endpoint=self.channels.endpoint_id, channel_id=kept.channel_id, timeout_s=timeout, reuse_channel=True
-            )
-            try:
-                await _transfer_kv(stub, request, _ready(kept), pieces, buffers, timeout, keep=partial(self.channels.keep, key))
-                return
-            except grpc.aio.AioRpcError as error:
-                if error.code() != grpc.StatusCode.NOT_FOUND:
-                    raise
-                # The source no longer keeps its end (it restarted, or closed it idle): form a new one.
-        if sum(b.nbytes for b in buffers.values()) < self.channel_min_bytes:
-            await _fetch_kv(stub, pieces, buffers, timeout)
-            self._warm_channel(stub, key, timeout)
-            return
-        await self._over_new_channel(stub, key, pieces, buffers, timeout)
-
-    async def _over_new_channel(self, stub, key: str, pieces, buffers: dict[str, torch.Tensor], timeout: float) -> None:
-        """Forms a channel with the source (kept under `key` if it ends well) and receives the pieces over it; none: only forms it."""
-        channel_id = uuid.uuid4().hex
-        accepted = asyncio.ensure_future(self.channels.accept(channel_id, timeout_s=timeout))
-        request = migration_pb2.SendKvRequest(pieces=pieces, target_endpoint=self.channels.endpoint_id, channel_id=channel_id, timeout_s=timeout)
-        try:
-            await _transfer_kv(stub, request, accepted, pieces, buffers, timeout, keep=partial(self.channels.keep, key))
-        finally:
-            accepted.cancel()
-
-    def _warm_channel(self, stub, key: str, timeout: float) -> None:
-        """Forms a channel to a KV source in the background (an empty SendKv) and keeps it; one at a time per source."""
-        if key in self._warming or self.channels is None:
-            return
-
-        async def warm() -> None:
-            try:
-                await self._over_new_channel(stub, key, [], {}, timeout)
-            except (grpc.aio.AioRpcError, PhalanxError) as error:
-                logger.info("could not form a tensor channel for %s ahead of time: %s", key, error)
-
-        task = self._warming[key] = asyncio.ensure_future(warm())
-        task.add_done_callback(lambda _t: self._warming.pop(key, None))
 
     async def Park(self, request, context):
         try:
@@ -484,54 +424,6 @@ def _failed(request_id: str, exc: PhalanxError) -> worker_pb2.RestoreResult:
 
 _BULK_OPTIONS = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
 _CHUNK_BYTES = 1 << 20
-
-
-async def _transfer_kv(stub, request, channel_ready: asyncio.Future, pieces, buffers: dict[str, torch.Tensor], timeout: float, *, keep) -> None:
-    """SendKv on the source while receiving its pieces here; the channel goes to `keep` if every piece arrived, else closed.
-
-    A failure on either side ends the other at once (a channel the source never
-    opened must not hold a receive until the timeout).
-    """
-
-    async def receive() -> None:
-        channel = await channel_ready
-        try:
-            for piece in pieces:
-                await channel.recv_into(buffers[piece.request_id], timeout_s=timeout)
-        except BaseException:
-            await channel.close()
-            raise
-        keep(channel)
-
-    send = asyncio.ensure_future(stub.SendKv(request, timeout=timeout + 1.0))
-    received = asyncio.ensure_future(receive())
-    try:
-        await asyncio.gather(send, received)
-    except BaseException:
-        send.cancel()
-        received.cancel()
-        await asyncio.gather(send, received, return_exceptions=True)
-        raise
-
-
-def _ready(value) -> asyncio.Future:
-    future = asyncio.get_running_loop().create_future()
-    future.set_result(value)
-    return future
-
-
-async def _fetch_kv(stub, pieces, buffers: dict[str, torch.Tensor], timeout: float) -> None:
-    """The gRPC fallback: each piece's bytes in chunks, copied into its buffer."""
-    views = [buffers[p.request_id].view(-1).view(torch.uint8) for p in pieces]
-    filled = [0] * len(pieces)
-    async for chunk in stub.FetchKv(migration_pb2.FetchKvRequest(pieces=pieces), timeout=timeout):
-        view, start = views[chunk.piece], filled[chunk.piece]
-        data = torch.frombuffer(bytearray(chunk.data), dtype=torch.uint8)
-        view[start : start + len(data)].copy_(data)
-        filled[chunk.piece] += len(data)
-    for piece, view, n in zip(pieces, views, filled, strict=True):
-        if n != view.numel():
-            raise UnavailableError(f"the KV source sent {n} of {view.numel()} bytes of {piece.request_id}", retry_after_s=0.1)
 
 
 class KvSourceServicer(migration_pb2_grpc.KvSourceServicer):

@@ -1,0 +1,152 @@
+"""Process-group channels: each one a standalone 2-rank gloo (CPU) or NCCL (GPU) group of its own.
+
+No ``init_process_group``, no global group: a group forms for one pair and
+one channel id in a few ms (rendezvous.py), so channels are cheap, and a
+dead pair never poisons the others. A SIGKILLed peer fails a pending op
+within tens of ms (gloo sees the socket close); a hung peer fails it at the
+timeout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import time
+from datetime import timedelta
+from functools import partial
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from phalanx.common.channels.channel import TensorChannel, _nbytes
+from phalanx.common.channels.threads import _in_thread
+
+if TYPE_CHECKING:
+    from phalanx.common.channels.endpoint import ChannelEndpoint
+
+# gloo tags are C ints.
+_TAG_MODULUS = 1 << 31
+
+
+def _backend_for(device: str) -> str:
+    if torch.device(device).type == "cuda" and dist.is_nccl_available():
+        return "nccl"
+    return "gloo"
+
+
+def _make_group(store: dist.Store, rank: int, *, backend: str, device: torch.device, deadline: float, gloo_device: Any) -> Any:
+    """The 2-rank group of one channel, formed through its rendezvous ``store`` (blocking: call it on a thread)."""
+    timeout = timedelta(seconds=max(0.001, deadline - time.monotonic()))
+    if backend == "nccl":
+        options = dist.ProcessGroupNCCL.Options()
+        options.is_high_priority_stream = False
+        options._timeout = timeout
+        options.global_ranks_in_group = [0, 1]
+        options.group_name = f"phalanx-channel-{os.getpid()}-{id(store):x}"
+        group = dist.ProcessGroupNCCL(store, rank, 2, options)
+        # NCCL connects lazily; connect now so that open/accept mean "joined".
+        group.eager_connect_single_device(device)
+        return group
+    options = dist.ProcessGroupGloo._Options()
+    options._timeout = timeout
+    options._devices = [gloo_device]
+    options._threads = 1  # send/recv do not use the group's worker threads
+    return dist.ProcessGroupGloo(store, rank, 2, options)
+
+
+class _GroupChannel(TensorChannel):
+    """A channel over a 2-rank gloo (or NCCL) process group of its own."""
+
+    def __init__(
+        self,
+        endpoint: ChannelEndpoint,
+        channel_id: str,
+        peer: str,
+        *,
+        group: Any,
+        rank: int,
+        backend: str,
+        device: torch.device,
+        store: dist.Store,
+        accepted: bool,
+    ) -> None:
+        super().__init__(endpoint, channel_id, peer)
+        self.backend = backend
+        self._group = group
+        self._rank = rank
+        self._device = device
+        self._store = store  # the groups hold it anyway; kept for clarity
+        self.accepted = accepted
+        self._dropping: asyncio.Future[None] | None = None
+
+    def _wire_device(self) -> torch.device:
+        return self._device if self.backend == "nccl" else torch.device("cpu")
+
+    async def _send(self, tensor: torch.Tensor, sequence: int, timeout: float) -> None:
+        wire = tensor.to(self._wire_device()).contiguous()
+        if _nbytes(wire) > 0:
+            await self._transfer("send", wire, sequence % _TAG_MODULUS, timeout)
+
+    async def _recv_into(self, tensor: torch.Tensor, sequence: int, timeout: float) -> None:
+        if _nbytes(tensor) == 0:
+            return
+        direct = tensor.is_contiguous() and tensor.device == self._wire_device()
+        target = tensor if direct else torch.empty(tensor.shape, dtype=tensor.dtype, device=self._wire_device())
+        await self._transfer("recv", target, sequence % _TAG_MODULUS, timeout)
+        if not direct:
+            tensor.copy_(target)
+
+    async def _transfer(self, op: str, tensor: torch.Tensor, tag: int, timeout: float) -> None:
+        if self.backend == "nccl":
+            # The first p2p op may create a communicator (blocking): all of it off the loop.
+            await _in_thread(
+                self._endpoint._pool, partial(_post_and_wait, self._live_group(), op, tensor, 1 - self._rank, tag, timeout), self._waiters
+            )
+            return
+        # gloo only posts here (no blocking), so the transfer starts while the
+        # waiting thread wakes up: one thread hop on the critical path, not two.
+        work = _post(self._live_group(), op, tensor, 1 - self._rank, tag)
+        await _in_thread(self._endpoint._pool, partial(_wait, work, timeout), self._waiters)
+
+    def _live_group(self) -> Any:
+        if self._group is None:
+            raise self._error("the channel is released")
+        return self._group
+
+    async def _drop_group(self) -> None:
+        """Let go of the group, on a worker thread (its destructor blocks for tens of ms).
+
+        Destroying it closes its sockets, which fails the peer's pending ops at
+        once (abort() does not, in gloo). An op still in flight here keeps it
+        alive until that op ends (gloo closes the pair itself at a timeout).
+        Awaited, so that a process exiting after close() never tears down
+        while a destructor runs (std::terminate).
+        """
+        box, self._group = [self._group], None
+        with contextlib.suppress(RuntimeError):  # the pool is shut down: the endpoint is closing
+            await _in_thread(self._endpoint._pool, box.clear)
+
+    def _on_broken(self) -> None:
+        self._dropping = asyncio.ensure_future(self._drop_group())
+
+    async def _release(self) -> None:
+        if self._dropping is not None:
+            await self._dropping
+        else:
+            await self._drop_group()
+
+
+def _post(group: Any, op: str, tensor: torch.Tensor, peer_rank: int, tag: int) -> Any:
+    return group.send([tensor], peer_rank, tag) if op == "send" else group.recv([tensor], peer_rank, tag)
+
+
+def _wait(work: Any, timeout: float) -> None:
+    work.wait(timedelta(seconds=timeout))
+
+
+def _post_and_wait(group: Any, op: str, tensor: torch.Tensor, peer_rank: int, tag: int, timeout: float) -> None:
+    _wait(_post(group, op, tensor, peer_rank, tag), timeout)
+    torch.cuda.current_stream(tensor.device).synchronize()
+

@@ -1,0 +1,223 @@
+"""Rendezvous: each endpoint hosts a TCPStore, advertised in etcd, where the two ends of a channel meet.
+
+The opener (rank 0) joins the acceptor's (rank 1) store under
+``ch/<channel_id>/``: it writes who it is, both form the channel's group
+through that namespace, and the acceptor deletes the keys once the opener
+says its group formed. The advertisement (a ChannelEndpointAdvertisement,
+proto3 JSON) lives under a lease (``/phalanx/v1/channels/<endpoint id>``),
+so a peer that dies disappears from discovery within the lease TTL.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import socket
+import threading
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import aetcd
+import torch.distributed as dist
+from google.protobuf import json_format
+
+from phalanx._proto import channel_pb2
+from phalanx.common.channels.channel import ChannelError, _describe
+from phalanx.common.discovery import decode_json
+from phalanx.common.lease import TRANSIENT_ERRORS
+from phalanx.common.subjects import CHANNELS_PREFIX, validate_worker_id
+
+log = logging.getLogger(__name__)
+
+_OPENER_KEY = "opener"
+# Set by the opener once its group formed: until then it may still read the
+# rendezvous keys, so the acceptor deletes them only after seeing this.
+_READY_KEY = "ready"
+# Rendezvous waits poll the store: fast at first (the peer is usually there), then every 5 ms.
+_POLL_FIRST_S = 0.0002
+_POLL_MAX_S = 0.005
+
+# Forms a channel's group through its rendezvous namespace, as the given rank (blocking).
+FormGroup = Callable[[dist.Store, int], Any]
+
+
+def channel_key(endpoint_id: str) -> str:
+    """etcd key of an endpoint's advertisement: ``/phalanx/v1/channels/<endpoint_id>``."""
+    return CHANNELS_PREFIX + validate_worker_id(endpoint_id)
+
+
+def _store_prefix(channel_id: str) -> str:
+    return f"ch/{channel_id}"
+
+
+def _delete_keys(store: dist.Store, prefix: str) -> None:
+    """Delete every key under ``prefix/`` of a TCPStore (best effort)."""
+    try:
+        for key in store.list_keys():
+            if key.startswith(prefix + "/"):
+                store.delete_key(key)
+    except Exception as error:  # noqa: BLE001 - stale keys only slow a reuse of the id
+        log.debug("could not delete the keys under %s: %s", prefix, _describe(error))
+
+
+class _PollingStore(dist.Store):
+    """One channel's rendezvous namespace (``ch/<channel_id>/``) on a shared TCPStore client; waits poll.
+
+    Why not a TCPStore client (under a PrefixStore) per channel: c10d resolves
+    the peer's name on every new connection (a reverse DNS query, where a
+    resolver that drops queries stalls it 5 s), and a TCPStore client
+    serializes its ops, so a blocking wait on a shared one would hold up every
+    other rendezvous. Polling ``check()`` needs no blocking op: one client per
+    peer store serves every channel, and ``deadline`` bounds every wait.
+    """
+
+    def __init__(self, client: dist.Store, channel_id: str, deadline: float) -> None:
+        super().__init__()
+        self._client = client
+        self._prefix = _store_prefix(channel_id)
+        self._deadline = deadline
+
+    def _key(self, key: str) -> str:
+        return f"{self._prefix}/{key}"
+
+    def set(self, key: str, value: Any) -> None:
+        self._client.set(self._key(key), value)
+
+    def get(self, key: str) -> bytes:
+        self.wait([key])
+        return self._client.get(self._key(key))
+
+    def check(self, keys: list[str]) -> bool:
+        return self._client.check([self._key(key) for key in keys])
+
+    def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
+        deadline = self._deadline if timeout is None else min(self._deadline, time.monotonic() + timeout.total_seconds())
+        delay = _POLL_FIRST_S
+        while not self.check(keys):
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"timed out waiting for {keys} under {self._prefix}")
+            time.sleep(delay)
+            delay = min(delay * 2, _POLL_MAX_S)
+
+    def delete_key(self, key: str) -> bool:
+        return self._client.delete_key(self._key(key))
+
+    def add(self, key: str, amount: int) -> int:
+        return self._client.add(self._key(key), amount)
+
+
+def _listening_socket(host: str) -> socket.socket:
+    """A socket bound to ``host`` on a free port, for the TCPStore server to take over.
+
+    Its own listener would bind every interface, dual-stack: peers would then
+    reach it on v4-mapped IPv6 addresses, whose names c10d looks up in DNS
+    (/etc/hosts lists only the plain ones) on every connection.
+    """
+    family, kind, proto, _, address = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0]
+    listener = socket.socket(family, kind, proto)
+    try:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(address)
+    except BaseException:
+        listener.close()
+        raise
+    return listener
+
+
+def _host_store(host: str, timeout: float) -> dist.TCPStore:
+    listener = _listening_socket(host)
+    port = listener.getsockname()[1]
+    return dist.TCPStore(
+        host, port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout), master_listen_fd=listener.detach()
+    )
+
+
+
+async def _lookup(etcd: aetcd.Client, peer_endpoint_id: str, timeout: float) -> channel_pb2.ChannelEndpointAdvertisement:
+    """The advertisement of ``peer_endpoint_id``; ChannelError if it is absent or etcd is away."""
+    key = channel_key(peer_endpoint_id)
+    try:
+        async with asyncio.timeout(timeout):
+            stored = await etcd.get(key.encode())
+    except TRANSIENT_ERRORS as error:
+        raise ChannelError(f"cannot look up {key} in etcd: {error}", peer=peer_endpoint_id) from error
+    if stored is None:
+        raise ChannelError(f"endpoint {peer_endpoint_id!r} is not advertised (no {key}): dead or not started", peer=peer_endpoint_id)
+    try:
+        return decode_json(stored.value, channel_pb2.ChannelEndpointAdvertisement)
+    except json_format.ParseError as error:
+        raise ChannelError(f"the advertisement at {key} is unreadable: {error}", peer=peer_endpoint_id) from error
+
+
+class _Rendezvous:
+    """One endpoint's joins: as opener on a peer's store, as acceptor on its own (blocking: call them on a thread)."""
+
+    def __init__(self, endpoint_id: str, timeout_s: float) -> None:
+        self._endpoint_id = endpoint_id
+        self._timeout_s = timeout_s
+        # One TCPStore client per peer store, shared by every channel opened to it.
+        self._clients: dict[tuple[str, int], dist.TCPStore] = {}
+        self._clients_lock = threading.Lock()
+
+    def join_as_opener(
+        self, address: tuple[str, int], channel_id: str, backend: str, deadline: float, form: FormGroup
+    ) -> tuple[Any, dist.Store]:
+        opener = json.dumps({"endpoint": self._endpoint_id, "backend": backend})
+        client = self._client_for(address, deadline)
+        try:
+            client.set(f"{_store_prefix(channel_id)}/{_OPENER_KEY}", opener)
+        except Exception:
+            # The cached connection is dead (the store restarted on the same address?): one fresh try.
+            self._forget_client(address, client)
+            client = self._client_for(address, deadline)
+            client.set(f"{_store_prefix(channel_id)}/{_OPENER_KEY}", opener)
+        store = _PollingStore(client, channel_id, deadline)
+        try:
+            group = form(store, 0)
+            store.set(_READY_KEY, "1")
+        except BaseException:
+            # Stale keys would make the next accept of this id join a group that is gone.
+            _delete_keys(client, _store_prefix(channel_id))
+            raise
+        return group, store
+
+    def join_as_acceptor(
+        self, master: dist.TCPStore, channel_id: str, backend: str, deadline: float, form: FormGroup
+    ) -> tuple[Any, dist.Store, str]:
+        store = _PollingStore(master, channel_id, deadline)
+        try:
+            store.wait([_OPENER_KEY])
+            opener = json.loads(store.get(_OPENER_KEY))
+            if opener["backend"] != backend:
+                raise ChannelError(f"the peer {opener['endpoint']!r} opened it with {opener['backend']}, accepted with {backend}")
+            group = form(store, 1)
+            store.wait([_READY_KEY])
+        finally:
+            # Joined (both sides are past the rendezvous) or failed: the keys are
+            # no use any more, and stale ones would derail a reuse of the id.
+            _delete_keys(master, _store_prefix(channel_id))
+        return group, store, opener["endpoint"]
+
+    def forget_clients(self) -> None:
+        """Drop the clients of peer stores (the endpoint closes)."""
+        with self._clients_lock:
+            self._clients.clear()
+
+    def _client_for(self, address: tuple[str, int], deadline: float) -> dist.TCPStore:
+        with self._clients_lock:
+            client = self._clients.get(address)
+        if client is not None:
+            return client
+        timeout = timedelta(seconds=max(0.001, deadline - time.monotonic()))
+        client = dist.TCPStore(address[0], address[1], is_master=False, timeout=timeout)
+        client.set_timeout(timedelta(seconds=self._timeout_s))
+        with self._clients_lock:
+            return self._clients.setdefault(address, client)
+
+    def _forget_client(self, address: tuple[str, int], client: dist.TCPStore) -> None:
+        with self._clients_lock:
+            if self._clients.get(address) is client:
+                del self._clients[address]

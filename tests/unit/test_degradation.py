@@ -9,9 +9,11 @@ from phalanx.common.errors import RequestShedError
 from phalanx.health import degradation
 from phalanx.health.config import DegradationConfig
 from phalanx.health.degradation import DegradationPolicy, WorkerCapacity, target_level
+from phalanx.health.metrics import HealthMetrics
 from phalanx.router import admission as router_admission
 from phalanx.router.admission import Admission, Tier
 from phalanx.router.config import TenantPolicy
+from phalanx.router.metrics import RouterMetrics
 
 pytestmark = pytest.mark.unit
 
@@ -241,7 +243,7 @@ def test_no_load_and_no_throughput_slo_is_level_zero():
 
 @pytest.mark.parametrize(
     ("level", "need", "ttft", "tpot", "batch_scale"),
-    [(0, 50, 2.0, 0.25, 1.0), (1, 110, 2.0, 0.25, 0.75), (2, 130, 2.0, 0.25, 0.75), (3, 180, 4.0, 0.5, 0.75), (4, 300, 4.0, 0.5, 0.75)],
+    [(0, 50, 2.0, 0.25, 1.0), (1, 110, 2.0, 0.25, 0.75), (2, 130, 2.0, 0.25, 0.75), (3, 180, 4.0, 0.5, 0.5), (4, 300, 4.0, 0.5, 0.5)],
 )
 def test_decision_reports_relaxed_slos_and_batch_scale_per_level(level, need, ttft, tpot, batch_scale):
     # One 100 tok/s worker and `need` tok/s: a pressure inside the band of `level`, so it neither rises nor drops.
@@ -344,7 +346,21 @@ def test_model_and_router_agree_on_what_levels_shed():
     assert router_admission.SHED_STANDARD_LEVEL == degradation.SHED_STANDARD_LEVEL == degradation.MAX_LEVEL
 
 
-def test_losing_workers_sheds_best_effort_before_standard_before_premium():
+def test_each_level_scales_the_batch_and_relaxes_latency_as_it_says():
+    assert [degradation.batch_scale(level) for level in range(6)] == [1.0, 0.75, 0.75, 0.5, 0.5, 0.5]
+    assert [degradation.latency_slo_factor(level) for level in range(6)] == [1.0, 1.0, 1.0, 2.0, 2.0, 2.0]
+
+
+def test_metric_help_texts_tell_what_each_level_does():
+    assert router_admission.LEVELS_HELP == degradation.LEVELS_HELP
+    for level, does in enumerate(["normal", "batches x0.75", "sheds best_effort", "batches x0.5 and latency SLOs x2", "rejects new requests"]):
+        assert f"{level} " in degradation.LEVELS_HELP and does in degradation.LEVELS_HELP
+    health = HealthMetrics().degradation._documentation
+    router = RouterMetrics().degradation._documentation
+    assert degradation.LEVELS_HELP in health and degradation.LEVELS_HELP in router
+
+
+def test_losing_workers_sheds_best_effort_then_every_new_request():
     clock = Clock(DegradationPolicy(make_config()))
     router = Admission({"default": TenantPolicy()}, {})
 
@@ -361,5 +377,7 @@ def test_losing_workers_sheds_best_effort_before_standard_before_premium():
 
     assert served(fleet(4)) == {Tier.PREMIUM, Tier.STANDARD, Tier.BEST_EFFORT}
     assert served(fleet(2)) == {Tier.PREMIUM, Tier.STANDARD}  # level 3
-    assert served(fleet(1)) == {Tier.PREMIUM}  # level 4: premium while any capacity exists
+    assert served(fleet(1)) == set()  # level 4: every new request waits while the fleet drains
+    router = Admission({"default": TenantPolicy()}, {}, premium_at_level_4=True)
+    assert served(fleet(1)) == {Tier.PREMIUM}  # ...unless premium is served there, while any capacity exists
     assert served([]) == {Tier.PREMIUM}  # no worker: level 4; routing itself answers UNAVAILABLE

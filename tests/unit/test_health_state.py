@@ -92,6 +92,20 @@ def test_latency_over_three_times_the_baseline_fails():
     assert abs(t.baseline_s - 0.1) < 1e-9  # a failing latency does not drag the baseline up
 
 
+def test_relaxed_latency_slos_stretch_the_canary_latency_limit():
+    # Degradation level 3 relaxes the latency SLOs x2: a canary at 5x its baseline is slow, not faulty, there.
+    t = tracker()
+    t.observe(CheckOutcome.passed(0.1), now=0.0)
+    assert abs(t.latency_limit_s(slo_factor=2.0) - 0.6) < 1e-9
+    slow = CheckOutcome.passed(0.5)
+    assert t.judge_latency(slow).reason == "latency"
+    assert t.judge_latency(slow, slo_factor=2.0).result is CheckResult.PASS
+    failed = t.judge_latency(CheckOutcome.passed(0.7), slo_factor=2.0)
+    assert failed.reason == "latency" and failed.detail.endswith("over 600 ms (3x the 100 ms baseline, SLOs relaxed x2)")
+    assert t.observe(slow, now=1.0, slo_factor=2.0) is None and t.health is Health.HEALTHY
+    assert t.observe(slow, now=2.0).new is Health.SUSPICIOUS  # back at level 0, the same answer fails
+
+
 def test_latency_slack_forgives_jitter_of_a_very_fast_canary():
     t = tracker()
     t.observe(CheckOutcome.passed(0.004), now=0.0)

@@ -51,7 +51,7 @@ def test_api_keys_decide_the_tenant_and_are_required_when_configured():
 
 @pytest.mark.parametrize(
     ("level", "shed"),
-    [(0, set()), (1, set()), (2, {Tier.BEST_EFFORT}), (3, {Tier.BEST_EFFORT}), (4, {Tier.STANDARD, Tier.BEST_EFFORT})],
+    [(0, set()), (1, set()), (2, {Tier.BEST_EFFORT}), (3, {Tier.BEST_EFFORT}), (4, set(Tier))],
 )
 def test_degradation_level_sheds_tiers_with_a_retry_hint(level, shed):
     admission = Admission(TENANTS, {}, retry_after_s=0.5)
@@ -65,8 +65,7 @@ def test_degradation_level_sheds_tiers_with_a_retry_hint(level, shed):
             assert admission.admit(tenant="", tier=tier, api_key=None).tier == tier
 
 
-def test_shedding_hits_best_effort_before_standard_and_never_premium():
-    admission = Admission(TENANTS, {})
+def _first_shed(admission: Admission) -> dict[Tier, int]:
     first_shed = {}
     for level in range(6):  # 5: a level beyond the known ones sheds no more than 4
         admission.level = level
@@ -75,7 +74,15 @@ def test_shedding_hits_best_effort_before_standard_and_never_premium():
                 admission.admit(tenant="", tier=tier, api_key=None)
             except RequestShedError:
                 first_shed.setdefault(tier, level)
-    assert first_shed == {Tier.BEST_EFFORT: 2, Tier.STANDARD: 4}
+    return first_shed
+
+
+def test_shedding_hits_best_effort_at_two_and_every_tier_at_four():
+    assert _first_shed(Admission(TENANTS, {})) == {Tier.BEST_EFFORT: 2, Tier.STANDARD: 4, Tier.PREMIUM: 4}
+
+
+def test_premium_at_level_four_is_an_explicit_option():
+    assert _first_shed(Admission(TENANTS, {}, premium_at_level_4=True)) == {Tier.BEST_EFFORT: 2, Tier.STANDARD: 4}
 
 
 def test_shed_request_is_resource_exhausted_and_waits_longer_at_level_four():
@@ -89,15 +96,33 @@ def test_shed_request_is_resource_exhausted_and_waits_longer_at_level_four():
     assert isinstance(at_two.value, ResourceExhaustedError) and at_two.value.reason == "REQUEST_SHED"
     assert at_two.value.retry_after_s == 1.5
     assert at_four.value.retry_after_s == 3.0
+    assert str(at_two.value) == "overloaded (degradation level 2): best_effort requests are shed; retry in 1.5 s"
+    assert str(at_four.value) == (
+        "overloaded (degradation level 4): every new request is refused, standard included, while the requests in flight finish; "
+        "retry in 3 s"
+    )
 
 
-def test_level_four_still_admits_a_premium_tenant_by_default_tier():
+def test_level_four_refuses_a_premium_tenant_unless_premium_is_served_there():
     tenants = {"default": TenantPolicy(), "gold": TenantPolicy(default_tier="premium", max_tier="premium")}
     admission = Admission(tenants, {})
     admission.level = 4
-    assert admission.admit(tenant="gold", tier=0, api_key=None).tier == Tier.PREMIUM
-    with pytest.raises(RequestShedError):
-        admission.admit(tenant="default", tier=0, api_key=None)
+    with pytest.raises(RequestShedError, match="every new request is refused, premium included"):
+        admission.admit(tenant="gold", tier=0, api_key=None)
+    serving = Admission(tenants, {}, premium_at_level_4=True)
+    serving.level = 4
+    assert serving.admit(tenant="gold", tier=0, api_key=None).tier == Tier.PREMIUM
+    with pytest.raises(RequestShedError, match="standard requests are shed, only premium is served"):
+        serving.admit(tenant="default", tier=0, api_key=None)
+
+
+def test_the_tenant_of_a_running_request_resolves_at_any_level():
+    # Resume and retries of running requests check the caller's key, never the level: draining loses nothing.
+    admission = Admission(TENANTS, {"k-batch": "batch"})
+    admission.level = 4
+    assert admission.tenant("", "k-batch") == "batch"
+    with pytest.raises(AuthenticationError):
+        admission.tenant("", "wrong")
 
 
 def test_router_config_reads_tenants_and_keys_from_env(monkeypatch):
@@ -106,6 +131,12 @@ def test_router_config_reads_tenants_and_keys_from_env(monkeypatch):
     config = RouterConfig()
     assert config.tenants["batch"].max_tier == "standard"
     assert config.api_keys == {"secret": "batch"}
+
+
+def test_premium_at_level_four_is_off_unless_the_environment_turns_it_on(monkeypatch):
+    assert RouterConfig().premium_at_level_4 is False
+    monkeypatch.setenv("PHALANX_ROUTER_PREMIUM_AT_LEVEL_4", "true")
+    assert RouterConfig().premium_at_level_4 is True
 
 
 def test_router_config_refuses_keys_of_unknown_tenants_and_half_tls():

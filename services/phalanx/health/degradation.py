@@ -4,13 +4,16 @@ Every DegradationConfig.interval_s the health service hands `DegradationPolicy`
 what it knows of each registered worker (`WorkerCapacity`) and publishes the
 `DegradationDecision` as common.v1.DegradationState.
 
-Levels (routers shed, workers scale their batch, clients see relaxed SLOs):
+Levels (routers shed, workers scale their batch, whatever judges latency relaxes it):
 
     0  normal
     1  workers run batches x0.75
     2  ... and routers shed best_effort
-    3  ... and the latency SLOs the deployment promises are relaxed x2
-    4  ... and routers shed standard too; premium is served while any capacity exists
+    3  ... batches x0.5, and the latency SLOs are relaxed x2: the health service's
+          canary latency limit and the routers' TTFT/ITL SLO count (see
+          latency_slo_factor)
+    4  routers reject every new request (premium too, unless a router is told
+       to serve premium at level 4) while the streams in flight finish
 
 Pressure is demand over healthy capacity by the worst of four criteria (1.0:
 exactly at the SLO), over workers that are routable and whose last load
@@ -80,7 +83,10 @@ DEGRADED_BATCH_SCALE = 0.75
 SHED_BEST_EFFORT_LEVEL = 2
 RELAXED_SLO_LEVEL = 3
 SLO_RELAX_FACTOR = 2.0
+RELAXED_BATCH_SCALE = 0.5
 SHED_STANDARD_LEVEL = 4
+# What each level does, for metric help texts and logs (the router's own gauge says the same).
+LEVELS_HELP = "0 normal, 1 batches x0.75, 2 also sheds best_effort, 3 batches x0.5 and latency SLOs x2, 4 rejects new requests"
 PEAK_HALF_LIFE_S = 600.0
 
 
@@ -109,7 +115,19 @@ class DegradationDecision:
     healthy_workers: int
     ttft_slo_s: float  # effective: the configured SLO, x2 from level 3 on
     tpot_slo_s: float
-    batch_scale: float  # 0.75 from level 1 on, else 1.0
+    batch_scale: float  # batch_scale(level)
+
+
+def batch_scale(level: int) -> float:
+    """Share of max_num_seqs workers admit at a level."""
+    if level >= RELAXED_SLO_LEVEL:
+        return RELAXED_BATCH_SCALE
+    return DEGRADED_BATCH_SCALE if level >= BATCH_SCALE_LEVEL else 1.0
+
+
+def latency_slo_factor(level: int) -> float:
+    """How much the latency limits that judge the fleet stretch at a level (x2 from level 3 on)."""
+    return SLO_RELAX_FACTOR if level >= RELAXED_SLO_LEVEL else 1.0
 
 
 def target_level(pressure: float) -> int:
@@ -190,7 +208,7 @@ class DegradationPolicy:
         return self.level > 0 and pressure < LEVEL_THRESHOLDS[self.level - 1] * (1 - self.config.lower_margin)
 
     def _decision(self, pressure: float, reason: str, healthy: int) -> DegradationDecision:
-        relax = SLO_RELAX_FACTOR if self.level >= RELAXED_SLO_LEVEL else 1.0
+        relax = latency_slo_factor(self.level)
         return DegradationDecision(
             level=self.level,
             pressure=pressure,
@@ -198,7 +216,7 @@ class DegradationPolicy:
             healthy_workers=healthy,
             ttft_slo_s=self.config.slo_ttft_s * relax,
             tpot_slo_s=self.config.slo_tpot_s * relax,
-            batch_scale=DEGRADED_BATCH_SCALE if self.level >= BATCH_SCALE_LEVEL else 1.0,
+            batch_scale=batch_scale(self.level),
         )
 
     # -- learned capacity ------------------------------------------------------------

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from phalanx.health.degradation import LEVEL_THRESHOLDS, LEVELS_HELP
 from phalanx.health.state import Circuit, Health
 
 _CHECK_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
@@ -24,8 +25,13 @@ class HealthMetrics:
             registry=r,
         )
         self.circuit = Gauge("phalanx_circuit_breaker_state", "0 closed, 1 half-open, 2 open", ["worker"], registry=r)
-        self.degradation = Gauge("phalanx_degradation_level", "Degradation level this instance computed (0 none .. 4 reject)", registry=r)
-        self.pressure = Gauge("phalanx_capacity_pressure", "Demand over healthy capacity by the worst SLO criterion", registry=r)
+        self.degradation = Gauge("phalanx_degradation_level", f"Degradation level this instance computed ({LEVELS_HELP})", registry=r)
+        self.pressure = Gauge(
+            "phalanx_capacity_pressure",
+            f"Demand over healthy capacity by the worst SLO criterion; above {', '.join(f'{t:g}' for t in LEVEL_THRESHOLDS)} it calls "
+            "for degradation levels 1 to 4",
+            registry=r,
+        )
         self.canary_failures = Counter("phalanx_canary_failures", "Failed canary checks by reason", ["worker", "reason"], registry=r)
         self.checks = Counter("phalanx_health_checks", "Canary checks by result (pass, fail, inconclusive)", ["result"], registry=r)
         self.latency_rechecks = Counter(

@@ -41,7 +41,7 @@ from phalanx.common.subjects import (
 )
 from phalanx.health.canary import CANDIDATE_PROMPTS, CanaryRun, calibrate, judge
 from phalanx.health.config import DegradationConfig, HealthConfig
-from phalanx.health.degradation import DegradationPolicy, WorkerCapacity
+from phalanx.health.degradation import DegradationDecision, DegradationPolicy, WorkerCapacity, latency_slo_factor
 from phalanx.health.leader import LeaderElection
 from phalanx.health.metrics import HealthMetrics
 from phalanx.health.state import CheckOutcome, CheckResult, Health, TrackerPolicy, Transition, WorkerTracker
@@ -252,7 +252,7 @@ class FleetMonitor:
                 self.metrics.timeout_rechecks.inc()
                 outcome = await self.check(w, confirming_timeout=True)
             for _ in range(c.latency_rechecks):
-                if w.tracker.judge_latency(outcome, self._fleet_slowdown(w)).reason != "latency":
+                if w.tracker.judge_latency(outcome, self._fleet_slowdown(w), self._slo_factor()).reason != "latency":
                     break
                 # One slow answer is as often the host's scheduler as the worker: slow answers spread over a moment,
                 # so that they do not all land in the same hiccup, decide.
@@ -270,8 +270,8 @@ class FleetMonitor:
 
     async def _observe(self, w: _Worker, outcome: CheckOutcome) -> None:
         worker_id = w.registration.worker_id
-        slowdown = self._fleet_slowdown(w)
-        outcome = w.tracker.judge_latency(outcome, slowdown)
+        slowdown, slo_factor = self._fleet_slowdown(w), self._slo_factor()
+        outcome = w.tracker.judge_latency(outcome, slowdown, slo_factor)
         self.metrics.checks.labels(result=outcome.result.value).inc()
         if outcome.result is CheckResult.FAIL:
             self.metrics.canary_failures.labels(worker=worker_id, reason=outcome.reason).inc()
@@ -279,7 +279,7 @@ class FleetMonitor:
             self.metrics.check_duration.labels(worker=worker_id, result=outcome.result.value).observe(outcome.latency_s)
         if outcome.result is CheckResult.FAIL:
             log.warning("worker %s failed a check: %s: %s", worker_id, outcome.reason, outcome.detail)
-        transition = w.tracker.observe(outcome, fleet_slowdown=slowdown)
+        transition = w.tracker.observe(outcome, fleet_slowdown=slowdown, slo_factor=slo_factor)
         if transition is None and abs(w.tracker.baseline_s - w.persisted_baseline) > 0.1 * max(w.persisted_baseline, 1e-3):
             transition = Transition(w.tracker.health, w.tracker.health, w.tracker.reason)  # keep the baseline for a successor
             w.tracker.version += 1
@@ -297,6 +297,10 @@ class FleetMonitor:
             return 1.0
         return min(10.0, max(1.0, ratios[len(ratios) // 2]))
 
+    def _slo_factor(self) -> float:
+        """The latency SLO relaxation of the level in force (x2 from level 3 on): canary latency limits stretch by it."""
+        return latency_slo_factor(self.degradation.level if self.degradation is not None else 0)
+
     def _deadline(self, w: _Worker, confirming_timeout: bool = False) -> float:
         c = self.config
         # Not stretched by the peers' slowdown: a hang must not hide behind a busy fleet.
@@ -306,7 +310,7 @@ class FleetMonitor:
         if confirming_timeout:
             # The worker already missed one long deadline; an answer past its latency limit fails anyway, so
             # confirming needs no longer than that limit (with the peers' slowdown: a busy fleet is no fault).
-            return min(c.check_timeout_s, max(c.min_check_timeout_s, w.tracker.latency_limit_s(self._fleet_slowdown(w))))
+            return min(c.check_timeout_s, max(c.min_check_timeout_s, w.tracker.latency_limit_s(self._fleet_slowdown(w), self._slo_factor())))
         # Past the latency limit the answer fails anyway; waiting a little longer tells slow from hung. Never
         # past one interval: a longer wait would push the worker's checks behind their schedule.
         return min(c.check_timeout_s, max(c.min_check_timeout_s, min(3 * limit, c.check_interval_s)))
@@ -539,7 +543,7 @@ class FleetMonitor:
             decision = policy.evaluate(time.monotonic(), self._capacities())
             self.metrics.degradation.set(decision.level)
             self.metrics.pressure.set(min(decision.pressure, 1e6))
-            if self.degradation is None or decision.level != self.degradation.level:
+            if self.degradation is None or _published(decision) != _published(self.degradation):
                 state = common_pb2.DegradationState(
                     level=decision.level, reason=decision.reason, updated_at=time.time(), pressure=min(decision.pressure, 1e6),
                     healthy_workers=decision.healthy_workers, ttft_slo_s=decision.ttft_slo_s, tpot_slo_s=decision.tpot_slo_s,
@@ -599,3 +603,9 @@ def _channel(address: str) -> grpc.aio.Channel:
             ("grpc.max_reconnect_backoff_ms", 1_000),
         ],
     )
+
+
+def _published(state: DegradationDecision | common_pb2.DegradationState) -> tuple[int, float, float, float]:
+    """What routers and workers act on: a new level, or new SLOs or batch scale at the same level (a changed config, an
+    upgrade), is written again."""
+    return state.level, state.ttft_slo_s, state.tpot_slo_s, state.batch_scale

@@ -167,7 +167,7 @@ class WorkerTracker:
     def weight(self) -> float:
         return WEIGHTS.get(self.health, 0.0)
 
-    def latency_limit_s(self, fleet_slowdown: float = 1.0) -> float | None:
+    def latency_limit_s(self, fleet_slowdown: float = 1.0, slo_factor: float = 1.0) -> float | None:
         """Slowest passing canary; None until a baseline exists.
 
         ``latency_factor`` x the baseline, and ``peer_factor`` x what the
@@ -175,12 +175,13 @@ class WorkerTracker:
         (``fleet_slowdown``, 1.0: as usual). When the whole fleet slows down
         together (a load spike, a busy host) no single worker is at fault and
         taking them all out would turn a spike into an outage; a worker that is
-        slow while its peers are not still fails at 3x its baseline.
+        slow while its peers are not still fails at 3x its baseline. All of it
+        x ``slo_factor``: the latency SLOs relaxed by the degradation level.
         """
         if self.baseline_s <= 0:
             return None
         b, p = self.baseline_s, self.policy
-        return max(b * p.latency_factor, b * p.peer_factor * max(1.0, fleet_slowdown), b + p.latency_slack_s)
+        return max(1.0, slo_factor) * max(b * p.latency_factor, b * p.peer_factor * max(1.0, fleet_slowdown), b + p.latency_slack_s)
 
     def next_half_open_at(self) -> float | None:
         """When the open circuit allows its half-open call (None when not open)."""
@@ -201,16 +202,17 @@ class WorkerTracker:
         return False
 
     # -- evidence -------------------------------------------------------------------
-    def judge_latency(self, outcome: CheckOutcome, fleet_slowdown: float = 1.0) -> CheckOutcome:
+    def judge_latency(self, outcome: CheckOutcome, fleet_slowdown: float = 1.0, slo_factor: float = 1.0) -> CheckOutcome:
         """A passing canary slower than the latency limit is a failure (``latency``)."""
-        limit = self.latency_limit_s(fleet_slowdown)
+        limit = self.latency_limit_s(fleet_slowdown, slo_factor)
         if outcome.result is not CheckResult.PASS or outcome.latency_s is None or limit is None or outcome.latency_s <= limit:
             return outcome
         fleet = f", peers {fleet_slowdown:.1f}x slower than usual" if fleet_slowdown > 1.0 else ""
+        relaxed = f", SLOs relaxed x{slo_factor:g}" if slo_factor > 1.0 else ""
         return CheckOutcome.failed(
             "latency",
             f"canary took {outcome.latency_s * 1e3:.0f} ms, over {limit * 1e3:.0f} ms "
-            f"({self.policy.latency_factor:g}x the {self.baseline_s * 1e3:.0f} ms baseline{fleet})",
+            f"({self.policy.latency_factor:g}x the {self.baseline_s * 1e3:.0f} ms baseline{fleet}{relaxed})",
             outcome.latency_s,
         )
 
@@ -219,7 +221,9 @@ class WorkerTracker:
         if latency_s is not None and self.baseline_s > 0:
             self.last_ratio, self.last_ratio_at = latency_s / self.baseline_s, now
 
-    def observe(self, outcome: CheckOutcome, now: float | None = None, *, fleet_slowdown: float = 1.0) -> Transition | None:
+    def observe(
+        self, outcome: CheckOutcome, now: float | None = None, *, fleet_slowdown: float = 1.0, slo_factor: float = 1.0
+    ) -> Transition | None:
         """Apply one check; returns the transition if the record changed in a way routing cares about."""
         now = time.time() if now is None else now
         if self.health is Health.DEAD:
@@ -230,7 +234,7 @@ class WorkerTracker:
         if outcome.result is CheckResult.INCONCLUSIVE:
             return None
         self.last_check_at = now
-        outcome = self.judge_latency(outcome, fleet_slowdown)
+        outcome = self.judge_latency(outcome, fleet_slowdown, slo_factor)
         if outcome.result is CheckResult.PASS:
             return self._passed(outcome, now, half_open)
         return self._failed(outcome, now, half_open)

@@ -1,13 +1,13 @@
 """Who may send what, and what the router sheds under degradation. Pure logic, no I/O.
 
 The health service publishes a degradation level (etcd, DegradationState;
-see phalanx.health.degradation). Shedding goes by tier, lowest first:
-level 2 sheds best_effort, level 4 sheds standard too. Premium is never
-shed by the level: it is served as long as any worker can take it (with
-none, routing answers UNAVAILABLE). Levels 1 and 3 act on workers and SLOs,
-not on admission. Requests already streaming always finish. Shed requests
-get RESOURCE_EXHAUSTED with a retry hint: the system is overloaded, not
-broken.
+see phalanx.health.degradation). Level 2 sheds best_effort; level 4 rejects
+every new request, premium included, unless the router is configured to
+serve premium at level 4 (PHALANX_ROUTER_PREMIUM_AT_LEVEL_4: premium is then
+served as long as any worker can take it). Levels 1 and 3 act on workers and
+SLOs, not on admission. Only new requests are judged: streams already
+running, their resumes and their handoffs always finish. Shed requests get
+RESOURCE_EXHAUSTED with a retry hint: the system is overloaded, not broken.
 """
 
 from __future__ import annotations
@@ -21,6 +21,8 @@ from phalanx.router.config import TenantPolicy
 DEFAULT_TENANT = "default"
 SHED_BEST_EFFORT_LEVEL = 2
 SHED_STANDARD_LEVEL = 4
+# What each level does (phalanx.health.degradation.LEVELS_HELP says the same; a unit test holds them equal).
+LEVELS_HELP = "0 normal, 1 batches x0.75, 2 also sheds best_effort, 3 batches x0.5 and latency SLOs x2, 4 rejects new requests"
 
 
 class Tier(IntEnum):
@@ -48,10 +50,14 @@ class Admitted:
 class Admission:
     """Resolves a request's tenant and tier and applies the degradation level."""
 
-    def __init__(self, tenants: dict[str, TenantPolicy], api_keys: dict[str, str], *, retry_after_s: float = 1.0) -> None:
+    def __init__(
+        self, tenants: dict[str, TenantPolicy], api_keys: dict[str, str], *, retry_after_s: float = 1.0,
+        premium_at_level_4: bool = False,
+    ) -> None:
         self._tenants = dict(tenants)
         self._api_keys = dict(api_keys)
         self._retry_after_s = retry_after_s
+        self._premium_at_level_4 = premium_at_level_4
         self.level = 0
 
     @property
@@ -60,7 +66,7 @@ class Admission:
 
     def admit(self, *, tenant: str, tier: int, api_key: str | None) -> Admitted:
         """The tenant and tier a request runs as; raises for unknown names, bad keys and shedding."""
-        tenant = self._tenant(tenant, api_key)
+        tenant = self.tenant(tenant, api_key)
         policy = self._tenants[tenant]
         if tier == 0:
             resolved = Tier.from_name(policy.default_tier)
@@ -74,7 +80,8 @@ class Admission:
         self._check_shedding(resolved)
         return Admitted(tenant, resolved)
 
-    def _tenant(self, tenant: str, api_key: str | None) -> str:
+    def tenant(self, tenant: str, api_key: str | None) -> str:
+        """The tenant a caller acts as (checks the API key; no shedding: also for requests already running)."""
         if self._api_keys:
             if not api_key:
                 raise AuthenticationError("this router needs an API key (metadata authorization: Bearer <key>)")
@@ -89,12 +96,23 @@ class Admission:
             raise InvalidRequestError("tenant", f"unknown tenant {tenant!r}")
         return tenant
 
+    def sheds(self, tier: Tier) -> bool:
+        """Whether a new request of `tier` is refused at the current level."""
+        if self.level >= SHED_STANDARD_LEVEL:
+            return not (tier == Tier.PREMIUM and self._premium_at_level_4)
+        return tier == Tier.BEST_EFFORT and self.level >= SHED_BEST_EFFORT_LEVEL
+
     def _check_shedding(self, tier: Tier) -> None:
-        shed = (tier == Tier.BEST_EFFORT and self.level >= SHED_BEST_EFFORT_LEVEL) or (
-            tier == Tier.STANDARD and self.level >= SHED_STANDARD_LEVEL
-        )
-        if not shed:
+        if not self.sheds(tier):
             return
-        # Level 4 is the deepest overload and drops only one step per lower_after_s: ask for a longer wait there.
-        retry_after_s = self._retry_after_s * (2 if self.level >= SHED_STANDARD_LEVEL else 1)
-        raise RequestShedError(f"overloaded (degradation level {self.level}): {tier.label} requests are shed", retry_after_s=retry_after_s)
+        if self.level >= SHED_STANDARD_LEVEL:
+            # The deepest overload, and it drops only one step per lower_after_s: ask for a longer wait there.
+            retry_after_s = 2 * self._retry_after_s
+            refused = f"{tier.label} requests are shed, only premium is served" if self._premium_at_level_4 else (
+                f"every new request is refused, {tier.label} included"
+            )
+            message = f"overloaded (degradation level {self.level}): {refused}, while the requests in flight finish; retry in {retry_after_s:g} s"
+        else:
+            retry_after_s = self._retry_after_s
+            message = f"overloaded (degradation level {self.level}): {tier.label} requests are shed; retry in {retry_after_s:g} s"
+        raise RequestShedError(message, retry_after_s=retry_after_s)

@@ -49,6 +49,11 @@ class RouterConfig(BaseSettings):
     snapshot_timeout_s: float = Field(2.0, gt=0, description="Deadline of one KvSnapshot call to a worker")
     load_stale_s: float = Field(2.0, gt=0, description="A worker silent for longer is penalised in routing")
     no_worker_retry_after_s: float = Field(1.0, gt=0, description="Retry hint sent when no worker can take a request")
+    premium_at_level_4: bool = Field(
+        False,
+        description="At degradation level 4 keep admitting premium requests while any worker can take them "
+        "(off: level 4 rejects every new request, so that the fleet drains the ones in flight)",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> RouterConfig:

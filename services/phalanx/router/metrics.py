@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from phalanx.router.admission import LEVELS_HELP
+
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 # Routing decisions take tens of microseconds.
 _ROUTING_BUCKETS = (10e-6, 25e-6, 50e-6, 100e-6, 200e-6, 300e-6, 500e-6, 1e-3, 2.5e-3, 10e-3)
@@ -16,6 +18,12 @@ class RouterMetrics:
         self.requests = Counter("phalanx_router_requests", "Requests by tier and final status", ["tier", "status"], registry=r)
         self.ttft = Histogram("phalanx_router_ttft_seconds", "Time to first token seen by the router", ["tier"], buckets=_LATENCY_BUCKETS, registry=r)
         self.itl = Histogram("phalanx_router_itl_seconds", "Inter-token latency seen by the router", ["tier"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.slo_violations = Counter(
+            "phalanx_router_slo_violations",
+            "First tokens (kind=ttft) and token gaps (kind=itl) slower than the latency SLO in force: the health service's "
+            "TTFT / TPOT SLO, x2 from degradation level 3 on",
+            ["kind"], registry=r,
+        )
         self.routing = Histogram("phalanx_router_routing_seconds", "Time to pick a worker", buckets=_ROUTING_BUCKETS, registry=r)
         self.tokens = Counter("phalanx_router_tokens", "Tokens relayed to clients", registry=r)
         self.cached_tokens = Counter("phalanx_router_routed_cached_tokens", "Prompt tokens the chosen worker held already", registry=r)
@@ -29,7 +37,7 @@ class RouterMetrics:
         self.workers = Gauge("phalanx_router_workers", "Workers known to routing", registry=r)
         self.indexed_blocks = Gauge("phalanx_router_indexed_blocks", "KV blocks in the routing index", registry=r)
         self.kv_resyncs = Counter("phalanx_router_kv_resyncs", "KvSnapshot re-syncs after gaps or restarts", registry=r)
-        self.degradation = Gauge("phalanx_router_degradation_level", "Degradation level in force", registry=r)
+        self.degradation = Gauge("phalanx_router_degradation_level", f"Degradation level in force ({LEVELS_HELP})", registry=r)
         self.unrecorded = Counter(
             "phalanx_router_unrecorded_requests", "Requests served without an etcd record (not resumable elsewhere)", registry=r
         )

@@ -52,6 +52,7 @@ from phalanx.router.migration_client import MigrationClient
 from phalanx.router.records import RequestRecords
 from phalanx.router.routing import RoutingTable
 from phalanx.router.server import RouterServicer, WorkerChannels
+from phalanx.router.slo import LatencySlo
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = router_pb2.DESCRIPTOR.services_by_name["RouterService"].full_name
@@ -68,7 +69,9 @@ class RouterProcess:
         self.metrics = RouterMetrics()
         self.health = health.aio.HealthServicer()
         self.table = RoutingTable(load_stale_s=config.load_stale_s)
-        self.admission = Admission(config.tenants, config.api_keys, retry_after_s=config.no_worker_retry_after_s)
+        self.admission = Admission(
+            config.tenants, config.api_keys, retry_after_s=config.no_worker_retry_after_s, premium_at_level_4=config.premium_at_level_4
+        )
         self.address = ""
         self.ready = asyncio.Event()
         self._stop = asyncio.Event()
@@ -257,6 +260,8 @@ class RouterProcess:
         if level != self.admission.level:
             log.warning("degradation level %d -> %d%s", self.admission.level, level, f" ({state.reason})" if state and state.reason else "")
         self.admission.level = level
+        if self.servicer is not None:
+            self.servicer.slo = LatencySlo.from_state(state if kind != "delete" else None)
         self.metrics.degradation.set(level)
 
     async def _follow(self, directory: EtcdDirectory, apply) -> None:

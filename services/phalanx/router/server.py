@@ -23,7 +23,7 @@ from google.rpc import status_pb2
 from grpc_status import rpc_status
 
 from phalanx._proto import common_pb2, migration_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
-from phalanx.common.errors import InvalidRequestError, NotFoundError, PhalanxError, UnavailableError
+from phalanx.common.errors import InvalidRequestError, NotFoundError, PhalanxError, RequestShedError, UnavailableError
 from phalanx.common.grpc_status import abort_with
 from phalanx.common.subjects import validate_request_id
 from phalanx.common.telemetry import get_tracer, grpc_client_interceptors
@@ -34,6 +34,7 @@ from phalanx.router.config import RouterConfig
 from phalanx.router.metrics import RouterMetrics
 from phalanx.router.records import RequestRecords
 from phalanx.router.routing import RoutingTable
+from phalanx.router.slo import LatencyKind, LatencySlo
 
 log = logging.getLogger(__name__)
 tracer = get_tracer(__name__)
@@ -165,6 +166,7 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
         self.registrations: dict[str, common_pb2.WorkerRegistration] = {}
         self.health_records: dict[str, common_pb2.WorkerHealthRecord] = {}
         self._recent: OrderedDict[str, common_pb2.RequestRecord] = OrderedDict()
+        self.slo = LatencySlo()  # the process sets the SLOs the health service publishes
 
     # -- RPCs -----------------------------------------------------------------
     async def Generate(self, request: router_pb2.GenerateRequest, context):
@@ -172,7 +174,16 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
 
         async def open_flow():
             nonlocal tier
-            admitted, prompt_ids, params = self._validate(request, context)
+            try:
+                admitted, prompt_ids, params = self._validate(request, context)
+            except RequestShedError:
+                # Shedding refuses new requests only: a client's retry of one already running streams it on.
+                existing = await self._record(request.request_id, context) if request.request_id else None
+                if existing is None:
+                    raise
+                flow = _Flow(existing, Tier(existing.tier or Tier.STANDARD), [])
+                tier = flow.tier.label
+                return flow, self._attach(flow)
             tier = admitted.tier.label
             request_id = request.request_id or uuid.uuid4().hex
             flow, existing = await self._start(request_id, admitted, prompt_ids)
@@ -341,7 +352,7 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
     async def _record(self, request_id: str, context) -> common_pb2.RequestRecord | None:
         record = self._recent.get(request_id) or await self.records.get(request_id)
         if record is not None and self.admission.requires_api_key:
-            caller = self.admission.admit(tenant="", tier=record.tier, api_key=_api_key(context)).tenant
+            caller = self.admission.tenant("", _api_key(context))  # no shedding: the request is already running
             if caller != record.tenant:
                 return None  # someone else's request: as good as unknown
         return record
@@ -497,6 +508,9 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
                         flow.stalls_seen = flow.migrations
                         self.metrics.migration_stall.observe(now - last)
                     (itl if flow.first_sent else ttft).observe(now - last)
+                    kind = LatencyKind.ITL if flow.first_sent else LatencyKind.TTFT
+                    if self.slo.missed(kind, now - last):
+                        self.metrics.slo_violations.labels(kind=kind.value).inc()
                     last = now
                     tokens.inc()
                 out = response_type(

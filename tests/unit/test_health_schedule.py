@@ -18,7 +18,7 @@ from phalanx.health.schedule import (
     TakeStats,
     stuck_with_work,
 )
-from phalanx.health.state import CheckOutcome, CheckResult, Circuit, FailureReason, TrackerPolicy, WorkerTracker
+from phalanx.health.state import CheckOutcome, CheckResult, Circuit, FailureReason, Health, TrackerPolicy, WorkerTracker
 
 pytestmark = pytest.mark.unit
 
@@ -125,6 +125,10 @@ def test_deadlines_follow_the_baseline_within_the_interval_and_the_timeout():
     assert POLICY.deadline_s(Deadline.ROUTINE, tracker(), fleet_slowdown=5.0) == pytest.approx(0.9)
     assert POLICY.deadline_s(Deadline.CONFIRMING, tracker(), fleet_slowdown=5.0) == pytest.approx(1.0)
     assert POLICY.deadline_s(Deadline.CONFIRMING, tracker(baseline_s=2.0)) == 5.0
+    # After a counted miss: the same limit, but at most half an interval.
+    assert POLICY.deadline_s(Deadline.FOLLOW_UP, tracker(), fleet_slowdown=1.0) == pytest.approx(0.3)
+    assert POLICY.deadline_s(Deadline.FOLLOW_UP, tracker(), fleet_slowdown=5.0) == 0.5
+    assert POLICY.deadline_s(Deadline.FOLLOW_UP, tracker(baseline_s=2.0)) == 0.5
 
 
 def test_the_delay_after_a_round_depends_on_how_it_ended():
@@ -134,7 +138,7 @@ def test_the_delay_after_a_round_depends_on_how_it_ended():
     assert schedule.finish(CheckOutcome.failed(FailureReason.TOKEN_MISMATCH)) == 0.25
     assert schedule.finish(TIMEOUT) == 0.0  # the deadline already waited
     assert schedule.last_failure is FailureReason.TIMEOUT
-    assert schedule.begin().start() == SendCanary(Deadline.CONFIRMING, pytest.approx(0.3))
+    assert schedule.begin().start() == SendCanary(Deadline.FOLLOW_UP, pytest.approx(0.3))
 
 
 def test_an_open_circuit_holds_checks_off_until_its_half_open_time():
@@ -169,3 +173,47 @@ def test_inconclusive_outcomes_fail_nothing():
     assert outcome.result is CheckResult.INCONCLUSIVE and outcome.reason is FailureReason.INCONCLUSIVE
     schedule = CheckSchedule(POLICY, tracker(), uniform=lambda lo, hi: 1.0)
     assert schedule.finish(outcome) == 1.0 and schedule.last_failure is None
+
+
+def test_the_half_open_canary_after_a_timeout_keeps_the_confirming_deadline():
+    t = tracker(failures=3)
+    t.circuit, t.circuit_opened_at = Circuit.OPEN, 0.0
+    schedule = CheckSchedule(POLICY, t)
+    schedule.finish(TIMEOUT)
+    assert schedule.hold_off(100.0, stopping=False) is None
+    assert schedule.begin().start(fleet_slowdown=5.0) == SendCanary(Deadline.CONFIRMING, pytest.approx(1.0))
+
+
+def hang_detection_s(baseline_s: float, fleet_slowdown: float, policy: SchedulePolicy = POLICY) -> float:
+    """Seconds from a hang that begins just after a passing check until the worker is UNHEALTHY, the checks'
+    effects taking no time but their deadlines."""
+    t = tracker(baseline_s=baseline_s)
+    schedule = CheckSchedule(policy, t, uniform=lambda lo, hi: hi)  # the longest jitter
+    now = schedule.finish(CheckOutcome.passed(baseline_s))
+    while t.health is not Health.UNHEALTHY:
+        assert schedule.hold_off(now, stopping=False) is None
+        checks = schedule.begin()
+        effect = checks.start(fleet_slowdown)
+        while not isinstance(effect, Record):
+            if isinstance(effect, TakeStats):
+                effect = checks.on(StatsTaken(HOLDING, fleet_slowdown))  # hung: holds the canary, computes nothing
+            else:
+                now += effect.deadline_s
+                effect = checks.on(CanaryDone(CheckOutcome.failed(FailureReason.TIMEOUT, latency_s=effect.deadline_s), fleet_slowdown))
+        t.observe(effect.outcome, now=now, fleet_slowdown=fleet_slowdown)
+        now += schedule.finish(effect.outcome)
+    return now
+
+
+@pytest.mark.parametrize("baseline_s", [0.005, 0.05, 0.15, 0.25, 0.5, 1.2])
+@pytest.mark.parametrize("fleet_slowdown", [1.0, 2.0, 10.0])
+def test_a_hang_is_unhealthy_within_three_intervals_whatever_the_latency_baseline(baseline_s, fleet_slowdown):
+    # At most one interval (and its jitter) until the next check, one for the first miss, one for the two after it.
+    assert hang_detection_s(baseline_s, fleet_slowdown) <= (1 + POLICY.jitter) * POLICY.interval_s + 2 * POLICY.interval_s
+
+
+def test_the_misses_after_the_first_one_of_a_hang_take_no_more_than_one_interval():
+    # A loaded host: a 0.25 s baseline makes the latency limit 0.75 s, the peers' slowdown 1.0 s. Waiting out the
+    # limit after each counted miss took 2 s for the two after the first, and the hang ~4.1 s to reach UNHEALTHY.
+    first_miss = (1 + POLICY.jitter) * POLICY.interval_s + POLICY.interval_s
+    assert hang_detection_s(0.25, fleet_slowdown=2.0) == pytest.approx(first_miss + POLICY.interval_s)

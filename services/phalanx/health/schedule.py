@@ -10,8 +10,9 @@ The rules: one slow or unanswered canary on a healthy worker is as often a
 busy host as the worker. A missed deadline is confirmed by a second canary,
 unless the engine computed nothing while it held the canary (a hang), and a
 slow answer by ``latency_rechecks`` more; only the confirmation counts. A
-worker that already failed gets no second chance, and after a miss the next
-check goes out at once.
+worker that already failed gets no second chance, and after a counted miss the
+next check goes out at once with a deadline short enough that the misses that
+make a hang UNHEALTHY fit in about three intervals.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
 
-from phalanx.health.state import CheckOutcome, CheckResult, FailureReason, WorkerTracker
+from phalanx.health.state import CheckOutcome, CheckResult, Circuit, FailureReason, WorkerTracker
 
 __all__ = [
     "CanaryDone",
@@ -47,9 +48,12 @@ class Deadline(Enum):
     # In good standing: up to 3x the latency limit (never past one interval). Past the limit the answer fails anyway;
     # waiting a little longer tells slow from hung.
     ROUTINE = "routine"
-    # After a miss: the latency limit, with the peers' slowdown, since an answer past it fails anyway and a busy fleet
-    # is no fault.
+    # After a miss that did not count (or a half-open check after a counted one): the latency limit, with the peers'
+    # slowdown, since an answer past it fails anyway and a busy fleet is no fault.
     CONFIRMING = "confirming"
+    # After a counted miss: the same limit, but at most half an interval, so that the misses after the first one of a
+    # hang take one interval together and it reaches UNHEALTHY within about three.
+    FOLLOW_UP = "follow_up"
 
 
 class CheckPurpose(Enum):
@@ -86,7 +90,10 @@ class SchedulePolicy:
             return self.timeout_s
         if kind is Deadline.ROUTINE:
             return self._clamp(min(3 * limit, self.interval_s))
-        return self._clamp(tracker.latency_limit_s(fleet_slowdown))
+        stretched = tracker.latency_limit_s(fleet_slowdown)
+        if kind is Deadline.CONFIRMING:
+            return self._clamp(stretched)
+        return self._clamp(min(stretched, self.interval_s / 2))
 
     def latency_pause_s(self) -> float:
         """Between the rechecks of a slow answer: spread over a moment, so that they do not all land in one hiccup."""
@@ -235,7 +242,10 @@ class CheckRound:
         return SendCanary(kind, self.policy.deadline_s(kind, self.tracker, fleet_slowdown))
 
     def _first_deadline(self) -> Deadline:
-        return Deadline.CONFIRMING if self.after is FailureReason.TIMEOUT else Deadline.ROUTINE
+        if self.after is not FailureReason.TIMEOUT:
+            return Deadline.ROUTINE
+        # The half-open canary of a recovering worker is no part of a hang's detection: it keeps the confirming one.
+        return Deadline.FOLLOW_UP if self.tracker.circuit is Circuit.CLOSED else Deadline.CONFIRMING
 
     def _judged(self, outcome: CheckOutcome, fleet_slowdown: float) -> Effect:
         if self._rechecks_left > 0 and self.tracker.judge_latency(outcome, fleet_slowdown).reason is FailureReason.LATENCY:

@@ -17,7 +17,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from phalanx._proto import common_pb2
-from phalanx.health.state import CheckOutcome
+from phalanx.health.state import CheckOutcome, FailureReason
 
 __all__ = ["CANDIDATE_PROMPTS", "CanaryRun", "CalibrationResult", "calibrate", "judge"]
 
@@ -128,14 +128,14 @@ def judge(case: common_pb2.CanaryCase, token_ids: Sequence[int], top_logits: Seq
     if got != expected:
         at = next((i for i, (e, g) in enumerate(zip(expected, got, strict=False)) if e != g), min(len(expected), len(got)))
         return CheckOutcome.failed(
-            "token_mismatch", f"{case.prompt_text[:24]!r}: position {at} expected {expected[at:at + 1]} got {got[at:at + 1]}", latency_s
+            FailureReason.TOKEN_MISMATCH, f"{case.prompt_text[:24]!r}: position {at} expected {expected[at:at + 1]} got {got[at:at + 1]}", latency_s
         )
     for i, value in enumerate(top_logits):
         lo, hi = case.top_logit_min[i], case.top_logit_max[i]
         slack = max(_MIN_ABS_LOGIT_TOLERANCE, tolerance * max(abs(lo), abs(hi)))
         if not lo - slack <= value <= hi + slack:
             return CheckOutcome.failed(
-                "logit_out_of_range", f"{case.prompt_text[:24]!r}: top logit {value:.3f} at position {i} outside [{lo - slack:.3f}, {hi + slack:.3f}]",
+                FailureReason.LOGIT_OUT_OF_RANGE, f"{case.prompt_text[:24]!r}: top logit {value:.3f} at position {i} outside [{lo - slack:.3f}, {hi + slack:.3f}]",
                 latency_s,
             )
     return CheckOutcome.passed(latency_s)

@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import random
 import time
 from contextlib import aclosing
 from dataclasses import dataclass, field
@@ -44,7 +43,21 @@ from phalanx.health.config import DegradationConfig, HealthConfig
 from phalanx.health.degradation import DegradationDecision, DegradationPolicy, WorkerCapacity, latency_slo_factor
 from phalanx.health.leader import LeaderElection
 from phalanx.health.metrics import HealthMetrics
-from phalanx.health.state import CheckOutcome, CheckResult, Health, TrackerPolicy, Transition, WorkerTracker
+from phalanx.health.schedule import (
+    CanaryDone,
+    CheckPurpose,
+    CheckRound,
+    CheckSchedule,
+    Deadline,
+    EngineSample,
+    Paused,
+    Record,
+    SchedulePolicy,
+    SendCanary,
+    StatsTaken,
+    TakeStats,
+)
+from phalanx.health.state import CheckOutcome, CheckResult, FailureReason, Health, TrackerPolicy, Transition, WorkerTracker
 
 log = logging.getLogger(__name__)
 _CALIBRATION_RETRY_S = 5.0
@@ -92,6 +105,7 @@ class FleetMonitor:
         self.bus = bus
         self.metrics = metrics
         self.policy = TrackerPolicy.from_config(config)
+        self.schedule = SchedulePolicy.from_config(config)
         self.workers: dict[str, _Worker] = {}
         self.gone: dict[str, WorkerTracker] = {}  # DEAD and deregistered, kept for dead_retention_s
         self.calibrations: dict[str, common_pb2.CanaryCalibration] = {}
@@ -227,46 +241,40 @@ class FleetMonitor:
 
     # -- checks ---------------------------------------------------------------------
     async def _check_loop(self, w: _Worker) -> None:
-        c = self.config
-        tracker = w.tracker
-        delay = random.uniform(0, min(c.check_interval_s, 1.0))
-        last_reason: str | None = None
-        while tracker.health is not Health.DEAD:
+        schedule = CheckSchedule(self.schedule, w.tracker)
+        delay = schedule.first_delay()
+        while w.tracker.health is not Health.DEAD:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(delay):
                     await w.wake.wait()
             w.wake.clear()
-            now = time.time()
-            if w.stopping or not tracker.may_check(now):
-                half_open_at = tracker.next_half_open_at()
-                delay = max(0.01, half_open_at - now) if half_open_at is not None else c.check_interval_s
+            held = schedule.hold_off(time.time(), stopping=w.stopping)
+            if held is not None:
+                delay = held
                 continue
-            first_miss_counts = tracker.consecutive_failures > 0
-            before = None if first_miss_counts else await self._engine_stats(w)
-            outcome = await self.check(w, confirming_timeout=last_reason == "timeout")
-            if outcome.reason == "timeout" and not first_miss_counts and not await self._stuck_with_work(w, before):
-                # Not the signature of a hang: the engine computed tokens while the canary waited (a busy host, a
-                # burst), or it holds nothing (the canary never reached it), or it did not answer (a host that
-                # stalls everything). A hung engine holds its work and computes nothing, and its miss counts at
-                # once; this one gets a confirming check first.
-                self.metrics.timeout_rechecks.inc()
-                outcome = await self.check(w, confirming_timeout=True)
-            for _ in range(c.latency_rechecks):
-                if w.tracker.judge_latency(outcome, self._fleet_slowdown(w), self._slo_factor()).reason != "latency":
-                    break
-                # One slow answer is as often the host's scheduler as the worker: slow answers spread over a moment,
-                # so that they do not all land in the same hiccup, decide.
-                self.metrics.latency_rechecks.inc()
-                await asyncio.sleep(min(c.latency_recheck_delay_s, c.check_interval_s / 2))
-                outcome = await self.check(w)
+            outcome = await self._run_round(w, schedule.begin(slo_factor=self._slo_factor()))
             await self._observe(w, outcome)
-            last_reason = outcome.reason if outcome.result is CheckResult.FAIL else None
-            if last_reason == "timeout":
-                delay = 0.0  # the deadline already waited; a hang should not wait twice
-            elif outcome.result is CheckResult.FAIL:
-                delay = min(c.check_interval_s, c.failure_recheck_s)
+            delay = schedule.finish(outcome)
+
+    async def _run_round(self, w: _Worker, checks: CheckRound) -> CheckOutcome:
+        """Executes one round's effects (see phalanx.health.schedule) until it names the outcome to record."""
+        effect = checks.start(self._fleet_slowdown(w))
+        while not isinstance(effect, Record):
+            event: StatsTaken | CanaryDone | Paused
+            if isinstance(effect, TakeStats):
+                event = StatsTaken(await self._engine_sample(w), self._fleet_slowdown(w))
+            elif isinstance(effect, SendCanary):
+                if effect.purpose is CheckPurpose.TIMEOUT_RECHECK:
+                    self.metrics.timeout_rechecks.inc()
+                elif effect.purpose is CheckPurpose.LATENCY_RECHECK:
+                    self.metrics.latency_rechecks.inc()
+                outcome = await self.check(w, effect.deadline_s)
+                event = CanaryDone(outcome, self._fleet_slowdown(w))
             else:
-                delay = c.check_interval_s * random.uniform(1 - c.check_jitter, 1 + c.check_jitter)
+                await asyncio.sleep(effect.seconds)
+                event = Paused(self._fleet_slowdown(w))
+            effect = checks.on(event)
+        return effect.outcome
 
     async def _observe(self, w: _Worker, outcome: CheckOutcome) -> None:
         worker_id = w.registration.worker_id
@@ -301,33 +309,13 @@ class FleetMonitor:
         """The latency SLO relaxation of the level in force (x2 from level 3 on): canary latency limits stretch by it."""
         return latency_slo_factor(self.degradation.level if self.degradation is not None else 0)
 
-    def _deadline(self, w: _Worker, confirming_timeout: bool = False) -> float:
-        c = self.config
-        # Not stretched by the peers' slowdown: a hang must not hide behind a busy fleet.
-        limit = w.tracker.latency_limit_s()
-        if limit is None:
-            return c.check_timeout_s
-        if confirming_timeout:
-            # The worker already missed one long deadline; an answer past its latency limit fails anyway, so
-            # confirming needs no longer than that limit (with the peers' slowdown: a busy fleet is no fault).
-            return min(c.check_timeout_s, max(c.min_check_timeout_s, w.tracker.latency_limit_s(self._fleet_slowdown(w), self._slo_factor())))
-        # Past the latency limit the answer fails anyway; waiting a little longer tells slow from hung. Never
-        # past one interval: a longer wait would push the worker's checks behind their schedule.
-        return min(c.check_timeout_s, max(c.min_check_timeout_s, min(3 * limit, c.check_interval_s)))
-
-    async def _engine_stats(self, w: _Worker) -> worker_pb2.StatsResponse | None:
-        """The worker's engine counters and load (None: no answer within the probe timeout)."""
+    async def _engine_sample(self, w: _Worker) -> EngineSample | None:
+        """The worker's engine counters (None: no answer within the probe timeout)."""
         try:
-            return await w.stub.Stats(worker_pb2.StatsRequest(), timeout=self.config.probe_timeout_s)
+            stats = await w.stub.Stats(worker_pb2.StatsRequest(), timeout=self.config.probe_timeout_s)
         except grpc.aio.AioRpcError:
             return None
-
-    async def _stuck_with_work(self, w: _Worker, before: worker_pb2.StatsResponse | None) -> bool:
-        """Since `before`, the engine computed nothing though it holds requests (the missed canary among them)."""
-        after = await self._engine_stats(w)
-        if before is None or after is None:
-            return False
-        return after.computed_tokens_total == before.computed_tokens_total and after.queue_depth + after.running_seqs > 0
+        return EngineSample(stats.computed_tokens_total, stats.queue_depth + stats.running_seqs)
 
     def _next_case(self, w: _Worker) -> common_pb2.CanaryCase | None:
         calibration = self.calibrations.get(w.registration.model_version)
@@ -336,8 +324,8 @@ class FleetMonitor:
         w.case_turn += 1
         return calibration.cases[w.case_turn % len(calibration.cases)]
 
-    async def check(self, w: _Worker, confirming_timeout: bool = False) -> CheckOutcome:
-        """One canary with deadline and retries of failed connects, judged against the calibration."""
+    async def check(self, w: _Worker, timeout: float | None = None) -> CheckOutcome:
+        """One canary with deadline (a routine one by default) and retries of failed connects, judged against the calibration."""
         case = self._next_case(w)
         max_tokens = len(case.expected_token_ids) if case is not None else self.config.canary_max_tokens
         request = worker_pb2.CanaryRequest(max_tokens=max_tokens)
@@ -345,7 +333,8 @@ class FleetMonitor:
             request.tokens.ids.extend(case.prompt_token_ids)
         else:
             request.text = case.prompt_text if case is not None else CANDIDATE_PROMPTS[0]
-        timeout = self._deadline(w, confirming_timeout)
+        if timeout is None:
+            timeout = self.schedule.deadline_s(Deadline.ROUTINE, w.tracker)
         backoff = Backoff(initial=0.05, cap=0.2)
         for attempt in range(self.config.check_retries + 1):
             start = time.perf_counter()
@@ -354,13 +343,13 @@ class FleetMonitor:
             except grpc.aio.AioRpcError as error:
                 code = error.code()
                 if code == grpc.StatusCode.DEADLINE_EXCEEDED:
-                    return CheckOutcome.failed("timeout", f"no answer within {timeout:.2f} s", time.perf_counter() - start)
+                    return CheckOutcome.failed(FailureReason.TIMEOUT, f"no answer within {timeout:.2f} s", time.perf_counter() - start)
                 if code in _INCONCLUSIVE_CODES:
                     return CheckOutcome.inconclusive(f"{code.name}: {error.details()}")
                 if code == grpc.StatusCode.UNAVAILABLE and attempt < self.config.check_retries:
                     await asyncio.sleep(backoff.next())
                     continue
-                reason = "unreachable" if code == grpc.StatusCode.UNAVAILABLE else "error"
+                reason = FailureReason.UNREACHABLE if code == grpc.StatusCode.UNAVAILABLE else FailureReason.ERROR
                 return CheckOutcome.failed(reason, f"{code.name}: {error.details()}")
             latency = time.perf_counter() - start
             if case is None:
@@ -404,7 +393,7 @@ class FleetMonitor:
         except grpc.aio.AioRpcError as error:
             if error.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
                 # Up but unresponsive: evidence of a fault, not of death.
-                await self._observe(w, CheckOutcome.failed("probe_timeout", f"{why}; no liveness answer within {self.config.probe_timeout_s} s"))
+                await self._observe(w, CheckOutcome.failed(FailureReason.PROBE_TIMEOUT, f"{why}; no liveness answer within {self.config.probe_timeout_s} s"))
                 return False
             if error.code() != grpc.StatusCode.UNAVAILABLE:
                 return False
@@ -507,7 +496,7 @@ class FleetMonitor:
         for worker_id, why in result.dissenters.items():
             w = self.workers.get(worker_id)
             if w is not None:
-                await self._observe(w, CheckOutcome.failed("token_mismatch", f"at calibration: {why}"))
+                await self._observe(w, CheckOutcome.failed(FailureReason.TOKEN_MISMATCH, f"at calibration: {why}"))
         if result.calibration is None:
             self.metrics.calibrations.labels(outcome="failed").inc()
             log.warning("canary calibration of %s failed: %s", model_version, result.rejected)

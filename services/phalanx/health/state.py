@@ -19,11 +19,11 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from enum import Enum, IntEnum
+from enum import Enum, IntEnum, StrEnum
 
 from phalanx._proto import common_pb2
 
-__all__ = ["CheckOutcome", "CheckResult", "Circuit", "Health", "TrackerPolicy", "Transition", "WorkerTracker"]
+__all__ = ["CheckOutcome", "CheckResult", "Circuit", "FailureReason", "Health", "TrackerPolicy", "Transition", "WorkerTracker"]
 
 
 class Health(IntEnum):
@@ -61,11 +61,24 @@ class CheckResult(Enum):
     INCONCLUSIVE = "inconclusive"
 
 
+class FailureReason(StrEnum):
+    """Why a check failed. The values are what etcd records (``last_failure`` starts with one), metrics label and alert
+    rules match: keep them."""
+
+    TIMEOUT = "timeout"  # no answer within the deadline
+    TOKEN_MISMATCH = "token_mismatch"  # tokens other than the calibrated ones: silent corruption
+    LOGIT_OUT_OF_RANGE = "logit_out_of_range"  # the right tokens, but a top logit outside its calibrated range
+    LATENCY = "latency"  # a correct answer, slower than the latency limit
+    UNREACHABLE = "unreachable"  # the connection failed (after the retries)
+    ERROR = "error"  # any other error status
+    PROBE_TIMEOUT = "probe_timeout"  # after a broken stream, no liveness answer within the probe timeout
+    INCONCLUSIVE = "inconclusive"  # not a failure: the checker's own mistake or backpressure, which counts for nothing
+
+
 @dataclass(frozen=True)
 class CheckOutcome:
     result: CheckResult
-    # Short machine-readable cause of a failure: timeout, token_mismatch, logit_out_of_range, latency, unreachable, error.
-    reason: str = ""
+    reason: FailureReason | None = None  # None when it passed
     detail: str = ""
     latency_s: float | None = None
 
@@ -74,12 +87,16 @@ class CheckOutcome:
         return cls(CheckResult.PASS, latency_s=latency_s)
 
     @classmethod
-    def failed(cls, reason: str, detail: str = "", latency_s: float | None = None) -> CheckOutcome:
-        return cls(CheckResult.FAIL, reason, detail, latency_s)
+    def failed(cls, reason: FailureReason | str, detail: str = "", latency_s: float | None = None) -> CheckOutcome:
+        return cls(CheckResult.FAIL, FailureReason(reason), detail, latency_s)
 
     @classmethod
     def inconclusive(cls, detail: str) -> CheckOutcome:
-        return cls(CheckResult.INCONCLUSIVE, "inconclusive", detail)
+        return cls(CheckResult.INCONCLUSIVE, FailureReason.INCONCLUSIVE, detail)
+
+    @property
+    def timed_out(self) -> bool:
+        return self.reason is FailureReason.TIMEOUT
 
 
 @dataclass(frozen=True)
@@ -210,7 +227,7 @@ class WorkerTracker:
         fleet = f", peers {fleet_slowdown:.1f}x slower than usual" if fleet_slowdown > 1.0 else ""
         relaxed = f", SLOs relaxed x{slo_factor:g}" if slo_factor > 1.0 else ""
         return CheckOutcome.failed(
-            "latency",
+            FailureReason.LATENCY,
             f"canary took {outcome.latency_s * 1e3:.0f} ms, over {limit * 1e3:.0f} ms "
             f"({self.policy.latency_factor:g}x the {self.baseline_s * 1e3:.0f} ms baseline{fleet}{relaxed})",
             outcome.latency_s,
@@ -254,7 +271,7 @@ class WorkerTracker:
 
     def _failed(self, outcome: CheckOutcome, now: float, half_open: bool) -> Transition | None:
         self.consecutive_failures += 1
-        self.last_failure = f"{outcome.reason}: {outcome.detail}" if outcome.detail else outcome.reason
+        self.last_failure = f"{outcome.reason}: {outcome.detail}" if outcome.detail else str(outcome.reason)
         self.last_failure_at = now
         old = self.health
         if half_open:

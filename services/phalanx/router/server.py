@@ -33,6 +33,22 @@ from phalanx.router.admission import Admission, Admitted, Tier
 from phalanx.router.config import RouterConfig
 from phalanx.router.metrics import RouterMetrics
 from phalanx.router.records import RequestRecords
+from phalanx.router.relay import (
+    AttachMoved,
+    Effect,
+    Fail,
+    Finish,
+    GiveUp,
+    HandedBack,
+    Migrate,
+    MigrationResult,
+    RelayPolicy,
+    ReportBroken,
+    ResumeElsewhere,
+    RetryElsewhere,
+    StreamBroke,
+    StreamEnded,
+)
 from phalanx.router.routing import RoutingTable
 from phalanx.router.slo import LatencyKind, LatencySlo
 
@@ -40,14 +56,13 @@ log = logging.getLogger(__name__)
 tracer = get_tracer(__name__)
 
 HANDED_BACK = common_pb2.FINISH_REASON_HANDED_BACK
-# Worker answers before the first token that mean "try another worker".
-_RETRY_ELSEWHERE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED}
-_MAX_ROUTE_ATTEMPTS = 3
-_MAX_HANDOFFS = 8
-# Mid-stream worker failures that a migration can hide from the client.
-_MIGRATABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.INTERNAL,
-               grpc.StatusCode.UNKNOWN}
 _RECENT_RECORDS = 10_000
+
+
+# Opens one worker stream of a request on the given worker's stub.
+_OpenCall = Callable[[worker_pb2_grpc.WorkerServiceStub], grpc.aio.UnaryStreamCall]
+# A worker's last chunk of a request it handed back: the state to continue from (Generate and Attach alike).
+_HandoffChunk = worker_pb2.GenerateResponse | worker_pb2.AttachResponse
 
 
 class WorkerChannels:
@@ -379,13 +394,14 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
         attach = worker_pb2.AttachRequest(request_id=flow.record.request_id, from_index=flow.next_index)
         return self._worker_stream(flow, lambda stub: stub.Attach(attach), retry_elsewhere=False)
 
-    async def _worker_stream(self, flow: _Flow, open_call, *, retry_elsewhere: bool) -> AsyncIterator:
-        """Worker chunks of one request, following handoffs and migrations; re-routes a refused first attempt."""
-        tried: set[str] = set()
-        handoffs = 0
+    async def _worker_stream(self, flow: _Flow, open_call: _OpenCall, *, retry_elsewhere: bool) -> AsyncIterator:
+        """Worker chunks of one request, following handoffs and migrations; re-routes a refused first attempt.
+
+        Which stream comes next is the RelayPolicy's decision; this executes it.
+        """
+        relay = RelayPolicy(retry_elsewhere=retry_elsewhere, can_migrate=self._migrate is not None)
         while True:
             call = open_call(self.channels.stub(flow.record.worker_address))
-            handoff = None
             handoff_chunk = None
             got_any = False
             broken: grpc.aio.AioRpcError | None = None
@@ -393,7 +409,7 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
                 async for chunk in call:
                     got_any = True
                     if chunk.finish_reason == HANDED_BACK:
-                        handoff, handoff_chunk = chunk.handoff, chunk
+                        handoff_chunk = chunk
                         break
                     yield chunk
             except (grpc.aio.AioRpcError, asyncio.CancelledError) as caught:
@@ -403,50 +419,74 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
                     # The call was cancelled under us (its channel closed): a broken stream, not the end of this
                     # handler, which would otherwise leave the client's stream open with no status until its deadline.
                     caught = _locally_cancelled(flow.record.worker_id)
-                error = caught
-                code = error.code()
-                if code == grpc.StatusCode.UNAVAILABLE:
-                    self._on_broken_stream(flow.record.worker_id, error)
-                if retry_elsewhere and not got_any and code in _RETRY_ELSEWHERE and len(tried) + 1 < _MAX_ROUTE_ATTEMPTS:
-                    tried.add(flow.record.worker_id)
-                    log.info("worker %s refused %s (%s); routing elsewhere", flow.record.worker_id, flow.record.request_id, code.name)
-                    self._move(flow, self._route(flow.prompt_ids, frozenset(tried)))
-                    continue
-                if code not in _MIGRATABLE or self._migrate is None:
-                    raise _WorkerStreamError(flow.record.worker_id, error) from None
-                broken = error
+                broken = caught
             finally:
                 call.cancel()
-            if handoff is None and broken is None:
-                return
-            handoffs += 1
-            if handoffs > _MAX_HANDOFFS:
-                raise UnavailableError(f"request {flow.record.request_id} was moved {handoffs} times; giving up", retry_after_s=1.0)
-            previous = flow.record.worker_id
-            moved = await self._migrate_flow(flow, handoff, handoff_chunk, broken)
-            if moved is not None:
-                open_call = lambda stub, flow=flow: stub.Attach(  # noqa: E731
-                    worker_pb2.AttachRequest(request_id=flow.record.request_id, from_index=flow.next_index)
-                )
-                retry_elsewhere = False
-                continue
+            worker_id = flow.record.worker_id
             if broken is not None:
-                raise _WorkerStreamError(previous, broken) from None
-            self.metrics.handoffs.inc()
-            decision = self._route(list(handoff.prompt_token_ids) + list(handoff.output_token_ids), frozenset({previous}))
-            log.info("worker %s handed back %s; continuing on %s", previous, flow.record.request_id, decision.worker_id)
-            self._move(flow, decision)
-            resume = worker_pb2.GenerateRequest(request_id=flow.record.request_id, resume_from=handoff)
-            open_call = lambda stub, resume=resume: stub.Generate(resume)  # noqa: E731
-            retry_elsewhere = False
+                event: StreamEnded | HandedBack | StreamBroke = StreamBroke(worker_id, broken.code(), got_chunks=got_any)
+            elif handoff_chunk is not None:
+                event = HandedBack(worker_id)
+            else:
+                event = StreamEnded()
+            next_call = await self._follow(flow, relay, relay.on(event), open_call, broken, handoff_chunk)
+            if next_call is None:
+                return
+            open_call = next_call
 
-    async def _migrate_flow(self, flow: _Flow, handoff, handoff_chunk, broken) -> migration_pb2.MigrateResponse | None:
-        """Asks the migration service to move the request; None without one (the caller falls back)."""
+    async def _follow(
+        self, flow: _Flow, relay: RelayPolicy, effects: tuple[Effect, ...], open_call: _OpenCall,
+        broken: grpc.aio.AioRpcError | None, handoff_chunk: _HandoffChunk | None,
+    ) -> _OpenCall | None:
+        """Executes the relay's effects; returns how to open the next worker stream (None: the relay is over)."""
+        while True:
+            *first, decision = effects
+            for effect in first:
+                if isinstance(effect, ReportBroken):
+                    self._on_broken_stream(effect.worker_id, broken)
+            if isinstance(decision, Migrate):
+                moved = await self._migrate_flow(flow, decision, handoff_chunk)
+                effects = relay.on(MigrationResult(moved.worker_id if moved is not None else None))
+                continue
+            return self._open_next(flow, decision, open_call, broken, handoff_chunk)
+
+    def _open_next(
+        self, flow: _Flow, decision: Effect, open_call: _OpenCall, broken: grpc.aio.AioRpcError | None,
+        handoff_chunk: _HandoffChunk | None,
+    ) -> _OpenCall | None:
+        """Executes the effect that decides how the relay goes on."""
+        if isinstance(decision, Finish):
+            return None
+        if isinstance(decision, Fail):
+            raise _WorkerStreamError(decision.worker_id, broken)
+        if isinstance(decision, GiveUp):
+            raise UnavailableError(f"request {flow.record.request_id} was moved {decision.moves} times; giving up", retry_after_s=1.0)
+        if isinstance(decision, RetryElsewhere):
+            log.info("worker %s refused %s (%s); routing elsewhere", flow.record.worker_id, flow.record.request_id, broken.code().name)
+            self._move(flow, self._route(flow.prompt_ids, decision.exclude))
+            return open_call
+        if isinstance(decision, AttachMoved):
+            def attach(stub: worker_pb2_grpc.WorkerServiceStub):
+                return stub.Attach(worker_pb2.AttachRequest(request_id=flow.record.request_id, from_index=flow.next_index))
+
+            return attach
+        if isinstance(decision, ResumeElsewhere):
+            handoff = handoff_chunk.handoff
+            self.metrics.handoffs.inc()
+            route = self._route(list(handoff.prompt_token_ids) + list(handoff.output_token_ids), decision.exclude)
+            log.info("worker %s handed back %s; continuing on %s", flow.record.worker_id, flow.record.request_id, route.worker_id)
+            self._move(flow, route)
+            resume = worker_pb2.GenerateRequest(request_id=flow.record.request_id, resume_from=handoff)
+            return lambda stub: stub.Generate(resume)
+        raise AssertionError(f"unexpected relay effect {decision!r}")
+
+    async def _migrate_flow(self, flow: _Flow, move: Migrate, handoff_chunk: _HandoffChunk | None) -> migration_pb2.MigrateResponse | None:
+        """Asks the migration service to move the request; None when it did not (the relay policy decides what then)."""
         if self._migrate is None:
             return None
         request = migration_pb2.MigrateRequest(
             request_id=flow.record.request_id, worker_id=flow.record.worker_id, tokens_delivered=flow.next_index, seed=flow.seed,
-            reason="handed back" if handoff is not None else f"stream broke: {broken.code().name}", priority=int(flow.tier),
+            reason=move.reason, priority=int(flow.tier),
         )
         if flow.prompt_ids:
             known = request.known_state
@@ -457,8 +497,8 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
                 known.sampling.CopyFrom(flow.sampling)
             known.sampling.seed = flow.seed
             known.priority = int(flow.tier)
-        if handoff is not None:
-            request.handoff.CopyFrom(handoff)
+        if handoff_chunk is not None:
+            request.handoff.CopyFrom(handoff_chunk.handoff)
             request.handoff_kv_tokens = handoff_chunk.handoff_kv_tokens
             request.handoff_source_address = handoff_chunk.handoff_source
         with tracer.start_as_current_span("router.migrate") as span:

@@ -25,12 +25,11 @@ from dataclasses import dataclass
 import grpc
 
 from phalanx._proto import checkpoint_pb2, checkpoint_pb2_grpc, common_pb2, migration_pb2, worker_pb2, worker_pb2_grpc
-from phalanx.common.discovery import WorkerDirectory, advertised_addresses
+from phalanx.common.discovery import CheckpointStoreDirectory, WorkerDirectory
 from phalanx.common.errors import InvalidRequestError, UnavailableError
 from phalanx.common.events import EventBus
 from phalanx.common.grpc_channels import GrpcChannels
-from phalanx.common.lease import connect_etcd
-from phalanx.common.subjects import CHECKPOINT_STORES_PREFIX, MIGRATION_EVENTS_SUBJECT
+from phalanx.common.subjects import MIGRATION_EVENTS_SUBJECT
 from phalanx.common.telemetry import get_tracer
 from phalanx.migration.batching import Reservations, RestoreBatcher, SharedCalls
 from phalanx.migration.config import MigrationConfig
@@ -128,7 +127,7 @@ class Migrator:
         self.bus = bus
         self.metrics = metrics
         self.workers = WorkerDirectory(etcd_config)
-        self._etcd = connect_etcd(etcd_config)
+        self.stores = CheckpointStoreDirectory(etcd_config)
         self._inflight: dict[str, asyncio.Future] = {}
         # Migrations at once; the rest wait, premium first, whoever asked (health's DEAD event or a router).
         self._gate = PriorityGate(config.parallel)
@@ -151,7 +150,7 @@ class Migrator:
 
     async def close(self) -> None:
         await self._channels.close()
-        await self._etcd.close()
+        await self.stores.close()
 
     def _channel(self, address: str) -> grpc.aio.Channel:
         return self._channels.get(address)
@@ -270,7 +269,7 @@ class Migrator:
         raise UnavailableError(f"no worker restarted within {6 * self.config.restore_timeout_s:.0f} s of {failed_worker}'s failure", retry_after_s=1.0)
 
     async def store_addresses(self) -> list[str]:
-        return await self._reads.get("stores", lambda: advertised_addresses(self._etcd, CHECKPOINT_STORES_PREFIX))
+        return await self._reads.get("stores", self.stores.addresses)
 
     async def _restore(self, request: M.MigrateRequest, plan: Plan, registrations, first=None) -> M.MigrateResponse:
         tried: set[str] = {request.worker_id}

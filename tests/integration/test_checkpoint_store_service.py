@@ -7,7 +7,6 @@ One store for the module (the process imports torch: seconds); tests run in file
 from __future__ import annotations
 
 import asyncio
-import json
 import signal
 import time
 
@@ -20,6 +19,7 @@ from grpc_status import rpc_status
 from phalanx._proto import checkpoint_pb2, checkpoint_pb2_grpc, common_pb2, migration_pb2, migration_pb2_grpc
 from phalanx.common.channels import TensorChannel
 from phalanx.common.config import EtcdConfig
+from phalanx.common.discovery import decode_json
 from phalanx.common.lease import connect_etcd
 from phalanx.common.subjects import CHECKPOINT_STORES_PREFIX
 from phalanx.testing.asserts import assert_eventually
@@ -127,9 +127,9 @@ async def test_store_advertises_itself_in_etcd_under_a_lease(store, etcd_config)
         held = await client.get((CHECKPOINT_STORES_PREFIX + store.store_id).encode())
     finally:
         await client.close()
-    advertisement = json.loads(held.value)
-    assert advertisement["store_id"] == store.store_id and advertisement["address"] == store.address
-    assert advertisement["channel_endpoint"] == f"ckpt-{store.store_id}" and advertisement["pid"] == store.process.pid
+    advertisement = decode_json(held.value, checkpoint_pb2.CheckpointStoreRegistration)
+    assert advertisement.store_id == store.store_id and advertisement.address == store.address
+    assert advertisement.channel_endpoint == f"ckpt-{store.store_id}" and advertisement.pid == store.process.pid
     assert held.lease  # it vanishes with the process
     stats = await store.stats()
     assert stats.requests == 0 and stats.connected_workers == 0

@@ -4,7 +4,7 @@ import pytest
 
 from phalanx._proto import common_pb2, migration_pb2 as M
 from phalanx.common.errors import InvalidRequestError
-from phalanx.migration.core import Plan, choose_plan
+from phalanx.migration.core import Plan, blocks_for, choose_plan, kv_bytes_per_token, registration_bytes_per_token
 
 pytestmark = pytest.mark.unit
 
@@ -80,3 +80,22 @@ def test_a_client_state_that_disagrees_with_the_commit_is_not_trusted_for_it():
     for c, k in ((commit, known), (sampled_commit, sampled_known)):
         chosen = choose_plan("checkpoint", handoff=None, commit=c, known=k, **RATES)
         assert chosen is c
+
+
+def test_kv_bytes_per_token_counts_a_key_and_a_value_per_layer_and_kv_head():
+    assert kv_bytes_per_token(num_layers=4, num_kv_heads=2, head_dim=16, dtype="float32") == 4 * 2 * 2 * 16 * 4
+    assert kv_bytes_per_token(num_layers=32, num_kv_heads=8, head_dim=128, dtype="bfloat16") == 131072
+
+
+def test_bytes_per_token_come_from_the_first_registration_that_states_its_layout():
+    older = common_pb2.WorkerRegistration(worker_id="old")  # registered before workers stated their layout
+    stated = common_pb2.WorkerRegistration(worker_id="w", num_layers=4, num_kv_heads=2, head_dim=16, kv_dtype="bfloat16")
+    assert registration_bytes_per_token(None, older, stated) == 4 * 2 * 2 * 16 * 2
+    assert registration_bytes_per_token(None, older) == 4096  # unknown: only orders the methods
+
+
+def test_blocks_needed_follow_the_target_block_size():
+    assert blocks_for(31, block_size=16) == 2  # 31 tokens and the next one's
+    assert blocks_for(32, block_size=16) == 3
+    assert blocks_for(32, block_size=8) == 5
+    assert blocks_for(32, block_size=0) == 3  # a registration without one: the default 16

@@ -15,14 +15,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import os
 import re
 import shutil
 import socket
 import tempfile
-import time
 from pathlib import Path
 
 import grpc
@@ -33,10 +31,12 @@ from prometheus_client import start_http_server
 from phalanx._proto import checkpoint_pb2, checkpoint_pb2_grpc, migration_pb2, migration_pb2_grpc
 from phalanx.checkpoint_store.config import CheckpointStoreConfig
 from phalanx.checkpoint_store.metrics import CheckpointMetrics
+from phalanx.checkpoint_store.registration import store_registration
 from phalanx.checkpoint_store.server import CheckpointStoreServicer
 from phalanx.checkpoint_store.store import CheckpointStore
 from phalanx.common.channels import ChannelEndpoint
 from phalanx.common.config import EtcdConfig, TelemetryConfig
+from phalanx.common.discovery import encode_json
 from phalanx.common.lease import LeasedKey
 from phalanx.common.subjects import CHECKPOINT_STORES_PREFIX, validate_worker_id
 from phalanx.common.telemetry import grpc_server_interceptors, setup_telemetry, shutdown_telemetry
@@ -104,7 +104,10 @@ class CheckpointStoreProcess:
             )
             await endpoint.start()
             self.servicer.channel_endpoint = endpoint
-            advertisement = LeasedKey(self.etcd_config, checkpoint_store_key(self.store_id), self._advertisement())
+            registration = store_registration(
+                self.store_id, address=self.address, channel_endpoint=self.channel_endpoint_id, metrics_address=self.metrics_address
+            )
+            advertisement = LeasedKey(self.etcd_config, checkpoint_store_key(self.store_id), encode_json(registration))
             await advertisement.start()
             await self._set_serving(True)
             self.ready.set()
@@ -138,19 +141,6 @@ class CheckpointStoreProcess:
             if expired:
                 log.info("dropped %d requests idle for over %.0f s: %s", len(expired), self.config.retention_s, expired[:10])
                 self.metrics.observe_store(self.store)
-
-    def _advertisement(self) -> bytes:
-        """The etcd value: where workers stream to and where restores come from."""
-        return json.dumps(
-            {
-                "store_id": self.store_id,
-                "address": self.address,
-                "channel_endpoint": self.channel_endpoint_id,
-                "metrics_address": self.metrics_address,
-                "pid": os.getpid(),
-                "started_at": time.time(),
-            }
-        ).encode()
 
     async def _set_serving(self, serving: bool) -> None:
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING

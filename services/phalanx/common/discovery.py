@@ -6,13 +6,13 @@ dies. ``list()`` records the etcd revision it read at, and ``watch()``
 resumes from the revision after it, so no change falls between the two.
 ``EtcdDirectory`` does this for any prefix of JSON-encoded protobuf
 messages (health records, degradation state); ``WorkerDirectory`` is the
-one for workers.
+one for workers, ``CheckpointStoreDirectory`` and ``MigrationDirectory``
+the ones for the instances of those services.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from contextlib import aclosing
 from dataclasses import dataclass
@@ -25,12 +25,12 @@ from aetcd.utils import prefix_range_end
 from google.protobuf import json_format
 from google.protobuf.message import Message
 
-from phalanx._proto import common_pb2
+from phalanx._proto import checkpoint_pb2, common_pb2, migration_pb2
 from phalanx.common.config import EtcdConfig
 from phalanx.common.lease import TRANSIENT_ERRORS, Backoff, connect_etcd
-from phalanx.common.subjects import WORKERS_PREFIX, validate_worker_id
+from phalanx.common.subjects import CHECKPOINT_STORES_PREFIX, MIGRATIONS_PREFIX, WORKERS_PREFIX, validate_worker_id
 
-__all__ = ["EtcdDirectory", "advertised_addresses", "WatchEvent", "WorkerDirectory", "decode_json", "decode_registration", "encode_json", "encode_registration"]
+__all__ = ["CheckpointStoreDirectory", "EtcdDirectory", "MigrationDirectory", "WatchEvent", "WorkerDirectory", "decode_json", "decode_registration", "encode_json", "encode_registration"]
 
 log = logging.getLogger(__name__)
 
@@ -59,18 +59,6 @@ def encode_registration(registration: common_pb2.WorkerRegistration) -> bytes:
 def decode_registration(data: bytes | str) -> common_pb2.WorkerRegistration:
     """Parse a registration value."""
     return decode_json(data, common_pb2.WorkerRegistration)
-
-
-async def advertised_addresses(client, prefix: str) -> list[str]:
-    """The "address" of each JSON advertisement under ``prefix`` (a service's instances), in key order."""
-    result = await client.get_prefix(prefix.encode())
-    addresses = []
-    for kv in result.kvs:
-        try:
-            addresses.append(json.loads(kv.value)["address"])
-        except (ValueError, KeyError, TypeError):
-            continue
-    return addresses
 
 
 @dataclass
@@ -221,3 +209,25 @@ class WorkerDirectory(EtcdDirectory[common_pb2.WorkerRegistration]):
 
     def __init__(self, config: EtcdConfig, *, prefix: str = WORKERS_PREFIX) -> None:
         super().__init__(config, prefix=prefix, message_type=common_pb2.WorkerRegistration)
+
+
+class CheckpointStoreDirectory(EtcdDirectory[checkpoint_pb2.CheckpointStoreRegistration]):
+    """The checkpoint stores, each advertised under its lease (a crashed one's lingers for the lease TTL)."""
+
+    def __init__(self, config: EtcdConfig, *, prefix: str = CHECKPOINT_STORES_PREFIX) -> None:
+        super().__init__(config, prefix=prefix, message_type=checkpoint_pb2.CheckpointStoreRegistration)
+
+    async def addresses(self) -> list[str]:
+        """Each store's gRPC address, in key order."""
+        return [store.address for store in (await self.list()).values()]
+
+
+class MigrationDirectory(EtcdDirectory[migration_pb2.MigrationRegistration]):
+    """The migration service's instances, each advertised under its lease."""
+
+    def __init__(self, config: EtcdConfig, *, prefix: str = MIGRATIONS_PREFIX) -> None:
+        super().__init__(config, prefix=prefix, message_type=migration_pb2.MigrationRegistration)
+
+    async def addresses(self) -> list[str]:
+        """Each instance's gRPC address, in key order."""
+        return [instance.address for instance in (await self.list()).values()]

@@ -65,9 +65,9 @@ CANARY_PREFIX = "/phalanx/v1/canary/"
 HEALTH_LEADER_KEY = "/phalanx/v1/health-leader"
 # Tensor-channel rendezvous endpoints: <prefix><endpoint id> -> JSON {"host", "port", "backend", ...}, leased.
 CHANNELS_PREFIX = "/phalanx/v1/channels/"
-# Checkpoint store instances: <prefix><store id> -> JSON {"address", "channel_endpoint"}, leased.
+# Checkpoint store instances: <prefix><store id> -> JSON CheckpointStoreRegistration, leased.
 CHECKPOINT_STORES_PREFIX = "/phalanx/v1/checkpoint-stores/"
-# Migration service instances: <prefix><id> -> JSON {"address"}, leased.
+# Migration service instances: <prefix><id> -> JSON MigrationRegistration, leased.
 MIGRATIONS_PREFIX = "/phalanx/v1/migration/"
 # A request moved to another worker (MigrationEvent): routers relaying it re-attach there.
 MIGRATION_EVENTS_SUBJECT = "phalanx.migrated"

@@ -25,12 +25,11 @@ from dataclasses import dataclass
 import grpc
 
 from phalanx._proto import checkpoint_pb2, checkpoint_pb2_grpc, common_pb2, migration_pb2, worker_pb2, worker_pb2_grpc
-from phalanx.common.discovery import WorkerDirectory, advertised_addresses
+from phalanx.common.discovery import CheckpointStoreDirectory, WorkerDirectory
 from phalanx.common.errors import InvalidRequestError, UnavailableError
 from phalanx.common.events import EventBus
 from phalanx.common.grpc_channels import GrpcChannels
-from phalanx.common.lease import connect_etcd
-from phalanx.common.subjects import CHECKPOINT_STORES_PREFIX, MIGRATION_EVENTS_SUBJECT
+from phalanx.common.subjects import MIGRATION_EVENTS_SUBJECT
 from phalanx.common.telemetry import get_tracer
 from phalanx.migration.batching import Reservations, RestoreBatcher, SharedCalls
 from phalanx.migration.config import MigrationConfig
@@ -48,6 +47,12 @@ METHOD_NAMES = {
     M.MIGRATION_METHOD_SEQUENTIAL_REPLAY: "sequential_replay",
 }
 _OPTIONS = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
+# A registration that states no block size (phalanx.model.kv_cache.BLOCK_SIZE; importing it would import torch here).
+_DEFAULT_BLOCK_SIZE = 16
+# KV bytes per token when neither a commit nor a registration states the layout (a worker from before it did): it
+# only orders the methods, and recompute and transfer differ by orders of magnitude.
+_UNKNOWN_BYTES_PER_TOKEN = 4096
+_DTYPE_BYTES = {"float32": 4, "float64": 8, "bfloat16": 2, "float16": 2}
 
 
 @dataclass
@@ -128,7 +133,7 @@ class Migrator:
         self.bus = bus
         self.metrics = metrics
         self.workers = WorkerDirectory(etcd_config)
-        self._etcd = connect_etcd(etcd_config)
+        self.stores = CheckpointStoreDirectory(etcd_config)
         self._inflight: dict[str, asyncio.Future] = {}
         # Migrations at once; the rest wait, premium first, whoever asked (health's DEAD event or a router).
         self._gate = PriorityGate(config.parallel)
@@ -151,7 +156,7 @@ class Migrator:
 
     async def close(self) -> None:
         await self._channels.close()
-        await self._etcd.close()
+        await self.stores.close()
 
     def _channel(self, address: str) -> grpc.aio.Channel:
         return self._channels.get(address)
@@ -206,13 +211,16 @@ class Migrator:
                 registrations = await self._replacements(request.worker_id)
                 commit = None
             layout_bytes = commit[1] if commit is not None else 0
+            source = registrations.get(request.worker_id)
             largest = max((p for p in (handoff, commit[0] if commit else None, known) if p is not None), key=lambda p: p.num_tokens, default=None)
             # The likely target's own measured rates price recomputing; the link's measured bandwidth prices moving KV.
             target = await self._pick_target(largest, registrations, {request.worker_id}) if largest is not None else None
             stats = target[1] if target is not None else None
+            # Without a commit's layout, the failed worker's registration tells it (else the target's: the same model).
+            bytes_per_token = layout_bytes or registration_bytes_per_token(source, target[0] if target is not None else None)
             plan = choose_plan(
                 self.config.strategy, handoff=handoff, commit=commit[0] if commit else None, known=known,
-                bytes_per_token=layout_bytes or _guess_bytes_per_token(registrations), link_bytes_per_s=self.link_bytes_per_s,
+                bytes_per_token=bytes_per_token, link_bytes_per_s=self.link_bytes_per_s,
                 prefill_tokens_per_s=(stats.prefill_tokens_per_s if stats and stats.prefill_tokens_per_s > 0 else self.config.prefill_tokens_per_s),
                 decode_step_s=(stats.step_time_ms / 1e3 if stats and stats.step_time_ms > 0 else 0.02),
                 kv_overhead_s=self.config.kv_restore_overhead_s,
@@ -256,7 +264,7 @@ class Migrator:
         if record is None:
             return "", None
         layout = record.layout
-        per_token = layout.num_layers * 2 * layout.num_kv_heads * layout.head_dim * _dtype_bytes(layout.dtype)
+        per_token = kv_bytes_per_token(layout.num_layers, layout.num_kv_heads, layout.head_dim, layout.dtype)
         return store, (Plan(record.state, record.seed, M.MIGRATION_METHOD_CHECKPOINT, record.kv_tokens), per_token)
 
     async def _replacements(self, failed_worker: str) -> dict:
@@ -270,7 +278,7 @@ class Migrator:
         raise UnavailableError(f"no worker restarted within {6 * self.config.restore_timeout_s:.0f} s of {failed_worker}'s failure", retry_after_s=1.0)
 
     async def store_addresses(self) -> list[str]:
-        return await self._reads.get("stores", lambda: advertised_addresses(self._etcd, CHECKPOINT_STORES_PREFIX))
+        return await self._reads.get("stores", self.stores.addresses)
 
     async def _restore(self, request: M.MigrateRequest, plan: Plan, registrations, first=None) -> M.MigrateResponse:
         tried: set[str] = {request.worker_id}
@@ -290,7 +298,7 @@ class Migrator:
             state.sampling.seed = plan.seed
             item = M.RestoreItem(state=state, seed=plan.seed, method=plan.method, kv_tokens=plan.kv_tokens)
             try:
-                with self._reserved.hold(target.worker_id, _blocks_for(plan)):
+                with self._reserved.hold(target.worker_id, blocks_for(plan.num_tokens, target.block_size)):
                     result = await self._batcher.submit((target.address, plan.kv_source), item)
             except grpc.aio.AioRpcError as error:
                 last_error = f"{target.worker_id}: {error.code().name}: {error.details()}"
@@ -339,10 +347,10 @@ class Migrator:
         # excluded later were picked with the same preference, so their size is the one to keep.
         source_sizes = {r.tensor_parallel_size or 1 for worker_id, r in registrations.items() if worker_id in exclude}
         loads = await self._loads_of(candidates)
-        needed = _blocks_for(plan)
         usable = []
         for worker_id, registration in candidates.items():
             load, (requests, blocks) = loads.get(worker_id), self._reserved.of(worker_id)
+            needed = blocks_for(plan.num_tokens, registration.block_size)
             if load is not None and not load.draining and load.free_blocks - blocks >= needed:
                 usable.append((registration, load, load.queue_depth + load.running_seqs + requests, load.free_blocks - blocks))
         if not usable:
@@ -412,14 +420,19 @@ class Migrator:
         return response
 
 
-def _blocks_for(plan: Plan) -> int:
-    """KV blocks the request needs on its target: its tokens and the next one's."""
-    return -(-(plan.num_tokens + 1) // 16)  # the KV block size; phalanx.model.kv_cache would import torch here
+def blocks_for(num_tokens: int, block_size: int) -> int:
+    """KV blocks a request of `num_tokens` needs on a target with `block_size` (0: unstated): its tokens and the next one's."""
+    return -(-(num_tokens + 1) // (block_size or _DEFAULT_BLOCK_SIZE))
 
 
-def _dtype_bytes(name: str) -> int:
-    return {"float32": 4, "float64": 8, "bfloat16": 2, "float16": 2}.get(name, 4)
+def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: str) -> int:
+    """Bytes of one token position's KV: a key and a value per layer and KV head (an unknown dtype counts 4 bytes)."""
+    return num_layers * 2 * num_kv_heads * head_dim * _DTYPE_BYTES.get(dtype, 4)
 
 
-def _guess_bytes_per_token(registrations) -> int:
-    return 4096  # only orders methods when no commit tells the layout; recompute vs transfer differ by orders of magnitude
+def registration_bytes_per_token(*registrations: common_pb2.WorkerRegistration | None) -> int:
+    """KV bytes per token by the first registration that states its KV layout (older workers' do not)."""
+    for r in registrations:
+        if r is not None and r.num_layers > 0:
+            return kv_bytes_per_token(r.num_layers, r.num_kv_heads, r.head_dim, r.kv_dtype)
+    return _UNKNOWN_BYTES_PER_TOKEN

@@ -13,7 +13,6 @@ is what moves a request (the other instance's attempt finds it running).
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 import socket
@@ -25,6 +24,7 @@ from prometheus_client import start_http_server
 
 from phalanx._proto import common_pb2, migration_pb2, migration_pb2_grpc
 from phalanx.common.config import EtcdConfig, NatsConfig, TelemetryConfig
+from phalanx.common.discovery import encode_json
 from phalanx.common.events import EventBus
 from phalanx.common.lease import LeasedKey
 from phalanx.common.subjects import HEALTH_EVENTS_ALL, LOAD_ALL, MIGRATIONS_PREFIX, validate_worker_id
@@ -32,6 +32,7 @@ from phalanx.common.telemetry import grpc_server_interceptors, setup_telemetry, 
 from phalanx.migration.config import MigrationConfig
 from phalanx.migration.core import Migrator
 from phalanx.migration.metrics import MigrationMetrics
+from phalanx.migration.registration import migration_registration
 from phalanx.migration.server import MigrationServicer
 
 log = logging.getLogger(__name__)
@@ -72,7 +73,7 @@ class MigrationProcess:
             await server.start()
             advertisement = LeasedKey(
                 self.etcd_config, MIGRATIONS_PREFIX + self.instance_id,
-                json.dumps({"address": self.address, "pid": os.getpid(), "strategy": self.config.strategy}).encode(),
+                encode_json(migration_registration(self.instance_id, address=self.address, strategy=self.config.strategy)),
             )
             await advertisement.start()
             loads = await bus.subscribe(LOAD_ALL, common_pb2.LoadReport, migrator.on_load)

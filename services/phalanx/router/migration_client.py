@@ -8,11 +8,10 @@ import grpc
 
 from phalanx._proto import migration_pb2, migration_pb2_grpc
 from phalanx.common.config import EtcdConfig
-from phalanx.common.discovery import advertised_addresses
+from phalanx.common.discovery import MigrationDirectory
 from phalanx.common.errors import UnavailableError
 from phalanx.common.grpc_channels import GrpcChannels
-from phalanx.common.lease import TRANSIENT_ERRORS, connect_etcd
-from phalanx.common.subjects import MIGRATIONS_PREFIX
+from phalanx.common.lease import TRANSIENT_ERRORS
 
 log = logging.getLogger(__name__)
 
@@ -22,18 +21,18 @@ class MigrationClient:
     a call in flight), and the address that answered last is tried first."""
 
     def __init__(self, config: EtcdConfig, *, timeout_s: float = 15.0) -> None:
-        self._etcd = connect_etcd(config)
+        self._instances = MigrationDirectory(config)
         self.timeout_s = timeout_s
         self._preferred = ""
         self._channels = GrpcChannels()
 
     async def close(self) -> None:
         await self._channels.close()
-        await self._etcd.close()
+        await self._instances.close()
 
     async def _addresses(self) -> list[str]:
         try:
-            addresses = await advertised_addresses(self._etcd, MIGRATIONS_PREFIX)
+            addresses = await self._instances.addresses()
         except TRANSIENT_ERRORS as exc:
             log.warning("cannot look up the migration service: %r", exc)
             return [self._preferred] if self._preferred else []

@@ -181,10 +181,10 @@ async def start_health(
 
 
 class CheckpointStoreHandle(ServiceHandle):
-    """A checkpoint store process; ``advertisement`` is the JSON it put in etcd."""
+    """A checkpoint store process; ``advertisement`` is the CheckpointStoreRegistration it put in etcd."""
 
-    def __init__(self, name: str, process: subprocess.Popen, advertisement: dict) -> None:
-        super().__init__(name, process, advertisement["address"], advertisement.get("metrics_address", ""))
+    def __init__(self, name: str, process: subprocess.Popen, advertisement) -> None:
+        super().__init__(name, process, advertisement.address, advertisement.metrics_address)
         self.advertisement = advertisement
 
     @property
@@ -194,7 +194,7 @@ class CheckpointStoreHandle(ServiceHandle):
     @property
     def channel_endpoint(self) -> str:
         """Id of the store's tensor-channel endpoint (what SendKv sends from)."""
-        return self.advertisement["channel_endpoint"]
+        return self.advertisement.channel_endpoint
 
     async def stats(self, timeout: float = 2.0):
         from phalanx._proto import checkpoint_pb2, checkpoint_pb2_grpc
@@ -218,6 +218,7 @@ async def start_checkpoint_store(
     ``extra`` are more CLI flags (e.g. ``--memory-limit-bytes``); ``env`` more PHALANX_CHECKPOINT_* settings.
     """
 
+    from phalanx._proto import checkpoint_pb2
     from phalanx.common.subjects import CHECKPOINT_STORES_PREFIX
 
     process = _spawn(
@@ -225,14 +226,14 @@ async def start_checkpoint_store(
          *extra],
         {"PHALANX_ETCD_LEASE_TTL_S": str(etcd_config.lease_ttl_s), **(env or {})},
     )  # fmt: skip
-    advertisement = await _advertisement(process, etcd_config, CHECKPOINT_STORES_PREFIX + store_id, store_id, timeout)
+    key = CHECKPOINT_STORES_PREFIX + store_id
+    advertisement = await _advertisement(process, etcd_config, key, checkpoint_pb2.CheckpointStoreRegistration, store_id, timeout)
     return CheckpointStoreHandle(store_id, process, advertisement)
 
 
-async def _advertisement(process: subprocess.Popen, etcd_config: EtcdConfig, key: str, name: str, timeout: float) -> dict:
-    """The JSON ``process`` put at ``key`` (with its pid: not a previous holder's, lingering until its lease lapses)."""
-    import json
-
+async def _advertisement(process: subprocess.Popen, etcd_config: EtcdConfig, key: str, message_type, name: str, timeout: float):
+    """The ``message_type`` ``process`` put at ``key`` (with its pid: not a previous holder's, lingering until its lease lapses)."""
+    from phalanx.common.discovery import decode_json
     from phalanx.common.lease import connect_etcd
 
     client = connect_etcd(etcd_config)
@@ -242,8 +243,8 @@ async def _advertisement(process: subprocess.Popen, etcd_config: EtcdConfig, key
             if process.poll() is not None:
                 raise RuntimeError(f"{name} exited with {process.returncode} before it advertised itself")
             held = await client.get(key.encode())
-            advertisement = json.loads(held.value) if held is not None else {}
-            if advertisement.get("pid") == process.pid:
+            advertisement = decode_json(held.value, message_type) if held is not None else message_type()
+            if advertisement.pid == process.pid:
                 return advertisement
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{name} did not advertise itself within {timeout:.0f} s")
@@ -264,6 +265,7 @@ async def start_migration(
     instance_id: str, nats_url: str, etcd_config: EtcdConfig, *extra: str, env: dict | None = None, timeout: float = 30.0
 ) -> ServiceHandle:
     """A migration service (``phalanx migration``), returned once it advertised itself in etcd."""
+    from phalanx._proto import migration_pb2
     from phalanx.common.subjects import MIGRATIONS_PREFIX
     from phalanx.testing.stack import free_port
 
@@ -273,8 +275,9 @@ async def start_migration(
          "--log-level", "WARNING", *extra],
         {"PHALANX_ETCD_LEASE_TTL_S": str(etcd_config.lease_ttl_s), "PHALANX_MIGRATION_METRICS_PORT": str(metrics_port), **(env or {})},
     )  # fmt: skip
-    advertisement = await _advertisement(process, etcd_config, MIGRATIONS_PREFIX + instance_id, instance_id, timeout)
-    return ServiceHandle(instance_id, process, advertisement["address"], f"127.0.0.1:{metrics_port}")
+    key = MIGRATIONS_PREFIX + instance_id
+    advertisement = await _advertisement(process, etcd_config, key, migration_pb2.MigrationRegistration, instance_id, timeout)
+    return ServiceHandle(instance_id, process, advertisement.address, f"127.0.0.1:{metrics_port}")
 
 
 __all__ += ["start_migration"]

@@ -13,7 +13,9 @@ import queue
 import threading
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol, assert_never
+
+import torch
 
 from phalanx.common.errors import EngineDeadError, UnavailableError
 from phalanx.model.kv_cache import KvEvents
@@ -29,6 +31,82 @@ class EventSink(Protocol):
     """Where a request's events go, on the event loop, in order, until its final one."""
 
     def put_nowait(self, event: TokenEvent) -> None: ...
+
+
+# -- commands to the engine thread ---------------------------------------------
+# Callers on the event loop put these on the command queue; the engine thread applies them between steps, in
+# order. A `done` future carries the outcome back (set from the engine thread via call_soon_threadsafe).
+
+
+@dataclass(frozen=True, slots=True)
+class AddRequest:
+    """Admit a request; `done` gets its id (or what admission raised), its events then go to `sink`."""
+
+    request: EngineRequest
+    sink: EventSink
+    done: asyncio.Future
+
+
+@dataclass(frozen=True, slots=True)
+class AbortRequest:
+    """End a request with `reason`, freeing its KV; a no-op once it has finished."""
+
+    request_id: str
+    reason: FinishReason
+
+
+@dataclass(frozen=True, slots=True)
+class ListCachedBlocks:
+    """`done` gets every block in the prefix cache, after the pending KV events went out."""
+
+    done: asyncio.Future
+
+
+@dataclass(frozen=True, slots=True)
+class HandBackAll:
+    """End every request but canaries with HANDED_BACK and its snapshot."""
+
+
+@dataclass(frozen=True, slots=True)
+class Restore:
+    """Add a migrated request with its KV; `done` gets the events of the tokens it brought."""
+
+    done: asyncio.Future
+    request: EngineRequest
+    kv: torch.Tensor | None
+    kv_tokens: int
+    sink: EventSink
+
+
+@dataclass(frozen=True, slots=True)
+class Park:
+    """Stop requests keeping their KV (see Engine.park); `done` gets their HANDED_BACK events."""
+
+    done: asyncio.Future
+    request_ids: list[str] | None
+    ttl_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class ExportKv:
+    """`done` gets a parked request's first `kv_tokens` tokens of KV."""
+
+    done: asyncio.Future
+    request_id: str
+    kv_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class Unpark:
+    """Free a parked request's KV; `done` gets how many were freed."""
+
+    done: asyncio.Future
+    request_id: str
+
+
+# Commands whose result or exception goes back through their `done` future.
+EngineCall = Restore | Park | ExportKv | Unpark
+EngineCommand = AddRequest | AbortRequest | ListCachedBlocks | HandBackAll | EngineCall
 
 
 @dataclass
@@ -50,7 +128,7 @@ class AsyncEngine:
         self._on_kv_events = on_kv_events
         # Copies each step's new KV for the checkpoint store (on this thread, between steps).
         self.checkpoints = checkpoints
-        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[EngineCommand] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._streams: dict[str, EventSink] = {}
         self._canaries: set[str] = set()  # ids in _streams that are canaries
@@ -96,15 +174,13 @@ class AsyncEngine:
         if self._stopping or self.exiting or (self.draining and not request.canary):
             raise UnavailableError("worker is draining; send the request to another worker", retry_after_s=0.1)
         self.engine.validate(request)  # pure checks; safe off the engine thread
-        done = asyncio.get_running_loop().create_future()
-        self._commands.put(("add", request, sink, done, request.canary))
-        self._wake.set()
+        done = _future()
+        self._send(AddRequest(request, sink, done))
         return await done  # raises what add_request raised (queue full, duplicate id)
 
     def abort(self, request_id: str) -> None:
         """Ends a request with ABORTED (freeing its KV); a no-op once it has finished."""
-        self._commands.put(("abort", request_id, FinishReason.ABORTED))
-        self._wake.set()
+        self._send(AbortRequest(request_id, FinishReason.ABORTED))
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[TokenEvent]:
         """Yields the request's events until its final one; cancelling the iteration aborts it."""
@@ -127,9 +203,8 @@ class AsyncEngine:
 
     async def cached_blocks(self) -> list[tuple[int, int, int]]:
         """Every block in the prefix cache, read on the engine thread after its pending KV events went out."""
-        done = asyncio.get_running_loop().create_future()
-        self._commands.put(("snapshot", done))
-        self._wake.set()
+        done = _future()
+        self._send(ListCachedBlocks(done))
         return await done
 
     async def restore(self, request: EngineRequest, kv, kv_tokens: int, sink: EventSink) -> list[TokenEvent]:
@@ -138,28 +213,29 @@ class AsyncEngine:
             raise EngineDeadError(f"engine loop died: {self.dead!r}")
         if self._stopping or self.exiting or self.draining:
             raise UnavailableError("worker is draining; restore the request on another worker", retry_after_s=0.1)
-        return await self._call("restore", request, kv, kv_tokens, sink)
+        return await self._call(Restore(_future(), request, kv, kv_tokens, sink))
 
     async def park(self, request_ids: list[str] | None, ttl_s: float) -> list[TokenEvent]:
         """Stops requests keeping their KV (see Engine.park); their logs end with HANDED_BACK."""
-        return await self._call("park", request_ids, ttl_s)
+        return await self._call(Park(_future(), request_ids, ttl_s))
 
-    async def export_kv(self, request_id: str, kv_tokens: int):
-        return await self._call("export", request_id, kv_tokens)
+    async def export_kv(self, request_id: str, kv_tokens: int) -> torch.Tensor:
+        return await self._call(ExportKv(_future(), request_id, kv_tokens))
 
     async def unpark(self, request_id: str) -> int:
-        return await self._call("unpark", request_id)
+        return await self._call(Unpark(_future(), request_id))
 
-    async def _call(self, *command):
+    async def _call(self, command: EngineCall) -> Any:
         """Runs a command on the engine thread between steps; its result or exception comes back here."""
-        done = asyncio.get_running_loop().create_future()
-        self._commands.put(("call", done, *command))
-        self._wake.set()
-        return await done
+        self._send(command)
+        return await command.done
 
     def hand_back_all(self) -> None:
         """Ends every request but canaries with HANDED_BACK and its snapshot, for a drain past its grace."""
-        self._commands.put(("hand_back_all",))
+        self._send(HandBackAll())
+
+    def _send(self, command: EngineCommand) -> None:
+        self._commands.put(command)
         self._wake.set()
 
     @property
@@ -208,55 +284,55 @@ class AsyncEngine:
                 command = self._commands.get_nowait()
             except queue.Empty:
                 break
-            if command[0] == "add":
-                _, request, stream, done, canary = command
-                try:
-                    seq = self.engine.add_request(request)
-                except Exception as exc:  # reported to that caller only
-                    self._loop.call_soon_threadsafe(_set_exception, done, exc)
-                    continue
-                self._loop.call_soon_threadsafe(self._register, seq.request_id, stream, done, canary, seq.replayed)
-            elif command[0] == "abort":
-                # Its final event also tells the sink, if any still listens, that nothing follows.
-                event = self.engine.abort(command[1], command[2])
-                if event is not None:
-                    events.append(event)
-            elif command[0] == "snapshot":
-                self._flush_kv_events()
-                self._loop.call_soon_threadsafe(_set_result, command[1], self.engine.cached_blocks())
-            elif command[0] == "call":
-                events.extend(self._run_call(command[1], command[2], command[3:]))
-            elif command[0] == "hand_back_all":
-                for request_id, seq in list(self.engine.by_id.items()):
-                    if seq.canary:
-                        continue  # short, and a quarantined worker still runs them
-                    event = self.engine.abort(request_id, FinishReason.HANDED_BACK)
+            match command:
+                case AddRequest(request=request, sink=sink, done=done):
+                    try:
+                        seq = self.engine.add_request(request)
+                    except Exception as exc:  # reported to that caller only
+                        self._loop.call_soon_threadsafe(_set_exception, done, exc)
+                        continue
+                    self._loop.call_soon_threadsafe(self._register, seq.request_id, sink, done, request.canary, seq.replayed)
+                case AbortRequest(request_id=request_id, reason=reason):
+                    # Its final event also tells the sink, if any still listens, that nothing follows.
+                    event = self.engine.abort(request_id, reason)
                     if event is not None:
                         events.append(event)
+                case ListCachedBlocks(done=done):
+                    self._flush_kv_events()
+                    self._loop.call_soon_threadsafe(_set_result, done, self.engine.cached_blocks())
+                case HandBackAll():
+                    for request_id, seq in list(self.engine.by_id.items()):
+                        if seq.canary:
+                            continue  # short, and a quarantined worker still runs them
+                        event = self.engine.abort(request_id, FinishReason.HANDED_BACK)
+                        if event is not None:
+                            events.append(event)
+                case Restore() | Park() | ExportKv() | Unpark():
+                    events.extend(self._run_call(command))
         if events:
             self._loop.call_soon_threadsafe(self._dispatch, events)
 
-    def _run_call(self, done: asyncio.Future, name: str, args: tuple) -> list[TokenEvent]:
+    def _run_call(self, command: EngineCall) -> list[TokenEvent]:
         events: list[TokenEvent] = []
         try:
-            if name == "restore":
-                request, kv, kv_tokens, sink = args
-                seq = self.engine.restore(request, kv, kv_tokens)
-                result = seq.replayed
-                # Before any event of its next step: the log must start with the tokens it brought.
-                self._loop.call_soon_threadsafe(self._register_restored, seq.request_id, sink, seq.replayed)
-            elif name == "park":
-                events = result = self.engine.park(*args)
-            elif name == "export":
-                result = self.engine.export_kv(*args)
-            elif name == "unpark":
-                result = self.engine.unpark(*args)
-            else:
-                raise ValueError(f"unknown engine command {name!r}")
+            match command:
+                case Restore(request=request, kv=kv, kv_tokens=kv_tokens, sink=sink):
+                    seq = self.engine.restore(request, kv, kv_tokens)
+                    result: Any = seq.replayed
+                    # Before any event of its next step: the log must start with the tokens it brought.
+                    self._loop.call_soon_threadsafe(self._register_restored, seq.request_id, sink, seq.replayed)
+                case Park(request_ids=request_ids, ttl_s=ttl_s):
+                    events = result = self.engine.park(request_ids, ttl_s)
+                case ExportKv(request_id=request_id, kv_tokens=kv_tokens):
+                    result = self.engine.export_kv(request_id, kv_tokens)
+                case Unpark(request_id=request_id):
+                    result = self.engine.unpark(request_id)
+                case _:
+                    assert_never(command)
         except Exception as exc:  # reported to that caller only
-            self._loop.call_soon_threadsafe(_set_exception, done, exc)
+            self._loop.call_soon_threadsafe(_set_exception, command.done, exc)
             return []
-        self._loop.call_soon_threadsafe(_set_result, done, result)
+        self._loop.call_soon_threadsafe(_set_result, command.done, result)
         return events
 
     def _capture_checkpoints(self) -> None:
@@ -322,6 +398,10 @@ class AsyncEngine:
         self._canaries.clear()
         for request_id, stream in streams.items():
             stream.put_nowait(TokenEvent(request_id, -1, "", -1, FinishReason.ABORTED, error=error))
+
+
+def _future() -> asyncio.Future:
+    return asyncio.get_running_loop().create_future()
 
 
 def _set_result(future: asyncio.Future, value) -> None:

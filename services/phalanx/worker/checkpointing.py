@@ -31,9 +31,8 @@ import torch
 
 from phalanx._proto import checkpoint_pb2, checkpoint_pb2_grpc
 from phalanx.common.config import EtcdConfig
-from phalanx.common.discovery import advertised_addresses
-from phalanx.common.lease import Backoff, connect_etcd
-from phalanx.common.subjects import CHECKPOINT_STORES_PREFIX
+from phalanx.common.discovery import CheckpointStoreDirectory
+from phalanx.common.lease import Backoff
 from phalanx.worker.engine import Engine
 from phalanx.worker.sequence import Sequence
 
@@ -199,12 +198,12 @@ class CheckpointStreamer:
 
     async def _run(self) -> None:
         backoff = Backoff(initial=0.05, cap=1.0)
-        etcd = connect_etcd(self.etcd_config)
+        stores = CheckpointStoreDirectory(self.etcd_config)
         failed = ""
         try:
             while True:
                 try:
-                    address = pick_store(await advertised_addresses(etcd, CHECKPOINT_STORES_PREFIX), failed)
+                    address = pick_store(await stores.addresses(), failed)
                 except Exception as exc:  # etcd away: keep serving, try again
                     log.debug("no checkpoint store lookup: %r", exc)
                     address = None
@@ -225,7 +224,7 @@ class CheckpointStreamer:
                     self.capture.resync()
                 await asyncio.sleep(backoff.next())
         finally:
-            await etcd.close()
+            await stores.close()
 
     async def _stream(self, address: str) -> None:
         async with grpc.aio.insecure_channel(

@@ -285,6 +285,8 @@ class WorkerProcess:
                 started_at=time.time(), max_model_len=self.engine_config.max_model_len, model_version=model.version,
                 channel_endpoint=self.channels.endpoint_id if self.channels is not None else "",
                 tensor_parallel_size=self.engine_config.tensor_parallel_size,
+                num_layers=model.config.num_layers, num_kv_heads=model.config.num_kv_heads, head_dim=model.config.head_dim,
+                kv_dtype=str(model.dtype).removeprefix("torch."),
             )
         )
 

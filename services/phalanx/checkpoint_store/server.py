@@ -66,7 +66,7 @@ class CheckpointStoreServicer(checkpoint_pb2_grpc.CheckpointStoreServicer, migra
         response = checkpoint_pb2.StreamResponse()
         for segment in batch.segments:
             ack = self.store.apply(writer, segment)
-            self.metrics.bytes_received.inc(len(segment.kv))
+            self.metrics.bytes_received.inc(ack.kv_bytes)
             self.metrics.segments.labels(result=ack.result.value).inc()
             if ack.resync:
                 log.info("request %s from %s: gap at KV %d (store has %d); resync",

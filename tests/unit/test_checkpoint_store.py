@@ -265,3 +265,40 @@ def test_a_dead_workers_requests_stay_until_released_or_expired(store):
     store.apply(W1, segment("r1", 1, 0, 4))
     # Nothing ties a commit to its stream: the store keeps it for a restore elsewhere.
     assert store.records("w1")[0].kv_tokens == 4 and store.expire() == []
+
+
+def test_kv_across_block_boundaries_reads_back_byte_exact(tmp_path):
+    store = CheckpointStore(tmp_path, memory_limit_bytes=64 * 4 * LAYOUT.token_bytes)  # blocks of 4 positions
+    store.apply(W1, segment("r1", 1, 0, 7))
+    store.apply(W1, segment("r1", 2, 7, 9))
+    store.apply(W1, segment("r1", 3, 9, 17))
+    assert torch.equal(store.read_kv("r1", 17), kv_of(0, 17)) and torch.equal(store.read_kv("r1", 3), kv_of(0, 3))
+    store.apply(W2, segment("r1", 1, 6, 13, salt=0.5))  # truncates into a block, then crosses two more
+    kv = store.read_kv("r1", 13)
+    assert torch.equal(kv[:, :, :6], kv_of(0, 6)) and torch.equal(kv[:, :, 6:], kv_of(6, 13, salt=0.5))
+    assert store.memory_bytes == 4 * 4 * LAYOUT.token_bytes  # the blocks past position 13 went back
+    store.close()
+
+
+def test_released_kv_memory_is_reused_by_later_requests_within_the_limit(tmp_path):
+    limit = 64 * 4 * LAYOUT.token_bytes
+    store = CheckpointStore(tmp_path, memory_limit_bytes=limit)
+    store.apply(W1, segment("r1", 1, 0, 40))
+    held = store.memory_bytes
+    store.release("r1")
+    assert store.memory_bytes == 0 and store.pooled_bytes == held
+    store.apply(W1, segment("r2", 1, 0, 20))
+    assert store.pooled_bytes == held - store.memory_bytes
+    for i in range(3, 9):  # well past the limit: spills, and the blocks kept for reuse shrink to make room
+        store.apply(W1, segment(f"r{i}", 1, 0, 60, salt=i / 8))
+        assert store.memory_bytes + store.pooled_bytes <= limit
+    assert torch.equal(store.read_kv("r2", 20), kv_of(0, 20)) and torch.equal(store.read_kv("r5", 60), kv_of(0, 60, salt=5 / 8))
+    store.close()
+
+
+def test_read_kv_fills_a_given_tensor(store):
+    store.apply(W1, segment("r1", 1, 0, 5))
+    out = torch.empty(LAYOUT.shape(5), dtype=LAYOUT.dtype)
+    assert store.read_kv("r1", 5, out) is out and torch.equal(out, kv_of(0, 5))
+    with pytest.raises(ValueError):
+        store.read_kv("r1", 4, out)

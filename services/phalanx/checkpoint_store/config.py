@@ -32,3 +32,8 @@ class CheckpointStoreConfig(BaseSettings):
         "cores with workers (one machine) their decode steps come first; 0 keeps the default priority",
     )
     shutdown_grace_s: float = Field(1.0, ge=0, description="How long in-flight RPCs may finish at shutdown")
+    torch_threads: int = Field(
+        1, ge=1,
+        description="Threads of torch's CPU ops. The store only copies KV, which gains little from more; on cores "
+        "shared with workers their spinning cost many times the copy itself",
+    )

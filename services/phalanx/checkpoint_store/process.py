@@ -24,6 +24,7 @@ import tempfile
 from pathlib import Path
 
 import grpc
+import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
@@ -79,6 +80,7 @@ class CheckpointStoreProcess:
         setup_telemetry("phalanx-checkpoint-store", self.telemetry_config)
         if self.config.nice:
             os.nice(self.config.nice)
+        torch.set_num_threads(self.config.torch_threads)
         limit = self.config.max_message_bytes
         server = grpc.aio.server(
             interceptors=grpc_server_interceptors(),

@@ -9,12 +9,14 @@ from collections import Counter
 from collections.abc import AsyncIterator, Iterator
 
 import grpc
+import torch
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
 from phalanx._proto import checkpoint_pb2, checkpoint_pb2_grpc, migration_pb2, migration_pb2_grpc
 from phalanx.checkpoint_store.metrics import CheckpointMetrics
 from phalanx.checkpoint_store.store import CheckpointStore, InvalidCheckpointError, NotCommittedError, SegmentResult, Writer, byte_view
+from phalanx.common.buffers import BufferPool
 from phalanx.common.errors import InvalidRequestError, PhalanxError, UnavailableError
 from phalanx.common.grpc_status import DOMAIN, abort_with
 from phalanx.common.subjects import validate_request_id
@@ -25,6 +27,8 @@ tracer = get_tracer(__name__)
 
 # FetchKv's chunk size: well under gRPC's default 4 MiB message limit on the receiving side.
 FETCH_CHUNK_BYTES = 1 << 20
+# Restores' staging buffers kept for the next restore (see BufferPool).
+_STAGING_KEEP_BYTES = 64 << 20
 # Errors of torch.distributed and sockets under a tensor channel that the channel module may let through.
 _CHANNEL_FAILURES = (TimeoutError, ConnectionError, OSError, RuntimeError)
 
@@ -39,6 +43,8 @@ class CheckpointStoreServicer(checkpoint_pb2_grpc.CheckpointStoreServicer, migra
         self.channel_endpoint = None  # phalanx.common.channels.ChannelEndpoint
         self.streams: Counter[str] = Counter()  # open streams per worker
         self.restores_total = 0
+        self.staging = BufferPool(_STAGING_KEEP_BYTES)
+        self.staging.reserve(_STAGING_KEEP_BYTES // 4)  # touched now: the first restore after a failure is the one that counts
 
     # -- CheckpointStore ------------------------------------------------------------------------
 
@@ -66,7 +72,7 @@ class CheckpointStoreServicer(checkpoint_pb2_grpc.CheckpointStoreServicer, migra
         response = checkpoint_pb2.StreamResponse()
         for segment in batch.segments:
             ack = self.store.apply(writer, segment)
-            self.metrics.bytes_received.inc(len(segment.kv))
+            self.metrics.bytes_received.inc(ack.kv_bytes)
             self.metrics.segments.labels(result=ack.result.value).inc()
             if ack.resync:
                 log.info("request %s from %s: gap at KV %d (store has %d); resync",
@@ -124,8 +130,9 @@ class CheckpointStoreServicer(checkpoint_pb2_grpc.CheckpointStoreServicer, migra
                         request.target_endpoint, request.channel_id, reuse=request.reuse_channel, timeout_s=_left(deadline)
                     ) as channel:
                         for piece in pieces:
-                            tensor = self.store.read_kv(piece.request_id, piece.kv_tokens)
+                            tensor = self._read(piece)
                             await channel.send(tensor, timeout_s=_left(deadline))
+                            self.staging.give(tensor)
                             sent += tensor.nbytes
                 span.set_attribute("phalanx.bytes", sent)
         except PhalanxError as error:
@@ -141,14 +148,22 @@ class CheckpointStoreServicer(checkpoint_pb2_grpc.CheckpointStoreServicer, migra
         try:
             pieces = self._check_pieces(request.pieces)
             for index, piece in enumerate(pieces):
-                data = byte_view(self.store.read_kv(piece.request_id, piece.kv_tokens))
+                tensor = self._read(piece)
+                data = byte_view(tensor)
                 for offset in range(0, len(data), FETCH_CHUNK_BYTES):
                     yield migration_pb2.FetchKvResponse(piece=index, data=bytes(data[offset : offset + FETCH_CHUNK_BYTES]))
+                self.staging.give(tensor)
         except PhalanxError as error:
             await _abort(context, error)
         self._restored("grpc", len(pieces), time.perf_counter() - started)
 
     # -- helpers --------------------------------------------------------------------------------
+
+    def _read(self, piece: migration_pb2.KvPiece) -> torch.Tensor:
+        """The piece's KV in a staging buffer: give it back once sent (not after a failed send, which may still read it)."""
+        layout = self.store.check(piece.request_id, piece.kv_tokens)
+        out = self.staging.take(layout.shape(piece.kv_tokens), layout.dtype)
+        return self.store.read_kv(piece.request_id, piece.kv_tokens, out)
 
     def _check_pieces(self, pieces, *, required: bool = True) -> list[migration_pb2.KvPiece]:
         """Every piece committed (so that nothing is sent when one would fail), else the error for the first that is not."""

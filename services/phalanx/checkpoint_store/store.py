@@ -18,7 +18,9 @@ and the KV of positions ``[0, kv_tokens)``:
 KV lives in memory up to ``memory_limit_bytes``; beyond it the least recently
 updated requests' KV is appended to one spill file per request and read back
 from there (file part + memory tail) on restore. A failed spill keeps the KV
-in memory: a committed byte is never lost to spilling.
+in memory: a committed byte is never lost to spilling. In memory a request's
+KV is a list of fixed-size blocks from a pool that finished requests give
+theirs back to, so that appending mostly copies into memory in use before.
 """
 
 from __future__ import annotations
@@ -26,7 +28,6 @@ from __future__ import annotations
 import contextlib
 import enum
 import logging
-import math
 import os
 import time
 import warnings
@@ -59,10 +60,11 @@ log = logging.getLogger(__name__)
 # Spilling goes on until memory is back under this share of the limit, so that a
 # store at its limit does not write a sliver of KV on every segment.
 _SPILL_LOW_WATER = 0.75
-# A request's in-memory KV buffer grows by this factor (amortised appends) ...
-_GROWTH = 1.5
-# ... from at least this many token positions.
-_MIN_CAPACITY_TOKENS = 16
+# Token positions of one KV block (see _BlockPool) ...
+_BLOCK_TOKENS = 64
+# ... fewer where the memory limit would hold fewer than this many blocks: a request holds at most one block it has
+# not filled, and a small limit must not be taken up by such slack.
+_MIN_BLOCKS_IN_LIMIT = 64
 
 
 class CheckpointStoreError(PhalanxError):
@@ -170,6 +172,7 @@ class Ack:
     seq: int
     kv_tokens: int
     result: SegmentResult
+    kv_bytes: int = 0  # of KV the segment carried, whatever became of it
 
     @property
     def resync(self) -> bool:
@@ -200,16 +203,48 @@ class _FileChunk:
     offset: int
 
 
-class _KvTrack:
-    """One request's KV: spilled chunks for positions [0, spilled_tokens), then a memory buffer for the rest."""
+class _BlockPool:
+    """Free KV blocks of one layout ([L, 2, block_tokens, H, D] each), shared by the requests of that layout.
 
-    def __init__(self, layout: KvLayout, path: Path) -> None:
+    A request's KV in memory lives in such blocks; a finished request's blocks go back here for the next one. Appends
+    then copy into memory that was touched before (a fresh allocation costs page faults, several times a copy: see
+    MEASURED.md), and a growing request never copies what it holds into a larger buffer.
+    """
+
+    def __init__(self, layout: KvLayout, block_tokens: int) -> None:
         self.layout = layout
+        self.block_tokens = block_tokens
+        self.block_bytes = block_tokens * layout.token_bytes
+        self._free: list[torch.Tensor] = []
+
+    @property
+    def free_bytes(self) -> int:
+        return len(self._free) * self.block_bytes
+
+    def take(self) -> torch.Tensor:
+        return self._free.pop() if self._free else torch.empty(self.layout.shape(self.block_tokens), dtype=self.layout.dtype)
+
+    def give(self, blocks: list[torch.Tensor]) -> None:
+        self._free.extend(blocks)
+
+    def shrink(self, nbytes: int) -> int:
+        """Frees unused blocks until ``nbytes`` are freed or none is left; the bytes freed."""
+        count = min(len(self._free), -(-nbytes // self.block_bytes))
+        del self._free[len(self._free) - count :]
+        return count * self.block_bytes
+
+
+class _KvTrack:
+    """One request's KV: spilled chunks for positions [0, spilled_tokens), then memory blocks for the rest."""
+
+    def __init__(self, pool: _BlockPool, path: Path) -> None:
+        self.layout = pool.layout
         self.path = path
+        self._pool = pool
         self._chunks: list[_FileChunk] = []
         self._spilled_tokens = 0
-        self._buffer: torch.Tensor | None = None  # [L, 2, capacity, H, D]
-        self._tail = 0  # valid positions in the buffer
+        self._blocks: list[torch.Tensor] = []  # [L, 2, block_tokens, H, D] each
+        self._tail = 0  # valid positions in the blocks
 
     @property
     def tokens(self) -> int:
@@ -217,7 +252,7 @@ class _KvTrack:
 
     @property
     def memory_bytes(self) -> int:
-        return 0 if self._buffer is None else self._buffer.nbytes
+        return len(self._blocks) * self._pool.block_bytes
 
     @property
     def disk_bytes(self) -> int:
@@ -233,8 +268,10 @@ class _KvTrack:
             return
         if tokens >= self._spilled_tokens:
             self._tail = tokens - self._spilled_tokens
+            self._give_blocks(-(-self._tail // self._pool.block_tokens))
             return
         self._tail = 0
+        self._give_blocks(0)
         self._chunks = [c for c in self._chunks if c.start < tokens]
         if self._chunks:
             last = self._chunks[-1]
@@ -244,49 +281,57 @@ class _KvTrack:
 
     def append(self, kv: torch.Tensor) -> None:
         """Add positions [tokens, tokens + kv.shape[2]) from a [L, 2, t, H, D] tensor."""
-        end = self._tail + kv.shape[2]
-        if end == self._tail:
-            return
-        if self._buffer is None or self._buffer.shape[2] < end:
-            self._grow(end)
-        assert self._buffer is not None
-        self._buffer[:, :, self._tail : end].copy_(kv)
-        self._tail = end
-
-    def _grow(self, needed: int) -> None:
-        capacity = 0 if self._buffer is None else self._buffer.shape[2]
-        buffer = torch.empty(self.layout.shape(max(needed, math.ceil(capacity * _GROWTH), _MIN_CAPACITY_TOKENS)), dtype=self.layout.dtype)
-        if self._tail:
-            assert self._buffer is not None
-            buffer[:, :, : self._tail].copy_(self._buffer[:, :, : self._tail])
-        self._buffer = buffer
+        size = self._pool.block_tokens
+        done, count = 0, kv.shape[2]
+        while done < count:
+            index, offset = divmod(self._tail, size)
+            if index == len(self._blocks):
+                self._blocks.append(self._pool.take())
+            n = min(size - offset, count - done)
+            self._blocks[index][:, :, offset : offset + n].copy_(kv[:, :, done : done + n])
+            done += n
+            self._tail += n
 
     def spill(self) -> int:
         """Move the memory tail to the end of the spill file; the bytes written (0 if the write failed: the KV stays)."""
         if self._tail == 0:
-            self._buffer = None
+            self._give_blocks(0)
             return 0
-        assert self._buffer is not None
-        data = self._buffer[:, :, : self._tail].contiguous()
-        offset = self._file_end()
+        offset = start = self._file_end()
+        chunks = []
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            _write_at(self.path, offset, byte_view(data))
+            fd = os.open(self.path, os.O_WRONLY | os.O_CREAT, 0o600)
+            try:
+                for first, block in self._filled():  # a block a chunk: written from where it is, no copy but the last
+                    tokens = min(self._pool.block_tokens, self._tail - first)
+                    data = block if tokens == block.shape[2] else block[:, :, :tokens].contiguous()
+                    _write_at(fd, offset, byte_view(data))
+                    chunks.append(_FileChunk(start=self._spilled_tokens + first, tokens=tokens, stored=tokens, offset=offset))
+                    offset += data.nbytes
+            finally:
+                os.close(fd)
         except OSError as error:
-            log.warning("cannot spill %d bytes of KV to %s (kept in memory): %s", data.nbytes, self.path, error)
+            log.warning("cannot spill %d bytes of KV to %s (kept in memory): %s", self._tail * self.layout.token_bytes, self.path, error)
             with contextlib.suppress(OSError):
                 if self.path.exists():
-                    os.truncate(self.path, offset)
+                    os.truncate(self.path, start)
             return 0
-        self._chunks.append(_FileChunk(start=self._spilled_tokens, tokens=self._tail, stored=self._tail, offset=offset))
+        self._chunks += chunks
         self._spilled_tokens += self._tail
         self._tail = 0
-        self._buffer = None
-        return data.nbytes
+        self._give_blocks(0)
+        return offset - start
 
-    def read(self, tokens: int) -> torch.Tensor:
-        """A new contiguous [L, 2, tokens, H, D] tensor of positions [0, tokens)."""
-        parts: list[torch.Tensor] = []
+    def read(self, tokens: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Positions [0, tokens) as a contiguous [L, 2, tokens, H, D] tensor: ``out`` filled, or a new one.
+
+        Always a copy: later segments may overwrite the blocks.
+        """
+        if out is None:
+            out = torch.empty(self.layout.shape(tokens), dtype=self.layout.dtype)
+        elif tuple(out.shape) != self.layout.shape(tokens) or out.dtype != self.layout.dtype or not out.is_contiguous():
+            raise ValueError(f"cannot read {tokens} positions of {self.layout} into a {out.dtype}{list(out.shape)} tensor")
         if self._chunks and tokens > 0:
             with open(self.path, "rb") as file:
                 for chunk in self._chunks:
@@ -297,20 +342,34 @@ class _KvTrack:
                     got = file.readinto(byte_view(part))
                     if got != part.nbytes:
                         raise OSError(f"spill file {self.path} is short: {got} of {part.nbytes} bytes at {chunk.offset}")
-                    parts.append(part[:, :, : min(chunk.tokens, tokens - chunk.start)])
-        if tokens > self._spilled_tokens:
-            assert self._buffer is not None
-            parts.append(self._buffer[:, :, : tokens - self._spilled_tokens])
-        if not parts:
-            return torch.empty(self.layout.shape(0), dtype=self.layout.dtype)
-        return torch.cat(parts, dim=2)  # always a copy: later segments may overwrite the buffer
+                    n = min(chunk.tokens, tokens - chunk.start)
+                    out[:, :, chunk.start : chunk.start + n].copy_(part[:, :, :n])
+        for first, block in self._filled():
+            start = self._spilled_tokens + first
+            if start >= tokens:
+                break
+            n = min(self._pool.block_tokens, tokens - start)
+            out[:, :, start : start + n].copy_(block[:, :, :n])
+        return out
 
     def drop(self) -> None:
         """Free the memory and delete the spill file."""
-        self._buffer = None
+        self._give_blocks(0)
         self._chunks = []
         self._spilled_tokens = self._tail = 0
         self._trim_file()
+
+    def _filled(self) -> Iterator[tuple[int, torch.Tensor]]:
+        """(first position in the memory tail, block) of each block that holds any of it."""
+        size = self._pool.block_tokens
+        for index, block in enumerate(self._blocks[: -(-self._tail // size)]):
+            yield index * size, block
+
+    def _give_blocks(self, keep: int) -> None:
+        """Back to the pool, all blocks but the first ``keep``."""
+        if len(self._blocks) > keep:
+            self._pool.give(self._blocks[keep:])
+            del self._blocks[keep:]
 
     def _trim_file(self) -> None:
         """Cut the spill file to the chunks still listed (delete it when none is).
@@ -357,6 +416,7 @@ class CheckpointStore:
         self.retention_s = retention_s
         self._clock = clock
         self._entries: dict[str, _Entry] = {}
+        self._pools: dict[KvLayout, _BlockPool] = {}
         self._files = 0
         self._memory = 0
         self._disk = 0
@@ -368,16 +428,17 @@ class CheckpointStore:
 
     def apply(self, writer: Writer, segment: checkpoint_pb2.Segment) -> Ack:
         """Apply one segment from ``writer`` by the rules in the module docstring."""
-        kv = _segment_tensor(writer.layout, segment)
-        self._bytes_received += len(segment.kv)
+        data = segment.kv  # each read of a bytes field copies it (upb): once only
+        kv = _segment_tensor(writer.layout, segment, data)
+        self._bytes_received += len(data)
         entry = self._entries.get(segment.request_id)
         if entry is not None and entry.record.worker_id == writer.worker_id and segment.seq <= entry.record.seq:
-            return self._count(Ack(segment.request_id, entry.record.seq, entry.record.kv_tokens, SegmentResult.DUPLICATE))
+            return self._count(Ack(segment.request_id, entry.record.seq, entry.record.kv_tokens, SegmentResult.DUPLICATE, len(data)))
         if segment.kv_start == 0:
             entry = self._restart(writer, segment)
         elif entry is None or segment.kv_start > entry.record.kv_tokens or entry.kv.layout != writer.layout:
             kv_tokens = 0 if entry is None else entry.record.kv_tokens
-            return self._count(Ack(segment.request_id, segment.seq, kv_tokens, SegmentResult.GAP))
+            return self._count(Ack(segment.request_id, segment.seq, kv_tokens, SegmentResult.GAP, len(data)))
         else:
             record = entry.record
             if segment.HasField("state"):  # a new owner takes the commit over (restored from it): its whole state
@@ -396,7 +457,7 @@ class CheckpointStore:
             record.last_index = len(record.state.output_token_ids) - 1
             record.updated_at = self._clock()
         self._enforce_limit()
-        return self._count(Ack(segment.request_id, segment.seq, segment.kv_end, SegmentResult.APPLIED))
+        return self._count(Ack(segment.request_id, segment.seq, segment.kv_end, SegmentResult.APPLIED, len(data)))
 
     def release(self, request_id: str, *, worker_id: str | None = None) -> bool:
         """Drop a request's commit and KV; with ``worker_id``, only if that worker owns it. True if dropped.
@@ -444,10 +505,13 @@ class CheckpointStore:
             raise NotCommittedError(request_id, kv_tokens, entry.record.kv_tokens)
         return entry.kv.layout
 
-    def read_kv(self, request_id: str, kv_tokens: int) -> torch.Tensor:
-        """A new contiguous [num_layers, 2, kv_tokens, num_kv_heads, head_dim] tensor of positions [0, kv_tokens)."""
+    def read_kv(self, request_id: str, kv_tokens: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Positions [0, kv_tokens) as a contiguous [num_layers, 2, kv_tokens, num_kv_heads, head_dim] tensor.
+
+        A new one, or ``out`` filled (a reused buffer: a new one costs page faults).
+        """
         self.check(request_id, kv_tokens)
-        return self._entries[request_id].kv.read(kv_tokens)
+        return self._entries[request_id].kv.read(kv_tokens, out)
 
     def __contains__(self, request_id: object) -> bool:
         return request_id in self._entries
@@ -466,6 +530,11 @@ class CheckpointStore:
     @property
     def committed_tokens(self) -> int:
         return self._committed_tokens
+
+    @property
+    def pooled_bytes(self) -> int:
+        """Memory of KV blocks kept for reuse (released requests'): ``memory_bytes`` plus this stays within the limit."""
+        return sum(pool.free_bytes for pool in self._pools.values())
 
     def stats(self) -> StoreStats:
         return StoreStats(
@@ -493,14 +562,23 @@ class CheckpointStore:
         if segment.generator_state:
             record.state.generator_state = segment.generator_state
         self._files += 1
-        entry = self._entries[segment.request_id] = _Entry(record, _KvTrack(writer.layout, self.spill_dir / f"{self._files:08d}.kv"))
+        track = _KvTrack(self._pool(writer.layout), self.spill_dir / f"{self._files:08d}.kv")
+        entry = self._entries[segment.request_id] = _Entry(record, track)
         return entry
+
+    def _pool(self, layout: KvLayout) -> _BlockPool:
+        pool = self._pools.get(layout)
+        if pool is None:
+            fit = self.memory_limit_bytes // (_MIN_BLOCKS_IN_LIMIT * layout.token_bytes)
+            pool = self._pools[layout] = _BlockPool(layout, max(1, min(_BLOCK_TOKENS, fit)))
+        return pool
 
     def _drop(self, request_id: str) -> None:
         entry = self._entries.pop(request_id)
         with self._accounting(entry):
             entry.kv.drop()
             entry.record.kv_tokens = 0
+        self._trim_pools()
 
     @contextlib.contextmanager
     def _accounting(self, entry: _Entry) -> Iterator[None]:
@@ -527,14 +605,23 @@ class CheckpointStore:
                 break
             with self._accounting(entry):
                 entry.kv.spill()
+        self._trim_pools()
+
+    def _trim_pools(self) -> None:
+        """Frees pooled blocks beyond the memory limit: KV held plus blocks kept for reuse stay within it."""
+        excess = self._memory + self.pooled_bytes - self.memory_limit_bytes
+        for pool in self._pools.values():
+            if excess <= 0:
+                break
+            excess -= pool.shrink(excess)
 
     def _count(self, ack: Ack) -> Ack:
         self._segments[ack.result] += 1
         return ack
 
 
-def _segment_tensor(layout: KvLayout, segment: checkpoint_pb2.Segment) -> torch.Tensor:
-    """The segment's KV as a [L, 2, t, H, D] view of its bytes, after checking the range and the byte count."""
+def _segment_tensor(layout: KvLayout, segment: checkpoint_pb2.Segment, data: bytes) -> torch.Tensor:
+    """The segment's KV (``data``, its ``kv``) as a [L, 2, t, H, D] view of those bytes, after checking the range and the byte count."""
     try:
         validate_request_id(segment.request_id)
     except ValueError as error:
@@ -542,16 +629,16 @@ def _segment_tensor(layout: KvLayout, segment: checkpoint_pb2.Segment) -> torch.
     if segment.kv_start < 0 or segment.kv_end < segment.kv_start:
         raise InvalidCheckpointError("segment.kv_end", f"[{segment.kv_start}, {segment.kv_end}) is not a range of KV positions")
     tokens = segment.kv_end - segment.kv_start
-    if len(segment.kv) != tokens * layout.token_bytes:
+    if len(data) != tokens * layout.token_bytes:
         raise InvalidCheckpointError(
-            "segment.kv", f"{len(segment.kv)} bytes for {tokens} positions of {layout.token_bytes} bytes each ({layout})"
+            "segment.kv", f"{len(data)} bytes for {tokens} positions of {layout.token_bytes} bytes each ({layout})"
         )
     if tokens == 0:
         return torch.empty(layout.shape(0), dtype=layout.dtype)
     with warnings.catch_warnings():
         # Read-only bytes: the tensor is only ever copied from, never written.
         warnings.simplefilter("ignore", UserWarning)
-        flat = torch.frombuffer(segment.kv, dtype=layout.dtype)
+        flat = torch.frombuffer(data, dtype=layout.dtype)
     return flat.view(layout.shape(tokens))
 
 
@@ -560,11 +647,7 @@ def byte_view(tensor: torch.Tensor) -> memoryview:
     return memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
 
 
-def _write_at(path: Path, offset: int, data: memoryview) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
-    try:
-        done = 0
-        while done < len(data):
-            done += os.pwrite(fd, data[done:], offset + done)
-    finally:
-        os.close(fd)
+def _write_at(fd: int, offset: int, data: memoryview) -> None:
+    done = 0
+    while done < len(data):
+        done += os.pwrite(fd, data[done:], offset + done)

@@ -262,11 +262,11 @@ class CheckpointStreamer:
         """Every queued capture in one message, in capture order (so each request's segments stay in order)."""
         batch = batch_of(items, self._snapshot_to_proto)
         await call.write(checkpoint_pb2.StreamRequest(batch=batch))
-        nbytes = sum(len(segment.kv) for segment in batch.segments)
+        nbytes = sum(item.nbytes for item in items)  # not len(segment.kv): each read of a bytes field copies it
         self.bytes_sent += nbytes
         if self._sent_bytes is not None and nbytes:
             self._sent_bytes.inc(nbytes)
-        self.capture.sent(sum(item.nbytes for item in items))
+        self.capture.sent(nbytes)
 
     async def _read_acks(self, call) -> None:
         async for response in call:
@@ -303,8 +303,13 @@ def batch_of(captures: list[_Capture], snapshot_to_proto) -> checkpoint_pb2.Batc
 
 
 def tensor_bytes(tensor: torch.Tensor) -> bytes:
-    """The tensor's raw C-order bytes, any dtype (numpy has no bfloat16, so through a byte view)."""
-    return tensor.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+    """The tensor's raw C-order bytes, any dtype (numpy has no bfloat16, so through a byte view).
+
+    One copy: numpy writes a strided array (a piece of a capture's gather) out in C order itself.
+    """
+    if tensor.dim() == 0 or tensor.stride(-1) != 1:
+        tensor = tensor.contiguous().view(-1)
+    return tensor.view(torch.uint8).numpy().tobytes()
 
 
 def _describe(exc: BaseException) -> str:

@@ -12,6 +12,7 @@ import grpc
 import torch
 
 from phalanx._proto import common_pb2, migration_pb2, migration_pb2_grpc, worker_pb2, worker_pb2_grpc
+from phalanx.common.buffers import BufferPool
 from phalanx.common.errors import InvalidRequestError, NotFoundError, PhalanxError, ResourceExhaustedError, UnavailableError
 from phalanx.common.grpc_channels import GrpcChannels
 from phalanx.common.grpc_status import abort_with
@@ -100,6 +101,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         self.channel_timeout_s = 10.0
         self.channel_min_bytes = 32 << 20  # smaller KV from a source with no channel kept goes over gRPC
         self._warming: dict[str, asyncio.Task] = {}  # channels being formed ahead of the next transfer, by source key
+        self.kv_buffers = BufferPool(_KV_BUFFER_KEEP_BYTES)  # what restores receive KV into
         self._ttft, self._itl, self._generated = m.for_worker(m.ttft), m.for_worker(m.itl), m.for_worker(m.generated_tokens)
         self._prompt, self._cached_prompt = m.for_worker(m.prompt_tokens), m.for_worker(m.cached_prompt_tokens)
         self.streams = RequestStreams(
@@ -111,6 +113,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         self._engine = engine
         self.tokenizer = engine.engine.tokenizer
         self.model_version = model_version
+        # The first restore after a failure is the one that counts: its buffer is touched now, not on its clock.
+        cache = engine.engine.cache
+        self.kv_buffers.reserve(engine.engine.config.max_model_len * cache.bytes_per_block // BLOCK_SIZE)
 
     async def close(self) -> None:
         """Ends what still waits on a request log, stops detach timers, closes channels to KV sources; idempotent."""
@@ -276,6 +281,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             # Together: the engine takes them all at its next step boundary, not one per step.
             for result in await asyncio.gather(*(restore_one(item, engine_request) for item, engine_request in prepared)):
                 results[result.request_id] = result
+            for tensor in kv.values():  # the engine copied each into its cache (or refused it): reusable
+                self.kv_buffers.give(tensor)
             self.metrics.for_worker(self.metrics.restores).inc(sum(1 for r in results.values() if r.ok))
             return worker_pb2.RestoreResponse(
                 results=[results[i.state.request_id] for i in request.items if i.state.request_id in results],
@@ -309,7 +316,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             raise InvalidRequestError("kv_source_address", "is required for transfer and checkpoint restores")
         cache = engine.engine.cache
         layers, _, _, _, heads, dim = cache.full_shape
-        buffers = {i.state.request_id: torch.empty((layers, 2, i.kv_tokens, heads, dim), dtype=cache.data.dtype) for i in items}
+        buffers = {i.state.request_id: self.kv_buffers.take((layers, 2, i.kv_tokens, heads, dim), cache.data.dtype) for i in items}
         pieces = [migration_pb2.KvPiece(request_id=i.state.request_id, kv_tokens=i.kv_tokens) for i in items]
         stub = migration_pb2_grpc.KvSourceStub(self.kv_sources.get(source))
         fetcher = KvFetcher(self.channels, KvFetchPolicy(self.channel_min_bytes), warming=self._warming)
@@ -422,6 +429,8 @@ def _failed(request_id: str, exc: PhalanxError) -> worker_pb2.RestoreResult:
     return worker_pb2.RestoreResult(request_id=request_id, ok=False, code=exc.reason, message=str(exc))
 
 
+# Receive buffers kept for the next restore (see BufferPool).
+_KV_BUFFER_KEEP_BYTES = 64 << 20
 _BULK_OPTIONS = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
 _CHUNK_BYTES = 1 << 20
 

@@ -14,7 +14,6 @@ it has nothing to publish, so a NATS connection would only add a way to fail.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import re
@@ -23,11 +22,7 @@ import socket
 import tempfile
 from pathlib import Path
 
-import grpc
 import torch
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
-from prometheus_client import start_http_server
 
 from phalanx._proto import checkpoint_pb2, checkpoint_pb2_grpc, migration_pb2, migration_pb2_grpc
 from phalanx.checkpoint_store.config import CheckpointStoreConfig
@@ -38,9 +33,8 @@ from phalanx.checkpoint_store.store import CheckpointStore
 from phalanx.common.channels import ChannelEndpoint
 from phalanx.common.config import EtcdConfig, TelemetryConfig
 from phalanx.common.discovery import encode_json
-from phalanx.common.lease import LeasedKey
+from phalanx.common.service import ServiceShell
 from phalanx.common.subjects import CHECKPOINT_STORES_PREFIX, validate_worker_id
-from phalanx.common.telemetry import grpc_server_interceptors, setup_telemetry, shutdown_telemetry
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = checkpoint_pb2.DESCRIPTOR.services_by_name["CheckpointStore"].full_name
@@ -63,77 +57,70 @@ class CheckpointStoreProcess:
         self.store_id = validate_worker_id(config.store_id or f"ckpt-{hostname}-{os.getpid()}")
         self.channel_endpoint_id = f"ckpt-{self.store_id}"
         self.metrics = CheckpointMetrics()
-        self.health = health.aio.HealthServicer()
+        limit = config.max_message_bytes
+        self.shell = ServiceShell(
+            "phalanx-checkpoint-store", config, telemetry, registry=self.metrics.registry, shutdown_grace_s=config.shutdown_grace_s,
+            options=[("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)],
+        )
+        self.health = self.shell.health
+        self.ready = self.shell.ready
         # Made by the store at its first spill, deleted at exit.
         self.spill_dir = Path(config.spill_dir or tempfile.gettempdir()) / f"phalanx-ckpt-{self.store_id}-{os.getpid()}"
         self.store = CheckpointStore(self.spill_dir, memory_limit_bytes=config.memory_limit_bytes, retention_s=config.retention_s)
         self.servicer = CheckpointStoreServicer(self.store, self.metrics, channel_timeout_s=config.channel_timeout_s)
-        self.address = ""
-        self.metrics_address = ""
-        self.ready = asyncio.Event()
-        self._stop = asyncio.Event()
+
+    @property
+    def address(self) -> str:
+        return self.shell.address
+
+    @property
+    def metrics_address(self) -> str:
+        return self.shell.metrics_address
 
     def request_stop(self) -> None:
-        self._stop.set()
+        self.shell.request_stop()
 
     async def run(self) -> None:
-        setup_telemetry("phalanx-checkpoint-store", self.telemetry_config)
         if self.config.nice:
             os.nice(self.config.nice)
         torch.set_num_threads(self.config.torch_threads)
-        limit = self.config.max_message_bytes
-        server = grpc.aio.server(
-            interceptors=grpc_server_interceptors(),
-            options=[("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit), ("grpc.so_reuseport", 0)],
-        )
-        await self._set_serving(False)
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
-        checkpoint_pb2_grpc.add_CheckpointStoreServicer_to_server(self.servicer, server)
-        migration_pb2_grpc.add_KvSourceServicer_to_server(self.servicer, server)
-        reflection.enable_server_reflection([SERVICE_NAME, KV_SOURCE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
-        host = self.config.advertise_host or self.config.host
-        port = server.add_insecure_port(f"{self.config.host}:{self.config.port}")
-        self.address = f"{host}:{port}"
-        await server.start()
-        shutil.rmtree(self.spill_dir, ignore_errors=True)  # a leftover of a process that had our id and pid
-        metrics_server, metrics_thread = start_http_server(self.config.metrics_port, self.config.host, registry=self.metrics.registry)
-        self.metrics_address = f"{host}:{metrics_server.server_port}"
-        endpoint = advertisement = None
-        try:
+        async with self.shell as shell:
+            shell.add_service(SERVICE_NAME, checkpoint_pb2_grpc.add_CheckpointStoreServicer_to_server, self.servicer)
+            shell.add_service(KV_SOURCE_NAME, migration_pb2_grpc.add_KvSourceServicer_to_server, self.servicer)
+            await shell.start()
+            shutil.rmtree(self.spill_dir, ignore_errors=True)  # a leftover of a process that had our id and pid
+            shell.callback(self._delete_store)
             # Kept channels: one per worker it restored into lately (see ChannelEndpoint.keep).
             endpoint = ChannelEndpoint(
-                self.channel_endpoint_id, self.etcd_config, host=host, timeout_s=self.config.channel_timeout_s, max_idle_channels=64
+                self.channel_endpoint_id, self.etcd_config, host=shell.advertised_host, timeout_s=self.config.channel_timeout_s,
+                max_idle_channels=64,
             )
+            shell.push_async_callback(self._close_endpoint, endpoint)
             await endpoint.start()
             self.servicer.channel_endpoint = endpoint
             registration = store_registration(
                 self.store_id, address=self.address, channel_endpoint=self.channel_endpoint_id, metrics_address=self.metrics_address
             )
-            advertisement = LeasedKey(self.etcd_config, checkpoint_store_key(self.store_id), encode_json(registration))
-            await advertisement.start()
-            await self._set_serving(True)
-            self.ready.set()
+            await shell.register(self.etcd_config, checkpoint_store_key(self.store_id), encode_json(registration))
+            await shell.set_serving(True)
             log.info("checkpoint store %s on %s (channel endpoint %s, metrics %s, spill %s)",
                      self.store_id, self.address, self.channel_endpoint_id, self.metrics_address, self.spill_dir)  # fmt: skip
             async with asyncio.TaskGroup() as tasks:
                 sweeping = tasks.create_task(self._expire_forever())
-                await self._stop.wait()
-                await self.health.enter_graceful_shutdown()
-                await server.stop(self.config.shutdown_grace_s)
+                await shell.wait_for_stop()
+                await shell.stop_server()
                 sweeping.cancel()
-        finally:
-            await server.stop(0)
-            if advertisement is not None:
-                await advertisement.close(revoke=True)
-            self.servicer.channel_endpoint = None
-            if endpoint is not None:
-                with contextlib.suppress(Exception):
-                    await endpoint.close()
-            self.store.close()
-            shutil.rmtree(self.spill_dir, ignore_errors=True)
-            metrics_server.shutdown()
-            metrics_thread.join(timeout=2)
-            shutdown_telemetry()
+
+    async def _close_endpoint(self, endpoint: ChannelEndpoint) -> None:
+        self.servicer.channel_endpoint = None
+        try:
+            await endpoint.close()
+        except Exception:
+            log.exception("closing the channel endpoint %s failed", self.channel_endpoint_id)
+
+    def _delete_store(self) -> None:
+        self.store.close()
+        shutil.rmtree(self.spill_dir, ignore_errors=True)
 
     async def _expire_forever(self) -> None:
         interval = min(self.config.retention_s / 4, _MAX_SWEEP_INTERVAL_S)
@@ -143,8 +130,3 @@ class CheckpointStoreProcess:
             if expired:
                 log.info("dropped %d requests idle for over %.0f s: %s", len(expired), self.config.retention_s, expired[:10])
                 self.metrics.observe_store(self.store)
-
-    async def _set_serving(self, serving: bool) -> None:
-        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
-        for name in ("", SERVICE_NAME, KV_SOURCE_NAME):
-            await self.health.set(name, status)

@@ -8,17 +8,13 @@ import time
 from collections import Counter
 from collections.abc import AsyncIterator, Iterator
 
-import grpc
 import torch
-from google.rpc import code_pb2, error_details_pb2, status_pb2
-from grpc_status import rpc_status
 
 from phalanx._proto import checkpoint_pb2, checkpoint_pb2_grpc, migration_pb2, migration_pb2_grpc
 from phalanx.checkpoint_store.metrics import CheckpointMetrics
-from phalanx.checkpoint_store.store import CheckpointStore, InvalidCheckpointError, NotCommittedError, SegmentResult, Writer, byte_view
+from phalanx.checkpoint_store.store import CheckpointStore, InvalidCheckpointError, SegmentResult, Writer, byte_view
 from phalanx.common.buffers import BufferPool
-from phalanx.common.errors import InvalidRequestError, PhalanxError, UnavailableError
-from phalanx.common.grpc_status import DOMAIN, abort_with
+from phalanx.common.errors import InvalidRequestError, UnavailableError
 from phalanx.common.subjects import validate_request_id
 from phalanx.common.telemetry import get_tracer
 
@@ -62,8 +58,6 @@ class CheckpointStoreServicer(checkpoint_pb2_grpc.CheckpointStoreServicer, migra
                     yield self._apply(writer, message.batch)
                 else:
                     raise InvalidCheckpointError(body or "body", "expected a Batch after the Hello")
-        except PhalanxError as error:
-            await _abort(context, error)
         finally:
             if writer is not None:
                 self._connected(writer.worker_id, -1)
@@ -84,10 +78,7 @@ class CheckpointStoreServicer(checkpoint_pb2_grpc.CheckpointStoreServicer, migra
         return response
 
     async def GetCommit(self, request, context) -> checkpoint_pb2.GetCommitResponse:
-        try:
-            return checkpoint_pb2.GetCommitResponse(commit=self.store.get(request.request_id))
-        except PhalanxError as error:
-            await _abort(context, error)
+        return checkpoint_pb2.GetCommitResponse(commit=self.store.get(request.request_id))
 
     async def ListCommits(self, request, context) -> checkpoint_pb2.ListCommitsResponse:
         return checkpoint_pb2.ListCommitsResponse(commits=self.store.records(request.worker_id))
@@ -109,34 +100,31 @@ class CheckpointStoreServicer(checkpoint_pb2_grpc.CheckpointStoreServicer, migra
         """
         started = time.perf_counter()
         sent = 0
+        pieces = self._check_pieces(request.pieces, required=False)  # none: only form the channel and keep it
+        if not request.target_endpoint:
+            raise InvalidRequestError("target_endpoint", "required: the tensor-channel endpoint id of the target worker")
         try:
-            pieces = self._check_pieces(request.pieces, required=False)  # none: only form the channel and keep it
-            if not request.target_endpoint:
-                raise InvalidRequestError("target_endpoint", "required: the tensor-channel endpoint id of the target worker")
-            try:
-                validate_request_id(request.channel_id)  # the same alphabet as channel ids
-            except ValueError:
-                raise InvalidRequestError("channel_id", "need 1-128 characters of [A-Za-z0-9_.:-]") from None
-            endpoint = self.channel_endpoint
-            if endpoint is None:
-                raise UnavailableError("the store's tensor-channel endpoint is not up yet", retry_after_s=1.0)
-            deadline = time.monotonic() + (request.timeout_s if request.timeout_s > 0 else self.channel_timeout_s)
-            with tracer.start_as_current_span(
-                "checkpoint.restore", attributes={"phalanx.transport": "channel", "phalanx.pieces": len(pieces)}
-            ) as span:
-                # Kept between restores into the same target: forming a channel costs more than sending a request's KV.
-                with _channel_failure(request.target_endpoint):
-                    async with endpoint.opened(
-                        request.target_endpoint, request.channel_id, reuse=request.reuse_channel, timeout_s=_left(deadline)
-                    ) as channel:
-                        for piece in pieces:
-                            tensor = self._read(piece)
-                            await channel.send(tensor, timeout_s=_left(deadline))
-                            self.staging.give(tensor)
-                            sent += tensor.nbytes
-                span.set_attribute("phalanx.bytes", sent)
-        except PhalanxError as error:
-            await _abort(context, error)
+            validate_request_id(request.channel_id)  # the same alphabet as channel ids
+        except ValueError:
+            raise InvalidRequestError("channel_id", "need 1-128 characters of [A-Za-z0-9_.:-]") from None
+        endpoint = self.channel_endpoint
+        if endpoint is None:
+            raise UnavailableError("the store's tensor-channel endpoint is not up yet", retry_after_s=1.0)
+        deadline = time.monotonic() + (request.timeout_s if request.timeout_s > 0 else self.channel_timeout_s)
+        with tracer.start_as_current_span(
+            "checkpoint.restore", attributes={"phalanx.transport": "channel", "phalanx.pieces": len(pieces)}
+        ) as span:
+            # Kept between restores into the same target: forming a channel costs more than sending a request's KV.
+            with _channel_failure(request.target_endpoint):
+                async with endpoint.opened(
+                    request.target_endpoint, request.channel_id, reuse=request.reuse_channel, timeout_s=_left(deadline)
+                ) as channel:
+                    for piece in pieces:
+                        tensor = self._read(piece)
+                        await channel.send(tensor, timeout_s=_left(deadline))
+                        self.staging.give(tensor)
+                        sent += tensor.nbytes
+            span.set_attribute("phalanx.bytes", sent)
         seconds = time.perf_counter() - started
         if pieces:
             self._restored("channel", len(pieces), seconds)
@@ -145,16 +133,13 @@ class CheckpointStoreServicer(checkpoint_pb2_grpc.CheckpointStoreServicer, migra
     async def FetchKv(self, request, context) -> AsyncIterator[migration_pb2.FetchKvResponse]:
         """Each piece's KV bytes (C order [L, 2, kv_tokens, H, D]) as chunks of at most 1 MiB, in order."""
         started = time.perf_counter()
-        try:
-            pieces = self._check_pieces(request.pieces)
-            for index, piece in enumerate(pieces):
-                tensor = self._read(piece)
-                data = byte_view(tensor)
-                for offset in range(0, len(data), FETCH_CHUNK_BYTES):
-                    yield migration_pb2.FetchKvResponse(piece=index, data=bytes(data[offset : offset + FETCH_CHUNK_BYTES]))
-                self.staging.give(tensor)
-        except PhalanxError as error:
-            await _abort(context, error)
+        pieces = self._check_pieces(request.pieces)
+        for index, piece in enumerate(pieces):
+            tensor = self._read(piece)
+            data = byte_view(tensor)
+            for offset in range(0, len(data), FETCH_CHUNK_BYTES):
+                yield migration_pb2.FetchKvResponse(piece=index, data=bytes(data[offset : offset + FETCH_CHUNK_BYTES]))
+            self.staging.give(tensor)
         self._restored("grpc", len(pieces), time.perf_counter() - started)
 
     # -- helpers --------------------------------------------------------------------------------
@@ -201,24 +186,3 @@ def _channel_failure(target: str) -> Iterator[None]:
         yield
     except _CHANNEL_FAILURES as error:
         raise UnavailableError(f"tensor channel to {target!r} failed: {type(error).__name__}: {error}") from error
-
-
-async def _abort(context: grpc.aio.ServicerContext, error: PhalanxError) -> None:
-    """The shared error table, plus FAILED_PRECONDITION for KV asked beyond the commit (only this service has it)."""
-    if isinstance(error, NotCommittedError):
-        status = status_pb2.Status(code=code_pb2.FAILED_PRECONDITION, message=str(error))
-        status.details.add().Pack(
-            error_details_pb2.ErrorInfo(
-                reason=error.reason, domain=DOMAIN,
-                metadata={"request_id": error.request_id, "wanted": str(error.wanted), "committed": str(error.committed)},
-            )
-        )  # fmt: skip
-        status.details.add().Pack(
-            error_details_pb2.PreconditionFailure(
-                violations=[
-                    error_details_pb2.PreconditionFailure.Violation(type=error.reason, subject=error.request_id, description=str(error))
-                ]
-            )
-        )
-        await context.abort_with_status(rpc_status.to_status(status))
-    await abort_with(context, error)

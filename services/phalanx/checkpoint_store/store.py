@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 
 from phalanx._proto import checkpoint_pb2
-from phalanx.common.errors import InvalidRequestError, NotFoundError, PhalanxError
+from phalanx.common.errors import FailedPreconditionError, InvalidRequestError, NotFoundError, PhalanxError
 from phalanx.common.subjects import validate_request_id, validate_worker_id
 
 __all__ = [
@@ -89,14 +89,15 @@ class UnknownRequestError(CheckpointStoreError, NotFoundError):
         self.request_id = request_id
 
 
-class NotCommittedError(CheckpointStoreError):
+class NotCommittedError(CheckpointStoreError, FailedPreconditionError):
     """More KV was asked for than is committed (the caller's view is ahead of the store's)."""
 
     reason = "KV_NOT_COMMITTED"
 
     def __init__(self, request_id: str, wanted: int, committed: int) -> None:
         super().__init__(
-            f"request {request_id!r}: {wanted} KV tokens asked for, but only {committed} are committed in the checkpoint store"
+            f"request {request_id!r}: {wanted} KV tokens asked for, but only {committed} are committed in the checkpoint store",
+            subject=request_id, metadata={"request_id": request_id, "wanted": str(wanted), "committed": str(committed)},
         )
         self.request_id = request_id
         self.wanted = wanted

@@ -6,7 +6,6 @@ import asyncio
 import json
 import logging
 import os
-import signal
 from pathlib import Path
 
 import typer
@@ -165,13 +164,9 @@ def _given(**values):
 
 
 def _run_until_signalled(process) -> None:
-    async def main() -> None:
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, process.request_stop)
-        await process.run()
+    from phalanx.common.service import run_until_signalled
 
-    asyncio.run(main())
+    run_until_signalled(process)
 
 
 @app.command()

@@ -7,6 +7,7 @@ EngineGenerateError vs EngineDeadError.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 
@@ -62,6 +63,20 @@ class NotFoundError(PhalanxError):
     """The named thing (a request to resume, a worker) is not known, or no longer."""
 
     reason = "NOT_FOUND"
+
+
+class FailedPreconditionError(PhalanxError):
+    """The system is not in the state the call needs (e.g. KV asked beyond what is committed) until something else changes it.
+
+    ``subject`` names what is not ready; ``metadata`` goes into the status's ErrorInfo.
+    """
+
+    reason = "FAILED_PRECONDITION"
+
+    def __init__(self, message: str, *, subject: str, metadata: Mapping[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.subject = subject
+        self.metadata = dict(metadata or {})
 
 
 class AuthenticationError(PhalanxError):

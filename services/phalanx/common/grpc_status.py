@@ -1,6 +1,16 @@
-"""The table at every servicer boundary: domain errors -> gRPC status with google.rpc details."""
+"""The table at every servicer boundary: domain errors -> gRPC status with google.rpc details.
+
+``DomainErrorInterceptor`` applies it to every RPC of a server, so handlers
+raise ``PhalanxError`` and never abort by hand; ``phalanx.common.service``
+installs it.
+"""
 
 from __future__ import annotations
+
+import inspect
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import aclosing
+from typing import Any
 
 import grpc
 from google.protobuf import duration_pb2
@@ -10,12 +20,15 @@ from grpc_status import rpc_status
 from phalanx.common.errors import (
     AuthenticationError,
     EngineDeadError,
+    FailedPreconditionError,
     InvalidRequestError,
     NotFoundError,
     PhalanxError,
     ResourceExhaustedError,
     UnavailableError,
 )
+
+__all__ = ["DOMAIN", "DomainErrorInterceptor", "abort_with", "to_status"]
 
 DOMAIN = "phalanx.dev"
 
@@ -25,13 +38,15 @@ _CODES: list[tuple[type[PhalanxError], grpc.StatusCode]] = [
     (UnavailableError, grpc.StatusCode.UNAVAILABLE),
     (EngineDeadError, grpc.StatusCode.UNAVAILABLE),
     (NotFoundError, grpc.StatusCode.NOT_FOUND),
+    (FailedPreconditionError, grpc.StatusCode.FAILED_PRECONDITION),
     (AuthenticationError, grpc.StatusCode.UNAUTHENTICATED),
 ]
 
 
 def to_status(error: PhalanxError) -> grpc.Status:
     code = next((c for kind, c in _CODES if isinstance(error, kind)), grpc.StatusCode.INTERNAL)
-    details = [error_details_pb2.ErrorInfo(reason=error.reason, domain=DOMAIN)]
+    metadata = error.metadata if isinstance(error, FailedPreconditionError) else None
+    details: list[Any] = [error_details_pb2.ErrorInfo(reason=error.reason, domain=DOMAIN, metadata=metadata)]
     retry_after = getattr(error, "retry_after_s", None)
     if retry_after is not None:
         delay = duration_pb2.Duration()
@@ -45,6 +60,14 @@ def to_status(error: PhalanxError) -> grpc.Status:
                 ]
             )
         )
+    if isinstance(error, FailedPreconditionError):
+        details.append(
+            error_details_pb2.PreconditionFailure(
+                violations=[
+                    error_details_pb2.PreconditionFailure.Violation(type=error.reason, subject=error.subject, description=str(error))
+                ]
+            )
+        )
     status = status_pb2.Status(code=getattr(code_pb2, code.name), message=str(error))
     for detail in details:
         status.details.add().Pack(detail)
@@ -54,3 +77,60 @@ def to_status(error: PhalanxError) -> grpc.Status:
 async def abort_with(context: grpc.aio.ServicerContext, error: PhalanxError) -> None:
     """Ends the RPC with the status for `error` (raises, as context.abort does)."""
     await context.abort_with_status(to_status(error))
+
+
+class DomainErrorInterceptor(grpc.aio.ServerInterceptor):
+    """Ends an RPC whose handler raised a ``PhalanxError`` with ``to_status(error)``.
+
+    Works for all four call kinds and both handler styles: coroutines (also
+    streaming ones that write through the context, like grpc.health's Watch)
+    and async generators, which may raise after some responses went out. Sync
+    handlers are left as they are (no service here has any). Install it after
+    the telemetry interceptor, so that the span sees the abort as it did when
+    handlers aborted themselves.
+    """
+
+    async def intercept_service(
+        self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler | None]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler | None:
+        handler = await continuation(handler_call_details)
+        if handler is None:
+            return None
+        behavior_name, make_handler = _HANDLER_KINDS[handler.request_streaming, handler.response_streaming]
+        return make_handler(_guarded(getattr(handler, behavior_name)), handler.request_deserializer, handler.response_serializer)
+
+
+# (request_streaming, response_streaming) -> the RpcMethodHandler attribute holding the behavior, and its constructor.
+_HANDLER_KINDS: dict[tuple[bool, bool], tuple[str, Callable[..., grpc.RpcMethodHandler]]] = {
+    (False, False): ("unary_unary", grpc.unary_unary_rpc_method_handler),
+    (False, True): ("unary_stream", grpc.unary_stream_rpc_method_handler),
+    (True, False): ("stream_unary", grpc.stream_unary_rpc_method_handler),
+    (True, True): ("stream_stream", grpc.stream_stream_rpc_method_handler),
+}
+
+
+def _guarded(behavior: Callable[..., Any]) -> Callable[..., Any]:
+    """`behavior` with its PhalanxErrors turned into status; of the same kind, as gRPC picks how to run it by its kind."""
+    if inspect.isasyncgenfunction(behavior):
+
+        async def stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+            try:
+                # aclosing: a client that leaves mid-stream closes the handler's generator now, not at its collection.
+                async with aclosing(behavior(request, context)) as responses:
+                    async for response in responses:
+                        yield response
+            except PhalanxError as error:
+                await abort_with(context, error)
+
+        return stream
+    if inspect.iscoroutinefunction(behavior):
+
+        async def call(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            try:
+                return await behavior(request, context)
+            except PhalanxError as error:
+                await abort_with(context, error)
+
+        return call
+    return behavior

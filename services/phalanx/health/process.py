@@ -16,18 +16,13 @@ import os
 import socket
 import time
 
-import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
-from prometheus_client import start_http_server
-
 from phalanx._proto import common_pb2, health_pb2 as phalanx_health_pb2, health_pb2_grpc as phalanx_health_pb2_grpc
 from phalanx.common.config import EtcdConfig, NatsConfig, TelemetryConfig
 from phalanx.common.discovery import encode_json
 from phalanx.common.events import EventBus
 from phalanx.common.lease import Backoff, connect_etcd
+from phalanx.common.service import ServiceShell
 from phalanx.common.subjects import HEALTH_LEADER_KEY, validate_worker_id
-from phalanx.common.telemetry import grpc_server_interceptors, setup_telemetry, shutdown_telemetry
 from phalanx.health.config import DegradationConfig, HealthConfig
 from phalanx.health.leader import LeaderElection
 from phalanx.health.metrics import HealthMetrics
@@ -49,51 +44,47 @@ class HealthProcess:
         self.telemetry_config = telemetry
         self.instance_id = validate_worker_id(config.instance_id or f"health-{socket.gethostname()}-{os.getpid()}")
         self.metrics = HealthMetrics()
-        self.health = health.aio.HealthServicer()
+        self.shell = ServiceShell("phalanx-health", config, telemetry, registry=self.metrics.registry)
+        self.health = self.shell.health
+        self.ready = self.shell.ready
         self.election = LeaderElection(etcd, HEALTH_LEADER_KEY, ttl_s=config.leader_ttl_s)
         self.monitor: FleetMonitor | None = None
-        self.address = ""
-        self.ready = asyncio.Event()
-        self._stop = asyncio.Event()
+
+    @property
+    def address(self) -> str:
+        return self.shell.address
+
+    @property
+    def metrics_address(self) -> str:
+        return self.shell.metrics_address
 
     def request_stop(self) -> None:
-        self._stop.set()
+        self.shell.request_stop()
 
     async def run(self) -> None:
-        setup_telemetry("phalanx-health", self.telemetry_config)
-        server = grpc.aio.server(interceptors=grpc_server_interceptors(), options=[("grpc.so_reuseport", 0)])
-        await self._set_serving(False)
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
-        phalanx_health_pb2_grpc.add_HealthServiceServicer_to_server(HealthServicer(self), server)
-        reflection.enable_server_reflection([SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
-        port = server.add_insecure_port(f"{self.config.host}:{self.config.port}")
-        self.address = f"{self.config.advertise_host or self.config.host}:{port}"
-        await server.start()
-        metrics_server, metrics_thread = start_http_server(self.config.metrics_port, self.config.host, registry=self.metrics.registry)
-        self.metrics_address = f"{self.config.advertise_host or self.config.host}:{metrics_server.server_port}"
-        client = connect_etcd(self.etcd_config)
-        bus = None
-        try:
-            bus = await EventBus.connect(self.nats_config, name=f"health-{self.instance_id}")
+        async with self.shell as shell:
+            client = connect_etcd(self.etcd_config)
+            shell.push_async_callback(client.close)
+            # Before serving: a standby answers ListWorkerHealth through it.
             self.election.attach(client)
-            await self._set_serving(True)
-            self.ready.set()
+            shell.add_service(SERVICE_NAME, phalanx_health_pb2_grpc.add_HealthServiceServicer_to_server, HealthServicer(self))
+            await shell.start()
+            bus = await shell.connect_nats(self.nats_config, name=f"health-{self.instance_id}")
+            shell.push_async_callback(self._resign)
+            await shell.set_serving(True)
             log.info("health instance %s on %s (metrics %s)", self.instance_id, self.address, self.metrics_address)
             async with asyncio.TaskGroup() as tasks:
                 leading = tasks.create_task(self._lead_forever(bus))
-                await self._stop.wait()
-                await self.health.enter_graceful_shutdown()
-                leading.cancel()
-        finally:
-            with contextlib.suppress(Exception):
-                await self.election.resign()
-            await server.stop(1.0)
-            if bus is not None:
-                await bus.close()
-            await client.close()
-            metrics_server.shutdown()
-            metrics_thread.join(timeout=2)
-            shutdown_telemetry()
+                await shell.wait_for_stop()
+                await shell.stop_serving()
+                leading.cancel()  # it resigns: a standby takes over at once, before our gRPC stops
+            await shell.stop_server()
+
+    async def _resign(self) -> None:
+        try:
+            await self.election.resign()
+        except Exception:
+            log.exception("resigning the leadership failed; the key lapses after its TTL")
 
     async def _lead_forever(self, bus: EventBus) -> None:
         backoff = Backoff(initial=0.2, cap=5.0)
@@ -117,8 +108,3 @@ class HealthProcess:
                 self.metrics.leader.set(0)
                 with contextlib.suppress(Exception):
                     await self.election.resign()
-
-    async def _set_serving(self, serving: bool) -> None:
-        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
-        for name in ("", SERVICE_NAME):
-            await self.health.set(name, status)

@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 
 from phalanx._proto import common_pb2, health_pb2, health_pb2_grpc
 from phalanx.common.discovery import EtcdDirectory, decode_json
-from phalanx.common.errors import PhalanxError, UnavailableError
-from phalanx.common.grpc_status import abort_with
+from phalanx.common.errors import UnavailableError
+from phalanx.common.lease import TRANSIENT_ERRORS
 from phalanx.common.subjects import CANARY_PREFIX, DEGRADATION_KEY, DEGRADATION_PREFIX, HEALTH_PREFIX
 
+log = logging.getLogger(__name__)
 _RECALIBRATE_TIMEOUT_S = 60.0
 
 
@@ -24,7 +26,8 @@ class HealthServicer(health_pb2_grpc.HealthServiceServicer):
         response = health_pb2.ListWorkerHealthResponse(instance_id=p.instance_id, leader=monitor is not None)
         try:
             holder = await p.election.holder()
-        except Exception:  # etcd away: answer with what we know
+        except TRANSIENT_ERRORS as error:  # etcd away: answer with what we know
+            log.warning("cannot read the health leader key, answering without leader_id: %s", error)
             holder = None
         if holder:
             response.leader_id = decode_json(holder, common_pb2.HealthLeader).instance_id
@@ -43,18 +46,15 @@ class HealthServicer(health_pb2_grpc.HealthServiceServicer):
 
     async def Recalibrate(self, request, context):
         monitor = self._process.monitor
-        try:
-            if monitor is None:
-                raise UnavailableError("this health instance is a standby; call the leader (see ListWorkerHealth.leader_id)", retry_after_s=1.0)
-            monitor.recalibrate(request.model_version)
-            deadline = time.monotonic() + _RECALIBRATE_TIMEOUT_S
-            wanted = {request.model_version} if request.model_version else {w.registration.model_version for w in monitor.workers.values()}
-            while not wanted <= set(monitor.calibrations):
-                if time.monotonic() > deadline:
-                    raise UnavailableError(f"calibration of {sorted(wanted - set(monitor.calibrations))} did not finish", retry_after_s=5.0)
-                await asyncio.sleep(0.1)
-        except PhalanxError as exc:
-            await abort_with(context, exc)
+        if monitor is None:
+            raise UnavailableError("this health instance is a standby; call the leader (see ListWorkerHealth.leader_id)", retry_after_s=1.0)
+        monitor.recalibrate(request.model_version)
+        deadline = time.monotonic() + _RECALIBRATE_TIMEOUT_S
+        wanted = {request.model_version} if request.model_version else {w.registration.model_version for w in monitor.workers.values()}
+        while not wanted <= set(monitor.calibrations):
+            if time.monotonic() > deadline:
+                raise UnavailableError(f"calibration of {sorted(wanted - set(monitor.calibrations))} did not finish", retry_after_s=5.0)
+            await asyncio.sleep(0.1)
         return health_pb2.RecalibrateResponse(calibrations=[monitor.calibrations[v] for v in sorted(wanted)])
 
 

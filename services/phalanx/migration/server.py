@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 from phalanx._proto import migration_pb2_grpc
-from phalanx.common.errors import PhalanxError
-from phalanx.common.grpc_status import abort_with
 from phalanx.migration.core import Migrator
 
 
@@ -13,14 +11,8 @@ class MigrationServicer(migration_pb2_grpc.MigrationServiceServicer):
         self.migrator = migrator
 
     async def Migrate(self, request, context):
-        try:
-            return await self.migrator.migrate(request)
-        except PhalanxError as exc:
-            await abort_with(context, exc)
+        return await self.migrator.migrate(request)
 
     async def MigrateWorker(self, request, context):
-        try:
-            self.migrator.metrics.worker_triggers.labels(trigger="rpc").inc()
-            return await self.migrator.migrate_worker(request.worker_id, request.reason or "requested")
-        except PhalanxError as exc:
-            await abort_with(context, exc)
+        self.migrator.metrics.worker_triggers.labels(trigger="rpc").inc()
+        return await self.migrator.migrate_worker(request.worker_id, request.reason or "requested")

@@ -18,19 +18,16 @@ import os
 import socket
 import time
 from contextlib import aclosing
-from pathlib import Path
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
-from prometheus_client import start_http_server
 
 from phalanx._proto import common_pb2, router_pb2, router_pb2_grpc, worker_pb2
 from phalanx.common.config import EtcdConfig, NatsConfig, TelemetryConfig
 from phalanx.common.discovery import EtcdDirectory, WorkerDirectory, encode_json
 from phalanx.common.errors import UnavailableError
 from phalanx.common.events import EventBus
-from phalanx.common.lease import Backoff, LeasedKey
+from phalanx.common.lease import Backoff
+from phalanx.common.service import ServerTls, ServiceShell
 from phalanx.common.subjects import (
     DEGRADATION_PREFIX,
     DEGRADATION_SUBJECT,
@@ -42,7 +39,6 @@ from phalanx.common.subjects import (
     router_key,
     validate_worker_id,
 )
-from phalanx.common.telemetry import grpc_server_interceptors, setup_telemetry, shutdown_telemetry
 from phalanx.model.config import BUILTIN_MODELS, model_tokenizer
 from phalanx.model.tokenizer import Tokenizer
 from phalanx.router.admission import Admission
@@ -67,59 +63,56 @@ class RouterProcess:
         self.telemetry_config = telemetry
         self.router_id = validate_worker_id(config.router_id or f"router-{socket.gethostname()}-{os.getpid()}")
         self.metrics = RouterMetrics()
-        self.health = health.aio.HealthServicer()
+        limit = config.max_message_bytes
+        self.shell = ServiceShell(
+            "phalanx-router", config, telemetry, registry=self.metrics.registry, shutdown_grace_s=_SHUTDOWN_GRACE_S,
+            tls=ServerTls(config.tls_cert_file, config.tls_key_file) if config.tls_cert_file else None,
+            options=[
+                ("grpc.max_receive_message_length", limit),
+                ("grpc.max_send_message_length", limit),
+                # SDK clients ping every 20 s on quiet streams (long prefills); the default would GOAWAY them.
+                ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),
+                ("grpc.keepalive_permit_without_calls", 1),
+            ],
+        )
+        self.health = self.shell.health
+        self.ready = self.shell.ready
         self.table = RoutingTable(load_stale_s=config.load_stale_s)
         self.admission = Admission(
             config.tenants, config.api_keys, retry_after_s=config.no_worker_retry_after_s, premium_at_level_4=config.premium_at_level_4
         )
-        self.address = ""
-        self.ready = asyncio.Event()
-        self._stop = asyncio.Event()
         self._resync_wanted: set[str] = set()
         self._resync_wake = asyncio.Event()
         self._tokenizers: dict[str, Tokenizer] = {}
         self.servicer: RouterServicer | None = None
         self._bus: EventBus | None = None
 
+    @property
+    def address(self) -> str:
+        return self.shell.address
+
     def request_stop(self) -> None:
-        self._stop.set()
+        self.shell.request_stop()
 
     async def run(self) -> None:
-        setup_telemetry("phalanx-router", self.telemetry_config)
-        limit = self.config.max_message_bytes
-        server = grpc.aio.server(
-            interceptors=grpc_server_interceptors(),
-            options=[
-                ("grpc.max_receive_message_length", limit),
-                ("grpc.max_send_message_length", limit),
-                ("grpc.so_reuseport", 0),
-                # SDK clients ping every 20 s on quiet streams (long prefills); the default would GOAWAY them.
-                ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),
-                ("grpc.keepalive_permit_without_calls", 1),
-            ],
-        )
-        await self._set_serving(False)
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
-        records = RequestRecords(self.etcd_config, self.router_id, resume_window_s=self.config.resume_window_s)
-        channels = WorkerChannels(limit)
-        migration = self.migration = MigrationClient(self.etcd_config)
-        servicer = self.servicer = RouterServicer(
-            self.router_id, self.config, self.table, self.admission, records, channels, self.metrics, tokenizer=self._tokenizer,
-            on_broken_stream=self._report_broken_stream, migrate=migration.migrate,
-        )
-        router_pb2_grpc.add_RouterServiceServicer_to_server(servicer, server)
-        reflection.enable_server_reflection([SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
-        port = self._bind(server)
-        self.address = f"{self.config.advertise_host or self.config.host}:{port}"
-        await server.start()
-        metrics_server, metrics_thread = start_http_server(self.config.metrics_port, self.config.host, registry=self.metrics.registry)
-        workers = WorkerDirectory(self.etcd_config)
-        healths = EtcdDirectory(self.etcd_config, prefix=HEALTH_PREFIX, message_type=common_pb2.WorkerHealthRecord)
-        degradation = EtcdDirectory(self.etcd_config, prefix=DEGRADATION_PREFIX, message_type=common_pb2.DegradationState)
-        bus = registration = None
-        records_started = False
-        try:
-            bus = await EventBus.connect(self.nats_config, name=f"router-{self.router_id}")
+        async with self.shell as shell:
+            records = RequestRecords(self.etcd_config, self.router_id, resume_window_s=self.config.resume_window_s)
+            channels = WorkerChannels(self.config.max_message_bytes)
+            shell.push_async_callback(channels.close)
+            migration = self.migration = MigrationClient(self.etcd_config)
+            shell.push_async_callback(migration.close)
+            servicer = self.servicer = RouterServicer(
+                self.router_id, self.config, self.table, self.admission, records, channels, self.metrics, tokenizer=self._tokenizer,
+                on_broken_stream=self._report_broken_stream, migrate=migration.migrate,
+            )
+            shell.add_service(SERVICE_NAME, router_pb2_grpc.add_RouterServiceServicer_to_server, servicer)
+            await shell.start()
+            workers = WorkerDirectory(self.etcd_config)
+            healths = EtcdDirectory(self.etcd_config, prefix=HEALTH_PREFIX, message_type=common_pb2.WorkerHealthRecord)
+            degradation = EtcdDirectory(self.etcd_config, prefix=DEGRADATION_PREFIX, message_type=common_pb2.DegradationState)
+            for directory in (workers, healths, degradation):
+                shell.push_async_callback(directory.close)
+            bus = await shell.connect_nats(self.nats_config, name=f"router-{self.router_id}")
             await bus.subscribe(KV_EVENTS_ALL, common_pb2.KvEvent, self._on_kv_event)
             await bus.subscribe(LOAD_ALL, common_pb2.LoadReport, self._on_load)
             # Health changes arrive on NATS first (the etcd watch confirms them); versions keep the newest.
@@ -134,11 +127,9 @@ class RouterProcess:
                 self._on_degradation("put", name, state)
             await self._initial_sync(channels)
             await records.start()
-            records_started = True
-            registration = LeasedKey(self.etcd_config, router_key(self.router_id), self._registration(metrics_server.server_port))
-            await registration.start()
-            await self._set_serving(True)
-            self.ready.set()
+            shell.push_async_callback(records.close)
+            await shell.register(self.etcd_config, router_key(self.router_id), self._registration())
+            await shell.set_serving(True)
             log.info("router %s serving on %s with %d workers", self.router_id, self.address, len(servicer.registrations))
             async with asyncio.TaskGroup() as tasks:
                 loops = [
@@ -148,46 +139,15 @@ class RouterProcess:
                     tasks.create_task(self._resync_loop(channels)),
                     tasks.create_task(self._gauges_loop()),
                 ]
-                await self._stop.wait()
-                await self.health.enter_graceful_shutdown()
-                await server.stop(grace=_SHUTDOWN_GRACE_S)
+                await shell.wait_for_stop()
+                await shell.stop_server()
                 for task in loops:
                     task.cancel()
-        finally:
-            await server.stop(0)
-            if registration is not None:
-                await registration.close(revoke=True)
-            if records_started:
-                await records.close()
-            if bus is not None:
-                await bus.close()
-            for directory in (workers, healths, degradation):
-                await directory.close()
-            await channels.close()
-            await migration.close()
-            metrics_server.shutdown()
-            metrics_thread.join(timeout=2)
-            shutdown_telemetry()
 
-    def _bind(self, server: grpc.aio.Server) -> int:
-        address = f"{self.config.host}:{self.config.port}"
-        if self.config.tls_cert_file:
-            credentials = grpc.ssl_server_credentials(
-                [(Path(self.config.tls_key_file).read_bytes(), Path(self.config.tls_cert_file).read_bytes())]
-            )
-            return server.add_secure_port(address, credentials)
-        return server.add_insecure_port(address)
-
-    async def _set_serving(self, serving: bool) -> None:
-        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
-        for name in ("", SERVICE_NAME):
-            await self.health.set(name, status)
-
-    def _registration(self, metrics_port: int) -> bytes:
-        host = self.config.advertise_host or self.config.host
+    def _registration(self) -> bytes:
         return encode_json(
             common_pb2.RouterRegistration(
-                router_id=self.router_id, address=self.address, pid=os.getpid(), metrics_address=f"{host}:{metrics_port}",
+                router_id=self.router_id, address=self.address, pid=os.getpid(), metrics_address=self.shell.metrics_address,
                 started_at=time.time(),
             )
         )

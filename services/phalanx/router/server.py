@@ -246,20 +246,17 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
             count(status)
 
     async def Cancel(self, request: router_pb2.CancelRequest, context):
+        record = await self._record(self._request_id(request.request_id), context)
+        if record is None:
+            return router_pb2.CancelResponse(cancelled=False)
         try:
-            record = await self._record(self._request_id(request.request_id), context)
-            if record is None:
-                return router_pb2.CancelResponse(cancelled=False)
-            try:
-                reply = await self.channels.stub(record.worker_address).Cancel(
-                    worker_pb2.CancelRequest(request_id=record.request_id), timeout=2.0
-                )
-            except grpc.aio.AioRpcError as error:
-                raise UnavailableError(f"worker {record.worker_id} did not answer: {error.details()}") from None
-            self.records.release(record.request_id)
-            return router_pb2.CancelResponse(cancelled=reply.found)
-        except PhalanxError as exc:
-            await abort_with(context, exc)
+            reply = await self.channels.stub(record.worker_address).Cancel(
+                worker_pb2.CancelRequest(request_id=record.request_id), timeout=2.0
+            )
+        except grpc.aio.AioRpcError as error:
+            raise UnavailableError(f"worker {record.worker_id} did not answer: {error.details()}") from None
+        self.records.release(record.request_id)
+        return router_pb2.CancelResponse(cancelled=reply.found)
 
     async def ListWorkers(self, request, context):
         statuses = []

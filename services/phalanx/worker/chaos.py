@@ -18,8 +18,7 @@ import signal
 from collections.abc import Awaitable, Callable
 
 from phalanx._proto import chaos_pb2, chaos_pb2_grpc
-from phalanx.common.errors import AuthenticationError, InvalidRequestError, PhalanxError, UnavailableError
-from phalanx.common.grpc_status import abort_with
+from phalanx.common.errors import AuthenticationError, InvalidRequestError, UnavailableError
 from phalanx.worker.faults import (
     DEFAULT_CORRUPT_SCALE,
     DEFAULT_SLOW_STEP_S,
@@ -97,40 +96,31 @@ class ChaosServicer(chaos_pb2_grpc.ChaosServiceServicer):
 
     # -- RPCs ------------------------------------------------------------------
     async def InjectFault(self, request, context):
-        try:
-            self._check(context)
-            kind = _kind(request.kind, allow_unspecified=False)
-            if kind is FaultKind.CRASH:
-                log.warning("chaos: crash injected; SIGKILL in %.0f ms", CRASH_DELAY_S * 1e3)
-                asyncio.get_running_loop().call_later(CRASH_DELAY_S, self._kill)
-                return chaos_pb2.InjectFaultResponse(active=self._active())
-            fault = self.faults.inject(kind, **_options(request))
-            log.warning("chaos: %s injected", _describe(fault))
-            if kind not in ENGINE_FAULTS:
-                await self._on_inject(kind)
-            if request.duration_s:
-                asyncio.get_running_loop().call_later(request.duration_s, self._expire)
-            self._update_metrics()
+        self._check(context)
+        kind = _kind(request.kind, allow_unspecified=False)
+        if kind is FaultKind.CRASH:
+            log.warning("chaos: crash injected; SIGKILL in %.0f ms", CRASH_DELAY_S * 1e3)
+            asyncio.get_running_loop().call_later(CRASH_DELAY_S, self._kill)
             return chaos_pb2.InjectFaultResponse(active=self._active())
-        except PhalanxError as exc:
-            await abort_with(context, exc)
+        fault = self.faults.inject(kind, **_options(request))
+        log.warning("chaos: %s injected", _describe(fault))
+        if kind not in ENGINE_FAULTS:
+            await self._on_inject(kind)
+        if request.duration_s:
+            asyncio.get_running_loop().call_later(request.duration_s, self._expire)
+        self._update_metrics()
+        return chaos_pb2.InjectFaultResponse(active=self._active())
 
     async def ClearFaults(self, request, context):
-        try:
-            self._check(context)
-            kind = _kind(request.kind, allow_unspecified=True)
-            removed = self.faults.clear(kind)
-            await self._after_removal(removed, "cleared")
-            return chaos_pb2.ClearFaultsResponse(active=self._active())
-        except PhalanxError as exc:
-            await abort_with(context, exc)
+        self._check(context)
+        kind = _kind(request.kind, allow_unspecified=True)
+        removed = self.faults.clear(kind)
+        await self._after_removal(removed, "cleared")
+        return chaos_pb2.ClearFaultsResponse(active=self._active())
 
     async def ListFaults(self, request, context):
-        try:
-            self._check(context)
-            return chaos_pb2.ListFaultsResponse(worker_id=self.worker_id, active=self._active())
-        except PhalanxError as exc:
-            await abort_with(context, exc)
+        self._check(context)
+        return chaos_pb2.ListFaultsResponse(worker_id=self.worker_id, active=self._active())
 
     # -- helpers ---------------------------------------------------------------
     def _check(self, context) -> None:

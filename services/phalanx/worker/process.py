@@ -15,12 +15,9 @@ import os
 import socket
 import time
 from contextlib import aclosing
+from typing import Any
 
-import grpc
 import torch
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
-from prometheus_client import start_http_server
 
 from phalanx._proto import chaos_pb2, chaos_pb2_grpc, checkpoint_pb2, common_pb2, migration_pb2, migration_pb2_grpc, worker_pb2, worker_pb2_grpc
 from phalanx.common.channels import ChannelEndpoint
@@ -28,6 +25,7 @@ from phalanx.common.config import EtcdConfig, NatsConfig, TelemetryConfig
 from phalanx.common.discovery import EtcdDirectory, encode_registration
 from phalanx.common.events import EventBus
 from phalanx.common.lease import TRANSIENT_ERRORS, Backoff, LeasedKey
+from phalanx.common.service import ServiceShell
 from phalanx.common.subjects import (
     DEGRADATION_KEY,
     DEGRADATION_PREFIX,
@@ -36,7 +34,7 @@ from phalanx.common.subjects import (
     validate_worker_id,
     worker_key,
 )
-from phalanx.common.telemetry import get_tracer, grpc_server_interceptors, setup_telemetry, shutdown_telemetry
+from phalanx.common.telemetry import get_tracer
 from phalanx.model import load
 from phalanx.model.kv_cache import BLOCK_SIZE, KvEvents
 from phalanx.worker.async_engine import AsyncEngine
@@ -74,10 +72,16 @@ class WorkerProcess:
         self.telemetry_config = telemetry
         self.worker_id = validate_worker_id(worker.worker_id or f"{socket.gethostname()}-{os.getpid()}")
         self.metrics = WorkerMetrics(self.worker_id)
-        self.health = health.aio.HealthServicer()
-        self.address = ""
-        self.ready = asyncio.Event()
-        self._stop = asyncio.Event()
+        self.shell = ServiceShell(
+            "phalanx-worker", worker, telemetry, registry=self.metrics.registry,
+            options=[
+                ("grpc.max_receive_message_length", worker.max_message_bytes),
+                # Routers ping every 10 s on open streams to notice a dead worker; the default would GOAWAY them.
+                ("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000),
+            ],
+        )
+        self.health = self.shell.health
+        self.ready = self.shell.ready
         self._exit_drain: asyncio.Future[tuple[int, int]] | None = None
         self._quarantined = False
         self.faults = FaultState()
@@ -89,77 +93,34 @@ class WorkerProcess:
         self.kv_sequence = 0  # KV event messages published so far
         self.channels: ChannelEndpoint | None = None
         self._streamer: CheckpointStreamer | None = None
+        self._capture: CheckpointCapture | None = None
         # The follower ranks and their group, when tensor_parallel_size > 1.
         self._tensor_parallel: TensorParallelLeader | None = None
 
+    @property
+    def address(self) -> str:
+        return self.shell.address
+
     def request_stop(self) -> None:
-        self._stop.set()
+        self.shell.request_stop()
 
     async def run(self) -> None:
-        setup_telemetry("phalanx-worker", self.telemetry_config)
-        server = grpc.aio.server(
-            interceptors=grpc_server_interceptors(),
-            options=[
-                ("grpc.max_receive_message_length", self.config.max_message_bytes),
-                ("grpc.so_reuseport", 0),
-                # Routers ping every 10 s on open streams to notice a dead worker; the default would GOAWAY them.
-                ("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000),
-            ],
-        )
-        await self._set_serving(False)
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
-        c = self.config
-        servicer = WorkerServicer(
-            self.worker_id, self.metrics, on_drain=self._drain, on_undrain=self._undrain, kv_sequence=lambda: self.kv_sequence,
-            detach_grace_s=c.detach_grace_s, retain_s=c.retain_s, max_retained=c.max_retained,
-        )
-        worker_pb2_grpc.add_WorkerServiceServicer_to_server(servicer, server)
-        migration_pb2_grpc.add_KvSourceServicer_to_server(KvSourceServicer(servicer), server)
-        # Peers connect to the advertised host (a container's service name), which must resolve to this host.
-        self.channels = ChannelEndpoint(f"worker-{self.worker_id}", self.etcd_config, host=c.advertise_host or c.host, timeout_s=c.channel_timeout_s)
-        self.channels.add_grpc_service(server)
-        servicer.channels, servicer.channel_timeout_s, servicer.channel_min_bytes = self.channels, c.channel_timeout_s, c.channel_min_bytes
-        services = [SERVICE_NAME, KV_SOURCE_SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME]
-        if c.chaos_enabled:
-            self._add_chaos_service(server)
-            services.append(CHAOS_SERVICE_NAME)
-        reflection.enable_server_reflection(services, server)
-        port = server.add_insecure_port(f"{self.config.host}:{self.config.port}")
-        self.address = servicer.address = f"{self.config.advertise_host or self.config.host}:{port}"
-        await server.start()
-        metrics_server, metrics_thread = start_http_server(self.config.metrics_port, self.config.host, registry=self.metrics.registry)
-        registration = engine = None
-        try:
+        async with self.shell as shell:
+            servicer = self._add_services(shell)
+            await shell.start()
             self._bus = await EventBus.connect(self.nats_config, name=f"worker-{self.worker_id}")
-            if self.engine_config.device == "cpu":
-                torch.set_num_threads(self.engine_config.effective_torch_threads())
-            with get_tracer(__name__).start_as_current_span("worker.load_model"):
-                model = await asyncio.to_thread(
-                    load, self.engine_config.model, device=self.engine_config.device,
-                    dtype=self.engine_config.torch_dtype(), seed=self.engine_config.seed,
-                )
-                cache = None
-                if self.engine_config.tensor_parallel_size > 1:
-                    model, cache = await self._start_tensor_parallel(model)
-                capture = CheckpointCapture(c.checkpoint_max_pending_bytes, interval_tokens=c.checkpoint_interval_tokens) if c.checkpointing else None
-                engine = AsyncEngine(
-                    Engine(model, self.engine_config, faults=self.faults, cache=cache), on_kv_events=self._kv_outbox.put_nowait, checkpoints=capture
-                )
-            await engine.start()
+            shell.push_async_callback(self._close_nats)
+            engine, model = await self._load(shell)
             await self.channels.start()
-            if capture is not None:
-                streamer = self._streamer = self._checkpoint_streamer(capture, engine, model)
-                await streamer.start()
-                servicer.checkpointing_to = lambda: streamer.store_address if capture.connected else ""
+            if self._capture is not None:
+                self._streamer = self._checkpoint_streamer(self._capture, engine, model)
+                shell.push_async_callback(self._streamer.stop)
+                await self._streamer.start()
             servicer.attach(engine, model_version=model.version)
-            registration = self._registration = LeasedKey(
-                self.etcd_config, worker_key(self.worker_id), self._registration_value(model, metrics_server.server_port)
-            )
-            await registration.start()
-            await self._set_serving(True)
+            self._registration = await shell.register(self.etcd_config, worker_key(self.worker_id), self._registration_value(model))
+            await shell.set_serving(True)
             self.metrics.for_worker(self.metrics.serving).set(1)
             self.metrics.for_worker(self.metrics.batch_scale).set(1)
-            self.ready.set()
             log.info("worker %s serving %s (%s) on %s", self.worker_id, model.config.name, model.version, self.address)
             async with asyncio.TaskGroup() as tasks:
                 loops = [
@@ -168,29 +129,71 @@ class WorkerProcess:
                     tasks.create_task(self._follow_degradation(engine)),
                 ]
                 await self._wait_for_stop(engine)
-                await self._shutdown(server, engine)
+                await self._shutdown(engine)
                 for task in loops:
                     task.cancel()
-        finally:
-            if self._streamer is not None:
-                await self._streamer.stop()
-            if engine is not None:
-                await engine.stop()
-            if self._tensor_parallel is not None:
-                # After the engine thread ended: nothing else issues a collective any more.
-                await asyncio.to_thread(self._tensor_parallel.shutdown)
-            await self.channels.close()
-            await servicer.close()  # no detach timer outlives the loop; readers still waiting see ABORTED
-            await server.stop(0)
-            if registration is not None:
-                await registration.close(revoke=True)
-            if self._nats_reconnect is not None:
-                self._nats_reconnect.cancel()
-            if self._bus is not None:
-                await self._bus.close()
-            metrics_server.shutdown()
-            metrics_thread.join(timeout=2)
-            shutdown_telemetry()
+
+    def _add_services(self, shell: ServiceShell) -> WorkerServicer:
+        """The worker's gRPC services (chaos only when enabled) and its tensor-channel endpoint, whose undo goes first."""
+        c = self.config
+        # Peers connect to the advertised host (a container's service name), which must resolve to this host.
+        channels = self.channels = ChannelEndpoint(
+            f"worker-{self.worker_id}", self.etcd_config, host=shell.advertised_host, timeout_s=c.channel_timeout_s
+        )
+        shell.push_async_callback(channels.close)
+        channels.add_grpc_service(shell.server)
+        servicer = WorkerServicer(
+            self.worker_id, self.metrics, on_drain=self._drain, on_undrain=self._undrain, kv_sequence=lambda: self.kv_sequence,
+            address=self.address, channels=channels, channel_timeout_s=c.channel_timeout_s, channel_min_bytes=c.channel_min_bytes,
+            checkpointing_to=self._checkpointing_to, detach_grace_s=c.detach_grace_s, retain_s=c.retain_s, max_retained=c.max_retained,
+        )
+        shell.push_async_callback(servicer.close)  # no detach timer outlives the loop; readers still waiting see ABORTED
+        shell.add_service(SERVICE_NAME, worker_pb2_grpc.add_WorkerServiceServicer_to_server, servicer)
+        # Not health-checked: a draining worker is NOT_SERVING but still hands its parked KV out.
+        shell.add_service(KV_SOURCE_SERVICE_NAME, migration_pb2_grpc.add_KvSourceServicer_to_server, KvSourceServicer(servicer), health=False)
+        if c.chaos_enabled:
+            self._add_chaos_service(shell)
+        return servicer
+
+    async def _load(self, shell: ServiceShell) -> tuple[AsyncEngine, Any]:
+        """The model (split over the follower ranks with tensor parallelism) and its engine, started; both stopped at exit."""
+        c = self.config
+        if self.engine_config.device == "cpu":
+            torch.set_num_threads(self.engine_config.effective_torch_threads())
+        with get_tracer(__name__).start_as_current_span("worker.load_model"):
+            model = await asyncio.to_thread(
+                load, self.engine_config.model, device=self.engine_config.device,
+                dtype=self.engine_config.torch_dtype(), seed=self.engine_config.seed,
+            )
+            cache = None
+            if self.engine_config.tensor_parallel_size > 1:
+                shell.push_async_callback(self._stop_tensor_parallel)
+                model, cache = await self._start_tensor_parallel(model)
+            if c.checkpointing:
+                self._capture = CheckpointCapture(c.checkpoint_max_pending_bytes, interval_tokens=c.checkpoint_interval_tokens)
+            engine = AsyncEngine(
+                Engine(model, self.engine_config, faults=self.faults, cache=cache), on_kv_events=self._kv_outbox.put_nowait,
+                checkpoints=self._capture,
+            )
+        shell.push_async_callback(engine.stop)
+        await engine.start()
+        return engine, model
+
+    async def _stop_tensor_parallel(self) -> None:
+        # After the engine thread ended (its undo runs first): nothing else issues a collective any more.
+        if self._tensor_parallel is not None:
+            await asyncio.to_thread(self._tensor_parallel.shutdown)
+
+    def _checkpointing_to(self) -> str:
+        """The checkpoint store this worker's checkpoints stream to now, if any."""
+        streamer, capture = self._streamer, self._capture
+        return streamer.store_address if streamer is not None and capture is not None and capture.connected else ""
+
+    async def _close_nats(self) -> None:
+        if self._nats_reconnect is not None:
+            self._nats_reconnect.cancel()
+        if self._bus is not None:
+            await self._bus.close()
 
     async def _start_tensor_parallel(self, model):
         """Starts the follower ranks and forms the group; returns the model and KV cache the Engine runs on.
@@ -203,21 +206,21 @@ class WorkerProcess:
         return await asyncio.to_thread(leader.connect, model)
 
     async def _wait_for_stop(self, engine: AsyncEngine) -> None:
-        while not self._stop.is_set():
+        while not self.shell.stop_requested:
             if engine.dead is not None:
                 log.error("engine died; worker exits so that its lease lapses and it is replaced")
                 return
             try:
-                await asyncio.wait_for(self._stop.wait(), timeout=0.5)
+                await asyncio.wait_for(self.shell.wait_for_stop(), timeout=0.5)
             except TimeoutError:
                 pass
 
-    async def _shutdown(self, server: grpc.aio.Server, engine: AsyncEngine) -> None:
+    async def _shutdown(self, engine: AsyncEngine) -> None:
         self.metrics.for_worker(self.metrics.serving).set(0.5)
-        await self.health.enter_graceful_shutdown()
+        await self.shell.stop_serving()
         await self._drain(engine, self.config.drain_grace_s)  # a no-op after a Drain that already ran
         # Streams already ended (finished or handed back); this only lets their last bytes flush.
-        await server.stop(grace=1.0)
+        await self.shell.stop_server(1.0)
         self.metrics.for_worker(self.metrics.serving).set(0)
 
     async def _drain(self, engine: AsyncEngine, grace_s: float, keep_running: bool = False) -> tuple[int, int]:
@@ -225,7 +228,7 @@ class WorkerProcess:
         if keep_running and not engine.exiting:
             self._quarantined = True
             self.metrics.for_worker(self.metrics.serving).set(0.5)
-            await self._set_serving(False)
+            await self.shell.set_serving(False)
             drained = await drain_engine(engine, grace_s, keep_running=True, park_ttl_s=self._park_ttl())
             log.warning("quarantined: %d finished, %d handed back; admitting canaries only until Undrain", *drained)
             return drained
@@ -235,14 +238,14 @@ class WorkerProcess:
 
     async def _drain_to_exit(self, engine: AsyncEngine, grace_s: float) -> tuple[int, int]:
         self.metrics.for_worker(self.metrics.serving).set(0.5)
-        await self._set_serving(False)
+        await self.shell.set_serving(False)
         drained = await drain_engine(engine, grace_s, park_ttl_s=self._park_ttl())
         log.info("drained: %d finished, %d handed back", *drained)
         # Parked KV leaves with the process: stay up (serving KvSource only) until it was transferred or expired.
         deadline = time.monotonic() + self._park_ttl()
         while engine.engine.parked and time.monotonic() < deadline and engine.dead is None:
             await asyncio.sleep(0.01)
-        self._stop.set()
+        self.shell.request_stop()
         return drained
 
     def _park_ttl(self) -> float:
@@ -250,19 +253,14 @@ class WorkerProcess:
 
     async def _undrain(self, engine: AsyncEngine) -> bool:
         """Lifts a quarantine; False if there is none or the worker is on its way out."""
-        if not self._quarantined or engine.exiting or self._stop.is_set():
+        if not self._quarantined or engine.exiting or self.shell.stop_requested:
             return False
         self._quarantined = False
         engine.draining = False
-        await self._set_serving(True)
+        await self.shell.set_serving(True)
         self.metrics.for_worker(self.metrics.serving).set(1)
         log.warning("quarantine lifted: admitting requests again")
         return True
-
-    async def _set_serving(self, serving: bool) -> None:
-        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
-        for name in ("", SERVICE_NAME):
-            await self.health.set(name, status)
 
     def _checkpoint_streamer(self, capture: CheckpointCapture, engine: AsyncEngine, model) -> CheckpointStreamer:
         cache = engine.engine.cache
@@ -276,12 +274,12 @@ class WorkerProcess:
             snapshot_to_proto=snapshot_to_proto, flush_interval_s=self.config.checkpoint_flush_interval_s,
         )
 
-    def _registration_value(self, model, metrics_port: int) -> bytes:
+    def _registration_value(self, model) -> bytes:
         return encode_registration(
             common_pb2.WorkerRegistration(
                 worker_id=self.worker_id, address=self.address, pid=os.getpid(), model=model.config.name,
                 role="monolithic", block_size=BLOCK_SIZE, total_blocks=self.engine_config.num_kv_blocks,
-                metrics_address=f"{self.config.advertise_host or self.config.host}:{metrics_port}",
+                metrics_address=self.shell.metrics_address,
                 started_at=time.time(), max_model_len=self.engine_config.max_model_len, model_version=model.version,
                 channel_endpoint=self.channels.endpoint_id if self.channels is not None else "",
                 tensor_parallel_size=self.engine_config.tensor_parallel_size,
@@ -291,13 +289,13 @@ class WorkerProcess:
         )
 
     # -- fault injection (chaos) ------------------------------------------------------
-    def _add_chaos_service(self, server: grpc.aio.Server) -> None:
+    def _add_chaos_service(self, shell: ServiceShell) -> None:
         # Only with chaos enabled: otherwise its calls get UNIMPLEMENTED.
         chaos = ChaosServicer(
             self.worker_id, self.config.chaos_token, self.faults, self.metrics, ready=self.ready,
             on_inject=self._inject_fault, on_clear=self._clear_fault,
         )
-        chaos_pb2_grpc.add_ChaosServiceServicer_to_server(chaos, server)
+        shell.add_service(CHAOS_SERVICE_NAME, chaos_pb2_grpc.add_ChaosServiceServicer_to_server, chaos, health=False)
         log.warning("chaos enabled: this worker accepts fault injection from holders of its token")
 
     async def _inject_fault(self, kind: FaultKind) -> None:

@@ -13,9 +13,9 @@ import torch
 
 from phalanx._proto import common_pb2, migration_pb2, migration_pb2_grpc, worker_pb2, worker_pb2_grpc
 from phalanx.common.buffers import BufferPool
+from phalanx.common.channels import ChannelEndpoint
 from phalanx.common.errors import InvalidRequestError, NotFoundError, PhalanxError, ResourceExhaustedError, UnavailableError
 from phalanx.common.grpc_channels import GrpcChannels
-from phalanx.common.grpc_status import abort_with
 from phalanx.model.kv_cache import BLOCK_SIZE
 from phalanx.model.params import SamplingParams, sampling_from_proto
 from phalanx.worker.async_engine import AsyncEngine
@@ -83,6 +83,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
 
     def __init__(
         self, worker_id: str, metrics: WorkerMetrics, *, on_drain, on_undrain, kv_sequence,
+        address: str = "", channels: ChannelEndpoint | None = None, channel_timeout_s: float = 10.0,
+        channel_min_bytes: int = 32 << 20, checkpointing_to: Callable[[], str] = lambda: "",
         detach_grace_s: float = 15.0, retain_s: float = 30.0, max_retained: int = 10_000,
     ) -> None:
         self.worker_id = worker_id
@@ -93,13 +95,12 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         self._on_drain = on_drain
         self._on_undrain = on_undrain
         self.model_version = ""
-        # Set by the process once known: where this worker's parked KV can be fetched (KvSource) and its channel endpoint.
-        self.address = ""
-        self.channels = None  # phalanx.common.channels.ChannelEndpoint
+        self.address = address  # where this worker's parked KV can be fetched (KvSource)
+        self.channels = channels  # its tensor-channel endpoint; None: KV moves over gRPC only
         self.kv_sources = GrpcChannels(_BULK_OPTIONS)  # the checkpoint stores and workers KV is restored from
-        self.checkpointing_to: Callable[[], str] = lambda: ""  # the store this worker's checkpoints stream to now, if any
-        self.channel_timeout_s = 10.0
-        self.channel_min_bytes = 32 << 20  # smaller KV from a source with no channel kept goes over gRPC
+        self.checkpointing_to = checkpointing_to  # the store this worker's checkpoints stream to now, if any
+        self.channel_timeout_s = channel_timeout_s
+        self.channel_min_bytes = channel_min_bytes  # smaller KV from a source with no channel kept goes over gRPC
         self._warming: dict[str, asyncio.Task] = {}  # channels being formed ahead of the next transfer, by source key
         self.kv_buffers = BufferPool(_KV_BUFFER_KEEP_BYTES)  # what restores receive KV into
         self._ttft, self._itl, self._generated = m.for_worker(m.ttft), m.for_worker(m.itl), m.for_worker(m.generated_tokens)
@@ -197,7 +198,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             engine_request = self._engine_request(request)
         except PhalanxError as exc:
             self._count(exc)
-            await abort_with(context, exc)
+            raise
         streams = self.streams
         log = streams.get(engine_request.request_id)
         fresh = log is None
@@ -206,28 +207,22 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             log = streams.start(
                 engine_request.request_id, first_index=len(resumed.output_ids) if resumed else 0, on_event=self._observer()
             )
-        try:
-            with streams.reader(log):
-                if fresh:
-                    await self._submit(engine, engine_request, log)
-                async for event in log.read(log.first_index):
-                    yield self._chunk(worker_pb2.GenerateResponse, event)
-        except PhalanxError as exc:
-            await abort_with(context, exc)
+        with streams.reader(log):
+            if fresh:
+                await self._submit(engine, engine_request, log)
+            async for event in log.read(log.first_index):
+                yield self._chunk(worker_pb2.GenerateResponse, event)
 
     async def Attach(self, request, context):
-        try:
-            if request.from_index < 0:
-                raise InvalidRequestError("from_index", "must be >= 0")
-            log = self.streams.get(request.request_id)
-            if log is None:
-                raise NotFoundError(f"request {request.request_id!r} is not running on this worker and did not finish recently")
-            self.metrics.for_worker(self.metrics.attaches).inc()
-            with self.streams.reader(log):
-                async for event in log.read(request.from_index):
-                    yield self._chunk(worker_pb2.AttachResponse, event)
-        except PhalanxError as exc:
-            await abort_with(context, exc)
+        if request.from_index < 0:
+            raise InvalidRequestError("from_index", "must be >= 0")
+        log = self.streams.get(request.request_id)
+        if log is None:
+            raise NotFoundError(f"request {request.request_id!r} is not running on this worker and did not finish recently")
+        self.metrics.for_worker(self.metrics.attaches).inc()
+        with self.streams.reader(log):
+            async for event in log.read(request.from_index):
+                yield self._chunk(worker_pb2.AttachResponse, event)
 
     def _chunk(self, cls, event: TokenEvent):
         chunk = event_to_proto(cls, event)
@@ -238,58 +233,55 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
     # -- migration ----------------------------------------------------------------
     async def Restore(self, request, context):
         """Brings migrated requests back here; each gets a result (a short target refuses, the rest go on)."""
-        try:
-            engine = self.engine
-            timeout = request.timeout_s or self.channel_timeout_s
-            prepared, results = [], {}
-            continues_commits = bool(request.kv_source_address) and request.kv_source_address == self.checkpointing_to()
-            for item in request.items:
-                try:
-                    engine_request = self._restore_request(item, engine)
-                    engine_request.continues_commit = continues_commits and item.method == migration_pb2.MIGRATION_METHOD_CHECKPOINT
-                    prepared.append((item, engine_request))
-                except PhalanxError as exc:
-                    results[item.state.request_id] = _failed(item.state.request_id, exc)
-            wants_kv = [(item, er) for item, er in prepared if _kv_method(item) and item.kv_tokens > 0]
-            kv: dict[str, torch.Tensor] = {}
-            kv_bytes, transfer_s = 0, 0.0
-            if wants_kv:
-                start = time.perf_counter()
-                kv = await self._receive_kv(
-                    [item for item, _ in wants_kv], request.kv_source_address, request.transport, timeout, engine
-                )
-                transfer_s = time.perf_counter() - start
-                kv_bytes = sum(t.numel() * t.element_size() for t in kv.values())
-
-            async def restore_one(item, engine_request: EngineRequest) -> worker_pb2.RestoreResult:
-                request_id = engine_request.request_id
-                try:
-                    log = self.streams.start_migrated(request_id, on_event=self._observer())
-                except ValueError as exc:
-                    return _failed(request_id, InvalidRequestError("request_id", str(exc)))
-                try:
-                    if _kv_method(item):
-                        kv_tokens = item.kv_tokens if request_id in kv else 0
-                        await engine.restore(engine_request, kv.get(request_id), kv_tokens, log)
-                    else:
-                        await engine.submit(engine_request, log)
-                except PhalanxError as exc:
-                    self.streams.discard(log, exc)
-                    return _failed(request_id, exc)
-                return worker_pb2.RestoreResult(request_id=request_id, ok=True, kv_tokens=item.kv_tokens if request_id in kv else 0)
-
-            # Together: the engine takes them all at its next step boundary, not one per step.
-            for result in await asyncio.gather(*(restore_one(item, engine_request) for item, engine_request in prepared)):
-                results[result.request_id] = result
-            for tensor in kv.values():  # the engine copied each into its cache (or refused it): reusable
-                self.kv_buffers.give(tensor)
-            self.metrics.for_worker(self.metrics.restores).inc(sum(1 for r in results.values() if r.ok))
-            return worker_pb2.RestoreResponse(
-                results=[results[i.state.request_id] for i in request.items if i.state.request_id in results],
-                kv_bytes=kv_bytes, transfer_s=transfer_s,
+        engine = self.engine
+        timeout = request.timeout_s or self.channel_timeout_s
+        prepared, results = [], {}
+        continues_commits = bool(request.kv_source_address) and request.kv_source_address == self.checkpointing_to()
+        for item in request.items:
+            try:
+                engine_request = self._restore_request(item, engine)
+                engine_request.continues_commit = continues_commits and item.method == migration_pb2.MIGRATION_METHOD_CHECKPOINT
+                prepared.append((item, engine_request))
+            except PhalanxError as exc:
+                results[item.state.request_id] = _failed(item.state.request_id, exc)
+        wants_kv = [(item, er) for item, er in prepared if _kv_method(item) and item.kv_tokens > 0]
+        kv: dict[str, torch.Tensor] = {}
+        kv_bytes, transfer_s = 0, 0.0
+        if wants_kv:
+            start = time.perf_counter()
+            kv = await self._receive_kv(
+                [item for item, _ in wants_kv], request.kv_source_address, request.transport, timeout, engine
             )
-        except PhalanxError as exc:
-            await abort_with(context, exc)
+            transfer_s = time.perf_counter() - start
+            kv_bytes = sum(t.numel() * t.element_size() for t in kv.values())
+
+        async def restore_one(item, engine_request: EngineRequest) -> worker_pb2.RestoreResult:
+            request_id = engine_request.request_id
+            try:
+                log = self.streams.start_migrated(request_id, on_event=self._observer())
+            except ValueError as exc:
+                return _failed(request_id, InvalidRequestError("request_id", str(exc)))
+            try:
+                if _kv_method(item):
+                    kv_tokens = item.kv_tokens if request_id in kv else 0
+                    await engine.restore(engine_request, kv.get(request_id), kv_tokens, log)
+                else:
+                    await engine.submit(engine_request, log)
+            except PhalanxError as exc:
+                self.streams.discard(log, exc)
+                return _failed(request_id, exc)
+            return worker_pb2.RestoreResult(request_id=request_id, ok=True, kv_tokens=item.kv_tokens if request_id in kv else 0)
+
+        # Together: the engine takes them all at its next step boundary, not one per step.
+        for result in await asyncio.gather(*(restore_one(item, engine_request) for item, engine_request in prepared)):
+            results[result.request_id] = result
+        for tensor in kv.values():  # the engine copied each into its cache (or refused it): reusable
+            self.kv_buffers.give(tensor)
+        self.metrics.for_worker(self.metrics.restores).inc(sum(1 for r in results.values() if r.ok))
+        return worker_pb2.RestoreResponse(
+            results=[results[i.state.request_id] for i in request.items if i.state.request_id in results],
+            kv_bytes=kv_bytes, transfer_s=transfer_s,
+        )
 
     def _restore_request(self, item, engine: AsyncEngine) -> EngineRequest:
         state = common_pb2.RequestState()
@@ -329,11 +321,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         return buffers
 
     async def Park(self, request, context):
-        try:
-            ttl = request.ttl_s or 10.0
-            events = await self.engine.park(list(request.request_ids) or None, ttl)
-        except PhalanxError as exc:
-            await abort_with(context, exc)
+        ttl = request.ttl_s or 10.0
+        events = await self.engine.park(list(request.request_ids) or None, ttl)
         return worker_pb2.ParkResponse(
             parked=[
                 worker_pb2.ParkedRequest(state=snapshot_to_proto(e.handoff), seed=e.handoff.seed, kv_tokens=e.handoff_kv_tokens)
@@ -349,36 +338,30 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         return worker_pb2.CancelResponse(found=found)
 
     async def Canary(self, request, context):
-        try:
-            prompt = self._prompt_ids(request)
-            max_tokens = request.max_tokens or 8
-            if not 0 < max_tokens <= CANARY_MAX_TOKENS:
-                raise InvalidRequestError("max_tokens", f"must be in [1, {CANARY_MAX_TOKENS}], got {max_tokens}")
-            engine_request = EngineRequest(
-                prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True), f"canary-{time.monotonic_ns()}",
-                record_top_logits=True, canary=True,
-            )
-            start = time.perf_counter()
-            tokens, logits, margins = [], [], []
-            async for event in self.engine.generate(engine_request):
-                if event.index >= 0:
-                    tokens.append(event.token_id)
-                    logits.append(event.top_logit)
-                    margins.append(event.top_margin)
-                if event.finish_reason in (FinishReason.ABORTED, FinishReason.HANDED_BACK):
-                    raise UnavailableError("the canary was interrupted: the worker is stopping", retry_after_s=0.5)
-            return worker_pb2.CanaryResponse(
-                token_ids=tokens, top_logits=logits, top_margins=margins, latency_s=time.perf_counter() - start,
-                model=self.engine.engine.model.config.name, model_version=self.model_version,
-            )
-        except PhalanxError as exc:
-            await abort_with(context, exc)
+        prompt = self._prompt_ids(request)
+        max_tokens = request.max_tokens or 8
+        if not 0 < max_tokens <= CANARY_MAX_TOKENS:
+            raise InvalidRequestError("max_tokens", f"must be in [1, {CANARY_MAX_TOKENS}], got {max_tokens}")
+        engine_request = EngineRequest(
+            prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True), f"canary-{time.monotonic_ns()}",
+            record_top_logits=True, canary=True,
+        )
+        start = time.perf_counter()
+        tokens, logits, margins = [], [], []
+        async for event in self.engine.generate(engine_request):
+            if event.index >= 0:
+                tokens.append(event.token_id)
+                logits.append(event.top_logit)
+                margins.append(event.top_margin)
+            if event.finish_reason in (FinishReason.ABORTED, FinishReason.HANDED_BACK):
+                raise UnavailableError("the canary was interrupted: the worker is stopping", retry_after_s=0.5)
+        return worker_pb2.CanaryResponse(
+            token_ids=tokens, top_logits=logits, top_margins=margins, latency_s=time.perf_counter() - start,
+            model=self.engine.engine.model.config.name, model_version=self.model_version,
+        )
 
     async def Stats(self, request, context):
-        try:
-            e = self.engine.engine
-        except PhalanxError as exc:
-            await abort_with(context, exc)
+        e = self.engine.engine
         load = self.engine.load()
         return worker_pb2.StatsResponse(
             worker_id=self.worker_id, model=e.model.config.name, queue_depth=load.queue_depth,
@@ -392,29 +375,20 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         )
 
     async def Drain(self, request, context):
-        try:
-            if request.grace_s < 0:
-                raise InvalidRequestError("grace_s", "must be >= 0")
-            finished, handed_back = await self._on_drain(self.engine, request.grace_s, request.keep_running)
-        except PhalanxError as exc:
-            await abort_with(context, exc)
+        if request.grace_s < 0:
+            raise InvalidRequestError("grace_s", "must be >= 0")
+        finished, handed_back = await self._on_drain(self.engine, request.grace_s, request.keep_running)
         return worker_pb2.DrainResponse(finished=finished, handed_back=handed_back)
 
     async def Undrain(self, request, context):
-        try:
-            undrained = await self._on_undrain(self.engine)
-        except PhalanxError as exc:
-            await abort_with(context, exc)
+        undrained = await self._on_undrain(self.engine)
         return worker_pb2.UndrainResponse(undrained=undrained)
 
     async def KvSnapshot(self, request, context):
         # Read before the blocks: events numbered after it may be reflected in
         # them already, and replaying add/remove events in order converges.
         sequence = self._kv_sequence()
-        try:
-            blocks = await self.engine.cached_blocks()
-        except PhalanxError as exc:
-            await abort_with(context, exc)
+        blocks = await self.engine.cached_blocks()
         return worker_pb2.KvSnapshotResponse(
             worker_id=self.worker_id, sequence=sequence,
             blocks=[common_pb2.KvBlockStored(block_hash=h, parent_hash=p, num_tokens=n) for h, p, n in blocks],
@@ -442,36 +416,30 @@ class KvSourceServicer(migration_pb2_grpc.KvSourceServicer):
         self.worker = servicer
 
     async def SendKv(self, request, context):
-        try:
-            engine = self.worker.engine
-            channels = self.worker.channels
-            if channels is None:
-                raise UnavailableError("this worker has no tensor-channel endpoint; use FetchKv", retry_after_s=0.1)
-            timeout = request.timeout_s or self.worker.channel_timeout_s
-            start = time.perf_counter()
-            tensors = [await engine.export_kv(p.request_id, p.kv_tokens) for p in request.pieces]
-            # Kept afterwards: a drain moves many requests to the same few targets.
-            async with channels.opened(request.target_endpoint, request.channel_id, reuse=request.reuse_channel, timeout_s=timeout) as channel:
-                for tensor in tensors:
-                    await channel.send(tensor, timeout_s=timeout)
-            for p in request.pieces:
-                await engine.unpark(p.request_id)
-            nbytes = sum(t.numel() * t.element_size() for t in tensors)
-            return migration_pb2.SendKvResponse(bytes=nbytes, seconds=time.perf_counter() - start)
-        except PhalanxError as exc:
-            await abort_with(context, exc)
+        engine = self.worker.engine
+        channels = self.worker.channels
+        if channels is None:
+            raise UnavailableError("this worker has no tensor-channel endpoint; use FetchKv", retry_after_s=0.1)
+        timeout = request.timeout_s or self.worker.channel_timeout_s
+        start = time.perf_counter()
+        tensors = [await engine.export_kv(p.request_id, p.kv_tokens) for p in request.pieces]
+        # Kept afterwards: a drain moves many requests to the same few targets.
+        async with channels.opened(request.target_endpoint, request.channel_id, reuse=request.reuse_channel, timeout_s=timeout) as channel:
+            for tensor in tensors:
+                await channel.send(tensor, timeout_s=timeout)
+        for p in request.pieces:
+            await engine.unpark(p.request_id)
+        nbytes = sum(t.numel() * t.element_size() for t in tensors)
+        return migration_pb2.SendKvResponse(bytes=nbytes, seconds=time.perf_counter() - start)
 
     async def FetchKv(self, request, context):
-        try:
-            engine = self.worker.engine
-            for index, p in enumerate(request.pieces):
-                data = tensor_bytes(await engine.export_kv(p.request_id, p.kv_tokens))
-                for offset in range(0, len(data), _CHUNK_BYTES):
-                    yield migration_pb2.FetchKvResponse(piece=index, data=data[offset : offset + _CHUNK_BYTES])
-            for p in request.pieces:
-                await engine.unpark(p.request_id)
-        except PhalanxError as exc:
-            await abort_with(context, exc)
+        engine = self.worker.engine
+        for index, p in enumerate(request.pieces):
+            data = tensor_bytes(await engine.export_kv(p.request_id, p.kv_tokens))
+            for offset in range(0, len(data), _CHUNK_BYTES):
+                yield migration_pb2.FetchKvResponse(piece=index, data=data[offset : offset + _CHUNK_BYTES])
+        for p in request.pieces:
+            await engine.unpark(p.request_id)
 
 
 async def drain_engine(engine: AsyncEngine, grace_s: float, *, keep_running: bool = False, park_ttl_s: float = 0.0) -> tuple[int, int]:

@@ -1,9 +1,13 @@
-"""Starts real worker and router processes (python -m phalanx.cli …) against a NATS and an etcd."""
+"""Starts real service processes (python -m phalanx.cli …) against a NATS and an etcd, each returned once it serves.
+
+Used by ``phalanx up``, the benchmarks and the test suite.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -15,13 +19,26 @@ from pathlib import Path
 import grpc
 from prometheus_client.parser import text_string_to_metric_families
 
-from phalanx._proto import common_pb2, health_pb2, health_pb2_grpc
+from phalanx._proto import checkpoint_pb2, checkpoint_pb2_grpc, common_pb2, health_pb2, health_pb2_grpc
 from phalanx.common.children import pdeathsig_preexec
 from phalanx.common.config import EtcdConfig
 from phalanx.common.discovery import EtcdDirectory, WorkerDirectory
-from phalanx.common.subjects import ROUTERS_PREFIX
+from phalanx.common.lease import connect_etcd
+from phalanx.common.subjects import CHECKPOINT_STORES_PREFIX, MIGRATIONS_PREFIX, ROUTERS_PREFIX
+from phalanx.launch.ports import free_port
 
-__all__ = ["HealthHandle", "RouterHandle", "ServiceHandle", "WorkerHandle", "start_health", "start_router", "start_worker"]
+__all__ = [
+    "CheckpointStoreHandle",
+    "HealthHandle",
+    "RouterHandle",
+    "ServiceHandle",
+    "WorkerHandle",
+    "start_checkpoint_store",
+    "start_health",
+    "start_migration",
+    "start_router",
+    "start_worker",
+]
 
 
 class ServiceHandle:
@@ -157,8 +174,6 @@ async def start_health(
     instance_id: str, nats_url: str, etcd_config: EtcdConfig, *extra: str, env: dict | None = None, timeout: float = 30.0
 ) -> HealthHandle:
     """A health service instance, returned once it answers (leader or standby)."""
-    from phalanx.testing.stack import free_port
-
     port, metrics_port = free_port(), free_port()
     process = _spawn(
         ["health", "--instance-id", instance_id, "--nats-url", nats_url, "--etcd-endpoint", etcd_config.endpoint, "--port", str(port),
@@ -197,14 +212,10 @@ class CheckpointStoreHandle(ServiceHandle):
         return self.advertisement["channel_endpoint"]
 
     async def stats(self, timeout: float = 2.0):
-        from phalanx._proto import checkpoint_pb2, checkpoint_pb2_grpc
-
         async with grpc.aio.insecure_channel(self.address) as channel:
             return await checkpoint_pb2_grpc.CheckpointStoreStub(channel).Stats(checkpoint_pb2.StatsRequest(), timeout=timeout)
 
     async def get_commit(self, request_id: str, timeout: float = 2.0):
-        from phalanx._proto import checkpoint_pb2, checkpoint_pb2_grpc
-
         async with grpc.aio.insecure_channel(self.address) as channel:
             stub = checkpoint_pb2_grpc.CheckpointStoreStub(channel)
             return (await stub.GetCommit(checkpoint_pb2.GetCommitRequest(request_id=request_id), timeout=timeout)).commit
@@ -217,9 +228,6 @@ async def start_checkpoint_store(
 
     ``extra`` are more CLI flags (e.g. ``--memory-limit-bytes``); ``env`` more PHALANX_CHECKPOINT_* settings.
     """
-
-    from phalanx.common.subjects import CHECKPOINT_STORES_PREFIX
-
     process = _spawn(
         ["checkpoint-store", "--store-id", store_id, "--etcd-endpoint", etcd_config.endpoint, "--port", "0", "--log-level", "WARNING",
          *extra],
@@ -231,10 +239,6 @@ async def start_checkpoint_store(
 
 async def _advertisement(process: subprocess.Popen, etcd_config: EtcdConfig, key: str, name: str, timeout: float) -> dict:
     """The JSON ``process`` put at ``key`` (with its pid: not a previous holder's, lingering until its lease lapses)."""
-    import json
-
-    from phalanx.common.lease import connect_etcd
-
     client = connect_etcd(etcd_config)
     deadline = time.monotonic() + timeout
     try:
@@ -257,16 +261,10 @@ async def _advertisement(process: subprocess.Popen, etcd_config: EtcdConfig, key
         await client.close()
 
 
-__all__ += ["CheckpointStoreHandle", "start_checkpoint_store"]
-
-
 async def start_migration(
     instance_id: str, nats_url: str, etcd_config: EtcdConfig, *extra: str, env: dict | None = None, timeout: float = 30.0
 ) -> ServiceHandle:
     """A migration service (``phalanx migration``), returned once it advertised itself in etcd."""
-    from phalanx.common.subjects import MIGRATIONS_PREFIX
-    from phalanx.testing.stack import free_port
-
     metrics_port = free_port()
     process = _spawn(
         ["migration", "--migration-id", instance_id, "--nats-url", nats_url, "--etcd-endpoint", etcd_config.endpoint, "--port", "0",
@@ -275,6 +273,3 @@ async def start_migration(
     )  # fmt: skip
     advertisement = await _advertisement(process, etcd_config, MIGRATIONS_PREFIX + instance_id, instance_id, timeout)
     return ServiceHandle(instance_id, process, advertisement["address"], f"127.0.0.1:{metrics_port}")
-
-
-__all__ += ["start_migration"]

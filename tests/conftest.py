@@ -13,7 +13,7 @@ import pytest
 os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 
 from phalanx.common.config import EtcdConfig, NatsConfig  # noqa: E402
-from phalanx.testing.infra import EtcdServer, NatsServer  # noqa: E402
+from phalanx.launch.infra import EtcdServer, NatsServer  # noqa: E402
 
 
 @pytest.fixture(scope="session")

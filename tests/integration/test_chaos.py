@@ -17,9 +17,9 @@ from phalanx.common.discovery import WorkerDirectory, encode_json
 from phalanx.common.events import EventBus
 from phalanx.common.lease import connect_etcd
 from phalanx.common.subjects import DEGRADATION_KEY, load_subject
+from phalanx.launch.services import start_worker
+from phalanx.launch.stack import unique_id
 from phalanx.testing.asserts import assert_eventually
-from phalanx.testing.stack import unique_id
-from phalanx.testing.workers import start_worker
 
 pytestmark = pytest.mark.integration
 

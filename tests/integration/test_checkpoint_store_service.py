@@ -22,9 +22,9 @@ from phalanx.common.config import EtcdConfig
 from phalanx.common.discovery import decode_json
 from phalanx.common.lease import connect_etcd
 from phalanx.common.subjects import CHECKPOINT_STORES_PREFIX
+from phalanx.launch.services import CheckpointStoreHandle, start_checkpoint_store
+from phalanx.launch.stack import unique_id
 from phalanx.testing.asserts import assert_eventually
-from phalanx.testing.stack import unique_id
-from phalanx.testing.workers import CheckpointStoreHandle, start_checkpoint_store
 
 pytestmark = pytest.mark.integration
 

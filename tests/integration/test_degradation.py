@@ -8,7 +8,6 @@ import asyncio
 
 import grpc
 import pytest
-
 from phalanx._proto import common_pb2, worker_pb2, worker_pb2_grpc
 from phalanx.client import Client, OverloadedError
 from phalanx.common.discovery import encode_json
@@ -16,8 +15,8 @@ from phalanx.common.lease import connect_etcd
 from phalanx.common.subjects import DEGRADATION_KEY
 from phalanx.health.config import DegradationConfig
 from phalanx.health.degradation import DegradationPolicy, WorkerCapacity
+from phalanx.launch.stack import Stack
 from phalanx.testing.asserts import assert_eventually
-from phalanx.testing.stack import Stack
 
 pytestmark = pytest.mark.integration
 

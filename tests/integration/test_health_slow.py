@@ -13,8 +13,9 @@ import pytest
 from phalanx._proto import chaos_pb2, chaos_pb2_grpc, common_pb2, worker_pb2, worker_pb2_grpc
 from phalanx.client import Client
 from phalanx.common.config import EtcdConfig
+from phalanx.launch.stack import Stack
 from phalanx.testing.asserts import assert_eventually
-from phalanx.testing.stack import Stack, forget_health_state
+from phalanx.testing.cleanup import forget_health_state
 
 pytestmark = pytest.mark.integration
 

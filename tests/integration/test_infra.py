@@ -28,8 +28,8 @@ from phalanx.common.telemetry import (
     grpc_server_interceptors,
     setup_telemetry,
 )
+from phalanx.launch.infra import EtcdServer, NatsServer
 from phalanx.testing.asserts import assert_eventually
-from phalanx.testing.infra import EtcdServer, NatsServer
 
 pytestmark = pytest.mark.integration
 

@@ -14,8 +14,8 @@ import pytest
 
 from phalanx._proto import worker_pb2, worker_pb2_grpc
 from phalanx.client import Client
+from phalanx.launch.stack import Stack
 from phalanx.testing.asserts import assert_eventually
-from phalanx.testing.stack import Stack
 
 pytestmark = pytest.mark.integration
 

@@ -7,10 +7,10 @@ import contextlib
 import pytest
 
 from phalanx._proto import common_pb2, migration_pb2
+from phalanx.launch.ports import free_port
 from phalanx.migration.config import MigrationConfig
 from phalanx.migration.core import Migrator, Plan
 from phalanx.migration.metrics import MigrationMetrics
-from phalanx.testing.stack import free_port
 
 pytestmark = pytest.mark.integration
 

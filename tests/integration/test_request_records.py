@@ -3,9 +3,9 @@
 import pytest
 
 from phalanx._proto import common_pb2
+from phalanx.launch.stack import unique_id
 from phalanx.router.records import RequestRecords
 from phalanx.testing.asserts import assert_eventually
-from phalanx.testing.stack import unique_id
 
 pytestmark = pytest.mark.integration
 

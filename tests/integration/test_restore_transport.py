@@ -8,8 +8,8 @@ import grpc
 import pytest
 
 from phalanx._proto import common_pb2, migration_pb2, worker_pb2, worker_pb2_grpc
+from phalanx.launch.stack import Stack
 from phalanx.testing.asserts import assert_eventually
-from phalanx.testing.stack import Stack
 
 pytestmark = pytest.mark.integration
 

@@ -14,9 +14,10 @@ from grpc_status import rpc_status
 from phalanx._proto import common_pb2, router_pb2, router_pb2_grpc
 from phalanx.client import Client, InvalidArgumentError, UnavailableError
 from phalanx.common.config import EtcdConfig
+from phalanx.launch.infra import EtcdServer
+from phalanx.launch.ports import free_port
+from phalanx.launch.stack import Stack
 from phalanx.testing.asserts import assert_eventually
-from phalanx.testing.infra import EtcdServer
-from phalanx.testing.stack import Stack, free_port
 
 pytestmark = pytest.mark.integration
 

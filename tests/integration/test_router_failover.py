@@ -12,8 +12,9 @@ from phalanx.common.discovery import WorkerDirectory, encode_json
 from phalanx.common.events import EventBus
 from phalanx.common.lease import connect_etcd
 from phalanx.common.subjects import DEGRADATION_KEY, health_key, kv_events_subject
+from phalanx.launch.ports import free_port
+from phalanx.launch.stack import Stack
 from phalanx.testing.asserts import assert_eventually
-from phalanx.testing.stack import Stack, free_port
 
 pytestmark = pytest.mark.integration
 

@@ -16,8 +16,8 @@ import pytest
 from phalanx._proto import worker_pb2, worker_pb2_grpc
 from phalanx.client import Client
 from phalanx.common.discovery import WorkerDirectory
+from phalanx.launch.stack import Stack
 from phalanx.testing.asserts import assert_eventually
-from phalanx.testing.stack import Stack
 from phalanx.worker.tp_leader import FAILURE_EXIT_CODE
 
 pytestmark = pytest.mark.integration

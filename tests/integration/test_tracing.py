@@ -8,8 +8,8 @@ from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_serv
 from opentelemetry.sdk.trace import TracerProvider
 
 from phalanx.client import Client
+from phalanx.launch.stack import Stack
 from phalanx.testing.asserts import assert_eventually
-from phalanx.testing.stack import Stack
 
 pytestmark = pytest.mark.integration
 

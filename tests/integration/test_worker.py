@@ -16,10 +16,9 @@ from phalanx.common.config import EtcdConfig
 from phalanx.common.discovery import WorkerDirectory
 from phalanx.common.events import EventBus
 from phalanx.common.subjects import kv_events_subject, load_subject
+from phalanx.launch.services import start_worker
 from phalanx.model import ByteTokenizer
 from phalanx.testing.asserts import assert_eventually
-
-from phalanx.testing.workers import start_worker
 
 pytestmark = pytest.mark.integration
 

@@ -7,9 +7,9 @@ import pytest
 
 from phalanx._proto import common_pb2, worker_pb2, worker_pb2_grpc
 from phalanx.common.config import EtcdConfig
+from phalanx.launch.services import start_worker
 from phalanx.model import ByteTokenizer
 from phalanx.testing.asserts import assert_eventually
-from phalanx.testing.workers import start_worker
 
 pytestmark = pytest.mark.integration
 

@@ -35,7 +35,7 @@ import torch
 from phalanx.common.channels import ChannelEndpoint, TensorChannel
 from phalanx.common.children import pdeathsig_preexec
 from phalanx.common.config import EtcdConfig
-from phalanx.testing.infra import EtcdServer
+from phalanx.launch.infra import EtcdServer
 
 MIB = 1 << 20
 _RTT_ROUNDS = 200

@@ -44,9 +44,9 @@ import grpc
 from phalanx._proto import common_pb2, migration_pb2, worker_pb2, worker_pb2_grpc
 from phalanx.client import Client, PhalanxClientError
 from phalanx.common.config import EtcdConfig
-from phalanx.testing.infra import EtcdServer, NatsServer
-from phalanx.testing.stack import Stack
-from phalanx.testing.workers import CheckpointStoreHandle, ServiceHandle, WorkerHandle
+from phalanx.launch.infra import EtcdServer, NatsServer
+from phalanx.launch.services import CheckpointStoreHandle, ServiceHandle, WorkerHandle
+from phalanx.launch.stack import Stack
 
 STRATEGIES = ("checkpoint", "transfer-only", "reprefill", "sequential-replay", "restart")
 METHODS = ("transfer", "checkpoint", "reprefill", "sequential_replay")

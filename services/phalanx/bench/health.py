@@ -25,8 +25,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from phalanx._proto import chaos_pb2, chaos_pb2_grpc, common_pb2, worker_pb2, worker_pb2_grpc
 from phalanx.client import Client, PhalanxClientError
 from phalanx.common.config import EtcdConfig
-from phalanx.testing.infra import EtcdServer, NatsServer
-from phalanx.testing.stack import Stack
+from phalanx.launch.infra import EtcdServer, NatsServer
+from phalanx.launch.stack import Stack
 
 _TOKEN = "bench-chaos-token-0123456789abcdef"
 _AUTH = (("authorization", f"Bearer {_TOKEN}"),)

@@ -21,10 +21,10 @@ import uuid
 
 from phalanx.client import Client
 from phalanx.common.config import EtcdConfig
+from phalanx.launch.infra import EtcdServer, NatsServer
+from phalanx.launch.services import start_router, start_worker
 from phalanx.model import load
 from phalanx.model.params import SamplingParams
-from phalanx.testing.infra import EtcdServer, NatsServer
-from phalanx.testing.workers import start_router, start_worker
 from phalanx.worker.config import EngineConfig
 from phalanx.worker.engine import Engine, EngineRequest
 

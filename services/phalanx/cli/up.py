@@ -49,8 +49,8 @@ from phalanx.cli.state import (
 )
 
 if TYPE_CHECKING:
-    from phalanx.testing.infra import EtcdServer, NatsServer
-    from phalanx.testing.workers import HealthHandle, RouterHandle, ServiceHandle, WorkerHandle
+    from phalanx.launch.infra import EtcdServer, NatsServer
+    from phalanx.launch.services import HealthHandle, RouterHandle, ServiceHandle, WorkerHandle
 
 __all__ = ["UpOptions", "run_detached", "run_down", "run_up"]
 
@@ -216,7 +216,7 @@ class _Stack:
 
     def start_infra(self) -> None:
         """NATS and etcd (unless external); blocking, from the main thread so PR_SET_PDEATHSIG holds."""
-        from phalanx.testing.infra import EtcdServer, NatsServer
+        from phalanx.launch.infra import EtcdServer, NatsServer
 
         for name, given in (("nats", self.nats_url), ("etcd", self.etcd_endpoint)):
             self.board.set(name, "external" if given else "starting", given)
@@ -232,7 +232,7 @@ class _Stack:
     async def start_services(self) -> None:
         """The workers in parallel, then the router, so it starts with every worker's KV blocks indexed, then health."""
         from phalanx.common.config import EtcdConfig
-        from phalanx.testing.workers import start_checkpoint_store, start_health, start_migration, start_router, start_worker
+        from phalanx.launch.services import start_checkpoint_store, start_health, start_migration, start_router, start_worker
 
         etcd = EtcdConfig(endpoint=self.etcd_endpoint)
         mode = "--deterministic" if self.options.deterministic else "--fast"

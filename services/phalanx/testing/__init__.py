@@ -1,1 +1,4 @@
-"""Launchers and helpers for tests and for `phalanx up`: real nats-server and etcd processes."""
+"""Test helpers only (polling assertions, settings checks, state cleanup); production code never imports this package.
+
+Launchers for nats-server, etcd and the services live in `phalanx.launch`.
+"""

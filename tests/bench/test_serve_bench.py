@@ -18,3 +18,5 @@ def test_serve_bench_prints_stack_and_bare_throughput_and_their_ratio():
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["stack_tokens_per_s"] > 0 and result["bare_tokens_per_s"] > 0
     assert result["ratio"] == pytest.approx(result["stack_tokens_per_s"] / result["bare_tokens_per_s"], rel=0.01)
+    assert set(result["met"]) == set(result["goals"]) == {"ratio"}
+    assert result["met"]["ratio"] == (result["stack_tokens_per_s"] / result["bare_tokens_per_s"] >= result["goals"]["ratio"])

@@ -70,7 +70,7 @@ class CheckpointStoreServicer(checkpoint_pb2_grpc.CheckpointStoreServicer, migra
             self.metrics.segments.labels(result=ack.result.value).inc()
             if ack.resync:
                 log.info("request %s from %s: gap at KV %d (store has %d); resync",
-                         ack.request_id, writer.worker_id, segment.kv_start, ack.kv_tokens)  # fmt: skip
+                         ack.request_id, writer.worker_id, segment.kv_start, ack.kv_tokens)
             response.acks.append(ack.to_proto())
         for request_id in batch.released_request_ids:
             self.store.release(request_id, worker_id=writer.worker_id)
@@ -89,7 +89,7 @@ class CheckpointStoreServicer(checkpoint_pb2_grpc.CheckpointStoreServicer, migra
             requests=stats.requests, memory_bytes=stats.memory_bytes, spilled_bytes=stats.spilled_bytes,
             bytes_received_total=stats.bytes_received_total, segments_applied_total=stats.segments_total[SegmentResult.APPLIED],
             connected_workers=len(self.streams), restores_total=self.restores_total,
-        )  # fmt: skip
+        )
 
     # -- KvSource -------------------------------------------------------------------------------
 

@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass
-from collections.abc import AsyncIterator
 from typing import Generic, Literal, TypeVar
 
 import grpc
@@ -30,7 +30,10 @@ from phalanx.common.config import EtcdConfig
 from phalanx.common.lease import TRANSIENT_ERRORS, Backoff, connect_etcd
 from phalanx.common.subjects import CHECKPOINT_STORES_PREFIX, MIGRATIONS_PREFIX, WORKERS_PREFIX, validate_worker_id
 
-__all__ = ["CheckpointStoreDirectory", "EtcdDirectory", "MigrationDirectory", "WatchEvent", "WorkerDirectory", "decode_json", "decode_registration", "encode_json", "encode_registration"]
+__all__ = [
+    "CheckpointStoreDirectory", "EtcdDirectory", "MigrationDirectory", "WatchEvent", "WorkerDirectory",
+    "decode_json", "decode_registration", "encode_json", "encode_registration",
+]
 
 log = logging.getLogger(__name__)
 

@@ -185,7 +185,7 @@ class EventBus:
 
         return await self._nc.subscribe(subject, cb=on_message)
 
-    async def flush(self, timeout: float = 2.0) -> None:  # noqa: ASYNC109 - nats-py's own deadline
+    async def flush(self, timeout: float = 2.0) -> None:  # nats-py's own deadline
         """Wait until the server has processed everything sent so far (for tests and shutdown)."""
         await self._nc.flush(timeout=timeout)
 

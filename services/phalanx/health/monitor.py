@@ -300,7 +300,7 @@ class FleetMonitor:
             p.tracker.last_ratio for p in self.workers.values()
             if p is not w and p.registration.model_version == w.registration.model_version
             and p.tracker.health is Health.HEALTHY and p.tracker.last_ratio_at >= recent
-        )  # fmt: skip
+        )
         if not ratios:
             return 1.0
         return min(10.0, max(1.0, ratios[len(ratios) // 2]))
@@ -393,7 +393,8 @@ class FleetMonitor:
         except grpc.aio.AioRpcError as error:
             if error.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
                 # Up but unresponsive: evidence of a fault, not of death.
-                await self._observe(w, CheckOutcome.failed(FailureReason.PROBE_TIMEOUT, f"{why}; no liveness answer within {self.config.probe_timeout_s} s"))
+                outcome = CheckOutcome.failed(FailureReason.PROBE_TIMEOUT, f"{why}; no liveness answer within {self.config.probe_timeout_s} s")
+                await self._observe(w, outcome)
                 return False
             if error.code() != grpc.StatusCode.UNAVAILABLE:
                 return False

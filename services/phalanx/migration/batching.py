@@ -28,7 +28,7 @@ class RestoreBatcher(Generic[Item, Result]):
     """
 
     def __init__(self, send: Callable[[Hashable, list[Item]], Awaitable[list[Result]]], *, window_s: float = 0.005,
-                 max_items: int = 64) -> None:  # fmt: skip
+                 max_items: int = 64) -> None:
         if window_s < 0 or max_items < 1:
             raise ValueError("window_s must be >= 0 and max_items >= 1")
         self._send = send
@@ -58,7 +58,7 @@ class RestoreBatcher(Generic[Item, Result]):
                 self.calls += 1
                 try:
                     results = await self._send(key, [item for item, _ in batch])
-                except Exception as exc:  # every item of the call learns why
+                except Exception as exc:  # noqa: BLE001 - every item of the call learns why
                     for _, done in batch:
                         if not done.done():
                             done.set_exception(exc)

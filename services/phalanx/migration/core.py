@@ -201,7 +201,7 @@ class Migrator:
             handoff = known = None
             if request.HasField("handoff") and request.handoff.prompt_token_ids:
                 handoff = Plan(request.handoff, request.handoff.sampling.seed, M.MIGRATION_METHOD_TRANSFER,
-                               request.handoff_kv_tokens, request.handoff_source_address)  # fmt: skip
+                               request.handoff_kv_tokens, request.handoff_source_address)
             if request.HasField("known_state") and request.known_state.prompt_token_ids:
                 known = Plan(request.known_state, request.seed or request.known_state.sampling.seed, M.MIGRATION_METHOD_REPREFILL)
             registrations = await self._reads.get("workers", self.workers.list)
@@ -239,7 +239,7 @@ class Migrator:
             await self.bus.publish(MIGRATION_EVENTS_SUBJECT, M.MigrationEvent(
                 request_id=request.request_id, from_worker_id=request.worker_id, worker_id=response.worker_id,
                 worker_address=response.worker_address, method=response.method, at=time.time(),
-            ))  # fmt: skip
+            ))
         return response
 
     async def _commit(self, request: M.MigrateRequest) -> tuple[str, tuple[Plan, int] | None]:
@@ -275,7 +275,9 @@ class Migrator:
             if fresh:
                 return fresh
             await asyncio.sleep(0.05)
-        raise UnavailableError(f"no worker restarted within {6 * self.config.restore_timeout_s:.0f} s of {failed_worker}'s failure", retry_after_s=1.0)
+        raise UnavailableError(
+            f"no worker restarted within {6 * self.config.restore_timeout_s:.0f} s of {failed_worker}'s failure", retry_after_s=1.0
+        )
 
     async def store_addresses(self) -> list[str]:
         return await self._reads.get("stores", self.stores.addresses)
@@ -410,7 +412,7 @@ class Migrator:
             request = M.MigrateRequest(request_id=commit.request_id, worker_id=worker_id, reason=reason, priority=commit.state.priority)
             try:
                 response.migrated.append(await self.migrate(request))
-            except Exception as exc:  # one request's failure must not stop the others
+            except Exception as exc:  # noqa: BLE001 - one request's failure must not stop the others
                 log.warning("migrating %s off %s failed: %s", commit.request_id, worker_id, exc)
                 response.failed.append(commit.request_id)
 

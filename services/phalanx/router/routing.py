@@ -100,7 +100,7 @@ class _Worker:
         "queue_depth", "running_seqs", "free_blocks", "total_blocks", "step_time_ms", "prefill_tokens_per_s",
         "decode_tokens_per_s", "draining", "report_at", "reported", "routed", "routed_tokens",
         "inv_rate", "base_s",
-    )  # fmt: skip
+    )
 
     def __init__(self, worker_id: str, slot: int, now: float) -> None:
         self.worker_id = worker_id

@@ -288,7 +288,7 @@ class AsyncEngine:
                 case AddRequest(request=request, sink=sink, done=done):
                     try:
                         seq = self.engine.add_request(request)
-                    except Exception as exc:  # reported to that caller only
+                    except Exception as exc:  # noqa: BLE001 - reported to that caller only
                         self._loop.call_soon_threadsafe(_set_exception, done, exc)
                         continue
                     self._loop.call_soon_threadsafe(self._register, seq.request_id, sink, done, request.canary, seq.replayed)
@@ -329,7 +329,7 @@ class AsyncEngine:
                     result = self.engine.unpark(request_id)
                 case _:
                     assert_never(command)
-        except Exception as exc:  # reported to that caller only
+        except Exception as exc:  # noqa: BLE001 - reported to that caller only
             self._loop.call_soon_threadsafe(_set_exception, command.done, exc)
             return []
         self._loop.call_soon_threadsafe(_set_result, command.done, result)
@@ -350,7 +350,8 @@ class AsyncEngine:
         a = _EMA_ALPHA
         self.step_time_ema_s = stats.seconds if self.step_time_ema_s == 0 else (1 - a) * self.step_time_ema_s + a * stats.seconds
         if stats.prefill_tokens:
-            self.prefill_rate = (1 - a) * self.prefill_rate + a * stats.prefill_tokens / stats.seconds if self.prefill_rate else stats.prefill_tokens / stats.seconds
+            rate = stats.prefill_tokens / stats.seconds
+            self.prefill_rate = (1 - a) * self.prefill_rate + a * rate if self.prefill_rate else rate
         if stats.decode_tokens:
             rate = stats.decode_tokens / stats.seconds
             self.decode_rate = (1 - a) * self.decode_rate + a * rate if self.decode_rate else rate

@@ -204,7 +204,7 @@ class CheckpointStreamer:
             while True:
                 try:
                     address = pick_store(await stores.addresses(), failed)
-                except Exception as exc:  # etcd away: keep serving, try again
+                except Exception as exc:  # noqa: BLE001 - etcd away: keep serving, try again
                     log.debug("no checkpoint store lookup: %r", exc)
                     address = None
                 if address is None:

@@ -122,7 +122,8 @@ class Engine:
         if total > self.config.max_model_len:
             raise InvalidRequestError(
                 "sampling.max_tokens",
-                f"prompt ({len(prompt)} tokens) + max_tokens ({request.params.max_tokens}) = {total} exceeds the context of {self.config.max_model_len} tokens",
+                f"prompt ({len(prompt)} tokens) + max_tokens ({request.params.max_tokens}) = {total}"
+                f" exceeds the context of {self.config.max_model_len} tokens",
             )
         if request.resume and len(request.resume.output_ids) >= request.params.max_tokens:
             raise InvalidRequestError("resume_from.output_token_ids", "the request has already produced max_tokens tokens")

@@ -78,7 +78,7 @@ class TpGroup:
             store = dist.TCPStore(
                 "127.0.0.1", port, size, is_master=rank == LEADER, wait_for_workers=False,
                 timeout=timedelta(seconds=form_timeout_s), **({"master_listen_fd": listener.detach()} if listener else {}),
-            )  # fmt: skip
+            )
             options = dist.ProcessGroupGloo._Options()
             # Forming waits for the slowest rank's model load; every op after it passes its own timeout.
             options._timeout = timedelta(seconds=form_timeout_s)
@@ -171,7 +171,7 @@ class StepBatch:
         payload = torch.cat([
             self.token_ids.to("cpu", torch.int64), self.positions.to("cpu", torch.int64), self.slot_mapping.to("cpu", torch.int64),
             meta.flatten(), *tables,
-        ])  # fmt: skip
+        ])
         return (len(self.token_ids), len(self.chunks), int(self.invariant)), payload
 
     @classmethod

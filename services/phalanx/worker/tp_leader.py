@@ -74,8 +74,8 @@ class TensorParallelLeader:
         for rank in range(1, self.size):
             process = subprocess.Popen(
                 [sys.executable, "-m", "phalanx.worker.tp_follower", "--rank", str(rank), "--size", str(self.size), "--port", str(port)],
-                env=env, start_new_session=True, preexec_fn=pdeathsig_preexec(),
-            )  # fmt: skip
+                env=env, start_new_session=True, preexec_fn=pdeathsig_preexec(),  # noqa: PLW1509 - only prctl
+            )
             self.followers.append(process)
             threading.Thread(target=self._watch, args=(rank, process), name=f"phalanx-tp-watch-{rank}", daemon=True).start()
 
@@ -85,7 +85,7 @@ class TensorParallelLeader:
         self.group = self.guard(
             TpGroup.join, rank=0, size=self.size, port=listener.getsockname()[1], timeout_s=self.config.tensor_parallel_timeout_s,
             form_timeout_s=GROUP_FORM_TIMEOUT_S, listener=listener,
-        )  # fmt: skip
+        )
         group = self.group
         shard_model(model, 0, self.size, lambda tensor: self.guard(group.all_gather, tensor))
         c = model.config

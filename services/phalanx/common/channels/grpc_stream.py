@@ -243,7 +243,7 @@ class TensorStreamServicer(channel_pb2_grpc.TensorStreamServicer):
     def __init__(self, endpoint: ChannelEndpoint) -> None:
         self._endpoint = endpoint
 
-    async def Push(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> channel_pb2.PushResponse:  # noqa: N802
+    async def Push(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> channel_pb2.PushResponse:  # gRPC method name
         # The sender names channel and message in the call's metadata too: they arrive with the headers, so a sender
         # that dies before its first chunk gets here still fails the receiver at once.
         headers = dict(context.invocation_metadata() or ())

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Installs everything the tests need into .venv and runs the default suite
+# Installs everything the tests need into .venv, lints, and runs the default suite
 # (unit + integration against real nats-server/etcd; slow benchmarks excluded).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/install.sh test
+.venv/bin/ruff check services tests scripts
 exec .venv/bin/python -m pytest "$@"

@@ -91,6 +91,7 @@ class SchedulePolicy:
         if kind is Deadline.ROUTINE:
             return self._clamp(min(3 * limit, self.interval_s))
         stretched = tracker.latency_limit_s(fleet_slowdown, slo_factor)
+        assert stretched is not None  # None only without a baseline, handled above
         if kind is Deadline.CONFIRMING:
             return self._clamp(stretched)
         return self._clamp(min(stretched, self.interval_s / 2))

@@ -262,7 +262,7 @@ class RoutingTable:
             if w.report_at < stale_before:
                 cost += penalty
             cost *= inv_weight
-            if cost < best_cost or (cost == best_cost and w.routed < best.routed):
+            if cost < best_cost or (cost == best_cost and best is not None and w.routed < best.routed):
                 best, best_cost = w, cost
         if best is None:
             return None

@@ -117,6 +117,7 @@ async def _spawn_peer(peer_id: str, etcd_config: EtcdConfig, sizes_mib: list[int
         env={**os.environ, "GRPC_ENABLE_FORK_SUPPORT": "false"},
         preexec_fn=pdeathsig_preexec(),  # only prctl: safe while other threads run
     )
+    assert peer.stdout is not None  # stdout=PIPE
     try:
         line = await asyncio.wait_for(peer.stdout.readline(), timeout=_PEER_START_TIMEOUT_S)
         if line.strip() != b"ready":

@@ -36,6 +36,7 @@ import random
 import statistics
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -363,7 +364,7 @@ def _restore_detail(runs: list[dict]) -> dict:
     }
 
 
-async def _restore_all(store: CheckpointStoreHandle, a, b, *, n: int, prompt: list[int], expected: list[int]) -> dict:
+async def _restore_all(store: CheckpointStoreHandle, a, b, *, n: int, prompt: list[int], expected: Sequence[int]) -> dict:
     """One request generated on A to `n` tokens, parked there, and restored on B by each method in turn."""
     request_id = f"failover-restore-{n}-{uuid.uuid4().hex[:8]}"
     call = a.Generate(worker_pb2.GenerateRequest(
@@ -408,7 +409,7 @@ async def _commit_reaches(store: CheckpointStoreHandle, request_id: str, last_in
         await asyncio.sleep(0.005)
 
 
-async def _time_restore(b, item: migration_pb2.RestoreItem, kv_source: str, expected: list[int]) -> dict:
+async def _time_restore(b, item: migration_pb2.RestoreItem, kv_source: str, expected: Sequence[int]) -> dict:
     """Seconds from the Restore call to the first token B computes (checked against the fault-free run); then Cancel."""
     request_id = item.state.request_id
     from_index = len(item.state.output_token_ids)

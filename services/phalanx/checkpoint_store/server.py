@@ -7,6 +7,7 @@ import logging
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Iterator
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -17,6 +18,9 @@ from phalanx.common.buffers import BufferPool
 from phalanx.common.errors import InvalidRequestError, UnavailableError
 from phalanx.common.subjects import validate_request_id
 from phalanx.common.telemetry import get_tracer
+
+if TYPE_CHECKING:
+    from phalanx.common.channels import ChannelEndpoint
 
 log = logging.getLogger(__name__)
 tracer = get_tracer(__name__)
@@ -36,7 +40,7 @@ class CheckpointStoreServicer(checkpoint_pb2_grpc.CheckpointStoreServicer, migra
         self.store = store
         self.metrics = metrics
         self.channel_timeout_s = channel_timeout_s
-        self.channel_endpoint = None  # phalanx.common.channels.ChannelEndpoint
+        self.channel_endpoint: ChannelEndpoint | None = None
         self.streams: Counter[str] = Counter()  # open streams per worker
         self.restores_total = 0
         self.staging = BufferPool(_STAGING_KEEP_BYTES)

@@ -13,8 +13,12 @@ import enum
 import json
 import sys
 import time
+from typing import TYPE_CHECKING
 
 import typer
+
+if TYPE_CHECKING:
+    from phalanx._proto import chaos_pb2
 
 __all__ = ["chaos_app"]
 
@@ -108,7 +112,7 @@ def list_faults(
     raise typer.Exit(_run("ListFaults", chaos_pb2.ListFaultsRequest(), worker, address, token, etcd_endpoint, as_json))
 
 
-def _proto_kind(kind: Kind) -> int:
+def _proto_kind(kind: Kind) -> chaos_pb2.FaultKind:
     from phalanx._proto import chaos_pb2
 
     return chaos_pb2.FaultKind.Value("FAULT_KIND_" + kind.name.upper())

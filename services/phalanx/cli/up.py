@@ -284,6 +284,7 @@ class _Stack:
 
     def state(self, supervisor: UpState) -> UpState:
         """``supervisor`` filled in with every process, marked ready."""
+        assert self.router is not None, "called before start()"
         return UpState(
             supervisor_pid=supervisor.supervisor_pid, started_at=supervisor.started_at, status="ready", model=self.options.model,
             router_id=ROUTER_ID, router_address=self.router.address, router_metrics_address=self.router_metrics,

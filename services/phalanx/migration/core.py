@@ -61,7 +61,7 @@ class Plan:
 
     state: common_pb2.RequestState
     seed: int
-    method: int
+    method: M.MigrationMethod
     kv_tokens: int = 0
     kv_source: str = ""
 
@@ -138,7 +138,7 @@ class Migrator:
         # Migrations at once; the rest wait, premium first, whoever asked (health's DEAD event or a router).
         self._gate = PriorityGate(config.parallel)
         # Restores to one target (from one KV source) that come together go in one Restore call.
-        self._batcher: RestoreBatcher[M.RestoreItem, worker_pb2.RestoreResult] = RestoreBatcher(
+        self._batcher: RestoreBatcher[tuple[str, str], M.RestoreItem, worker_pb2.RestoreResult] = RestoreBatcher(
             self._send_restores, window_s=config.restore_batch_window_s
         )
         # A failed worker's requests arrive together: they share their etcd reads and the targets' Stats.
@@ -367,7 +367,9 @@ class Migrator:
         if len(self._loads) > 2 * len(registrations) + 16:  # workers that left stop reporting: forget them
             self._loads = {w: (report, at) for w, (report, at) in self._loads.items() if now - at < 60.0}
         oldest = now - self.config.load_report_max_age_s
-        loads = {w: report for w, (report, at) in self._loads.items() if w in registrations and at >= oldest}
+        loads: dict[str, common_pb2.LoadReport | None] = {
+            w: report for w, (report, at) in self._loads.items() if w in registrations and at >= oldest
+        }
         if missing := {w: r for w, r in registrations.items() if w not in loads}:
             key = frozenset((w, r.address) for w, r in missing.items())
             loads.update(await self._target_stats.get(key, lambda: self._stats_of(missing)))

@@ -112,7 +112,9 @@ class KvCacheManager:
                 self._evictable.pop(block)
             self._refcount[block] += 1
             seq.table.append(block)
-            seq.hashes.append(self._block_hash[block])
+            h = self._block_hash[block]
+            assert h is not None  # a prefix match found it by its hash
+            seq.hashes.append(h)
         for _ in range(needed):
             seq.table.append(self._take_block())
         self._seqs[seq_id] = seq
@@ -180,6 +182,7 @@ class KvCacheManager:
     def _evict(self, block: int) -> None:
         self._evictable.pop(block)
         h = self._block_hash[block]
+        assert h is not None  # only hashed (full, cached) blocks are evictable
         self._block_hash[block] = None
         del self._by_hash[h]
         del self._parents[h]

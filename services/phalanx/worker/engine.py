@@ -392,6 +392,7 @@ class Engine:
             self.kv.commit(seq.request_id, seq.all_ids, seq.num_computed)
             if seq.num_computed < seq.num_tokens:
                 continue
+            assert logits is not None  # sample_rows holds every sequence that finished its prompt
             seq_logits = logits[row]
             token = argmax[row] if seq.params.greedy else seq.sampler.sample(seq_logits)
             row += 1

@@ -20,9 +20,12 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from enum import Enum, IntEnum, StrEnum
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
 from phalanx._proto import common_pb2
+
+if TYPE_CHECKING:
+    from phalanx.health.config import HealthConfig
 
 __all__ = ["CheckOutcome", "CheckResult", "Circuit", "FailureReason", "Health", "TrackerPolicy", "Transition", "WorkerTracker"]
 
@@ -111,7 +114,7 @@ class TrackerPolicy:
     peer_factor: float = 2.0
 
     @classmethod
-    def from_config(cls, config) -> TrackerPolicy:
+    def from_config(cls, config: HealthConfig) -> TrackerPolicy:
         return cls(
             unhealthy_after=config.unhealthy_after, failure_threshold=config.circuit_failure_threshold,
             recovery_s=config.circuit_recovery_s, latency_factor=config.latency_factor,

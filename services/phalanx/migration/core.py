@@ -20,11 +20,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import grpc
 
 from phalanx._proto import checkpoint_pb2, checkpoint_pb2_grpc, common_pb2, migration_pb2, worker_pb2, worker_pb2_grpc
+from phalanx.common.config import EtcdConfig
 from phalanx.common.discovery import CheckpointStoreDirectory, WorkerDirectory
 from phalanx.common.errors import InvalidRequestError, UnavailableError
 from phalanx.common.events import EventBus
@@ -36,10 +39,14 @@ from phalanx.migration.config import MigrationConfig
 from phalanx.migration.metrics import MigrationMetrics
 from phalanx.migration.priority import PriorityGate, effective_priority
 
+if TYPE_CHECKING:
+    from opentelemetry.context import Context
+
 log = logging.getLogger(__name__)
 tracer = get_tracer(__name__)
 
 M = migration_pb2
+Registrations = Mapping[str, common_pb2.WorkerRegistration]
 METHOD_NAMES = {
     M.MIGRATION_METHOD_TRANSFER: "transfer",
     M.MIGRATION_METHOD_CHECKPOINT: "checkpoint",
@@ -127,7 +134,7 @@ def _with_fresher_tokens(commit: Plan, known: Plan | None) -> Plan:
 
 
 class Migrator:
-    def __init__(self, config: MigrationConfig, etcd_config, bus: EventBus | None, metrics: MigrationMetrics) -> None:
+    def __init__(self, config: MigrationConfig, etcd_config: EtcdConfig, bus: EventBus | None, metrics: MigrationMetrics) -> None:
         self.config = config
         self.etcd_config = etcd_config
         self.bus = bus
@@ -161,7 +168,7 @@ class Migrator:
     def _channel(self, address: str) -> grpc.aio.Channel:
         return self._channels.get(address)
 
-    async def on_load(self, report: common_pb2.LoadReport, subject: str = "", context=None) -> None:
+    async def on_load(self, report: common_pb2.LoadReport, subject: str = "", context: Context | None = None) -> None:
         self._loads[report.worker_id] = (report, time.monotonic())
 
     # -- one request ------------------------------------------------------------------
@@ -282,7 +289,9 @@ class Migrator:
     async def store_addresses(self) -> list[str]:
         return await self._reads.get("stores", self.stores.addresses)
 
-    async def _restore(self, request: M.MigrateRequest, plan: Plan, registrations, first=None) -> M.MigrateResponse:
+    async def _restore(
+        self, request: M.MigrateRequest, plan: Plan, registrations: Registrations, first: common_pb2.WorkerRegistration | None = None
+    ) -> M.MigrateResponse:
         tried: set[str] = {request.worker_id}
         last_error = "no worker can take it"
         for attempt in range(self.config.max_attempts):
@@ -336,7 +345,9 @@ class Migrator:
         missing = worker_pb2.RestoreResult(ok=False, code="UNAVAILABLE", message="the target returned no result for it")
         return [results.get(i.state.request_id, missing) for i in items]
 
-    async def _pick_target(self, plan: Plan, registrations, exclude: set[str]):
+    async def _pick_target(
+        self, plan: Plan, registrations: Registrations, exclude: set[str]
+    ) -> tuple[common_pb2.WorkerRegistration, common_pb2.LoadReport] | None:
         """(registration, load report) of the least loaded live worker with the blocks for the request.
 
         Load and free blocks are the workers' latest load reports (a Stats call, shared by the migrations of a
@@ -361,7 +372,7 @@ class Migrator:
         registration, load, _, _ = min(same_size or usable, key=lambda u: (u[2], -u[3]))
         return registration, load
 
-    async def _loads_of(self, registrations) -> dict[str, common_pb2.LoadReport | None]:
+    async def _loads_of(self, registrations: Registrations) -> dict[str, common_pb2.LoadReport | None]:
         """Each worker's load: its report if fresh, else from a Stats call (None: neither)."""
         now = time.monotonic()
         if len(self._loads) > 2 * len(registrations) + 16:  # workers that left stop reporting: forget them
@@ -375,10 +386,10 @@ class Migrator:
             loads.update(await self._target_stats.get(key, lambda: self._stats_of(missing)))
         return loads
 
-    async def _stats_of(self, registrations) -> dict[str, common_pb2.LoadReport | None]:
+    async def _stats_of(self, registrations: Registrations) -> dict[str, common_pb2.LoadReport | None]:
         """Each worker's Stats as a load report (None: no answer within 0.5 s), asked in parallel."""
 
-        async def stats(registration):
+        async def stats(registration: common_pb2.WorkerRegistration) -> common_pb2.LoadReport | None:
             try:
                 s = await worker_pb2_grpc.WorkerServiceStub(self._channel(registration.address)).Stats(
                     worker_pb2.StatsRequest(), timeout=0.5

@@ -193,7 +193,9 @@ class KvCacheManager:
 class KvCacheTensors:
     """The cache memory: [layers, 2 (k, v), blocks, block_size, kv_heads, head_dim], preallocated once."""
 
-    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, *, dtype, device) -> None:
+    def __init__(
+        self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, *, dtype: torch.dtype, device: torch.device | str
+    ) -> None:
         self.data = torch.zeros((num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim), dtype=dtype, device=device)
 
     @property

@@ -645,8 +645,7 @@ def _segment_tensor(layout: KvLayout, segment: checkpoint_pb2.Segment, data: byt
 
 def byte_view(tensor: torch.Tensor) -> memoryview:
     """The raw bytes of a contiguous CPU tensor, without a copy (writable: ``readinto`` fills it)."""
-    # numpy's stubs declare ndarray.__buffer__ only for Python >= 3.12; the buffer protocol is there on 3.11 too.
-    return memoryview(tensor.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
+    return tensor.reshape(-1).view(torch.uint8).numpy().data
 
 
 def _write_at(fd: int, offset: int, data: memoryview) -> None:

@@ -12,8 +12,8 @@ import pytest
 # (grpc/grpc#43055). The children exec at once, so the handlers are not needed.
 os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 
-from phalanx.common.config import EtcdConfig, NatsConfig  # noqa: E402
-from phalanx.launch.infra import EtcdServer, NatsServer  # noqa: E402
+from phalanx.common.config import EtcdConfig, NatsConfig
+from phalanx.launch.infra import EtcdServer, NatsServer
 
 
 @pytest.fixture(scope="session")

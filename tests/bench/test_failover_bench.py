@@ -16,7 +16,7 @@ def test_failover_bench_reports_every_part_and_checkpoint_migration_loses_no_tok
          "--repeats", "1", "--strategies", "checkpoint,reprefill", "--restore-tokens", "64", "--restore-repeats", "1",
          "--overhead-pairs", "2", "--json"],
         capture_output=True, text=True, timeout=600, check=True, env={**os.environ, "GRPC_ENABLE_FORK_SUPPORT": "false"},
-    )  # fmt: skip
+    )
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert set(result) >= {"strategies", "restore_s", "speedup_vs_reprefill", "checkpoint_overhead", "config"}
     assert set(result["strategies"]) == {"checkpoint", "reprefill"}
@@ -27,7 +27,7 @@ def test_failover_bench_reports_every_part_and_checkpoint_migration_loses_no_tok
     assert checkpoint["migrations_by_method"]["transfer"] == 0, checkpoint  # a dead source has no KV to give
     for name, row in result["strategies"].items():
         assert {"stall_p50_s", "stall_p99_s", "tokens_lost", "repeated_tokens", "identical_fraction", "affected_streams",
-                "recovery_bytes", "recompute_s", "migration_s_by_method", "migrations_by_method"} <= set(row), name  # fmt: skip
+                "recovery_bytes", "recompute_s", "migration_s_by_method", "migrations_by_method"} <= set(row), name
     assert result["strategies"]["reprefill"]["recovery_bytes"] == 0
     assert set(result["restore_s"]["64"]) == {"checkpoint", "reprefill", "sequential_replay"}
     assert all(v > 0 for v in result["restore_s"]["64"].values())

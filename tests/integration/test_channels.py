@@ -20,8 +20,7 @@ import torch
 
 from phalanx._proto import channel_pb2
 from phalanx.common import channels
-from phalanx.common.channels import ChannelEndpoint, ChannelError, TensorChannel, channel_key
-from phalanx.common.channels import grpc_stream
+from phalanx.common.channels import ChannelEndpoint, ChannelError, TensorChannel, channel_key, grpc_stream
 from phalanx.common.children import pdeathsig_preexec
 from phalanx.common.config import EtcdConfig
 from phalanx.common.discovery import decode_json
@@ -34,13 +33,13 @@ DTYPES = ["float32", "float16", "bfloat16", "float64", "int64", "int8", "uint8",
 # A peer process: its own endpoint in the same etcd, accepting the channels named
 # on its command line and echoing on each: a header [numel, dtype index], then the payload.
 _ECHO_PEER = textwrap.dedent(
-    """
+    f"""
     import asyncio, sys
     import torch
     from phalanx.common.channels import ChannelEndpoint, ChannelError
     from phalanx.common.config import EtcdConfig
 
-    DTYPES = %r
+    DTYPES = {DTYPES!r}
 
     async def echo(endpoint, channel_id):
         channel = await endpoint.accept(channel_id, timeout_s=20)
@@ -69,7 +68,6 @@ _ECHO_PEER = textwrap.dedent(
 
     asyncio.run(main())
     """
-    % (DTYPES,)
 )
 
 
@@ -121,8 +119,8 @@ async def spawn_peer(etcd_config: EtcdConfig) -> AsyncIterator:
         process = await asyncio.create_subprocess_exec(
             sys.executable, "-c", _ECHO_PEER, endpoint_id, etcd_config.endpoint, *channel_ids,
             stdout=asyncio.subprocess.PIPE,
-            preexec_fn=pdeathsig_preexec(),  # noqa: PLW1509 - only prctl
-        )  # fmt: skip
+            preexec_fn=pdeathsig_preexec(),  # only prctl: safe while other threads run
+        )
         started.append(process)
         line = await asyncio.wait_for(process.stdout.readline(), timeout=30)
         assert line.strip() == b"ready"

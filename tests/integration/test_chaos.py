@@ -89,7 +89,7 @@ async def test_calls_need_the_token_and_valid_arguments(stubs):
         assert "authorization" in info.value.details() or "token" in info.value.details()
     for request, field in ((inject(0), "kind"), (inject(99), "kind"), (inject(chaos_pb2.FAULT_KIND_HANG, duration_s=-1), "duration_s"),
                            (inject(chaos_pb2.FAULT_KIND_SLOW, slow_step_s=-0.1), "slow_step_s"),
-                           (inject(chaos_pb2.FAULT_KIND_CORRUPT, corrupt_target=7), "corrupt_target")):  # fmt: skip
+                           (inject(chaos_pb2.FAULT_KIND_CORRUPT, corrupt_target=7), "corrupt_target")):
         with pytest.raises(grpc.aio.AioRpcError) as info:
             await chaos.InjectFault(request, metadata=AUTH)
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and field in info.value.details()

@@ -74,14 +74,14 @@ class FakeWorker:
 
     async def __aenter__(self) -> FakeWorker:
         await self.call.write(checkpoint_pb2.StreamRequest(hello=checkpoint_pb2.Hello(
-            worker_id=self.worker_id, model_version="tiny@1", layout=self.layout, channel_endpoint=f"ep-{self.worker_id}")))  # fmt: skip
+            worker_id=self.worker_id, model_version="tiny@1", layout=self.layout, channel_endpoint=f"ep-{self.worker_id}")))
         return self
 
     async def __aexit__(self, *exc_info) -> None:
         await self._grpc.close()
 
     async def segment(self, request_id: str, kv: torch.Tensor, start: int, end: int, *, outputs=(), seq: int | None = None,
-                      prompt=(1, 2, 3)) -> checkpoint_pb2.SegmentAck:  # fmt: skip
+                      prompt=(1, 2, 3)) -> checkpoint_pb2.SegmentAck:
         """Send KV positions [start, end) of ``kv`` and wait for the ack."""
         self.seq[request_id] = seq if seq is not None else self.seq.get(request_id, 0) + 1
         message = checkpoint_pb2.Segment(
@@ -89,7 +89,7 @@ class FakeWorker:
         )
         if start == 0:
             message.state.CopyFrom(common_pb2.RequestState(prompt_token_ids=prompt, output_token_ids=list(outputs),
-                                                           sampling=common_pb2.SamplingParams(max_tokens=64)))  # fmt: skip
+                                                           sampling=common_pb2.SamplingParams(max_tokens=64)))
             message.seed = 1234
         else:
             message.appended_output_ids.extend(outputs)
@@ -278,7 +278,7 @@ async def test_send_kv_over_a_tensor_channel_is_byte_exact(store, etcd_config):
                     target_endpoint=endpoint_id, channel_id=channel_id, timeout_s=20,
                 ),
                 timeout=30,
-            )  # fmt: skip
+            )
         received = await asyncio.wait_for(receiving, 30)
         assert all(raw(got) == raw(want) for got, want in zip(received, expected, strict=True))
         assert response.bytes == sum(e.nbytes for e in expected) and response.seconds > 0
@@ -290,7 +290,7 @@ async def test_send_kv_over_a_tensor_channel_is_byte_exact(store, etcd_config):
                     migration_pb2.SendKvRequest(pieces=[migration_pb2.KvPiece(request_id="req-a", kv_tokens=4)],
                                                 target_endpoint=unique_id("nobody"), channel_id=unique_id("c"), timeout_s=1),
                     timeout=10,
-                )  # fmt: skip
+                )
         assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
     finally:
         await endpoint.close()
@@ -311,7 +311,7 @@ async def test_send_kv_keeps_its_channel_for_the_next_restore_into_that_target(s
         request = migration_pb2.SendKvRequest(
             pieces=[migration_pb2.KvPiece(request_id="req-a", kv_tokens=40)],
             target_endpoint=endpoint_id, channel_id=channel, timeout_s=5, reuse_channel=reuse,
-        )  # fmt: skip
+        )
         return stub.SendKv(request, timeout=10)
 
     try:

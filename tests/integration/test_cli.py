@@ -165,7 +165,7 @@ def start_foreground(tmp_path: Path, nats_server, etcd_server) -> tuple[subproce
         [*CLI, "up", "--workers", "1", "--port", "0", "--state-file", str(state_file),
          "--nats-url", nats_server.url, "--etcd-endpoint", etcd_server.endpoint],
         env=ENV, stdout=log, stderr=subprocess.STDOUT,
-    )  # fmt: skip
+    )
     log.close()
 
     def ready() -> dict | None:

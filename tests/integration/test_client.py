@@ -32,8 +32,7 @@ from phalanx.client import (
     UnavailableError,
     WorkerHealth,
 )
-from phalanx.common.errors import InvalidRequestError, ResourceExhaustedError
-from phalanx.common.errors import UnavailableError as RouterUnavailable
+from phalanx.common.errors import InvalidRequestError, ResourceExhaustedError, UnavailableError as RouterUnavailable
 from phalanx.common.grpc_status import abort_with
 from phalanx.testing.asserts import assert_eventually
 
@@ -400,7 +399,7 @@ def make_certificate(directory) -> tuple[bytes, bytes]:
         ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert), "-days", "1",
          "-subj", "/CN=router.phalanx.test", "-addext", "subjectAltName=DNS:router.phalanx.test"],
         check=True, capture_output=True,
-    )  # fmt: skip
+    )
     return key.read_bytes(), cert.read_bytes()
 
 

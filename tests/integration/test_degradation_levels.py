@@ -8,6 +8,7 @@ import asyncio
 
 import grpc
 import pytest
+
 from phalanx._proto import common_pb2, worker_pb2, worker_pb2_grpc
 from phalanx.client import Client, OverloadedError
 from phalanx.common.discovery import encode_json

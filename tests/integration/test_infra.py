@@ -267,7 +267,7 @@ class _TraceProbe(health_pb2_grpc.HealthServicer):
     def __init__(self) -> None:
         self.seen: list[trace.SpanContext] = []
 
-    async def Check(self, request, context):  # noqa: N802 - gRPC method name
+    async def Check(self, request, context):  # gRPC method name
         self.seen.append(trace.get_current_span().get_span_context())
         return health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.SERVING)
 

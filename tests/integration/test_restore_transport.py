@@ -32,7 +32,7 @@ async def parked_commit(store, source, request_id: str):
     call = source.Generate(worker_pb2.GenerateRequest(
         request_id=request_id, tokens=common_pb2.PromptTokens(ids=list(range(40, 90))),
         sampling=common_pb2.SamplingParams(max_tokens=TOKENS + 200, ignore_eos=True),
-    ), timeout=60)  # fmt: skip
+    ), timeout=60)
     async for chunk in call:
         if chunk.index >= TOKENS - 1:
             break
@@ -67,5 +67,7 @@ async def test_small_kv_comes_over_grpc_first_and_over_the_channel_formed_meanwh
             assert reply.results[0].ok and reply.results[0].kv_tokens == commit.kv_tokens > 0, reply
             await target.Cancel(worker_pb2.CancelRequest(request_id=request_id), timeout=10)
             await source.Cancel(worker_pb2.CancelRequest(request_id=request_id), timeout=10)
-            transports.append({t: await asyncio.to_thread(store.metric, "phalanx_checkpoint_restores_total", transport=t) or 0 for t in ("grpc", "channel")})
+            transports.append(
+                {t: await asyncio.to_thread(store.metric, "phalanx_checkpoint_restores_total", transport=t) or 0 for t in ("grpc", "channel")}
+            )
     assert transports == [{"grpc": 1, "channel": 0}, {"grpc": 1, "channel": 1}], transports

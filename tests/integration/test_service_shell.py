@@ -99,7 +99,7 @@ def details(error: grpc.aio.AioRpcError) -> dict[type, object]:
     found = {}
     for any_detail in status.details:
         for kind in (error_details_pb2.ErrorInfo, error_details_pb2.RetryInfo, error_details_pb2.BadRequest,
-                     error_details_pb2.PreconditionFailure):  # fmt: skip
+                     error_details_pb2.PreconditionFailure):
             message = kind()
             if any_detail.Unpack(message):
                 found[kind] = message
@@ -232,7 +232,7 @@ async def _append_later(calls: list[str], name: str) -> None:
 
 
 def _get(url: str) -> bytes:
-    with urllib.request.urlopen(url, timeout=5) as reply:
+    with urllib.request.urlopen(url, timeout=5) as reply:  # noqa: S310 - the tests' own http:// URLs
         return reply.read()
 
 

@@ -185,7 +185,7 @@ def test_bfloat16_layout_round_trips_bytes(tmp_path):
     for seq, start in enumerate(range(10, 50, 5), start=2):  # spills along the way
         chunk = expected[:, :, start : start + 5].contiguous()
         store.apply(writer, checkpoint_pb2.Segment(request_id="r", seq=seq, kv_start=start, kv_end=start + 5,
-                                                   kv=chunk.view(torch.uint8).numpy().tobytes()))  # fmt: skip
+                                                   kv=chunk.view(torch.uint8).numpy().tobytes()))
     assert store.get("r").spilled
     assert torch.equal(store.read_kv("r", 50).view(torch.int16), expected.view(torch.int16))
     store.close()

@@ -32,8 +32,8 @@ from phalanx.client import (
     Tier,
     TlsConfig,
     UnavailableError,
+    _channel,
 )
-from phalanx.client import _channel
 from phalanx.client._client import build_request
 from phalanx.client._errors import from_rpc_error
 from phalanx.client._stream import is_retryable
@@ -210,7 +210,7 @@ def request(prompt="hi", **overrides):
     args = dict(
         request_id="r", max_tokens=4, temperature=0.0, top_k=0, top_p=1.0, stop=(), stop_token_ids=(),
         seed=None, ignore_eos=False, tier=None, tenant=None,
-    )  # fmt: skip
+    )
     return build_request(prompt, **{**args, **overrides})
 
 
@@ -231,7 +231,8 @@ def test_malformed_requests_are_refused_before_any_call(prompt, tier, field):
 
 
 def test_channel_config_round_robins_and_retries_only_idempotent_unary_calls():
-    options = dict(_channel.channel_options(RetryPolicy(max_attempts=8), TlsConfig(server_name_override="r.test"), [("grpc.max_receive_message_length", 1)]))
+    tls = TlsConfig(server_name_override="r.test")
+    options = dict(_channel.channel_options(RetryPolicy(max_attempts=8), tls, [("grpc.max_receive_message_length", 1)]))
     config = json.loads(options["grpc.service_config"])
     assert config["loadBalancingConfig"] == [{"round_robin": {}}]
     [method_config] = config["methodConfig"]
@@ -253,7 +254,9 @@ def test_call_metadata_carries_the_api_key(monkeypatch):
 
 
 def response(index, *, last=False, worker_id=""):
-    return router_pb2.GenerateResponse(request_id="r", token_id=100 + index, text=f"<{index}>", index=index, finish_reason=1 if last else 0, worker_id=worker_id)
+    return router_pb2.GenerateResponse(
+        request_id="r", token_id=100 + index, text=f"<{index}>", index=index, finish_reason=1 if last else 0, worker_id=worker_id
+    )
 
 
 class ScriptedCall:

@@ -62,7 +62,7 @@ def test_compose_runs_two_health_instances_with_distinct_ids_after_nats_and_etcd
         env = service["environment"]
         assert env["PHALANX_NATS_URL"] == "nats://nats:4222"
         assert env["PHALANX_ETCD_ENDPOINT"] == "etcd:2379"
-        assert env["PHALANX_HEALTH_HOST"] == "0.0.0.0"
+        assert env["PHALANX_HEALTH_HOST"] == "0.0.0.0"  # noqa: S104 - asserts the in-container setting
         assert env["PHALANX_PROBE_PORT"] == env["PHALANX_HEALTH_PORT"]
         assert env["PHALANX_PROBE_SERVICE"] == HEALTH_SERVICE
         assert service["healthcheck"]["test"] == ["CMD", "phalanx-health-probe"]

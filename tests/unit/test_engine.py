@@ -173,7 +173,8 @@ def test_a_canary_joins_a_full_batch_ahead_of_the_queue(moe):
     engine.add_request(EngineRequest([1, 2, 3], SamplingParams(max_tokens=50, ignore_eos=True), request_id="running"))
     engine.step()
     engine.add_request(EngineRequest([4, 5, 6], SamplingParams(max_tokens=50, ignore_eos=True), request_id="queued"))
-    engine.add_request(EngineRequest([7, 8, 9], SamplingParams(max_tokens=2, ignore_eos=True), request_id="canary", canary=True, record_top_logits=True))
+    canary = EngineRequest([7, 8, 9], SamplingParams(max_tokens=2, ignore_eos=True), request_id="canary", canary=True, record_top_logits=True)
+    engine.add_request(canary)
     finished = []
     for _ in range(4):
         finished += [e.request_id for e in engine.step() if e.finish_reason is not FinishReason.NONE]

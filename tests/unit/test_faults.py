@@ -3,9 +3,10 @@
 import threading
 import time
 
-import phalanx.model
 import pytest
 import torch
+
+import phalanx.model
 from phalanx.model.sampling import SamplingParams
 from phalanx.worker.config import EngineConfig
 from phalanx.worker.engine import Engine, EngineRequest
@@ -80,7 +81,7 @@ def test_only_engine_faults_make_the_engine_look():
 
 @pytest.mark.parametrize(("kind", "options"), [(FaultKind.CRASH, {}), (FaultKind.SLOW, {"slow_step_s": -1}),
                                                (FaultKind.HANG, {"duration_s": float("nan")}),
-                                               (FaultKind.CORRUPT, {"corrupt_scale": float("inf")})])  # fmt: skip
+                                               (FaultKind.CORRUPT, {"corrupt_scale": float("inf")})])
 def test_invalid_injections_are_refused(kind, options):
     with pytest.raises(ValueError):
         FaultState().inject(kind, **options)

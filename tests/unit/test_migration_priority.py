@@ -36,7 +36,8 @@ async def test_waiters_get_the_slot_by_priority_then_arrival():
 
     first = asyncio.create_task(hold(gate, 3, release_first, order))
     await asyncio.sleep(0)
-    waiters = [asyncio.create_task(wait_turn(gate, n, p, order)) for n, p in [("best-a", 3), ("standard", 2), ("premium-a", 1), ("best-b", 3), ("premium-b", 1)]]
+    arrivals = [("best-a", 3), ("standard", 2), ("premium-a", 1), ("best-b", 3), ("premium-b", 1)]
+    waiters = [asyncio.create_task(wait_turn(gate, n, p, order)) for n, p in arrivals]
     for _ in range(3):
         await asyncio.sleep(0)
     assert gate.waiting == 5 and order == ["first"]

@@ -115,8 +115,9 @@ async def _spawn_peer(peer_id: str, etcd_config: EtcdConfig, sizes_mib: list[int
         *command,
         stdout=asyncio.subprocess.PIPE,
         env={**os.environ, "GRPC_ENABLE_FORK_SUPPORT": "false"},
-        preexec_fn=pdeathsig_preexec(),  # noqa: PLW1509 - only prctl
+        preexec_fn=pdeathsig_preexec(),  # only prctl: safe while other threads run
     )
+    assert peer.stdout is not None  # stdout=PIPE
     try:
         line = await asyncio.wait_for(peer.stdout.readline(), timeout=_PEER_START_TIMEOUT_S)
         if line.strip() != b"ready":

@@ -36,6 +36,7 @@ import random
 import statistics
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -86,7 +87,7 @@ def run_failover_bench(
     *, streams: int = 12, max_tokens: int = 64, prompt_tokens: tuple[int, int] = (100, 300), kill_after: int = 16,
     repeats: int = 2, strategies: tuple[str, ...] = STRATEGIES, restore_tokens: tuple[int, ...] = (64, 256, 1024),
     restore_repeats: int = 3, overhead_pairs: int = 8, overhead_waves: int = 1, seed: int = 0,
-) -> dict:  # fmt: skip
+) -> dict:
     """Runs all three parts and returns one JSON-ready dict (see the module docstring)."""
     if not 0 < kill_after <= max_tokens - 8:
         raise ValueError(f"kill_after must be in [1, max_tokens - 8], got {kill_after} with max_tokens {max_tokens}")
@@ -95,7 +96,7 @@ def run_failover_bench(
     if unknown := set(strategies) - set(STRATEGIES):
         raise ValueError(f"unknown strategies {sorted(unknown)}; choose from {', '.join(STRATEGIES)}")
     options = _Options(streams, max_tokens, prompt_tokens, kill_after, repeats, tuple(strategies), tuple(restore_tokens),
-                       restore_repeats, overhead_pairs, overhead_waves, seed)  # fmt: skip
+                       restore_repeats, overhead_pairs, overhead_waves, seed)
     return asyncio.run(_run(options))
 
 
@@ -363,13 +364,13 @@ def _restore_detail(runs: list[dict]) -> dict:
     }
 
 
-async def _restore_all(store: CheckpointStoreHandle, a, b, *, n: int, prompt: list[int], expected: list[int]) -> dict:
+async def _restore_all(store: CheckpointStoreHandle, a, b, *, n: int, prompt: list[int], expected: Sequence[int]) -> dict:
     """One request generated on A to `n` tokens, parked there, and restored on B by each method in turn."""
     request_id = f"failover-restore-{n}-{uuid.uuid4().hex[:8]}"
     call = a.Generate(worker_pb2.GenerateRequest(
         request_id=request_id, tokens=common_pb2.PromptTokens(ids=prompt),
         sampling=common_pb2.SamplingParams(max_tokens=n + _SLACK, ignore_eos=True),
-    ), timeout=300)  # fmt: skip
+    ), timeout=300)
     async for chunk in call:
         if chunk.index >= n - 1:
             break
@@ -408,7 +409,7 @@ async def _commit_reaches(store: CheckpointStoreHandle, request_id: str, last_in
         await asyncio.sleep(0.005)
 
 
-async def _time_restore(b, item: migration_pb2.RestoreItem, kv_source: str, expected: list[int]) -> dict:
+async def _time_restore(b, item: migration_pb2.RestoreItem, kv_source: str, expected: Sequence[int]) -> dict:
     """Seconds from the Restore call to the first token B computes (checked against the fault-free run); then Cancel."""
     request_id = item.state.request_id
     from_index = len(item.state.output_token_ids)
@@ -429,8 +430,9 @@ async def _time_restore(b, item: migration_pb2.RestoreItem, kv_source: str, expe
         await b.Cancel(worker_pb2.CancelRequest(request_id=request_id), timeout=10)
     return {
         "seconds": _round(seconds), "from_index": from_index, "kv_tokens": result.kv_tokens, "kv_bytes": reply.kv_bytes,
-        "transfer_s": _round(reply.transfer_s), "restore_call_s": _round(restore_call_s), "token_matches": chunk.index < len(expected) and chunk.token_id == expected[chunk.index],
-    }  # fmt: skip
+        "transfer_s": _round(reply.transfer_s), "restore_call_s": _round(restore_call_s),
+        "token_matches": chunk.index < len(expected) and chunk.token_id == expected[chunk.index],
+    }
 
 
 # -- part 3: checkpointing overhead -------------------------------------------------------------------------------
@@ -509,7 +511,7 @@ async def _direct_wave(stub: worker_pb2_grpc.WorkerServiceStub, prompts: list[li
         request = worker_pb2.GenerateRequest(
             request_id=uuid.uuid4().hex, tokens=common_pb2.PromptTokens(ids=prompt),
             sampling=common_pb2.SamplingParams(max_tokens=max_tokens, ignore_eos=True),
-        )  # fmt: skip
+        )
         return len([chunk async for chunk in stub.Generate(request, timeout=_STREAM_TIMEOUT_S) if chunk.index >= 0])
 
     return sum(await asyncio.gather(*(one(p) for p in prompts)))

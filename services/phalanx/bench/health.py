@@ -41,7 +41,7 @@ GOALS_S = {"crash": 1.0, "corrupt": 2.5, "hang": 4.5}
 
 
 def run_health_bench(*, workers: int = 3, repeats: int = 3, interval_s: float = 1.0, fp_interval_s: float = 0.0,
-                     min_checks: int = 1000, load_streams: int = 4) -> dict:  # fmt: skip
+                     min_checks: int = 1000, load_streams: int = 4) -> dict:
     """fp_interval_s 0: the fault-free run checks at interval_s, where the goals are set (1000 checks at 1 s and 3
     workers take about 6 minutes). A much shorter interval measures a fleet that spends its time on canaries."""
     return asyncio.run(_run(workers, repeats, interval_s, fp_interval_s or interval_s, min_checks, load_streams))

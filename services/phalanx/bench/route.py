@@ -162,6 +162,7 @@ def _time_routes(table: RoutingTable, prompts: list[list[int]], workers: int, rn
             start = clock()
             decision = route(prompt)
             latencies.append((clock() - start) / 1e3)
+            assert decision is not None  # every worker is routable here
             # Untimed, as in the router: the note after sending, and load reports every so often.
             table.note_routed(decision.worker_id, len(prompt) - decision.cached_tokens)
             cached += decision.cached_tokens > 0

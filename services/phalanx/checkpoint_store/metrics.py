@@ -25,7 +25,7 @@ class CheckpointMetrics:
         self.restore_seconds = Histogram(
             "phalanx_checkpoint_restore_seconds", "Duration of one restore call (all its requests), by transport", ["transport"],
             buckets=_RESTORE_BUCKETS, registry=r,
-        )  # fmt: skip
+        )
         for result in ("applied", "duplicate", "gap"):
             self.segments.labels(result=result)
         for transport in ("channel", "grpc"):

@@ -104,7 +104,7 @@ class CheckpointStoreProcess:
             await shell.register(self.etcd_config, checkpoint_store_key(self.store_id), encode_json(registration))
             await shell.set_serving(True)
             log.info("checkpoint store %s on %s (channel endpoint %s, metrics %s, spill %s)",
-                     self.store_id, self.address, self.channel_endpoint_id, self.metrics_address, self.spill_dir)  # fmt: skip
+                     self.store_id, self.address, self.channel_endpoint_id, self.metrics_address, self.spill_dir)
             async with asyncio.TaskGroup() as tasks:
                 sweeping = tasks.create_task(self._expire_forever())
                 await shell.wait_for_stop()

@@ -13,4 +13,4 @@ def store_registration(store_id: str, *, address: str, channel_endpoint: str, me
     return checkpoint_pb2.CheckpointStoreRegistration(
         store_id=store_id, address=address, channel_endpoint=channel_endpoint, metrics_address=metrics_address,
         pid=os.getpid(), started_at=time.time(),
-    )  # fmt: skip
+    )

@@ -7,6 +7,7 @@ import logging
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Iterator
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -17,6 +18,9 @@ from phalanx.common.buffers import BufferPool
 from phalanx.common.errors import InvalidRequestError, UnavailableError
 from phalanx.common.subjects import validate_request_id
 from phalanx.common.telemetry import get_tracer
+
+if TYPE_CHECKING:
+    from phalanx.common.channels import ChannelEndpoint
 
 log = logging.getLogger(__name__)
 tracer = get_tracer(__name__)
@@ -36,7 +40,7 @@ class CheckpointStoreServicer(checkpoint_pb2_grpc.CheckpointStoreServicer, migra
         self.store = store
         self.metrics = metrics
         self.channel_timeout_s = channel_timeout_s
-        self.channel_endpoint = None  # phalanx.common.channels.ChannelEndpoint
+        self.channel_endpoint: ChannelEndpoint | None = None
         self.streams: Counter[str] = Counter()  # open streams per worker
         self.restores_total = 0
         self.staging = BufferPool(_STAGING_KEEP_BYTES)
@@ -70,7 +74,7 @@ class CheckpointStoreServicer(checkpoint_pb2_grpc.CheckpointStoreServicer, migra
             self.metrics.segments.labels(result=ack.result.value).inc()
             if ack.resync:
                 log.info("request %s from %s: gap at KV %d (store has %d); resync",
-                         ack.request_id, writer.worker_id, segment.kv_start, ack.kv_tokens)  # fmt: skip
+                         ack.request_id, writer.worker_id, segment.kv_start, ack.kv_tokens)
             response.acks.append(ack.to_proto())
         for request_id in batch.released_request_ids:
             self.store.release(request_id, worker_id=writer.worker_id)
@@ -89,7 +93,7 @@ class CheckpointStoreServicer(checkpoint_pb2_grpc.CheckpointStoreServicer, migra
             requests=stats.requests, memory_bytes=stats.memory_bytes, spilled_bytes=stats.spilled_bytes,
             bytes_received_total=stats.bytes_received_total, segments_applied_total=stats.segments_total[SegmentResult.APPLIED],
             connected_workers=len(self.streams), restores_total=self.restores_total,
-        )  # fmt: skip
+        )
 
     # -- KvSource -------------------------------------------------------------------------------
 

@@ -497,7 +497,7 @@ class CheckpointStore:
     def records(self, worker_id: str = "") -> list[checkpoint_pb2.CommitRecord]:
         """Copies of the commit records owned by ``worker_id`` (every record if empty), by request id."""
         return [self.get(request_id) for request_id, entry in sorted(self._entries.items())
-                if not worker_id or entry.record.worker_id == worker_id]  # fmt: skip
+                if not worker_id or entry.record.worker_id == worker_id]
 
     def check(self, request_id: str, kv_tokens: int) -> KvLayout:
         """The request's KV layout if positions [0, kv_tokens) are committed; else UnknownRequestError / NotCommittedError."""
@@ -541,7 +541,7 @@ class CheckpointStore:
         return StoreStats(
             requests=len(self._entries), memory_bytes=self._memory, spilled_bytes=self._disk,
             committed_tokens=self._committed_tokens, bytes_received_total=self._bytes_received, segments_total=dict(self._segments),
-        )  # fmt: skip
+        )
 
     # -- internals ------------------------------------------------------------------------------
 
@@ -557,7 +557,7 @@ class CheckpointStore:
         record = checkpoint_pb2.CommitRecord(
             request_id=segment.request_id, worker_id=writer.worker_id, seed=segment.seed, model_version=writer.model_version,
             layout=writer.layout.to_proto(), last_index=-1,
-        )  # fmt: skip
+        )
         record.state.CopyFrom(segment.state)
         record.state.request_id = segment.request_id
         if segment.generator_state:
@@ -645,7 +645,7 @@ def _segment_tensor(layout: KvLayout, segment: checkpoint_pb2.Segment, data: byt
 
 def byte_view(tensor: torch.Tensor) -> memoryview:
     """The raw bytes of a contiguous CPU tensor, without a copy (writable: ``readinto`` fills it)."""
-    return memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
+    return tensor.reshape(-1).view(torch.uint8).numpy().data
 
 
 def _write_at(fd: int, offset: int, data: memoryview) -> None:

@@ -13,8 +13,12 @@ import enum
 import json
 import sys
 import time
+from typing import TYPE_CHECKING
 
 import typer
+
+if TYPE_CHECKING:
+    from phalanx._proto import chaos_pb2
 
 __all__ = ["chaos_app"]
 
@@ -27,7 +31,7 @@ _TIMEOUT_S = 10.0
 _NOT_ENABLED = "chaos is not enabled on this worker: start it with PHALANX_WORKER_CHAOS_ENABLED=true and a token"
 
 
-class Kind(str, enum.Enum):
+class Kind(enum.StrEnum):
     crash = "crash"
     hang = "hang"
     slow = "slow"
@@ -36,7 +40,7 @@ class Kind(str, enum.Enum):
     drop_etcd = "drop-etcd"
 
 
-class Target(str, enum.Enum):
+class Target(enum.StrEnum):
     logits = "logits"
     weights = "weights"
 
@@ -74,7 +78,7 @@ def inject(
     request = chaos_pb2.InjectFaultRequest(
         kind=_proto_kind(kind), slow_step_s=slow_step_s, corrupt_scale=scale, duration_s=duration_s,
         corrupt_target=chaos_pb2.CORRUPT_TARGET_WEIGHTS if target is Target.weights else chaos_pb2.CORRUPT_TARGET_LOGITS,
-    )  # fmt: skip
+    )
     raise typer.Exit(_run("InjectFault", request, worker, address, token, etcd_endpoint, as_json))
 
 
@@ -108,7 +112,7 @@ def list_faults(
     raise typer.Exit(_run("ListFaults", chaos_pb2.ListFaultsRequest(), worker, address, token, etcd_endpoint, as_json))
 
 
-def _proto_kind(kind: Kind) -> int:
+def _proto_kind(kind: Kind) -> chaos_pb2.FaultKind:
     from phalanx._proto import chaos_pb2
 
     return chaos_pb2.FaultKind.Value("FAULT_KIND_" + kind.name.upper())

@@ -191,7 +191,7 @@ def up(
     options = UpOptions(
         workers=workers, model=model, deterministic=deterministic, port=port, state_file=_state_file(state_file),
         nats_url=nats_url, etcd_endpoint=etcd_endpoint, log_file=Path(log_file) if log_file else None,
-    )  # fmt: skip
+    )
     console = Console(soft_wrap=True)  # long lines stay whole in the detached log
     raise typer.Exit(run_detached(options, console) if detach else asyncio.run(run_up(options, console)))
 
@@ -379,7 +379,7 @@ def bench_failover(
         restore_tokens=tuple(int(n) for n in restore_tokens.split(",") if n.strip()), restore_repeats=restore_repeats,
         overhead_pairs=overhead_pairs,
         overhead_waves=overhead_waves,
-    )  # fmt: skip
+    )
     print(json.dumps(result, indent=None if as_json else 2))
 
 

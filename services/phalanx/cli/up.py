@@ -81,7 +81,7 @@ class UpOptions:
         """The `phalanx up` command line that runs this configuration in the foreground."""
         args = [sys.executable, "-m", "phalanx.cli", "up", "--workers", str(self.workers), "--model", self.model,
                 "--deterministic" if self.deterministic else "--fast", "--port", str(self.port),
-                "--state-file", str(self.state_file)]  # fmt: skip
+                "--state-file", str(self.state_file)]
         if self.nats_url:
             args += ["--nats-url", self.nats_url]
         if self.etcd_endpoint:
@@ -264,7 +264,7 @@ class _Stack:
             async with asyncio.TaskGroup() as group:
                 for worker_id in ids:
                     group.create_task(one(worker_id))
-        except* Exception as failed:  # the first failure cancels the other starts, which kill their process
+        except* Exception as failed:  # noqa: BLE001 - the first failure cancels the other starts, which kill their process
             raise UpError("; ".join(f"{e}" or type(e).__name__ for e in failed.exceptions)) from None
         self.workers = {worker_id: self.workers[worker_id] for worker_id in ids}
         self.board.set(ROUTER_ID, "starting")
@@ -284,6 +284,7 @@ class _Stack:
 
     def state(self, supervisor: UpState) -> UpState:
         """``supervisor`` filled in with every process, marked ready."""
+        assert self.router is not None, "called before start()"
         return UpState(
             supervisor_pid=supervisor.supervisor_pid, started_at=supervisor.started_at, status="ready", model=self.options.model,
             router_id=ROUTER_ID, router_address=self.router.address, router_metrics_address=self.router_metrics,
@@ -292,7 +293,7 @@ class _Stack:
             nats_url=self.nats_url, nats_pid=self.nats.pid if self.nats else None,
             etcd_endpoint=self.etcd_endpoint, etcd_pid=self.etcd.pid if self.etcd else None,
             log_file=supervisor.log_file, ready_at=time.time(),
-        )  # fmt: skip
+        )
 
     def first_exit(self) -> tuple[str, int | None, int | None] | None:
         """(name, pid, exit code) of a process of ours that exited, or None while all run."""

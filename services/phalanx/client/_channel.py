@@ -86,8 +86,9 @@ def _trace_injector():
         try:
             from opentelemetry.propagate import inject
         except ImportError:
-            inject = False
-        _inject = inject
+            _inject = False
+        else:
+            _inject = inject
     return _inject
 
 

@@ -97,7 +97,7 @@ class Client:
         request = build_request(
             prompt, request_id=request_id, max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, stop=stop,
             stop_token_ids=stop_token_ids, seed=seed, ignore_eos=ignore_eos, tier=tier, tenant=tenant,
-        )  # fmt: skip
+        )
         return GenerateStream(self, request_id=request_id, request=request, start_index=0, timeout=self._deadline(timeout))
 
     async def complete(
@@ -122,7 +122,7 @@ class Client:
             prompt, max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, stop=stop,
             stop_token_ids=stop_token_ids, seed=seed, ignore_eos=ignore_eos, tier=tier, tenant=tenant,
             request_id=request_id, timeout=timeout,
-        )  # fmt: skip
+        )
         async with stream:
             chunks = [chunk async for chunk in stream]
         return Completion.from_chunks(stream.request_id, chunks, resumes=stream.resumes, finish_reason=stream.finish_reason)
@@ -223,7 +223,7 @@ def build_request(
     sampling = common_pb2.SamplingParams(
         temperature=temperature, top_k=top_k, top_p=top_p, max_tokens=max_tokens,
         stop_token_ids=list(stop_token_ids), stop_strings=list(stop), ignore_eos=ignore_eos, seed=seed,
-    )  # fmt: skip
+    )
     request = router_pb2.GenerateRequest(request_id=request_id, sampling=sampling, tier=tier_value, tenant=tenant or "")
     if isinstance(prompt, str):
         request.text = prompt

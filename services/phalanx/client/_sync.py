@@ -189,7 +189,7 @@ class SyncClient:
             prompt, max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, stop=stop,
             stop_token_ids=stop_token_ids, seed=seed, ignore_eos=ignore_eos, tier=tier, tenant=tenant,
             request_id=request_id, timeout=timeout,
-        )  # fmt: skip
+        )
         return SyncGenerateStream(self._loop, stream)
 
     def complete(
@@ -216,7 +216,7 @@ class SyncClient:
                 stop_token_ids=stop_token_ids, seed=seed, ignore_eos=ignore_eos, tier=tier, tenant=tenant,
                 request_id=request_id, timeout=timeout,
             )
-        )  # fmt: skip
+        )
 
     def resume(self, request_id: str, tokens_received: int, *, timeout: float | None = None) -> SyncGenerateStream:
         """Blocking twin of ``Client.resume``."""

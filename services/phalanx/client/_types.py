@@ -175,6 +175,6 @@ class WorkerInfo:
         )
 
 
-def tier_to_proto(tier: Tier | str | None) -> int:
+def tier_to_proto(tier: Tier | str | None) -> router_pb2.Tier:
     """The proto enum for a tier name or Tier; raises ValueError for an unknown one."""
     return _TIER_TO_PROTO[None if tier is None else Tier(tier)]

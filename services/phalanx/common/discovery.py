@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import AsyncGenerator
 from contextlib import aclosing
 from dataclasses import dataclass
-from collections.abc import AsyncIterator
 from typing import Generic, Literal, TypeVar
 
 import grpc
@@ -30,7 +30,10 @@ from phalanx.common.config import EtcdConfig
 from phalanx.common.lease import TRANSIENT_ERRORS, Backoff, connect_etcd
 from phalanx.common.subjects import CHECKPOINT_STORES_PREFIX, MIGRATIONS_PREFIX, WORKERS_PREFIX, validate_worker_id
 
-__all__ = ["CheckpointStoreDirectory", "EtcdDirectory", "MigrationDirectory", "WatchEvent", "WorkerDirectory", "decode_json", "decode_registration", "encode_json", "encode_registration"]
+__all__ = [
+    "CheckpointStoreDirectory", "EtcdDirectory", "MigrationDirectory", "WatchEvent", "WorkerDirectory",
+    "decode_json", "decode_registration", "encode_json", "encode_registration",
+]
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +103,7 @@ class EtcdDirectory(Generic[M]):
         self._known = set(values)
         return values
 
-    async def watch(self, *, start_revision: int | None = None) -> AsyncIterator[WatchEvent]:
+    async def watch(self, *, start_revision: int | None = None) -> AsyncGenerator[WatchEvent]:
         """Yield ``(event_type, name, message | None)`` for every change.
 
         Starts at ``start_revision``, else just after the last ``list()``, else
@@ -128,7 +131,7 @@ class EtcdDirectory(Generic[M]):
                 )
                 await asyncio.sleep(delay)
 
-    async def _watch_stream(self, cursor: _Cursor, backoff: Backoff) -> AsyncIterator[WatchEvent]:
+    async def _watch_stream(self, cursor: _Cursor, backoff: Backoff) -> AsyncGenerator[WatchEvent]:
         """Events of one Watch stream from ``cursor.next`` on; returns after a resync."""
         await self._client.connect()
         call = rpc.WatchStub(self._client.channel).Watch(metadata=self._client.metadata)
@@ -184,7 +187,7 @@ class EtcdDirectory(Generic[M]):
         self._known.add(parsed[0])
         return ("put", parsed[0], parsed[1])
 
-    async def _resync(self) -> AsyncIterator[WatchEvent]:
+    async def _resync(self) -> AsyncGenerator[WatchEvent]:
         before = set(self._known)
         values = await self.list()
         for name in sorted(before - set(values)):

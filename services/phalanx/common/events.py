@@ -87,14 +87,14 @@ class EventBus:
                 await nc.connect(
                     servers=[s.strip() for s in config.url.split(",")],
                     name=name,
-                    connect_timeout=config.connect_timeout_s,
+                    connect_timeout=config.connect_timeout_s,  # type: ignore[arg-type]  # nats-py annotates these seconds as int; floats work
                     allow_reconnect=True,
                     max_reconnect_attempts=-1,
-                    reconnect_time_wait=config.initial_reconnect_wait_s,
+                    reconnect_time_wait=config.initial_reconnect_wait_s,  # type: ignore[arg-type]  # nats-py annotates these seconds as int; floats work
                     reconnect_to_server_handler=_backoff_handler(config),
                     pending_size=config.pending_buffer_bytes,
                     flush_timeout=config.publish_timeout_s,
-                    drain_timeout=config.drain_timeout_s,
+                    drain_timeout=config.drain_timeout_s,  # type: ignore[arg-type]  # nats-py annotates these seconds as int; floats work
                     error_cb=on_error,
                     disconnected_cb=on_disconnected,
                     reconnected_cb=on_reconnected,
@@ -185,9 +185,9 @@ class EventBus:
 
         return await self._nc.subscribe(subject, cb=on_message)
 
-    async def flush(self, timeout: float = 2.0) -> None:  # noqa: ASYNC109 - nats-py's own deadline
+    async def flush(self, timeout: float = 2.0) -> None:  # nats-py's own deadline
         """Wait until the server has processed everything sent so far (for tests and shutdown)."""
-        await self._nc.flush(timeout=timeout)
+        await self._nc.flush(timeout=timeout)  # type: ignore[arg-type]  # nats-py annotates seconds as int; floats work
 
     async def close(self) -> None:
         """Drain subscriptions and pending publishes, then close; idempotent and safe to race."""

@@ -135,7 +135,8 @@ def judge(case: common_pb2.CanaryCase, token_ids: Sequence[int], top_logits: Seq
         slack = max(_MIN_ABS_LOGIT_TOLERANCE, tolerance * max(abs(lo), abs(hi)))
         if not lo - slack <= value <= hi + slack:
             return CheckOutcome.failed(
-                FailureReason.LOGIT_OUT_OF_RANGE, f"{case.prompt_text[:24]!r}: top logit {value:.3f} at position {i} outside [{lo - slack:.3f}, {hi + slack:.3f}]",
+                FailureReason.LOGIT_OUT_OF_RANGE,
+                f"{case.prompt_text[:24]!r}: top logit {value:.3f} at position {i} outside [{lo - slack:.3f}, {hi + slack:.3f}]",
                 latency_s,
             )
     return CheckOutcome.passed(latency_s)

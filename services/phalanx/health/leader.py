@@ -84,9 +84,14 @@ class LeaderElection:
                     return
             await asyncio.sleep(self._poll_s)
 
+    @property
+    def _etcd(self) -> aetcd.Client:
+        assert self._client is not None, "used before attach()"
+        return self._client
+
     async def _vacant(self) -> bool:
         try:
-            held = await self._client.get(self._key.encode())
+            held = await self._etcd.get(self._key.encode())
         except TRANSIENT_ERRORS as error:
             log.debug("leader key read failed: %s", error)
             return False
@@ -99,20 +104,20 @@ class LeaderElection:
 
     async def holder(self) -> bytes | None:
         """The leader's value, or None while nobody leads."""
-        held = await self._client.get(self._key.encode())
+        held = await self._etcd.get(self._key.encode())
         return None if held is None else held.value
 
     async def fenced_put(self, key: str, value: bytes) -> bool:
         """Put ``key`` if we still lead; False (and nothing written) if we do not."""
-        tx = self._client.transactions
-        ok, _ = await self._client.transaction(
+        tx = self._etcd.transactions
+        ok, _ = await self._etcd.transaction(
             compare=[tx.value(self._key.encode()) == self._value], success=[tx.put(key.encode(), value)], failure=[]
         )
         return ok
 
     async def fenced_delete(self, key: str) -> bool:
-        tx = self._client.transactions
-        ok, _ = await self._client.transaction(
+        tx = self._etcd.transactions
+        ok, _ = await self._etcd.transaction(
             compare=[tx.value(self._key.encode()) == self._value], success=[tx.delete(key.encode())], failure=[]
         )
         return ok

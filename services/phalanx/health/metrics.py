@@ -38,7 +38,9 @@ class HealthMetrics:
             "phalanx_health_latency_rechecks", "Canaries repeated because the first was only too slow", registry=r
         )
         self.timeout_rechecks = Counter(
-            "phalanx_health_timeout_rechecks", "Canaries repeated at once because a healthy worker missed one deadline while its engine made progress", registry=r
+            "phalanx_health_timeout_rechecks",
+            "Canaries repeated at once because a healthy worker missed one deadline while its engine made progress",
+            registry=r,
         )
         self.transitions = Counter("phalanx_health_transitions", "Health status changes", ["from_status", "to_status"], registry=r)
         self.liveness_deaths = Counter("phalanx_health_liveness_deaths", "Workers marked DEAD by a liveness signal", ["signal"], registry=r)

@@ -155,6 +155,12 @@ class FleetMonitor:
             for directory in (workers, records, canaries, degradation):
                 await directory.close()
 
+    @property
+    def _group(self) -> asyncio.TaskGroup:
+        """The task group of the running leader term, which every per-worker task joins."""
+        assert self._tasks is not None, "used outside run()"
+        return self._tasks
+
     async def _watch_leadership(self) -> None:
         while self.election.elected:
             await asyncio.sleep(0.1)
@@ -166,6 +172,7 @@ class FleetMonitor:
                 if kind == "delete":
                     await self._on_deregistered(worker_id)
                 else:
+                    assert registration is not None  # a put carries its message
                     await self._on_registered(worker_id, registration)
 
     # -- membership -----------------------------------------------------------------
@@ -186,8 +193,8 @@ class FleetMonitor:
             await self._write(w)
         log.info("watching worker %s (%s, %s) as %s", worker_id, registration.address, registration.model_version, tracker.health.label)
         w.tasks = [
-            self._tasks.create_task(self._check_loop(w)),
-            self._tasks.create_task(self._liveness_loop(w)),
+            self._group.create_task(self._check_loop(w)),
+            self._group.create_task(self._liveness_loop(w)),
         ]
         if registration.model_version not in self.calibrations:
             self._calibrate_wake.set()
@@ -195,7 +202,7 @@ class FleetMonitor:
     def _tracker_for(self, worker_id: str, registration: common_pb2.WorkerRegistration) -> WorkerTracker:
         """The stored state if it judges this very process (a new leader resuming), else a fresh start."""
         record = self._records.get(worker_id)
-        if record is not None and record.worker_started_at == registration.started_at and record.health != Health.DEAD:
+        if record is not None and record.worker_started_at == registration.started_at and int(record.health) != Health.DEAD:
             return WorkerTracker.from_record(record, self.policy)
         tracker = WorkerTracker(worker_id, self.policy, worker_started_at=registration.started_at)
         if record is not None:
@@ -300,7 +307,7 @@ class FleetMonitor:
             p.tracker.last_ratio for p in self.workers.values()
             if p is not w and p.registration.model_version == w.registration.model_version
             and p.tracker.health is Health.HEALTHY and p.tracker.last_ratio_at >= recent
-        )  # fmt: skip
+        )
         if not ratios:
             return 1.0
         return min(10.0, max(1.0, ratios[len(ratios) // 2]))
@@ -393,7 +400,8 @@ class FleetMonitor:
         except grpc.aio.AioRpcError as error:
             if error.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
                 # Up but unresponsive: evidence of a fault, not of death.
-                await self._observe(w, CheckOutcome.failed(FailureReason.PROBE_TIMEOUT, f"{why}; no liveness answer within {self.config.probe_timeout_s} s"))
+                outcome = CheckOutcome.failed(FailureReason.PROBE_TIMEOUT, f"{why}; no liveness answer within {self.config.probe_timeout_s} s")
+                await self._observe(w, outcome)
                 return False
             if error.code() != grpc.StatusCode.UNAVAILABLE:
                 return False
@@ -406,7 +414,7 @@ class FleetMonitor:
     async def _on_report(self, report: common_pb2.WorkerStreamBroken, subject: str, context) -> None:
         w = self.workers.get(report.worker_id)
         if w is not None and w.tracker.health is not Health.DEAD:
-            self._tasks.create_task(self.probe(w, f"router {report.router_id} saw its stream break ({report.code})"))
+            self._group.create_task(self.probe(w, f"router {report.router_id} saw its stream break ({report.code})"))
 
     async def _on_load(self, report: common_pb2.LoadReport, subject: str, context) -> None:
         self._loads[report.worker_id] = (report, time.monotonic())
@@ -424,9 +432,9 @@ class FleetMonitor:
         self.metrics.set_worker(worker_id, tracker.health, tracker.weight, tracker.circuit)
         await self._write(w)
         if transition.drain:
-            self._tasks.create_task(self._quarantine(w))
+            self._group.create_task(self._quarantine(w))
         if transition.undrain:
-            self._tasks.create_task(self._release(w))
+            self._group.create_task(self._release(w))
 
     async def _write(self, w: _Worker) -> None:
         async with w.write_lock:  # one write at a time per worker, always of the latest state
@@ -510,7 +518,7 @@ class FleetMonitor:
         return True
 
     async def _calibration_runs(self, w: _Worker) -> list[CanaryRun]:
-        runs = []
+        runs: list[CanaryRun] = []
         for prompt in CANDIDATE_PROMPTS:
             for _ in range(2):
                 try:
@@ -549,7 +557,8 @@ class FleetMonitor:
         now = time.monotonic()
         out = []
         for worker_id, w in self.workers.items():
-            report, at = self._loads.get(worker_id, (None, None))
+            loaded = self._loads.get(worker_id)
+            report, at = loaded if loaded is not None else (None, 0.0)
             t = w.tracker
             routable = t.weight > 0 and not w.stopping and not (report is not None and report.draining)
             if report is None:

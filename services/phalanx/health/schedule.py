@@ -21,8 +21,12 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
+from typing import TYPE_CHECKING
 
 from phalanx.health.state import CheckOutcome, CheckResult, Circuit, FailureReason, WorkerTracker
+
+if TYPE_CHECKING:
+    from phalanx.health.config import HealthConfig
 
 __all__ = [
     "CanaryDone",
@@ -75,7 +79,7 @@ class SchedulePolicy:
     latency_recheck_delay_s: float = 0.2
 
     @classmethod
-    def from_config(cls, config) -> SchedulePolicy:
+    def from_config(cls, config: HealthConfig) -> SchedulePolicy:
         return cls(
             interval_s=config.check_interval_s, jitter=config.check_jitter, timeout_s=config.check_timeout_s,
             min_timeout_s=config.min_check_timeout_s, failure_recheck_s=config.failure_recheck_s,
@@ -91,6 +95,7 @@ class SchedulePolicy:
         if kind is Deadline.ROUTINE:
             return self._clamp(min(3 * limit, self.interval_s))
         stretched = tracker.latency_limit_s(fleet_slowdown, slo_factor)
+        assert stretched is not None  # None only without a baseline, handled above
         if kind is Deadline.CONFIRMING:
             return self._clamp(stretched)
         return self._clamp(min(stretched, self.interval_s / 2))

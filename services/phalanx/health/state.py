@@ -20,8 +20,12 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from enum import Enum, IntEnum, StrEnum
+from typing import TYPE_CHECKING, cast
 
 from phalanx._proto import common_pb2
+
+if TYPE_CHECKING:
+    from phalanx.health.config import HealthConfig
 
 __all__ = ["CheckOutcome", "CheckResult", "Circuit", "FailureReason", "Health", "TrackerPolicy", "Transition", "WorkerTracker"]
 
@@ -110,7 +114,7 @@ class TrackerPolicy:
     peer_factor: float = 2.0
 
     @classmethod
-    def from_config(cls, config) -> TrackerPolicy:
+    def from_config(cls, config: HealthConfig) -> TrackerPolicy:
         return cls(
             unhealthy_after=config.unhealthy_after, failure_threshold=config.circuit_failure_threshold,
             recovery_s=config.circuit_recovery_s, latency_factor=config.latency_factor,
@@ -172,8 +176,8 @@ class WorkerTracker:
 
     def to_record(self) -> common_pb2.WorkerHealthRecord:
         return common_pb2.WorkerHealthRecord(
-            worker_id=self.worker_id, health=int(self.health), routing_weight=self.weight, reason=self.reason,
-            updated_at=self.updated_at, circuit=int(self.circuit), consecutive_failures=self.consecutive_failures,
+            worker_id=self.worker_id, health=cast(common_pb2.WorkerHealth, int(self.health)), routing_weight=self.weight, reason=self.reason,
+            updated_at=self.updated_at, circuit=cast(common_pb2.CircuitState, int(self.circuit)), consecutive_failures=self.consecutive_failures,
             last_failure=self.last_failure, last_failure_at=self.last_failure_at, circuit_opened_at=self.circuit_opened_at,
             latency_baseline_s=self.baseline_s, version=self.version, worker_started_at=self.worker_started_at,
             last_check_at=self.last_check_at,

@@ -271,7 +271,7 @@ class NatsServer(_ServerProcess):
             "--port", str(self.port),
             "--http_port", str(self.monitor_port),
             "--server_name", f"phalanx-{self.port}",
-        ]  # fmt: skip
+        ]
         if self._jetstream:
             cmd += ["--jetstream", "--store_dir", str(self._dir / "jetstream")]
         return cmd
@@ -339,7 +339,7 @@ class EtcdServer(_ServerProcess):
             "--election-timeout", str(self._election_timeout_ms),
             "--heartbeat-interval", str(self._heartbeat_interval_ms),
             "--log-level", "warn",
-        ]  # fmt: skip
+        ]
 
     def _command(self) -> list[str]:
         flags = self._flags(

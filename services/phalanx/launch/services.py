@@ -117,7 +117,7 @@ def _spawn(args: list[str], env: dict[str, str]) -> subprocess.Popen:
         [sys.executable, "-m", "phalanx.cli", *args],
         env={**os.environ, **env},
         start_new_session=True,
-        preexec_fn=pdeathsig_preexec(),  # dies with us: no orphans if we are SIGKILLed
+        preexec_fn=pdeathsig_preexec(),  # noqa: PLW1509 - only prctl; dies with us: no orphans if we are SIGKILLed
     )
 
 
@@ -231,7 +231,7 @@ async def start_checkpoint_store(
         ["checkpoint-store", "--store-id", store_id, "--etcd-endpoint", etcd_config.endpoint, "--port", "0", "--log-level", "WARNING",
          *extra],
         {"PHALANX_ETCD_LEASE_TTL_S": str(etcd_config.lease_ttl_s), **(env or {})},
-    )  # fmt: skip
+    )
     key = CHECKPOINT_STORES_PREFIX + store_id
     advertisement = await _advertisement(process, etcd_config, key, checkpoint_pb2.CheckpointStoreRegistration, store_id, timeout)
     return CheckpointStoreHandle(store_id, process, advertisement)
@@ -270,7 +270,7 @@ async def start_migration(
         ["migration", "--migration-id", instance_id, "--nats-url", nats_url, "--etcd-endpoint", etcd_config.endpoint, "--port", "0",
          "--log-level", "WARNING", *extra],
         {"PHALANX_ETCD_LEASE_TTL_S": str(etcd_config.lease_ttl_s), "PHALANX_MIGRATION_METRICS_PORT": str(metrics_port), **(env or {})},
-    )  # fmt: skip
+    )
     key = MIGRATIONS_PREFIX + instance_id
     advertisement = await _advertisement(process, etcd_config, key, migration_pb2.MigrationRegistration, instance_id, timeout)
     return ServiceHandle(instance_id, process, advertisement.address, f"127.0.0.1:{metrics_port}")

@@ -47,7 +47,7 @@ class Stack:
         started = await asyncio.gather(
             *(start_worker(unique_id(f"w{i}"), self.nats_url, self.etcd_config, *flags, env=env, tensor_parallel_size=tensor_parallel_size)
               for i in range(count))
-        )  # fmt: skip
+        )
         self.workers.extend(started)
         return list(started)
 

@@ -15,37 +15,39 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Awaitable, Callable, Hashable, Iterator
+from functools import partial
 from typing import Generic, TypeVar
 
+Key = TypeVar("Key", bound=Hashable)
 Item = TypeVar("Item")
 Result = TypeVar("Result")
 
 
-class RestoreBatcher(Generic[Item, Result]):
+class RestoreBatcher(Generic[Key, Item, Result]):
     """Coalesces `submit(key, item)` calls with equal keys into `send(key, items)` calls, results back in order.
 
     `send` returns one result per item; when it raises, every item of that call gets the exception.
     """
 
-    def __init__(self, send: Callable[[Hashable, list[Item]], Awaitable[list[Result]]], *, window_s: float = 0.005,
-                 max_items: int = 64) -> None:  # fmt: skip
+    def __init__(self, send: Callable[[Key, list[Item]], Awaitable[list[Result]]], *, window_s: float = 0.005,
+                 max_items: int = 64) -> None:
         if window_s < 0 or max_items < 1:
             raise ValueError("window_s must be >= 0 and max_items >= 1")
         self._send = send
         self.window_s = window_s
         self.max_items = max_items
-        self._pending: dict[Hashable, list[tuple[Item, asyncio.Future[Result]]]] = {}
-        self._senders: dict[Hashable, asyncio.Task] = {}
+        self._pending: dict[Key, list[tuple[Item, asyncio.Future[Result]]]] = {}
+        self._senders: dict[Key, asyncio.Task] = {}
         self.calls = 0
 
-    async def submit(self, key: Hashable, item: Item) -> Result:
+    async def submit(self, key: Key, item: Item) -> Result:
         done: asyncio.Future[Result] = asyncio.get_running_loop().create_future()
         self._pending.setdefault(key, []).append((item, done))
         if key not in self._senders:
             self._senders[key] = asyncio.create_task(self._drain(key), name=f"restore-batch-{key}")
         return await done
 
-    async def _drain(self, key: Hashable) -> None:
+    async def _drain(self, key: Key) -> None:
         batch: list[tuple[Item, asyncio.Future[Result]]] = []
         try:
             await asyncio.sleep(self.window_s)
@@ -58,7 +60,7 @@ class RestoreBatcher(Generic[Item, Result]):
                 self.calls += 1
                 try:
                     results = await self._send(key, [item for item, _ in batch])
-                except Exception as exc:  # every item of the call learns why
+                except Exception as exc:  # noqa: BLE001 - every item of the call learns why
                     for _, done in batch:
                         if not done.done():
                             done.set_exception(exc)
@@ -102,7 +104,7 @@ class SharedCalls(Generic[Result]):
         if entry is None:
             self.calls += 1
             future = asyncio.ensure_future(call())
-            future.add_done_callback(lambda f, key=key: self._stamp(key, f))
+            future.add_done_callback(partial(self._stamp, key))
             entry = self._calls[key] = (now, future)
         # Shielded: one caller going away must not cancel the read the others wait for.
         return await asyncio.shield(entry[1])

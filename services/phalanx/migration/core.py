@@ -20,11 +20,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import grpc
 
 from phalanx._proto import checkpoint_pb2, checkpoint_pb2_grpc, common_pb2, migration_pb2, worker_pb2, worker_pb2_grpc
+from phalanx.common.config import EtcdConfig
 from phalanx.common.discovery import CheckpointStoreDirectory, WorkerDirectory
 from phalanx.common.errors import InvalidRequestError, UnavailableError
 from phalanx.common.events import EventBus
@@ -36,10 +39,14 @@ from phalanx.migration.config import MigrationConfig
 from phalanx.migration.metrics import MigrationMetrics
 from phalanx.migration.priority import PriorityGate, effective_priority
 
+if TYPE_CHECKING:
+    from opentelemetry.context import Context
+
 log = logging.getLogger(__name__)
 tracer = get_tracer(__name__)
 
 M = migration_pb2
+Registrations = Mapping[str, common_pb2.WorkerRegistration]
 METHOD_NAMES = {
     M.MIGRATION_METHOD_TRANSFER: "transfer",
     M.MIGRATION_METHOD_CHECKPOINT: "checkpoint",
@@ -61,7 +68,7 @@ class Plan:
 
     state: common_pb2.RequestState
     seed: int
-    method: int
+    method: M.MigrationMethod
     kv_tokens: int = 0
     kv_source: str = ""
 
@@ -127,7 +134,7 @@ def _with_fresher_tokens(commit: Plan, known: Plan | None) -> Plan:
 
 
 class Migrator:
-    def __init__(self, config: MigrationConfig, etcd_config, bus: EventBus | None, metrics: MigrationMetrics) -> None:
+    def __init__(self, config: MigrationConfig, etcd_config: EtcdConfig, bus: EventBus | None, metrics: MigrationMetrics) -> None:
         self.config = config
         self.etcd_config = etcd_config
         self.bus = bus
@@ -138,7 +145,7 @@ class Migrator:
         # Migrations at once; the rest wait, premium first, whoever asked (health's DEAD event or a router).
         self._gate = PriorityGate(config.parallel)
         # Restores to one target (from one KV source) that come together go in one Restore call.
-        self._batcher: RestoreBatcher[M.RestoreItem, worker_pb2.RestoreResult] = RestoreBatcher(
+        self._batcher: RestoreBatcher[tuple[str, str], M.RestoreItem, worker_pb2.RestoreResult] = RestoreBatcher(
             self._send_restores, window_s=config.restore_batch_window_s
         )
         # A failed worker's requests arrive together: they share their etcd reads and the targets' Stats.
@@ -161,7 +168,7 @@ class Migrator:
     def _channel(self, address: str) -> grpc.aio.Channel:
         return self._channels.get(address)
 
-    async def on_load(self, report: common_pb2.LoadReport, subject: str = "", context=None) -> None:
+    async def on_load(self, report: common_pb2.LoadReport, subject: str = "", context: Context | None = None) -> None:
         self._loads[report.worker_id] = (report, time.monotonic())
 
     # -- one request ------------------------------------------------------------------
@@ -201,7 +208,7 @@ class Migrator:
             handoff = known = None
             if request.HasField("handoff") and request.handoff.prompt_token_ids:
                 handoff = Plan(request.handoff, request.handoff.sampling.seed, M.MIGRATION_METHOD_TRANSFER,
-                               request.handoff_kv_tokens, request.handoff_source_address)  # fmt: skip
+                               request.handoff_kv_tokens, request.handoff_source_address)
             if request.HasField("known_state") and request.known_state.prompt_token_ids:
                 known = Plan(request.known_state, request.seed or request.known_state.sampling.seed, M.MIGRATION_METHOD_REPREFILL)
             registrations = await self._reads.get("workers", self.workers.list)
@@ -239,7 +246,7 @@ class Migrator:
             await self.bus.publish(MIGRATION_EVENTS_SUBJECT, M.MigrationEvent(
                 request_id=request.request_id, from_worker_id=request.worker_id, worker_id=response.worker_id,
                 worker_address=response.worker_address, method=response.method, at=time.time(),
-            ))  # fmt: skip
+            ))
         return response
 
     async def _commit(self, request: M.MigrateRequest) -> tuple[str, tuple[Plan, int] | None]:
@@ -275,12 +282,16 @@ class Migrator:
             if fresh:
                 return fresh
             await asyncio.sleep(0.05)
-        raise UnavailableError(f"no worker restarted within {6 * self.config.restore_timeout_s:.0f} s of {failed_worker}'s failure", retry_after_s=1.0)
+        raise UnavailableError(
+            f"no worker restarted within {6 * self.config.restore_timeout_s:.0f} s of {failed_worker}'s failure", retry_after_s=1.0
+        )
 
     async def store_addresses(self) -> list[str]:
         return await self._reads.get("stores", self.stores.addresses)
 
-    async def _restore(self, request: M.MigrateRequest, plan: Plan, registrations, first=None) -> M.MigrateResponse:
+    async def _restore(
+        self, request: M.MigrateRequest, plan: Plan, registrations: Registrations, first: common_pb2.WorkerRegistration | None = None
+    ) -> M.MigrateResponse:
         tried: set[str] = {request.worker_id}
         last_error = "no worker can take it"
         for attempt in range(self.config.max_attempts):
@@ -334,7 +345,9 @@ class Migrator:
         missing = worker_pb2.RestoreResult(ok=False, code="UNAVAILABLE", message="the target returned no result for it")
         return [results.get(i.state.request_id, missing) for i in items]
 
-    async def _pick_target(self, plan: Plan, registrations, exclude: set[str]):
+    async def _pick_target(
+        self, plan: Plan, registrations: Registrations, exclude: set[str]
+    ) -> tuple[common_pb2.WorkerRegistration, common_pb2.LoadReport] | None:
         """(registration, load report) of the least loaded live worker with the blocks for the request.
 
         Load and free blocks are the workers' latest load reports (a Stats call, shared by the migrations of a
@@ -359,22 +372,24 @@ class Migrator:
         registration, load, _, _ = min(same_size or usable, key=lambda u: (u[2], -u[3]))
         return registration, load
 
-    async def _loads_of(self, registrations) -> dict[str, common_pb2.LoadReport | None]:
+    async def _loads_of(self, registrations: Registrations) -> dict[str, common_pb2.LoadReport | None]:
         """Each worker's load: its report if fresh, else from a Stats call (None: neither)."""
         now = time.monotonic()
         if len(self._loads) > 2 * len(registrations) + 16:  # workers that left stop reporting: forget them
             self._loads = {w: (report, at) for w, (report, at) in self._loads.items() if now - at < 60.0}
         oldest = now - self.config.load_report_max_age_s
-        loads = {w: report for w, (report, at) in self._loads.items() if w in registrations and at >= oldest}
+        loads: dict[str, common_pb2.LoadReport | None] = {
+            w: report for w, (report, at) in self._loads.items() if w in registrations and at >= oldest
+        }
         if missing := {w: r for w, r in registrations.items() if w not in loads}:
             key = frozenset((w, r.address) for w, r in missing.items())
             loads.update(await self._target_stats.get(key, lambda: self._stats_of(missing)))
         return loads
 
-    async def _stats_of(self, registrations) -> dict[str, common_pb2.LoadReport | None]:
+    async def _stats_of(self, registrations: Registrations) -> dict[str, common_pb2.LoadReport | None]:
         """Each worker's Stats as a load report (None: no answer within 0.5 s), asked in parallel."""
 
-        async def stats(registration):
+        async def stats(registration: common_pb2.WorkerRegistration) -> common_pb2.LoadReport | None:
             try:
                 s = await worker_pb2_grpc.WorkerServiceStub(self._channel(registration.address)).Stats(
                     worker_pb2.StatsRequest(), timeout=0.5
@@ -410,7 +425,7 @@ class Migrator:
             request = M.MigrateRequest(request_id=commit.request_id, worker_id=worker_id, reason=reason, priority=commit.state.priority)
             try:
                 response.migrated.append(await self.migrate(request))
-            except Exception as exc:  # one request's failure must not stop the others
+            except Exception as exc:  # noqa: BLE001 - one request's failure must not stop the others
                 log.warning("migrating %s off %s failed: %s", commit.request_id, worker_id, exc)
                 response.failed.append(commit.request_id)
 

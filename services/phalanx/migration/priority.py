@@ -5,8 +5,8 @@ from __future__ import annotations
 import asyncio
 import heapq
 import itertools
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import AsyncIterator
 
 STANDARD = 2
 

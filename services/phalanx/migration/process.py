@@ -16,6 +16,8 @@ import asyncio
 import logging
 import os
 import socket
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
 
 from phalanx._proto import common_pb2, migration_pb2, migration_pb2_grpc
 from phalanx.common.config import EtcdConfig, NatsConfig, TelemetryConfig
@@ -28,6 +30,9 @@ from phalanx.migration.metrics import MigrationMetrics
 from phalanx.migration.registration import migration_registration
 from phalanx.migration.server import MigrationServicer
 from phalanx.migration.triggers import DeadWorker, TriggerMemory
+
+if TYPE_CHECKING:
+    from opentelemetry.context import Context
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = migration_pb2.DESCRIPTOR.services_by_name["MigrationService"].full_name
@@ -75,8 +80,8 @@ class MigrationProcess:
             await shell.wait_for_stop()
             await shell.stop_server()
 
-    def _on_health(self, migrator: Migrator):
-        async def on_record(record: common_pb2.WorkerHealthRecord, subject: str, context) -> None:
+    def _on_health(self, migrator: Migrator) -> Callable[[common_pb2.WorkerHealthRecord, str, Context], Awaitable[None]]:
+        async def on_record(record: common_pb2.WorkerHealthRecord, subject: str, context: Context) -> None:
             if record.health != common_pb2.WORKER_HEALTH_DEAD:
                 return
             worker = DeadWorker(record.worker_id, record.worker_started_at)

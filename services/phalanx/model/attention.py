@@ -101,7 +101,8 @@ class PagedAttention:
         self._decode_meta = None if invariant else self._decode_metadata()
         self._tile_groups = self._tiles() if invariant else None
 
-    def _decode_metadata(self):
+    def _decode_metadata(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, set[int]] | None:
+        """Block tables, mask and rows of the batch's decodes (and their rows as a set), when two or more."""
         decodes = [c for c in self.chunks if c.num_tokens == 1]
         if len(decodes) < 2:
             return None
@@ -141,6 +142,7 @@ class PagedAttention:
 
     def _attend_decodes(self, layer: int, q: torch.Tensor, out: torch.Tensor) -> None:
         """All single-token rows of the batch in one padded call."""
+        assert self._decode_meta is not None  # called only when there is one
         tables, mask, rows, _ = self._decode_meta
         kv = self.kv[layer][:, tables]  # [2, B, nb, bs, KVH, D]
         kv = kv.reshape(2, tables.shape[0], -1, *kv.shape[4:]).transpose(2, 3)  # [2, B, KVH, ctx, D]
@@ -172,7 +174,8 @@ class PagedAttention:
         for tile_end, tiles in grouped.items():
             tile_start = tile_end - tile
             tables = torch.stack([chunk.block_table[: tile_end // self.block_size] for chunk, _, _ in tiles])
-            rows, slots = [], []
+            rows: list[int] = []
+            slots: list[int] = []
             for i, (chunk, lo, hi) in enumerate(tiles):
                 rows.extend(range(chunk.token_offset + lo - chunk.start, chunk.token_offset + hi - chunk.start))
                 slots.extend(range(i * tile + lo - tile_start, i * tile + hi - tile_start))
@@ -187,6 +190,7 @@ class PagedAttention:
         # tile's result does not depend on the batch around it (SDPA and bmm
         # treat batch entries independently), only on its own shapes.
         tile = INVARIANT_TILE
+        assert self._tile_groups is not None  # built when invariant
         for tile_end, tables, mask, rows, slots in self._tile_groups:
             count = tables.shape[0]
             kv = self.kv[layer][:, tables]  # [2, G, blocks, block_size, KVH, D]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from typing import Any
 
 from phalanx.model.tokenizer import BYTE_VOCAB_SIZE, ByteTokenizer, SpecialTokens, Tokenizer, load_tokenizer
 
@@ -77,7 +78,7 @@ class ModelConfig:
         )
 
 
-_TINY = dict(
+_TINY: dict[str, Any] = dict(
     vocab_size=BYTE_VOCAB_SIZE,
     hidden_size=256,
     num_layers=4,

@@ -112,7 +112,9 @@ class KvCacheManager:
                 self._evictable.pop(block)
             self._refcount[block] += 1
             seq.table.append(block)
-            seq.hashes.append(self._block_hash[block])
+            h = self._block_hash[block]
+            assert h is not None  # a prefix match found it by its hash
+            seq.hashes.append(h)
         for _ in range(needed):
             seq.table.append(self._take_block())
         self._seqs[seq_id] = seq
@@ -180,6 +182,7 @@ class KvCacheManager:
     def _evict(self, block: int) -> None:
         self._evictable.pop(block)
         h = self._block_hash[block]
+        assert h is not None  # only hashed (full, cached) blocks are evictable
         self._block_hash[block] = None
         del self._by_hash[h]
         del self._parents[h]
@@ -190,7 +193,9 @@ class KvCacheManager:
 class KvCacheTensors:
     """The cache memory: [layers, 2 (k, v), blocks, block_size, kv_heads, head_dim], preallocated once."""
 
-    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, *, dtype, device) -> None:
+    def __init__(
+        self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, *, dtype: torch.dtype, device: torch.device | str
+    ) -> None:
         self.data = torch.zeros((num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim), dtype=dtype, device=device)
 
     @property

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -109,7 +110,9 @@ def _map_name(hf_name: str) -> tuple[str | None, int | None, str | None]:
         return {"model.embed_tokens.weight": "embed_tokens.weight", "model.norm.weight": "norm", "lm_head.weight": "lm_head.weight"}.get(
             hf_name, hf_name
         ), None, None
-    layer, rest = _LAYER.match(hf_name).groups()
+    matched = _LAYER.match(hf_name)
+    assert matched is not None  # every "model.layers." name matches
+    layer, rest = matched.groups()
     if m := _HF_EXPERT.match(rest):
         expert, part = int(m.group(1)), m.group(2)
         return f"layers.{layer}.mlp.{'w2' if part == 'w2' else 'w13'}", expert, part
@@ -129,7 +132,7 @@ def _copy(param: torch.Tensor, tensor: torch.Tensor, hf_name: str, expert: int |
     dest.copy_(tensor.to(dest.dtype))
 
 
-def _check_complete(model: Transformer, params: dict[str, torch.Tensor], loaded: set[str]) -> None:
+def _check_complete(model: Transformer, params: Mapping[str, torch.Tensor], loaded: set[str]) -> None:
     missing = []
     for name, param in params.items():
         if name.endswith(("mlp.w13", "mlp.w2")):

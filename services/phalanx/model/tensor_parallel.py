@@ -26,7 +26,7 @@ from torch import nn
 
 from phalanx.common.errors import PhalanxError
 from phalanx.model.config import ModelConfig
-from phalanx.model.transformer import DenseMLP, SparseMoE, Transformer
+from phalanx.model.transformer import DecoderLayer, DenseMLP, SparseMoE, Transformer
 
 # Every rank's copy of a tensor, in rank order (a collective, or a stand-in for one in tests).
 AllGather = Callable[[torch.Tensor], list[torch.Tensor]]
@@ -94,6 +94,7 @@ def shard_model(model: Transformer, rank: int, size: int, all_gather: AllGather)
     reduce = partial(gather_and_sum, all_gather)
     with torch.no_grad():
         for layer in model.layers:
+            assert isinstance(layer, DecoderLayer)  # a ModuleList yields plain Modules to the type checker
             attn = layer.self_attn
             _keep_rows(attn.q_proj, q_rows)
             _keep_rows(attn.k_proj, kv_rows)

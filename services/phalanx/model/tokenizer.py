@@ -24,9 +24,15 @@ BYTE_VOCAB_SIZE = 272
 
 
 class Tokenizer(Protocol):
-    vocab_size: int
-    bos_token_id: int | None
-    eos_token_id: int | None
+    # Read-only, so that a tokenizer that always has them (int) fits as well.
+    @property
+    def vocab_size(self) -> int: ...
+
+    @property
+    def bos_token_id(self) -> int | None: ...
+
+    @property
+    def eos_token_id(self) -> int | None: ...
 
     def encode(self, text: str, *, add_bos: bool = True) -> list[int]: ...
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -11,6 +12,9 @@ from torch import nn
 from phalanx.model.attention import AttentionBackend, CausalNoCache
 from phalanx.model.config import ModelConfig
 from phalanx.model.ops import apply_rope, linear, rms_norm, rope_tables
+
+if TYPE_CHECKING:
+    from phalanx.model.tokenizer import Tokenizer
 
 
 class Attention(nn.Module):
@@ -107,6 +111,12 @@ class DecoderLayer(nn.Module):
 
 
 class Transformer(nn.Module):
+    # Set on a loaded model by phalanx.model.loader (tokenizer, version) and on a shard by tensor_parallel.
+    tokenizer: Tokenizer
+    version: str
+    tp_rank: int
+    tp_size: int
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config

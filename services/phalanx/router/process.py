@@ -88,6 +88,11 @@ class RouterProcess:
         self._bus: EventBus | None = None
 
     @property
+    def _servicer(self) -> RouterServicer:
+        assert self.servicer is not None, "used before run() built it"
+        return self.servicer
+
+    @property
     def address(self) -> str:
         return self.shell.address
 
@@ -156,7 +161,7 @@ class RouterProcess:
         """The deployment's tokenizer: the configured model's, else the workers' built-in model's."""
         name = self.config.model
         if not name:
-            models = {r.model for r in self.servicer.registrations.values()}
+            models = {r.model for r in self._servicer.registrations.values()}
             if not models:
                 raise UnavailableError("no worker is registered yet", retry_after_s=self.config.no_worker_retry_after_s)
             name = sorted(models)[0]
@@ -172,15 +177,16 @@ class RouterProcess:
 
     # -- membership and shared state ------------------------------------------
     def _on_worker(self, kind: str, worker_id: str, registration: common_pb2.WorkerRegistration | None) -> None:
-        registrations = self.servicer.registrations
+        registrations = self._servicer.registrations
         if kind == "delete":
             gone = registrations.pop(worker_id, None)
             self.table.remove_worker(worker_id)
             self._resync_wanted.discard(worker_id)
             if gone is not None:
                 log.info("worker %s left routing", worker_id)
-                self.servicer.channels.retire(gone.address)
+                self._servicer.channels.retire(gone.address)
             return
+        assert registration is not None  # a put carries its message
         registrations[worker_id] = registration
         changed = self.table.upsert_worker(
             worker_id, registration.address, pid=registration.pid, model=registration.model, total_blocks=registration.total_blocks
@@ -189,11 +195,12 @@ class RouterProcess:
             self._want_resync(worker_id)
 
     def _on_health(self, kind: str, worker_id: str, record: common_pb2.WorkerHealthRecord | None) -> None:
-        records = self.servicer.health_records
+        records = self._servicer.health_records
         if kind == "delete":
             records.pop(worker_id, None)
             self.table.set_weight(worker_id, 1.0)
             return
+        assert record is not None  # a put carries its message
         known = records.get(worker_id)
         if known is not None and record.version < known.version and record.worker_started_at == known.worker_started_at:
             return  # an older state arriving late (NATS and the etcd watch interleave)
@@ -216,12 +223,12 @@ class RouterProcess:
         asyncio.get_running_loop().create_task(self._bus.publish(health_report_subject(worker_id), report))
 
     def _on_degradation(self, kind: str, name: str, state: common_pb2.DegradationState | None) -> None:
-        level = 0 if kind == "delete" else state.level
+        level = 0 if kind == "delete" or state is None else state.level
         if level != self.admission.level:
             log.warning("degradation level %d -> %d%s", self.admission.level, level, f" ({state.reason})" if state and state.reason else "")
         self.admission.level = level
         if self.servicer is not None:
-            self.servicer.slo = LatencySlo.from_state(state if kind != "delete" else None)
+            self._servicer.slo = LatencySlo.from_state(state if kind != "delete" else None)
         self.metrics.degradation.set(level)
 
     async def _follow(self, directory: EtcdDirectory, apply) -> None:
@@ -243,7 +250,7 @@ class RouterProcess:
 
     async def _snapshot(self, channels: WorkerChannels, worker_id: str) -> bool:
         """Load one worker's KvSnapshot into the index; False if it failed (try again later)."""
-        registration = self.servicer.registrations.get(worker_id)
+        registration = self._servicer.registrations.get(worker_id)
         if registration is None:
             return True
         try:
@@ -253,7 +260,7 @@ class RouterProcess:
         except grpc.aio.AioRpcError as error:
             log.info("KvSnapshot of %s failed (%s); retrying", worker_id, error.code().name)
             return False
-        if worker_id not in self.servicer.registrations:
+        if worker_id not in self._servicer.registrations:
             return True
         self.metrics.kv_resyncs.inc()
         if self.table.load_kv_snapshot(worker_id, snapshot.sequence, [b.block_hash for b in snapshot.blocks]):
@@ -288,7 +295,7 @@ class RouterProcess:
             if failed:
                 await asyncio.sleep(backoff.next())
                 for worker_id in failed:
-                    if worker_id in self.servicer.registrations:
+                    if worker_id in self._servicer.registrations:
                         self._want_resync(worker_id)
             else:
                 backoff.reset()

@@ -33,6 +33,7 @@ SESSIONS_PREFIX = "/phalanx/v1/router-sessions/"
 # Longest a request waits on etcd for its record before it is served without one.
 _RECORD_TIMEOUT_S = 0.5
 _COOLDOWN_S = 2.0
+_ERRORS: tuple[type[BaseException], ...] = (*TRANSIENT_ERRORS, TimeoutError)
 
 
 class RequestRecords:
@@ -70,7 +71,7 @@ class RequestRecords:
                     success=[tx.put(key, encode_json(record), lease=lease)],
                     failure=[tx.get(key)],
                 )
-        except (*TRANSIENT_ERRORS, TimeoutError) as error:
+        except _ERRORS as error:
             self._cool_down(error)
             return None
         if stored or not responses or not responses[0]:
@@ -85,7 +86,7 @@ class RequestRecords:
         try:
             async with asyncio.timeout(_RECORD_TIMEOUT_S):
                 await self._client.put(request_key(record.request_id).encode(), encode_json(record), lease=lease)
-        except (*TRANSIENT_ERRORS, TimeoutError) as error:
+        except _ERRORS as error:
             self._cool_down(error)
 
     def update_soon(self, record: common_pb2.RequestRecord) -> None:
@@ -111,7 +112,7 @@ class RequestRecords:
         try:
             async with asyncio.timeout(_RECORD_TIMEOUT_S * 2):
                 value = await self._client.get(request_key(request_id).encode())
-        except (*TRANSIENT_ERRORS, TimeoutError) as error:
+        except _ERRORS as error:
             log.warning("cannot read the record of %s: %s", request_id, error)
             return None
         return None if value is None else decode_json(value.value, common_pb2.RequestRecord)
@@ -123,7 +124,7 @@ class RequestRecords:
         task.add_done_callback(self._deletions.discard)
 
     async def delete(self, request_id: str) -> None:
-        with contextlib.suppress(*TRANSIENT_ERRORS, TimeoutError):
+        with contextlib.suppress(*_ERRORS):
             async with asyncio.timeout(_RECORD_TIMEOUT_S):
                 await self._client.delete(request_key(request_id).encode())
 

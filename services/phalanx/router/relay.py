@@ -53,7 +53,7 @@ MAX_MOVES = 8
 MIGRATABLE = frozenset({
     grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.INTERNAL,
     grpc.StatusCode.UNKNOWN,
-})  # fmt: skip
+})
 
 
 class MoveCause(Enum):
@@ -194,7 +194,7 @@ class RelayPolicy:
         return (
             self.retry_elsewhere and not event.got_chunks and event.code in RETRY_ELSEWHERE
             and len(self.tried) + 1 < MAX_ROUTE_ATTEMPTS
-        )  # fmt: skip
+        )
 
     def _move(self, worker_id: str, cause: MoveCause, code: grpc.StatusCode | None = None) -> Effect:
         self.moves += 1

@@ -100,7 +100,7 @@ class _Worker:
         "queue_depth", "running_seqs", "free_blocks", "total_blocks", "step_time_ms", "prefill_tokens_per_s",
         "decode_tokens_per_s", "draining", "report_at", "reported", "routed", "routed_tokens",
         "inv_rate", "base_s",
-    )  # fmt: skip
+    )
 
     def __init__(self, worker_id: str, slot: int, now: float) -> None:
         self.worker_id = worker_id
@@ -262,7 +262,7 @@ class RoutingTable:
             if w.report_at < stale_before:
                 cost += penalty
             cost *= inv_weight
-            if cost < best_cost or (cost == best_cost and w.routed < best.routed):
+            if cost < best_cost or (cost == best_cost and best is not None and w.routed < best.routed):
                 best, best_cost = w, cost
         if best is None:
             return None

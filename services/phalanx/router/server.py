@@ -17,6 +17,7 @@ import uuid
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import cast
 
 import grpc
 from google.rpc import status_pb2
@@ -262,7 +263,7 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
         statuses = []
         for w in self.table.workers():
             status = router_pb2.WorkerStatus(
-                worker_id=w.worker_id, address=w.address, pid=w.pid, model=w.model, health=w.health,
+                worker_id=w.worker_id, address=w.address, pid=w.pid, model=w.model, health=cast(common_pb2.WorkerHealth, w.health),
                 routing_weight=w.weight, queue_depth=w.queue_depth, running_seqs=w.running_seqs,
                 free_blocks=w.free_blocks, total_blocks=w.total_blocks, step_time_ms=w.step_time_ms,
                 indexed_blocks=w.indexed_blocks, load_age_s=w.load_age_s,
@@ -459,6 +460,7 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
         if isinstance(decision, GiveUp):
             raise UnavailableError(f"request {flow.record.request_id} was moved {decision.moves} times; giving up", retry_after_s=1.0)
         if isinstance(decision, RetryElsewhere):
+            assert broken is not None  # only a broken stream is retried elsewhere
             log.info("worker %s refused %s (%s); routing elsewhere", flow.record.worker_id, flow.record.request_id, broken.code().name)
             self._move(flow, self._route(flow.prompt_ids, decision.exclude))
             return open_call
@@ -468,6 +470,7 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
 
             return attach
         if isinstance(decision, ResumeElsewhere):
+            assert handoff_chunk is not None  # only a handed-back stream resumes elsewhere
             handoff = handoff_chunk.handoff
             self.metrics.handoffs.inc()
             route = self._route(list(handoff.prompt_token_ids) + list(handoff.output_token_ids), decision.exclude)

@@ -144,6 +144,12 @@ class AsyncEngine:
         self.prefill_rate = 0.0
         self.decode_rate = 0.0
 
+    @property
+    def _started_loop(self) -> asyncio.AbstractEventLoop:
+        """The loop that start() ran on, where the engine thread hands its results."""
+        assert self._loop is not None, "used before start()"
+        return self._loop
+
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._thread = threading.Thread(target=self._run, name="phalanx-engine", daemon=True)
@@ -269,13 +275,13 @@ class AsyncEngine:
                 events = self.engine.step()
                 self._record(self.engine.last_step)
                 if events:  # first: the step's tokens should not wait for its checkpoint capture
-                    self._loop.call_soon_threadsafe(self._dispatch, events)
+                    self._started_loop.call_soon_threadsafe(self._dispatch, events)
                 self._capture_checkpoints()
                 self._flush_kv_events()
         except BaseException as exc:  # the engine is unusable: fail every caller loudly
             log.exception("engine loop died")
             self.dead = exc
-            self._loop.call_soon_threadsafe(self._fail_all, EngineDeadError(f"engine loop died: {exc!r}"))
+            self._started_loop.call_soon_threadsafe(self._fail_all, EngineDeadError(f"engine loop died: {exc!r}"))
 
     def _apply_commands(self) -> None:
         events: list[TokenEvent] = []
@@ -288,10 +294,10 @@ class AsyncEngine:
                 case AddRequest(request=request, sink=sink, done=done):
                     try:
                         seq = self.engine.add_request(request)
-                    except Exception as exc:  # reported to that caller only
-                        self._loop.call_soon_threadsafe(_set_exception, done, exc)
+                    except Exception as exc:  # noqa: BLE001 - reported to that caller only
+                        self._started_loop.call_soon_threadsafe(_set_exception, done, exc)
                         continue
-                    self._loop.call_soon_threadsafe(self._register, seq.request_id, sink, done, request.canary, seq.replayed)
+                    self._started_loop.call_soon_threadsafe(self._register, seq.request_id, sink, done, request.canary, seq.replayed)
                 case AbortRequest(request_id=request_id, reason=reason):
                     # Its final event also tells the sink, if any still listens, that nothing follows.
                     event = self.engine.abort(request_id, reason)
@@ -299,7 +305,7 @@ class AsyncEngine:
                         events.append(event)
                 case ListCachedBlocks(done=done):
                     self._flush_kv_events()
-                    self._loop.call_soon_threadsafe(_set_result, done, self.engine.cached_blocks())
+                    self._started_loop.call_soon_threadsafe(_set_result, done, self.engine.cached_blocks())
                 case HandBackAll():
                     for request_id, seq in list(self.engine.by_id.items()):
                         if seq.canary:
@@ -310,7 +316,7 @@ class AsyncEngine:
                 case Restore() | Park() | ExportKv() | Unpark():
                     events.extend(self._run_call(command))
         if events:
-            self._loop.call_soon_threadsafe(self._dispatch, events)
+            self._started_loop.call_soon_threadsafe(self._dispatch, events)
 
     def _run_call(self, command: EngineCall) -> list[TokenEvent]:
         events: list[TokenEvent] = []
@@ -320,7 +326,7 @@ class AsyncEngine:
                     seq = self.engine.restore(request, kv, kv_tokens)
                     result: Any = seq.replayed
                     # Before any event of its next step: the log must start with the tokens it brought.
-                    self._loop.call_soon_threadsafe(self._register_restored, seq.request_id, sink, seq.replayed)
+                    self._started_loop.call_soon_threadsafe(self._register_restored, seq.request_id, sink, seq.replayed)
                 case Park(request_ids=request_ids, ttl_s=ttl_s):
                     events = result = self.engine.park(request_ids, ttl_s)
                 case ExportKv(request_id=request_id, kv_tokens=kv_tokens):
@@ -329,10 +335,10 @@ class AsyncEngine:
                     result = self.engine.unpark(request_id)
                 case _:
                     assert_never(command)
-        except Exception as exc:  # reported to that caller only
-            self._loop.call_soon_threadsafe(_set_exception, command.done, exc)
+        except Exception as exc:  # noqa: BLE001 - reported to that caller only
+            self._started_loop.call_soon_threadsafe(_set_exception, command.done, exc)
             return []
-        self._loop.call_soon_threadsafe(_set_result, command.done, result)
+        self._started_loop.call_soon_threadsafe(_set_result, command.done, result)
         return events
 
     def _capture_checkpoints(self) -> None:
@@ -350,7 +356,8 @@ class AsyncEngine:
         a = _EMA_ALPHA
         self.step_time_ema_s = stats.seconds if self.step_time_ema_s == 0 else (1 - a) * self.step_time_ema_s + a * stats.seconds
         if stats.prefill_tokens:
-            self.prefill_rate = (1 - a) * self.prefill_rate + a * stats.prefill_tokens / stats.seconds if self.prefill_rate else stats.prefill_tokens / stats.seconds
+            rate = stats.prefill_tokens / stats.seconds
+            self.prefill_rate = (1 - a) * self.prefill_rate + a * rate if self.prefill_rate else rate
         if stats.decode_tokens:
             rate = stats.decode_tokens / stats.seconds
             self.decode_rate = (1 - a) * self.decode_rate + a * rate if self.decode_rate else rate
@@ -358,7 +365,7 @@ class AsyncEngine:
     def _flush_kv_events(self) -> None:
         events = self.engine.drain_kv_events()
         if events and self._on_kv_events is not None:
-            self._loop.call_soon_threadsafe(self._on_kv_events, events)
+            self._started_loop.call_soon_threadsafe(self._on_kv_events, events)
 
     # -- on the event loop --------------------------------------------------
     def _register(self, request_id: str, sink: EventSink, done: asyncio.Future, canary: bool = False, replayed=()) -> None:

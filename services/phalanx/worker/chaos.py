@@ -16,6 +16,7 @@ import math
 import os
 import signal
 from collections.abc import Awaitable, Callable
+from typing import cast
 
 from phalanx._proto import chaos_pb2, chaos_pb2_grpc
 from phalanx.common.errors import AuthenticationError, InvalidRequestError, UnavailableError
@@ -41,7 +42,8 @@ _KINDS = ", ".join(k.label for k in FaultKind)
 
 def fault_to_proto(fault: Fault) -> chaos_pb2.Fault:
     return chaos_pb2.Fault(
-        kind=int(fault.kind), slow_step_s=fault.slow_step_s, corrupt_target=int(fault.corrupt_target or 0),
+        kind=cast(chaos_pb2.FaultKind, int(fault.kind)), slow_step_s=fault.slow_step_s,
+        corrupt_target=cast(chaos_pb2.CorruptTarget, int(fault.corrupt_target or 0)),
         corrupt_scale=fault.corrupt_scale, injected_at=fault.injected_at, expires_at=fault.expires_at,
     )
 
@@ -54,7 +56,7 @@ def _describe(fault: Fault) -> str:
     parts = [fault.kind.label]
     if fault.kind is FaultKind.SLOW:
         parts.append(f"+{fault.slow_step_s:g} s per step")
-    if fault.kind is FaultKind.CORRUPT:
+    if fault.kind is FaultKind.CORRUPT and fault.corrupt_target is not None:
         parts.append(f"{fault.corrupt_target.name.lower()} x{fault.corrupt_scale:g}")
     if fault.expires_at:
         parts.append(f"for {fault.expires_at - fault.injected_at:g} s")
@@ -98,6 +100,7 @@ class ChaosServicer(chaos_pb2_grpc.ChaosServiceServicer):
     async def InjectFault(self, request, context):
         self._check(context)
         kind = _kind(request.kind, allow_unspecified=False)
+        assert kind is not None  # _kind raised for UNSPECIFIED
         if kind is FaultKind.CRASH:
             log.warning("chaos: crash injected; SIGKILL in %.0f ms", CRASH_DELAY_S * 1e3)
             asyncio.get_running_loop().call_later(CRASH_DELAY_S, self._kill)

@@ -24,6 +24,7 @@ import asyncio
 import collections
 import logging
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import grpc
@@ -74,7 +75,7 @@ class CheckpointCapture:
         # Set from the event loop: re-send these requests (or all) from position 0.
         self._resync_all = False
         self._resync: set[str] = set()
-        self._notify = None  # called (thread-safe) when something was queued
+        self._notify: Callable[[], object] | None = None  # called (thread-safe) when something was queued
         self.lag_tokens = 0
         self.captures_skipped = 0
 
@@ -141,6 +142,7 @@ class CheckpointCapture:
         for seq, start, end in todo:
             piece_kv = None
             if end > start:
+                assert kv is not None  # gathered for every piece with end > start
                 piece_kv = kv[:, :, offset : offset + end - start]
                 offset += end - start
                 capture.nbytes += piece_kv.numel() * piece_kv.element_size()
@@ -204,7 +206,7 @@ class CheckpointStreamer:
             while True:
                 try:
                     address = pick_store(await stores.addresses(), failed)
-                except Exception as exc:  # etcd away: keep serving, try again
+                except Exception as exc:  # noqa: BLE001 - etcd away: keep serving, try again
                     log.debug("no checkpoint store lookup: %r", exc)
                     address = None
                 if address is None:
@@ -281,8 +283,8 @@ def pick_store(addresses: list[str], failed: str) -> str | None:
 
     A crashed store stays advertised until its lease lapses (a TTL); its replacement is usually there already.
     """
-    others = [a for a in addresses if a != failed]
-    return (others or addresses or [None])[0]
+    candidates = [a for a in addresses if a != failed] or addresses
+    return candidates[0] if candidates else None
 
 
 def batch_of(captures: list[_Capture], snapshot_to_proto) -> checkpoint_pb2.Batch:

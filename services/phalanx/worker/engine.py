@@ -122,7 +122,8 @@ class Engine:
         if total > self.config.max_model_len:
             raise InvalidRequestError(
                 "sampling.max_tokens",
-                f"prompt ({len(prompt)} tokens) + max_tokens ({request.params.max_tokens}) = {total} exceeds the context of {self.config.max_model_len} tokens",
+                f"prompt ({len(prompt)} tokens) + max_tokens ({request.params.max_tokens}) = {total}"
+                f" exceeds the context of {self.config.max_model_len} tokens",
             )
         if request.resume and len(request.resume.output_ids) >= request.params.max_tokens:
             raise InvalidRequestError("resume_from.output_token_ids", "the request has already produced max_tokens tokens")
@@ -391,6 +392,7 @@ class Engine:
             self.kv.commit(seq.request_id, seq.all_ids, seq.num_computed)
             if seq.num_computed < seq.num_tokens:
                 continue
+            assert logits is not None  # sample_rows holds every sequence that finished its prompt
             seq_logits = logits[row]
             token = argmax[row] if seq.params.greedy else seq.sampler.sample(seq_logits)
             row += 1

@@ -16,8 +16,12 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from phalanx.model.transformer import Transformer
 
 __all__ = [
     "DEFAULT_CORRUPT_SCALE",
@@ -76,7 +80,7 @@ class Fault:
         return now >= self.deadline
 
 
-def corrupted_layer(model: torch.nn.Module) -> int:
+def corrupted_layer(model: Transformer) -> int:
     """The decoder layer whose weights a WEIGHTS corruption changes: the middle one."""
     return model.config.num_layers // 2
 
@@ -206,7 +210,7 @@ class FaultState:
         bias = bias.to(device=logits.device, dtype=logits.dtype)
         return logits + bias * (fault.corrupt_scale * logits.std(dim=-1, keepdim=True))
 
-    def sync_weights(self, model: torch.nn.Module) -> bool:
+    def sync_weights(self, model: Transformer) -> bool:
         """Applies or restores a WEIGHTS corruption in place, on the thread that runs the model; True if weights changed.
 
         KV computed with the other weights is stale then: the caller drops its prefix cache.
@@ -228,7 +232,7 @@ class FaultState:
             self._update()
         return True
 
-    def _corrupt_weights(self, model: torch.nn.Module, scale: float) -> None:
+    def _corrupt_weights(self, model: Transformer, scale: float) -> None:
         prefix = f"layers.{corrupted_layer(model)}."
         generator = torch.Generator().manual_seed(_NOISE_SEED)
         for name, param in sorted(model.named_parameters()):

@@ -18,20 +18,22 @@ import asyncio
 import enum
 import logging
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from functools import partial
 
 import grpc
 import torch
 
-from phalanx._proto import migration_pb2
+from phalanx._proto import migration_pb2, migration_pb2_grpc
 from phalanx.common.channels import ChannelEndpoint, ChannelNotKeptError, TensorChannel
 from phalanx.common.errors import PhalanxError, UnavailableError
 
 __all__ = ["KvFetch", "KvFetchDecision", "KvFetchPolicy", "KvFetchRoute", "KvFetcher"]
 
 logger = logging.getLogger(__name__)
+
+Pieces = Sequence[migration_pb2.KvPiece]
 
 
 class KvFetchRoute(enum.Enum):
@@ -98,7 +100,14 @@ class KvFetcher:
         self._warming = warming
 
     async def fetch(
-        self, stub, source: str, pieces, buffers: dict[str, torch.Tensor], timeout: float, *, grpc_requested: bool
+        self,
+        stub: migration_pb2_grpc.KvSourceStub,
+        source: str,
+        pieces: Pieces,
+        buffers: dict[str, torch.Tensor],
+        timeout: float,
+        *,
+        grpc_requested: bool,
     ) -> KvFetchRoute:
         """Fills ``buffers`` with the pieces from ``source``; returns the route they came by."""
         key = f"kv-source/{source}"
@@ -135,14 +144,18 @@ class KvFetcher:
         except ChannelNotKeptError:
             return None
 
-    async def _over_kept_channel(self, stub, key: str, kept: TensorChannel, pieces, buffers: dict[str, torch.Tensor], timeout: float) -> None:
+    async def _over_kept_channel(
+        self, stub: migration_pb2_grpc.KvSourceStub, key: str, kept: TensorChannel, pieces: Pieces, buffers: dict[str, torch.Tensor], timeout: float
+    ) -> None:
         channels = self._endpoint()
         request = migration_pb2.SendKvRequest(
             pieces=pieces, target_endpoint=channels.endpoint_id, channel_id=kept.channel_id, timeout_s=timeout, reuse_channel=True
         )
         await _transfer_kv(stub, request, _ready(kept), pieces, buffers, timeout, keep=partial(channels.keep, key))
 
-    async def _over_new_channel(self, stub, key: str, pieces, buffers: dict[str, torch.Tensor], timeout: float) -> None:
+    async def _over_new_channel(
+        self, stub: migration_pb2_grpc.KvSourceStub, key: str, pieces: Pieces, buffers: dict[str, torch.Tensor], timeout: float
+    ) -> None:
         """Forms a channel with the source (kept under `key` if it ends well) and receives the pieces over it; none: only forms it."""
         channels = self._endpoint()
         channel_id = uuid.uuid4().hex
@@ -153,7 +166,7 @@ class KvFetcher:
         finally:
             accepted.cancel()
 
-    def _warm_channel(self, stub, key: str, timeout: float) -> None:
+    def _warm_channel(self, stub: migration_pb2_grpc.KvSourceStub, key: str, timeout: float) -> None:
         """Forms a channel to a KV source in the background (an empty SendKv) and keeps it; one at a time per source."""
         if key in self._warming or self._channels is None:
             return
@@ -170,7 +183,14 @@ class KvFetcher:
 
 
 async def _transfer_kv(
-    stub, request, channel_ready: asyncio.Future, pieces, buffers: dict[str, torch.Tensor], timeout: float, *, keep: Callable[[TensorChannel], None]
+    stub: migration_pb2_grpc.KvSourceStub,
+    request: migration_pb2.SendKvRequest,
+    channel_ready: asyncio.Future[TensorChannel],
+    pieces: Pieces,
+    buffers: dict[str, torch.Tensor],
+    timeout: float,
+    *,
+    keep: Callable[[TensorChannel], None],
 ) -> None:
     """SendKv on the source while receiving its pieces here; the channel goes to `keep` if every piece arrived, else closed.
 
@@ -199,13 +219,13 @@ async def _transfer_kv(
         raise
 
 
-def _ready(value) -> asyncio.Future:
-    future = asyncio.get_running_loop().create_future()
+def _ready(value: TensorChannel) -> asyncio.Future[TensorChannel]:
+    future: asyncio.Future[TensorChannel] = asyncio.get_running_loop().create_future()
     future.set_result(value)
     return future
 
 
-async def _fetch_kv(stub, pieces, buffers: dict[str, torch.Tensor], timeout: float) -> None:
+async def _fetch_kv(stub: migration_pb2_grpc.KvSourceStub, pieces: Pieces, buffers: dict[str, torch.Tensor], timeout: float) -> None:
     """The gRPC fallback: each piece's bytes in chunks, copied into its buffer."""
     views = [buffers[p.request_id].view(-1).view(torch.uint8) for p in pieces]
     filled = [0] * len(pieces)

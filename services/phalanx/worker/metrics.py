@@ -36,7 +36,10 @@ class WorkerMetrics:
         # Named apart from phalanx_worker_status, which the health service exports (its view of the worker).
         self.serving = Gauge("phalanx_worker_serving", "1 serving, 0.5 draining or quarantined, 0 stopped", labels, registry=self.registry)
         self.batch_scale = Gauge(
-            "phalanx_worker_batch_scale", "Share of max_num_seqs admitted: 1, 0.75 at degradation levels 1 and 2, 0.5 from level 3 on", labels, registry=self.registry
+            "phalanx_worker_batch_scale",
+            "Share of max_num_seqs admitted: 1, 0.75 at degradation levels 1 and 2, 0.5 from level 3 on",
+            labels,
+            registry=self.registry,
         )
         self.computed_tokens = Counter(
             "phalanx_worker_computed_tokens", "Tokens computed by the engine (prompt, recompute and decode)", labels, registry=self.registry

@@ -39,11 +39,11 @@ from phalanx.model import load
 from phalanx.model.kv_cache import BLOCK_SIZE, KvEvents
 from phalanx.worker.async_engine import AsyncEngine
 from phalanx.worker.chaos import ChaosServicer
+from phalanx.worker.checkpointing import CheckpointCapture, CheckpointStreamer
 from phalanx.worker.config import EngineConfig, WorkerConfig
 from phalanx.worker.engine import Engine
 from phalanx.worker.faults import FaultKind, FaultState
 from phalanx.worker.metrics import WorkerMetrics
-from phalanx.worker.checkpointing import CheckpointCapture, CheckpointStreamer
 from phalanx.worker.server import KvSourceServicer, WorkerServicer, drain_engine, snapshot_to_proto
 from phalanx.worker.tp_leader import TensorParallelLeader
 
@@ -111,7 +111,7 @@ class WorkerProcess:
             self._bus = await EventBus.connect(self.nats_config, name=f"worker-{self.worker_id}")
             shell.push_async_callback(self._close_nats)
             engine, model = await self._load(shell)
-            await self.channels.start()
+            await self._endpoint.start()
             if self._capture is not None:
                 self._streamer = self._checkpoint_streamer(self._capture, engine, model)
                 shell.push_async_callback(self._streamer.stop)
@@ -132,6 +132,12 @@ class WorkerProcess:
                 await self._shutdown(engine)
                 for task in loops:
                     task.cancel()
+
+    @property
+    def _endpoint(self) -> ChannelEndpoint:
+        """The tensor-channel endpoint, once _add_services made it."""
+        assert self.channels is not None, "used before _add_services()"
+        return self.channels
 
     def _add_services(self, shell: ServiceShell) -> WorkerServicer:
         """The worker's gRPC services (chaos only when enabled) and its tensor-channel endpoint, whose undo goes first."""
@@ -270,7 +276,8 @@ class WorkerProcess:
         )
         return CheckpointStreamer(
             capture, worker_id=self.worker_id, model_version=model.version, layout=layout,
-            channel_endpoint=self.channels.endpoint_id, etcd_config=self.etcd_config, sent_bytes=self.metrics.for_worker(self.metrics.checkpoint_bytes),
+            channel_endpoint=self._endpoint.endpoint_id, etcd_config=self.etcd_config,
+            sent_bytes=self.metrics.for_worker(self.metrics.checkpoint_bytes),
             snapshot_to_proto=snapshot_to_proto, flush_interval_s=self.config.checkpoint_flush_interval_s,
         )
 
@@ -410,7 +417,7 @@ class WorkerProcess:
             m.for_worker(m.free_blocks).set(load.free_blocks)
             m.for_worker(m.preemptions).set(e.preemptions)
             for counter, total in ((m.computed_tokens, e.tokens_computed), (m.canary_tokens, e.canary_tokens_computed),
-                                   (m.canaries, e.canaries_total)):  # fmt: skip
+                                   (m.canaries, e.canaries_total)):
                 if total > counted[counter]:
                     m.for_worker(counter).inc(total - counted[counter])
                     counted[counter] = total

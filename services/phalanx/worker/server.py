@@ -200,13 +200,15 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             self._count(exc)
             raise
         streams = self.streams
-        log = streams.get(engine_request.request_id)
-        fresh = log is None
-        if fresh:
+        existing = streams.get(engine_request.request_id)
+        fresh = existing is None
+        if existing is None:
             resumed = engine_request.resume
             log = streams.start(
                 engine_request.request_id, first_index=len(resumed.output_ids) if resumed else 0, on_event=self._observer()
             )
+        else:
+            log = existing
         with streams.reader(log):
             if fresh:
                 await self._submit(engine, engine_request, log)
@@ -324,10 +326,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         ttl = request.ttl_s or 10.0
         events = await self.engine.park(list(request.request_ids) or None, ttl)
         return worker_pb2.ParkResponse(
-            parked=[
-                worker_pb2.ParkedRequest(state=snapshot_to_proto(e.handoff), seed=e.handoff.seed, kv_tokens=e.handoff_kv_tokens)
-                for e in events
-            ],
+            parked=[_parked(e) for e in events],
             channel_endpoint=self.channels.endpoint_id if self.channels is not None else "",
         )
 
@@ -347,9 +346,12 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             record_top_logits=True, canary=True,
         )
         start = time.perf_counter()
-        tokens, logits, margins = [], [], []
+        tokens: list[int] = []
+        logits: list[float] = []
+        margins: list[float] = []
         async for event in self.engine.generate(engine_request):
             if event.index >= 0:
+                assert event.top_logit is not None and event.top_margin is not None  # a canary records them
                 tokens.append(event.token_id)
                 logits.append(event.top_logit)
                 margins.append(event.top_margin)
@@ -397,6 +399,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
 
 def _kv_method(item) -> bool:
     return item.method in (migration_pb2.MIGRATION_METHOD_TRANSFER, migration_pb2.MIGRATION_METHOD_CHECKPOINT)
+
+
+def _parked(event: TokenEvent) -> worker_pb2.ParkedRequest:
+    assert event.handoff is not None  # park() answers with the handed-back events
+    return worker_pb2.ParkedRequest(state=snapshot_to_proto(event.handoff), seed=event.handoff.seed, kv_tokens=event.handoff_kv_tokens)
 
 
 def _failed(request_id: str, exc: PhalanxError) -> worker_pb2.RestoreResult:

@@ -19,6 +19,7 @@ import enum
 import socket
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -67,7 +68,7 @@ class TpGroup:
         self.size = size
         self.timeout = timedelta(seconds=timeout_s)
         self._group = group
-        self._store = store  # the group holds it too; kept so that its lifetime is plain
+        self._store: dist.Store | None = store  # the group holds it too; kept so that its lifetime is plain
 
     @classmethod
     def join(
@@ -75,11 +76,11 @@ class TpGroup:
     ) -> TpGroup:
         """Forms the group (blocks until every rank joined); the leader passes the `listener` its store serves on."""
         try:
+            listen: dict[str, Any] = {"master_listen_fd": listener.detach()} if listener else {}
             store = dist.TCPStore(
-                "127.0.0.1", port, size, is_master=rank == LEADER, wait_for_workers=False,
-                timeout=timedelta(seconds=form_timeout_s), **({"master_listen_fd": listener.detach()} if listener else {}),
-            )  # fmt: skip
-            options = dist.ProcessGroupGloo._Options()
+                "127.0.0.1", port, size, is_master=rank == LEADER, wait_for_workers=False, timeout=timedelta(seconds=form_timeout_s), **listen
+            )
+            options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # private, so torch's stubs omit it
             # Forming waits for the slowest rank's model load; every op after it passes its own timeout.
             options._timeout = timedelta(seconds=form_timeout_s)
             options._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
@@ -171,7 +172,7 @@ class StepBatch:
         payload = torch.cat([
             self.token_ids.to("cpu", torch.int64), self.positions.to("cpu", torch.int64), self.slot_mapping.to("cpu", torch.int64),
             meta.flatten(), *tables,
-        ])  # fmt: skip
+        ])
         return (len(self.token_ids), len(self.chunks), int(self.invariant)), payload
 
     @classmethod

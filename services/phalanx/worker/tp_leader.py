@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -52,9 +53,15 @@ class TensorParallelLeader:
         self.size = config.tensor_parallel_size
         self.group: TpGroup | None = None
         self.followers: list[subprocess.Popen] = []
-        self._listener = None
+        self._listener: socket.socket | None = None
         self._closing = False
         self._failing = threading.Lock()
+
+    @property
+    def formed(self) -> TpGroup:
+        """The group, once connect() formed it."""
+        assert self.group is not None, "used before connect()"
+        return self.group
 
     def start_followers(self, model: Transformer) -> None:
         """Starts ranks 1..size-1 as processes of their own; call it from a long-lived thread (the main one).
@@ -63,8 +70,8 @@ class TensorParallelLeader:
         forked them ends, so a short-lived worker thread would take them down.
         """
         check_shardable(model.config, self.size)
-        self._listener = listening_socket()
-        port = self._listener.getsockname()[1]
+        listener = self._listener = listening_socket()
+        port = listener.getsockname()[1]
         env = {
             **os.environ,
             FOLLOWER_CONFIG_ENV: self.config.model_dump_json(),
@@ -74,18 +81,19 @@ class TensorParallelLeader:
         for rank in range(1, self.size):
             process = subprocess.Popen(
                 [sys.executable, "-m", "phalanx.worker.tp_follower", "--rank", str(rank), "--size", str(self.size), "--port", str(port)],
-                env=env, start_new_session=True, preexec_fn=pdeathsig_preexec(),
-            )  # fmt: skip
+                env=env, start_new_session=True, preexec_fn=pdeathsig_preexec(),  # noqa: PLW1509 - only prctl
+            )
             self.followers.append(process)
             threading.Thread(target=self._watch, args=(rank, process), name=f"phalanx-tp-watch-{rank}", daemon=True).start()
 
     def connect(self, model: Transformer) -> tuple[TensorParallelModel, TensorParallelKvCache]:
         """Forms the group (blocking: the followers load the model first), shards `model`; returns the Engine's stand-ins."""
         listener, self._listener = self._listener, None
+        assert listener is not None, "connect() before start_followers()"
         self.group = self.guard(
             TpGroup.join, rank=0, size=self.size, port=listener.getsockname()[1], timeout_s=self.config.tensor_parallel_timeout_s,
             form_timeout_s=GROUP_FORM_TIMEOUT_S, listener=listener,
-        )  # fmt: skip
+        )
         group = self.group
         shard_model(model, 0, self.size, lambda tensor: self.guard(group.all_gather, tensor))
         c = model.config
@@ -169,7 +177,7 @@ class TensorParallelModel:
         if not isinstance(backend, PagedAttention):
             raise TypeError("a tensor-parallel model runs over the paged KV cache only")
         sizes, payload = StepBatch(token_ids, positions, backend.slot_mapping, backend.chunks, invariant).pack()
-        group = self._leader.group
+        group = self._leader.formed
         self._leader.guard(group.send_command, Command.STEP, sizes, payload)
         return self._model.hidden_states(token_ids, positions, backend, invariant=invariant)
 
@@ -201,9 +209,10 @@ class TensorParallelKvCache:
         return self._leader.guard(self._gather, slots)
 
     def _gather(self, slots: torch.Tensor) -> torch.Tensor:
-        group = self._leader.group
+        group = self._leader.formed
         group.send_command(Command.GATHER, (), slots)
         parts = group.gather_to_leader(self.local.gather(slots).cpu())
+        assert parts is not None  # this is the leader
         return torch.cat(parts, dim=3).to(self.data.device)
 
     def scatter(self, slots: torch.Tensor, kv: torch.Tensor) -> None:
@@ -218,7 +227,7 @@ class TensorParallelKvCache:
         self._leader.guard(self._scatter, slots.to("cpu", torch.int64), parts)
 
     def _scatter(self, slots: torch.Tensor, parts: list[torch.Tensor]) -> None:
-        group = self._leader.group
+        group = self._leader.formed
         group.send_command(Command.SCATTER, (), slots)
         mine = torch.empty_like(parts[0])
         group.scatter_from_leader(mine, parts)

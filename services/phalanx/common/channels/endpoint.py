@@ -303,7 +303,7 @@ class ChannelEndpoint:
                 self, channel_id, peer_endpoint_id,
                 group=group, rank=0, backend=backend, device=torch.device(device), store=store, accepted=False,
             )
-        )  # fmt: skip
+        )
 
     async def accept(self, channel_id: str, *, timeout_s: float | None = None, device: str = "cpu") -> TensorChannel:
         """Wait (rank 1) until a peer opens ``channel_id`` on this endpoint; ChannelError at the timeout."""
@@ -332,7 +332,7 @@ class ChannelEndpoint:
                 self, channel_id, peer,
                 group=group, rank=1, backend=backend, device=torch.device(device), store=store, accepted=True,
             )
-        )  # fmt: skip
+        )
 
     def _adopt(self, channel: TensorChannel) -> TensorChannel:
         if self._closing is not None:  # closed while the channel formed

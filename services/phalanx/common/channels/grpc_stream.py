@@ -243,7 +243,7 @@ class TensorStreamServicer(channel_pb2_grpc.TensorStreamServicer):
     def __init__(self, endpoint: ChannelEndpoint) -> None:
         self._endpoint = endpoint
 
-    async def Push(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> channel_pb2.PushResponse:  # noqa: N802
+    async def Push(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> channel_pb2.PushResponse:  # gRPC method name
         # The sender names channel and message in the call's metadata too: they arrive with the headers, so a sender
         # that dies before its first chunk gets here still fails the receiver at once.
         headers = dict(context.invocation_metadata() or ())
@@ -253,7 +253,7 @@ class TensorStreamServicer(channel_pb2_grpc.TensorStreamServicer):
         received = 0
         try:
             async for chunk in request_iterator:
-                if first is None:
+                if first is None or pushed is None:  # set together, by the first chunk
                     first = chunk
                     channel_id, message = chunk.channel_id, chunk.message
                     pushed = _Pushed(chunk.total_bytes, chunk.dtype, tuple(chunk.shape))
@@ -268,6 +268,7 @@ class TensorStreamServicer(channel_pb2_grpc.TensorStreamServicer):
         if first is None or pushed is None:
             await self._broke_off(channel_id, message, received, first)
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "empty push")
+            raise AssertionError("context.abort raises")  # grpc is untyped here, so mypy cannot see that
         if received != first.total_bytes:
             # A sender cancelled mid-tensor can end the request stream like a half-close, with no CancelledError here.
             why = await self._broke_off(channel_id, message, received, first)

@@ -44,12 +44,13 @@ def _make_group(store: dist.Store, rank: int, *, backend: str, device: torch.dev
         options.is_high_priority_stream = False
         options._timeout = timeout
         options.global_ranks_in_group = [0, 1]
-        options.group_name = f"phalanx-channel-{os.getpid()}-{id(store):x}"
+        # torch's stubs type it as GroupName, a NewType of str that torch.distributed does not export.
+        options.group_name = f"phalanx-channel-{os.getpid()}-{id(store):x}"  # type: ignore[assignment]
         group = dist.ProcessGroupNCCL(store, rank, 2, options)
         # NCCL connects lazily; connect now so that open/accept mean "joined".
         group.eager_connect_single_device(device)
         return group
-    options = dist.ProcessGroupGloo._Options()
+    options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # private, so torch's stubs omit it
     options._timeout = timeout
     options._devices = [gloo_device]
     options._threads = 1  # send/recv do not use the group's worker threads

@@ -169,7 +169,7 @@ class _Rendezvous:
         client = self._client_for(address, deadline)
         try:
             client.set(f"{_store_prefix(channel_id)}/{_OPENER_KEY}", opener)
-        except Exception:
+        except Exception:  # noqa: BLE001 - any error means the same: reconnect once, and a second failure raises
             # The cached connection is dead (the store restarted on the same address?): one fresh try.
             self._forget_client(address, client)
             client = self._client_for(address, deadline)

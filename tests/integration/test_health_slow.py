@@ -72,16 +72,21 @@ async def test_slow_worker_goes_suspicious_its_share_halves_and_it_is_restored_a
     async def calibrated_and_checked():
         listing = await fleet.healths[0].list_health()
         assert listing.calibrations and all(r.last_check_at > listing.calibrations[0].calibrated_at for r in listing.workers)
-        return True
+        return listing
 
-    await assert_eventually(calibrated_and_checked, timeout=30, interval=0.1)
+    listing = await assert_eventually(calibrated_and_checked, timeout=30, interval=0.1)
+    baseline_s = next(r.latency_baseline_s for r in listing.workers if r.worker_id == slow.worker_id)
     async with await Client.connect(fleet.routers[0].address, timeout=60) as client:
         before = await routed_counts(client, 120, "before")
         async with grpc.aio.insecure_channel(slow.address) as channel:
             chaos = chaos_pb2_grpc.ChaosServiceStub(channel)
             auth = [("authorization", f"Bearer {TOKEN}")]
-            # Clearly past the 3x latency limit: 0.03 s over a canary's 9 steps left ~25 % of margin over a noisy baseline.
-            await chaos.InjectFault(chaos_pb2.InjectFaultRequest(kind=chaos_pb2.FAULT_KIND_SLOW, slow_step_s=0.05), metadata=auth, timeout=5)
+            # Clearly past the 3x latency limit whatever the host's speed: over a canary's 9 steps, half the worker's
+            # own baseline per step adds 4.5 baselines (a fixed 0.05 s per step stayed under the limit of a 0.25 s one).
+            slow_step_s = max(0.05, baseline_s / 2)
+            await chaos.InjectFault(
+                chaos_pb2.InjectFaultRequest(kind=chaos_pb2.FAULT_KIND_SLOW, slow_step_s=slow_step_s), metadata=auth, timeout=5
+            )
             record = await wait_record(fleet, slow.worker_id, common_pb2.WORKER_HEALTH_SUSPICIOUS, timeout=5)
             assert record.routing_weight == 0.5
             assert record.last_failure.split(":")[0] in ("latency", "timeout"), record.last_failure

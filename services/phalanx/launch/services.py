@@ -18,12 +18,11 @@ from pathlib import Path
 import grpc
 from prometheus_client.parser import text_string_to_metric_families
 
-from phalanx._proto import checkpoint_pb2, checkpoint_pb2_grpc, common_pb2, health_pb2, health_pb2_grpc, migration_pb2
+from phalanx._proto import checkpoint_pb2, checkpoint_pb2_grpc, common_pb2, health_pb2, health_pb2_grpc
 from phalanx.common.children import pdeathsig_preexec
 from phalanx.common.config import EtcdConfig
-from phalanx.common.discovery import EtcdDirectory, WorkerDirectory, decode_json
-from phalanx.common.lease import connect_etcd
-from phalanx.common.subjects import CHECKPOINT_STORES_PREFIX, MIGRATIONS_PREFIX, ROUTERS_PREFIX
+from phalanx.common.discovery import CheckpointStoreDirectory, EtcdDirectory, MigrationDirectory, WorkerDirectory
+from phalanx.common.subjects import ROUTERS_PREFIX
 from phalanx.launch.ports import free_port
 
 __all__ = [
@@ -232,33 +231,8 @@ async def start_checkpoint_store(
          *extra],
         {"PHALANX_ETCD_LEASE_TTL_S": str(etcd_config.lease_ttl_s), **(env or {})},
     )
-    key = CHECKPOINT_STORES_PREFIX + store_id
-    advertisement = await _advertisement(process, etcd_config, key, checkpoint_pb2.CheckpointStoreRegistration, store_id, timeout)
+    advertisement = await _registration(process, CheckpointStoreDirectory(etcd_config), store_id, timeout)
     return CheckpointStoreHandle(store_id, process, advertisement)
-
-
-async def _advertisement(process: subprocess.Popen, etcd_config: EtcdConfig, key: str, message_type, name: str, timeout: float):
-    """The ``message_type`` ``process`` put at ``key`` (with its pid: not a previous holder's, lingering until its lease lapses)."""
-    client = connect_etcd(etcd_config)
-    deadline = time.monotonic() + timeout
-    try:
-        while True:
-            if process.poll() is not None:
-                raise RuntimeError(f"{name} exited with {process.returncode} before it advertised itself")
-            held = await client.get(key.encode())
-            advertisement = decode_json(held.value, message_type) if held is not None else message_type()
-            if advertisement.pid == process.pid:
-                return advertisement
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{name} did not advertise itself within {timeout:.0f} s")
-            await asyncio.sleep(0.05)
-    except BaseException:
-        with contextlib.suppress(Exception):
-            process.kill()
-            process.wait(5)
-        raise
-    finally:
-        await client.close()
 
 
 async def start_migration(
@@ -271,6 +245,5 @@ async def start_migration(
          "--log-level", "WARNING", *extra],
         {"PHALANX_ETCD_LEASE_TTL_S": str(etcd_config.lease_ttl_s), "PHALANX_MIGRATION_METRICS_PORT": str(metrics_port), **(env or {})},
     )
-    key = MIGRATIONS_PREFIX + instance_id
-    advertisement = await _advertisement(process, etcd_config, key, migration_pb2.MigrationRegistration, instance_id, timeout)
+    advertisement = await _registration(process, MigrationDirectory(etcd_config), instance_id, timeout)
     return ServiceHandle(instance_id, process, advertisement.address, f"127.0.0.1:{metrics_port}")

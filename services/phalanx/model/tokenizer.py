@@ -34,6 +34,11 @@ class Tokenizer(Protocol):
     @property
     def eos_token_id(self) -> int | None: ...
 
+    @property
+    def chat_template(self) -> str | None:
+        """The model's Jinja chat template; None: phalanx.model.chat's ChatML."""
+        ...
+
     def encode(self, text: str, *, add_bos: bool = True) -> list[int]: ...
 
     def decode(self, ids: list[int]) -> str: ...
@@ -53,6 +58,7 @@ class ByteTokenizer:
     vocab_size = BYTE_VOCAB_SIZE
     bos_token_id = SpecialTokens.BOS
     eos_token_id = SpecialTokens.EOS
+    chat_template = None
 
     def encode(self, text: str, *, add_bos: bool = True) -> list[int]:
         ids = [SpecialTokens.BOS] if add_bos else []
@@ -112,6 +118,7 @@ class HFTokenizer:
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         self.bos_token_id = bos_token_id
         self.eos_token_id = eos_token_id
+        self.chat_template = _chat_template_beside(path)
 
     def encode(self, text: str, *, add_bos: bool = True) -> list[int]:
         ids = self._tok.encode(text, add_special_tokens=False).ids
@@ -149,6 +156,17 @@ class HFDetokenizer:
 
     def flush(self) -> str:
         return ""
+
+
+def _chat_template_beside(tokenizer_json: Path) -> str | None:
+    """The chat_template of the tokenizer_config.json next to a tokenizer.json, if any."""
+    import json
+
+    config = Path(tokenizer_json).with_name("tokenizer_config.json")
+    if not config.is_file():
+        return None
+    template = json.loads(config.read_text()).get("chat_template")
+    return template if isinstance(template, str) else None
 
 
 def load_tokenizer(path: Path | None, *, bos_token_id: int | None, eos_token_id: int | None) -> Tokenizer:

@@ -34,7 +34,8 @@ def read_state(path: Path) -> dict | None:
 
 
 def stack_pids(state: dict) -> list[int]:
-    pids = [state["supervisor_pid"], state["router_pid"], state["nats_pid"], state["etcd_pid"], *(w["pid"] for w in state["workers"])]
+    pids = [state["supervisor_pid"], state["router_pid"], state["nats_pid"], state["etcd_pid"], *(w["pid"] for w in state["workers"]),
+            *(s["pid"] for s in state["services"])]
     return [pid for pid in pids if pid]
 
 
@@ -157,14 +158,33 @@ def test_up_fails_fast_when_the_router_port_is_taken(tmp_path):
     assert not (tmp_path / "up.json").exists()
 
 
-def start_foreground(tmp_path: Path, nats_server, etcd_server) -> tuple[subprocess.Popen, Path, dict]:
-    """A foreground `phalanx up` on the session's NATS and etcd, returned once its state file says ready."""
+@pytest.fixture
+def foreground(tmp_path, nats_server, etcd_server):
+    """start_foreground for this test; a supervisor the test left running is SIGKILLed (PDEATHSIG takes its children)."""
+    started: list[subprocess.Popen] = []
+
+    def start(*args: str, env: dict[str, str] | None = None) -> tuple[subprocess.Popen, Path, dict]:
+        process, state_file, state = start_foreground(tmp_path, nats_server, etcd_server, *args, env=env)
+        started.append(process)
+        return process, state_file, state
+
+    yield start
+    for process in started:
+        if process.poll() is None:
+            process.kill()
+            process.wait(30)
+
+
+def start_foreground(
+    tmp_path: Path, nats_server, etcd_server, *args: str, env: dict[str, str] | None = None
+) -> tuple[subprocess.Popen, Path, dict]:
+    """A foreground `phalanx up` (one worker) on the session's NATS and etcd, returned once its state file says ready."""
     state_file = tmp_path / "up.json"
     log = open(tmp_path / "out.txt", "w")  # noqa: SIM115 - a file, not a pipe: nobody has to drain it
     process = subprocess.Popen(
         [*CLI, "up", "--workers", "1", "--port", "0", "--state-file", str(state_file),
-         "--nats-url", nats_server.url, "--etcd-endpoint", etcd_server.endpoint],
-        env=ENV, stdout=log, stderr=subprocess.STDOUT,
+         "--nats-url", nats_server.url, "--etcd-endpoint", etcd_server.endpoint, *args],
+        env={**ENV, **(env or {})}, stdout=log, stderr=subprocess.STDOUT,
     )
     log.close()
 
@@ -183,8 +203,8 @@ def start_foreground(tmp_path: Path, nats_server, etcd_server) -> tuple[subproce
     return process, state_file, state
 
 
-def test_foreground_up_stops_everything_on_sigterm_and_exits_0(tmp_path, nats_server, etcd_server):
-    process, state_file, state = start_foreground(tmp_path, nats_server, etcd_server)
+def test_foreground_up_stops_everything_on_sigterm_and_exits_0(tmp_path, nats_server, etcd_server, foreground):
+    process, state_file, state = foreground()
     process.send_signal(signal.SIGTERM)
     assert process.wait(90) == 0, (tmp_path / "out.txt").read_text()
     assert_all_gone(stack_pids(state))
@@ -194,12 +214,64 @@ def test_foreground_up_stops_everything_on_sigterm_and_exits_0(tmp_path, nats_se
     assert nats_server.running and etcd_server.running
 
 
-def test_foreground_up_exits_1_naming_a_process_that_died(tmp_path, nats_server, etcd_server):
-    process, state_file, state = start_foreground(tmp_path, nats_server, etcd_server)
+def test_a_killed_worker_and_router_are_replaced_while_the_stack_keeps_serving(tmp_path, foreground):
+    process, state_file, state = foreground()
+    unknown = phalanx("chaos", "kill", "worker-9", "--state-file", str(state_file))
+    assert unknown.returncode == 1
+    assert "no process 'worker-9'" in unknown.stderr and "worker-0" in unknown.stderr and "router-0" in unknown.stderr
     worker_pid = state["workers"][0]["pid"]
-    os.kill(worker_pid, signal.SIGKILL)
-    assert process.wait(90) == 1
+    killed = phalanx("chaos", "kill", "worker-0", "--state-file", str(state_file), timeout=150)
+    assert killed.returncode == 0, killed.stdout + killed.stderr
+    assert f"sent SIGKILL to worker-0 (pid {worker_pid})" in killed.stdout
+    assert "replaced it with worker-1 (pid " in killed.stdout
+    after = read_state(state_file)
+    assert [w["worker_id"] for w in after["workers"]] == ["worker-1"] and after["workers"][0]["pid"] != worker_pid
+
+    router_pid = state["router_pid"]
+    killed = phalanx("chaos", "kill", "router-0", "--state-file", str(state_file), timeout=150)
+    assert killed.returncode == 0, killed.stdout + killed.stderr
+    after = read_state(state_file)
+    assert after["router_address"] == state["router_address"] and after["router_pid"] not in (None, router_pid)
+
+    generated = phalanx("generate", "Hello", "--max-tokens", "4", "--state-file", str(state_file))
+    assert generated.returncode == 0, generated.stderr
+    status = phalanx("status", "--json", "--state-file", str(state_file))
+    assert status.returncode == 0, status.stderr
+    events = [e["what"] for e in json.loads(status.stdout)["supervisor"]["events"]]
+    assert f"started to replace worker-0 (pid {worker_pid}), which exited with signal SIGKILL" in events
+    assert f"started to replace router-0 (pid {router_pid}), which exited with signal SIGKILL" in events
     out = (tmp_path / "out.txt").read_text()
-    assert f"worker-0 (pid {worker_pid}) exited with signal SIGKILL" in out
+    assert f"worker-0 (pid {worker_pid}) exited with signal SIGKILL" in out and "stopping everything" not in out
+
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(90) == 0, (tmp_path / "out.txt").read_text()
+    assert_all_gone([*stack_pids(state), *stack_pids(after)])
+    assert not state_file.exists()
+
+
+def test_chaos_kill_with_nothing_up_says_so(tmp_path):
+    result = phalanx("chaos", "kill", "worker", "--state-file", str(tmp_path / "none.json"))
+    assert result.returncode == 1 and "nothing is up" in result.stderr
+
+
+def test_a_process_that_keeps_dying_at_start_up_stops_the_stack_naming_it(tmp_path, foreground):
+    transformers = pytest.importorskip("transformers")
+    checkpoint = tmp_path / "tiny-llama"
+    config = transformers.LlamaConfig(
+        vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+        max_position_embeddings=2048,
+    )
+    transformers.LlamaForCausalLM(config).save_pretrained(checkpoint)
+    process, state_file, state = foreground(
+        "--model", str(checkpoint),
+        env={"PHALANX_UP_RESTART_BACKOFF_S": "0.1", "PHALANX_UP_CRASH_LOOP_LIMIT": "3"},
+    )
+    (checkpoint / "config.json").unlink()  # every replacement worker now fails to load the model
+    os.kill(state["workers"][0]["pid"], signal.SIGKILL)
+    assert process.wait(120) == 1, (tmp_path / "out.txt").read_text()
+    out = (tmp_path / "out.txt").read_text()
+    assert "worker-0 keeps failing at start-up (3 times in a row" in out
+    # Why: the second replacement, like the first, exited before it served.
+    assert "worker-1 exited with 1 before registering" in out and "last: worker-2 exited with 1 before registering" in out
     assert_all_gone(stack_pids(state))
     assert not state_file.exists()

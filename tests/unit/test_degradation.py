@@ -227,10 +227,19 @@ def test_no_routable_fresh_worker_is_level_four_at_once():
     assert policy.evaluate(0.0, fleet(4)).level == 0
     decision = policy.evaluate(1.0, [])
     assert decision.level == 4 and decision.reason.startswith("no routable worker")
-    # Recovery still steps down one level per lower_after_s.
+    # Workers back after the outage: the level their pressure calls for at once (4 of them: 0), then the usual rules.
+    back = policy.evaluate(2.0, fleet(4))
+    assert back.level == 0 and back.reason.endswith("4 routable worker(s) back after an outage: level set by their pressure")
     clock = Clock(policy)
-    clock.now = 2.0
-    assert clock.levels(fleet(4), 61) == [4] * 30 + [3] * 30 + [2]
+    clock.now = 3.0
+    assert clock.levels(fleet(2), 4) == [0, 0, 0, 0]  # a rise waits raise_after_s (60 s here) again
+
+
+def test_after_an_outage_too_few_workers_get_the_level_their_pressure_calls_for():
+    policy = DegradationPolicy(make_config())
+    policy.evaluate(0.0, [])
+    assert policy.evaluate(1.0, fleet(2)).level == 3  # pressure 1.5
+    assert policy.evaluate(2.0, fleet(4)).level == 3  # from here on, one step per lower_after_s
 
 
 def test_no_load_and_no_throughput_slo_is_level_zero():

@@ -1,5 +1,6 @@
-"""`phalanx chaos`: inject, clear and list faults on a worker that has chaos enabled.
+"""`phalanx chaos`: kill a process of the local stack; inject, clear and list faults on a worker that has chaos enabled.
 
+    phalanx chaos kill worker-0 --wait       # SIGKILL; wait until `phalanx up` replaced it
     phalanx chaos inject slow --worker w0 --slow-step-s 0.1 --duration-s 30
     phalanx chaos inject corrupt --address 127.0.0.1:50061 --target weights
     phalanx chaos list --worker w0 --json
@@ -13,6 +14,7 @@ import enum
 import json
 import sys
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import typer
@@ -23,7 +25,7 @@ if TYPE_CHECKING:
 __all__ = ["chaos_app"]
 
 chaos_app = typer.Typer(
-    help="Fault injection on a worker started with PHALANX_WORKER_CHAOS_ENABLED=true and a token (tests, game days).",
+    help="Kill a process of `phalanx up`'s stack; inject faults on a worker started with PHALANX_WORKER_CHAOS_ENABLED=true and a token.",
     no_args_is_help=True,
 )
 
@@ -57,6 +59,34 @@ _JSON = typer.Option(False, "--json", help="Print JSON only")
 _INJECT_KIND = typer.Argument(..., help="What to break")
 _CLEAR_KIND = typer.Argument(None, help="The kind of fault to clear [default: all]", show_default=False)
 _TARGET = typer.Option(Target.logits, help="corrupt: what to corrupt")
+
+
+@chaos_app.command()
+def kill(
+    process: str = typer.Argument(..., help="worker-N (or just `worker`), router-0, health-0, checkpoint-0, migration-0, nats or etcd"),
+    signal_name: str = typer.Option("KILL", "--signal", help="KILL, TERM, INT, ..."),
+    wait: bool = typer.Option(True, "--wait/--no-wait", help="Wait until the supervisor reports its replacement"),
+    timeout_s: float = typer.Option(120.0, "--timeout-s", min=1.0, help="How long --wait waits"),
+    state_file: str = typer.Option(None, envvar="PHALANX_STATE_FILE", help="State file [default: ~/.phalanx/up.json]"),
+) -> None:
+    """Kill a process of the local `phalanx up` stack and watch the supervisor replace it while the rest keeps serving."""
+    import signal
+
+    from phalanx.cli.chaos_kill import KillError, kill_process
+    from phalanx.cli.state import default_state_file
+
+    try:
+        sig = signal.Signals[f"SIG{signal_name.upper().removeprefix('SIG')}"]
+    except KeyError:
+        raise typer.BadParameter(f"unknown signal {signal_name!r}", param_hint="--signal") from None
+    try:
+        result = kill_process(Path(state_file) if state_file else default_state_file(), process, sig=sig, wait_s=timeout_s if wait else 0.0)
+    except KillError as error:
+        print(f"error: {error}", file=sys.stderr)
+        raise typer.Exit(1) from None
+    print(f"sent {result.signal} to {result.process} (pid {result.pid})")
+    if result.replaced_by:
+        print(f"the supervisor replaced it with {result.replaced_by} in {result.replaced_after_s:.1f} s; the rest kept serving")
 
 
 @chaos_app.command()

@@ -239,11 +239,15 @@ def status(
     api_key: str = typer.Option(None, envvar="PHALANX_API_KEY", help="API key, if the router requires one"),
     state_file: str = typer.Option(None, envvar="PHALANX_STATE_FILE", help="State file to find the router in"),
 ) -> None:
-    """The workers the router routes to: health, load and KV cache."""
-    from phalanx.cli.state import resolve_target
+    """The workers the router routes to (health, load and KV cache), and what the local `phalanx up` replaced."""
+    from phalanx.cli.state import live_state, resolve_target
     from phalanx.cli.status import show_status
 
-    raise typer.Exit(_run_client(show_status(resolve_target(target, _state_file(state_file)), as_json=as_json, api_key=api_key)))
+    resolved = resolve_target(target, _state_file(state_file))
+    supervisor = live_state(_state_file(state_file))
+    if supervisor is not None and supervisor.router_address != resolved:
+        supervisor = None  # some other router than the local stack's
+    raise typer.Exit(_run_client(show_status(resolved, as_json=as_json, api_key=api_key, supervisor=supervisor)))
 
 
 def _run_client(call) -> int:

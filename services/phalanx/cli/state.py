@@ -21,6 +21,8 @@ from typing import Literal
 
 __all__ = [
     "DEFAULT_TARGET",
+    "ProcessEntry",
+    "SupervisorEvent",
     "UpState",
     "WorkerEntry",
     "claim_state",
@@ -47,6 +49,29 @@ class WorkerEntry:
 
 
 @dataclass
+class ProcessEntry:
+    """A service other than the router and the workers (health, checkpoint store, migration)."""
+
+    name: str
+    address: str
+    pid: int
+
+
+@dataclass
+class SupervisorEvent:
+    """Something the supervisor saw or did: a process that died, its replacement, a crash loop."""
+
+    at: float
+    process: str
+    pid: int | None
+    what: str
+
+
+# The state file keeps the latest events only.
+MAX_EVENTS = 50
+
+
+@dataclass
 class UpState:
     """What the state file holds; ``status`` is "starting" until every process is ready."""
 
@@ -59,16 +84,19 @@ class UpState:
     router_metrics_address: str = ""
     router_pid: int | None = None
     workers: list[WorkerEntry] = field(default_factory=list)
+    services: list[ProcessEntry] = field(default_factory=list)
     nats_url: str = ""
     nats_pid: int | None = None  # None: an external NATS we did not start
     etcd_endpoint: str = ""
     etcd_pid: int | None = None
     log_file: str = ""  # set by `phalanx up --detach`
     ready_at: float | None = None
+    events: list[SupervisorEvent] = field(default_factory=list)
 
     def pids(self) -> list[int]:
         """Every process of the stack that the supervisor started, supervisor included."""
-        pids = [self.supervisor_pid, self.router_pid, *(w.pid for w in self.workers), self.etcd_pid, self.nats_pid]
+        pids = [self.supervisor_pid, self.router_pid, *(w.pid for w in self.workers), *(s.pid for s in self.services), self.etcd_pid,
+                self.nats_pid]
         return [pid for pid in pids if pid]
 
     def to_json(self) -> str:
@@ -84,6 +112,8 @@ class UpState:
             known = {f.name for f in fields(cls)}  # a newer writer's extra keys are ignored
             data = {k: v for k, v in data.items() if k in known}
             data["workers"] = [WorkerEntry(**w) for w in data.get("workers", [])]
+            data["services"] = [ProcessEntry(**p) for p in data.get("services", [])]
+            data["events"] = [SupervisorEvent(**e) for e in data.get("events", [])]
             return cls(**data)
         except (TypeError, json.JSONDecodeError) as error:
             raise ValueError(f"not a phalanx state file: {error}") from error

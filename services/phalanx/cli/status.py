@@ -12,6 +12,7 @@ from rich.console import Console
 from rich.measure import Measurement
 from rich.table import Table
 
+from phalanx.cli.state import UpState
 from phalanx.client import Client, PhalanxClientError, WorkerInfo
 
 __all__ = ["show_status", "stream_generate", "workers_table"]
@@ -44,8 +45,12 @@ async def stream_generate(target: str, prompt: str, *, api_key: str | None, **op
     return 0
 
 
-async def show_status(target: str, *, as_json: bool, api_key: str | None) -> int:
-    """The router's workers as a table, or ``{"router": target, "workers": [...]}``; the exit code."""
+async def show_status(target: str, *, as_json: bool, api_key: str | None, supervisor: UpState | None = None) -> int:
+    """The router's workers as a table, or ``{"router": target, "workers": [...]}``; the exit code.
+
+    ``supervisor``: the local `phalanx up` that runs this router, whose recent events (what died,
+    what replaced it) follow the table (``"supervisor"`` in JSON).
+    """
     try:
         async with await Client.connect(target, api_key=api_key, timeout=_STATUS_TIMEOUT_S) as client:
             workers = await client.list_workers()
@@ -53,7 +58,10 @@ async def show_status(target: str, *, as_json: bool, api_key: str | None) -> int
         return _report(error)
     workers = sorted(workers, key=lambda w: w.worker_id)
     if as_json:
-        print(json.dumps({"router": target, "workers": [asdict(w) for w in workers]}, indent=2))
+        out: dict = {"router": target, "workers": [asdict(w) for w in workers]}
+        if supervisor is not None:
+            out["supervisor"] = {"pid": supervisor.supervisor_pid, "events": [asdict(e) for e in supervisor.events]}
+        print(json.dumps(out, indent=2))
     else:
         table = workers_table(target, workers)
         console = Console()
@@ -61,7 +69,22 @@ async def show_status(target: str, *, as_json: bool, api_key: str | None) -> int
             wide = Console(width=1000)
             console = Console(width=Measurement.get(wide, wide.options, table).maximum)
         console.print(table)
+        if supervisor is not None:
+            _print_events(console, supervisor)
     return 0
+
+
+_SHOWN_EVENTS = 10
+
+
+def _print_events(console: Console, supervisor: UpState) -> None:
+    replaced = sum(1 for e in supervisor.events if e.what.startswith("started to replace"))
+    console.print(f"supervisor pid {supervisor.supervisor_pid}: {replaced} process(es) replaced" + (", latest events:" if replaced else ""),
+                  highlight=False)
+    for event in supervisor.events[-_SHOWN_EVENTS:]:
+        mark = "[green]✓[/]" if event.what.startswith("started") else "[red]✗[/]"
+        pid = f" (pid {event.pid})" if event.pid else ""
+        console.print(f"  {time.strftime('%H:%M:%S', time.localtime(event.at))} {mark} {event.process}{pid} {event.what}", highlight=False)
 
 
 def workers_table(target: str, workers: list[WorkerInfo]) -> Table:

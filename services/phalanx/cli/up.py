@@ -1,7 +1,12 @@
 """`phalanx up` / `phalanx down`: NATS, etcd, checkpoint store, migration, N workers, a router and health as supervised processes.
 
-Nothing restarts silently: if any process exits, the supervisor says which
-one and with what code, stops the rest and exits 1. SIGINT / SIGTERM /
+Whatever it started may die: the supervisor says which process and how, on
+its board, in its output and in the state file's events (`phalanx status`
+shows them), and starts a replacement after a capped backoff (a worker under
+a new id, everything else under its old id and address), while the rest
+keeps serving. It stops only when asked, or when a process keeps dying at
+start-up (a crash loop, ``phalanx.cli.restarts``): then it names it and
+exits 1. SIGINT / SIGTERM /
 SIGHUP stop everything in order (health, router, then workers, which drain on
 SIGTERM, then etcd and NATS), by PID, and exit 0. Every child also gets
 PR_SET_PDEATHSIG, so even a SIGKILLed supervisor leaves no orphans.
@@ -16,13 +21,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import functools
 import os
 import signal
 import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -33,8 +39,12 @@ from rich.spinner import Spinner
 from rich.table import Table
 from rich.text import Text
 
+from phalanx.cli.restarts import RestartDecision, RestartPolicy, RestartTracker
 from phalanx.cli.state import (
     DEFAULT_TARGET,
+    MAX_EVENTS,
+    ProcessEntry,
+    SupervisorEvent,
     UpState,
     WorkerEntry,
     claim_state,
@@ -134,6 +144,13 @@ class _Row:
     state: str = "starting"
     address: str = ""
     pid: int | None = None
+    note: str = ""
+
+
+# Rows of processes that died and were replaced stay on the board as a record; this many at most.
+_MAX_REPLACED_ROWS = 8
+_MARKS = {"ready": ("✓", "green"), "external": ("✓", "green"), "failed": ("✗", "red"), "replaced": ("✗", "red"),
+          "restarting": ("↻", "yellow")}
 
 
 @dataclass
@@ -156,20 +173,26 @@ class _Board:
                 self._live.update(self._render(), refresh=True)
                 self._live = None
 
-    def set(self, name: str, state: str, address: str = "", pid: int | None = None) -> None:
-        self.rows[name] = _Row(state, address, pid)
+    def set(self, name: str, state: str, address: str = "", pid: int | None = None, *, note: str = "") -> None:
+        self.rows.pop(name, None)  # re-inserted last: the newest change at the bottom
+        self.rows[name] = _Row(state, address, pid, note)
+        replaced = [n for n, row in self.rows.items() if row.state == "replaced"]
+        for old in replaced[:-_MAX_REPLACED_ROWS]:
+            del self.rows[old]
         if self._live is not None:
             self._live.update(self._render())
         else:
             self.console.print(self._line(name, self.rows[name]))
 
     def _line(self, name: str, row: _Row) -> Text:
-        mark = {"ready": ("✓", "green"), "external": ("✓", "green"), "failed": ("✗", "red")}.get(row.state, ("…", "yellow"))
-        text = Text.assemble((mark[0], mark[1]), f" {name:<10} {row.state:<9}")
+        mark = _MARKS.get(row.state, ("…", "yellow"))
+        text = Text.assemble((mark[0], mark[1]), f" {name:<12} {row.state:<10}")
         if row.address:
             text.append(f" {row.address}")
         if row.pid:
             text.append(f"  pid {row.pid}")
+        if row.note:
+            text.append(f"  ({row.note})")
         return text
 
     def _render(self) -> Table:
@@ -179,7 +202,8 @@ class _Board:
                 table.add_row(Spinner("dots", style="yellow"), name, Text("starting…", style="yellow"), "", "")
             else:
                 line = self._line(name, row)
-                table.add_row(line[:1], name, row.state, row.address, f"pid {row.pid}" if row.pid else "")
+                pid = f"pid {row.pid}" if row.pid else ""
+                table.add_row(line[:1], name, row.state, row.address, f"{pid}  {row.note}".strip())
         return table
 
 
@@ -195,24 +219,36 @@ def _describe_exit(code: int | None) -> str:
     return f"code {code}"
 
 
-class _Stack:
-    """The processes one `phalanx up` started, in start order."""
+class CrashLoopError(Exception):
+    """A process keeps dying at start-up: the message names it and says why."""
 
-    def __init__(self, options: UpOptions, board: _Board, console: Console) -> None:
+
+class _Stack:
+    """The processes one `phalanx up` started, and the replacements of those that died."""
+
+    def __init__(self, options: UpOptions, board: _Board, console: Console, policy: RestartPolicy | None = None) -> None:
         self.options = options
         self.board = board
         self.console = console
+        self.policy = policy or RestartPolicy()
         self.nats: NatsServer | None = None  # None: external, or not started yet
         self.etcd: EtcdServer | None = None
         self.nats_url = options.nats_url or ""
         self.etcd_endpoint = options.etcd_endpoint or ""
         self.workers: dict[str, WorkerHandle] = {}  # in id order once all started
         self.router: RouterHandle | None = None
+        self.router_address = ""  # kept while a replacement router starts: it binds the same port
         self.router_metrics = ""
         self.health: HealthHandle | None = None
         self.store: ServiceHandle | None = None
         self.migration: ServiceHandle | None = None
         self.hurry = asyncio.Event()  # a second signal while stopping: SIGKILL what is left
+        self.trackers: dict[str, RestartTracker] = {}  # by the name of the process now in the slot
+        self.replacing: dict[str, asyncio.Task] = {}  # by the name of the process that died
+        self.events: list[SupervisorEvent] = []
+        self.changed = asyncio.Event()  # a process was replaced: the state file is out of date
+        self.crash_loop: CrashLoopError | None = None
+        self._next_worker = options.workers
 
     def start_infra(self) -> None:
         """NATS and etcd (unless external); blocking, from the main thread so PR_SET_PDEATHSIG holds."""
@@ -223,22 +259,56 @@ class _Stack:
         if not self.nats_url:
             self.nats = NatsServer().start()
             self.nats_url = self.nats.url
-            self.board.set("nats", "ready", self.nats_url, self.nats.pid)
+            self._ready("nats", self.nats_url, self.nats.pid)
         if not self.etcd_endpoint:
             self.etcd = EtcdServer().start()
             self.etcd_endpoint = self.etcd.endpoint
-            self.board.set("etcd", "ready", self.etcd_endpoint, self.etcd.pid)
+            self._ready("etcd", self.etcd_endpoint, self.etcd.pid)
+
+    def _ready(self, name: str, address: str, pid: int | None) -> None:
+        self.board.set(name, "ready", address, pid)
+        self.trackers.setdefault(name, RestartTracker(self.policy)).ready(time.monotonic())
+
+    @property
+    def _etcd_config(self):
+        from phalanx.common.config import EtcdConfig
+
+        return EtcdConfig(endpoint=self.etcd_endpoint)
+
+    @property
+    def _env(self) -> dict[str, str]:
+        # Free ports for every process: an environment made for one service per host (the
+        # container image sets fixed metrics ports) must not make the second one fail to bind.
+        return {"PHALANX_ENGINE_MODEL": self.options.model, "PHALANX_WORKER_METRICS_PORT": "0", "PHALANX_ROUTER_METRICS_PORT": "0"}
+
+    async def _start_worker(self, worker_id: str) -> WorkerHandle:
+        from phalanx.launch.services import start_worker
+
+        mode = "--deterministic" if self.options.deterministic else "--fast"
+        return await start_worker(worker_id, self.nats_url, self._etcd_config, mode, env=self._env)
+
+    async def _start_router(self, port: int) -> RouterHandle:
+        from phalanx.launch.services import start_router
+
+        return await start_router(ROUTER_ID, self.nats_url, self._etcd_config, "--model", self.options.model, port=port, env=self._env)
+
+    async def _start_store(self) -> ServiceHandle:
+        from phalanx.launch.services import start_checkpoint_store
+
+        return await start_checkpoint_store(STORE_ID, self._etcd_config, env={"PHALANX_CHECKPOINT_METRICS_PORT": "0"})
+
+    async def _start_migration(self) -> ServiceHandle:
+        from phalanx.launch.services import start_migration
+
+        return await start_migration(MIGRATION_ID, self.nats_url, self._etcd_config)
+
+    async def _start_health(self) -> HealthHandle:
+        from phalanx.launch.services import start_health
+
+        return await start_health(HEALTH_ID, self.nats_url, self._etcd_config)
 
     async def start_services(self) -> None:
         """The workers in parallel, then the router, so it starts with every worker's KV blocks indexed, then health."""
-        from phalanx.common.config import EtcdConfig
-        from phalanx.launch.services import start_checkpoint_store, start_health, start_migration, start_router, start_worker
-
-        etcd = EtcdConfig(endpoint=self.etcd_endpoint)
-        mode = "--deterministic" if self.options.deterministic else "--fast"
-        # Free ports for every process: an environment made for one service per host (the
-        # container image sets fixed metrics ports) must not make the second one fail to bind.
-        env = {"PHALANX_ENGINE_MODEL": self.options.model, "PHALANX_WORKER_METRICS_PORT": "0", "PHALANX_ROUTER_METRICS_PORT": "0"}
         ids = [f"worker-{i}" for i in range(self.options.workers)]
         for worker_id in ids:
             self.board.set(worker_id, "starting")
@@ -248,17 +318,17 @@ class _Stack:
         for name in (STORE_ID, MIGRATION_ID):
             self.board.set(name, "starting")
         try:
-            self.store = await start_checkpoint_store(STORE_ID, etcd, env={"PHALANX_CHECKPOINT_METRICS_PORT": "0"})
-            self.board.set(STORE_ID, "ready", self.store.address, self.store.process.pid)
-            self.migration = await start_migration(MIGRATION_ID, self.nats_url, etcd)
-            self.board.set(MIGRATION_ID, "ready", self.migration.address, self.migration.process.pid)
+            self.store = await self._start_store()
+            self._ready(STORE_ID, self.store.address, self.store.process.pid)
+            self.migration = await self._start_migration()
+            self._ready(MIGRATION_ID, self.migration.address, self.migration.process.pid)
         except Exception as error:  # noqa: BLE001 - whatever it is, report it and stop the rest
             raise UpError(f"checkpoint store / migration: {error or type(error).__name__}") from None
 
         async def one(worker_id: str) -> None:
-            handle = await start_worker(worker_id, self.nats_url, etcd, mode, env=env)
+            handle = await self._start_worker(worker_id)
             self.workers[worker_id] = handle
-            self.board.set(worker_id, "ready", handle.address, handle.process.pid)
+            self._ready(worker_id, handle.address, handle.process.pid)
 
         try:
             async with asyncio.TaskGroup() as group:
@@ -269,48 +339,148 @@ class _Stack:
         self.workers = {worker_id: self.workers[worker_id] for worker_id in ids}
         self.board.set(ROUTER_ID, "starting")
         try:
-            self.router = await start_router(ROUTER_ID, self.nats_url, etcd, "--model", self.options.model, port=self.options.port, env=env)
+            self.router = await self._start_router(self.options.port)
         except Exception as error:  # noqa: BLE001 - whatever it is, report it and stop the rest
             hint = f" (is port {self.options.port} taken? try --port 0)" if self.options.port else ""
             raise UpError(f"{error or type(error).__name__}{hint}") from None
-        self.board.set(ROUTER_ID, "ready", self.router.address, self.router.process.pid)
-        self.router_metrics = self.router.metrics_address
+        self._router_ready(self.router)
         self.board.set(HEALTH_ID, "starting")
         try:
-            self.health = await start_health(HEALTH_ID, self.nats_url, etcd)
+            self.health = await self._start_health()
         except Exception as error:  # noqa: BLE001 - whatever it is, report it and stop the rest
             raise UpError(f"health service: {error or type(error).__name__}") from None
-        self.board.set(HEALTH_ID, "ready", self.health.address, self.health.process.pid)
+        self._ready(HEALTH_ID, self.health.address, self.health.process.pid)
+
+    def _router_ready(self, router: RouterHandle) -> None:
+        self.router_address = router.address
+        self.router_metrics = router.metrics_address
+        self._ready(ROUTER_ID, router.address, router.process.pid)
 
     def state(self, supervisor: UpState) -> UpState:
         """``supervisor`` filled in with every process, marked ready."""
-        assert self.router is not None, "called before start()"
+        assert self.router_address, "called before start()"
+        services = [ProcessEntry(h.name, h.address, h.process.pid) for h in (self.health, self.store, self.migration) if h is not None]
         return UpState(
             supervisor_pid=supervisor.supervisor_pid, started_at=supervisor.started_at, status="ready", model=self.options.model,
-            router_id=ROUTER_ID, router_address=self.router.address, router_metrics_address=self.router_metrics,
-            router_pid=self.router.process.pid,
-            workers=[WorkerEntry(w.worker_id, w.address, w.process.pid) for w in self.workers.values()],
+            router_id=ROUTER_ID, router_address=self.router_address, router_metrics_address=self.router_metrics,
+            router_pid=self.router.process.pid if self.router is not None else None,
+            workers=[WorkerEntry(w.worker_id, w.address, w.process.pid) for w in self.workers.values()], services=services,
             nats_url=self.nats_url, nats_pid=self.nats.pid if self.nats else None,
             etcd_endpoint=self.etcd_endpoint, etcd_pid=self.etcd.pid if self.etcd else None,
-            log_file=supervisor.log_file, ready_at=time.time(),
+            log_file=supervisor.log_file, ready_at=supervisor.ready_at or time.time(), events=self.events[-MAX_EVENTS:],
         )
 
-    def first_exit(self) -> tuple[str, int | None, int | None] | None:
-        """(name, pid, exit code) of a process of ours that exited, or None while all run."""
-        extras = [h for h in (self.router, self.health, self.store, self.migration) if h is not None]
-        services = [*self.workers.values(), *extras]
-        for handle in services:
-            if handle.process.poll() is not None:
-                return handle.name, handle.process.pid, handle.process.returncode
+    # --- replacing what died -------------------------------------------------------------------
+
+    def exited(self) -> list[tuple[str, int | None, int | None]]:
+        """(name, pid, exit code) of every process of ours that exited and is not being replaced yet."""
+        found: list[tuple[str, int | None, int | None]] = []
+        handles: list[ServiceHandle] = [*self.workers.values(), *(h for h in (self.router, self.health, self.store, self.migration) if h)]
+        for handle in handles:
+            if handle.process.poll() is not None and handle.name not in self.replacing:
+                found.append((handle.name, handle.process.pid, handle.process.returncode))
         for name, server in (("nats", self.nats), ("etcd", self.etcd)):
             # infra.py's servers expose no exit code; their Popen is the one place it lives.
             proc = getattr(server, "_proc", None)
-            if server is not None and proc is not None and proc.poll() is not None:
-                return name, proc.pid, proc.returncode
-        return None
+            if server is not None and proc is not None and proc.poll() is not None and name not in self.replacing:
+                found.append((name, proc.pid, proc.returncode))
+        return found
+
+    def replace(self, name: str, pid: int | None, code: int | None) -> None:
+        """Report that ``name`` died and start its replacement in the background (after a backoff)."""
+        decision = self.trackers[name].exited(time.monotonic())
+        self._record(name, pid, f"exited with {_describe_exit(code)}")
+        if self.workers.pop(name, None) is not None:
+            start = self._replace_worker
+        else:
+            start = functools.partial(self._restart_in_place, name)
+        self.replacing[name] = asyncio.create_task(self._replace(name, pid, code, decision, start))
+
+    async def _replace(
+        self, name: str, pid: int | None, code: int | None, decision: RestartDecision, start: Callable[[], Awaitable[tuple[str, int | None]]]
+    ) -> None:
+        tracker = self.trackers.pop(name)
+        why = f"exited with {_describe_exit(code)}"
+        try:
+            while True:
+                if decision.give_up:
+                    self.crash_loop = CrashLoopError(
+                        f"{name} keeps failing at start-up ({decision.failures_in_a_row} times in a row; last: {why}); "
+                        f"see its output above"
+                    )
+                    self._record(name, pid, f"crash loop: {self.crash_loop}")
+                    self.board.set(name, "failed", note=why)
+                    return
+                self.board.set(name, "restarting", note=f"{why}; restarting in {decision.delay_s:.1f} s")
+                await asyncio.sleep(decision.delay_s)
+                try:
+                    new_name, new_pid = await start()
+                except Exception as error:  # noqa: BLE001 - any start failure counts toward a crash loop
+                    why = f"{error}" or type(error).__name__
+                    decision = tracker.failed_to_start()
+                    continue
+                tracker.ready(time.monotonic())
+                self.trackers[new_name] = tracker
+                if new_name != name:
+                    self.board.set(name, "replaced", note=f"{why}; replaced by {new_name}")
+                self._record(new_name, new_pid, f"started to replace {name} (pid {pid}), which {why}")
+                self.changed.set()
+                return
+        finally:
+            self.replacing.pop(name, None)
+
+    async def _replace_worker(self) -> tuple[str, int | None]:
+        """A worker under a new id (health and migration still hold the old one as dead); its (id, pid)."""
+        worker_id = f"worker-{self._next_worker}"
+        self._next_worker += 1
+        self.board.set(worker_id, "starting")
+        try:
+            handle = await self._start_worker(worker_id)
+        except BaseException:
+            self.board.rows.pop(worker_id, None)
+            raise
+        self.workers[worker_id] = handle
+        self.board.set(worker_id, "ready", handle.address, handle.process.pid)
+        return worker_id, handle.process.pid
+
+    async def _restart_in_place(self, name: str) -> tuple[str, int | None]:
+        """Anything but a worker, started again under its old name; its (name, pid)."""
+        if name == ROUTER_ID:
+            self.router = None
+            # The same port: clients (and the state file) keep the address they know.
+            self.router = router = await self._start_router(int(self.router_address.rsplit(":", 1)[1]))
+            self._router_ready(router)
+            return ROUTER_ID, router.process.pid
+        if name in ("nats", "etcd"):
+            server = self.nats if name == "nats" else self.etcd
+            assert server is not None  # only ours are watched
+            server.stop()  # reaps the dead process and closes its log
+            # Blocking, and on the main thread on purpose: PR_SET_PDEATHSIG ties the child to this thread.
+            # Same ports and data directory: every client reconnects, etcd keeps its keys and leases.
+            server.start()
+            self.board.set(name, "ready", self.nats_url if name == "nats" else self.etcd_endpoint, server.pid)
+            return name, server.pid
+        attribute, start = {HEALTH_ID: ("health", self._start_health), STORE_ID: ("store", self._start_store),
+                            MIGRATION_ID: ("migration", self._start_migration)}[name]
+        setattr(self, attribute, None)
+        service = await start()
+        setattr(self, attribute, service)
+        self.board.set(name, "ready", service.address, service.process.pid)
+        return name, service.process.pid
+
+    def _record(self, process: str, pid: int | None, what: str) -> None:
+        self.events.append(SupervisorEvent(at=time.time(), process=process, pid=pid, what=what))
+        del self.events[:-MAX_EVENTS]
+        mark, style = ("✓", "green") if what.startswith("started") else ("✗", "red")
+        self.console.print(f"[{style}]{mark} {process}{f' (pid {pid})' if pid else ''} {what}[/]", highlight=False)
+        self.changed.set()
 
     async def stop(self) -> None:
-        """Health (so it marks nobody dead on the way out), router, workers (SIGTERM: they drain), etcd, NATS."""
+        """Replacements being started, health (so it marks nobody dead on the way out), router, workers (SIGTERM: they drain), etcd, NATS."""
+        for task in list(self.replacing.values()):
+            task.cancel()  # a start that is cancelled kills the process it was waiting for
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.gather(*self.replacing.values(), return_exceptions=True)
         if self.health is not None:
             await self._terminate({HEALTH_ID: self.health.process}, _ROUTER_STOP_S)
         if self.router is not None:
@@ -361,7 +531,7 @@ def _print_ready(console: Console, state: UpState, state_file: Path, seconds: fl
 
 
 async def run_up(options: UpOptions, console: Console) -> int:
-    """Start the stack, supervise it until a signal (exit 0) or a process exit (exit 1)."""
+    """Start the stack and supervise it, replacing what dies, until a signal (exit 0) or a crash loop (exit 1)."""
     # We fork children (preexec_fn forces fork over vfork) while our etcd client's gRPC threads
     # run; gRPC's fork handlers then restart a poller in the child that dies on EBADF before exec
     # (SIGABRT, grpc/grpc#43055, grpcio >= 1.80). We never use gRPC in a forked child, so turn them
@@ -369,7 +539,8 @@ async def run_up(options: UpOptions, console: Console) -> int:
     os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
     try:
         _preflight(options)
-    except UpError as error:
+        policy = RestartPolicy.from_env()
+    except (UpError, ValueError) as error:
         console.print(f"[red]error:[/] {error}", highlight=False)
         return 1
     me = UpState(supervisor_pid=os.getpid(), model=options.model, log_file=str(options.log_file or ""))
@@ -381,7 +552,7 @@ async def run_up(options: UpOptions, console: Console) -> int:
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     board = _Board(console)
-    stack = _Stack(options, board, console)
+    stack = _Stack(options, board, console, policy)
     received: list[str] = []
 
     def on_signal(sig: signal.Signals) -> None:
@@ -401,7 +572,9 @@ async def run_up(options: UpOptions, console: Console) -> int:
             ready = stack.state(me)
             write_state(options.state_file, ready)
             _print_ready(console, ready, options.state_file, time.monotonic() - started)
-            code = await _supervise(stack, stop, console)
+            me.ready_at = ready.ready_at
+            with board.live():
+                code = await _supervise(stack, stop, console, lambda: write_state(options.state_file, stack.state(me)))
         if code == 0 and received:
             console.print(f"{received[0]}: stopping…", highlight=False)
         return code
@@ -441,12 +614,16 @@ async def _start(stack: _Stack, stop: asyncio.Event, console: Console) -> int | 
     return None
 
 
-async def _supervise(stack: _Stack, stop: asyncio.Event, console: Console) -> int:
+async def _supervise(stack: _Stack, stop: asyncio.Event, console: Console, write: Callable[[], None]) -> int:
+    """Replace whatever dies and keep the state file current, until a signal (0) or a crash loop (1)."""
     while not stop.is_set():
-        exited = stack.first_exit()
-        if exited is not None:
-            name, pid, code = exited
-            console.print(f"[red]✗ {name} (pid {pid}) exited with {_describe_exit(code)}; stopping everything[/]", highlight=False)
+        for name, pid, code in stack.exited():
+            stack.replace(name, pid, code)
+        if stack.changed.is_set():
+            stack.changed.clear()
+            write()
+        if stack.crash_loop is not None:
+            console.print(f"[red]✗ {stack.crash_loop}; stopping everything[/]", highlight=False)
             return 1
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(stop.wait(), _POLL_S)

@@ -63,7 +63,11 @@ end of a hold does not take the fleet to level 4); it drops one step when
 pressure has stayed below the current level's lower threshold x (1 -
 lower_margin) for lower_after_s; each step restarts the timers. With no
 routable, fresh worker at all, pressure is infinite and level 4 applies at
-once.
+once. When routable workers come back after such an outage, the level goes
+straight to what their measured pressure calls for: the forced level 4 was no
+reading of load, so there is no noisy reading to guard against, and holding
+it would refuse every request for minutes after the fleet recovered (a
+one-worker stack whose worker was replaced, say).
 """
 
 from __future__ import annotations
@@ -159,6 +163,7 @@ class DegradationPolicy:
         self._lower_since: float | None = None
         self._peaks: dict[str, _Peak] = {}
         self._last_now: float | None = None
+        self._outage = False  # the level was forced to MAX_LEVEL by no routable worker at all
 
     def evaluate(self, now: float, workers: Iterable[WorkerCapacity]) -> DegradationDecision:
         workers = list(workers)
@@ -166,6 +171,7 @@ class DegradationPolicy:
         fresh = [w for w in workers if w.routable and w.weight > 0 and w.report_age_s <= self.config.report_stale_s]
         if not fresh:
             self.level = MAX_LEVEL
+            self._outage = True
             self._raise_since = self._lower_since = None
             reason = f"no routable worker with a load report under {self.config.report_stale_s:g} s old ({len(workers)} registered)"
             return self._decision(math.inf, reason, 0)
@@ -174,7 +180,12 @@ class DegradationPolicy:
         worst = max(criteria, key=lambda c: c.pressure, default=None)
         pressure = worst.pressure if worst else 0.0
         reason = f"{worst.name}: {worst.detail}" if worst else "no load"
-        notes += self._step(now, pressure)
+        if self._outage:
+            self._outage = False
+            self.level = target_level(pressure)
+            notes.append(f"{len(fresh)} routable worker(s) back after an outage: level set by their pressure")
+        else:
+            notes += self._step(now, pressure)
         return self._decision(pressure, "; ".join([reason, *notes]), len(fresh))
 
     # -- hysteresis ------------------------------------------------------------------

@@ -174,7 +174,6 @@ class _Board:
                 self._live = None
 
     def set(self, name: str, state: str, address: str = "", pid: int | None = None, *, note: str = "") -> None:
-        self.rows.pop(name, None)  # re-inserted last: the newest change at the bottom
         self.rows[name] = _Row(state, address, pid, note)
         replaced = [n for n, row in self.rows.items() if row.state == "replaced"]
         for old in replaced[:-_MAX_REPLACED_ROWS]:

@@ -158,6 +158,26 @@ def migration_service(
     _run_until_signalled(process)
 
 
+@app.command("gateway")
+def gateway_service(
+    router: str = typer.Option(None, help='Router target: host:port, or "ipv4:h1:p1,h2:p2" for several [env PHALANX_GATEWAY_ROUTER]'),
+    host: str = typer.Option(None, help="Bind address [env PHALANX_GATEWAY_HOST]"),
+    port: int = typer.Option(None, help="HTTP port, 0 for any [env PHALANX_GATEWAY_PORT]"),
+    model: str = typer.Option(
+        None, help="Built-in model or checkpoint dir the routers serve (default: the workers' model) [env PHALANX_GATEWAY_MODEL]"
+    ),
+    log_level: str = typer.Option("INFO"),
+) -> None:
+    """Run the OpenAI-compatible HTTP gateway (/v1/completions, /v1/chat/completions, /v1/models) in front of the routers."""
+    from phalanx.common.config import TelemetryConfig
+    from phalanx.gateway.config import GatewayConfig
+    from phalanx.gateway.process import GatewayProcess
+
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    process = GatewayProcess(GatewayConfig(**_given(router=router, host=host, port=port, model=model)), TelemetryConfig())
+    _run_until_signalled(process)
+
+
 def _given(**values):
     """Options given on the command line; the rest come from env vars or defaults."""
     return {k: v for k, v in values.items() if v not in (None, "")}

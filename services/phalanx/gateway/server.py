@@ -19,6 +19,7 @@ from contextlib import suppress
 from pathlib import Path
 from typing import Any, TypeVar
 
+import anyio
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from opentelemetry import trace
@@ -182,9 +183,11 @@ class GatewayServer:
     # -- one generation ------------------------------------------------------------------------
     async def _generate(self, request: Request, dialect: Dialect) -> Response:
         arrived = time.perf_counter()
+        # Under the web framework's own server span when it makes one (FastAPI's telemetry), else the caller's trace context.
+        framework_span = trace.get_current_span().get_span_context().is_valid
         span = tracer.start_span(
-            f"gateway.{dialect.endpoint}", context=extract_context(request.headers), kind=trace.SpanKind.SERVER,
-            attributes={"http.route": request.url.path},
+            f"gateway.{dialect.endpoint}", context=None if framework_span else extract_context(request.headers),
+            kind=trace.SpanKind.INTERNAL if framework_span else trace.SpanKind.SERVER, attributes={"http.route": request.url.path},
         )
         self.metrics.active.inc()
         streaming = False
@@ -362,11 +365,13 @@ class _Call:
                     _fail_span(self.span, error.message)
                     yield self._event(error.body())
         finally:
-            await self.generation.aclose()
             self._close_span()
             self.span.end()
             server.metrics.active.dec()
             server._count(self.dialect, status, self.arrived)
+            # A client that left cancels this response's scope, which would interrupt every await here but a shielded one.
+            with anyio.CancelScope(shield=True):
+                await self.generation.aclose()
 
     @staticmethod
     def _event(body: dict[str, Any]) -> dict[str, str]:

@@ -84,6 +84,7 @@ def test_status_json_lists_the_worker_with_its_pid(detached):
     assert result.returncode == 0, result.stderr
     status = json.loads(result.stdout)
     assert status["router"] == state["router_address"]
+    assert status["gateway_url"] == state["gateway_url"]  # the stack's gateway in front of that router ("" without one)
     [worker] = status["workers"]
     assert worker["worker_id"] == "worker-0"
     assert worker["pid"] == state["workers"][0]["pid"]

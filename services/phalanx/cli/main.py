@@ -260,10 +260,15 @@ def status(
     state_file: str = typer.Option(None, envvar="PHALANX_STATE_FILE", help="State file to find the router in"),
 ) -> None:
     """The workers the router routes to: health, load and KV cache."""
-    from phalanx.cli.state import resolve_target
+    from phalanx.cli.state import live_state, resolve_target
     from phalanx.cli.status import show_status
 
-    raise typer.Exit(_run_client(show_status(resolve_target(target, _state_file(state_file)), as_json=as_json, api_key=api_key)))
+    path = _state_file(state_file)
+    target = resolve_target(target, path)
+    stack = live_state(path)
+    # The running stack's gateway, when it fronts the router asked about.
+    gateway_url = stack.gateway_url if stack is not None and stack.router_address == target else ""
+    raise typer.Exit(_run_client(show_status(target, as_json=as_json, api_key=api_key, gateway_url=gateway_url)))
 
 
 def _run_client(call) -> int:

@@ -44,8 +44,11 @@ async def stream_generate(target: str, prompt: str, *, api_key: str | None, **op
     return 0
 
 
-async def show_status(target: str, *, as_json: bool, api_key: str | None) -> int:
-    """The router's workers as a table, or ``{"router": target, "workers": [...]}``; the exit code."""
+async def show_status(target: str, *, as_json: bool, api_key: str | None, gateway_url: str = "") -> int:
+    """The router's workers as a table, or ``{"router": target, "gateway_url": ..., "workers": [...]}``; the exit code.
+
+    ``gateway_url`` is the OpenAI-compatible gateway in front of that router ("" when none is known).
+    """
     try:
         async with await Client.connect(target, api_key=api_key, timeout=_STATUS_TIMEOUT_S) as client:
             workers = await client.list_workers()
@@ -53,7 +56,7 @@ async def show_status(target: str, *, as_json: bool, api_key: str | None) -> int
         return _report(error)
     workers = sorted(workers, key=lambda w: w.worker_id)
     if as_json:
-        print(json.dumps({"router": target, "workers": [asdict(w) for w in workers]}, indent=2))
+        print(json.dumps({"router": target, "gateway_url": gateway_url, "workers": [asdict(w) for w in workers]}, indent=2))
     else:
         table = workers_table(target, workers)
         console = Console()

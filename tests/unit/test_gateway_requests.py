@@ -180,11 +180,11 @@ TENANTS = {
 }
 
 
-def test_an_open_gateway_runs_everyone_as_default_and_forwards_its_router_key():
-    ring = KeyRing(TENANTS, {}, router_api_key="svc")
-    caller = ring.admit(None)
-    assert (caller.tenant, caller.tier, caller.api_key) == ("default", Tier.STANDARD, "svc")
-    assert ring.keys() == ["svc"]
+def test_an_open_gateway_leaves_tenant_and_tier_to_the_router_and_forwards_its_router_key():
+    caller = KeyRing(TENANTS, {}, router_api_key="svc").admit(None)
+    assert (caller.tenant, caller.tier, caller.api_key) == (None, None, "svc")
+    with pytest.raises(GatewayError):
+        KeyRing({"default": TenantPolicy(max_tier="standard")}, {}).admit(None, header_tier="premium")  # the default tenant's policy
 
 
 def test_keys_map_to_tenants_and_missing_or_unknown_keys_are_401():
@@ -199,7 +199,7 @@ def test_keys_map_to_tenants_and_missing_or_unknown_keys_are_401():
 
 def test_a_request_may_lower_its_tier_but_never_raise_it():
     ring = KeyRing(TENANTS, {"k": "batch"})
-    assert ring.admit("Bearer k").tier == Tier.BEST_EFFORT  # the tenant's default
+    assert ring.admit("Bearer k").tier is None  # the router applies the tenant's default
     assert ring.admit("Bearer k", header_tier="standard").tier == Tier.STANDARD
     assert ring.admit("Bearer k", metadata_tier="best_effort").tier == Tier.BEST_EFFORT
     with pytest.raises(GatewayError) as caught:

@@ -3,7 +3,9 @@
 A key maps to a tenant; the tenant's policy gives its default and highest tier.
 A request may ask for a lower tier than that (``X-Phalanx-Tier`` or the body's
 ``metadata.tier``), never a higher one. Without keys the gateway is open, as
-the router is: every request runs as tenant ``default``.
+the router is: requests carry no tenant (the router's ``default``, or the
+tenant of the gateway's own router key). What a request does not ask for is
+left to the router, whose admission applies the same policies.
 """
 
 from __future__ import annotations
@@ -23,10 +25,10 @@ TIER_METADATA = "metadata.tier"
 
 @dataclass(frozen=True)
 class Caller:
-    """A request's tenant and tier, and the key the router gets (None: none)."""
+    """What the router gets: the tenant (None: the key's or default), the tier (None: the tenant's default) and the key."""
 
-    tenant: str
-    tier: Tier
+    tenant: str | None
+    tier: Tier | None
     api_key: str | None
 
 
@@ -42,14 +44,10 @@ class KeyRing:
     def open(self) -> bool:
         return not self._api_keys
 
-    def keys(self) -> list[str | None]:
-        """Every key a request may forward (None: no key), so one router channel can be made per key."""
-        return list(self._api_keys) if self._api_keys else [self._router_api_key]
-
-    def authenticate(self, authorization: str | None) -> tuple[str, str | None]:
-        """The tenant and forwarded key of an ``Authorization`` header value; raises 401 for a missing or unknown key."""
+    def authenticate(self, authorization: str | None) -> tuple[str | None, str | None]:
+        """The tenant (None when open) and forwarded key of an ``Authorization`` header value; 401 for a missing or unknown key."""
         if self.open:
-            return DEFAULT_TENANT, self._router_api_key
+            return None, self._router_api_key
         scheme, _, token = (authorization or "").partition(" ")
         if scheme.lower() != "bearer" or not token.strip():
             raise GatewayError(
@@ -61,19 +59,19 @@ class KeyRing:
             raise GatewayError(401, "unknown API key", kind="authentication_error", code="invalid_api_key")
         return tenant, key
 
-    def tier(self, tenant: str, *, header_tier: str | None, metadata_tier: str | None) -> Tier:
-        """The tier a request asked for (header first, then metadata), or its tenant's default; 400 above the tenant's highest."""
-        policy = self._tenants.get(tenant) or TenantPolicy()
+    def tier(self, tenant: str | None, *, header_tier: str | None, metadata_tier: str | None) -> Tier | None:
+        """The tier a request asked for (header first, then metadata); None: none asked. 400 above the tenant's highest."""
         asked, param = (header_tier, TIER_HEADER) if header_tier else (metadata_tier, TIER_METADATA)
         if not asked:
-            return Tier.from_name(policy.default_tier)
+            return None
         try:
             tier = Tier.from_name(asked.strip())
         except KeyError:
             raise bad_request(param, f"unknown tier {asked!r}: use premium, standard or best_effort") from None
-        highest = Tier.from_name(policy.max_tier)
+        name = tenant or DEFAULT_TENANT
+        highest = Tier.from_name((self._tenants.get(name) or TenantPolicy()).max_tier)
         if tier < highest:  # a lower value is a higher priority
-            raise bad_request(param, f"tenant {tenant!r} may use {highest.label} at most, not {tier.label}")
+            raise bad_request(param, f"tenant {name!r} may use {highest.label} at most, not {tier.label}")
         return tier
 
     def admit(self, authorization: str | None, *, header_tier: str | None = None, metadata_tier: str | None = None) -> Caller:

@@ -223,7 +223,7 @@ class GatewayServer:
             args = parsed.generate_args()
         request_id = uuid.uuid4().hex
         span.set_attributes({
-            "phalanx.request_id": request_id, "phalanx.tenant": caller.tenant, "phalanx.tier": caller.tier.label,
+            "phalanx.request_id": request_id, "phalanx.tenant": caller.tenant or "", "phalanx.tier": caller.tier.label if caller.tier else "",
             "gen_ai.request.model": model, "gen_ai.request.max_tokens": args.max_tokens,
         })
         stream = self._open(client, caller, args, request_id)
@@ -235,7 +235,8 @@ class GatewayServer:
 
     def _open(self, client: Client, caller: Caller, args: GenerateArgs, request_id: str) -> GenerateStream:
         try:
-            return client.generate(args.prompt, **args.kwargs(), tier=caller.tier.label, tenant=caller.tenant, request_id=request_id)
+            tier = caller.tier.label if caller.tier is not None else None
+            return client.generate(args.prompt, **args.kwargs(), tier=tier, tenant=caller.tenant, request_id=request_id)
         except PhalanxClientError as error:  # the SDK checks a few arguments itself
             raise from_client_error(error) from None
 

@@ -380,14 +380,20 @@ async def test_gateway_router_and_worker_spans_share_the_callers_trace(deploymen
     await assert_eventually(joined, timeout=10)
 
 
-async def test_health_metrics_and_a_clean_exit_on_sigterm_with_a_stream_in_flight(deployment, model):
-    gateway = await start_gateway(deployment.target, name="gateway-sigterm", env={"PHALANX_GATEWAY_ROUTER_API_KEY": "svc"})
+async def test_a_configured_model_name_health_metrics_and_a_clean_exit_on_sigterm_with_a_stream_in_flight(deployment, model):
+    gateway = await start_gateway(
+        deployment.target, "--model", model, name="gateway-sigterm",
+        env={"PHALANX_GATEWAY_ROUTER_API_KEY": "svc", "PHALANX_GATEWAY_SERVED_MODEL_NAME": "tiny"},
+    )
     try:
         async with httpx.AsyncClient(base_url=gateway.url) as http:
             assert (await http.get("/health")).json() == {"status": "ok"}
         async with async_client(gateway) as client:
+            assert [m.id for m in (await client.models.list()).data] == ["tiny"]
+            answer = await client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=3)
+            assert answer.model == "tiny" and answer.usage is not None and answer.usage.completion_tokens >= 1
             stream = await client.completions.create(
-                model=model, prompt=PROMPT, max_tokens=60, temperature=0, stream=True, extra_body={"ignore_eos": True}
+                model="tiny", prompt=PROMPT, max_tokens=60, temperature=0, stream=True, extra_body={"ignore_eos": True}
             )
             first = await anext(aiter(stream))
             gateway.process.terminate()  # SIGTERM: the stream in flight still finishes within the grace period

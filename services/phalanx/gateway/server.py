@@ -118,14 +118,13 @@ class GatewayServer:
         self.keyring = KeyRing(config.tenants, config.api_keys, router_api_key=config.router_api_key)
         self.started_at = int(time.time())
         self.stopping = False
-        self._model = config.model
-        self._served_name = config.served_model_name or config.model
+        self._reported_model = ""
         self._chat: _ChatPrompts | None = None
 
     # -- the served model ----------------------------------------------------------------
-    async def served_model(self, client: Client) -> str:
-        """The model id clients name: configured, else the one the router's workers report (asked once)."""
-        if not self._served_name:
+    async def _workers_model(self, client: Client) -> str:
+        """The model the router's workers report (asked once)."""
+        if not self._reported_model:
             try:
                 workers = await client.list_workers(timeout=_LIST_WORKERS_TIMEOUT_S)
             except PhalanxClientError as error:
@@ -136,9 +135,12 @@ class GatewayServer:
                     503, "no worker is registered yet, so the served model is unknown", kind="server_error", code="unavailable",
                     retry_after_s=_NO_MODEL_RETRY_AFTER_S,
                 )
-            self._model = self._model or models[0]
-            self._served_name = self._served_name or models[0]
-        return self._served_name
+            self._reported_model = models[0]
+        return self._reported_model
+
+    async def served_model(self, client: Client) -> str:
+        """The model id clients name: served_model_name, else model, else the workers' model."""
+        return self.config.served_model_name or self.config.model or await self._workers_model(client)
 
     async def _check_model(self, client: Client, asked: str) -> str:
         served = await self.served_model(client)
@@ -149,13 +151,14 @@ class GatewayServer:
             )
         return served
 
-    async def _chat_prompts(self) -> _ChatPrompts:
+    async def _chat_prompts(self, client: Client) -> _ChatPrompts:
         if self._chat is None:
+            model = self.config.model or await self._workers_model(client)
             try:
-                self._chat = await asyncio.to_thread(_ChatPrompts, self._model)
+                self._chat = await asyncio.to_thread(_ChatPrompts, model)
             except ValueError as error:
                 raise GatewayError(
-                    500, f"cannot load the tokenizer of {self._model!r} for its chat template ({error}); start the gateway with "
+                    500, f"cannot load the tokenizer of {model!r} for its chat template ({error}); start the gateway with "
                     "--model <checkpoint directory>", kind="server_error", code="chat_template",
                 ) from None
         return self._chat
@@ -203,6 +206,9 @@ class GatewayServer:
         except ClientDisconnected:
             self._count(dialect, "client_closed", arrived)
             raise
+        except Exception:
+            self._count(dialect, "500", arrived)  # answered by the app's handler of unexpected errors
+            raise
         finally:
             if not streaming:  # a stream ends its span and counts itself when it is over
                 span.end()
@@ -217,7 +223,7 @@ class GatewayServer:
         client = await self.clients.get(caller.api_key)
         model = await self._check_model(client, parsed.model)
         if isinstance(parsed, ChatCompletionRequest):
-            prompt = (await self._chat_prompts()).render(parsed.template_messages())
+            prompt = (await self._chat_prompts(client)).render(parsed.template_messages())
             args = parsed.generate_args(prompt, default_max_tokens=self.config.default_max_tokens)
         else:
             args = parsed.generate_args()

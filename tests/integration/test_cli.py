@@ -59,7 +59,7 @@ def assert_all_gone(pids: list[int]) -> None:
 def detached(tmp_path_factory):
     """One `phalanx up --detach` stack (own NATS and etcd, one worker) shared by the tests that only read it."""
     state_file = tmp_path_factory.mktemp("up") / "up.json"
-    result = phalanx("up", "--detach", "--workers", "1", "--port", "0", "--state-file", str(state_file), timeout=120)
+    result = phalanx("up", "--detach", "--workers", "1", "--port", "0", "--gateway-port", "0", "--state-file", str(state_file), timeout=120)
     assert result.returncode == 0, result.stdout + result.stderr
     state = read_state(state_file)
     assert state is not None and state["status"] == "ready"
@@ -85,6 +85,7 @@ def test_status_json_lists_the_worker_with_its_pid(detached):
     assert result.returncode == 0, result.stderr
     status = json.loads(result.stdout)
     assert status["router"] == state["router_address"]
+    assert status["gateway_url"] == state["gateway_url"]  # the stack's gateway in front of that router ("" without one)
     [worker] = status["workers"]
     assert worker["worker_id"] == "worker-0"
     assert worker["pid"] == state["workers"][0]["pid"]
@@ -115,7 +116,7 @@ def test_generate_reports_a_rejected_request_as_a_typed_error(detached):
 
 def test_second_up_with_the_same_state_file_refuses(detached):
     state_file, state, _ = detached
-    result = phalanx("up", "--workers", "1", "--port", "0", "--state-file", str(state_file))
+    result = phalanx("up", "--workers", "1", "--port", "0", "--gateway-port", "0", "--state-file", str(state_file))
     assert result.returncode == 1
     assert "already up" in result.stdout and "phalanx down" in result.stdout
     assert read_state(state_file)["supervisor_pid"] == state["supervisor_pid"]
@@ -152,7 +153,7 @@ def test_up_fails_fast_when_the_router_port_is_taken(tmp_path):
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        result = phalanx("up", "--workers", "1", "--port", str(port), "--state-file", str(tmp_path / "up.json"))
+        result = phalanx("up", "--workers", "1", "--port", str(port), "--gateway-port", "0", "--state-file", str(tmp_path / "up.json"))
     assert result.returncode == 1
     assert f"port {port} is taken" in result.stdout and "--port 0" in result.stdout
     assert not (tmp_path / "up.json").exists()
@@ -182,7 +183,7 @@ def start_foreground(
     state_file = tmp_path / "up.json"
     log = open(tmp_path / "out.txt", "w")  # noqa: SIM115 - a file, not a pipe: nobody has to drain it
     process = subprocess.Popen(
-        [*CLI, "up", "--workers", "1", "--port", "0", "--state-file", str(state_file),
+        [*CLI, "up", "--workers", "1", "--port", "0", "--gateway-port", "0", "--state-file", str(state_file),
          "--nats-url", nats_server.url, "--etcd-endpoint", etcd_server.endpoint, *args],
         env={**ENV, **(env or {})}, stdout=log, stderr=subprocess.STDOUT,
     )
@@ -233,8 +234,18 @@ def test_a_killed_worker_and_router_are_replaced_while_the_stack_keeps_serving(t
     after = read_state(state_file)
     assert after["router_address"] == state["router_address"] and after["router_pid"] not in (None, router_pid)
 
+    killed = phalanx("chaos", "kill", "gateway-0", "--state-file", str(state_file), timeout=150)
+    assert killed.returncode == 0, killed.stdout + killed.stderr
+    after = read_state(state_file)
+    assert after["gateway_url"] == state["gateway_url"]
+
     generated = phalanx("generate", "Hello", "--max-tokens", "4", "--state-file", str(state_file))
     assert generated.returncode == 0, generated.stderr
+    openai = pytest.importorskip("openai")
+    with openai.OpenAI(base_url=f"{after['gateway_url']}/v1", api_key="unused", max_retries=0) as client:
+        [model] = client.models.list().data
+        completion = client.completions.create(model=model.id, prompt="Hello", max_tokens=4)
+    assert completion.usage.completion_tokens == 4
     status = phalanx("status", "--json", "--state-file", str(state_file))
     assert status.returncode == 0, status.stderr
     events = [e["what"] for e in json.loads(status.stdout)["supervisor"]["events"]]

@@ -158,6 +158,26 @@ def migration_service(
     _run_until_signalled(process)
 
 
+@app.command("gateway")
+def gateway_service(
+    router: str = typer.Option(None, help='Router target: host:port, or "ipv4:h1:p1,h2:p2" for several [env PHALANX_GATEWAY_ROUTER]'),
+    host: str = typer.Option(None, help="Bind address [env PHALANX_GATEWAY_HOST]"),
+    port: int = typer.Option(None, help="HTTP port, 0 for any [env PHALANX_GATEWAY_PORT]"),
+    model: str = typer.Option(
+        None, help="Built-in model or checkpoint dir the routers serve (default: the workers' model) [env PHALANX_GATEWAY_MODEL]"
+    ),
+    log_level: str = typer.Option("INFO"),
+) -> None:
+    """Run the OpenAI-compatible HTTP gateway (/v1/completions, /v1/chat/completions, /v1/models) in front of the routers."""
+    from phalanx.common.config import TelemetryConfig
+    from phalanx.gateway.config import GatewayConfig
+    from phalanx.gateway.process import GatewayProcess
+
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    process = GatewayProcess(GatewayConfig(**_given(router=router, host=host, port=port, model=model)), TelemetryConfig())
+    _run_until_signalled(process)
+
+
 def _given(**values):
     """Options given on the command line; the rest come from env vars or defaults."""
     return {k: v for k, v in values.items() if v not in (None, "")}
@@ -175,13 +195,14 @@ def up(
     model: str = typer.Option("phalanx-tiny-moe", help="Built-in model or HF checkpoint directory"),
     deterministic: bool = typer.Option(True, "--deterministic/--fast", help="Batch-invariant numerics"),
     port: int = typer.Option(50051, min=0, max=65535, help="Router gRPC port; 0 for any free one"),
+    gateway_port: int = typer.Option(8000, min=0, max=65535, help="OpenAI-compatible HTTP gateway port; 0 for any free one"),
     nats_url: str = typer.Option(None, envvar="PHALANX_NATS_URL", help="External NATS (default: start one)"),
     etcd_endpoint: str = typer.Option(None, envvar="PHALANX_ETCD_ENDPOINT", help="External etcd host:port (default: start one)"),
     state_file: str = typer.Option(None, envvar="PHALANX_STATE_FILE", help="State file [default: ~/.phalanx/up.json]"),
     detach: bool = typer.Option(False, "--detach", help="Run in the background; stop it with `phalanx down`"),
     log_file: str = typer.Option(None, hidden=True, help="Set by --detach: where this supervisor's output goes"),
 ) -> None:
-    """Bring Phalanx up on this machine: NATS, etcd, workers and a router as supervised local processes."""
+    """Bring Phalanx up on this machine: NATS, etcd, workers, a router, an OpenAI-compatible gateway and the rest, supervised."""
     from rich.console import Console
 
     from phalanx.cli.up import UpOptions, run_detached, run_up
@@ -189,7 +210,7 @@ def up(
     if Path(model).exists():
         model = str(Path(model).resolve())  # the detached supervisor and its workers may not share our directory
     options = UpOptions(
-        workers=workers, model=model, deterministic=deterministic, port=port, state_file=_state_file(state_file),
+        workers=workers, model=model, deterministic=deterministic, port=port, gateway_port=gateway_port, state_file=_state_file(state_file),
         nats_url=nats_url, etcd_endpoint=etcd_endpoint, log_file=Path(log_file) if log_file else None,
     )
     console = Console(soft_wrap=True)  # long lines stay whole in the detached log

@@ -90,6 +90,7 @@ class UpState:
     etcd_endpoint: str = ""
     etcd_pid: int | None = None
     log_file: str = ""  # set by `phalanx up --detach`
+    gateway_url: str = ""  # the OpenAI-compatible gateway's base URL ("" when none runs)
     ready_at: float | None = None
     events: list[SupervisorEvent] = field(default_factory=list)
 

@@ -46,10 +46,11 @@ async def stream_generate(target: str, prompt: str, *, api_key: str | None, **op
 
 
 async def show_status(target: str, *, as_json: bool, api_key: str | None, supervisor: UpState | None = None) -> int:
-    """The router's workers as a table, or ``{"router": target, "workers": [...]}``; the exit code.
+    """The router's workers as a table, or ``{"router": target, "gateway_url": ..., "workers": [...]}``; the exit code.
 
-    ``supervisor``: the local `phalanx up` that runs this router, whose recent events (what died,
-    what replaced it) follow the table (``"supervisor"`` in JSON).
+    ``supervisor``: the local `phalanx up` that runs this router: its OpenAI-compatible gateway
+    (``gateway_url``, "" when none is known) and its recent events (what died, what replaced it)
+    follow the table (``"supervisor"`` in JSON).
     """
     try:
         async with await Client.connect(target, api_key=api_key, timeout=_STATUS_TIMEOUT_S) as client:
@@ -58,7 +59,7 @@ async def show_status(target: str, *, as_json: bool, api_key: str | None, superv
         return _report(error)
     workers = sorted(workers, key=lambda w: w.worker_id)
     if as_json:
-        out: dict = {"router": target, "workers": [asdict(w) for w in workers]}
+        out: dict = {"router": target, "gateway_url": supervisor.gateway_url if supervisor else "", "workers": [asdict(w) for w in workers]}
         if supervisor is not None:
             out["supervisor"] = {"pid": supervisor.supervisor_pid, "events": [asdict(e) for e in supervisor.events]}
         print(json.dumps(out, indent=2))
@@ -78,6 +79,8 @@ _SHOWN_EVENTS = 10
 
 
 def _print_events(console: Console, supervisor: UpState) -> None:
+    if supervisor.gateway_url:
+        console.print(f"OpenAI-compatible gateway: {supervisor.gateway_url}/v1", highlight=False)
     replaced = sum(1 for e in supervisor.events if e.what.startswith("started to replace"))
     console.print(f"supervisor pid {supervisor.supervisor_pid}: {replaced} process(es) replaced" + (", latest events:" if replaced else ""),
                   highlight=False)

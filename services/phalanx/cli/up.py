@@ -60,7 +60,7 @@ from phalanx.cli.state import (
 
 if TYPE_CHECKING:
     from phalanx.launch.infra import EtcdServer, NatsServer
-    from phalanx.launch.services import HealthHandle, RouterHandle, ServiceHandle, WorkerHandle
+    from phalanx.launch.services import GatewayHandle, HealthHandle, RouterHandle, ServiceHandle, WorkerHandle
 
 __all__ = ["UpOptions", "run_detached", "run_down", "run_up"]
 
@@ -68,6 +68,7 @@ ROUTER_ID = "router-0"
 HEALTH_ID = "health-0"
 STORE_ID = "checkpoint-0"
 MIGRATION_ID = "migration-0"
+GATEWAY_ID = "gateway-0"
 # Together under `phalanx down`'s 60 s. The router's own grace is 5 s; workers let running
 # requests finish for drain_grace_s (10 s by default) before handing them back.
 _ROUTER_STOP_S = 15.0
@@ -83,6 +84,7 @@ class UpOptions:
     deterministic: bool
     port: int
     state_file: Path
+    gateway_port: int = 8000
     nats_url: str | None = None
     etcd_endpoint: str | None = None
     log_file: Path | None = None  # where a detached supervisor's output goes; recorded in the state file
@@ -91,6 +93,7 @@ class UpOptions:
         """The `phalanx up` command line that runs this configuration in the foreground."""
         args = [sys.executable, "-m", "phalanx.cli", "up", "--workers", str(self.workers), "--model", self.model,
                 "--deterministic" if self.deterministic else "--fast", "--port", str(self.port),
+                "--gateway-port", str(self.gateway_port),
                 "--state-file", str(self.state_file)]
         if self.nats_url:
             args += ["--nats-url", self.nats_url]
@@ -113,11 +116,10 @@ def _already_up_message(state: UpState, state_file: Path) -> str:
     return f"Phalanx is already up (supervisor pid {state.supervisor_pid}, {what}; state file {state_file}); run `phalanx down` first"
 
 
-def _check_port(port: int) -> None:
-    """Fail fast when the router's port is taken, before anything starts."""
+def _check_port(port: int, host: str, flag: str) -> None:
+    """Fail fast when a port we will bind is taken, before anything starts."""
     if port == 0:
         return
-    host = os.environ.get("PHALANX_ROUTER_HOST") or "127.0.0.1"  # where the router will bind
     with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as sock:
         # gRPC binds with SO_REUSEADDR too: a port with only TIME_WAIT connections counts as free.
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -125,7 +127,7 @@ def _check_port(port: int) -> None:
             sock.bind((host, port))
         except OSError as error:
             if error.errno == errno.EADDRINUSE:
-                raise UpError(f"port {port} is taken; pass --port 0 for any free port (or --port N)") from None
+                raise UpError(f"port {port} is taken; pass {flag} 0 for any free port (or {flag} N)") from None
             raise UpError(f"cannot use port {port}: {error.strerror}") from None
 
 
@@ -133,7 +135,8 @@ def _preflight(options: UpOptions) -> None:
     state = live_state(options.state_file)
     if state is not None:
         raise UpError(_already_up_message(state, options.state_file))
-    _check_port(options.port)
+    _check_port(options.port, os.environ.get("PHALANX_ROUTER_HOST") or "127.0.0.1", "--port")  # where the router will bind
+    _check_port(options.gateway_port, "127.0.0.1", "--gateway-port")
 
 
 # --- progress display -------------------------------------------------------------------------
@@ -237,10 +240,12 @@ class _Stack:
         self.workers: dict[str, WorkerHandle] = {}  # in id order once all started
         self.router: RouterHandle | None = None
         self.router_address = ""  # kept while a replacement router starts: it binds the same port
+        self.gateway_url = ""  # likewise
         self.router_metrics = ""
         self.health: HealthHandle | None = None
         self.store: ServiceHandle | None = None
         self.migration: ServiceHandle | None = None
+        self.gateway: GatewayHandle | None = None
         self.hurry = asyncio.Event()  # a second signal while stopping: SIGKILL what is left
         self.trackers: dict[str, RestartTracker] = {}  # by the name of the process now in the slot
         self.replacing: dict[str, asyncio.Task] = {}  # by the name of the process that died
@@ -301,6 +306,11 @@ class _Stack:
 
         return await start_migration(MIGRATION_ID, self.nats_url, self._etcd_config)
 
+    async def _start_gateway(self, port: int) -> GatewayHandle:
+        from phalanx.launch.services import start_gateway
+
+        return await start_gateway(self.router_address, "--model", self.options.model, name=GATEWAY_ID, port=port)
+
     async def _start_health(self) -> HealthHandle:
         from phalanx.launch.services import start_health
 
@@ -312,6 +322,7 @@ class _Stack:
         for worker_id in ids:
             self.board.set(worker_id, "starting")
         self.board.set(ROUTER_ID, "waiting")  # for the workers
+        self.board.set(GATEWAY_ID, "waiting")
         self.board.set(HEALTH_ID, "waiting")
         # The checkpoint store and migration first: workers checkpoint from their first request on.
         for name in (STORE_ID, MIGRATION_ID):
@@ -343,6 +354,14 @@ class _Stack:
             hint = f" (is port {self.options.port} taken? try --port 0)" if self.options.port else ""
             raise UpError(f"{error or type(error).__name__}{hint}") from None
         self._router_ready(self.router)
+        self.board.set(GATEWAY_ID, "starting")
+        try:
+            self.gateway = await self._start_gateway(self.options.gateway_port)
+        except Exception as error:  # noqa: BLE001 - whatever it is, report it and stop the rest
+            hint = f" (is port {self.options.gateway_port} taken? try --gateway-port 0)" if self.options.gateway_port else ""
+            raise UpError(f"gateway: {error or type(error).__name__}{hint}") from None
+        self.gateway_url = self.gateway.url
+        self._ready(GATEWAY_ID, self.gateway.url, self.gateway.process.pid)
         self.board.set(HEALTH_ID, "starting")
         try:
             self.health = await self._start_health()
@@ -358,7 +377,9 @@ class _Stack:
     def state(self, supervisor: UpState) -> UpState:
         """``supervisor`` filled in with every process, marked ready."""
         assert self.router_address, "called before start()"
-        services = [ProcessEntry(h.name, h.address, h.process.pid) for h in (self.health, self.store, self.migration) if h is not None]
+        services = [
+            ProcessEntry(h.name, h.address, h.process.pid) for h in (self.gateway, self.health, self.store, self.migration) if h is not None
+        ]
         return UpState(
             supervisor_pid=supervisor.supervisor_pid, started_at=supervisor.started_at, status="ready", model=self.options.model,
             router_id=ROUTER_ID, router_address=self.router_address, router_metrics_address=self.router_metrics,
@@ -367,6 +388,7 @@ class _Stack:
             nats_url=self.nats_url, nats_pid=self.nats.pid if self.nats else None,
             etcd_endpoint=self.etcd_endpoint, etcd_pid=self.etcd.pid if self.etcd else None,
             log_file=supervisor.log_file, ready_at=supervisor.ready_at or time.time(), events=self.events[-MAX_EVENTS:],
+            gateway_url=self.gateway_url,
         )
 
     # --- replacing what died -------------------------------------------------------------------
@@ -374,7 +396,8 @@ class _Stack:
     def exited(self) -> list[tuple[str, int | None, int | None]]:
         """(name, pid, exit code) of every process of ours that exited and is not being replaced yet."""
         found: list[tuple[str, int | None, int | None]] = []
-        handles: list[ServiceHandle] = [*self.workers.values(), *(h for h in (self.router, self.health, self.store, self.migration) if h)]
+        extras = (self.router, self.gateway, self.health, self.store, self.migration)
+        handles: list[ServiceHandle] = [*self.workers.values(), *(h for h in extras if h)]
         for handle in handles:
             if handle.process.poll() is not None and handle.name not in self.replacing:
                 found.append((handle.name, handle.process.pid, handle.process.returncode))
@@ -450,6 +473,11 @@ class _Stack:
             self.router = router = await self._start_router(int(self.router_address.rsplit(":", 1)[1]))
             self._router_ready(router)
             return ROUTER_ID, router.process.pid
+        if name == GATEWAY_ID:
+            self.gateway = None
+            self.gateway = gateway = await self._start_gateway(int(self.gateway_url.rsplit(":", 1)[1]))
+            self.board.set(GATEWAY_ID, "ready", gateway.url, gateway.process.pid)
+            return GATEWAY_ID, gateway.process.pid
         if name in ("nats", "etcd"):
             server = self.nats if name == "nats" else self.etcd
             assert server is not None  # only ours are watched
@@ -475,13 +503,16 @@ class _Stack:
         self.changed.set()
 
     async def stop(self) -> None:
-        """Replacements being started, health (so it marks nobody dead on the way out), router, workers (SIGTERM: they drain), etcd, NATS."""
+        """Replacements being started, health (so it marks nobody dead on the way out), gateway, router, workers (SIGTERM: they drain),
+        etcd, NATS."""
         for task in list(self.replacing.values()):
             task.cancel()  # a start that is cancelled kills the process it was waiting for
         with contextlib.suppress(asyncio.CancelledError):
             await asyncio.gather(*self.replacing.values(), return_exceptions=True)
         if self.health is not None:
             await self._terminate({HEALTH_ID: self.health.process}, _ROUTER_STOP_S)
+        if self.gateway is not None:
+            await self._terminate({GATEWAY_ID: self.gateway.process}, _ROUTER_STOP_S)
         if self.router is not None:
             await self._terminate({ROUTER_ID: self.router.process}, _ROUTER_STOP_S)
         if self.migration is not None:
@@ -515,6 +546,8 @@ class _Stack:
 
 def _print_ready(console: Console, state: UpState, state_file: Path, seconds: float) -> None:
     console.print(f"[bold green]Phalanx is up[/] in {seconds:.1f} s: router [bold]{state.router_address}[/]", highlight=False)
+    if state.gateway_url:
+        console.print(f"  openai   {state.gateway_url}/v1  (OpenAI-compatible HTTP API)", highlight=False)
     if state.router_metrics_address:
         console.print(f"  metrics  http://{state.router_metrics_address}/metrics", highlight=False)
     # The client commands find the router through the state file, unless it is one they would not look in.

@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -27,11 +28,13 @@ from phalanx.launch.ports import free_port
 
 __all__ = [
     "CheckpointStoreHandle",
+    "GatewayHandle",
     "HealthHandle",
     "RouterHandle",
     "ServiceHandle",
     "WorkerHandle",
     "start_checkpoint_store",
+    "start_gateway",
     "start_health",
     "start_migration",
     "start_router",
@@ -247,3 +250,43 @@ async def start_migration(
     )
     advertisement = await _registration(process, MigrationDirectory(etcd_config), instance_id, timeout)
     return ServiceHandle(instance_id, process, advertisement.address, f"127.0.0.1:{metrics_port}")
+
+
+class GatewayHandle(ServiceHandle):
+    """An OpenAI-compatible gateway process; ``url`` is its base (``{url}/v1`` for OpenAI clients), /metrics is on the same port."""
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.address}"
+
+    def healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"http://{self.address}/health", timeout=2) as reply:
+                return reply.status == 200
+        except (urllib.error.URLError, OSError):
+            return False
+
+
+async def start_gateway(
+    router_target: str, *extra: str, name: str = "gateway", port: int = 0, env: dict | None = None, timeout: float = 30.0
+) -> GatewayHandle:
+    """A gateway (``phalanx gateway``) in front of ``router_target`` ("host:port" or "ipv4:h1:p1,h2:p2"), returned once /health answers.
+
+    ``extra`` are more CLI flags (e.g. ``--model``); ``env`` more PHALANX_GATEWAY_* settings (API keys, tenants).
+    """
+    port = port or free_port()
+    process = _spawn(["gateway", "--router", router_target, "--port", str(port), "--log-level", "WARNING", *extra], env or {})
+    address = f"127.0.0.1:{port}"
+    handle = GatewayHandle(name, process, address, address)
+    deadline = time.monotonic() + timeout
+    try:
+        while not await asyncio.to_thread(handle.healthy):
+            if process.poll() is not None:
+                raise RuntimeError(f"{name} exited with {process.returncode} before it served")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{name} did not serve within {timeout:.0f} s")
+            await asyncio.sleep(0.05)
+    except BaseException:  # a timeout, or a caller that gave up (cancelled): the process is ours to stop
+        handle.kill()
+        raise
+    return handle

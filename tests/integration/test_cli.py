@@ -107,6 +107,22 @@ def test_generate_streams_text_through_the_router(detached):
     assert result.stdout.endswith("\n") and len(result.stdout) > 1
 
 
+def test_chat_renders_each_turn_with_the_chat_template_and_streams_the_answer(detached):
+    state_file, state, _ = detached
+    chat = subprocess.run(
+        [*CLI, "chat", "--max-tokens", "6", "--state-file", str(state_file)], input="Hi there\n\n", env=ENV, capture_output=True,
+        text=True, timeout=60, check=False,
+    )
+    assert chat.returncode == 0, chat.stderr
+    greeting, answer = chat.stdout.split("\n", 1)
+    assert greeting.startswith(f"chatting with {state['model']} through {state['router_address']}")
+    # The same turn as the raw prompt the model's template makes of it (ChatML for the built-in models), greedy: the same text.
+    prompt = "<|im_start|>user\nHi there<|im_end|>\n<|im_start|>assistant\n"
+    raw = phalanx("generate", prompt, "--max-tokens", "6", "--state-file", str(state_file))
+    assert raw.returncode == 0, raw.stderr
+    assert answer == f"> {raw.stdout}> "
+
+
 def test_generate_reports_a_rejected_request_as_a_typed_error(detached):
     state_file, _, _ = detached
     result = phalanx("generate", "Hello", "--tier", "platinum", "--state-file", str(state_file))

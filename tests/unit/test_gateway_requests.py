@@ -13,6 +13,7 @@ from phalanx.gateway.config import GatewayConfig
 from phalanx.gateway.errors import GatewayError, from_client_error
 from phalanx.gateway.responses import CHAT, COMPLETIONS, finish_reason
 from phalanx.gateway.schema import ChatCompletionRequest, CompletionRequest, chat_text, parse_body
+from phalanx.model.chat import ChatPrompts
 from phalanx.router.admission import Tier
 from phalanx.router.config import TenantPolicy
 
@@ -163,13 +164,13 @@ def test_unknown_fields_are_ignored():
 def test_a_templates_leading_bos_text_is_left_to_the_routers_tokenizer():
     template = "{{ bos_token }}{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}{{ eos_token }}{% endfor %}"
     messages = [{"role": "user", "content": "hi"}]
-    assert chat_text(messages, template=template, bos_token="<s>", eos_token="</s>", adds_bos=True) == "[user] hi</s>"
-    assert chat_text(messages, template=template, bos_token="<s>", eos_token="</s>", adds_bos=False) == "<s>[user] hi</s>"
+    assert chat_text(messages, ChatPrompts(template, bos_token="<s>", eos_token="</s>", adds_bos=True)) == "[user] hi</s>"
+    assert chat_text(messages, ChatPrompts(template, bos_token="<s>", eos_token="</s>", adds_bos=False)) == "<s>[user] hi</s>"
 
 
 def test_a_bad_role_is_a_400_naming_the_message():
     with pytest.raises(GatewayError) as caught:
-        chat_text([{"role": "wizard", "content": "x"}], template=None, bos_token="", eos_token="", adds_bos=True)
+        chat_text([{"role": "wizard", "content": "x"}], ChatPrompts(None))
     assert (caught.value.status, caught.value.param) == (400, "messages[0].role")
 
 

@@ -254,6 +254,25 @@ def generate(
 
 
 @app.command()
+def chat(
+    target: str = typer.Option(None, envvar="PHALANX_TARGET", help=_TARGET_HELP),
+    model: str = typer.Option(None, help="The served model, for its chat template [default: what the workers report]"),
+    system: str = typer.Option(None, help="A system message to start the conversation with"),
+    max_tokens: int = typer.Option(256, min=1, help="Longest answer"),
+    temperature: float = typer.Option(0.0, min=0.0, help="0 is greedy"),
+    api_key: str = typer.Option(None, envvar="PHALANX_API_KEY", help="API key, if the router requires one"),
+    state_file: str = typer.Option(None, envvar="PHALANX_STATE_FILE", help="State file to find the router in"),
+) -> None:
+    """Chat with the model: each turn rendered with its chat template and streamed through the router."""
+    from phalanx.cli.chat import run_chat
+    from phalanx.cli.state import resolve_target
+
+    target = resolve_target(target, _state_file(state_file))
+    chatting = run_chat(target, model=model, system=system, api_key=api_key, max_tokens=max_tokens, temperature=temperature)
+    raise typer.Exit(_run_client(chatting))
+
+
+@app.command()
 def status(
     target: str = typer.Option(None, envvar="PHALANX_TARGET", help=_TARGET_HELP),
     as_json: bool = typer.Option(False, "--json", help="Print JSON only"),

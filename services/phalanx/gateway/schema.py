@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from phalanx.common.errors import InvalidRequestError
 from phalanx.gateway.errors import GatewayError, bad_request
-from phalanx.model.chat import render_chat
+from phalanx.model.chat import ChatPrompts
 from phalanx.model.params import MAX_STOP_STRINGS
 
 __all__ = [
@@ -264,20 +264,12 @@ def _param(loc: Sequence[int | str]) -> tuple[str, str | None]:
 _SCALAR_TAGS = frozenset({"str", "int", "float", "bool"})
 
 
-def chat_text(messages: list[dict[str, str]], *, template: str | None, bos_token: str, eos_token: str, adds_bos: bool) -> str:
-    """The prompt text of a conversation, as the router should tokenize it.
-
-    The router's tokenizer puts the BOS id in front of every text prompt itself
-    (``adds_bos``), so a template's leading ``bos_token`` text is dropped here
-    rather than tokenized into a second BOS.
-    """
+def chat_text(messages: list[dict[str, str]], prompts: ChatPrompts) -> str:
+    """The prompt text of a conversation (ChatPrompts.render), its errors as the gateway's."""
     try:
-        text = render_chat(messages, template=template, bos_token=bos_token, eos_token=eos_token)
+        return prompts.render(messages)
     except InvalidRequestError as error:  # the conversation (a role, or the template's raise_exception)
         violation = error.violations[0]
         raise bad_request(violation.field, violation.description) from None
     except ValueError as error:  # the template does not compile: the deployment's fault, not the caller's
         raise GatewayError(500, str(error), kind="server_error", code="chat_template") from None
-    if adds_bos and bos_token and text.startswith(bos_token):
-        text = text[len(bos_token) :]
-    return text

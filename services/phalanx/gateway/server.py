@@ -16,7 +16,6 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable
 from contextlib import suppress
-from pathlib import Path
 from typing import Any, TypeVar
 
 import anyio
@@ -35,7 +34,7 @@ from phalanx.gateway.errors import GatewayError, from_client_error
 from phalanx.gateway.metrics import GatewayMetrics
 from phalanx.gateway.responses import CHAT, COMPLETIONS, Dialect, finish_reason
 from phalanx.gateway.schema import ChatCompletionRequest, CompletionRequest, GenerateArgs, chat_text, parse_body
-from phalanx.model.config import model_tokenizer
+from phalanx.model.chat import ChatPrompts
 
 __all__ = ["GatewayServer", "RouterClients", "build_app"]
 
@@ -81,31 +80,13 @@ class RouterClients:
 
 
 class _ChatPrompts:
-    """The served model's chat template and special-token texts, for rendering conversations as transformers does."""
+    """The served model's ChatPrompts, with the gateway's errors."""
 
     def __init__(self, model: str) -> None:
-        tokenizer = model_tokenizer(model)
-        self.template = tokenizer.chat_template
-        self.adds_bos = tokenizer.bos_token_id is not None
-        self.bos_token, self.eos_token = _special_token_texts(model)
+        self.prompts = ChatPrompts.for_model(model)
 
     def render(self, messages: list[dict[str, str]]) -> str:
-        return chat_text(messages, template=self.template, bos_token=self.bos_token, eos_token=self.eos_token, adds_bos=self.adds_bos)
-
-
-def _special_token_texts(model: str) -> tuple[str, str]:
-    """bos_token and eos_token of a checkpoint's tokenizer_config.json (what transformers passes its templates); "" otherwise."""
-    config = Path(model) / "tokenizer_config.json"
-    if not config.is_file():
-        return "", ""
-    data = json.loads(config.read_text())
-
-    def text(value: Any) -> str:
-        if isinstance(value, dict):
-            value = value.get("content")
-        return value if isinstance(value, str) else ""
-
-    return text(data.get("bos_token")), text(data.get("eos_token"))
+        return chat_text(messages, self.prompts)
 
 
 class GatewayServer:

@@ -7,8 +7,11 @@ code we trust), with the names transformers gives it: ``messages``,
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from functools import lru_cache
+from pathlib import Path
 from typing import Any
 
 from jinja2 import TemplateError
@@ -85,3 +88,50 @@ def _compile(template: str):
         return environment.from_string(template)
     except TemplateError as error:
         raise ValueError(f"the model's chat template does not compile: {error}") from None
+
+
+@dataclass(frozen=True)
+class ChatPrompts:
+    """A served model's chat template and special-token texts: conversations to prompt text, as the router should tokenize it."""
+
+    template: str | None
+    bos_token: str = ""
+    eos_token: str = ""
+    # Whether the router's tokenizer puts the BOS id in front of a text prompt itself.
+    adds_bos: bool = False
+
+    @classmethod
+    def for_model(cls, model: str) -> ChatPrompts:
+        """Torch-free (the gateway and `phalanx chat` use it); ValueError for a model whose tokenizer cannot be read."""
+        from phalanx.model.config import model_tokenizer
+
+        tokenizer = model_tokenizer(model)
+        bos_token, eos_token = special_token_texts(model)
+        adds_bos = tokenizer.bos_token_id is not None and getattr(tokenizer, "add_bos_token", True)
+        return cls(tokenizer.chat_template, bos_token, eos_token, adds_bos)
+
+    def render(self, messages: Sequence[Mapping[str, Any]]) -> str:
+        """The prompt text (InvalidRequestError for a bad conversation, ValueError for a template that does not compile).
+
+        A template's leading ``bos_token`` text is dropped when the router adds
+        the BOS id itself, rather than tokenized into a second BOS.
+        """
+        text = render_chat(messages, template=self.template, bos_token=self.bos_token, eos_token=self.eos_token)
+        if self.adds_bos and self.bos_token and text.startswith(self.bos_token):
+            text = text[len(self.bos_token) :]
+        return text
+
+
+def special_token_texts(model: str) -> tuple[str, str]:
+    """bos_token and eos_token of a checkpoint's tokenizer_config.json (what transformers passes its templates); "" otherwise."""
+    config = Path(model) / "tokenizer_config.json"
+    if not config.is_file():
+        return "", ""
+    data = json.loads(config.read_text())
+
+    def text(value: Any) -> str:
+        if isinstance(value, dict):
+            value = value.get("content")
+        return value if isinstance(value, str) else ""
+
+    return text(data.get("bos_token")), text(data.get("eos_token"))

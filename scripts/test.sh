@@ -4,6 +4,12 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/install.sh test
+# Real Prometheus and promtool (Debian's package) for the tests that check the alert rules, where apt can install them.
+if ! command -v promtool >/dev/null && command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
+  apt-get install -y -qq --no-install-recommends prometheus >/dev/null 2>&1 \
+    || { apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq --no-install-recommends prometheus >/dev/null 2>&1; } \
+    || echo "warning: could not install Debian's prometheus package; the promtool tests skip" >&2
+fi
 .venv/bin/ruff check services tests scripts
 # Settings and the checked files are in pyproject.toml; the stubs install.sh generated are read, not checked.
 .venv/bin/mypy

@@ -1,4 +1,4 @@
-"""Errors of the planner's inputs: a trace or a profile file it cannot use."""
+"""Errors of the planner's inputs: a trace or profile file, or a Prometheus answer, it cannot use."""
 
 from __future__ import annotations
 
@@ -17,3 +17,7 @@ class TraceError(PlannerInputError):
 
 class ProfileError(PlannerInputError):
     """A performance profile (.npz or samples) that does not follow the schema in profile.py."""
+
+
+class PrometheusQueryError(PlannerInputError):
+    """Prometheus answered a planner query with an error, or with something that is not an instant vector."""

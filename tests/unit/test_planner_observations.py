@@ -35,7 +35,9 @@ class FakeRouter:
             self.isl = Histogram(INPUT_TOKENS, "Prompt tokens per request", buckets=TOKEN_BUCKETS, registry=self.registry)
             self.osl = Histogram(OUTPUT_TOKENS, "Output tokens per request", buckets=TOKEN_BUCKETS, registry=self.registry)
 
-    def serve(self, n: int, *, tier: str = "standard", status: str = "ok", ttft: float = 0.03, itl: float = 0.02, isl: int = 500, osl: int = 100) -> None:
+    def serve(
+        self, n: int, *, tier: str = "standard", status: str = "ok", ttft: float = 0.03, itl: float = 0.02, isl: int = 500, osl: int = 100
+    ) -> None:
         for _ in range(n):
             self.metrics.requests.labels(tier, status).inc()
             self.metrics.ttft.labels(tier).observe(ttft)

@@ -17,6 +17,7 @@ from phalanx.planner.predictors import (
     PredictorConfig,
     ProphetPredictor,
     TraceInterval,
+    _SafePredictor,
     load_trace,
     make_predictor,
     parse_trace,
@@ -114,7 +115,7 @@ def test_a_zero_after_traffic_started_is_kept_as_real_idleness() -> None:
 
 
 def test_constant_during_warm_up() -> None:
-    config = PredictorConfig(warmup_points=6)
+    config = PredictorConfig(warmup_points=6, arima_min_points=6)
     for kind in ("arima", "kalman"):
         predictor = warm_start(make_predictor(kind, config), [10.0, 20.0, 30.0, 40.0, 50.0])  # type: ignore[arg-type]
         assert predictor.predict_next() == 50.0, kind
@@ -124,13 +125,14 @@ def test_constant_during_warm_up() -> None:
 
 @pytest.mark.parametrize("kind", ["arima", "kalman"])
 def test_predictions_are_never_negative_on_a_falling_series(kind: str) -> None:
-    predictor = warm_start(make_predictor(kind), [100.0 - 12.0 * i for i in range(9)])  # 100 ... 4, falling fast
+    falling = [100.0 - 9.0 * i + (1.0 if i % 2 else -1.0) for i in range(12)]  # 99, 92, ... 2: falling fast
+    predictor = warm_start(make_predictor(kind), falling)
     assert predictor.predict_next() == 0.0
 
 
 def test_arima_that_fails_to_fit_falls_back_to_the_last_value() -> None:
     # An order that cannot be estimated from the window: statsmodels raises, the predictor answers constant.
-    predictor = ArimaPredictor(PredictorConfig(window=8, warmup_points=8, arima_order=(9, 2, 9)))
+    predictor = ArimaPredictor(PredictorConfig(window=8, warmup_points=8, arima_min_points=8, arima_order=(9, 2, 9)))
     warm_start(predictor, [3.0, 5.0, 4.0, 6.0, 5.0, 7.0, 6.0, 8.0])
     assert predictor.predict_next() == 8.0
     assert predictor.fallbacks == 1
@@ -151,6 +153,15 @@ def test_arima_refits_every_refit_every_observations_and_on_surprise() -> None:
     predictor.observe(300.0)  # far outside the forecast band: refit at once rather than ten observations on
     predictor.predict_next()
     assert predictor.fits == 3
+
+
+def test_arima_waits_for_enough_points_and_skips_fitting_a_degenerate_window() -> None:
+    short = warm_start(ArimaPredictor(), [5.0, 9.0, 7.0, 11.0, 9.0, 13.0])  # past warm-up, short of arima_min_points
+    assert short.predict_next() == 13.0
+    assert short.fits == 0
+    linear = warm_start(ArimaPredictor(), [3.0 * i + 1.0 for i in range(1, 15)])  # a line: nothing to estimate
+    assert linear.predict_next() == pytest.approx(46.0)
+    assert linear.fits == 0
 
 
 def test_kalman_noise_is_scaled_to_the_series() -> None:
@@ -220,3 +231,41 @@ def test_trace_parser_skips_comments_and_blank_lines() -> None:
 def test_bad_traces_are_refused_with_where_and_what(text: str, fmt: str, message: str) -> None:
     with pytest.raises(TraceError, match=message):
         parse_trace(text, fmt=fmt, source="t.jsonl")  # type: ignore[arg-type]
+
+
+class AlwaysHigh(_SafePredictor):
+    """A model that is always 50 too high: what the guard exists for."""
+
+    def _model_predict(self, values: np.ndarray) -> float | None:
+        return float(values[-1]) + 50.0
+
+
+def test_a_model_worse_than_constant_yields_to_it_until_it_does_better() -> None:
+    guarded = AlwaysHigh(PredictorConfig(guard_window=4))
+    unguarded = AlwaysHigh(PredictorConfig(guard_window=0))
+    series = [100.0, 101.0, 99.0, 100.0, 102.0, 101.0, 100.0, 99.0, 100.0, 101.0, 100.0, 100.0]
+    predictions = []
+    for value in series:
+        predictions.append((guarded.predict_next(), unguarded.predict_next()))
+        guarded.observe(value)
+        unguarded.observe(value)
+    # Warm-up (5 points), then 4 model predictions to judge by, all worse than constant; from then on, constant.
+    assert [g for g, _ in predictions[5:9]] == [u for _, u in predictions[5:9]] == [v + 50.0 for v in series[4:8]]
+    assert [g for g, _ in predictions[9:]] == series[8:11]
+    assert [u for _, u in predictions[9:]] == [v + 50.0 for v in series[8:11]]
+    assert guarded.guarded == 3
+
+
+def test_arima_does_not_zig_zag_after_a_burst_leaves_its_window() -> None:
+    # A burst, then a slow smooth decline: parameters fitted across the burst oscillate; the guard keeps
+    # predictions within a few percent of the smooth series.
+    series = [100.0 + i for i in range(20)] + [400.0] * 4 + [120.0 - 0.5 * i for i in range(30)]
+    predictor = make_predictor("arima")
+    errors = []
+    for i, value in enumerate(series):
+        if i >= 34:
+            errors.append(abs(predictor.predict_next() - value))
+        else:
+            predictor.predict_next()
+        predictor.observe(value)
+    assert max(errors) < 6.0, [round(e, 1) for e in errors]

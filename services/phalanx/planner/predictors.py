@@ -7,13 +7,19 @@ Every predictor follows Dynamo's safety rules, enforced once in `_SafePredictor`
   (a zero after the first non-zero value is real idleness and is kept);
 - while warming up (fewer than `warmup_points` observations) the prediction is the last value: no model
   fits three points;
-- a model that fails to fit, or predicts NaN, falls back to the last value, and no prediction is negative.
+- a model that fails to fit, or predicts NaN, falls back to the last value, and no prediction is negative;
+- a model that has recently done worse than the constant predictor yields to it: when its one-step errors
+  over the last `guard_window` intervals add up to more than the constant predictor's, the prediction is
+  the last value until the model's own (still computed) predictions beat it again. Parameters fitted on a
+  window holding a burst can make ARIMA zig-zag for a whole window afterwards; the planner should not
+  scale the fleet up and down with it.
 
 Models (`make_predictor`):
 
 - constant: next = last. The baseline, and what every other model falls back to.
-- arima: statsmodels ARIMA (default order (2,1,1) with drift: an AR(2) on the differences follows both a
-  trend and a sinusoidal cycle). The maximum-likelihood fit costs 0.1-1 s, so it runs every `refit_every`
+- arima: statsmodels ARIMA (default order (2,1,0) with drift: an AR(2) on the differences follows both a
+  trend and a sinusoidal cycle; an MA term made fits 5-10x slower here for no better forecasts on these
+  shapes). The maximum-likelihood fit costs ~0.1 s, so it runs every `refit_every`
   observations (warm-started from the previous parameters); in between, the fitted parameters are
   re-applied to the current window (a Kalman filter pass, milliseconds).
 - kalman: a local-linear-trend Kalman filter (filterpy): state (level, slope), next = level + slope. Its
@@ -72,7 +78,11 @@ class PredictorConfig:
     window: int = 128
     # ARIMA and Prophet refit every this many observations; between refits they reuse their parameters.
     refit_every: int = 10
-    arima_order: tuple[int, int, int] = (2, 1, 1)
+    arima_order: tuple[int, int, int] = (2, 1, 0)
+    # ARIMA fits from this many points on (constant before): maximum likelihood on five points is
+    # ill-posed and took seconds here; bounded iterations keep any one fit cheap.
+    arima_min_points: int = 10
+    arima_max_iterations: int = 50
     # Kalman process noise as a fraction of the measurement noise: larger follows changes faster, smoother when smaller.
     kalman_level_noise: float = 1.0
     kalman_slope_noise: float = 0.01
@@ -81,6 +91,9 @@ class PredictorConfig:
     arima_surprise_sigmas: float = 4.0
     # Prophet: an extra seasonality with this period in intervals (a compressed diurnal cycle, say); None: trend only.
     prophet_period_points: int | None = None
+    # Guard: when the model's one-step errors over the last this many intervals add up to more than the
+    # constant predictor's would have, predict constant until the model does better again (0: no guard).
+    guard_window: int = 8
 
     def __post_init__(self) -> None:
         if self.warmup_points < 1 or self.window < max(self.warmup_points, 3) or self.refit_every < 1:
@@ -98,7 +111,11 @@ class _SafePredictor:
         self._accepted = 0
         # predict_next may be called more than once per interval (metrics, status): the model runs once per observation.
         self._cached: tuple[int, float] | None = None
+        # (model error, constant error) of the intervals whose prediction was asked for, for the guard.
+        self._errors: deque[tuple[float, float]] = deque(maxlen=max(self.config.guard_window, 1))
+        self._model_prediction: tuple[int, float] | None = None
         self.fallbacks = 0
+        self.guarded = 0
 
     @property
     def history(self) -> list[float]:
@@ -110,6 +127,8 @@ class _SafePredictor:
             return
         if value == 0 and not self._values:
             return
+        if self._model_prediction is not None and self._model_prediction[0] == self._accepted:
+            self._errors.append((abs(self._model_prediction[1] - value), abs(self._values[-1] - value)))
         self._values.append(float(value))
         self._observed += 1
         self._accepted += 1
@@ -127,9 +146,18 @@ class _SafePredictor:
         if predicted is None or not math.isfinite(predicted):
             self.fallbacks += 1
             predicted = last
+        self._model_prediction = (self._accepted, predicted)
+        if self._worse_than_constant():
+            self.guarded += 1
+            predicted = last
         result = max(0.0, predicted)
         self._cached = (self._accepted, result)
         return result
+
+    def _worse_than_constant(self) -> bool:
+        if self.config.guard_window == 0 or len(self._errors) < self.config.guard_window:
+            return False
+        return sum(model for model, _ in self._errors) > sum(constant for _, constant in self._errors)
 
     def _on_observation(self, value: float) -> None:
         """Hook for models that update incrementally (Kalman)."""
@@ -165,16 +193,28 @@ class ArimaPredictor(_SafePredictor):
         return self._last_forecast
 
     def _forecast(self, values: np.ndarray) -> float | None:
+        if values.size < self.config.arima_min_points:
+            return float(values[-1])
+        diffs = np.diff(values)
+        if np.ptp(diffs) <= 1e-9 * max(float(np.max(np.abs(values))), 1.0):
+            # An exactly flat or linear window: the likelihood is degenerate (zero innovation variance) and the
+            # optimiser crawls; the forecast is the line itself.
+            self._results = None
+            return float(values[-1] + diffs[-1])
         from statsmodels.tsa.arima.model import ARIMA
+        from threadpoolctl import threadpool_limits
 
-        with warnings.catch_warnings():
+        # The matrices are tiny: OpenBLAS threads only contend (a 20-point fit took 0.9 s with its default
+        # threads on a busy 2-core box, 0.03 s with one).
+        with warnings.catch_warnings(), threadpool_limits(limits=1, user_api="blas"):
             # Convergence and starting-parameter warnings on short or flat windows: the forecast is checked below anyway.
             warnings.simplefilter("ignore")
             try:
                 if self._results is None or self._observed >= self.config.refit_every or self._surprised(float(values[-1])):
                     start = self._results.params if self._results is not None else None
                     model = ARIMA(values, order=self.config.arima_order, trend="t" if self.config.arima_order[1] >= 1 else "c")
-                    self._results = model.fit(start_params=start)
+                    # No standard errors needed: cov_type none skips a numerical Hessian, the costliest part.
+                    self._results = model.fit(start_params=start, cov_type="none", method_kwargs={"maxiter": self.config.arima_max_iterations})
                     self._observed = 0
                     self.fits += 1
                     results = self._results
@@ -235,13 +275,15 @@ class ProphetPredictor(_SafePredictor):
         self.fits = 0
 
     def _model_predict(self, values: np.ndarray) -> float | None:
-        # Prophet reports its missing optional plotly at import, and cmdstanpy (which sets its own level when
-        # imported) logs at INFO on every fit.
+        # Prophet reports its missing optional plotly at import, and cmdstanpy logs at INFO on every fit,
+        # through a stderr handler of its own that it adds unless the logger already has a handler.
         logging.getLogger("prophet.plot").setLevel(logging.CRITICAL)
+        cmdstanpy_logger = logging.getLogger("cmdstanpy")
+        if not cmdstanpy_logger.handlers:
+            cmdstanpy_logger.addHandler(logging.NullHandler())
+        cmdstanpy_logger.setLevel(logging.WARNING)
         import pandas as pd
         from prophet import Prophet
-
-        logging.getLogger("cmdstanpy").setLevel(logging.WARNING)
 
         with warnings.catch_warnings():
             # Prophet uses pandas APIs that pandas 3 deprecates.

@@ -1,0 +1,242 @@
+"""When the planner decides: the decision state machine. Pure, no I/O; the caller passes `now`.
+
+Events in, decisions out. The shell calls `tick` (often: every second is fine, the machine keeps its own
+schedule), reports `worker_dead` from health's DEAD events and `spare_ready` / `spare_lost` for hot
+spares, and calls `complete` when a connector has carried a decision out (the fleet matches its
+targets). Connectors act on `Decision`s; nothing here touches a process.
+
+Rules, each fixing a limit of Dynamo's planner named in its design notes:
+
+- Readiness, not a start delay: no load-driven decision until the routers are SERVING, at least one
+  worker is SERVING and metrics flow (`Readiness`); the first one comes at the first tick after that.
+- One scaling decision at a time: while one is being carried out, ticks issue nothing; once it is past
+  its deadline it is marked timed out and the next tick may issue a new one. Decisions do not pile up
+  when scaling is slower than the interval.
+- The interval adapts to how long scaling takes: interval = min(max_interval_s, max(interval_s,
+  latency_multiple x the longest of the last `latency_window` scaling latencies)), a timed-out decision
+  counting with its full wait. Deciding faster than the fleet can follow only reacts to a
+  half-finished change.
+- A decision changes something: a tick whose desired count equals the current target issues nothing.
+- Capacity restoration does not wait: a worker health marks DEAD gets a decision at once, neither at the
+  next interval nor behind a scaling decision in flight (replacing exactly what was lost cannot pile up:
+  one decision per dead worker, repeats ignored). With a hot spare registered, the decision promotes it
+  (capacity back as fast as routing learns of it) and the targets still ask for `hot_spares` spares, so
+  the connector starts a new spare in the background; without one, it replaces the worker with a new one.
+  Restorations are not gated on readiness: when the last worker dies, the fleet is not ready, and that is
+  exactly when a replacement is needed.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from enum import StrEnum
+
+
+class DecisionReason(StrEnum):
+    SCALE = "scale"
+    REPLACE_DEAD = "replace_dead"
+    PROMOTE_SPARE = "promote_spare"
+
+
+class Outcome(StrEnum):
+    COMPLETED = "completed"
+    TIMED_OUT = "timed_out"
+
+
+@dataclass(frozen=True)
+class Targets:
+    """What the fleet should be: routed workers, and hot spares (registered, warm, not routed to)."""
+
+    workers: int
+    spares: int = 0
+
+
+@dataclass(frozen=True)
+class Decision:
+    id: int
+    targets: Targets
+    reason: DecisionReason
+    issued_at: float
+    deadline: float
+    # REPLACE_DEAD / PROMOTE_SPARE: the worker that died.
+    replaces: str | None = None
+    # PROMOTE_SPARE: the spare that takes its place.
+    promote: str | None = None
+
+
+@dataclass(frozen=True)
+class FinishedDecision:
+    decision: Decision
+    outcome: Outcome
+    finished_at: float
+
+    @property
+    def latency_s(self) -> float:
+        return self.finished_at - self.decision.issued_at
+
+
+@dataclass(frozen=True)
+class Readiness:
+    """What must hold before load-driven decisions make sense."""
+
+    routers_serving: bool
+    serving_workers: int
+    metrics_flowing: bool
+
+    @property
+    def ready(self) -> bool:
+        return self.routers_serving and self.serving_workers >= 1 and self.metrics_flowing
+
+
+@dataclass(frozen=True)
+class DecisionConfig:
+    interval_s: float = 30.0
+    # The interval is at least this multiple of recent scaling latencies ...
+    latency_multiple: float = 2.0
+    latency_window: int = 5
+    # ... and at most this long, so a scaling that once took minutes does not blind the planner for hours.
+    max_interval_s: float = 600.0
+    # A scaling decision not completed after this long is marked timed out.
+    scale_deadline_s: float = 120.0
+    # A replacement starts one process; a promotion only re-routes.
+    replace_deadline_s: float = 60.0
+    promote_deadline_s: float = 5.0
+    hot_spares: int = 0
+    history: int = 100
+
+    def __post_init__(self) -> None:
+        if not 0 < self.interval_s <= self.max_interval_s:
+            raise ValueError("need 0 < interval_s <= max_interval_s")
+        if self.latency_multiple <= 0 or self.latency_window < 1 or self.hot_spares < 0:
+            raise ValueError("latency_multiple > 0, latency_window >= 1 and hot_spares >= 0 are required")
+        if min(self.scale_deadline_s, self.replace_deadline_s, self.promote_deadline_s) <= 0:
+            raise ValueError("deadlines must be > 0")
+
+
+# Dead worker ids remembered to ignore repeated DEAD events; ids are unique per process, so old ones can go.
+_REMEMBERED_DEAD = 1024
+
+
+class DecisionMachine:
+    """The rules of the module docstring. `targets` is what the last decision asked for; `in_flight` the
+    scaling decision being carried out, `restorations` the restoration decisions being carried out."""
+
+    def __init__(self, config: DecisionConfig, workers: int, *, first_id: int = 1) -> None:
+        self.config = config
+        self.targets = Targets(workers=workers, spares=config.hot_spares)
+        self.next_id = first_id
+        self.in_flight: Decision | None = None
+        self.restorations: dict[int, Decision] = {}
+        self.spares: list[str] = []
+        self._next_tick_at: float | None = None
+        self._latencies: deque[float] = deque(maxlen=config.latency_window)
+        self._history: deque[FinishedDecision] = deque(maxlen=config.history)
+        self._handled_dead: dict[str, None] = {}
+
+    # Schedule.
+
+    @property
+    def interval_s(self) -> float:
+        slowest = max(self._latencies, default=0.0)
+        return min(self.config.max_interval_s, max(self.config.interval_s, self.config.latency_multiple * slowest))
+
+    @property
+    def next_tick_at(self) -> float | None:
+        """When the next tick may decide; None until the first ready tick."""
+        return self._next_tick_at
+
+    @property
+    def history(self) -> list[FinishedDecision]:
+        return list(self._history)
+
+    # Events.
+
+    def tick(self, now: float, readiness: Readiness, desired_workers: int) -> Decision | None:
+        """An interval tick with the replica maths' answer; a SCALE decision or None."""
+        self._expire(now)
+        if not readiness.ready:
+            return None
+        if self._next_tick_at is not None and now < self._next_tick_at:
+            return None
+        if self.in_flight is not None:
+            # Not yet past its deadline (_expire would have cleared it): decide when it completes.
+            return None
+        self._next_tick_at = now + self.interval_s
+        wanted = Targets(workers=max(desired_workers, 0), spares=self.config.hot_spares)
+        if wanted == self.targets:
+            return None
+        decision = self._issue(now, wanted, DecisionReason.SCALE, self.config.scale_deadline_s)
+        self.in_flight = decision
+        return decision
+
+    def worker_dead(self, now: float, worker_id: str) -> Decision | None:
+        """Health marked a worker DEAD: a restoration decision at once (None for a repeat, or a dead spare
+        when spares are not wanted)."""
+        self._expire(now)
+        if worker_id in self._handled_dead:
+            return None
+        self._handled_dead[worker_id] = None
+        if len(self._handled_dead) > _REMEMBERED_DEAD:
+            del self._handled_dead[next(iter(self._handled_dead))]
+        if worker_id in self.spares:
+            # A spare died: the targets already ask for `hot_spares`, so only record the loss; the next
+            # reconcile of the connector starts another one.
+            self.spares.remove(worker_id)
+            return None
+        if self.spares:
+            spare = self.spares.pop(0)
+            decision = self._issue(
+                now, self.targets, DecisionReason.PROMOTE_SPARE, self.config.promote_deadline_s, replaces=worker_id, promote=spare
+            )
+        else:
+            decision = self._issue(now, self.targets, DecisionReason.REPLACE_DEAD, self.config.replace_deadline_s, replaces=worker_id)
+        self.restorations[decision.id] = decision
+        return decision
+
+    def spare_ready(self, worker_id: str) -> None:
+        """A hot spare registered and is warm; promotions take spares in the order they became ready."""
+        if worker_id not in self.spares:
+            self.spares.append(worker_id)
+
+    def spare_lost(self, worker_id: str) -> None:
+        """A spare left without dying (drained, or promoted by someone else)."""
+        if worker_id in self.spares:
+            self.spares.remove(worker_id)
+
+    def complete(self, decision_id: int, now: float) -> bool:
+        """A connector carried the decision out. False for an unknown id or a decision already timed out (a
+        late acknowledgement changes nothing). Scaling and replacement latencies feed the interval;
+        promotions do not (they say nothing about how fast a new worker starts)."""
+        if self.in_flight is not None and self.in_flight.id == decision_id:
+            decision = self.in_flight
+            self.in_flight = None
+        elif decision_id in self.restorations:
+            decision = self.restorations.pop(decision_id)
+        else:
+            return False
+        self._finish(decision, Outcome.COMPLETED, now)
+        return True
+
+    # Internals.
+
+    def _issue(self, now: float, targets: Targets, reason: DecisionReason, deadline_s: float, **fields: str) -> Decision:
+        decision = Decision(id=self.next_id, targets=targets, reason=reason, issued_at=now, deadline=now + deadline_s, **fields)
+        self.next_id += 1
+        self.targets = targets
+        return decision
+
+    def _expire(self, now: float) -> None:
+        if self.in_flight is not None and now >= self.in_flight.deadline:
+            self._finish(self.in_flight, Outcome.TIMED_OUT, now)
+            self.in_flight = None
+        for decision_id, decision in list(self.restorations.items()):
+            if now >= decision.deadline:
+                del self.restorations[decision_id]
+                self._finish(decision, Outcome.TIMED_OUT, now)
+
+    def _finish(self, decision: Decision, outcome: Outcome, now: float) -> None:
+        finished = FinishedDecision(decision, outcome, now)
+        self._history.append(finished)
+        if decision.reason is not DecisionReason.PROMOTE_SPARE:
+            self._latencies.append(finished.latency_s)

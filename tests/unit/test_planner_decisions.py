@@ -1,0 +1,224 @@
+"""The decision state machine with a fake clock: readiness gating, one scaling decision at a time, deadlines,
+the adaptive interval, and capacity restoration (replacement, hot-spare promotion)."""
+
+from __future__ import annotations
+
+import pytest
+
+from phalanx.planner.decisions import (
+    DecisionConfig,
+    DecisionMachine,
+    DecisionReason,
+    Outcome,
+    Readiness,
+    Targets,
+)
+
+pytestmark = pytest.mark.unit
+
+READY = Readiness(routers_serving=True, serving_workers=1, metrics_flowing=True)
+
+
+class Clock:
+    def __init__(self, start: float = 1000.0) -> None:
+        self.now = start
+
+    def advance(self, seconds: float) -> float:
+        self.now += seconds
+        return self.now
+
+
+def machine(workers: int = 2, **overrides) -> DecisionMachine:
+    defaults = {"interval_s": 30.0, "latency_multiple": 2.0, "scale_deadline_s": 120.0}
+    return DecisionMachine(DecisionConfig(**{**defaults, **overrides}), workers)
+
+
+@pytest.mark.parametrize(
+    "readiness",
+    [
+        Readiness(routers_serving=False, serving_workers=2, metrics_flowing=True),
+        Readiness(routers_serving=True, serving_workers=0, metrics_flowing=True),
+        Readiness(routers_serving=True, serving_workers=2, metrics_flowing=False),
+    ],
+)
+def test_no_load_decision_until_routers_a_worker_and_metrics_are_ready(readiness: Readiness) -> None:
+    clock, planner = Clock(), machine()
+    for _ in range(5):
+        assert planner.tick(clock.advance(60.0), readiness, desired_workers=5) is None
+    assert planner.next_tick_at is None
+
+
+def test_first_decision_comes_as_soon_as_ready_with_no_start_delay() -> None:
+    clock, planner = Clock(), machine()
+    assert planner.tick(clock.now, Readiness(True, 0, False), 5) is None
+    decision = planner.tick(clock.advance(0.5), READY, 5)
+    assert decision is not None
+    assert (decision.reason, decision.targets, decision.issued_at) == (DecisionReason.SCALE, Targets(5, 0), clock.now)
+
+
+def test_ticks_decide_once_per_interval() -> None:
+    clock, planner = Clock(), machine()
+    first = planner.tick(clock.now, READY, 3)
+    assert first is not None
+    planner.complete(first.id, clock.advance(1.0))
+    assert planner.tick(clock.advance(10.0), READY, 4) is None  # 11 s into a 30 s interval
+    assert planner.tick(clock.advance(18.9), READY, 4) is None
+    second = planner.tick(clock.advance(0.1), READY, 4)  # 30 s after the first tick
+    assert second is not None and second.targets.workers == 4 and second.id == first.id + 1
+
+
+def test_an_unchanged_target_issues_nothing() -> None:
+    clock, planner = Clock(), machine(workers=3)
+    assert planner.tick(clock.now, READY, 3) is None
+    assert planner.next_tick_at == clock.now + 30.0  # the tick still counts: next look in one interval
+    assert planner.history == []
+
+
+def test_no_new_decision_while_one_is_being_carried_out() -> None:
+    clock, planner = Clock(), machine()
+    first = planner.tick(clock.now, READY, 4)
+    assert first is not None
+    # Scaling takes long: ticks past the interval but before the deadline issue nothing, whatever the load says.
+    for _ in range(3):
+        assert planner.tick(clock.advance(30.0), READY, 8) is None
+    assert planner.in_flight == first
+    assert planner.complete(first.id, clock.advance(5.0))
+    second = planner.tick(clock.now, READY, 8)  # the tick was due: decide at once after completion
+    assert second is not None and second.targets.workers == 8
+
+
+def test_a_decision_past_its_deadline_times_out_and_a_new_one_may_go() -> None:
+    clock, planner = Clock(), machine(scale_deadline_s=100.0)
+    first = planner.tick(clock.now, READY, 4)
+    assert first is not None
+    assert planner.tick(clock.advance(99.0), READY, 6) is None
+    second = planner.tick(clock.advance(1.0), READY, 6)
+    assert second is not None and second.targets.workers == 6
+    [finished] = planner.history
+    assert (finished.decision.id, finished.outcome, finished.latency_s) == (first.id, Outcome.TIMED_OUT, 100.0)
+    assert not planner.complete(first.id, clock.advance(1.0))  # its late acknowledgement changes nothing
+    assert planner.in_flight == second
+
+
+def test_the_interval_adapts_to_the_measured_scaling_latency() -> None:
+    clock, planner = Clock(), machine(latency_window=3, max_interval_s=200.0)
+    decision = planner.tick(clock.now, READY, 4)
+    assert decision is not None
+    planner.complete(decision.id, clock.advance(40.0))  # scaling took 40 s: interval max(30, 2 x 40) = 80
+    assert planner.interval_s == 80.0
+    issued = planner.tick(clock.now, READY, 5)
+    assert issued is not None and planner.next_tick_at == clock.now + 80.0
+    # Three quick ones push the slow one out of the window.
+    for workers in (6, 7, 8):
+        planner.complete(issued.id, clock.advance(2.0))
+        issued = planner.tick(clock.advance(200.0), READY, workers)
+        assert issued is not None
+    planner.complete(issued.id, clock.advance(2.0))
+    assert planner.interval_s == 30.0
+    # A timed-out decision counts with its whole wait, capped by max_interval_s.
+    issued = planner.tick(clock.advance(200.0), READY, 9)
+    assert issued is not None
+    assert planner.tick(clock.advance(120.0), READY, 10) is not None
+    assert planner.interval_s == 200.0  # 2 x 120 = 240, capped at 200
+
+
+def test_a_dead_worker_is_replaced_at_once() -> None:
+    clock, planner = Clock(), machine(workers=3, replace_deadline_s=60.0)
+    tick = planner.tick(clock.now, READY, 3)
+    assert tick is None
+    decision = planner.worker_dead(clock.advance(1.0), "w1")  # mid-interval
+    assert decision is not None
+    assert (decision.reason, decision.replaces, decision.targets) == (DecisionReason.REPLACE_DEAD, "w1", Targets(3, 0))
+    assert decision.deadline == clock.now + 60.0
+    assert planner.worker_dead(clock.advance(0.5), "w1") is None  # the same death reported again
+
+
+def test_replacement_is_not_gated_on_readiness_or_a_scaling_decision_in_flight() -> None:
+    clock, planner = Clock(), machine(workers=1)
+    scaling = planner.tick(clock.now, READY, 2)
+    assert scaling is not None
+    # The only serving worker died: the fleet is not ready, a scaling decision is in flight; replace anyway.
+    decision = planner.worker_dead(clock.advance(1.0), "w0")
+    assert decision is not None and decision.reason is DecisionReason.REPLACE_DEAD
+    assert decision.targets == Targets(2, 0)  # the targets of the scaling in flight stand
+    assert planner.in_flight == scaling
+    assert planner.complete(decision.id, clock.advance(4.0))
+    assert planner.in_flight == scaling  # completing the replacement does not complete the scaling
+
+
+def test_a_hot_spare_is_promoted_instead_and_another_spare_is_still_wanted() -> None:
+    clock, planner = Clock(), machine(workers=4, hot_spares=1, promote_deadline_s=5.0)
+    planner.spare_ready("spare-a")
+    decision = planner.worker_dead(clock.now, "w2")
+    assert decision is not None
+    assert (decision.reason, decision.replaces, decision.promote) == (DecisionReason.PROMOTE_SPARE, "w2", "spare-a")
+    assert decision.targets == Targets(workers=4, spares=1)  # the connector starts a new spare in the background
+    assert planner.spares == []
+    assert planner.complete(decision.id, clock.advance(0.2))
+    assert planner.interval_s == 30.0  # a promotion says nothing about how long starting a worker takes
+    # The next death finds no spare ready yet: a plain replacement.
+    second = planner.worker_dead(clock.advance(1.0), "w3")
+    assert second is not None and second.reason is DecisionReason.REPLACE_DEAD
+
+
+def test_spares_are_promoted_in_the_order_they_became_ready() -> None:
+    clock, planner = Clock(), machine(hot_spares=2)
+    for spare in ("s1", "s2", "s1"):
+        planner.spare_ready(spare)
+    assert planner.spares == ["s1", "s2"]
+    first, second = planner.worker_dead(clock.now, "a"), planner.worker_dead(clock.now, "b")
+    assert first is not None and second is not None
+    assert (first.promote, second.promote) == ("s1", "s2")
+
+
+def test_a_dead_or_departed_spare_is_only_forgotten() -> None:
+    clock, planner = Clock(), machine(hot_spares=2)
+    planner.spare_ready("s1")
+    planner.spare_ready("s2")
+    assert planner.worker_dead(clock.now, "s1") is None  # the targets already ask for 2 spares
+    planner.spare_lost("s2")
+    assert planner.spares == []
+    decision = planner.worker_dead(clock.now, "w0")
+    assert decision is not None and decision.reason is DecisionReason.REPLACE_DEAD
+
+
+def test_a_restoration_past_its_deadline_times_out() -> None:
+    clock, planner = Clock(), machine(replace_deadline_s=60.0)
+    decision = planner.worker_dead(clock.now, "w0")
+    assert decision is not None
+    planner.tick(clock.advance(60.0), Readiness(True, 0, True), 2)
+    assert decision.id not in planner.restorations
+    [finished] = planner.history
+    assert finished.outcome is Outcome.TIMED_OUT
+    assert not planner.complete(decision.id, clock.now)
+    # A slow replacement is a slow scaling: it lengthens the interval too.
+    assert planner.interval_s == 120.0
+
+
+def test_decision_ids_are_unique_and_start_where_told() -> None:
+    clock = Clock()
+    planner = DecisionMachine(DecisionConfig(interval_s=1.0), workers=1, first_id=41)
+    ids = []
+    for workers in (2, 3):
+        decision = planner.tick(clock.advance(2.0), READY, workers)
+        assert decision is not None
+        ids.append(decision.id)
+        planner.complete(decision.id, clock.now)
+    restoration = planner.worker_dead(clock.now, "w9")
+    assert restoration is not None
+    assert ids + [restoration.id] == [41, 42, 43]
+
+
+def test_unknown_completions_are_refused() -> None:
+    assert not machine().complete(7, 0.0)
+
+
+def test_invalid_config_is_refused() -> None:
+    with pytest.raises(ValueError):
+        DecisionConfig(interval_s=0.0)
+    with pytest.raises(ValueError):
+        DecisionConfig(interval_s=700.0, max_interval_s=600.0)
+    with pytest.raises(ValueError):
+        DecisionConfig(hot_spares=-1)
+    with pytest.raises(ValueError):
+        DecisionConfig(promote_deadline_s=0.0)

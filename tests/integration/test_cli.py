@@ -17,6 +17,8 @@ from phalanx.testing.asserts import assert_eventually_sync
 pytestmark = pytest.mark.integration
 
 CLI = [sys.executable, "-m", "phalanx.cli"]
+# Random weights that load at once; the default model is a real one that takes seconds.
+TINY = "phalanx-tiny-moe"
 # Everything that could point a command at some other stack than the one a test starts.
 _FOREIGN_ENV = ("PHALANX_TARGET", "PHALANX_STATE_FILE", "PHALANX_NATS_URL", "PHALANX_ETCD_ENDPOINT", "PHALANX_API_KEY")
 ENV = {k: v for k, v in os.environ.items() if k not in _FOREIGN_ENV}
@@ -58,7 +60,7 @@ def assert_all_gone(pids: list[int]) -> None:
 def detached(tmp_path_factory):
     """One `phalanx up --detach` stack (own NATS and etcd, one worker) shared by the tests that only read it."""
     state_file = tmp_path_factory.mktemp("up") / "up.json"
-    result = phalanx("up", "--detach", "--workers", "1", "--port", "0", "--state-file", str(state_file), timeout=120)
+    result = phalanx("up", "--detach", "--workers", "1", "--model", TINY, "--port", "0", "--state-file", str(state_file), timeout=120)
     assert result.returncode == 0, result.stdout + result.stderr
     state = read_state(state_file)
     assert state is not None and state["status"] == "ready"
@@ -114,7 +116,7 @@ def test_generate_reports_a_rejected_request_as_a_typed_error(detached):
 
 def test_second_up_with_the_same_state_file_refuses(detached):
     state_file, state, _ = detached
-    result = phalanx("up", "--workers", "1", "--port", "0", "--state-file", str(state_file))
+    result = phalanx("up", "--workers", "1", "--model", TINY, "--port", "0", "--state-file", str(state_file))
     assert result.returncode == 1
     assert "already up" in result.stdout and "phalanx down" in result.stdout
     assert read_state(state_file)["supervisor_pid"] == state["supervisor_pid"]
@@ -151,7 +153,7 @@ def test_up_fails_fast_when_the_router_port_is_taken(tmp_path):
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        result = phalanx("up", "--workers", "1", "--port", str(port), "--state-file", str(tmp_path / "up.json"))
+        result = phalanx("up", "--workers", "1", "--model", TINY, "--port", str(port), "--state-file", str(tmp_path / "up.json"))
     assert result.returncode == 1
     assert f"port {port} is taken" in result.stdout and "--port 0" in result.stdout
     assert not (tmp_path / "up.json").exists()
@@ -162,7 +164,7 @@ def start_foreground(tmp_path: Path, nats_server, etcd_server) -> tuple[subproce
     state_file = tmp_path / "up.json"
     log = open(tmp_path / "out.txt", "w")  # noqa: SIM115 - a file, not a pipe: nobody has to drain it
     process = subprocess.Popen(
-        [*CLI, "up", "--workers", "1", "--port", "0", "--state-file", str(state_file),
+        [*CLI, "up", "--workers", "1", "--model", TINY, "--port", "0", "--state-file", str(state_file),
          "--nats-url", nats_server.url, "--etcd-endpoint", etcd_server.endpoint],
         env=ENV, stdout=log, stderr=subprocess.STDOUT,
     )

@@ -238,7 +238,7 @@ class _Stack:
         mode = "--deterministic" if self.options.deterministic else "--fast"
         # Free ports for every process: an environment made for one service per host (the
         # container image sets fixed metrics ports) must not make the second one fail to bind.
-        env = {"PHALANX_ENGINE_MODEL": self.options.model, "PHALANX_WORKER_METRICS_PORT": "0", "PHALANX_ROUTER_METRICS_PORT": "0"}
+        env = {"PHALANX_WORKER_METRICS_PORT": "0", "PHALANX_ROUTER_METRICS_PORT": "0"}
         ids = [f"worker-{i}" for i in range(self.options.workers)]
         for worker_id in ids:
             self.board.set(worker_id, "starting")
@@ -256,7 +256,7 @@ class _Stack:
             raise UpError(f"checkpoint store / migration: {error or type(error).__name__}") from None
 
         async def one(worker_id: str) -> None:
-            handle = await start_worker(worker_id, self.nats_url, etcd, mode, env=env)
+            handle = await start_worker(worker_id, self.nats_url, etcd, mode, model=self.options.model, env=env)
             self.workers[worker_id] = handle
             self.board.set(worker_id, "ready", handle.address, handle.process.pid)
 

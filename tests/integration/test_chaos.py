@@ -19,6 +19,7 @@ from phalanx.common.lease import connect_etcd
 from phalanx.common.subjects import DEGRADATION_KEY, load_subject
 from phalanx.launch.services import start_worker
 from phalanx.launch.stack import unique_id
+from phalanx.model.tokenizer import ByteTokenizer
 from phalanx.testing.asserts import assert_eventually
 
 pytestmark = pytest.mark.integration
@@ -34,7 +35,7 @@ CLI = [sys.executable, "-m", "phalanx.cli"]
 def worker(nats_server, etcd_server):
     # One chaos-enabled worker for every test that leaves it alive (each clears its faults).
     config = EtcdConfig(endpoint=etcd_server.endpoint, lease_ttl_s=1)
-    handle = asyncio.run(start_worker(unique_id("w-chaos"), nats_server.url, config, "--deterministic", env=CHAOS_ENV))
+    handle = asyncio.run(start_worker(unique_id("w-chaos"), nats_server.url, config, "--deterministic", env=CHAOS_ENV, model="phalanx-tiny-moe"))
     yield handle
     assert handle.terminate() == 0
 
@@ -68,7 +69,7 @@ async def phalanx(*args: str, token: str = TOKEN) -> tuple[int, str, str]:
 
 
 async def test_chaos_service_is_unimplemented_unless_enabled(nats_server, etcd_config):
-    handle = await start_worker(unique_id("w-plain"), nats_server.url, etcd_config, "--chaos-token", TOKEN)
+    handle = await start_worker(unique_id("w-plain"), nats_server.url, etcd_config, "--chaos-token", TOKEN, model="phalanx-tiny-moe")
     try:
         async with grpc.aio.insecure_channel(handle.address) as channel:
             with pytest.raises(grpc.aio.AioRpcError) as info:
@@ -98,7 +99,7 @@ async def test_calls_need_the_token_and_valid_arguments(stubs):
 
 async def test_crash_kills_the_worker_by_sigkill_and_its_registration_lapses(nats_server, etcd_config):
     worker_id = unique_id("w-crash")
-    handle = await start_worker(worker_id, nats_server.url, etcd_config, env=CHAOS_ENV)
+    handle = await start_worker(worker_id, nats_server.url, etcd_config, env=CHAOS_ENV, model="phalanx-tiny-moe")
     directory = WorkerDirectory(etcd_config)
     try:
         async with grpc.aio.insecure_channel(handle.address) as channel:
@@ -120,6 +121,7 @@ async def test_canary_reports_margins_and_model_version_and_its_work_is_counted(
     canary = await stub.Canary(CANARY)
     assert len(canary.top_margins) == len(canary.token_ids) == 8
     assert all(m >= 0 for m in canary.top_margins)
+    assert canary.text == ByteTokenizer().decode(list(canary.token_ids))
     assert canary.model_version == before.model_version == "phalanx-tiny-moe@seed=0"
     after = await stub.Stats(worker_pb2.StatsRequest())
     assert after.canaries_total == before.canaries_total + 1

@@ -8,15 +8,19 @@ import signal
 import socket
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from phalanx.launch.infra import EtcdServer, NatsServer
 from phalanx.testing.asserts import assert_eventually_sync
 
 pytestmark = pytest.mark.integration
 
 CLI = [sys.executable, "-m", "phalanx.cli"]
+# Random weights that load at once; the default model is a real one that takes seconds.
+TINY = "phalanx-tiny-moe"
 # Everything that could point a command at some other stack than the one a test starts.
 _FOREIGN_ENV = ("PHALANX_TARGET", "PHALANX_STATE_FILE", "PHALANX_NATS_URL", "PHALANX_ETCD_ENDPOINT", "PHALANX_API_KEY")
 ENV = {k: v for k, v in os.environ.items() if k not in _FOREIGN_ENV}
@@ -59,7 +63,9 @@ def assert_all_gone(pids: list[int]) -> None:
 def detached(tmp_path_factory):
     """One `phalanx up --detach` stack (own NATS and etcd, one worker) shared by the tests that only read it."""
     state_file = tmp_path_factory.mktemp("up") / "up.json"
-    result = phalanx("up", "--detach", "--workers", "1", "--port", "0", "--gateway-port", "0", "--state-file", str(state_file), timeout=120)
+    result = phalanx(
+        "up", "--detach", "--workers", "1", "--model", TINY, "--port", "0", "--gateway-port", "0", "--state-file", str(state_file), timeout=120
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     state = read_state(state_file)
     assert state is not None and state["status"] == "ready"
@@ -132,7 +138,7 @@ def test_generate_reports_a_rejected_request_as_a_typed_error(detached):
 
 def test_second_up_with_the_same_state_file_refuses(detached):
     state_file, state, _ = detached
-    result = phalanx("up", "--workers", "1", "--port", "0", "--gateway-port", "0", "--state-file", str(state_file))
+    result = phalanx("up", "--workers", "1", "--model", TINY, "--port", "0", "--gateway-port", "0", "--state-file", str(state_file))
     assert result.returncode == 1
     assert "already up" in result.stdout and "phalanx down" in result.stdout
     assert read_state(state_file)["supervisor_pid"] == state["supervisor_pid"]
@@ -169,15 +175,25 @@ def test_up_fails_fast_when_the_router_port_is_taken(tmp_path):
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        result = phalanx("up", "--workers", "1", "--port", str(port), "--gateway-port", "0", "--state-file", str(tmp_path / "up.json"))
+        result = phalanx(
+            "up", "--workers", "1", "--model", TINY, "--port", str(port), "--gateway-port", "0", "--state-file", str(tmp_path / "up.json")
+        )
     assert result.returncode == 1
     assert f"port {port} is taken" in result.stdout and "--port 0" in result.stdout
     assert not (tmp_path / "up.json").exists()
 
 
 @pytest.fixture
-def foreground(tmp_path, nats_server, etcd_server):
-    """start_foreground for this test; a supervisor the test left running is SIGKILLed (PDEATHSIG takes its children)."""
+def own_infra() -> Iterator[tuple[NatsServer, EtcdServer]]:
+    """A NATS and an etcd for one test's stack: what its health service leaves in etcd (the degradation level) must not reach the next test."""
+    with NatsServer() as nats_server, EtcdServer() as etcd_server:
+        yield nats_server, etcd_server
+
+
+@pytest.fixture
+def foreground(tmp_path, own_infra):
+    """start_foreground on the test's own NATS and etcd; a supervisor the test left running is SIGKILLed (PDEATHSIG takes its children)."""
+    nats_server, etcd_server = own_infra
     started: list[subprocess.Popen] = []
 
     def start(*args: str, env: dict[str, str] | None = None) -> tuple[subprocess.Popen, Path, dict]:
@@ -199,7 +215,7 @@ def start_foreground(
     state_file = tmp_path / "up.json"
     log = open(tmp_path / "out.txt", "w")  # noqa: SIM115 - a file, not a pipe: nobody has to drain it
     process = subprocess.Popen(
-        [*CLI, "up", "--workers", "1", "--port", "0", "--gateway-port", "0", "--state-file", str(state_file),
+        [*CLI, "up", "--workers", "1", "--model", TINY, "--port", "0", "--gateway-port", "0", "--state-file", str(state_file),
          "--nats-url", nats_server.url, "--etcd-endpoint", etcd_server.endpoint, *args],
         env={**ENV, **(env or {})}, stdout=log, stderr=subprocess.STDOUT,
     )
@@ -220,7 +236,8 @@ def start_foreground(
     return process, state_file, state
 
 
-def test_foreground_up_stops_everything_on_sigterm_and_exits_0(tmp_path, nats_server, etcd_server, foreground):
+def test_foreground_up_stops_everything_on_sigterm_and_exits_0(tmp_path, own_infra, foreground):
+    nats_server, etcd_server = own_infra
     process, state_file, state = foreground()
     process.send_signal(signal.SIGTERM)
     assert process.wait(90) == 0, (tmp_path / "out.txt").read_text()

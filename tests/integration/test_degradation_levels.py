@@ -26,7 +26,7 @@ TIERS = ("premium", "standard", "best_effort")
 
 @pytest.fixture
 async def stack(nats_config, etcd_config):
-    s = Stack(nats_config.url, etcd_config)
+    s = Stack(nats_config.url, etcd_config, model="phalanx-tiny-moe")
     yield s
     await asyncio.to_thread(s.stop)
 

@@ -82,7 +82,7 @@ def deployment(nats_server, etcd_server):
     otlp_port = otlp.add_insecure_port("127.0.0.1:0")
     otlp.start()
     telemetry = {"PHALANX_TELEMETRY_OTLP_ENDPOINT": f"http://127.0.0.1:{otlp_port}", "OTEL_BSP_SCHEDULE_DELAY": "100"}
-    stack = Stack(nats_server.url, EtcdConfig(endpoint=etcd_server.endpoint, lease_ttl_s=1))
+    stack = Stack(nats_server.url, EtcdConfig(endpoint=etcd_server.endpoint, lease_ttl_s=1), model="phalanx-tiny-moe")
     gateways: list[GatewayHandle] = []
     router_env = {"PHALANX_ROUTER_TENANTS": TENANTS, "PHALANX_ROUTER_API_KEYS": ROUTER_KEYS, **telemetry}
 

@@ -46,7 +46,7 @@ HEALTHY, SUSPICIOUS, UNHEALTHY, DRAINING, DEAD = (
 def fleet(nats_server, etcd_server):
     """Five chaos-enabled workers, a router and a health instance."""
     etcd_config = EtcdConfig(endpoint=etcd_server.endpoint, lease_ttl_s=1)
-    s = Stack(nats_server.url, etcd_config)
+    s = Stack(nats_server.url, etcd_config, model="phalanx-tiny-moe")
 
     async def start():
         await s.add_workers(5, "--fast", env=WORKER_ENV)

@@ -34,7 +34,7 @@ HEALTH_ENV = {
 @pytest.fixture(scope="module")
 def fleet(nats_server, etcd_server):
     etcd_config = EtcdConfig(endpoint=etcd_server.endpoint, lease_ttl_s=1)
-    s = Stack(nats_server.url, etcd_config)
+    s = Stack(nats_server.url, etcd_config, model="phalanx-tiny-moe")
 
     async def start():
         await s.add_workers(2, "--fast", env=WORKER_ENV)

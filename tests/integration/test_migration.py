@@ -32,7 +32,7 @@ CHANNELS_ALWAYS = {"PHALANX_WORKER_CHANNEL_MIN_BYTES": "0"}
 
 @pytest.fixture
 async def fleet(nats_config, etcd_config):
-    s = Stack(nats_config.url, etcd_config)
+    s = Stack(nats_config.url, etcd_config, model="phalanx-tiny-moe")
     try:
         await s.add_checkpoint_store()
         await s.add_migration()

@@ -18,7 +18,7 @@ TOKENS = 24
 
 @pytest.fixture
 async def fleet(nats_config, etcd_config):
-    s = Stack(nats_config.url, etcd_config)
+    s = Stack(nats_config.url, etcd_config, model="phalanx-tiny-moe")
     try:
         await s.add_checkpoint_store()
         await s.add_workers(2)  # the default PHALANX_WORKER_CHANNEL_MIN_BYTES: this model's KV is far below it

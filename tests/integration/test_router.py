@@ -29,7 +29,7 @@ LONG = "The quick brown fox jumps over the lazy dog while the router watches eve
 @pytest.fixture(scope="module")
 def shared(nats_server, etcd_server):
     """Two workers and a router for the tests that break nothing (a start costs seconds)."""
-    s = Stack(nats_server.url, EtcdConfig(endpoint=etcd_server.endpoint, lease_ttl_s=1))
+    s = Stack(nats_server.url, EtcdConfig(endpoint=etcd_server.endpoint, lease_ttl_s=1), model="phalanx-tiny-moe")
 
     async def start():
         await s.add_workers(2)
@@ -182,7 +182,7 @@ async def test_router_serves_metrics_and_health(shared):
 async def test_no_worker_means_unavailable_with_a_retry_hint(nats_config):
     with EtcdServer() as etcd:  # an empty cluster of its own
         config = EtcdConfig(endpoint=etcd.endpoint, lease_ttl_s=1)
-        s = Stack(nats_config.url, config)
+        s = Stack(nats_config.url, config, model="phalanx-tiny-moe")
         try:
             router = await s.add_router("--model", "phalanx-tiny-moe")
             async with grpc.aio.insecure_channel(router.address) as channel:

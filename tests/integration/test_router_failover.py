@@ -23,7 +23,7 @@ LONG = "The quick brown fox jumps over the lazy dog while the router watches eve
 
 @pytest.fixture
 async def stack(nats_config, etcd_config):
-    s = Stack(nats_config.url, etcd_config)
+    s = Stack(nats_config.url, etcd_config, model="phalanx-tiny-moe")
     yield s
     await asyncio.to_thread(s.stop)
 

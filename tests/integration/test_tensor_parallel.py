@@ -59,7 +59,7 @@ async def metric(handle, name: str, **labels) -> float:
 
 @pytest.fixture
 async def stack(nats_config, etcd_config):
-    s = Stack(nats_config.url, etcd_config)
+    s = Stack(nats_config.url, etcd_config, model="phalanx-tiny-moe")
     try:
         yield s
     finally:

@@ -42,7 +42,7 @@ async def collector():
 async def test_client_router_and_worker_spans_share_one_trace(nats_config, etcd_config, collector):
     sink, endpoint = collector
     env = {"PHALANX_TELEMETRY_OTLP_ENDPOINT": endpoint, "OTEL_BSP_SCHEDULE_DELAY": "100"}
-    stack = Stack(nats_config.url, etcd_config)
+    stack = Stack(nats_config.url, etcd_config, model="phalanx-tiny-moe")
     try:
         await stack.add_workers(1, env=env)
         router = await stack.add_router(env=env)

@@ -27,7 +27,7 @@ pytestmark = pytest.mark.integration
 def worker(nats_server, etcd_server):
     # One worker for the tests that do not kill it: a start costs about two seconds.
     config = EtcdConfig(endpoint=etcd_server.endpoint, lease_ttl_s=1)
-    handle = asyncio.run(start_worker("w-main", nats_server.url, config, "--deterministic"))
+    handle = asyncio.run(start_worker("w-main", nats_server.url, config, "--deterministic", model="phalanx-tiny-moe"))
     yield handle
     assert handle.terminate() == 0
 
@@ -153,7 +153,7 @@ async def test_health_and_reflection_are_served(worker):
 
 
 async def test_registration_vanishes_within_the_lease_ttl_after_sigkill(nats_server, etcd_config):
-    handle = await start_worker("w-doomed", nats_server.url, etcd_config)
+    handle = await start_worker("w-doomed", nats_server.url, etcd_config, model="phalanx-tiny-moe")
     directory = WorkerDirectory(etcd_config)
     try:
         assert "w-doomed" in await directory.list()
@@ -171,7 +171,7 @@ async def test_registration_vanishes_within_the_lease_ttl_after_sigkill(nats_ser
 
 
 async def test_sigterm_drains_hands_back_running_requests_and_deregisters(nats_server, etcd_config):
-    handle = await start_worker("w-drain", nats_server.url, etcd_config, env={"PHALANX_WORKER_DRAIN_GRACE_S": "0.3"})
+    handle = await start_worker("w-drain", nats_server.url, etcd_config, env={"PHALANX_WORKER_DRAIN_GRACE_S": "0.3"}, model="phalanx-tiny-moe")
     directory = WorkerDirectory(etcd_config)
     try:
         async with grpc.aio.insecure_channel(handle.address) as channel:
@@ -196,8 +196,8 @@ async def test_sigterm_drains_hands_back_running_requests_and_deregisters(nats_s
 
 
 async def test_drain_rpc_hands_back_and_a_resumed_request_continues_identically(nats_server, etcd_config):
-    draining = await start_worker("w-drain-rpc", nats_server.url, etcd_config, "--deterministic")
-    successor = await start_worker("w-successor", nats_server.url, etcd_config, "--deterministic")
+    draining = await start_worker("w-drain-rpc", nats_server.url, etcd_config, "--deterministic", model="phalanx-tiny-moe")
+    successor = await start_worker("w-successor", nats_server.url, etcd_config, "--deterministic", model="phalanx-tiny-moe")
     try:
         async with grpc.aio.insecure_channel(draining.address) as a, grpc.aio.insecure_channel(successor.address) as b:
             first_stub, next_stub = worker_pb2_grpc.WorkerServiceStub(a), worker_pb2_grpc.WorkerServiceStub(b)

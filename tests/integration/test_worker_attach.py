@@ -21,7 +21,7 @@ LONG = 1500  # tokens: several seconds of generation, far longer than the grace
 def worker(nats_server, etcd_server):
     config = EtcdConfig(endpoint=etcd_server.endpoint, lease_ttl_s=1)
     env = {"PHALANX_WORKER_DETACH_GRACE_S": str(DETACH_GRACE_S)}
-    handle = asyncio.run(start_worker("w-attach", nats_server.url, config, "--deterministic", env=env))
+    handle = asyncio.run(start_worker("w-attach", nats_server.url, config, "--deterministic", env=env, model="phalanx-tiny-moe"))
     yield handle
     assert handle.terminate() == 0
 
@@ -157,7 +157,7 @@ async def test_detached_request_runs_through_the_grace_then_is_aborted(stub):
 
 async def test_sigterm_with_a_detached_request_exits_promptly_and_cleanly(nats_server, etcd_config, capfd):
     env = {"PHALANX_WORKER_DETACH_GRACE_S": "60", "PHALANX_WORKER_DRAIN_GRACE_S": "0.3"}
-    handle = await start_worker("w-attach-term", nats_server.url, etcd_config, env=env)
+    handle = await start_worker("w-attach-term", nats_server.url, etcd_config, env=env, model="phalanx-tiny-moe")
     try:
         async with grpc.aio.insecure_channel(handle.address) as channel:
             stub = worker_pb2_grpc.WorkerServiceStub(channel)

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from phalanx.health.canary import CANDIDATE_PROMPTS, CanaryRun, calibrate, judge
+from phalanx.health.canary import CANARY_FACTS, CANDIDATE_PROMPTS, CanaryFact, CanaryRun, calibrate, canary_facts, judge
 from phalanx.health.state import CheckResult
+from phalanx.model.config import BUILTIN_CHECKPOINTS
 
 P0, P1, P2 = CANDIDATE_PROMPTS[:3]
 
@@ -78,3 +79,54 @@ def test_judge_catches_a_short_answer():
 def test_judge_catches_right_tokens_with_wrong_logits():
     outcome = judge(_case(), [1, 2, 3], [10.0, 12.0, 6.0], 0.02, tolerance=0.05)
     assert outcome.result is CheckResult.FAIL and outcome.reason == "logit_out_of_range"
+
+
+# -- real models: known facts --------------------------------------------------
+
+FACT = CanaryFact("The capital of France is", " Paris")
+PARIS = 7042
+
+
+def fact_runs(worker: str, tokens, text: str, logits=(20.0,), margins=(5.0,), prompt: str = FACT.prompt) -> list[CanaryRun]:
+    return [CanaryRun(worker, prompt, tuple(tokens), tuple(logits), tuple(margins), text)] * 2
+
+
+def test_a_fact_calibrates_on_the_right_answer_and_its_logit_range():
+    runs = fact_runs("a", [PARIS], " Paris", logits=(19.0,)) + fact_runs("b", [PARIS], " Paris", logits=(19.4,))
+    result = calibrate("smol@1", "smol", runs, prompts_wanted=3, min_margin=0.05, facts=[FACT])
+    (case,) = result.calibration.cases
+    assert case.prompt_text == FACT.prompt and list(case.expected_token_ids) == [PARIS]
+    assert abs(case.top_logit_min[0] - 19.0) < 1e-5 and abs(case.top_logit_max[0] - 19.4) < 1e-5
+    assert not result.dissenters
+
+
+def test_with_facts_the_generic_prompts_do_not_count():
+    runs = fact_runs("a", [PARIS], " Paris") + twice("a", P1, [4, 5])
+    result = calibrate("smol@1", "smol", runs, prompts_wanted=3, min_margin=0.05, facts=[FACT])
+    assert [c.prompt_text for c in result.calibration.cases] == [FACT.prompt]
+
+
+def test_the_truth_outvotes_a_wrong_majority():
+    runs = fact_runs("a", [PARIS], " Paris") + fact_runs("b", [11], " Lyon") + fact_runs("c", [11], " Lyon")
+    result = calibrate("smol@1", "smol", runs, prompts_wanted=3, min_margin=0.05, facts=[FACT])
+    assert list(result.calibration.cases[0].expected_token_ids) == [PARIS]
+    assert result.dissenters.keys() == {"b", "c"} and "' Lyon', not ' Paris'" in result.dissenters["b"]
+    assert list(result.calibration.calibrated_on) == ["a"]
+
+
+def test_a_model_wrong_everywhere_fails_calibration_and_every_worker_is_suspect():
+    runs = fact_runs("a", [11], " Lyon") + fact_runs("b", [12], " the")
+    result = calibrate("smol@1", "smol", runs, prompts_wanted=3, min_margin=0.05, facts=[FACT])
+    assert result.calibration is None and "no worker answers" in result.rejected[FACT.prompt]
+    assert result.dissenters.keys() == {"a", "b"}
+
+
+def test_a_random_model_has_no_facts_and_calibrates_by_agreement():
+    assert canary_facts("phalanx-tiny-moe") == ()
+    runs = twice("a", P0, [1, 2, 3])
+    assert calibrate("m@1", "phalanx-tiny-moe", runs, prompts_wanted=1, min_margin=0.05, facts=canary_facts("phalanx-tiny-moe")).calibration
+
+
+def test_facts_are_kept_for_built_in_real_models_only():
+    assert set(CANARY_FACTS) <= set(BUILTIN_CHECKPOINTS)
+    assert canary_facts("smollm2-135m-instruct") == (FACT,)

@@ -59,6 +59,8 @@ RESTORE_METHODS = {
 _SPEEDUP_GOAL = "checkpoint_speedup_vs_reprefill_at_1024"
 GOALS = {"checkpoint_stall_p99_s": 0.3, _SPEEDUP_GOAL: 10.0, "overhead_fraction": 0.02}
 WORKERS = 3
+# Random weights that load at once: what this measures is the fleet, not the model.
+MODEL = "phalanx-tiny-moe"
 # Tokens a restore-time request may run past N before it is parked (its max_tokens is N + this).
 _SLACK = 32
 _RESTORE_PROMPT = 16
@@ -107,7 +109,7 @@ async def _run(o: _Options) -> dict:
     with contextlib.ExitStack() as exits:
         nats = exits.enter_context(NatsServer())
         etcd = exits.enter_context(EtcdServer())
-        fleet = Stack(nats.url, EtcdConfig(endpoint=etcd.endpoint, lease_ttl_s=1))
+        fleet = Stack(nats.url, EtcdConfig(endpoint=etcd.endpoint, lease_ttl_s=1), model=MODEL)
         exits.callback(fleet.stop)
         await fleet.add_checkpoint_store()
         await fleet.add_workers(WORKERS)

@@ -30,6 +30,8 @@ from phalanx.launch.stack import Stack
 
 _TOKEN = "bench-chaos-token-0123456789abcdef"
 _AUTH = (("authorization", f"Bearer {_TOKEN}"),)
+# Random weights that load at once: what this measures is detection, not the model.
+MODEL = "phalanx-tiny-moe"
 _WORKER_ENV = {"PHALANX_WORKER_CHAOS_ENABLED": "true", "PHALANX_WORKER_CHAOS_TOKEN": _TOKEN}
 _FAULTS = {
     "crash": chaos_pb2.InjectFaultRequest(kind=chaos_pb2.FAULT_KIND_CRASH),
@@ -60,7 +62,7 @@ async def _run(workers: int, repeats: int, interval_s: float, fp_interval_s: flo
     with contextlib.ExitStack() as exits:
         nats = exits.enter_context(NatsServer())
         etcd = exits.enter_context(EtcdServer())
-        stack = Stack(nats.url, EtcdConfig(endpoint=etcd.endpoint, lease_ttl_s=1))
+        stack = Stack(nats.url, EtcdConfig(endpoint=etcd.endpoint, lease_ttl_s=1), model=MODEL)
         exits.callback(stack.stop)
         await stack.add_workers(workers, "--fast", env=_WORKER_ENV)
         router = await stack.add_router()

@@ -79,8 +79,7 @@ async def _run(streams: int, tokens: int, prompt_len: int, model: str, repeats: 
         nats = stack.enter_context(NatsServer())
         etcd = stack.enter_context(EtcdServer())
         etcd_config = EtcdConfig(endpoint=etcd.endpoint, lease_ttl_s=1)
-        env = {"PHALANX_ENGINE_MODEL": model}
-        worker = await start_worker("bench-worker", nats.url, etcd_config, "--deterministic" if deterministic else "--fast", env=env)
+        worker = await start_worker("bench-worker", nats.url, etcd_config, "--deterministic" if deterministic else "--fast", model=model)
         stack.callback(worker.terminate)
         router = await start_router("bench-router", nats.url, etcd_config)
         stack.callback(router.terminate)

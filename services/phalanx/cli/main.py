@@ -11,6 +11,7 @@ from pathlib import Path
 import typer
 
 from phalanx.cli.chaos import chaos_app
+from phalanx.model.config import DEFAULT_MODEL
 
 app = typer.Typer(help="Phalanx: LLM inference that keeps serving through failures.", no_args_is_help=True)
 bench_app = typer.Typer(help="Benchmarks that print JSON and compare side by side in one run.", no_args_is_help=True)
@@ -23,7 +24,7 @@ def worker(
     worker_id: str = typer.Option("", help="Unique worker id (default: <hostname>-<pid>)"),
     host: str = typer.Option(None, help="Bind address [env PHALANX_WORKER_HOST]"),
     port: int = typer.Option(None, help="gRPC port, 0 for any [env PHALANX_WORKER_PORT]"),
-    model: str = typer.Option(None, help="Built-in model or HF checkpoint dir [env PHALANX_ENGINE_MODEL]"),
+    model: str = typer.Option(None, help="Built-in model, .gguf file or HF checkpoint dir [env PHALANX_ENGINE_MODEL]"),
     deterministic: bool = typer.Option(None, "--deterministic/--fast", help="Batch-invariant numerics"),
     tensor_parallel_size: int = typer.Option(
         None, min=1, help="Processes the model is split over, started by this worker [env PHALANX_ENGINE_TENSOR_PARALLEL_SIZE]"
@@ -61,7 +62,7 @@ def router(
     router_id: str = typer.Option("", help="Unique router id (default: router-<hostname>-<pid>)"),
     host: str = typer.Option(None, help="Bind address [env PHALANX_ROUTER_HOST]"),
     port: int = typer.Option(None, help="gRPC port, 0 for any [env PHALANX_ROUTER_PORT]"),
-    model: str = typer.Option(None, help="Checkpoint directory for the tokenizer (default: the workers' built-in model)"),
+    model: str = typer.Option(None, help=".gguf file or checkpoint directory for the tokenizer (default: the workers' built-in model)"),
     nats_url: str = typer.Option(None, help="NATS URL [env PHALANX_NATS_URL]"),
     etcd_endpoint: str = typer.Option(None, help="etcd host:port [env PHALANX_ETCD_ENDPOINT]"),
     log_level: str = typer.Option("INFO"),
@@ -192,7 +193,9 @@ def _run_until_signalled(process) -> None:
 @app.command()
 def up(
     workers: int = typer.Option(2, min=1, max=16, help="Workers of the model"),
-    model: str = typer.Option("phalanx-tiny-moe", help="Built-in model or HF checkpoint directory"),
+    model: str = typer.Option(
+        DEFAULT_MODEL, help="Built-in model (phalanx-tiny-moe: random weights, loads at once), .gguf file or HF checkpoint directory"
+    ),
     deterministic: bool = typer.Option(True, "--deterministic/--fast", help="Batch-invariant numerics"),
     port: int = typer.Option(50051, min=0, max=65535, help="Router gRPC port; 0 for any free one"),
     gateway_port: int = typer.Option(8000, min=0, max=65535, help="OpenAI-compatible HTTP gateway port; 0 for any free one"),

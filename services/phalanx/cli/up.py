@@ -283,13 +283,13 @@ class _Stack:
     def _env(self) -> dict[str, str]:
         # Free ports for every process: an environment made for one service per host (the
         # container image sets fixed metrics ports) must not make the second one fail to bind.
-        return {"PHALANX_ENGINE_MODEL": self.options.model, "PHALANX_WORKER_METRICS_PORT": "0", "PHALANX_ROUTER_METRICS_PORT": "0"}
+        return {"PHALANX_WORKER_METRICS_PORT": "0", "PHALANX_ROUTER_METRICS_PORT": "0"}
 
     async def _start_worker(self, worker_id: str) -> WorkerHandle:
         from phalanx.launch.services import start_worker
 
         mode = "--deterministic" if self.options.deterministic else "--fast"
-        return await start_worker(worker_id, self.nats_url, self._etcd_config, mode, env=self._env)
+        return await start_worker(worker_id, self.nats_url, self._etcd_config, mode, model=self.options.model, env=self._env)
 
     async def _start_router(self, port: int) -> RouterHandle:
         from phalanx.launch.services import start_router

@@ -7,6 +7,14 @@ the prompts on which a majority of workers agree token for token and whose
 greedy choices win by a clear margin (a near-tie could flip with harmless
 batch-order rounding and raise false alarms). The expected tokens and the
 range of top logits seen are stored in etcd per model version and reused.
+
+Agreement alone cannot tell a real model that is wrong everywhere (a bad
+conversion, corrupt weights on every worker) from a right one. A model
+with a real vocabulary therefore has known facts (CANARY_FACTS, by model
+name): calibration asks each fact's prompt and keeps it only if the
+majority answer decodes to the fact's answer; a worker that answers
+otherwise is a dissenter. Random-weight models have no facts and keep the
+agreement calibration.
 """
 
 from __future__ import annotations
@@ -19,7 +27,7 @@ from dataclasses import dataclass
 from phalanx._proto import common_pb2
 from phalanx.health.state import CheckOutcome, FailureReason
 
-__all__ = ["CANDIDATE_PROMPTS", "CanaryRun", "CalibrationResult", "calibrate", "judge"]
+__all__ = ["CANARY_FACTS", "CANDIDATE_PROMPTS", "CalibrationResult", "CanaryFact", "CanaryRun", "calibrate", "canary_facts", "judge"]
 
 # Varied, plain prompts; calibration keeps the steadiest of them.
 CANDIDATE_PROMPTS: tuple[str, ...] = (
@@ -40,6 +48,26 @@ _MIN_ABS_LOGIT_TOLERANCE = 0.05
 
 
 @dataclass(frozen=True)
+class CanaryFact:
+    """A prompt whose greedy answer a working model knows: its first ``tokens`` generated tokens decode to ``answer``."""
+
+    prompt: str
+    answer: str
+    # How many tokens the answer is in this model's vocabulary (known per model, as the table is).
+    tokens: int = 1
+
+
+# Known facts by model name (the worker registration's `model`). A model not listed calibrates by agreement only.
+CANARY_FACTS: dict[str, tuple[CanaryFact, ...]] = {
+    "smollm2-135m-instruct": (CanaryFact("The capital of France is", " Paris"),),
+}
+
+
+def canary_facts(model: str) -> tuple[CanaryFact, ...]:
+    return CANARY_FACTS.get(model, ())
+
+
+@dataclass(frozen=True)
 class CanaryRun:
     """One Canary answer of one worker."""
 
@@ -48,6 +76,7 @@ class CanaryRun:
     token_ids: tuple[int, ...]
     top_logits: tuple[float, ...]
     top_margins: tuple[float, ...]
+    text: str = ""
 
 
 @dataclass(frozen=True)
@@ -59,21 +88,39 @@ class CalibrationResult:
 
 
 def calibrate(
-    model_version: str, model: str, runs: Iterable[CanaryRun], *, prompts_wanted: int, min_margin: float, now: float | None = None
+    model_version: str,
+    model: str,
+    runs: Iterable[CanaryRun],
+    *,
+    prompts_wanted: int,
+    min_margin: float,
+    facts: Sequence[CanaryFact] = (),
+    now: float | None = None,
 ) -> CalibrationResult:
+    """The calibration of one model version from its workers' runs.
+
+    With ``facts``, only the facts' prompts count, and one is kept only if
+    the majority answers it right; a worker that answers it wrong dissents.
+    """
+    answers = {fact.prompt: fact.answer for fact in facts}
     by_prompt: dict[str, list[CanaryRun]] = defaultdict(list)
     for run in runs:
-        by_prompt[run.prompt].append(run)
+        if not answers or run.prompt in answers:
+            by_prompt[run.prompt].append(run)
     cases: list[common_pb2.CanaryCase] = []
     dissenters: dict[str, str] = {}
     rejected: dict[str, str] = {}
     workers: set[str] = set()
-    for prompt in sorted(by_prompt, key=_candidate_order):
+    order = [fact.prompt for fact in facts] if facts else list(CANDIDATE_PROMPTS)
+    for prompt in sorted(by_prompt, key=lambda p: order.index(p) if p in order else len(order)):
         prompt_runs = by_prompt[prompt]
         workers.update(r.worker_id for r in prompt_runs)
-        case, why, odd = _calibrate_prompt(prompt, prompt_runs, min_margin)
-        for worker_id in odd:
-            dissenters.setdefault(worker_id, f"answered {prompt!r} unlike the majority")
+        if prompt in answers:
+            case, why, odd = _calibrate_fact(prompt, answers[prompt], prompt_runs, min_margin)
+        else:
+            case, why, odd = _calibrate_prompt(prompt, prompt_runs, min_margin)
+        for worker_id, why_odd in odd.items():
+            dissenters.setdefault(worker_id, why_odd)
         if case is None:
             rejected[prompt] = why
         elif len(cases) < prompts_wanted:
@@ -87,26 +134,31 @@ def calibrate(
     return CalibrationResult(calibration, dissenters, rejected)
 
 
-def _candidate_order(prompt: str) -> int:
-    try:
-        return CANDIDATE_PROMPTS.index(prompt)
-    except ValueError:
-        return len(CANDIDATE_PROMPTS)
+def _calibrate_fact(
+    prompt: str, answer: str, runs: Sequence[CanaryRun], min_margin: float
+) -> tuple[common_pb2.CanaryCase | None, str, dict[str, str]]:
+    """Agreement calibration of a fact's prompt on the workers that answer it right; the truth outvotes any majority."""
+    wrong = {r.worker_id: f"answered {prompt!r} with {r.text!r}, not {answer!r}" for r in runs if r.text != answer}
+    right = [r for r in runs if r.worker_id not in wrong]
+    if not right:
+        return None, f"no worker answers {prompt!r} with {answer!r}", wrong
+    case, why, odd = _calibrate_prompt(prompt, right, min_margin)
+    return case, why, {**wrong, **odd}
 
 
-def _calibrate_prompt(prompt: str, runs: Sequence[CanaryRun], min_margin: float) -> tuple[common_pb2.CanaryCase | None, str, set[str]]:
-    """The case for one prompt (or None and why), and the workers that disagree with the majority."""
+def _calibrate_prompt(prompt: str, runs: Sequence[CanaryRun], min_margin: float) -> tuple[common_pb2.CanaryCase | None, str, dict[str, str]]:
+    """The case for one prompt (or None and why), and the workers that disagree with the majority (and why)."""
     answers: dict[str, set[tuple[int, ...]]] = defaultdict(set)
     for run in runs:
         answers[run.worker_id].add(run.token_ids)
     if any(len(a) > 1 for a in answers.values()):
         unsteady = sorted(w for w, a in answers.items() if len(a) > 1)
-        return None, f"repeated runs on {unsteady} gave different tokens", set()
+        return None, f"repeated runs on {unsteady} gave different tokens", {}
     votes = Counter(next(iter(a)) for a in answers.values())
     tokens, count = votes.most_common(1)[0]
     if count * 2 <= len(answers) and len(answers) > 1:
-        return None, f"no majority among {len(answers)} workers", set()
-    odd = {w for w, a in answers.items() if tokens not in a}
+        return None, f"no majority among {len(answers)} workers", {}
+    odd = {w: f"answered {prompt!r} unlike the majority" for w, a in answers.items() if tokens not in a}
     agreeing = [r for r in runs if r.token_ids == tokens]
     margin = min(min(r.top_margins, default=0.0) for r in agreeing)
     if margin < min_margin:

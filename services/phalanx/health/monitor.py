@@ -38,7 +38,7 @@ from phalanx.common.subjects import (
     health_events_subject,
     health_key,
 )
-from phalanx.health.canary import CANDIDATE_PROMPTS, CanaryRun, calibrate, judge
+from phalanx.health.canary import CANDIDATE_PROMPTS, CanaryFact, CanaryRun, calibrate, canary_facts, judge
 from phalanx.health.config import DegradationConfig, HealthConfig
 from phalanx.health.degradation import DegradationDecision, DegradationPolicy, WorkerCapacity, latency_slo_factor
 from phalanx.health.leader import LeaderElection
@@ -496,10 +496,12 @@ class FleetMonitor:
         ][: self.config.calibration_workers]
         if not candidates:
             return False
-        runs = await asyncio.gather(*(self._calibration_runs(w) for w in candidates))
+        model = candidates[0].registration.model
+        facts = canary_facts(model)
+        runs = await asyncio.gather(*(self._calibration_runs(w, facts) for w in candidates))
         result = calibrate(
-            model_version, candidates[0].registration.model, [r for rs in runs for r in rs],
-            prompts_wanted=self.config.canary_prompts, min_margin=self.config.min_margin,
+            model_version, model, [r for rs in runs for r in rs],
+            prompts_wanted=self.config.canary_prompts, min_margin=self.config.min_margin, facts=facts,
         )
         for worker_id, why in result.dissenters.items():
             w = self.workers.get(worker_id)
@@ -517,18 +519,20 @@ class FleetMonitor:
         )
         return True
 
-    async def _calibration_runs(self, w: _Worker) -> list[CanaryRun]:
+    async def _calibration_runs(self, w: _Worker, facts: tuple[CanaryFact, ...]) -> list[CanaryRun]:
+        """Each candidate prompt twice: the model's known facts if it has any, else the generic prompts."""
+        asks = [(f.prompt, f.tokens) for f in facts] or [(p, self.config.canary_max_tokens) for p in CANDIDATE_PROMPTS]
         runs: list[CanaryRun] = []
-        for prompt in CANDIDATE_PROMPTS:
+        for prompt, max_tokens in asks:
             for _ in range(2):
                 try:
-                    r = await w.stub.Canary(
-                        worker_pb2.CanaryRequest(text=prompt, max_tokens=self.config.canary_max_tokens), timeout=self.config.check_timeout_s
-                    )
+                    r = await w.stub.Canary(worker_pb2.CanaryRequest(text=prompt, max_tokens=max_tokens), timeout=self.config.check_timeout_s)
                 except grpc.aio.AioRpcError as error:
                     log.info("calibration canary on %s failed: %s", w.registration.worker_id, error.code().name)
                     return runs
-                runs.append(CanaryRun(w.registration.worker_id, prompt, tuple(r.token_ids), tuple(r.top_logits), tuple(r.top_margins)))
+                runs.append(
+                    CanaryRun(w.registration.worker_id, prompt, tuple(r.token_ids), tuple(r.top_logits), tuple(r.top_margins), r.text)
+                )
         return runs
 
     # -- degradation ----------------------------------------------------------------

@@ -145,12 +145,16 @@ async def _registration(process: subprocess.Popen, directory: EtcdDirectory, nam
 
 
 async def start_worker(
-    worker_id: str, nats_url: str, etcd_config: EtcdConfig, *extra: str, env: dict | None = None, tensor_parallel_size: int = 1
+    worker_id: str, nats_url: str, etcd_config: EtcdConfig, *extra: str, model: str, env: dict | None = None, tensor_parallel_size: int = 1
 ) -> WorkerHandle:
-    """A worker process, returned once it registered (model loaded, serving; with its follower ranks, if tensor-parallel)."""
+    """A worker process of ``model``, returned once it registered (model loaded, serving; with its follower ranks, if tensor-parallel).
+
+    The model is named on every start: the worker's own default is a real model that takes seconds to load.
+    """
     process = _spawn(
         ["worker", "--worker-id", worker_id, "--nats-url", nats_url, "--etcd-endpoint", etcd_config.endpoint, "--port", "0",
-         "--log-level", "WARNING", *(("--tensor-parallel-size", str(tensor_parallel_size)) if tensor_parallel_size != 1 else ()), *extra],
+         "--model", model, "--log-level", "WARNING",
+         *(("--tensor-parallel-size", str(tensor_parallel_size)) if tensor_parallel_size != 1 else ()), *extra],
         {"PHALANX_ETCD_LEASE_TTL_S": str(etcd_config.lease_ttl_s), **(env or {})},
     )
     registration = await _registration(process, WorkerDirectory(etcd_config), worker_id, 60)

@@ -29,11 +29,12 @@ def unique_id(name: str) -> str:
 
 
 class Stack:
-    """Workers, routers and health instances against one NATS and one etcd."""
+    """Workers of one model, routers and health instances against one NATS and one etcd."""
 
-    def __init__(self, nats_url: str, etcd_config: EtcdConfig) -> None:
+    def __init__(self, nats_url: str, etcd_config: EtcdConfig, *, model: str) -> None:
         self.nats_url = nats_url
         self.etcd_config = etcd_config
+        self.model = model
         self.workers: list[WorkerHandle] = []
         self.routers: list[RouterHandle] = []
         self.healths: list[HealthHandle] = []
@@ -45,7 +46,8 @@ class Stack:
         of ``tensor_parallel_size`` processes."""
         flags = extra if "--fast" in extra else ("--deterministic", *extra)
         started = await asyncio.gather(
-            *(start_worker(unique_id(f"w{i}"), self.nats_url, self.etcd_config, *flags, env=env, tensor_parallel_size=tensor_parallel_size)
+            *(start_worker(unique_id(f"w{i}"), self.nats_url, self.etcd_config, *flags, model=self.model, env=env,
+                           tensor_parallel_size=tensor_parallel_size)
               for i in range(count))
         )
         self.workers.extend(started)

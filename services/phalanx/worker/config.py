@@ -8,11 +8,19 @@ from typing import Literal
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from phalanx.model.config import DEFAULT_MODEL
+
 
 class EngineConfig(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="PHALANX_ENGINE_", protected_namespaces=())
 
-    model: str = Field("phalanx-tiny-moe", description="Built-in model name or a Hugging Face checkpoint directory")
+    model: str = Field(
+        DEFAULT_MODEL,
+        description=(
+            "Built-in model (smollm2-135m-instruct; phalanx-tiny-moe and phalanx-tiny-dense have random weights and load at once), "
+            "a .gguf file or a Hugging Face checkpoint directory"
+        ),
+    )
     seed: int | None = Field(None, ge=0, description="Seed of a built-in model's weights (default: the model's own)")
     device: str = Field("cpu", description="torch device: cpu, cuda, cuda:1 …")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(

@@ -349,17 +349,19 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         tokens: list[int] = []
         logits: list[float] = []
         margins: list[float] = []
+        text: list[str] = []
         async for event in self.engine.generate(engine_request):
             if event.index >= 0:
                 assert event.top_logit is not None and event.top_margin is not None  # a canary records them
                 tokens.append(event.token_id)
                 logits.append(event.top_logit)
                 margins.append(event.top_margin)
+                text.append(event.text)
             if event.finish_reason in (FinishReason.ABORTED, FinishReason.HANDED_BACK):
                 raise UnavailableError("the canary was interrupted: the worker is stopping", retry_after_s=0.5)
         return worker_pb2.CanaryResponse(
             token_ids=tokens, top_logits=logits, top_margins=margins, latency_s=time.perf_counter() - start,
-            model=self.engine.engine.model.config.name, model_version=self.model_version,
+            model=self.engine.engine.model.config.name, model_version=self.model_version, text="".join(text),
         )
 
     async def Stats(self, request, context):

@@ -554,8 +554,11 @@ def _print_ready(console: Console, state: UpState, state_file: Path, seconds: fl
     default = state_file == default_state_file()
     flags = "" if default or state.router_address == DEFAULT_TARGET else f" --target {state.router_address}"
     down = "" if default else f" --state-file {state_file}"
-    console.print(f'  try      phalanx generate "Hello"{flags}', highlight=False)
+    state_flag = "" if default else f" --state-file {state_file}"
+    console.print(f'  try      phalanx generate "The capital of France is"{flags}', highlight=False)
+    console.print(f"           phalanx chat{flags}", highlight=False)
     console.print(f"           phalanx status{flags}", highlight=False)
+    console.print(f"           phalanx chaos kill worker-0{state_flag}   (the supervisor replaces it; the rest keeps serving)", highlight=False)
     console.print(f"  stop     phalanx down{down}  (or Ctrl-C in the foreground)", highlight=False)
 
 

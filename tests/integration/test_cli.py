@@ -77,7 +77,7 @@ def detached(tmp_path_factory):
 def test_detached_up_prints_the_router_endpoint_and_records_every_process(detached):
     state_file, state, stdout = detached
     assert f"router {state['router_address']}" in stdout
-    assert 'phalanx generate "Hello"' in stdout
+    assert 'phalanx generate "The capital of France is"' in stdout and "phalanx chat" in stdout and "phalanx chaos kill worker-0" in stdout
     assert [w["worker_id"] for w in state["workers"]] == ["worker-0"]
     assert state["router_id"] == "router-0"
     assert state["nats_url"].startswith("nats://") and state["etcd_endpoint"]

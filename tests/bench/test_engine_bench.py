@@ -1,6 +1,7 @@
 """`phalanx bench engine` runs end to end and prints the comparison (run with -m slow)."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -19,3 +20,18 @@ def test_bench_engine_prints_ratios_for_every_batch():
     for row in result["results"]:
         assert row["bare_tokens_per_s"] > 0 and row["engine_tokens_per_s"] > 0
         assert row["ratio"] == pytest.approx(row["engine_tokens_per_s"] / row["bare_tokens_per_s"], rel=0.01)
+
+
+def test_bench_engine_compares_a_gguf_model_with_transformers(tmp_path):
+    pytest.importorskip("transformers")
+    out = subprocess.run(
+        [sys.executable, "-m", "phalanx.cli", "bench", "engine", "--json", "--model", "smollm2-135m-instruct", "--tokens", "8", "--repeats", "1"],
+        check=True, capture_output=True, text=True, timeout=600, env={**os.environ, "PHALANX_CACHE_DIR": str(tmp_path)},
+    ).stdout
+    result = json.loads(out)
+    versus = result["versus_transformers"]
+    assert result["results"] == []  # a real model skips the bare-loop matrix unless --batches asks for it
+    assert versus["transformers_batch1_tokens_per_s"] > 0 and versus["engine_batch16_aggregate_tokens_per_s"] > 0
+    assert versus["batch1_ratio"] == pytest.approx(versus["engine_batch1_tokens_per_s"] / versus["transformers_batch1_tokens_per_s"], rel=0.01)
+    assert versus["load_s"] < versus["load_to_first_token_s"]
+    assert set(result["met"]) == set(result["goals"]) == {"ratio_at_batch_32", "batch1_ratio", "batch16_ratio", "load_to_first_token_s"}

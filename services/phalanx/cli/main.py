@@ -309,19 +309,20 @@ def _state_file(given: str | None) -> Path:
 
 @bench_app.command("engine")
 def bench_engine(
-    batches: str = typer.Option("1,8,32", help="Comma-separated batch sizes"),
+    batches: str = typer.Option(None, help="Comma-separated batch sizes [default: 1,8,32; none for a real model]"),
     tokens: int = typer.Option(64, help="Decode tokens per sequence"),
     prompt_len: int = typer.Option(32, help="Prompt tokens per sequence"),
-    model: str = typer.Option("phalanx-tiny-moe"),
+    model: str = typer.Option(
+        "phalanx-tiny-moe", help="Built-in model, .gguf file or HF checkpoint dir; a GGUF one is also compared with transformers"
+    ),
     repeats: int = typer.Option(3, help="Runs per measurement; the median is reported"),
     as_json: bool = typer.Option(False, "--json", help="Print JSON only"),
 ) -> None:
-    """Engine decode tokens/s vs the model's bare forward loop, and the cost of deterministic mode."""
-    from phalanx.bench.engine import run_engine_bench
+    """Engine decode tokens/s vs the model's bare forward loop and (GGUF models) transformers' generate; load time to first token."""
+    from phalanx.bench.engine import default_batches, run_engine_bench
 
-    result = run_engine_bench(
-        model=model, batches=[int(b) for b in batches.split(",")], decode_tokens=tokens, prompt_len=prompt_len, repeats=repeats
-    )
+    sizes = [int(b) for b in batches.split(",")] if batches else default_batches(model)
+    result = run_engine_bench(model=model, batches=sizes, decode_tokens=tokens, prompt_len=prompt_len, repeats=repeats)
     typer.echo(json.dumps(result, indent=None if as_json else 2))
 
 

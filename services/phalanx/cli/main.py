@@ -73,6 +73,8 @@ def profile_command(
     target: str = typer.Option(None, help="host:port of a running worker of MODEL to sweep instead of starting one"),
 ) -> None:
     """Measure a real worker (prefill TTFT vs ISL, decode ITL vs concurrency and context) and write the planner's profile."""
+    # It forks a worker process while its etcd client's gRPC threads run: see run_up for why this is off.
+    os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
     from phalanx.planner.profile import save_profile
     from phalanx.planner.profiler import FULL, QUICK, profile_worker
 

@@ -142,4 +142,8 @@ def load_simulated(config: EngineConfig) -> tuple[SimulatedModel, SimulatedRunne
         model_config = replace(model_config, vocab_size=base.vocab_size)
     digest = hashlib.blake2b(path.read_bytes(), digest_size=6).hexdigest()
     model = SimulatedModel(model_config, tokenizer, version=f"{SIM_PREFIX}{profile.model}:{path.stem}:{digest}", profile=profile)
-    return model, SimulatedRunner(profile, token_alphabet(tokenizer))
+    runner = SimulatedRunner(profile, token_alphabet(tokenizer))
+    # Builds the interpolators (and imports scipy) now, while loading, not in the first step a request waits for: seconds
+    # on a busy box, and a first step that long would also make the worker look slow to the routers for a while.
+    runner.step_seconds(1, [1])
+    return model, runner

@@ -17,6 +17,7 @@ from phalanx.common.config import EtcdConfig
 from phalanx.launch.infra import EtcdServer
 from phalanx.launch.ports import free_port
 from phalanx.launch.stack import Stack
+from phalanx.planner.observations import observe_scrapes, parse_scrape
 from phalanx.testing.asserts import assert_eventually
 
 pytestmark = pytest.mark.integration
@@ -177,6 +178,29 @@ async def test_router_serves_metrics_and_health(shared):
     async with grpc.aio.insecure_channel(router.address) as channel:
         reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service="phalanx.router.v1.RouterService"))
     assert reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+async def test_router_counts_arrivals_and_token_lengths_once_per_request_for_the_planner(shared):
+    router = shared.routers[0]
+    before = parse_scrape(await asyncio.to_thread(router.metrics), at=0.0)
+    request_id = uuid.uuid4().hex
+    async with await Client.connect(router.address) as client:
+        prompt = list(range(40, 40 + 37))
+        first = await client.complete(prompt, max_tokens=5, ignore_eos=True, request_id=request_id, tier="premium")
+        # The client's retry of the same request id streams the finished request again: not a second request.
+        again = await client.complete(prompt, max_tokens=5, ignore_eos=True, request_id=request_id, tier="premium")
+    assert list(again.token_ids) == list(first.token_ids)
+
+    async def counted():
+        after = parse_scrape(await asyncio.to_thread(router.metrics), at=1.0)
+        observation = observe_scrapes({"r": before}, {"r": after})
+        assert observation is not None and observation.isl is not None and observation.osl is not None
+        assert observation.arrival_rate == 1.0
+        assert (observation.isl.count, observation.isl.mean) == (1.0, 37.0)
+        assert (observation.osl.count, observation.osl.mean) == (1.0, 5.0)
+        return observation
+
+    await assert_eventually(counted, timeout=5)
 
 
 async def test_no_worker_means_unavailable_with_a_retry_hint(nats_config):

@@ -6,14 +6,11 @@ from __future__ import annotations
 import math
 
 import pytest
-from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, generate_latest
 
 from phalanx.planner.distribution import Summary, histogram_quantile, summarise_histogram
 from phalanx.planner.errors import PrometheusQueryError
 from phalanx.planner.observations import (
-    INPUT_TOKENS,
-    OUTPUT_TOKENS,
-    TOKEN_BUCKETS,
     observe_prometheus,
     observe_scrapes,
     parse_scrape,
@@ -25,15 +22,13 @@ pytestmark = pytest.mark.unit
 
 
 class FakeRouter:
-    """A router's real metrics objects, plus the ISL/OSL histograms the routers are to add (TOKEN_BUCKETS)."""
+    """A router's real metrics objects (RouterMetrics), fed as its request handlers feed them."""
 
     def __init__(self, with_lengths: bool = False) -> None:
         self.registry = CollectorRegistry()
         self.metrics = RouterMetrics(self.registry)
+        # Without: as routers before the ISL/OSL histograms and the arrivals counter (their families absent or empty).
         self.lengths = with_lengths
-        if with_lengths:
-            self.isl = Histogram(INPUT_TOKENS, "Prompt tokens per request", buckets=TOKEN_BUCKETS, registry=self.registry)
-            self.osl = Histogram(OUTPUT_TOKENS, "Output tokens per request", buckets=TOKEN_BUCKETS, registry=self.registry)
 
     def serve(
         self, n: int, *, tier: str = "standard", status: str = "ok", ttft: float = 0.03, itl: float = 0.02, isl: int = 500, osl: int = 100
@@ -44,8 +39,9 @@ class FakeRouter:
             self.metrics.itl.labels(tier).observe(itl)
             self.metrics.tokens.inc(osl)
             if self.lengths:
-                self.isl.observe(isl)
-                self.osl.observe(osl)
+                self.metrics.arrivals.labels(tier).inc()
+                self.metrics.input_tokens.observe(isl)
+                self.metrics.output_tokens.observe(osl)
 
     def scrape(self, at: float):
         return parse_scrape(generate_latest(self.registry).decode(), at)
@@ -89,9 +85,10 @@ def test_observation_from_two_scrapes_of_a_router() -> None:
     assert 0.025 < observation.ttft.quantile(0.5) <= 0.05
     assert 0.1 < observation.ttft.quantile(0.9) <= 0.25
     assert observation.itl.count == 40
-    # No ISL histogram on today's routers; OSL is a mean from relayed tokens per completed request.
+    # No ISL samples (a router that does not export them): unobserved; OSL is a mean from relayed tokens per completed request.
     assert observation.isl is None
     assert observation.osl == Summary(mean=100.0, count=40.0)
+    assert observation.arrival_rate is None
 
 
 def test_isl_and_osl_quantiles_once_routers_export_them() -> None:
@@ -105,6 +102,8 @@ def test_isl_and_osl_quantiles_once_routers_export_them() -> None:
     assert 128 < observation.isl.quantile(0.5) <= 256  # the short prompts' bucket
     assert 4096 < observation.isl.quantile(0.99) <= 8192  # the documents' bucket
     assert observation.osl.quantiles  # from the histogram, not the token-count fallback
+    assert 1024 < observation.osl.quantile(0.99) <= 2048
+    assert observation.arrival_rate == pytest.approx(100 / 30)
 
 
 def test_several_routers_are_summed_and_new_or_restarted_ones_handled() -> None:
@@ -160,7 +159,7 @@ def test_promql_queries_name_the_router_metrics() -> None:
     assert queries["itl_mean"] == "sum(rate(phalanx_router_itl_seconds_sum[30s])) / sum(rate(phalanx_router_itl_seconds_count[30s]))"
     assert queries["isl_q0.9"].startswith("histogram_quantile(0.9, sum by (le) (rate(phalanx_router_input_tokens_bucket")
     assert set(queries) == {
-        "request_rate", "token_rate",
+        "request_rate", "arrival_rate", "token_rate",
         *(f"{k}_{s}" for k in ("ttft", "itl", "isl", "osl") for s in ("mean", "count", "q0.9")),
     }
 
@@ -173,7 +172,7 @@ def vector(value: str | None) -> dict:
 def test_observation_from_prometheus_responses() -> None:
     queries = promql_queries(60.0, quantiles=(0.5, 0.9))
     answers = {
-        "request_rate": "4", "token_rate": "400",
+        "request_rate": "4", "arrival_rate": "5", "token_rate": "400",
         "ttft_mean": "0.05", "ttft_count": "240", "ttft_q0.5": "0.04", "ttft_q0.9": "0.12",
         "itl_mean": "0.02", "itl_count": "24000", "itl_q0.5": "0.018", "itl_q0.9": "NaN",
         # ISL and OSL histograms absent (today's routers): empty vectors and NaN means.
@@ -183,6 +182,7 @@ def test_observation_from_prometheus_responses() -> None:
     assert set(answers) == set(queries)
     observation = observe_prometheus({key: vector(value) for key, value in answers.items()}, 60.0, quantiles=(0.5, 0.9))
     assert (observation.request_rate, observation.requests, observation.interval_s) == (4.0, 240.0, 60.0)
+    assert observation.arrival_rate == 5.0
     assert observation.ttft == Summary(mean=0.05, quantiles={0.5: 0.04, 0.9: 0.12}, count=240.0)
     assert observation.itl == Summary(mean=0.02, quantiles={0.5: 0.018}, count=24000.0)  # NaN quantile left out
     assert observation.isl is None

@@ -6,6 +6,7 @@ import asyncio
 import json
 import logging
 import os
+import time
 from pathlib import Path
 
 import typer
@@ -25,6 +26,11 @@ def worker(
     host: str = typer.Option(None, help="Bind address [env PHALANX_WORKER_HOST]"),
     port: int = typer.Option(None, help="gRPC port, 0 for any [env PHALANX_WORKER_PORT]"),
     model: str = typer.Option(None, help="Built-in model, .gguf file or HF checkpoint dir [env PHALANX_ENGINE_MODEL]"),
+    engine: str = typer.Option(
+        None, help="torch (the model) or sim (the simulated engine: profile step times, deterministic tokens; for scale tests, "
+        "never correctness) [env PHALANX_ENGINE_ENGINE]",
+    ),
+    profile: str = typer.Option(None, help="Profile (.npz) the simulated engine follows; default: the shipped one [env PHALANX_ENGINE_PROFILE]"),
     deterministic: bool = typer.Option(None, "--deterministic/--fast", help="Batch-invariant numerics"),
     tensor_parallel_size: int = typer.Option(
         None, min=1, help="Processes the model is split over, started by this worker [env PHALANX_ENGINE_TENSOR_PARALLEL_SIZE]"
@@ -40,7 +46,9 @@ def worker(
     from phalanx.common.config import EtcdConfig, NatsConfig, TelemetryConfig
     from phalanx.worker.config import EngineConfig, WorkerConfig
 
-    engine_config = EngineConfig(**_given(model=model, deterministic=deterministic, tensor_parallel_size=tensor_parallel_size))
+    engine_config = EngineConfig(
+        **_given(model=model, engine=engine, profile=profile, deterministic=deterministic, tensor_parallel_size=tensor_parallel_size)
+    )
     if engine_config.tensor_parallel_size > 1:
         # It forks its follower ranks while gRPC runs: see run_up for why this is off.
         os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
@@ -55,6 +63,30 @@ def worker(
         TelemetryConfig(),
     )
     _run_until_signalled(process)
+
+
+@app.command("profile")
+def profile_command(
+    model: str = typer.Option("phalanx-tiny-moe", help="Model to profile (a worker of it is started here unless --target)"),
+    out: str = typer.Option(..., help="Where to write the profile (.npz)"),
+    quick: bool = typer.Option(False, "--quick", help="A coarse sweep, under a minute for a tiny model"),
+    target: str = typer.Option(None, help="host:port of a running worker of MODEL to sweep instead of starting one"),
+) -> None:
+    """Measure a real worker (prefill TTFT vs ISL, decode ITL vs concurrency and context) and write the planner's profile."""
+    # It forks a worker process while its etcd client's gRPC threads run: see run_up for why this is off.
+    os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
+    from phalanx.planner.profile import save_profile
+    from phalanx.planner.profiler import FULL, QUICK, profile_worker
+
+    start = time.perf_counter()
+    measured = asyncio.run(profile_worker(model, QUICK if quick else FULL, target=target, log=lambda line: typer.echo(line, err=True)))
+    save_profile(measured, out)
+    typer.echo(json.dumps({
+        "model": model, "out": str(out), "seconds": round(time.perf_counter() - start, 1),
+        "prefill_isl": measured.prefill_isl.tolist(), "prefill_ttft_ms": [round(v * 1e3, 2) for v in measured.prefill_ttft_s],
+        "decode_context": measured.decode_context.tolist(), "decode_concurrency": measured.decode_concurrency.tolist(),
+        "decode_itl_ms": [[round(v * 1e3, 2) for v in row] for row in measured.decode_itl_s],
+    }))
 
 
 @app.command()

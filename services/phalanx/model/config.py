@@ -140,6 +140,20 @@ BUILTIN_CHECKPOINTS: dict[str, PackagedCheckpoint] = {
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
 
+# A simulated worker (worker/simulated.py) registers its model as sim:<profiled model>.
+SIM_PREFIX = "sim:"
+
+
+def simulated_model_name(model: str) -> str:
+    return f"{SIM_PREFIX}{model}"
+
+
+def served_model(name: str) -> str:
+    """The model a worker's registered name stands for: the profiled model of a simulated worker (whose tokenizer
+    the routers use), the name itself otherwise."""
+    return name.removeprefix(SIM_PREFIX)
+
+
 def is_builtin_model(name: str) -> bool:
     """A name every process resolves alike (no path): a built-in random model or a packaged checkpoint."""
     return name in BUILTIN_MODELS or name in BUILTIN_CHECKPOINTS

@@ -15,9 +15,12 @@ Metrics read (the routers' phalanx_router_* names, router/metrics.py):
   and failed requests are demand too, the very demand a planner must see. Counted at completion, so the
   rate lags arrivals by a request's duration.
 - phalanx_router_ttft_seconds / phalanx_router_itl_seconds histograms: TTFT and ITL mean and quantiles.
-- phalanx_router_input_tokens / phalanx_router_output_tokens histograms: ISL and OSL per request. THE
-  ROUTERS DO NOT EXPORT THESE YET (see TOKEN_BUCKETS); until they do, ISL is unobserved (None) and OSL
-  is a mean only, from phalanx_router_tokens_total (tokens relayed) per completed request.
+- phalanx_router_arrivals_total{tier}: requests admitted and routed, counted when they start (once per request,
+  not per resume or retry): the arrival rate without the completion lag (`Observation.arrival_rate`; None
+  from routers that do not export it).
+- phalanx_router_input_tokens / phalanx_router_output_tokens histograms (TOKEN_BUCKETS): ISL per admitted
+  request and OSL per finished request, with quantiles. With no samples in the interval ISL is None and
+  OSL falls back to a mean from phalanx_router_tokens_total (tokens relayed) per completed request.
 
 Counter resets (a router restarted between scrapes) count from zero, as Prometheus' rate() does; a
 router with no previous scrape (new, or the planner just started) is left out of this interval rather
@@ -38,13 +41,14 @@ from phalanx.planner.errors import PrometheusQueryError
 
 REQUESTS = "phalanx_router_requests"
 TOKENS = "phalanx_router_tokens"
+ARRIVALS = "phalanx_router_arrivals"
 TTFT = "phalanx_router_ttft_seconds"
 ITL = "phalanx_router_itl_seconds"
 INPUT_TOKENS = "phalanx_router_input_tokens"
 OUTPUT_TOKENS = "phalanx_router_output_tokens"
-COUNTERS = (REQUESTS, TOKENS)
+COUNTERS = (REQUESTS, TOKENS, ARRIVALS)
 HISTOGRAMS = (TTFT, ITL, INPUT_TOKENS, OUTPUT_TOKENS)
-# Buckets the routers' ISL/OSL histograms should have (one per power of two from 16 to 128 Ki tokens:
+# Buckets of the routers' ISL/OSL histograms (one per power of two from 16 to 128 Ki tokens:
 # quantiles within a factor of two, 14 series per router).
 TOKEN_BUCKETS = tuple(float(2**n) for n in range(4, 18))
 DEFAULT_QUANTILES = (0.5, 0.9, 0.99)
@@ -100,6 +104,8 @@ class Observation:
     osl: Summary | None
     # Routers that contributed (both scrapes present).
     routers: int = 0
+    # Requests admitted per second (counted at arrival, unlike request_rate); None when no router exports arrivals.
+    arrival_rate: float | None = None
 
 
 _COUNTER_SAMPLES = {f"{name}_total": name for name in COUNTERS}
@@ -152,9 +158,13 @@ def observe_scrapes(
     request_rate = 0.0
     requests = 0.0
     tokens = 0.0
+    arrival_rate: float | None = None
     deltas: dict[str, HistogramSnapshot] = {}
     for before, after in pairs:
         elapsed = after.at - before.at
+        if ARRIVALS in after.counters:
+            arrived = _counter_delta(after.counters[ARRIVALS], before.counters.get(ARRIVALS, 0.0))
+            arrival_rate = (arrival_rate or 0.0) + arrived / elapsed
         completed = _counter_delta(after.counters.get(REQUESTS, 0.0), before.counters.get(REQUESTS, 0.0))
         requests += completed
         request_rate += completed / elapsed
@@ -182,6 +192,7 @@ def observe_scrapes(
         isl=summary(INPUT_TOKENS),
         osl=osl,
         routers=len(pairs),
+        arrival_rate=arrival_rate,
     )
 
 
@@ -201,6 +212,7 @@ def promql_queries(window_s: float, quantiles: Sequence[float] = DEFAULT_QUANTIL
     window = f"[{max(1, round(window_s))}s]"
     queries = {
         "request_rate": f"sum(rate({REQUESTS}_total{window}))",
+        "arrival_rate": f"sum(rate({ARRIVALS}_total{window}))",
         "token_rate": f"sum(rate({TOKENS}_total{window}))",
     }
     for key, metric in _SUMMARIES.items():
@@ -254,4 +266,5 @@ def observe_prometheus(
         itl=_summary_from("itl", values, quantiles),
         isl=_summary_from("isl", values, quantiles),
         osl=osl,
+        arrival_rate=values.get("arrival_rate"),
     )

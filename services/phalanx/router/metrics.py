@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from phalanx.planner.observations import TOKEN_BUCKETS
 from phalanx.router.admission import LEVELS_HELP
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
@@ -16,6 +17,15 @@ class RouterMetrics:
         self.registry = registry or CollectorRegistry()
         r = self.registry
         self.requests = Counter("phalanx_router_requests", "Requests by tier and final status", ["tier", "status"], registry=r)
+        # What the planner predicts from (planner/observations.py): arrivals, prompt and output lengths per request, each
+        # counted once per request (a Resume or a client's retry of a running request is not a new arrival).
+        self.arrivals = Counter("phalanx_router_arrivals", "Requests admitted and routed, by tier", ["tier"], registry=r)
+        self.input_tokens = Histogram(
+            "phalanx_router_input_tokens", "Prompt tokens per admitted request", buckets=TOKEN_BUCKETS, registry=r
+        )
+        self.output_tokens = Histogram(
+            "phalanx_router_output_tokens", "Tokens generated per finished request", buckets=TOKEN_BUCKETS, registry=r
+        )
         self.ttft = Histogram("phalanx_router_ttft_seconds", "Time to first token seen by the router", ["tier"], buckets=_LATENCY_BUCKETS, registry=r)
         self.itl = Histogram("phalanx_router_itl_seconds", "Inter-token latency seen by the router", ["tier"], buckets=_LATENCY_BUCKETS, registry=r)
         self.slo_violations = Counter(

@@ -39,7 +39,7 @@ from phalanx.common.subjects import (
     router_key,
     validate_worker_id,
 )
-from phalanx.model.config import is_builtin_model, model_tokenizer
+from phalanx.model.config import is_builtin_model, model_tokenizer, served_model
 from phalanx.model.tokenizer import Tokenizer
 from phalanx.router.admission import Admission
 from phalanx.router.config import RouterConfig
@@ -164,7 +164,7 @@ class RouterProcess:
             models = {r.model for r in self._servicer.registrations.values()}
             if not models:
                 raise UnavailableError("no worker is registered yet", retry_after_s=self.config.no_worker_retry_after_s)
-            name = sorted(models)[0]
+            name = served_model(sorted(models)[0])  # simulated workers tokenize as their profiled model
             if not is_builtin_model(name):
                 raise UnavailableError(
                     f"workers serve the checkpoint {name!r}: start the router with --model <its directory> to tokenize for it",

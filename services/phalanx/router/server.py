@@ -135,6 +135,9 @@ class _Flow:
     seed: int = 0
     migrations: int = 0
     stalls_seen: int = 0
+    # Whether this stream's end counts the request's output length: a new request's or a Resume's (whose stream the
+    # client lost), not a retry that streams a running or finished request again.
+    counts_output: bool = True
 
 
 def _api_key(context: grpc.aio.ServicerContext) -> str | None:
@@ -197,16 +200,18 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
                 existing = await self._record(request.request_id, context) if request.request_id else None
                 if existing is None:
                     raise
-                flow = _Flow(existing, Tier(existing.tier or Tier.STANDARD), [])
+                flow = _Flow(existing, Tier(existing.tier or Tier.STANDARD), [], counts_output=False)
                 tier = flow.tier.label
                 return flow, self._attach(flow)
             tier = admitted.tier.label
             request_id = request.request_id or uuid.uuid4().hex
             flow, existing = await self._start(request_id, admitted, prompt_ids)
             if existing is not None:
-                # A retry of a request that is already running: stream it from the start.
-                flow = _Flow(existing, Tier(existing.tier or Tier.STANDARD), prompt_ids)
+                # A retry of a request that is already running: stream it from the start (not a new arrival).
+                flow = _Flow(existing, Tier(existing.tier or Tier.STANDARD), prompt_ids, counts_output=False)
                 return flow, self._attach(flow)
+            self.metrics.arrivals.labels(tier=tier).inc()
+            self.metrics.input_tokens.observe(len(prompt_ids))
             return flow, self._generate(flow, request, params)
 
         def count(status: str) -> None:
@@ -573,6 +578,9 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
             self.metrics.active.dec()
             if finished:
                 self.records.release(request_id)
+                if flow.counts_output:
+                    # The client has next_index tokens in all, whichever stream (Generate or a Resume) relayed the last.
+                    self.metrics.output_tokens.observe(flow.next_index)
 
 
 def _cancelling() -> bool:

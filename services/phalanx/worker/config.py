@@ -21,6 +21,15 @@ class EngineConfig(BaseSettings):
             "a .gguf file or a Hugging Face checkpoint directory"
         ),
     )
+    engine: Literal["torch", "sim"] = Field(
+        "torch",
+        description=(
+            "torch runs the model; sim is the simulated engine (no weights, no forward): the same scheduling, KV accounting "
+            "and events, step times from a measured profile, deterministic tokens. For scale tests and the planner, never "
+            "for correctness; it registers its model as sim:<profiled model>"
+        ),
+    )
+    profile: str = Field("", description="Performance profile (.npz, `phalanx profile`) the simulated engine follows; empty: the shipped one")
     seed: int | None = Field(None, ge=0, description="Seed of a built-in model's weights (default: the model's own)")
     device: str = Field("cpu", description="torch device: cpu, cuda, cuda:1 …")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
@@ -59,6 +68,8 @@ class EngineConfig(BaseSettings):
 
     @model_validator(mode="after")
     def _check_tensor_parallel(self) -> EngineConfig:
+        if self.engine == "sim" and self.tensor_parallel_size > 1:
+            raise ValueError("the simulated engine runs in one process: tensor_parallel_size must be 1")
         if self.tensor_parallel_size > 1 and self.device != "cpu":
             raise ValueError("tensor_parallel_size > 1 runs on CPU (gloo) only so far; set PHALANX_ENGINE_DEVICE=cpu")
         return self

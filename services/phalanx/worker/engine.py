@@ -14,6 +14,7 @@ import time
 import uuid
 from collections import deque
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -57,7 +58,13 @@ class StepStats:
 
 class Engine:
     def __init__(
-        self, model: Transformer, config: EngineConfig, *, faults: FaultState | None = None, cache: KvCacheTensors | None = None
+        self,
+        model: Transformer,
+        config: EngineConfig,
+        *,
+        faults: FaultState | None = None,
+        cache: KvCacheTensors | None = None,
+        runner: ModelRunner | None = None,
     ) -> None:
         c = model.config
         if config.max_model_len > c.max_position_embeddings:
@@ -72,6 +79,8 @@ class Engine:
         self.cache = cache if cache is not None else KvCacheTensors(
             c.num_layers, config.num_kv_blocks, BLOCK_SIZE, c.num_kv_heads, c.head_dim, dtype=model.dtype, device=model.device
         )
+        # The model's forward and sampling; a simulated engine brings its own (worker/simulated.py).
+        self.runner: ModelRunner = runner if runner is not None else TorchRunner(model, self.cache, self.kv, config)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.by_id: dict[str, Sequence] = {}
@@ -358,48 +367,16 @@ class Engine:
         return victim
 
     def _execute(self, scheduled: list[tuple[Sequence, int]], faults: FaultState | None = None) -> list[TokenEvent]:
-        device = self.model.device
-        token_ids: list[int] = []
-        positions: list[torch.Tensor] = []
-        slots: list[torch.Tensor] = []
-        chunks: list[SeqChunk] = []
-        sample_rows: list[int] = []
-        for seq, n in scheduled:
-            start = seq.num_computed
-            table = torch.tensor(self.kv.block_table(seq.request_id)[: self.kv.blocks_for(start + n)], dtype=torch.int64)
-            pos = torch.arange(start, start + n)
-            chunks.append(SeqChunk(len(token_ids), start, n, table.to(device)))
-            slots.append(table[pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE)
-            positions.append(pos)
-            token_ids.extend(seq.all_ids[start : start + n])
-            if start + n == seq.num_tokens:
-                sample_rows.append(len(token_ids) - 1)
-        invariant = self.config.deterministic
-        with torch.inference_mode():
-            backend = PagedAttention(self.cache.data, torch.cat(slots).to(device), chunks, invariant=invariant)
-            hidden = self.model.hidden_states(
-                torch.tensor(token_ids, dtype=torch.int64, device=device), torch.cat(positions).to(device), backend, invariant=invariant
-            )
-            logits = self.model.logits(hidden[sample_rows], invariant=invariant).cpu() if sample_rows else None
-        if faults is not None and logits is not None:
-            logits = faults.corrupt_logits(logits)  # silent data corruption: wrong tokens, no error
+        sampled = self.runner.run(scheduled, faults)
         events: list[TokenEvent] = []
-        # One call for every greedy row (the common case) instead of one per sequence.
-        argmax = logits.argmax(-1).tolist() if logits is not None else []
         row = 0
         for seq, n in scheduled:
             seq.num_computed += n
             self.kv.commit(seq.request_id, seq.all_ids, seq.num_computed)
             if seq.num_computed < seq.num_tokens:
                 continue
-            assert logits is not None  # sample_rows holds every sequence that finished its prompt
-            seq_logits = logits[row]
-            token = argmax[row] if seq.params.greedy else seq.sampler.sample(seq_logits)
+            token, top, margin = sampled[row]  # the runner sampled every sequence whose slice reached its end
             row += 1
-            top = margin = None
-            if seq.record_top_logits:
-                best = seq_logits.topk(2).values.tolist()
-                top, margin = best[0], best[0] - best[1]
             event = seq.append_token(token, top, margin)
             self.generated_tokens_total += 1
             events.append(event)
@@ -416,3 +393,70 @@ class Engine:
             self.waiting.remove(seq)
         seq.status = SeqStatus.FINISHED
         self.kv.free(seq.request_id)
+
+
+# (token, top logit, top logit minus the runner-up) of one sampled position; the logits are None when not recorded.
+SampledToken = tuple[int, float | None, float | None]
+
+
+class ModelRunner(Protocol):
+    """Computes one step's slices (each sequence's positions [num_computed, num_computed + n), whose KV blocks the
+    engine has allocated) and samples the next token of every sequence whose slice reaches its end, in batch order.
+
+    The seam between scheduling (KV accounting, batching, preemption, checkpoints, migration: the engine's) and the
+    model: a torch forward (TorchRunner) or a simulated one (worker/simulated.py)."""
+
+    def run(self, batch: list[tuple[Sequence, int]], faults: FaultState | None) -> list[SampledToken]: ...
+
+
+class TorchRunner:
+    """The model's forward over the paged KV cache, then sampling."""
+
+    def __init__(self, model: Transformer, cache: KvCacheTensors, kv: KvCacheManager, config: EngineConfig) -> None:
+        self.model = model
+        self.cache = cache
+        self.kv = kv
+        self.invariant = config.deterministic
+
+    def run(self, batch: list[tuple[Sequence, int]], faults: FaultState | None) -> list[SampledToken]:
+        device = self.model.device
+        token_ids: list[int] = []
+        positions: list[torch.Tensor] = []
+        slots: list[torch.Tensor] = []
+        chunks: list[SeqChunk] = []
+        sample_rows: list[int] = []
+        sampled_seqs: list[Sequence] = []
+        for seq, n in batch:
+            start = seq.num_computed
+            table = torch.tensor(self.kv.block_table(seq.request_id)[: self.kv.blocks_for(start + n)], dtype=torch.int64)
+            pos = torch.arange(start, start + n)
+            chunks.append(SeqChunk(len(token_ids), start, n, table.to(device)))
+            slots.append(table[pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE)
+            positions.append(pos)
+            token_ids.extend(seq.all_ids[start : start + n])
+            if start + n == seq.num_tokens:
+                sample_rows.append(len(token_ids) - 1)
+                sampled_seqs.append(seq)
+        invariant = self.invariant
+        with torch.inference_mode():
+            backend = PagedAttention(self.cache.data, torch.cat(slots).to(device), chunks, invariant=invariant)
+            hidden = self.model.hidden_states(
+                torch.tensor(token_ids, dtype=torch.int64, device=device), torch.cat(positions).to(device), backend, invariant=invariant
+            )
+            logits = self.model.logits(hidden[sample_rows], invariant=invariant).cpu() if sample_rows else None
+        if logits is None:
+            return []
+        if faults is not None:
+            logits = faults.corrupt_logits(logits)  # silent data corruption: wrong tokens, no error
+        # One call for every greedy row (the common case) instead of one per sequence.
+        argmax = logits.argmax(-1).tolist()
+        sampled: list[SampledToken] = []
+        for row, seq in enumerate(sampled_seqs):
+            seq_logits = logits[row]
+            token = argmax[row] if seq.params.greedy else seq.sampler.sample(seq_logits)
+            top = margin = None
+            if seq.record_top_logits:
+                best = seq_logits.topk(2).values.tolist()
+                top, margin = best[0], best[0] - best[1]
+            sampled.append((token, top, margin))
+        return sampled

@@ -45,6 +45,7 @@ from phalanx.worker.engine import Engine
 from phalanx.worker.faults import FaultKind, FaultState
 from phalanx.worker.metrics import WorkerMetrics
 from phalanx.worker.server import KvSourceServicer, WorkerServicer, drain_engine, snapshot_to_proto
+from phalanx.worker.simulated import load_simulated
 from phalanx.worker.tp_leader import TensorParallelLeader
 
 log = logging.getLogger(__name__)
@@ -164,13 +165,22 @@ class WorkerProcess:
     async def _load(self, shell: ServiceShell) -> tuple[AsyncEngine, Any]:
         """The model (split over the follower ranks with tensor parallelism) and its engine, started; both stopped at exit."""
         c = self.config
-        if self.engine_config.device == "cpu":
+        simulated = self.engine_config.engine == "sim"
+        if simulated:
+            # Nothing to compute: one thread, so that dozens of simulated workers share a small box.
+            torch.set_num_threads(1)
+        elif self.engine_config.device == "cpu":
             torch.set_num_threads(self.engine_config.effective_torch_threads())
         with get_tracer(__name__).start_as_current_span("worker.load_model"):
-            model = await asyncio.to_thread(
-                load, self.engine_config.model, device=self.engine_config.device,
-                dtype=self.engine_config.torch_dtype(), seed=self.engine_config.seed,
-            )
+            runner = None
+            model: Any  # a Transformer, or a SimulatedModel that quacks like one to the engine (no weights)
+            if simulated:
+                model, runner = await asyncio.to_thread(load_simulated, self.engine_config)
+            else:
+                model = await asyncio.to_thread(
+                    load, self.engine_config.model, device=self.engine_config.device,
+                    dtype=self.engine_config.torch_dtype(), seed=self.engine_config.seed,
+                )
             cache = None
             if self.engine_config.tensor_parallel_size > 1:
                 shell.push_async_callback(self._stop_tensor_parallel)
@@ -178,7 +188,7 @@ class WorkerProcess:
             if c.checkpointing:
                 self._capture = CheckpointCapture(c.checkpoint_max_pending_bytes, interval_tokens=c.checkpoint_interval_tokens)
             engine = AsyncEngine(
-                Engine(model, self.engine_config, faults=self.faults, cache=cache), on_kv_events=self._kv_outbox.put_nowait,
+                Engine(model, self.engine_config, faults=self.faults, cache=cache, runner=runner), on_kv_events=self._kv_outbox.put_nowait,
                 checkpoints=self._capture,
             )
         shell.push_async_callback(engine.stop)

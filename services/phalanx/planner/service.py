@@ -13,9 +13,9 @@ etcd -> SERVING -> campaign for PLANNER_LEADER_KEY (one planner decides, others 
   tick; publish a decision through the connector.
 
 Health's DEAD records (an etcd watch on HEALTH_PREFIX) produce a restoration decision at once, not at the
-next poll. Without a profile the planner does not scale with load; it keeps the count within
-[min_workers, max_workers], follows an operator's target (`phalanx planner set-target`) and replaces
-DEAD workers.
+next poll, except for a worker that was DRAINING before (it was stopped on purpose). Without a profile
+the planner does not scale with load; it keeps the count within [min_workers, max_workers], follows an
+operator's target (`phalanx planner set-target`) and replaces DEAD workers.
 
 Stop (SIGTERM): NOT_SERVING -> stop planning -> resign (a standby takes over at once) -> stop gRPC.
 """
@@ -53,6 +53,8 @@ from phalanx.planner.profile import PerformanceProfile, load_profile
 from phalanx.planner.replicas import LoadForecast, ReplicaConfig, SloTargets, plan_replicas
 
 log = logging.getLogger(__name__)
+# One line per scrape at INFO would bury the planner's own lines.
+logging.getLogger("httpx").setLevel(logging.WARNING)
 
 # Workers in these states are no capacity (common.proto WorkerHealth).
 _NOT_SERVING = {common_pb2.WORKER_HEALTH_UNHEALTHY, common_pb2.WORKER_HEALTH_DRAINING, common_pb2.WORKER_HEALTH_DEAD}
@@ -311,8 +313,22 @@ class Planner:
         self._counted = {finished.decision.id for finished in history}
 
     async def _watch_deaths(self, deaths: EtcdDirectory) -> None:
+        """Restoration for workers that died; not for those that were DRAINING first: a worker drains on SIGTERM, so it left on
+        purpose (a scale-down, an operator), and replacing it would undo that."""
+        draining: dict[str, None] = {}
         async for kind, worker_id, record in deaths.watch():
-            if kind != "put" or record is None or record.health != common_pb2.WORKER_HEALTH_DEAD:
+            if kind != "put" or record is None:
+                continue
+            if record.health == common_pb2.WORKER_HEALTH_DRAINING:
+                draining[worker_id] = None
+                while len(draining) > 1024:
+                    del draining[next(iter(draining))]
+                continue
+            if record.health != common_pb2.WORKER_HEALTH_DEAD:
+                draining.pop(worker_id, None)
+                continue
+            if draining.pop(worker_id, "alive") is None:
+                log.info("worker %s drained and stopped: nothing to replace", worker_id)
                 continue
             assert self.machine is not None
             decision = self.machine.worker_dead(time.monotonic(), worker_id)

@@ -126,3 +126,49 @@ def test_the_planner_decides_only_once_routers_and_a_worker_serve_and_metrics_fl
             await forget_planner_state(etcd_config)
 
     asyncio.run(scenario())
+
+
+def test_with_a_profile_the_planner_scales_with_the_load_it_scrapes_from_the_router(nats_server, etcd_config: EtcdConfig, tmp_path) -> None:
+    """Observe -> predict -> plan against a real router: a profile in which a worker decodes only ~20 tokens/s makes the
+    tokens the router relays call for more workers than max_workers allows; without load the count stays."""
+    from phalanx.client import Client
+    from phalanx.planner.profile import DecodeSample, PrefillSample, build_profile, save_profile
+
+    profile = build_profile(
+        [PrefillSample(128, 0.05), PrefillSample(512, 0.1), PrefillSample(2048, 0.4)],
+        [DecodeSample(context, concurrency, itl) for context in (256, 1024) for concurrency, itl in ((1, 0.05), (4, 0.2))],
+        model="phalanx-tiny-moe",
+    )
+    path = tmp_path / "profile.npz"
+    save_profile(profile, path)
+    stack = Stack(nats_server.url, etcd_config, model="phalanx-tiny-moe")
+
+    async def scenario() -> None:
+        await forget_planner_state(etcd_config)
+        await stack.add_workers(1, "--fast")
+        router = await stack.add_router()
+        planner = await _planner(etcd_config, PHALANX_PLANNER_PROFILE=str(path), PHALANX_PLANNER_MIN_WORKERS="1", PHALANX_PLANNER_MAX_WORKERS="3")
+        try:
+            await assert_eventually(lambda: planner.metric("phalanx_planner_ready") == 1, timeout=10)
+            await asyncio.sleep(2.5)  # idle intervals: 1 worker is enough
+            assert await _decision(etcd_config) is None
+            async with await Client.connect(router.address) as client:
+                async def one(i: int) -> None:
+                    async for _ in client.generate(f"load {i}", max_tokens=32, ignore_eos=True):
+                        pass
+
+                deadline = time.monotonic() + 10
+                while time.monotonic() < deadline and await _decision(etcd_config) is None:
+                    await asyncio.gather(*(one(i) for i in range(4)))
+            decision = await _decision(etcd_config)
+            assert decision is not None and (decision.reason, decision.workers) == ("scale", 3)
+            assert planner.metric("phalanx_planner_observed_requests_per_second") > 0
+            assert planner.metric("phalanx_planner_predicted_requests_per_second") > 0
+            assert planner.metric("phalanx_planner_desired_workers") == 3
+            assert planner.metric("phalanx_planner_correction_factor", phase="decode") is not None
+        finally:
+            assert planner.terminate(timeout=20) == 0
+            stack.stop()
+            await forget_planner_state(etcd_config)
+
+    asyncio.run(scenario())

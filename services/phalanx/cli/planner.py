@@ -93,3 +93,49 @@ def show(etcd_endpoint: str = typer.Option(None, help=_ETCD_HELP)) -> None:
         return {"decision": asdict(decision) if decision else None, "ack": asdict(ack) if ack else None, "target": target}
 
     typer.echo(json.dumps(asyncio.run(_with_etcd(etcd_endpoint, read)), indent=2))
+
+
+@planner_app.command("dryrun")
+def dryrun(
+    trace: str = typer.Option(..., help="Load trace (JSON lines or CSV: timestamp, requests, isl, osl per interval)"),
+    profile: str = typer.Option(..., help="Performance profile (.npz)"),
+    plot: str = typer.Option(None, help="Write a PNG of load, prediction and workers over time here"),
+    predictor: str = typer.Option("arima", help="constant, arima, kalman or prophet"),
+    ttft_slo_s: float = typer.Option(2.0, min=0.0, help="Time-to-first-token SLO"),
+    itl_slo_s: float = typer.Option(0.25, min=0.0, help="Inter-token latency SLO"),
+    min_workers: int = typer.Option(1, min=0, help="Fewest workers"),
+    max_gpus: int = typer.Option(None, min=1, help="GPU budget (unset: none)"),
+    length_quantile: float = typer.Option(0.9, min=0.0, max=1.0, help="ISL/OSL quantile of the operating point; 0: the mean (Dynamo's)"),
+) -> None:
+    """Replay a trace offline through the predictor, the profile and the replica maths; print a JSON summary (and plot it)."""
+    from phalanx.planner.dryrun import plot as draw, replay, trace_interval_s
+    from phalanx.planner.errors import PlannerInputError
+    from phalanx.planner.predictors import PREDICTOR_KINDS, load_trace
+    from phalanx.planner.profile import load_profile
+    from phalanx.planner.replicas import ReplicaConfig, SloTargets
+
+    if predictor not in PREDICTOR_KINDS:
+        raise typer.BadParameter(f"{predictor!r}: choose one of {', '.join(PREDICTOR_KINDS)}", param_hint="--predictor")
+    if ttft_slo_s <= 0 or itl_slo_s <= 0:
+        raise typer.BadParameter("SLOs must be > 0")
+    try:
+        intervals = load_trace(trace)
+        loaded = load_profile(profile)
+    except (PlannerInputError, OSError) as error:
+        typer.echo(f"error: {error}", err=True)
+        raise typer.Exit(2) from None
+    if not intervals:
+        typer.echo(f"error: {trace} holds no interval", err=True)
+        raise typer.Exit(2)
+    interval_s = trace_interval_s(intervals)
+    series = replay(
+        intervals, loaded, SloTargets(ttft_s=ttft_slo_s, itl_s=itl_slo_s),
+        ReplicaConfig(interval_s=interval_s, min_workers=min_workers, max_gpus=max_gpus, length_quantile=length_quantile or None),
+        predictor=predictor,
+    )
+    summary = {
+        "predictor": predictor, "intervals": len(intervals), "interval_s": interval_s, "worker_intervals": series.worker_intervals,
+        "needed_worker_intervals": sum(series.needed_combined), "under_provisioned_intervals": series.under_provisioned_intervals,
+        "max_workers": max(series.combined), "plot": str(draw(series, plot)) if plot else None,
+    }
+    typer.echo(json.dumps(summary, indent=2))

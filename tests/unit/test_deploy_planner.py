@@ -50,3 +50,22 @@ def test_helm_renders_the_planner_only_when_enabled():
                         check=True).stdout
     kinds = {(d["kind"], d["metadata"]["name"]) for d in yaml.safe_load_all(on) if d and "planner" in d["metadata"]["name"]}
     assert {k for k, _ in kinds} == {"ServiceAccount", "Role", "RoleBinding", "Deployment"}
+
+
+def test_the_planner_dashboard_shows_every_planner_metric_and_filters_gauges_to_the_leader():
+    import json
+
+    from phalanx.planner.metrics import PlannerMetrics
+
+    dashboard = json.loads((CHART.parents[1] / "grafana" / "dashboards" / "phalanx-planner.json").read_text())
+    assert dashboard["title"] == "Phalanx / Planner" and dashboard["uid"] == "phalanx-planner"
+    ids = [p["id"] for p in dashboard["panels"]]
+    assert len(ids) == len(set(ids))
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
+    text = "\n".join(exprs)
+    exported = {metric.name for metric in PlannerMetrics().registry.collect()}
+    for name in exported:
+        assert name in text, f"{name} is on no panel"
+    for expr in exprs:
+        if re.search(r"phalanx_planner_(target|desired|actual)_workers|_per_second|_osl_tokens|correction_factor|interval_seconds", expr):
+            assert "and on (job, instance) (phalanx_planner_leader == 1)" in expr, expr

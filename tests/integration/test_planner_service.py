@@ -4,6 +4,8 @@ connector's decision / acknowledgement / timeout, a DEAD worker's immediate deci
 from __future__ import annotations
 
 import asyncio
+import shutil
+import subprocess
 import time
 
 import pytest
@@ -21,7 +23,7 @@ from phalanx.testing.cleanup import forget_health_state, forget_planner_state
 
 pytestmark = pytest.mark.integration
 
-FAST = {"PHALANX_PLANNER_POLL_S": "0.1", "PHALANX_PLANNER_INTERVAL_S": "1", "PHALANX_PLANNER_LEADER_TTL_S": "1"}
+FAST = {"PHALANX_PLANNER_POLL_S": "0.1", "PHALANX_PLANNER_INTERVAL_S": "1"}
 
 
 async def _planner(etcd_config: EtcdConfig, **env: str) -> PlannerHandle:
@@ -88,6 +90,28 @@ def test_a_dead_worker_gets_a_decision_at_once_an_ack_completes_it_and_silence_t
     asyncio.run(scenario())
 
 
+async def _load_until_max(router_address: str, etcd_config: EtcdConfig, workers: int, timeout: float):
+    """Bursts of 4 streams through the router, acknowledging each decision as an orchestrator would (so the next one may
+    come), until a decision asks for `workers`; that decision (or the last one, or None)."""
+    from phalanx.client import Client
+
+    decision = None
+    async with await Client.connect(router_address) as client:
+        async def one(i: int) -> None:
+            async for _ in client.generate(f"load {i}", max_tokens=32, ignore_eos=True):
+                pass
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            await asyncio.gather(*(one(i) for i in range(4)))
+            decision = await _decision(etcd_config)
+            if decision is not None:
+                if decision.workers == workers:
+                    return decision
+                await _ack(etcd_config, decision.id, decision.workers)
+    return decision
+
+
 async def _check_id(etcd_config: EtcdConfig, decision_id: int):
     decision = await _decision(etcd_config)
     return decision if decision is not None and decision.id == decision_id else None
@@ -131,7 +155,6 @@ def test_the_planner_decides_only_once_routers_and_a_worker_serve_and_metrics_fl
 def test_with_a_profile_the_planner_scales_with_the_load_it_scrapes_from_the_router(nats_server, etcd_config: EtcdConfig, tmp_path) -> None:
     """Observe -> predict -> plan against a real router: a profile in which a worker decodes only ~20 tokens/s makes the
     tokens the router relays call for more workers than max_workers allows; without load the count stays."""
-    from phalanx.client import Client
     from phalanx.planner.profile import DecodeSample, PrefillSample, build_profile, save_profile
 
     profile = build_profile(
@@ -152,15 +175,7 @@ def test_with_a_profile_the_planner_scales_with_the_load_it_scrapes_from_the_rou
             await assert_eventually(lambda: planner.metric("phalanx_planner_ready") == 1, timeout=10)
             await asyncio.sleep(2.5)  # idle intervals: 1 worker is enough
             assert await _decision(etcd_config) is None
-            async with await Client.connect(router.address) as client:
-                async def one(i: int) -> None:
-                    async for _ in client.generate(f"load {i}", max_tokens=32, ignore_eos=True):
-                        pass
-
-                deadline = time.monotonic() + 10
-                while time.monotonic() < deadline and await _decision(etcd_config) is None:
-                    await asyncio.gather(*(one(i) for i in range(4)))
-            decision = await _decision(etcd_config)
+            decision = await _load_until_max(router.address, etcd_config, 3, timeout=15)
             assert decision is not None and (decision.reason, decision.workers) == ("scale", 3)
             assert planner.metric("phalanx_planner_observed_requests_per_second") > 0
             assert planner.metric("phalanx_planner_predicted_requests_per_second") > 0
@@ -172,3 +187,56 @@ def test_with_a_profile_the_planner_scales_with_the_load_it_scrapes_from_the_rou
             await forget_planner_state(etcd_config)
 
     asyncio.run(scenario())
+
+
+@pytest.mark.skipif(shutil.which("prometheus") is None, reason="prometheus is not installed (Debian: apt-get install prometheus)")
+def test_observations_from_a_real_prometheus_scraping_a_real_router(nats_server, etcd_config: EtcdConfig, tmp_path) -> None:
+    """PHALANX_PLANNER_PROMETHEUS_URL: readiness waits for Prometheus to hold router series, and the plan reads rates and
+    histogram quantiles from its HTTP API (the same profile as above makes the load call for max_workers)."""
+    from phalanx.launch.ports import free_port
+    from phalanx.planner.profile import DecodeSample, PrefillSample, build_profile, save_profile
+
+    profile = build_profile(
+        [PrefillSample(128, 0.05), PrefillSample(512, 0.1), PrefillSample(2048, 0.4)],
+        [DecodeSample(context, concurrency, itl) for context in (256, 1024) for concurrency, itl in ((1, 0.05), (4, 0.2))],
+        model="phalanx-tiny-moe",
+    )
+    save_profile(profile, tmp_path / "profile.npz")
+    stack = Stack(nats_server.url, etcd_config, model="phalanx-tiny-moe")
+
+    async def scenario() -> None:
+        await stack.add_workers(1, "--fast")
+        router = await stack.add_router()
+        port = free_port()
+        prometheus = _start_prometheus(tmp_path, port, router.metrics_address)
+        planner = None
+        try:
+            planner = await _planner(
+                etcd_config, PHALANX_PLANNER_PROMETHEUS_URL=f"http://127.0.0.1:{port}", PHALANX_PLANNER_INTERVAL_S="4",
+                PHALANX_PLANNER_PROFILE=str(tmp_path / "profile.npz"), PHALANX_PLANNER_MAX_WORKERS="3",
+            )
+            await assert_eventually(lambda: planner.metric("phalanx_planner_ready") == 1, timeout=30, interval=0.2)
+            decision = await _load_until_max(router.address, etcd_config, 3, timeout=30)
+            assert decision is not None and (decision.reason, decision.workers) == ("scale", 3)
+            assert planner.metric("phalanx_planner_observed_requests_per_second") > 0
+            assert not planner.metric("phalanx_planner_observe_errors_total", source="prometheus")
+        finally:
+            if planner is not None:
+                assert planner.terminate(timeout=20) == 0
+            prometheus.terminate()
+            prometheus.wait(20)
+            stack.stop()
+            await forget_planner_state(etcd_config)
+
+    asyncio.run(scenario())
+
+
+def _start_prometheus(tmp_path, port: int, target: str) -> subprocess.Popen:
+    """A Prometheus scraping `target` every second; stopped by the test, by its PID."""
+    (tmp_path / "prometheus.yml").write_text(
+        f"global:\n  scrape_interval: 1s\nscrape_configs:\n  - job_name: phalanx-router\n    static_configs:\n      - targets: ['{target}']\n"
+    )
+    return subprocess.Popen(
+        ["prometheus", f"--config.file={tmp_path / 'prometheus.yml'}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
+         f"--web.listen-address=127.0.0.1:{port}"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )

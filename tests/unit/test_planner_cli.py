@@ -57,3 +57,16 @@ def test_dryrun_rejects_a_missing_trace_and_an_unknown_predictor_with_a_readable
     unknown = subprocess.run([*CLI, "dryrun", "--trace", str(tmp_path / "trace.jsonl"), "--profile", str(profile), "--predictor", "magic"],
                              capture_output=True, text=True, timeout=60, check=False)
     assert unknown.returncode == 2 and "magic" in unknown.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--connector", "foo"], "connector: Input should be 'virtual' or 'kubernetes'"),
+        (["--min-workers", "5", "--max-workers", "2"], "min_workers (5) exceeds max_workers (2)"),
+        (["--profile", "/nonexistent/profile.npz"], "/nonexistent/profile.npz"),
+    ],
+)
+def test_the_service_refuses_bad_settings_with_a_readable_message(args: list[str], message: str) -> None:
+    result = subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=60, check=False)
+    assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr

@@ -46,11 +46,24 @@ def planner_service(
     from phalanx.planner.service import PlannerProcess
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    config = PlannerConfig(**_given(
-        instance_id=instance_id, host=host, port=port, connector=connector, interval_s=interval_s, min_workers=min_workers,
-        max_workers=max_workers, profile=profile, predictor=predictor, correction=correction, prometheus_url=prometheus_url,
-    ))
-    run_until_signalled(PlannerProcess(config, EtcdConfig(**_given(endpoint=etcd_endpoint)), TelemetryConfig()))
+    from pydantic import ValidationError
+
+    from phalanx.planner.errors import PlannerInputError
+
+    try:
+        config = PlannerConfig(**_given(
+            instance_id=instance_id, host=host, port=port, connector=connector, interval_s=interval_s, min_workers=min_workers,
+            max_workers=max_workers, profile=profile, predictor=predictor, correction=correction, prometheus_url=prometheus_url,
+        ))
+        process = PlannerProcess(config, EtcdConfig(**_given(endpoint=etcd_endpoint)), TelemetryConfig())
+    except ValidationError as error:
+        problems = "; ".join(f"{'.'.join(str(p) for p in e['loc']) or 'settings'}: {e['msg']}" for e in error.errors())
+        typer.echo(f"error: {problems}", err=True)
+        raise typer.Exit(2) from None
+    except (PlannerInputError, OSError) as error:
+        typer.echo(f"error: {error}", err=True)
+        raise typer.Exit(2) from None
+    run_until_signalled(process)
 
 
 async def _with_etcd(endpoint: str | None, action):

@@ -114,6 +114,8 @@ class Planner:
             self.metrics.target_workers.set(start)
             deaths = EtcdDirectory(self.etcd_config, prefix=HEALTH_PREFIX, message_type=common_pb2.WorkerHealthRecord)
             await deaths.list()  # DEAD records from before we led were handled then; watch from here on
+            # Only now: a DEAD record written from here on is seen (the watch starts at the listed revision).
+            self.metrics.leader.set(1)
             async with asyncio.TaskGroup() as tasks:
                 tasks.create_task(self._watch_deaths(deaths))
                 while True:
@@ -193,7 +195,8 @@ class Planner:
 
     async def _prometheus_has_routers(self) -> bool:
         try:
-            response = await self._query("count(phalanx_router_requests_total) or count(phalanx_router_ttft_seconds_count)")
+            # Any router series: a router exporting gauges is scraped, even before its first request.
+            response = await self._query('count({__name__=~"phalanx_router_.+"})')
         except (httpx.HTTPError, ValueError) as error:
             log.debug("prometheus query failed: %s", error)
             self.metrics.observe_errors.labels("prometheus").inc()
@@ -403,7 +406,6 @@ class PlannerProcess:
             value = json.dumps({"instance_id": self.instance_id, "address": self.address, "pid": os.getpid(), "elected_at": time.time()})
             await self.election.campaign(value.encode())
             log.info("planner %s leads", self.instance_id)
-            self.metrics.leader.set(1)
             connector = self._connector(client)
             self.planner = Planner(self.config, client, self.etcd_config, self.election, connector, self.metrics, self.profile)
             try:

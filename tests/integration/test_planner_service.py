@@ -14,7 +14,7 @@ from phalanx._proto import common_pb2
 from phalanx.common.config import EtcdConfig
 from phalanx.common.discovery import encode_json
 from phalanx.common.lease import connect_etcd
-from phalanx.common.subjects import HEALTH_PREFIX
+from phalanx.common.subjects import DEGRADATION_KEY, HEALTH_PREFIX
 from phalanx.launch.services import PlannerHandle, start_planner
 from phalanx.launch.stack import Stack
 from phalanx.planner.connectors import AckRecord, read_decision, write_ack, write_target
@@ -171,6 +171,12 @@ def test_with_a_profile_the_planner_scales_with_the_load_it_scrapes_from_the_rou
         await stack.add_workers(1, "--fast")
         router = await stack.add_router()
         planner = await _planner(etcd_config, PHALANX_PLANNER_PROFILE=str(path), PHALANX_PLANNER_MIN_WORKERS="1", PHALANX_PLANNER_MAX_WORKERS="3")
+        # Health's degradation level reaches the plan (from 3 on it targets the doubled SLOs; replicas.py's tests cover the maths).
+        client = connect_etcd(etcd_config)
+        try:
+            await client.put(DEGRADATION_KEY.encode(), encode_json(common_pb2.DegradationState(level=3, reason="test")))
+        finally:
+            await client.close()
         try:
             await assert_eventually(lambda: planner.metric("phalanx_planner_ready") == 1, timeout=10)
             await asyncio.sleep(2.5)  # idle intervals: 1 worker is enough
@@ -181,10 +187,12 @@ def test_with_a_profile_the_planner_scales_with_the_load_it_scrapes_from_the_rou
             assert planner.metric("phalanx_planner_predicted_requests_per_second") > 0
             assert planner.metric("phalanx_planner_desired_workers") == 3
             assert planner.metric("phalanx_planner_correction_factor", phase="decode") is not None
+            assert planner.metric("phalanx_planner_degradation_level") == 3
         finally:
             assert planner.terminate(timeout=20) == 0
             stack.stop()
             await forget_planner_state(etcd_config)
+            await forget_health_state(etcd_config)
 
     asyncio.run(scenario())
 

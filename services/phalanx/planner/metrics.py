@@ -31,4 +31,6 @@ class PlannerMetrics:
         self.predicted_osl = Gauge("phalanx_planner_predicted_osl_tokens", "Mean output tokens predicted for the next interval", registry=r)
         self.correction = Gauge("phalanx_planner_correction_factor", "Smoothed observed/expected latency (prefill: TTFT, decode: ITL)",
                                 ["phase"], registry=r)
+        self.degradation = Gauge("phalanx_planner_degradation_level", "Degradation level the plan used (from 3 on: doubled latency SLOs)",
+                                 registry=r)
         self.observe_errors = Counter("phalanx_planner_observe_errors", "Failed scrapes or Prometheus queries", ["source"], registry=r)

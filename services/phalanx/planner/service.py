@@ -36,10 +36,10 @@ import httpx
 
 from phalanx._proto import common_pb2
 from phalanx.common.config import EtcdConfig, TelemetryConfig
-from phalanx.common.discovery import EtcdDirectory, WorkerDirectory
+from phalanx.common.discovery import EtcdDirectory, WorkerDirectory, decode_json
 from phalanx.common.lease import Backoff, connect_etcd
 from phalanx.common.service import ServiceShell
-from phalanx.common.subjects import HEALTH_PREFIX, PLANNER_LEADER_KEY, ROUTERS_PREFIX, validate_worker_id
+from phalanx.common.subjects import DEGRADATION_KEY, HEALTH_PREFIX, PLANNER_LEADER_KEY, ROUTERS_PREFIX, validate_worker_id
 from phalanx.health.leader import LeaderElection
 from phalanx.planner.config import PlannerConfig
 from phalanx.planner.connectors import Connector, DecisionRecord, VirtualConnector, read_decision, read_target
@@ -93,6 +93,7 @@ class Planner:
         self._operator_target: int | None = None
         self._workers = 0
         self._counted: set[int] = set()
+        self._degradation_level = 0
         self._http = httpx.AsyncClient(timeout=config.scrape_timeout_s)
 
     async def run(self) -> None:
@@ -144,6 +145,8 @@ class Planner:
             self._record_finished()
             return
         observation = await self._observe_interval()
+        self._degradation_level = await self._read_degradation_level()
+        self.metrics.degradation.set(self._degradation_level)
         desired = self._desired(observation)
         self.metrics.desired_workers.set(desired)
         decision = machine.tick(now, self.readiness, desired)
@@ -202,6 +205,18 @@ class Planner:
             self.metrics.observe_errors.labels("prometheus").inc()
             return False
         return response.get("status") == "success" and bool(response.get("data", {}).get("result"))
+
+    async def _read_degradation_level(self) -> int:
+        """The health service's degradation level: from level 3 on the deployment promises doubled latency SLOs, and the plan
+        targets those (replicas.py); 0 when health publishes none."""
+        found = await self.client.get(DEGRADATION_KEY.encode())
+        if found is None:
+            return 0
+        try:
+            return decode_json(found.value, common_pb2.DegradationState).level
+        except Exception:  # noqa: BLE001 - a value we cannot read is no reason to stop planning
+            log.warning("unreadable degradation state at %s", DEGRADATION_KEY)
+            return 0
 
     async def _observe_interval(self) -> Observation | None:
         if self.config.prometheus_url:
@@ -274,7 +289,7 @@ class Planner:
             forecast, profile, SloTargets(ttft_s=self.config.ttft_slo_s, itl_s=self.config.itl_slo_s),
             ReplicaConfig(interval_s=interval, min_workers=self.config.min_workers, max_gpus=self.config.max_gpus,
                           length_quantile=self.config.length_quantile),
-            factors,
+            factors, degradation_level=self._degradation_level,
         )
         return plan.combined
 

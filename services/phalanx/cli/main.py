@@ -12,12 +12,14 @@ from pathlib import Path
 import typer
 
 from phalanx.cli.chaos import chaos_app
+from phalanx.cli.planner import planner_app
 from phalanx.model.config import DEFAULT_MODEL
 
 app = typer.Typer(help="Phalanx: LLM inference that keeps serving through failures.", no_args_is_help=True)
 bench_app = typer.Typer(help="Benchmarks that print JSON and compare side by side in one run.", no_args_is_help=True)
 app.add_typer(bench_app, name="bench")
 app.add_typer(chaos_app, name="chaos")
+app.add_typer(planner_app, name="planner")
 
 
 @app.command()
@@ -236,6 +238,9 @@ def up(
     state_file: str = typer.Option(None, envvar="PHALANX_STATE_FILE", help="State file [default: ~/.phalanx/up.json]"),
     detach: bool = typer.Option(False, "--detach", help="Run in the background; stop it with `phalanx down`"),
     log_file: str = typer.Option(None, hidden=True, help="Set by --detach: where this supervisor's output goes"),
+    planner: bool = typer.Option(False, "--planner", help="Run the planner; the supervisor starts and drains workers to its targets"),
+    min_workers: int = typer.Option(1, min=0, max=16, help="With --planner: fewest workers"),
+    max_workers: int = typer.Option(None, min=1, max=16, help="With --planner: most workers [default: twice --workers, at most 16]"),
 ) -> None:
     """Bring Phalanx up on this machine: NATS, etcd, workers, a router, an OpenAI-compatible gateway and the rest, supervised."""
     from rich.console import Console
@@ -247,6 +252,7 @@ def up(
     options = UpOptions(
         workers=workers, model=model, deterministic=deterministic, port=port, gateway_port=gateway_port, state_file=_state_file(state_file),
         nats_url=nats_url, etcd_endpoint=etcd_endpoint, log_file=Path(log_file) if log_file else None,
+        planner=planner, min_workers=min_workers, max_workers=max_workers,
     )
     console = Console(soft_wrap=True)  # long lines stay whole in the detached log
     raise typer.Exit(run_detached(options, console) if detach else asyncio.run(run_up(options, console)))

@@ -17,7 +17,7 @@ import os
 import time
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 __all__ = [
     "DEFAULT_TARGET",
@@ -93,6 +93,8 @@ class UpState:
     gateway_url: str = ""  # the OpenAI-compatible gateway's base URL ("" when none runs)
     ready_at: float | None = None
     events: list[SupervisorEvent] = field(default_factory=list)
+    # `phalanx up --planner`: the planner's bounds and targets, the decision followed (phalanx.cli.up planner_state).
+    planner: dict[str, Any] | None = None
 
     def pids(self) -> list[int]:
         """Every process of the stack that the supervisor started, supervisor included."""

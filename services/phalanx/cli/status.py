@@ -62,6 +62,8 @@ async def show_status(target: str, *, as_json: bool, api_key: str | None, superv
         out: dict = {"router": target, "gateway_url": supervisor.gateway_url if supervisor else "", "workers": [asdict(w) for w in workers]}
         if supervisor is not None:
             out["supervisor"] = {"pid": supervisor.supervisor_pid, "events": [asdict(e) for e in supervisor.events]}
+            if supervisor.planner is not None:
+                out["supervisor"]["planner"] = supervisor.planner
         print(json.dumps(out, indent=2))
     else:
         table = workers_table(target, workers)
@@ -81,6 +83,10 @@ _SHOWN_EVENTS = 10
 def _print_events(console: Console, supervisor: UpState) -> None:
     if supervisor.gateway_url:
         console.print(f"OpenAI-compatible gateway: {supervisor.gateway_url}/v1", highlight=False)
+    if supervisor.planner is not None:
+        planner = supervisor.planner
+        console.print(f"planner: target {planner.get('target_workers')} workers (decision {planner.get('decision_id')}, acknowledged "
+                      f"{planner.get('acked_id')}), bounds {planner.get('min_workers')}-{planner.get('max_workers')}", highlight=False)
     replaced = sum(1 for e in supervisor.events if e.what.startswith("started to replace"))
     console.print(f"supervisor pid {supervisor.supervisor_pid}: {replaced} process(es) replaced" + (", latest events:" if replaced else ""),
                   highlight=False)

@@ -11,6 +11,19 @@ SIGHUP stop everything in order (health, router, then workers, which drain on
 SIGTERM, then etcd and NATS), by PID, and exit 0. Every child also gets
 PR_SET_PDEATHSIG, so even a SIGKILLed supervisor leaves no orphans.
 
+``--planner`` adds the planner service (``phalanx planner``, supervised like
+the rest) and makes this supervisor its orchestrator, the `local` connector:
+it follows the decision the planner writes to etcd (planner.connectors:
+PLANNER_DECISION_KEY), starts workers (as a replacement is started) until the
+count reaches the target, SIGTERMs the newest surplus workers (they drain:
+their requests move through the migration service, no token lost), and once
+the fleet matches acknowledges the decision (PLANNER_ACK_KEY). One rule keeps
+the two from doubling up: the supervisor still restarts a crashed worker at
+once, and a worker being restarted counts toward the target; the planner only
+changes the target. A restoration decision (health marked a worker DEAD) thus
+starts nothing more; if the DEAD worker's process still runs (hung), the
+supervisor SIGKILLs it and the restart path replaces it.
+
 ``--detach`` runs the same supervisor in its own session, logging next to
 the state file (see ``phalanx.cli.state``), and returns once it is ready;
 `phalanx down` SIGTERMs it.
@@ -31,7 +44,7 @@ import time
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 from rich.live import Live
@@ -60,7 +73,8 @@ from phalanx.cli.state import (
 
 if TYPE_CHECKING:
     from phalanx.launch.infra import EtcdServer, NatsServer
-    from phalanx.launch.services import GatewayHandle, HealthHandle, RouterHandle, ServiceHandle, WorkerHandle
+    from phalanx.launch.services import GatewayHandle, HealthHandle, PlannerHandle, RouterHandle, ServiceHandle, WorkerHandle
+    from phalanx.planner.connectors import DecisionRecord
 
 __all__ = ["UpOptions", "run_detached", "run_down", "run_up"]
 
@@ -69,6 +83,7 @@ HEALTH_ID = "health-0"
 STORE_ID = "checkpoint-0"
 MIGRATION_ID = "migration-0"
 GATEWAY_ID = "gateway-0"
+PLANNER_ID = "planner-0"
 # Together under `phalanx down`'s 60 s. The router's own grace is 5 s; workers let running
 # requests finish for drain_grace_s (10 s by default) before handing them back.
 _ROUTER_STOP_S = 15.0
@@ -88,6 +103,9 @@ class UpOptions:
     nats_url: str | None = None
     etcd_endpoint: str | None = None
     log_file: Path | None = None  # where a detached supervisor's output goes; recorded in the state file
+    planner: bool = False  # run the planner and follow its decisions (the local connector)
+    min_workers: int = 1
+    max_workers: int | None = None  # None: twice --workers, at most 16
 
     def command(self) -> list[str]:
         """The `phalanx up` command line that runs this configuration in the foreground."""
@@ -101,7 +119,13 @@ class UpOptions:
             args += ["--etcd-endpoint", self.etcd_endpoint]
         if self.log_file:
             args += ["--log-file", str(self.log_file)]
+        if self.planner:
+            args += ["--planner", "--min-workers", str(self.min_workers), "--max-workers", str(self.worker_ceiling)]
         return args
+
+    @property
+    def worker_ceiling(self) -> int:
+        return self.max_workers if self.max_workers is not None else min(2 * self.workers, 16)
 
 
 class UpError(Exception):
@@ -137,6 +161,8 @@ def _preflight(options: UpOptions) -> None:
         raise UpError(_already_up_message(state, options.state_file))
     _check_port(options.port, os.environ.get("PHALANX_ROUTER_HOST") or "127.0.0.1", "--port")  # where the router will bind
     _check_port(options.gateway_port, "127.0.0.1", "--gateway-port")
+    if options.planner and not 0 <= options.min_workers <= options.worker_ceiling:
+        raise UpError(f"--min-workers {options.min_workers} and --max-workers {options.worker_ceiling}: need 0 <= min <= max")
 
 
 # --- progress display -------------------------------------------------------------------------
@@ -246,6 +272,17 @@ class _Stack:
         self.store: ServiceHandle | None = None
         self.migration: ServiceHandle | None = None
         self.gateway: GatewayHandle | None = None
+        self.planner: PlannerHandle | None = None
+        # The local connector (--planner): the decision followed, the last one acknowledged, workers being started
+        # to reach the target and workers draining after a scale-down.
+        self.decision: DecisionRecord | None = None
+        self.acked_id = 0
+        self.scaling: dict[int, asyncio.Task] = {}
+        self.retiring: dict[str, WorkerHandle] = {}
+        self.replacing_workers: set[str] = set()
+        self._etcd_client: Any = None
+        self._planner_error = ""
+        self.started_at = time.time()
         self.hurry = asyncio.Event()  # a second signal while stopping: SIGKILL what is left
         self.trackers: dict[str, RestartTracker] = {}  # by the name of the process now in the slot
         self.replacing: dict[str, asyncio.Task] = {}  # by the name of the process that died
@@ -316,6 +353,13 @@ class _Stack:
 
         return await start_health(HEALTH_ID, self.nats_url, self._etcd_config)
 
+    async def _start_planner(self) -> PlannerHandle:
+        from phalanx.launch.services import start_planner
+
+        env = {"PHALANX_PLANNER_MIN_WORKERS": str(self.options.min_workers), "PHALANX_PLANNER_MAX_WORKERS": str(self.options.worker_ceiling),
+               "PHALANX_PLANNER_CONNECTOR": "virtual"}
+        return await start_planner(PLANNER_ID, self._etcd_config, env=env)
+
     async def start_services(self) -> None:
         """The workers in parallel, then the router, so it starts with every worker's KV blocks indexed, then health."""
         ids = [f"worker-{i}" for i in range(self.options.workers)]
@@ -368,6 +412,13 @@ class _Stack:
         except Exception as error:  # noqa: BLE001 - whatever it is, report it and stop the rest
             raise UpError(f"health service: {error or type(error).__name__}") from None
         self._ready(HEALTH_ID, self.health.address, self.health.process.pid)
+        if self.options.planner:
+            self.board.set(PLANNER_ID, "starting")
+            try:
+                self.planner = await self._start_planner()
+            except Exception as error:  # noqa: BLE001 - whatever it is, report it and stop the rest
+                raise UpError(f"planner: {error or type(error).__name__}") from None
+            self._ready(PLANNER_ID, self.planner.address, self.planner.process.pid)
 
     def _router_ready(self, router: RouterHandle) -> None:
         self.router_address = router.address
@@ -378,7 +429,8 @@ class _Stack:
         """``supervisor`` filled in with every process, marked ready."""
         assert self.router_address, "called before start()"
         services = [
-            ProcessEntry(h.name, h.address, h.process.pid) for h in (self.gateway, self.health, self.store, self.migration) if h is not None
+            ProcessEntry(h.name, h.address, h.process.pid)
+            for h in (self.gateway, self.health, self.store, self.migration, self.planner) if h is not None
         ]
         return UpState(
             supervisor_pid=supervisor.supervisor_pid, started_at=supervisor.started_at, status="ready", model=self.options.model,
@@ -388,15 +440,27 @@ class _Stack:
             nats_url=self.nats_url, nats_pid=self.nats.pid if self.nats else None,
             etcd_endpoint=self.etcd_endpoint, etcd_pid=self.etcd.pid if self.etcd else None,
             log_file=supervisor.log_file, ready_at=supervisor.ready_at or time.time(), events=self.events[-MAX_EVENTS:],
-            gateway_url=self.gateway_url,
+            gateway_url=self.gateway_url, planner=self.planner_state(),
         )
+
+    def planner_state(self) -> dict[str, Any] | None:
+        """What `phalanx status --json` shows of the planner: its bounds, the decision followed and the last acknowledged."""
+        if not self.options.planner:
+            return None
+        decision = self.decision
+        return {
+            "min_workers": self.options.min_workers, "max_workers": self.options.worker_ceiling,
+            "target_workers": decision.workers if decision else None, "decision_id": decision.id if decision else None,
+            "reason": decision.reason if decision else "", "acked_id": self.acked_id, "workers": len(self.workers),
+            "starting": len(self.scaling) + len(self.replacing_workers), "draining": sorted(self.retiring), "error": self._planner_error,
+        }
 
     # --- replacing what died -------------------------------------------------------------------
 
     def exited(self) -> list[tuple[str, int | None, int | None]]:
         """(name, pid, exit code) of every process of ours that exited and is not being replaced yet."""
         found: list[tuple[str, int | None, int | None]] = []
-        extras = (self.router, self.gateway, self.health, self.store, self.migration)
+        extras = (self.router, self.gateway, self.health, self.store, self.migration, self.planner)
         handles: list[ServiceHandle] = [*self.workers.values(), *(h for h in extras if h)]
         for handle in handles:
             if handle.process.poll() is not None and handle.name not in self.replacing:
@@ -414,6 +478,7 @@ class _Stack:
         self._record(name, pid, f"exited with {_describe_exit(code)}")
         if self.workers.pop(name, None) is not None:
             start = self._replace_worker
+            self.replacing_workers.add(name)
         else:
             start = functools.partial(self._restart_in_place, name)
         self.replacing[name] = asyncio.create_task(self._replace(name, pid, code, decision, start))
@@ -450,6 +515,7 @@ class _Stack:
                 return
         finally:
             self.replacing.pop(name, None)
+            self.replacing_workers.discard(name)
 
     async def _replace_worker(self) -> tuple[str, int | None]:
         """A worker under a new id (health and migration still hold the old one as dead); its (id, pid)."""
@@ -488,17 +554,109 @@ class _Stack:
             self.board.set(name, "ready", self.nats_url if name == "nats" else self.etcd_endpoint, server.pid)
             return name, server.pid
         attribute, start = {HEALTH_ID: ("health", self._start_health), STORE_ID: ("store", self._start_store),
-                            MIGRATION_ID: ("migration", self._start_migration)}[name]
+                            MIGRATION_ID: ("migration", self._start_migration), PLANNER_ID: ("planner", self._start_planner)}[name]
         setattr(self, attribute, None)
         service = await start()
         setattr(self, attribute, service)
         self.board.set(name, "ready", service.address, service.process.pid)
         return name, service.process.pid
 
+    # --- the local connector (--planner) ----------------------------------------------------------------
+
+    async def follow_planner(self) -> None:
+        """One step of following the planner: read its decision, start or drain workers towards the target, acknowledge once
+        the fleet matches. Called every poll; etcd trouble is shown and retried at the next poll."""
+        from phalanx.common.lease import connect_etcd
+        from phalanx.planner.connectors import AckRecord, read_decision, write_ack
+
+        if self._etcd_client is None:
+            self._etcd_client = connect_etcd(self._etcd_config)
+        try:
+            decision = await read_decision(self._etcd_client)
+        except Exception as error:  # noqa: BLE001 - etcd restarting, a foreign value: say so, try again
+            self._planner_error = f"reading the decision: {error or type(error).__name__}"
+            return
+        self._planner_error = ""
+        # A decision from before this supervisor started (an external etcd that served an earlier stack) is not ours to follow.
+        stale = decision is not None and decision.issued_at < self.started_at
+        if decision is not None and not stale and (self.decision is None or decision.id != self.decision.id):
+            self._adopt(decision)
+        self._reap_retired()
+        if self.decision is None or self.crash_loop is not None:
+            return
+        target = self.decision.workers
+        count = len(self.workers) + len(self.scaling) + len(self.replacing_workers)
+        for _ in range(target - count):
+            self._scale_up(target)
+        if count > target:
+            self._scale_down(count - target, target)
+        settled = (len(self.workers) == target and not self.scaling and not self.replacing_workers and not self.retiring
+                   and not any(dead in self.workers for dead in self.decision.replaces))
+        if settled and self.decision.id > self.acked_id:
+            ack = AckRecord(id=self.decision.id, workers=len(self.workers), at=time.time(), orchestrator=f"phalanx-up:{os.getpid()}")
+            try:
+                await write_ack(self._etcd_client, ack)
+            except Exception as error:  # noqa: BLE001 - as above
+                self._planner_error = f"acknowledging: {error or type(error).__name__}"
+                return
+            self.acked_id = self.decision.id
+            self._record(PLANNER_ID, None, f"decision {ack.id} carried out: {ack.workers} workers")
+
+    def _adopt(self, decision: DecisionRecord) -> None:
+        self.decision = decision
+        why = f"; {', '.join(decision.replaces)} DEAD" if decision.replaces else ""
+        self._record(PLANNER_ID, None, f"decision {decision.id} ({decision.reason}): {decision.workers} workers{why}")
+        for dead in decision.replaces:
+            handle = self.workers.get(dead)
+            if handle is not None and handle.process.poll() is None:
+                # Health judged it DEAD but its process runs (hung): kill it, the restart path replaces it.
+                self._record(dead, handle.process.pid, "marked DEAD by health while its process runs: killing it")
+                handle.process.kill()
+
+    def _scale_up(self, target: int) -> None:
+        key = max(self.scaling, default=0) + 1
+
+        async def start() -> None:
+            try:
+                name, pid = await self._replace_worker()
+            except Exception as error:  # noqa: BLE001 - the next poll tries again, after a pause
+                self._record(PLANNER_ID, None, f"could not start a worker: {error or type(error).__name__}")
+                await asyncio.sleep(self.policy.initial_backoff_s)
+                return
+            finally:
+                self.scaling.pop(key, None)
+            tracker = self.trackers[name] = RestartTracker(self.policy)
+            tracker.ready(time.monotonic())
+            self._record(name, pid, f"started: planner target {target} workers")
+
+        self.scaling[key] = asyncio.create_task(start())
+
+    def _scale_down(self, surplus: int, target: int) -> None:
+        """SIGTERM the newest `surplus` workers: they stop taking requests and drain (their requests move through migration)."""
+        newest = sorted(self.workers, key=lambda name: int(name.rsplit("-", 1)[1]), reverse=True)[:surplus]
+        for name in newest:
+            handle = self.workers.pop(name)
+            self.retiring[name] = handle
+            handle.process.send_signal(signal.SIGTERM)
+            self.board.set(name, "draining", handle.address, handle.process.pid, note=f"planner target {target}")
+            self._record(name, handle.process.pid, f"draining: planner target {target} workers")
+
+    def _reap_retired(self) -> None:
+        for name, handle in list(self.retiring.items()):
+            if handle.process.poll() is not None:
+                del self.retiring[name]
+                self.board.rows.pop(name, None)
+                self._record(name, handle.process.pid, f"stopped after draining ({_describe_exit(handle.process.returncode)})")
+
     def _record(self, process: str, pid: int | None, what: str) -> None:
         self.events.append(SupervisorEvent(at=time.time(), process=process, pid=pid, what=what))
         del self.events[:-MAX_EVENTS]
-        mark, style = ("✓", "green") if what.startswith("started") else ("✗", "red")
+        if what.startswith("started"):
+            mark, style = "✓", "green"
+        elif process == PLANNER_ID or what.startswith(("draining:", "stopped after draining")):
+            mark, style = "→", "cyan"  # the planner's decisions and their effects: no failure
+        else:
+            mark, style = "✗", "red"
         self.console.print(f"[{style}]{mark} {process}{f' (pid {pid})' if pid else ''} {what}[/]", highlight=False)
         self.changed.set()
 
@@ -507,8 +665,15 @@ class _Stack:
         etcd, NATS."""
         for task in list(self.replacing.values()):
             task.cancel()  # a start that is cancelled kills the process it was waiting for
+        for task in list(self.scaling.values()):
+            task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
-            await asyncio.gather(*self.replacing.values(), return_exceptions=True)
+            await asyncio.gather(*self.replacing.values(), *self.scaling.values(), return_exceptions=True)
+        if self.planner is not None:  # first: it must not decide on a fleet that is going away
+            await self._terminate({PLANNER_ID: self.planner.process}, _ROUTER_STOP_S)
+        if self._etcd_client is not None:
+            with contextlib.suppress(Exception):
+                await self._etcd_client.close()
         if self.health is not None:
             await self._terminate({HEALTH_ID: self.health.process}, _ROUTER_STOP_S)
         if self.gateway is not None:
@@ -517,8 +682,8 @@ class _Stack:
             await self._terminate({ROUTER_ID: self.router.process}, _ROUTER_STOP_S)
         if self.migration is not None:
             await self._terminate({MIGRATION_ID: self.migration.process}, _ROUTER_STOP_S)
-        if self.workers:
-            await self._terminate({w.worker_id: w.process for w in self.workers.values()}, _WORKER_STOP_S)
+        if self.workers or self.retiring:
+            await self._terminate({w.worker_id: w.process for w in (*self.workers.values(), *self.retiring.values())}, _WORKER_STOP_S)
         if self.store is not None:
             await self._terminate({STORE_ID: self.store.process}, _ROUTER_STOP_S)
         for name, server in (("etcd", self.etcd), ("nats", self.nats)):
@@ -654,6 +819,8 @@ async def _supervise(stack: _Stack, stop: asyncio.Event, console: Console, write
     while not stop.is_set():
         for name, pid, code in stack.exited():
             stack.replace(name, pid, code)
+        if stack.options.planner:
+            await stack.follow_planner()
         if stack.changed.is_set():
             stack.changed.clear()
             write()

@@ -71,6 +71,14 @@ CHECKPOINT_STORES_PREFIX = "/phalanx/v1/checkpoint-stores/"
 MIGRATIONS_PREFIX = "/phalanx/v1/migration/"
 # A request moved to another worker (MigrationEvent): routers relaying it re-attach there.
 MIGRATION_EVENTS_SUBJECT = "phalanx.migrated"
+# The planner (docs/planner.md, "Service"): its leadership key, the decision it asks an orchestrator to carry
+# out (JSON, planner.connectors.DecisionRecord), the orchestrator's acknowledgement (JSON AckRecord) and an
+# operator's target (JSON {"workers": N}, `phalanx planner set-target`).
+PLANNER_PREFIX = "/phalanx/v1/planner/"
+PLANNER_LEADER_KEY = PLANNER_PREFIX + "leader"
+PLANNER_DECISION_KEY = PLANNER_PREFIX + "decision"
+PLANNER_ACK_KEY = PLANNER_PREFIX + "ack"
+PLANNER_TARGET_KEY = PLANNER_PREFIX + "target"
 
 _WORKER_ID = re.compile(r"[A-Za-z0-9_-]+")
 # Client-chosen, so a little wider (UUIDs, "tenant:job.42"), but never "/".

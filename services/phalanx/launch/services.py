@@ -30,6 +30,7 @@ __all__ = [
     "CheckpointStoreHandle",
     "GatewayHandle",
     "HealthHandle",
+    "PlannerHandle",
     "RouterHandle",
     "ServiceHandle",
     "WorkerHandle",
@@ -37,6 +38,7 @@ __all__ = [
     "start_gateway",
     "start_health",
     "start_migration",
+    "start_planner",
     "start_router",
     "start_worker",
 ]
@@ -198,6 +200,47 @@ async def start_health(
                 handle.kill()
                 raise TimeoutError(f"{instance_id} did not serve within {timeout:.0f} s") from None
             await asyncio.sleep(0.1)
+
+
+class PlannerHandle(ServiceHandle):
+    """A planner process; its interface is etcd (decisions, acknowledgements) and /metrics."""
+
+    async def serving(self, timeout: float = 1.0) -> bool:
+        from grpc_health.v1 import health_pb2 as grpc_health_pb2, health_pb2_grpc as grpc_health_pb2_grpc
+
+        async with grpc.aio.insecure_channel(self.address) as channel:
+            reply = await grpc_health_pb2_grpc.HealthStub(channel).Check(grpc_health_pb2.HealthCheckRequest(), timeout=timeout)
+        return reply.status == grpc_health_pb2.HealthCheckResponse.SERVING
+
+
+async def start_planner(
+    instance_id: str, etcd_config: EtcdConfig, *extra: str, env: dict | None = None, timeout: float = 30.0
+) -> PlannerHandle:
+    """A planner (``phalanx planner``), returned once its gRPC health says SERVING (it then campaigns, decides once ready).
+
+    ``extra`` are more CLI flags; ``env`` more PHALANX_PLANNER_* settings (interval, bounds, profile).
+    """
+    port, metrics_port = free_port(), free_port()
+    process = _spawn(
+        ["planner", "--instance-id", instance_id, "--etcd-endpoint", etcd_config.endpoint, "--port", str(port), "--log-level", "INFO",
+         *extra],
+        {"PHALANX_PLANNER_METRICS_PORT": str(metrics_port), **(env or {})},
+    )
+    handle = PlannerHandle(instance_id, process, f"127.0.0.1:{port}", f"127.0.0.1:{metrics_port}")
+    deadline = time.monotonic() + timeout
+    try:
+        while True:
+            if process.poll() is not None:
+                raise RuntimeError(f"{instance_id} exited with {process.returncode} before it served")
+            with contextlib.suppress(grpc.aio.AioRpcError):
+                if await handle.serving():
+                    return handle
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{instance_id} did not serve within {timeout:.0f} s")
+            await asyncio.sleep(0.1)
+    except BaseException:
+        handle.kill()
+        raise
 
 
 class CheckpointStoreHandle(ServiceHandle):

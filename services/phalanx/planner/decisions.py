@@ -146,6 +146,17 @@ class DecisionMachine:
         """When the next tick may decide; None until the first ready tick."""
         return self._next_tick_at
 
+    def decide_at_next_tick(self) -> None:
+        """Let the next ready tick decide without waiting for the interval (an operator changed the target)."""
+        self._next_tick_at = None
+
+    def tick_due(self, now: float) -> bool:
+        """Whether a tick at `now` may decide (schedule and in-flight rules), so the caller can skip computing
+        the desired count (and feeding its predictors) when it may not."""
+        if self._next_tick_at is not None and now < self._next_tick_at:
+            return False
+        return self.in_flight is None or now >= self.in_flight.deadline
+
     @property
     def history(self) -> list[FinishedDecision]:
         return list(self._history)

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from phalanx.common.config import EtcdConfig
 from phalanx.common.lease import connect_etcd
-from phalanx.common.subjects import CANARY_PREFIX, DEGRADATION_PREFIX, HEALTH_PREFIX
+from phalanx.common.subjects import CANARY_PREFIX, DEGRADATION_PREFIX, HEALTH_PREFIX, PLANNER_PREFIX
 
-__all__ = ["forget_health_state"]
+__all__ = ["forget_health_state", "forget_planner_state"]
 
 
 async def forget_health_state(etcd_config: EtcdConfig) -> None:
@@ -15,5 +15,14 @@ async def forget_health_state(etcd_config: EtcdConfig) -> None:
     try:
         for prefix in (DEGRADATION_PREFIX, HEALTH_PREFIX, CANARY_PREFIX):
             await client.delete_prefix(prefix.encode())
+    finally:
+        await client.close()
+
+
+async def forget_planner_state(etcd_config: EtcdConfig) -> None:
+    """Delete the planner's decision, acknowledgement, operator target and leadership key."""
+    client = connect_etcd(etcd_config)
+    try:
+        await client.delete_prefix(PLANNER_PREFIX.encode())
     finally:
         await client.close()

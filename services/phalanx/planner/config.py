@@ -1,0 +1,62 @@
+"""Planner service settings (env prefix PHALANX_PLANNER_)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from phalanx.planner.predictors import PredictorKind
+
+
+class PlannerConfig(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="PHALANX_PLANNER_", extra="forbid", frozen=True)
+
+    instance_id: str = Field("", description="Unique id; empty means planner-<hostname>-<pid>")
+    host: str = Field("127.0.0.1", description="Address the gRPC server (health and reflection) binds")
+    port: int = Field(0, ge=0, le=65535, description="gRPC port; 0 picks a free one")
+    advertise_host: str = Field("", description="Host others reach us at (default: host)")
+    metrics_port: int = Field(0, ge=0, le=65535, description="Prometheus /metrics port; 0 picks a free one")
+
+    connector: Literal["virtual", "kubernetes"] = Field(
+        "virtual", description="Who carries decisions out: an orchestrator acknowledging through etcd (`phalanx up --planner` is one), or Kubernetes"
+    )
+    interval_s: float = Field(30.0, gt=0, le=3600, description="Adjustment interval (it grows with measured scaling latency)")
+    max_interval_s: float = Field(600.0, gt=0, description="Longest the adaptive interval gets")
+    poll_s: float = Field(0.5, gt=0, le=10, description="How often the planner checks readiness, acknowledgements and operator targets")
+    min_workers: int = Field(1, ge=0, description="Fewest workers the planner asks for")
+    max_workers: int = Field(8, ge=1, description="Most workers the planner asks for")
+    gpus_per_worker: int = Field(1, ge=1, description="Used with max_gpus; the profile's own value wins when a profile is given")
+    max_gpus: int | None = Field(None, ge=1, description="GPU budget of the fleet; unset: max_workers is the only bound")
+    scale_deadline_s: float = Field(120.0, gt=0, description="A scaling decision not acknowledged after this long times out")
+    replace_deadline_s: float = Field(60.0, gt=0, description="Likewise for the replacement of a DEAD worker")
+
+    profile: str = Field("", description="Performance profile (.npz, `phalanx profile`); without one the planner holds the count "
+                         "between min and max, follows operator targets and replaces DEAD workers, but does not scale with load")
+    predictor: PredictorKind = Field("constant", description="Load predictor: constant, arima, kalman or prophet")
+    trace: str = Field("", description="Trace file (JSON lines or CSV) to warm the predictors up with")
+    correction: bool = Field(True, description="Apply smoothed correction factors (False: plan from the profile alone)")
+    length_quantile: float | None = Field(0.9, gt=0, lt=1, description="ISL/OSL quantile the operating point is read at; unset: the mean")
+    default_isl: float = Field(512.0, gt=0, description="Prompt tokens assumed while the routers do not export ISL")
+    ttft_slo_s: float = Field(2.0, gt=0, description="Time-to-first-token SLO")
+    itl_slo_s: float = Field(0.25, gt=0, description="Inter-token latency SLO")
+
+    prometheus_url: str = Field("", description="Prometheus base URL (http://host:9090); unset: scrape the routers' /metrics directly")
+    scrape_timeout_s: float = Field(2.0, gt=0, le=60, description="Deadline of one /metrics scrape or Prometheus query")
+
+    leader_ttl_s: int = Field(2, ge=1, le=60, description="TTL of the leadership lease; a standby takes over within about this")
+
+    kube_namespace: str = Field("default", description="Namespace of the worker StatefulSet (connector kubernetes)")
+    kube_statefulset: str = Field("phalanx-worker", description="Name of the worker StatefulSet (connector kubernetes)")
+
+    @model_validator(mode="after")
+    def _check(self) -> PlannerConfig:
+        if self.min_workers > self.max_workers:
+            raise ValueError(f"min_workers ({self.min_workers}) exceeds max_workers ({self.max_workers})")
+        if self.interval_s > self.max_interval_s:
+            raise ValueError("interval_s exceeds max_interval_s")
+        return self
+
+    def clamp(self, workers: int) -> int:
+        return min(max(workers, self.min_workers), self.max_workers)

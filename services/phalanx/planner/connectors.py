@@ -1,0 +1,152 @@
+"""How the planner's decisions reach the fleet: connectors behind one interface.
+
+A connector `publish`es a decision (the whole fleet's targets, not a delta: a later decision subsumes the
+earlier ones) and reports the orchestrator's `acknowledged` progress; the planner feeds acknowledgements
+to the DecisionMachine, whose deadlines time out decisions nobody carries out. Scaling is non-blocking:
+publish returns at once.
+
+- `virtual`: the decision is a JSON `DecisionRecord` at PLANNER_DECISION_KEY (/phalanx/v1/planner/decision),
+  written fenced by the planner's leadership (a deposed planner cannot overwrite its successor). An
+  orchestrator carries it out and writes a JSON `AckRecord` at PLANNER_ACK_KEY (/phalanx/v1/planner/ack)
+  once the fleet matches the targets; an ack of id N acknowledges every decision up to N. `phalanx up
+  --planner` is such an orchestrator (the `local` connector, in phalanx.cli.up).
+- `kubernetes`: patches the worker StatefulSet's scale subresource (kubernetes_connector.py).
+
+`phalanx planner set-target N` writes an operator's target (PLANNER_TARGET_KEY, JSON {"workers": N}); the
+planner turns it into a decision at its next ready tick, clamped to its bounds.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Protocol
+
+import aetcd
+
+from phalanx.common.subjects import PLANNER_ACK_KEY, PLANNER_DECISION_KEY, PLANNER_TARGET_KEY
+from phalanx.health.leader import LeaderElection
+from phalanx.planner.decisions import Decision
+
+__all__ = [
+    "AckRecord", "Connector", "DecisionRecord", "VirtualConnector", "clear_target", "read_ack", "read_decision", "read_target", "write_ack",
+    "write_target",
+]
+
+
+@dataclass(frozen=True)
+class DecisionRecord:
+    """What an orchestrator reads: the targets, why, and until when (wall clock) the planner waits for the ack."""
+
+    id: int
+    workers: int
+    spares: int
+    reason: str
+    issued_at: float
+    deadline: float
+    # Workers health marked DEAD whose replacement is still being carried out (this decision's and earlier ones').
+    replaces: list[str] = field(default_factory=list)
+    promote: str = ""
+
+    @classmethod
+    def of(cls, decision: Decision, replacing: list[str]) -> DecisionRecord:
+        """A DecisionMachine decision (monotonic clock) as a record (wall clock)."""
+        now = time.time()
+        return cls(
+            id=decision.id, workers=decision.targets.workers, spares=decision.targets.spares, reason=str(decision.reason), issued_at=now,
+            deadline=now + (decision.deadline - decision.issued_at), replaces=replacing, promote=decision.promote or "",
+        )
+
+    def to_json(self) -> bytes:
+        return json.dumps(asdict(self), separators=(",", ":")).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes) -> DecisionRecord:
+        raw = json.loads(data)
+        return cls(**{k: raw[k] for k in cls.__dataclass_fields__ if k in raw})
+
+
+@dataclass(frozen=True)
+class AckRecord:
+    """An orchestrator's word that the fleet matches decision `id`'s targets (`workers` is what it counts)."""
+
+    id: int
+    workers: int
+    at: float
+    orchestrator: str = ""
+
+    def to_json(self) -> bytes:
+        return json.dumps(asdict(self), separators=(",", ":")).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes) -> AckRecord:
+        raw = json.loads(data)
+        return cls(**{k: raw[k] for k in cls.__dataclass_fields__ if k in raw})
+
+
+class Connector(Protocol):
+    name: str
+
+    async def publish(self, record: DecisionRecord) -> bool:
+        """Hand the decision over (non-blocking); False when it was not (this planner no longer leads)."""
+        ...
+
+    async def acknowledged(self) -> AckRecord | None:
+        """The newest acknowledgement, if any."""
+        ...
+
+    async def close(self) -> None: ...
+
+
+class VirtualConnector:
+    """Decision and acknowledgement through etcd (the module docstring)."""
+
+    name = "virtual"
+
+    def __init__(self, client: aetcd.Client, election: LeaderElection) -> None:
+        self._client = client
+        self._election = election
+
+    async def publish(self, record: DecisionRecord) -> bool:
+        return await self._election.fenced_put(PLANNER_DECISION_KEY, record.to_json())
+
+    async def acknowledged(self) -> AckRecord | None:
+        return await read_ack(self._client)
+
+    async def close(self) -> None:
+        return None
+
+
+async def _read(client: aetcd.Client, key: str) -> bytes | None:
+    found = await client.get(key.encode())
+    return None if found is None else found.value
+
+
+async def read_decision(client: aetcd.Client) -> DecisionRecord | None:
+    value = await _read(client, PLANNER_DECISION_KEY)
+    return None if value is None else DecisionRecord.from_json(value)
+
+
+async def read_ack(client: aetcd.Client) -> AckRecord | None:
+    value = await _read(client, PLANNER_ACK_KEY)
+    return None if value is None else AckRecord.from_json(value)
+
+
+async def write_ack(client: aetcd.Client, ack: AckRecord) -> None:
+    await client.put(PLANNER_ACK_KEY.encode(), ack.to_json())
+
+
+async def read_target(client: aetcd.Client) -> int | None:
+    value = await _read(client, PLANNER_TARGET_KEY)
+    return None if value is None else int(json.loads(value)["workers"])
+
+
+async def write_target(client: aetcd.Client, workers: int) -> None:
+    if workers < 0:
+        raise ValueError(f"a target of {workers} workers: need >= 0")
+    await client.put(PLANNER_TARGET_KEY.encode(), json.dumps({"workers": workers, "at": time.time()}).encode())
+
+
+async def clear_target(client: aetcd.Client) -> None:
+    await client.delete(PLANNER_TARGET_KEY.encode())

@@ -1,0 +1,440 @@
+"""The planner service: the pure core (docs/planner.md) in a process.
+
+Start: gRPC (health and reflection only: the planner's interface is etcd and /metrics) NOT_SERVING ->
+etcd -> SERVING -> campaign for PLANNER_LEADER_KEY (one planner decides, others stand by, like health)
+-> while leading, every `poll_s`:
+
+- read the routers (ROUTERS_PREFIX registrations carry their metrics_address), the workers and their
+  health records from etcd, and scrape every router's /metrics (or, with `prometheus_url`, query
+  Prometheus at each tick): `Readiness` holds once a router and a worker are registered and serving and a
+  router has been scraped twice (or Prometheus has the router series) - no start delay;
+- feed acknowledgements to the DecisionMachine (an ack of id N completes every decision up to N);
+- when the machine's schedule allows a tick: observe the interval, predict, plan (with a profile), and
+  tick; publish a decision through the connector.
+
+Health's DEAD records (an etcd watch on HEALTH_PREFIX) produce a restoration decision at once, not at the
+next poll, except for a worker that was DRAINING before (it was stopped on purpose). Without a profile
+the planner does not scale with load; it keeps the count within [min_workers, max_workers], follows an
+operator's target (`phalanx planner set-target`) and replaces DEAD workers.
+
+Stop (SIGTERM): NOT_SERVING -> stop planning -> resign (a standby takes over at once) -> stop gRPC.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import socket
+import time
+from collections.abc import Mapping
+
+import aetcd
+import httpx
+
+from phalanx._proto import common_pb2
+from phalanx.common.config import EtcdConfig, TelemetryConfig
+from phalanx.common.discovery import EtcdDirectory, WorkerDirectory, decode_json
+from phalanx.common.lease import Backoff, connect_etcd
+from phalanx.common.service import ServiceShell
+from phalanx.common.subjects import DEGRADATION_KEY, HEALTH_PREFIX, PLANNER_LEADER_KEY, ROUTERS_PREFIX, validate_worker_id
+from phalanx.health.leader import LeaderElection
+from phalanx.planner.config import PlannerConfig
+from phalanx.planner.connectors import Connector, DecisionRecord, VirtualConnector, read_decision, read_target
+from phalanx.planner.correction import CorrectionConfig, CorrectionTracker, expected_itl_s, expected_ttft_s
+from phalanx.planner.decisions import Decision, DecisionConfig, DecisionMachine, Outcome, Readiness
+from phalanx.planner.distribution import Summary
+from phalanx.planner.metrics import PlannerMetrics
+from phalanx.planner.observations import Observation, Scrape, observe_prometheus, observe_scrapes, parse_scrape, promql_queries
+from phalanx.planner.predictors import Predictor, PredictorConfig, load_trace, make_predictor, warm_start
+from phalanx.planner.profile import PerformanceProfile, load_profile
+from phalanx.planner.replicas import LoadForecast, ReplicaConfig, SloTargets, plan_replicas
+
+log = logging.getLogger(__name__)
+# One line per scrape at INFO would bury the planner's own lines.
+logging.getLogger("httpx").setLevel(logging.WARNING)
+
+# Workers in these states are no capacity (common.proto WorkerHealth).
+_NOT_SERVING = {common_pb2.WORKER_HEALTH_UNHEALTHY, common_pb2.WORKER_HEALTH_DRAINING, common_pb2.WORKER_HEALTH_DEAD}
+
+
+class LeadershipLostError(Exception):
+    pass
+
+
+class Planner:
+    """One leadership term: the loop of the module docstring."""
+
+    def __init__(
+        self, config: PlannerConfig, client: aetcd.Client, etcd_config: EtcdConfig, election: LeaderElection, connector: Connector,
+        metrics: PlannerMetrics, profile: PerformanceProfile | None,
+    ) -> None:
+        self.config = config
+        self.client = client
+        self.etcd_config = etcd_config
+        self.election = election
+        self.connector = connector
+        self.metrics = metrics
+        self.profile = profile
+        self.machine: DecisionMachine | None = None
+        self.readiness = Readiness(routers_serving=False, serving_workers=0, metrics_flowing=False)
+        self.correction = CorrectionTracker(CorrectionConfig(enabled=config.correction))
+        self.predictors: dict[str, Predictor] = {name: make_predictor(config.predictor, PredictorConfig()) for name in ("requests", "isl", "osl")}
+        if config.trace:
+            trace = load_trace(config.trace)
+            warm_start(self.predictors["requests"], [row.requests for row in trace])
+            warm_start(self.predictors["isl"], [row.isl for row in trace])
+            warm_start(self.predictors["osl"], [row.osl for row in trace])
+        self._scrapes: dict[str, Scrape] = {}  # the newest scrape of each router
+        self._tick_scrapes: dict[str, Scrape] = {}  # each router's scrape at the last tick: an interval's start
+        self._scraped_twice = False
+        self._operator_target: int | None = None
+        self._workers = 0
+        self._counted: set[int] = set()
+        self._degradation_level = 0
+        self._http = httpx.AsyncClient(timeout=config.scrape_timeout_s)
+
+    async def run(self) -> None:
+        previous = await read_decision(self.client)
+        workers = WorkerDirectory(self.etcd_config)
+        healths = EtcdDirectory(self.etcd_config, prefix=HEALTH_PREFIX, message_type=common_pb2.WorkerHealthRecord)
+        routers = EtcdDirectory(self.etcd_config, prefix=ROUTERS_PREFIX, message_type=common_pb2.RouterRegistration)
+        try:
+            await self._refresh(workers, healths, routers)
+            # A successor carries on from the last decision (its ids and targets); a first planner from the fleet as it is.
+            start = previous.workers if previous is not None else self._workers
+            self.machine = DecisionMachine(
+                DecisionConfig(
+                    interval_s=self.config.interval_s, max_interval_s=self.config.max_interval_s, scale_deadline_s=self.config.scale_deadline_s,
+                    replace_deadline_s=self.config.replace_deadline_s,
+                ),
+                start, first_id=previous.id + 1 if previous is not None else 1,
+            )
+            self.metrics.target_workers.set(start)
+            deaths = EtcdDirectory(self.etcd_config, prefix=HEALTH_PREFIX, message_type=common_pb2.WorkerHealthRecord)
+            await deaths.list()  # DEAD records from before we led were handled then; watch from here on
+            # Only now: a DEAD record written from here on is seen (the watch starts at the listed revision).
+            self.metrics.leader.set(1)
+            async with asyncio.TaskGroup() as tasks:
+                tasks.create_task(self._watch_deaths(deaths))
+                while True:
+                    if not self.election.elected:
+                        raise LeadershipLostError("the leadership lease lapsed")
+                    await self._step(workers, healths, routers)
+                    await asyncio.sleep(self.config.poll_s)
+        finally:
+            for directory in (workers, healths, routers):
+                await directory.close()
+            await self._http.aclose()
+
+    # -- one poll ------------------------------------------------------------------------------------
+    async def _step(self, workers: WorkerDirectory, healths: EtcdDirectory, routers: EtcdDirectory) -> None:
+        machine = self.machine
+        assert machine is not None
+        await self._refresh(workers, healths, routers)
+        await self._take_acks()
+        target = await read_target(self.client)
+        if target is not None and target != self._operator_target:
+            machine.decide_at_next_tick()
+        self._operator_target = target
+        now = time.monotonic()
+        if not (self.readiness.ready and machine.tick_due(now)):
+            machine.tick(now, self.readiness, machine.targets.workers)  # expires what is past its deadline
+            self._record_finished()
+            return
+        observation = await self._observe_interval()
+        self._degradation_level = await self._read_degradation_level()
+        self.metrics.degradation.set(self._degradation_level)
+        desired = self._desired(observation)
+        self.metrics.desired_workers.set(desired)
+        decision = machine.tick(now, self.readiness, desired)
+        self._record_finished()
+        self.metrics.interval.set(machine.interval_s)
+        if decision is not None:
+            await self._publish(decision)
+
+    async def _refresh(self, workers: WorkerDirectory, healths: EtcdDirectory, routers: EtcdDirectory) -> None:
+        registered = await workers.list()
+        health = await healths.list()
+        serving = [w for w in registered if w not in health or health[w].health not in _NOT_SERVING]
+        found = await routers.list()
+        self._workers = len(serving)
+        self.metrics.actual_workers.set(len(serving))
+        self.metrics.routers.set(len(found))
+        if self.config.prometheus_url:
+            flowing = await self._prometheus_has_routers()
+        else:
+            flowing = await self._scrape_routers(found)
+        self.readiness = Readiness(routers_serving=bool(found), serving_workers=len(serving), metrics_flowing=flowing)
+        self.metrics.ready.set(1 if self.readiness.ready else 0)
+
+    async def _scrape_routers(self, routers: Mapping[str, common_pb2.RouterRegistration]) -> bool:
+        async def one(router_id: str, address: str) -> tuple[str, Scrape | None]:
+            try:
+                reply = await self._http.get(f"http://{address}/metrics")
+                reply.raise_for_status()
+                return router_id, parse_scrape(reply.text, time.monotonic())
+            except (httpx.HTTPError, ValueError) as error:
+                log.debug("scraping router %s at %s failed: %s", router_id, address, error)
+                self.metrics.observe_errors.labels("scrape").inc()
+                return router_id, None
+
+        results = await asyncio.gather(*(one(r, reg.metrics_address) for r, reg in routers.items() if reg.metrics_address))
+        fresh = {router_id: scrape for router_id, scrape in results if scrape is not None}
+        if any(router_id in self._scrapes for router_id in fresh):
+            self._scraped_twice = True
+        # A router gone from etcd leaves the next interval; one scraped for the first time starts it.
+        self._tick_scrapes = {r: s for r, s in self._tick_scrapes.items() if r in fresh}
+        for router_id, scrape in fresh.items():
+            self._tick_scrapes.setdefault(router_id, scrape)
+        self._scrapes = fresh
+        return self._scraped_twice and bool(fresh)
+
+    async def _query(self, query: str) -> dict:
+        reply = await self._http.get(f"{self.config.prometheus_url.rstrip('/')}/api/v1/query", params={"query": query})
+        return reply.json()
+
+    async def _prometheus_has_routers(self) -> bool:
+        try:
+            # Any router series: a router exporting gauges is scraped, even before its first request.
+            response = await self._query('count({__name__=~"phalanx_router_.+"})')
+        except (httpx.HTTPError, ValueError) as error:
+            log.debug("prometheus query failed: %s", error)
+            self.metrics.observe_errors.labels("prometheus").inc()
+            return False
+        return response.get("status") == "success" and bool(response.get("data", {}).get("result"))
+
+    async def _read_degradation_level(self) -> int:
+        """The health service's degradation level: from level 3 on the deployment promises doubled latency SLOs, and the plan
+        targets those (replicas.py); 0 when health publishes none."""
+        found = await self.client.get(DEGRADATION_KEY.encode())
+        if found is None:
+            return 0
+        try:
+            return decode_json(found.value, common_pb2.DegradationState).level
+        except Exception:  # noqa: BLE001 - a value we cannot read is no reason to stop planning
+            log.warning("unreadable degradation state at %s", DEGRADATION_KEY)
+            return 0
+
+    async def _observe_interval(self) -> Observation | None:
+        if self.config.prometheus_url:
+            assert self.machine is not None
+            window = self.machine.interval_s
+            queries = promql_queries(window)
+            try:
+                responses = dict(zip(queries, await asyncio.gather(*(self._query(q) for q in queries.values())), strict=True))
+                return observe_prometheus(responses, window)
+            except (httpx.HTTPError, ValueError) as error:
+                log.warning("prometheus observation failed: %s", error)
+                self.metrics.observe_errors.labels("prometheus").inc()
+                return None
+        observation = observe_scrapes(self._tick_scrapes, self._scrapes)
+        self._tick_scrapes = dict(self._scrapes)
+        return observation
+
+    # -- planning ------------------------------------------------------------------------------------
+    def _desired(self, observation: Observation | None) -> int:
+        """The count the interval's plan wants, within [min_workers, max_workers]: an operator's target first, then the profile's plan,
+        else the current target."""
+        assert self.machine is not None
+        planned = self._plan(observation) if observation is not None else None
+        if self._operator_target is not None:
+            return self.config.clamp(self._operator_target)
+        if planned is not None:
+            return self.config.clamp(planned)
+        return self.config.clamp(self.machine.targets.workers)
+
+    def _plan(self, observation: Observation) -> int | None:
+        """Feed the predictors (and correction factors) with the interval; the profile's worker count for the next one."""
+        osl_mean = observation.osl.mean if observation.osl is not None else None
+        isl_mean = observation.isl.mean if observation.isl is not None else self.config.default_isl
+        self.predictors["requests"].observe(observation.requests)
+        self.predictors["isl"].observe(isl_mean)
+        if osl_mean is not None:
+            self.predictors["osl"].observe(osl_mean)
+        self.metrics.observed_requests.set(observation.request_rate)
+        if osl_mean is not None:
+            self.metrics.observed_osl.set(osl_mean)
+        requests = self.predictors["requests"].predict_next()
+        self.metrics.predicted_requests.set(requests / max(observation.interval_s, 1e-9))
+        if self.profile is None or osl_mean is None:
+            return None
+        predicted_osl = self.predictors["osl"].predict_next()
+        self.metrics.predicted_osl.set(predicted_osl)
+        profile = self.profile
+        if observation.ttft is not None and observation.itl is not None:
+            duration = observation.ttft.mean + osl_mean * observation.itl.mean
+            factors = self.correction.update(
+                observed_ttft_s=observation.ttft.mean, expected_ttft_s=expected_ttft_s(profile, isl_mean),
+                observed_itl_s=observation.itl.mean,
+                expected_itl_s=expected_itl_s(profile, request_rate=observation.request_rate, request_duration_s=duration,
+                                              context=isl_mean + osl_mean / 2, workers=max(self._workers, 1)),
+                ttft_samples=observation.ttft.count, itl_samples=observation.itl.count,
+            )
+        else:
+            factors = self.correction.factors
+        self.metrics.correction.labels("prefill").set(factors.prefill)
+        self.metrics.correction.labels("decode").set(factors.decode)
+        assert self.machine is not None
+        # The forecast is for one interval of the adaptive length; requests scale with it.
+        interval = self.machine.interval_s
+        forecast = LoadForecast(
+            requests=requests / max(observation.interval_s, 1e-9) * interval,
+            isl=_scaled(observation.isl, self.predictors["isl"].predict_next()) if observation.isl else Summary(mean=self.config.default_isl),
+            osl=_scaled(observation.osl, predicted_osl),
+        )
+        plan = plan_replicas(
+            forecast, profile, SloTargets(ttft_s=self.config.ttft_slo_s, itl_s=self.config.itl_slo_s),
+            ReplicaConfig(interval_s=interval, min_workers=self.config.min_workers, max_gpus=self.config.max_gpus,
+                          length_quantile=self.config.length_quantile),
+            factors, degradation_level=self._degradation_level,
+        )
+        return plan.combined
+
+    # -- decisions -----------------------------------------------------------------------------------
+    async def _publish(self, decision: Decision) -> None:
+        assert self.machine is not None
+        replacing = sorted(d.replaces for d in self.machine.restorations.values() if d.replaces)
+        record = DecisionRecord.of(decision, replacing)
+        if not await self.connector.publish(record):
+            raise LeadershipLostError("a fenced decision write failed: another planner leads")
+        self.metrics.decisions.labels(str(decision.reason)).inc()
+        self.metrics.target_workers.set(decision.targets.workers)
+        log.info("decision %d (%s): %d workers%s", decision.id, decision.reason, decision.targets.workers,
+                 f", replacing {', '.join(replacing)}" if replacing else "")
+
+    async def _take_acks(self) -> None:
+        assert self.machine is not None
+        ack = await self.connector.acknowledged()
+        if ack is None:
+            return
+        pending = [d.id for d in self.machine.restorations.values()]
+        if self.machine.in_flight is not None:
+            pending.append(self.machine.in_flight.id)
+        now = time.monotonic()
+        for decision_id in sorted(pending):
+            if decision_id <= ack.id:
+                self.machine.complete(decision_id, now)
+        self._record_finished()
+
+    def _record_finished(self) -> None:
+        """Count decisions that finished since the last look (the machine's history is bounded: keep only ids it still holds)."""
+        assert self.machine is not None
+        history = self.machine.history
+        for finished in history:
+            if finished.decision.id not in self._counted:
+                self.metrics.finished.labels(str(finished.outcome)).inc()
+                if finished.outcome is Outcome.COMPLETED:
+                    self.metrics.decision_latency.observe(finished.latency_s)
+        self._counted = {finished.decision.id for finished in history}
+
+    async def _watch_deaths(self, deaths: EtcdDirectory) -> None:
+        """Restoration for workers that died; not for those that were DRAINING first: a worker drains on SIGTERM, so it left on
+        purpose (a scale-down, an operator), and replacing it would undo that."""
+        draining: dict[str, None] = {}
+        async for kind, worker_id, record in deaths.watch():
+            if kind != "put" or record is None:
+                continue
+            if record.health == common_pb2.WORKER_HEALTH_DRAINING:
+                draining[worker_id] = None
+                while len(draining) > 1024:
+                    del draining[next(iter(draining))]
+                continue
+            if record.health != common_pb2.WORKER_HEALTH_DEAD:
+                draining.pop(worker_id, None)
+                continue
+            if draining.pop(worker_id, "alive") is None:
+                log.info("worker %s drained and stopped: nothing to replace", worker_id)
+                continue
+            assert self.machine is not None
+            decision = self.machine.worker_dead(time.monotonic(), worker_id)
+            if decision is not None:
+                log.warning("worker %s is DEAD: decision %d replaces it", worker_id, decision.id)
+                await self._publish(decision)
+
+
+def _scaled(summary: Summary | None, mean: float) -> Summary:
+    """The observed distribution's shape around a predicted mean (quantiles scaled by predicted/observed mean)."""
+    if summary is None or summary.mean <= 0:
+        return Summary(mean=mean)
+    ratio = mean / summary.mean
+    return Summary(mean=mean, quantiles={q: v * ratio for q, v in summary.quantiles.items()}, count=summary.count)
+
+
+class PlannerProcess:
+    def __init__(self, config: PlannerConfig, etcd: EtcdConfig, telemetry: TelemetryConfig) -> None:
+        self.config = config
+        self.etcd_config = etcd
+        self.instance_id = validate_worker_id(config.instance_id or f"planner-{socket.gethostname()}-{os.getpid()}")
+        self.metrics = PlannerMetrics()
+        self.shell = ServiceShell("phalanx-planner", config, telemetry, registry=self.metrics.registry)
+        self.ready = self.shell.ready
+        self.election = LeaderElection(etcd, PLANNER_LEADER_KEY, ttl_s=config.leader_ttl_s)
+        self.profile = load_profile(config.profile) if config.profile else None
+        self.planner: Planner | None = None
+
+    @property
+    def address(self) -> str:
+        return self.shell.address
+
+    @property
+    def metrics_address(self) -> str:
+        return self.shell.metrics_address
+
+    def request_stop(self) -> None:
+        self.shell.request_stop()
+
+    async def run(self) -> None:
+        async with self.shell as shell:
+            client = connect_etcd(self.etcd_config)
+            shell.push_async_callback(client.close)
+            self.election.attach(client)
+            await shell.start()
+            shell.push_async_callback(self._resign)
+            await shell.set_serving(True)
+            log.info("planner %s on %s (metrics %s, connector %s)", self.instance_id, self.address, self.metrics_address, self.config.connector)
+            async with asyncio.TaskGroup() as tasks:
+                leading = tasks.create_task(self._lead_forever(client))
+                await shell.wait_for_stop()
+                await shell.stop_serving()
+                leading.cancel()
+            await shell.stop_server()
+
+    def _connector(self, client: aetcd.Client) -> Connector:
+        if self.config.connector == "kubernetes":
+            from phalanx.planner.kubernetes_connector import KubernetesConnector
+
+            return KubernetesConnector(self.config.kube_namespace, self.config.kube_statefulset)
+        return VirtualConnector(client, self.election)
+
+    async def _resign(self) -> None:
+        try:
+            await self.election.resign()
+        except Exception:
+            log.exception("resigning the leadership failed; the key lapses after its TTL")
+
+    async def _lead_forever(self, client: aetcd.Client) -> None:
+        backoff = Backoff(initial=0.2, cap=5.0)
+        while True:
+            value = json.dumps({"instance_id": self.instance_id, "address": self.address, "pid": os.getpid(), "elected_at": time.time()})
+            await self.election.campaign(value.encode())
+            log.info("planner %s leads", self.instance_id)
+            connector = self._connector(client)
+            self.planner = Planner(self.config, client, self.etcd_config, self.election, connector, self.metrics, self.profile)
+            try:
+                await self.planner.run()
+            except* LeadershipLostError as lost:
+                log.warning("planner %s lost the leadership: %s", self.instance_id, lost.exceptions[0])
+            except* Exception:
+                log.exception("planning failed; stepping down")
+                await asyncio.sleep(backoff.next())
+            else:
+                backoff.reset()
+            finally:
+                self.planner = None
+                self.metrics.leader.set(0)
+                await connector.close()
+                with contextlib.suppress(Exception):
+                    await self.election.resign()

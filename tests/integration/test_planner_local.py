@@ -1,0 +1,155 @@
+"""`phalanx up --planner`: the supervisor is the planner's orchestrator (the local connector). An operator's
+target (`phalanx planner set-target`) becomes a decision; the supervisor really starts a worker process,
+then under load drains the newest one (its streams move through migration), and acknowledges; every
+stream gets every token index exactly once."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from phalanx.client import Client
+from phalanx.common.config import EtcdConfig
+from phalanx.common.lease import connect_etcd
+from phalanx.planner.connectors import write_target
+from phalanx.testing.asserts import assert_eventually_sync
+
+pytestmark = pytest.mark.integration
+
+CLI = [sys.executable, "-m", "phalanx.cli"]
+_FOREIGN_ENV = ("PHALANX_TARGET", "PHALANX_STATE_FILE", "PHALANX_NATS_URL", "PHALANX_ETCD_ENDPOINT", "PHALANX_API_KEY")
+ENV = {k: v for k, v in os.environ.items() if k not in _FOREIGN_ENV} | {
+    "PHALANX_PLANNER_INTERVAL_S": "1",
+    "PHALANX_PLANNER_POLL_S": "0.2",
+    # A drained worker hands its requests back almost at once, so the scale-down moves live streams.
+    "PHALANX_WORKER_DRAIN_GRACE_S": "0.2",
+}
+STREAMS = 6
+MAX_TOKENS = 400
+
+
+def phalanx(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*CLI, *args], env=ENV, capture_output=True, text=True, timeout=timeout, check=False)
+
+
+def read_state(path: Path) -> dict:
+    return json.loads(path.read_text())
+
+
+def settled(state_file: Path, workers: int) -> dict | None:
+    """The state once the supervisor acknowledged a decision for `workers` workers and runs exactly that many."""
+    state = read_state(state_file)
+    planner = state["planner"]
+    done = planner["target_workers"] == workers and planner["acked_id"] == planner["decision_id"] and len(state["workers"]) == workers
+    return state if done and not planner["draining"] and not planner["starting"] else None
+
+
+def test_the_supervisor_scales_workers_to_the_planners_target_with_no_token_lost(tmp_path: Path) -> None:
+    state_file = tmp_path / "up.json"
+    result = phalanx(
+        "up", "--detach", "--planner", "--workers", "1", "--min-workers", "1", "--max-workers", "3", "--model", "phalanx-tiny-moe",
+        "--port", "0", "--gateway-port", "0", "--state-file", str(state_file), timeout=180,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    try:
+        state = read_state(state_file)
+        etcd = state["etcd_endpoint"]
+        assert state["planner"]["min_workers"] == 1 and state["planner"]["max_workers"] == 3
+        assert any(s["name"] == "planner-0" for s in state["services"])
+
+        # Up: a new worker process.
+        assert phalanx("planner", "set-target", "2", "--etcd-endpoint", etcd).returncode == 0
+        state = assert_eventually_sync(lambda: settled(state_file, 2), timeout=60, interval=0.2, message="no second worker")
+        assert [w["worker_id"] for w in state["workers"]] == ["worker-0", "worker-1"]
+        new_worker = state["workers"][1]
+        status = json.loads(phalanx("status", "--json", "--state-file", str(state_file)).stdout)
+        assert status["supervisor"]["planner"]["target_workers"] == 2
+        assert {w["worker_id"] for w in status["workers"]} >= {"worker-0", "worker-1"}
+
+        # Down under load: the newest worker drains mid-stream.
+        results = asyncio.run(_streams_while_scaling_down(state["router_address"], etcd, new_worker["pid"]))
+        for i, indices in results.items():
+            assert indices == list(range(MAX_TOKENS)), f"stream {i}: {indices}"
+        state = assert_eventually_sync(lambda: settled(state_file, 1), timeout=60, interval=0.2, message="the surplus worker still runs")
+        assert [w["worker_id"] for w in state["workers"]] == ["worker-0"]
+        assert_eventually_sync(lambda: _gone(new_worker["pid"]), timeout=10)
+        events = [e["what"] for e in state["events"]]
+        assert any("draining: planner target 1" in e for e in events) and any("stopped after draining" in e for e in events)
+
+        # A crash: the supervisor restarts the worker at once, health marks the old one DEAD, the planner's restoration
+        # decision keeps the target, so nothing starts twice.
+        assert phalanx("chaos", "kill", "worker-0", "--wait", "--state-file", str(state_file), timeout=90).returncode == 0
+        restored = assert_eventually_sync(lambda: _restoration_acked(state_file), timeout=60, interval=0.2, message="no acked restoration")
+        assert [w["worker_id"] for w in restored["workers"]] == ["worker-2"]
+        time.sleep(2)  # a double-up would start worker-3 by now
+        assert [w["worker_id"] for w in read_state(state_file)["workers"]] == ["worker-2"]
+    finally:
+        down = phalanx("down", "--state-file", str(state_file), timeout=120)
+        assert down.returncode == 0, down.stdout + down.stderr
+
+
+def _restoration_acked(state_file: Path) -> dict | None:
+    state = settled(state_file, 1)
+    return state if state is not None and state["planner"]["reason"] == "replace_dead" else None
+
+
+def _gone(pid: int) -> bool:
+    """Exited (a zombie not yet reaped by the supervisor counts)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+async def _streams_while_scaling_down(router: str, etcd: str, worker_1_pid: int) -> dict[int, list[int]]:
+    """STREAMS concurrent streams; once worker-1 serves some of them and each has 10 tokens, the target drops to 1. The streams
+    worker-1 served must outlive its process: they moved (chunks keep naming the worker a stream started on)."""
+    served_by: dict[int, str] = {}
+    progress: collections.Counter[int] = collections.Counter()
+    fired = asyncio.Event()
+    fired_at: list[float] = []
+    ended_at: dict[int, float] = {}
+
+    async with await Client.connect(router) as client:
+        async def one(i: int) -> list[int]:
+            indices = []
+            async for chunk in client.generate(f"{i} {'abcdef'[i]} stream of the planner's test", max_tokens=MAX_TOKENS, ignore_eos=True):
+                indices.append(chunk.index)
+                served_by.setdefault(i, chunk.worker_id)
+                progress[i] += 1
+                if not fired.is_set() and len(served_by) == STREAMS and min(progress.values()) >= 10:
+                    fired.set()
+                    fired_at.append(time.monotonic())
+                    assert "worker-1" in served_by.values(), f"no stream on the worker to remove: {served_by}"
+                    # Straight to etcd: the CLI's start-up (a second) would let short streams finish first.
+                    etcd_client = connect_etcd(EtcdConfig(endpoint=etcd))
+                    try:
+                        await write_target(etcd_client, 1)
+                    finally:
+                        await etcd_client.close()
+            ended_at[i] = time.monotonic()
+            return indices
+
+        async def watch_worker_1() -> float:
+            while not _gone(worker_1_pid):
+                await asyncio.sleep(0.05)
+            return time.monotonic()
+
+        watcher = asyncio.create_task(watch_worker_1())
+        results = await asyncio.gather(*(one(i) for i in range(STREAMS)))
+        worker_1_gone_at = await asyncio.wait_for(watcher, 30)
+    assert fired.is_set()
+    moved = [i for i, worker in served_by.items() if worker == "worker-1"]
+    assert moved, f"no stream on the drained worker: {served_by}"
+    assert all(ended_at[i] > worker_1_gone_at for i in moved), f"streams {moved} ended before worker-1 exited: {ended_at}, {worker_1_gone_at}"
+    print(f"streams {moved} moved off worker-1, which exited {worker_1_gone_at - fired_at[0]:.1f} s after the target changed; "
+          f"they ended {min(ended_at[i] for i in moved) - worker_1_gone_at:.1f} s later at the earliest")
+    return dict(enumerate(results))

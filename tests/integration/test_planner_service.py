@@ -1,0 +1,250 @@
+"""The planner service against real etcd (and, for readiness, real workers and a router): the virtual
+connector's decision / acknowledgement / timeout, a DEAD worker's immediate decision, readiness gating."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import subprocess
+import time
+
+import pytest
+
+from phalanx._proto import common_pb2
+from phalanx.common.config import EtcdConfig
+from phalanx.common.discovery import encode_json
+from phalanx.common.lease import connect_etcd
+from phalanx.common.subjects import DEGRADATION_KEY, HEALTH_PREFIX
+from phalanx.launch.services import PlannerHandle, start_planner
+from phalanx.launch.stack import Stack
+from phalanx.planner.connectors import AckRecord, read_decision, write_ack, write_target
+from phalanx.testing.asserts import assert_eventually
+from phalanx.testing.cleanup import forget_health_state, forget_planner_state
+
+pytestmark = pytest.mark.integration
+
+FAST = {"PHALANX_PLANNER_POLL_S": "0.1", "PHALANX_PLANNER_INTERVAL_S": "1"}
+
+
+async def _planner(etcd_config: EtcdConfig, **env: str) -> PlannerHandle:
+    await forget_planner_state(etcd_config)
+    await forget_health_state(etcd_config)
+    return await start_planner("planner-test", etcd_config, env={**FAST, **env})
+
+
+async def _mark_dead(etcd_config: EtcdConfig, worker_id: str) -> None:
+    client = connect_etcd(etcd_config)
+    try:
+        record = common_pb2.WorkerHealthRecord(worker_id=worker_id, health=common_pb2.WORKER_HEALTH_DEAD, reason="test", updated_at=time.time())
+        await client.put((HEALTH_PREFIX + worker_id).encode(), encode_json(record))
+    finally:
+        await client.close()
+
+
+async def _decision(etcd_config: EtcdConfig):
+    client = connect_etcd(etcd_config)
+    try:
+        return await read_decision(client)
+    finally:
+        await client.close()
+
+
+async def _ack(etcd_config: EtcdConfig, decision_id: int, workers: int) -> None:
+    client = connect_etcd(etcd_config)
+    try:
+        await write_ack(client, AckRecord(id=decision_id, workers=workers, at=time.time(), orchestrator="test"))
+    finally:
+        await client.close()
+
+
+def test_a_dead_worker_gets_a_decision_at_once_an_ack_completes_it_and_silence_times_out(etcd_config: EtcdConfig) -> None:
+    async def scenario() -> None:
+        # A long interval: nothing but the DEAD event can make the planner decide within this test.
+        planner = await _planner(etcd_config, PHALANX_PLANNER_INTERVAL_S="600", PHALANX_PLANNER_REPLACE_DEADLINE_S="1.5")
+        try:
+            await assert_eventually(lambda: planner.metric("phalanx_planner_leader") == 1, timeout=10)
+            assert await _decision(etcd_config) is None
+            dead_at = time.monotonic()
+            await _mark_dead(etcd_config, "w-gone")
+            first = await assert_eventually(lambda: _decision(etcd_config), timeout=5)
+            assert time.monotonic() - dead_at < 1.0, "a restoration must not wait for the interval"
+            assert (first.id, first.reason, first.replaces) == (1, "replace_dead", ["w-gone"])
+            await _ack(etcd_config, first.id, first.workers)
+            await assert_eventually(lambda: planner.metric("phalanx_planner_decisions_finished_total", outcome="completed") == 1, timeout=5)
+            # The same worker reported DEAD again is the same loss: no second decision.
+            await _mark_dead(etcd_config, "w-gone")
+            await _mark_dead(etcd_config, "w-silent")
+            second = await assert_eventually(lambda: _check_id(etcd_config, 2), timeout=5)
+            assert second.replaces == ["w-silent"]
+            # Nobody acknowledges: after its 1.5 s deadline it times out (and a late ack changes nothing).
+            await assert_eventually(lambda: planner.metric("phalanx_planner_decisions_finished_total", outcome="timed_out") == 1, timeout=5)
+            await _ack(etcd_config, second.id, second.workers)
+            await asyncio.sleep(0.5)
+            assert planner.metric("phalanx_planner_decisions_finished_total", outcome="completed") == 1
+            assert (await _decision(etcd_config)).id == 2
+        finally:
+            assert planner.terminate(timeout=20) == 0
+            await forget_health_state(etcd_config)
+            await forget_planner_state(etcd_config)
+
+    asyncio.run(scenario())
+
+
+async def _load_until_max(router_address: str, etcd_config: EtcdConfig, workers: int, timeout: float):
+    """Bursts of 4 streams through the router, acknowledging each decision as an orchestrator would (so the next one may
+    come), until a decision asks for `workers`; that decision (or the last one, or None)."""
+    from phalanx.client import Client
+
+    decision = None
+    async with await Client.connect(router_address) as client:
+        async def one(i: int) -> None:
+            async for _ in client.generate(f"load {i}", max_tokens=32, ignore_eos=True):
+                pass
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            await asyncio.gather(*(one(i) for i in range(4)))
+            decision = await _decision(etcd_config)
+            if decision is not None:
+                if decision.workers == workers:
+                    return decision
+                await _ack(etcd_config, decision.id, decision.workers)
+    return decision
+
+
+async def _check_id(etcd_config: EtcdConfig, decision_id: int):
+    decision = await _decision(etcd_config)
+    return decision if decision is not None and decision.id == decision_id else None
+
+
+def test_the_planner_decides_only_once_routers_and_a_worker_serve_and_metrics_flow(nats_server, etcd_config: EtcdConfig) -> None:
+    stack = Stack(nats_server.url, etcd_config, model="phalanx-tiny-moe")
+
+    async def scenario() -> None:
+        planner = await _planner(etcd_config, PHALANX_PLANNER_MIN_WORKERS="1", PHALANX_PLANNER_MAX_WORKERS="3")
+        try:
+            client = connect_etcd(etcd_config)
+            try:
+                await write_target(client, 2)
+            finally:
+                await client.close()
+            await assert_eventually(lambda: planner.metric("phalanx_planner_leader") == 1, timeout=10)
+            # Several intervals with the operator's target set and no fleet: no decision, not ready.
+            await asyncio.sleep(2.5)
+            assert await _decision(etcd_config) is None
+            assert planner.metric("phalanx_planner_ready") == 0
+            await stack.add_workers(1, "--fast")
+            await asyncio.sleep(1.5)
+            assert await _decision(etcd_config) is None, "a worker without a router is not ready"
+            started = time.monotonic()
+            await stack.add_router()
+            decision = await assert_eventually(lambda: _decision(etcd_config), timeout=10)
+            assert time.monotonic() - started < 5.0, "readiness, not a delay: the first ready tick decides"
+            assert (decision.id, decision.reason, decision.workers) == (1, "scale", 2)
+            assert planner.metric("phalanx_planner_ready") == 1
+            assert planner.metric("phalanx_planner_actual_workers") == 1
+            assert planner.metric("phalanx_planner_routers") == 1
+        finally:
+            assert planner.terminate(timeout=20) == 0
+            stack.stop()
+            await forget_planner_state(etcd_config)
+
+    asyncio.run(scenario())
+
+
+def test_with_a_profile_the_planner_scales_with_the_load_it_scrapes_from_the_router(nats_server, etcd_config: EtcdConfig, tmp_path) -> None:
+    """Observe -> predict -> plan against a real router: a profile in which a worker decodes only ~20 tokens/s makes the
+    tokens the router relays call for more workers than max_workers allows; without load the count stays."""
+    from phalanx.planner.profile import DecodeSample, PrefillSample, build_profile, save_profile
+
+    profile = build_profile(
+        [PrefillSample(128, 0.05), PrefillSample(512, 0.1), PrefillSample(2048, 0.4)],
+        [DecodeSample(context, concurrency, itl) for context in (256, 1024) for concurrency, itl in ((1, 0.05), (4, 0.2))],
+        model="phalanx-tiny-moe",
+    )
+    path = tmp_path / "profile.npz"
+    save_profile(profile, path)
+    stack = Stack(nats_server.url, etcd_config, model="phalanx-tiny-moe")
+
+    async def scenario() -> None:
+        await forget_planner_state(etcd_config)
+        await stack.add_workers(1, "--fast")
+        router = await stack.add_router()
+        planner = await _planner(etcd_config, PHALANX_PLANNER_PROFILE=str(path), PHALANX_PLANNER_MIN_WORKERS="1", PHALANX_PLANNER_MAX_WORKERS="3")
+        # Health's degradation level reaches the plan (from 3 on it targets the doubled SLOs; replicas.py's tests cover the maths).
+        client = connect_etcd(etcd_config)
+        try:
+            await client.put(DEGRADATION_KEY.encode(), encode_json(common_pb2.DegradationState(level=3, reason="test")))
+        finally:
+            await client.close()
+        try:
+            await assert_eventually(lambda: planner.metric("phalanx_planner_ready") == 1, timeout=10)
+            await asyncio.sleep(2.5)  # idle intervals: 1 worker is enough
+            assert await _decision(etcd_config) is None
+            decision = await _load_until_max(router.address, etcd_config, 3, timeout=15)
+            assert decision is not None and (decision.reason, decision.workers) == ("scale", 3)
+            assert planner.metric("phalanx_planner_observed_requests_per_second") > 0
+            assert planner.metric("phalanx_planner_predicted_requests_per_second") > 0
+            assert planner.metric("phalanx_planner_desired_workers") == 3
+            assert planner.metric("phalanx_planner_correction_factor", phase="decode") is not None
+            assert planner.metric("phalanx_planner_degradation_level") == 3
+        finally:
+            assert planner.terminate(timeout=20) == 0
+            stack.stop()
+            await forget_planner_state(etcd_config)
+            await forget_health_state(etcd_config)
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.skipif(shutil.which("prometheus") is None, reason="prometheus is not installed (Debian: apt-get install prometheus)")
+def test_observations_from_a_real_prometheus_scraping_a_real_router(nats_server, etcd_config: EtcdConfig, tmp_path) -> None:
+    """PHALANX_PLANNER_PROMETHEUS_URL: readiness waits for Prometheus to hold router series, and the plan reads rates and
+    histogram quantiles from its HTTP API (the same profile as above makes the load call for max_workers)."""
+    from phalanx.launch.ports import free_port
+    from phalanx.planner.profile import DecodeSample, PrefillSample, build_profile, save_profile
+
+    profile = build_profile(
+        [PrefillSample(128, 0.05), PrefillSample(512, 0.1), PrefillSample(2048, 0.4)],
+        [DecodeSample(context, concurrency, itl) for context in (256, 1024) for concurrency, itl in ((1, 0.05), (4, 0.2))],
+        model="phalanx-tiny-moe",
+    )
+    save_profile(profile, tmp_path / "profile.npz")
+    stack = Stack(nats_server.url, etcd_config, model="phalanx-tiny-moe")
+
+    async def scenario() -> None:
+        await stack.add_workers(1, "--fast")
+        router = await stack.add_router()
+        port = free_port()
+        prometheus = _start_prometheus(tmp_path, port, router.metrics_address)
+        planner = None
+        try:
+            planner = await _planner(
+                etcd_config, PHALANX_PLANNER_PROMETHEUS_URL=f"http://127.0.0.1:{port}", PHALANX_PLANNER_INTERVAL_S="4",
+                PHALANX_PLANNER_PROFILE=str(tmp_path / "profile.npz"), PHALANX_PLANNER_MAX_WORKERS="3",
+            )
+            await assert_eventually(lambda: planner.metric("phalanx_planner_ready") == 1, timeout=30, interval=0.2)
+            decision = await _load_until_max(router.address, etcd_config, 3, timeout=30)
+            assert decision is not None and (decision.reason, decision.workers) == ("scale", 3)
+            assert planner.metric("phalanx_planner_observed_requests_per_second") > 0
+            assert not planner.metric("phalanx_planner_observe_errors_total", source="prometheus")
+        finally:
+            if planner is not None:
+                assert planner.terminate(timeout=20) == 0
+            prometheus.terminate()
+            prometheus.wait(20)
+            stack.stop()
+            await forget_planner_state(etcd_config)
+
+    asyncio.run(scenario())
+
+
+def _start_prometheus(tmp_path, port: int, target: str) -> subprocess.Popen:
+    """A Prometheus scraping `target` every second; stopped by the test, by its PID."""
+    (tmp_path / "prometheus.yml").write_text(
+        f"global:\n  scrape_interval: 1s\nscrape_configs:\n  - job_name: phalanx-router\n    static_configs:\n      - targets: ['{target}']\n"
+    )
+    return subprocess.Popen(
+        ["prometheus", f"--config.file={tmp_path / 'prometheus.yml'}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
+         f"--web.listen-address=127.0.0.1:{port}"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )

@@ -1,0 +1,71 @@
+"""The Helm chart's planner: off by default, its settings real PHALANX_PLANNER_* names, and RBAC limited to the
+worker StatefulSet's scale subresource (static checks; `helm template`, where installed, renders it)."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from phalanx.planner.config import PlannerConfig
+from phalanx.testing.settings import unknown_settings
+
+yaml = pytest.importorskip("yaml")
+
+pytestmark = pytest.mark.unit
+
+CHART = Path(__file__).resolve().parents[2] / "deploy" / "helm" / "phalanx"
+TEMPLATE = CHART / "templates" / "planner.yaml"
+
+
+def test_the_planner_is_off_by_default_and_gated_on_planner_enabled():
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    assert values["planner"]["enabled"] is False
+    text = TEMPLATE.read_text()
+    assert text.lstrip().startswith("{{- if .Values.planner.enabled }}") and text.rstrip().endswith("{{- end }}")
+
+
+def test_every_planner_setting_the_chart_sets_exists():
+    names = set(re.findall(r"PHALANX_PLANNER_[A-Z0-9_]+", TEMPLATE.read_text()))
+    assert "PHALANX_PLANNER_CONNECTOR" in names
+    assert unknown_settings(names, {"PLANNER": PlannerConfig}) == []
+
+
+def test_the_role_allows_only_reading_the_statefulset_and_scaling_it():
+    text = TEMPLATE.read_text()
+    rules = text.split("rules:", 1)[1].split("---", 1)[0]
+    assert re.findall(r'resources: \["([^"]+)"\]', rules) == ["statefulsets", "statefulsets/scale"]
+    assert re.findall(r"verbs: \[(.*)\]", rules) == ['"get"', '"get", "patch", "update"']
+    assert "serviceAccountName:" in text and "kind: RoleBinding" in text
+
+
+@pytest.mark.skipif(shutil.which("helm") is None, reason="helm is not installed")
+def test_helm_renders_the_planner_only_when_enabled():
+    off = subprocess.run(["helm", "template", "phalanx", str(CHART)], capture_output=True, text=True, check=True).stdout
+    assert "component: planner" not in off
+    on = subprocess.run(["helm", "template", "phalanx", str(CHART), "--set", "planner.enabled=true"], capture_output=True, text=True,
+                        check=True).stdout
+    kinds = {(d["kind"], d["metadata"]["name"]) for d in yaml.safe_load_all(on) if d and "planner" in d["metadata"]["name"]}
+    assert {k for k, _ in kinds} == {"ServiceAccount", "Role", "RoleBinding", "Deployment"}
+
+
+def test_the_planner_dashboard_shows_every_planner_metric_and_filters_gauges_to_the_leader():
+    import json
+
+    from phalanx.planner.metrics import PlannerMetrics
+
+    dashboard = json.loads((CHART.parents[1] / "grafana" / "dashboards" / "phalanx-planner.json").read_text())
+    assert dashboard["title"] == "Phalanx / Planner" and dashboard["uid"] == "phalanx-planner"
+    ids = [p["id"] for p in dashboard["panels"]]
+    assert len(ids) == len(set(ids))
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
+    text = "\n".join(exprs)
+    exported = {metric.name for metric in PlannerMetrics().registry.collect()}
+    for name in exported:
+        assert name in text, f"{name} is on no panel"
+    for expr in exprs:
+        if re.search(r"phalanx_planner_(target|desired|actual)_workers|_per_second|_osl_tokens|correction_factor|interval_seconds", expr):
+            assert "and on (job, instance) (phalanx_planner_leader == 1)" in expr, expr

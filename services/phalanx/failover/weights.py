@@ -53,10 +53,12 @@ __all__ = [
     "WeightsError",
     "WeightsNotReadyError",
     "attach_state_dict",
+    "is_committed",
     "layout_of",
     "map_state_dict",
     "obtain_state_dict",
     "publish_state_dict",
+    "published_hash",
     "remove_segment",
     "role_for_engine",
     "segment_dir",
@@ -162,7 +164,8 @@ def _current_file(name: str, root: Path) -> Path:
     return root / f"phalanx-weights-{name}.current"
 
 
-def _committed(directory: Path) -> bool:
+def is_committed(directory: Path) -> bool:
+    """Whether the segment at ``directory`` has its commit marker (it is complete)."""
     return (directory / COMMIT_FILE).is_file()
 
 
@@ -174,14 +177,14 @@ def publish_state_dict(state_dict: Mapping[str, torch.Tensor], *, name: str, roo
     """
     layout = layout_of(state_dict)
     final = segment_dir(layout, root)
-    if not _committed(final):
+    if not is_committed(final):
         staging = Path(tempfile.mkdtemp(prefix=f"{final.name}.staging-", dir=root))
         try:
             _write_segment(staging, layout, state_dict)
             try:
                 staging.rename(final)
             except OSError:
-                if not _committed(final):
+                if not is_committed(final):
                     raise  # not a lost race: a real failure
         finally:
             shutil.rmtree(staging, ignore_errors=True)
@@ -221,7 +224,7 @@ def map_state_dict(
     current = _current_file(name, root)
     deadline = time.monotonic() + timeout_s
     published_before = _read_pointer(current)
-    while not _committed(directory):
+    while not is_committed(directory):
         published = _read_pointer(current)
         expired = time.monotonic() >= deadline
         if published not in (None, layout.hash) and (published != published_before or expired):
@@ -235,6 +238,11 @@ def map_state_dict(
     if committed is None or committed != layout:
         raise StaleLayoutError(layout.hash, committed.hash if committed else "?", f"the segment at {directory} holds another index")
     return _map(directory, layout)
+
+
+def published_hash(name: str, root: Path = DEFAULT_ROOT) -> str | None:
+    """The layout hash last published for model ``name``, if any."""
+    return _read_pointer(_current_file(name, root))
 
 
 def _read_pointer(path: Path) -> str | None:
@@ -274,7 +282,7 @@ def obtain_state_dict(
     timeout_s: float = 30.0,
 ) -> dict[str, torch.Tensor]:
     """Shared tensors for this engine: RW_OR_RO maps a committed segment or loads + publishes; RO waits for one."""
-    if role is WeightRole.RW_OR_RO and not _committed(segment_dir(expected, root)):
+    if role is WeightRole.RW_OR_RO and not is_committed(segment_dir(expected, root)):
         published = publish_state_dict(load(), name=name, root=root)
         if published != expected:
             raise StaleLayoutError(expected.hash, published.hash, "the loaded weights differ from the model's layout")

@@ -18,15 +18,15 @@ Two implementations:
   keeps the event loop free and is cancellable; ``mode="thread"`` blocks in
   ``LOCK_EX`` on a worker thread instead. Measured on a shared 2-core VM
   (tests/integration/test_failover_lock.py prints them; SIGKILL of the
-  holder process to the waiter holding the lock, 3 runs each): 5 ms polling
-  3.7–8 ms, thread 3.6–8.7 ms, medians 4–7 ms either way: the dead process's
-  teardown dominates, not the wait. Polling is the default: a thread
+  holder process to the waiter holding the lock, 3 runs each, two sessions):
+  5 ms polling 3.7–9.4 ms, thread 2.9–10.4 ms, medians 3.5–7 ms either way:
+  the dead process's teardown and the shared CPU dominate, not the wait. Polling is the default: a thread
   blocked in ``flock`` cannot be interrupted (a cancelled wait leaves it to
   drop the lock when it finally gets it), for no measurable gain here.
 - ``EtcdFailoverLock``: the same contract across nodes. The key is created
   only if absent (a transaction) under a lease kept alive on one stream; a
   dead holder's lease lapses after the TTL, so handover takes TTL + etcd's
-  expiry sweep (~1–1.5 s with 1 s leases), or one poll after ``release()``.
+  expiry sweep (1.06–1.49 s measured with 1 s leases), or one poll after ``release()``.
   The lost event is set when the keepalive fails for a whole TTL, etcd says
   the lease is gone, or the key is deleted or overwritten.
 """

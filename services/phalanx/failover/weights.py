@@ -18,7 +18,7 @@ a stray write faults instead of corrupting the primary's weights.
 
 Measured (tests/integration/test_shared_weights.py, phalanx-tiny-moe, 51.6
 MiB of float32, shared 2-core VM): a reader process maps and attaches in
-2–5 ms, touches every weight in 8–13 ms; afterwards its RSS grew by 53.8 MiB,
+1.3–5 ms, touches every weight in 8–13 ms; afterwards its RSS grew by 53.8 MiB,
 all of it shared (tmpfs pages), private +0.1 MiB, PSS +26 MiB with two
 mappers. Its logits are bit-identical to a normally loaded model's.
 """

@@ -165,6 +165,22 @@ def checkpoint_store(
     _run_until_signalled(process)
 
 
+@app.command("memory-service")
+def memory_service(
+    socket_path: str = typer.Option(None, help="Unix socket engines connect to [env PHALANX_MEMORY_SOCKET_PATH]"),
+    root: str = typer.Option(None, help="Directory of the weight segments, a tmpfs [env PHALANX_MEMORY_ROOT]"),
+    port: int = typer.Option(None, help="gRPC health port, 0 for any [env PHALANX_MEMORY_PORT]"),
+    log_level: str = typer.Option("INFO"),
+) -> None:
+    """Run a weight memory service (engine failover): owns a slot's shared weight segments; one writer or many readers."""
+    from phalanx.common.config import TelemetryConfig
+    from phalanx.failover.memory_service import MemoryServiceConfig, MemoryServiceProcess
+
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    config = MemoryServiceConfig(**_given(socket_path=socket_path, root=root, port=port))
+    _run_until_signalled(MemoryServiceProcess(config, TelemetryConfig()))
+
+
 @app.command("migration")
 def migration_service(
     migration_id: str = typer.Option("", help="Unique instance id (default: migration-<hostname>-<pid>)"),

@@ -1,0 +1,312 @@
+"""``phalanx memory-service``: the out-of-process owner of a slot's weight segments, on a unix socket.
+
+The segments are the files of ``phalanx.failover.weights``; the service
+decides who may write and who may read them, and a connection *is* the
+grant: per layout hash one writer or many readers. The protocol is one JSON
+object per line.
+
+    client -> {"role": "write" | "read", "name": ..., "layout": <hash>, "timeout_s": ...}
+    service -> {"granted": "write", "root": ...}     (only if nothing is committed yet)
+             | {"granted": "read", "root": ...}      (committed, no writer)
+             | {"error": "not_ready" | "stale_layout" | "bad_request", "message": ...}
+    writer  -> {"commit": true}  after publish_state_dict;  service -> {"committed": true}, and the
+               connection becomes a read grant
+
+A writer that disconnects before committing frees the write grant (its
+staging directories are removed), so the next engine 0 writes. The client
+keeps reading its connection while it serves: EOF means the service died,
+and ``broken`` is set (the engine should exit non-zero; its mapped pages stay
+valid, but nobody guards the segment any more).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import shutil
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from prometheus_client import CollectorRegistry, Gauge
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from phalanx.common.config import TelemetryConfig
+from phalanx.common.service import ServiceShell
+from phalanx.failover.weights import (
+    DEFAULT_ROOT,
+    StaleLayoutError,
+    WeightLayout,
+    WeightRole,
+    WeightsError,
+    WeightsNotReadyError,
+    is_committed,
+    map_state_dict,
+    publish_state_dict,
+    published_hash,
+)
+
+__all__ = ["MemoryServiceClient", "MemoryServiceConfig", "MemoryServiceProcess", "MemoryServiceUnavailableError"]
+
+log = logging.getLogger(__name__)
+MAX_LINE = 64 * 1024
+
+
+class MemoryServiceUnavailableError(WeightsError, ConnectionError):
+    """The memory service cannot be reached or broke the connection: fatal for an engine."""
+
+
+class MemoryServiceConfig(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="PHALANX_MEMORY_", extra="forbid", frozen=True)
+
+    socket_path: str = Field("/dev/shm/phalanx-memory.sock", description="Unix socket engines connect to (on the slot's shared volume)")
+    root: str = Field(str(DEFAULT_ROOT), description="Directory of the weight segments (tmpfs: /dev/shm)")
+    host: str = Field("127.0.0.1", description="Address of the gRPC health server")
+    port: int = Field(0, ge=0, le=65535, description="gRPC health port; 0 picks a free one")
+    advertise_host: str = Field("", description="Host others reach us at (default: host)")
+    metrics_port: int = Field(0, ge=0, le=65535, description="Prometheus /metrics port; 0 picks a free one")
+    shutdown_grace_s: float = Field(1.0, ge=0, description="How long the health server may finish RPCs at shutdown")
+
+
+@dataclass
+class _Segment:
+    """Grants on one layout hash; ``changed`` wakes waiters whenever they change."""
+
+    writer: object | None = None
+    readers: set[object] = field(default_factory=set)
+    changed: asyncio.Condition = field(default_factory=asyncio.Condition)
+
+
+class MemoryServiceServer:
+    """The socket server; see the module docstring for the protocol."""
+
+    def __init__(self, root: Path, socket_path: Path, registry: CollectorRegistry | None = None) -> None:
+        self.root = root
+        self.socket_path = socket_path
+        self._segments: dict[str, _Segment] = {}
+        self._server: asyncio.AbstractServer | None = None
+        self._connections: set[asyncio.StreamWriter] = set()
+        self._readers = Gauge("phalanx_memory_readers", "Connections holding a read grant", registry=registry)
+        self._writers = Gauge("phalanx_memory_writers", "Connections holding a write grant", registry=registry)
+
+    async def start(self) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            self.socket_path.unlink()  # a leftover of a dead service; the socket path is ours
+        self._server = await asyncio.start_unix_server(self._serve, path=str(self.socket_path), limit=MAX_LINE)
+
+    async def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            for connection in list(self._connections):
+                connection.close()  # engines see EOF: the service is gone
+            await self._server.wait_closed()
+            self._server = None
+        with contextlib.suppress(FileNotFoundError):
+            self.socket_path.unlink()
+
+    def counts(self, layout_hash: str) -> tuple[int, int]:
+        """(writers, readers) holding grants on a layout."""
+        segment = self._segments.get(layout_hash)
+        return (0, 0) if segment is None else (int(segment.writer is not None), len(segment.readers))
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        me = object()
+        segment: _Segment | None = None
+        self._connections.add(writer)
+        try:
+            request = json.loads(await reader.readline() or b"null")
+            if not isinstance(request, dict) or request.get("role") not in ("write", "read") or not request.get("layout"):
+                await _send(writer, {"error": "bad_request", "message": f"expected role write|read, name and layout; got {request!r}"})
+                return
+            layout_hash, name = str(request["layout"]), str(request.get("name", ""))
+            segment = self._segments.setdefault(layout_hash, _Segment())
+            granted = await self._grant(segment, me, request["role"], layout_hash, name, float(request.get("timeout_s", 30.0)))
+            if "error" in granted:
+                await _send(writer, granted)
+                return
+            await _send(writer, granted)
+            if granted["granted"] == "write":
+                if not await self._await_commit(reader, writer, segment, me, layout_hash):
+                    return
+            await reader.read()  # hold the read grant until the engine disconnects (EOF)
+        except (ConnectionError, json.JSONDecodeError, ValueError) as error:
+            log.info("memory-service connection ended: %s", error)
+        finally:
+            if segment is not None:
+                await self._drop(segment, me)
+            self._connections.discard(writer)
+            writer.close()
+
+    async def _grant(self, segment: _Segment, me: object, role: str, layout_hash: str, name: str, timeout_s: float) -> dict[str, object]:
+        directory = segment_dir_for(self.root, layout_hash)
+
+        def decided() -> bool:
+            if segment.writer is not None:
+                return False
+            return is_committed(directory) or role == "write" or self._stale(layout_hash, name) is not None
+
+        async with segment.changed:
+            try:
+                async with asyncio.timeout(timeout_s):
+                    await segment.changed.wait_for(decided)
+            except TimeoutError:
+                return {"error": "not_ready", "message": f"no weights committed for layout {layout_hash} within {timeout_s} s"}
+            if is_committed(directory):
+                segment.readers.add(me)
+                self._readers.inc()
+                return {"granted": "read", "root": str(self.root)}
+            if (stale := self._stale(layout_hash, name)) is not None and role == "read":
+                return {"error": "stale_layout", "message": f"{name} is published with layout {stale}, not {layout_hash}"}
+            segment.writer = me
+            self._writers.inc()
+            return {"granted": "write", "root": str(self.root)}
+
+    def _stale(self, layout_hash: str, name: str) -> str | None:
+        published = published_hash(name, self.root) if name else None
+        return published if published not in (None, layout_hash) else None
+
+    async def _await_commit(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, segment: _Segment, me: object, layout_hash: str
+    ) -> bool:
+        line = await reader.readline()
+        message = json.loads(line) if line else None
+        directory = segment_dir_for(self.root, layout_hash)
+        if not (isinstance(message, dict) and message.get("commit") and is_committed(directory)):
+            log.warning("writer of layout %s left without committing; freeing the write grant", layout_hash)
+            for staging in self.root.glob(f"{directory.name}.staging-*"):
+                shutil.rmtree(staging, ignore_errors=True)
+            return False
+        async with segment.changed:
+            segment.writer = None
+            self._writers.dec()
+            segment.readers.add(me)
+            self._readers.inc()
+            segment.changed.notify_all()
+        await _send(writer, {"committed": True})
+        return True
+
+    async def _drop(self, segment: _Segment, me: object) -> None:
+        async with segment.changed:
+            if segment.writer is me:
+                segment.writer = None
+                self._writers.dec()
+            if me in segment.readers:
+                segment.readers.discard(me)
+                self._readers.dec()
+            segment.changed.notify_all()
+
+
+def segment_dir_for(root: Path, layout_hash: str) -> Path:
+    return root / f"phalanx-weights-{layout_hash}"
+
+
+async def _send(writer: asyncio.StreamWriter, message: Mapping[str, object]) -> None:
+    writer.write(json.dumps(message).encode() + b"\n")
+    await writer.drain()
+
+
+class MemoryServiceClient:
+    """An engine's grant on one segment: ``obtain()`` once, keep the client while the tensors are used."""
+
+    def __init__(self, socket_path: str | os.PathLike[str]) -> None:
+        self.socket_path = os.fspath(socket_path)
+        self.broken = asyncio.Event()
+        self._reader: asyncio.StreamReader | None = None
+        self._writer: asyncio.StreamWriter | None = None
+        self._watch: asyncio.Task[None] | None = None
+
+    async def obtain(
+        self,
+        role: WeightRole,
+        expected: WeightLayout,
+        load: Callable[[], Mapping[str, torch.Tensor]],
+        *,
+        name: str,
+        timeout_s: float = 30.0,
+    ) -> dict[str, torch.Tensor]:
+        """Shared tensors under a grant: RW_OR_RO writes if nothing is committed, else (and RO always) reads."""
+        try:
+            self._reader, self._writer = await asyncio.open_unix_connection(self.socket_path, limit=MAX_LINE)
+        except OSError as error:
+            raise MemoryServiceUnavailableError(f"memory service at {self.socket_path} unreachable: {error}") from error
+        wants = "write" if role is WeightRole.RW_OR_RO else "read"
+        reply = await self._ask({"role": wants, "name": name, "layout": expected.hash, "timeout_s": timeout_s})
+        if reply.get("error") == "not_ready":
+            raise WeightsNotReadyError(str(reply["message"]))
+        if reply.get("error") == "stale_layout":
+            raise StaleLayoutError(expected.hash, "?", str(reply["message"]))
+        if "granted" not in reply:
+            raise WeightsError(f"memory service refused: {reply}")
+        root = Path(str(reply["root"]))
+        if reply["granted"] == "write":
+            published = await asyncio.to_thread(lambda: publish_state_dict(load(), name=name, root=root))
+            if published != expected:
+                raise StaleLayoutError(expected.hash, published.hash, "the loaded weights differ from the model's layout")
+            if (await self._ask({"commit": True})).get("committed") is not True:
+                raise WeightsError("the memory service did not accept the commit")
+        tensors = map_state_dict(expected, name=name, root=root, timeout_s=1.0)
+        self._watch = asyncio.create_task(self._watch_connection(), name="memory-service-watch")
+        return tensors
+
+    async def _ask(self, message: Mapping[str, object]) -> dict[str, object]:
+        assert self._reader is not None and self._writer is not None
+        try:
+            await _send(self._writer, message)
+            line = await self._reader.readline()
+        except OSError as error:
+            raise MemoryServiceUnavailableError(f"memory service connection broke: {error}") from error
+        if not line:
+            raise MemoryServiceUnavailableError("the memory service closed the connection")
+        reply = json.loads(line)
+        assert isinstance(reply, dict)
+        return reply
+
+    async def _watch_connection(self) -> None:
+        assert self._reader is not None
+        with contextlib.suppress(OSError):
+            await self._reader.read()  # the service never sends after the grant: any return is EOF
+        log.error("the memory service at %s went away while serving", self.socket_path)
+        self.broken.set()
+
+    async def close(self) -> None:
+        """Give the grant back; idempotent."""
+        if self._watch is not None:
+            self._watch.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._watch
+            self._watch = None
+        writer, self._writer = self._writer, None
+        if writer is not None:
+            writer.close()
+            with contextlib.suppress(OSError):
+                await writer.wait_closed()
+
+
+class MemoryServiceProcess:
+    """Start: health NOT_SERVING -> socket server -> SERVING. Stop (SIGTERM): NOT_SERVING -> socket closed (clients see EOF)."""
+
+    def __init__(self, config: MemoryServiceConfig, telemetry: TelemetryConfig) -> None:
+        self.config = config
+        self.registry = CollectorRegistry()
+        self.shell = ServiceShell("phalanx-memory-service", config, telemetry, registry=self.registry, shutdown_grace_s=config.shutdown_grace_s)
+        self.ready = self.shell.ready
+        self.server = MemoryServiceServer(Path(config.root), Path(config.socket_path), self.registry)
+
+    def request_stop(self) -> None:
+        self.shell.request_stop()
+
+    async def run(self) -> None:
+        async with self.shell as shell:
+            await shell.start()
+            await asyncio.to_thread(Path(self.config.root).mkdir, parents=True, exist_ok=True)
+            await self.server.start()
+            shell.push_async_callback(self.server.close)
+            await shell.set_serving(True)
+            log.info("memory service on %s (segments in %s, health %s)", self.config.socket_path, self.config.root, shell.address)
+            await shell.wait_for_stop()
+            await shell.stop_server()

@@ -12,11 +12,13 @@ import uuid
 from pathlib import Path
 
 import grpc
+import openai
 import pytest
 
 from phalanx._proto import common_pb2, worker_pb2, worker_pb2_grpc
 from phalanx.client import Client
 from phalanx.common.config import EtcdConfig
+from phalanx.launch.services import start_gateway
 from phalanx.launch.stack import Stack
 from phalanx.model.tokenizer import ByteTokenizer
 from phalanx.planner.profile import DecodeSample, PrefillSample, build_profile, load_profile, save_profile
@@ -65,6 +67,19 @@ async def test_sim_workers_serve_through_a_router_say_what_they_are_and_agree(na
         assert list(completion.token_ids) == [simulated_token(prompt, i, 0, alphabet) for i in range(10)]
         assert {w.model for w in listed} == {f"sim:{MODEL}"}
         assert len(listed) == 2
+        # The OpenAI-compatible gateway serves them as what they are, with the profiled model's chat template.
+        gateway = await start_gateway(router.address)
+        try:
+            async with openai.AsyncOpenAI(base_url=f"{gateway.url}/v1", api_key="unused", max_retries=0, timeout=30) as oai:
+                models = await oai.models.list()
+                chat = await oai.chat.completions.create(
+                    model=f"sim:{MODEL}", messages=[{"role": "user", "content": "hi"}], max_tokens=6, temperature=0
+                )
+        finally:
+            gateway.terminate()
+        assert [m.id for m in models.data] == [f"sim:{MODEL}"]
+        content = chat.choices[0].message.content or ""
+        assert len(content) == 6 and set(content) <= set("abcdefghijklmnopqrstuvwxyz ")
         # Every simulated worker, asked directly, gives the same tokens.
         other_prompt = list(range(60, 100))
         first, second = await asyncio.gather(*(worker_tokens(w.address, other_prompt, 12) for w in workers))

@@ -109,6 +109,40 @@ async def test_profile_sweeps_a_real_worker_and_a_sim_worker_follows_what_it_wro
         stack.stop()
 
 
+async def test_sim_worker_sigkilled_mid_generation_its_streams_migrate_and_continue_the_same_tokens(nats_server, etcd_server, tmp_path) -> None:
+    # The real migration path (checkpoint store, migration service, router) moving simulated requests.
+    from test_migration import KillWhenBusy, migrations_by_method, run_streams
+
+    profile = write_profile(tmp_path / "m.npz", {1: 0.02, 16: 0.03}, prefill_base_s=0.02)
+    stack = Stack(nats_server.url, EtcdConfig(endpoint=etcd_server.endpoint, lease_ttl_s=1), model=MODEL)
+    streams, max_tokens = 12, 40
+    prompts = [list(range(10 + i, 90 + i)) for i in range(streams)]
+    alphabet = token_alphabet(ByteTokenizer())
+    try:
+        await stack.add_checkpoint_store()
+        await stack.add_migration()
+        await stack.add_workers(3, "--engine", "sim", "--profile", str(profile))
+        router = await stack.add_router()
+        async with await Client.connect(router.address, timeout=60) as client:
+
+            async def sigkill(worker) -> None:
+                worker.kill()
+
+            killer = KillWhenBusy(stack, after=6, action=sigkill, streams=streams, max_tokens=max_tokens)
+            results = await run_streams(client, prompts, killer, max_tokens=max_tokens)
+        assert killer.victim is not None
+        moved = [i for i, w in killer.served_by.items() if w == killer.victim.worker_id]
+        assert moved, "the victim served no stream"
+        for i, chunks in results.items():
+            assert [c.index for c in chunks] == list(range(max_tokens)), f"stream {i}: indices {[c.index for c in chunks]}"
+            assert [c.token_id for c in chunks] == [simulated_token(prompts[i], n, 0, alphabet) for n in range(max_tokens)], f"stream {i}"
+        by_method = await migrations_by_method(stack)
+        print(f"moved {len(moved)} streams: {by_method}")
+        assert by_method["router"] >= len(moved) and by_method["transfer"] == 0, by_method
+    finally:
+        await asyncio.to_thread(stack.stop)
+
+
 async def tokens_per_s(client: Client, users: int, seconds: float, max_tokens: int = 4) -> float:
     """Closed-loop load: `users` clients each sending one request after another for `seconds`; tokens/s delivered."""
     produced = 0

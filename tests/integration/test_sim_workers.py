@@ -12,11 +12,13 @@ import uuid
 from pathlib import Path
 
 import grpc
+import openai
 import pytest
 
 from phalanx._proto import common_pb2, worker_pb2, worker_pb2_grpc
 from phalanx.client import Client
 from phalanx.common.config import EtcdConfig
+from phalanx.launch.services import start_gateway
 from phalanx.launch.stack import Stack
 from phalanx.model.tokenizer import ByteTokenizer
 from phalanx.planner.profile import DecodeSample, PrefillSample, build_profile, load_profile, save_profile
@@ -31,12 +33,12 @@ MODEL = "phalanx-tiny-moe"
 # router and client together), so the measured throughput is the workers' capacity and not the box's.
 FLEET_ITL_S = 0.4
 FLEET_MAX_SEQS = 4
-# Enough users to fill 16 workers' 64 sequences.
-USERS = 64
+# Twice as many users as 16 workers have sequences (routing imbalance leaves none idle); 1/8 of them for 2 workers.
+USERS = 128
 
 
-def write_profile(path: Path, itl_s: dict[int, float]) -> Path:
-    prefill = [PrefillSample(isl=float(n), ttft_s=0.002 + n * 2e-6) for n in (16, 512, 2048)]
+def write_profile(path: Path, itl_s: dict[int, float], prefill_base_s: float = 0.002) -> Path:
+    prefill = [PrefillSample(isl=float(n), ttft_s=prefill_base_s + n * 2e-6) for n in (16, 512, 2048)]
     decode = [DecodeSample(context=float(c), concurrency=float(k), itl_s=itl) for c in (64, 2048) for k, itl in itl_s.items()]
     save_profile(build_profile(prefill, decode, model=MODEL), path)
     return path
@@ -65,6 +67,19 @@ async def test_sim_workers_serve_through_a_router_say_what_they_are_and_agree(na
         assert list(completion.token_ids) == [simulated_token(prompt, i, 0, alphabet) for i in range(10)]
         assert {w.model for w in listed} == {f"sim:{MODEL}"}
         assert len(listed) == 2
+        # The OpenAI-compatible gateway serves them as what they are, with the profiled model's chat template.
+        gateway = await start_gateway(router.address)
+        try:
+            async with openai.AsyncOpenAI(base_url=f"{gateway.url}/v1", api_key="unused", max_retries=0, timeout=30) as oai:
+                models = await oai.models.list()
+                chat = await oai.chat.completions.create(
+                    model=f"sim:{MODEL}", messages=[{"role": "user", "content": "hi"}], max_tokens=6, temperature=0
+                )
+        finally:
+            gateway.terminate()
+        assert [m.id for m in models.data] == [f"sim:{MODEL}"]
+        content = chat.choices[0].message.content or ""
+        assert len(content) == 6 and set(content) <= set("abcdefghijklmnopqrstuvwxyz ")
         # Every simulated worker, asked directly, gives the same tokens.
         other_prompt = list(range(60, 100))
         first, second = await asyncio.gather(*(worker_tokens(w.address, other_prompt, 12) for w in workers))
@@ -94,6 +109,40 @@ async def test_profile_sweeps_a_real_worker_and_a_sim_worker_follows_what_it_wro
         stack.stop()
 
 
+async def test_sim_worker_sigkilled_mid_generation_its_streams_migrate_and_continue_the_same_tokens(nats_server, etcd_server, tmp_path) -> None:
+    # The real migration path (checkpoint store, migration service, router) moving simulated requests.
+    from test_migration import KillWhenBusy, migrations_by_method, run_streams
+
+    profile = write_profile(tmp_path / "m.npz", {1: 0.02, 16: 0.03}, prefill_base_s=0.02)
+    stack = Stack(nats_server.url, EtcdConfig(endpoint=etcd_server.endpoint, lease_ttl_s=1), model=MODEL)
+    streams, max_tokens = 12, 40
+    prompts = [list(range(10 + i, 90 + i)) for i in range(streams)]
+    alphabet = token_alphabet(ByteTokenizer())
+    try:
+        await stack.add_checkpoint_store()
+        await stack.add_migration()
+        await stack.add_workers(3, "--engine", "sim", "--profile", str(profile))
+        router = await stack.add_router()
+        async with await Client.connect(router.address, timeout=60) as client:
+
+            async def sigkill(worker) -> None:
+                worker.kill()
+
+            killer = KillWhenBusy(stack, after=6, action=sigkill, streams=streams, max_tokens=max_tokens)
+            results = await run_streams(client, prompts, killer, max_tokens=max_tokens)
+        assert killer.victim is not None
+        moved = [i for i, w in killer.served_by.items() if w == killer.victim.worker_id]
+        assert moved, "the victim served no stream"
+        for i, chunks in results.items():
+            assert [c.index for c in chunks] == list(range(max_tokens)), f"stream {i}: indices {[c.index for c in chunks]}"
+            assert [c.token_id for c in chunks] == [simulated_token(prompts[i], n, 0, alphabet) for n in range(max_tokens)], f"stream {i}"
+        by_method = await migrations_by_method(stack)
+        print(f"moved {len(moved)} streams: {by_method}")
+        assert by_method["router"] >= len(moved) and by_method["transfer"] == 0, by_method
+    finally:
+        await asyncio.to_thread(stack.stop)
+
+
 async def tokens_per_s(client: Client, users: int, seconds: float, max_tokens: int = 4) -> float:
     """Closed-loop load: `users` clients each sending one request after another for `seconds`; tokens/s delivered."""
     produced = 0
@@ -115,7 +164,9 @@ async def tokens_per_s(client: Client, users: int, seconds: float, max_tokens: i
 
 @pytest.mark.slow  # a minute and more on 2 cores
 async def test_a_fleet_of_16_sim_workers_starts_quickly_and_its_throughput_grows_with_its_size(nats_server, etcd_server, tmp_path) -> None:
-    profile = write_profile(tmp_path / "fleet.npz", {1: FLEET_ITL_S, FLEET_MAX_SEQS: FLEET_ITL_S})
+    # A prefill costs a forward pass too, as on a real worker: every step takes about as long, so the step times the
+    # workers report (which the routers weigh queues with) are steady from the first step on.
+    profile = write_profile(tmp_path / "fleet.npz", {1: FLEET_ITL_S, FLEET_MAX_SEQS: FLEET_ITL_S}, prefill_base_s=FLEET_ITL_S)
     stack = Stack(nats_server.url, EtcdConfig(endpoint=etcd_server.endpoint, lease_ttl_s=2), model=MODEL)
     env = {"PHALANX_ENGINE_MAX_NUM_SEQS": str(FLEET_MAX_SEQS)}
     flags = ("--engine", "sim", "--profile", str(profile))
@@ -126,7 +177,7 @@ async def test_a_fleet_of_16_sim_workers_starts_quickly_and_its_throughput_grows
         router = await stack.add_router()
         async with await Client.connect(router.address, timeout=60) as client:
             await tokens_per_s(client, 8, 0.5)  # warm-up: channels, first routing decisions
-            small = await tokens_per_s(client, USERS, 6.0)
+            small = await tokens_per_s(client, USERS // 8, 6.0)  # as many per worker as the 16 get
             start = time.perf_counter()
             await stack.add_workers(14, *flags, env=env)
             started_s += time.perf_counter() - start

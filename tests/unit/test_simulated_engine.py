@@ -145,3 +145,8 @@ def test_the_shipped_profile_loads_as_package_data() -> None:
 def test_the_simulated_engine_refuses_tensor_parallelism() -> None:
     with pytest.raises(ValueError, match="simulated engine runs in one process"):
         EngineConfig(engine="sim", tensor_parallel_size=2)
+
+
+def test_a_missing_profile_is_refused_at_configuration() -> None:
+    with pytest.raises(ValueError, match="is not a file"):
+        EngineConfig(engine="sim", profile="/nonexistent/profile.npz")

@@ -35,6 +35,7 @@ from phalanx.gateway.metrics import GatewayMetrics
 from phalanx.gateway.responses import CHAT, COMPLETIONS, Dialect, finish_reason
 from phalanx.gateway.schema import ChatCompletionRequest, CompletionRequest, GenerateArgs, chat_text, parse_body
 from phalanx.model.chat import ChatPrompts
+from phalanx.model.config import served_model as tokenizer_model
 
 __all__ = ["GatewayServer", "RouterClients", "build_app"]
 
@@ -134,7 +135,8 @@ class GatewayServer:
 
     async def _chat_prompts(self, client: Client) -> _ChatPrompts:
         if self._chat is None:
-            model = self.config.model or await self._workers_model(client)
+            # Simulated workers (sim:<model>) use their profiled model's tokenizer and chat template.
+            model = self.config.model or tokenizer_model(await self._workers_model(client))
             try:
                 self._chat = await asyncio.to_thread(_ChatPrompts, model)
             except ValueError as error:

@@ -68,6 +68,8 @@ class EngineConfig(BaseSettings):
 
     @model_validator(mode="after")
     def _check_tensor_parallel(self) -> EngineConfig:
+        if self.engine == "sim" and self.profile and not os.path.isfile(self.profile):
+            raise ValueError(f"profile {self.profile!r} is not a file (make one with `phalanx profile`, or leave it empty for the shipped one)")
         if self.engine == "sim" and self.tensor_parallel_size > 1:
             raise ValueError("the simulated engine runs in one process: tensor_parallel_size must be 1")
         if self.tensor_parallel_size > 1 and self.device != "cpu":

@@ -222,3 +222,21 @@ def test_invalid_config_is_refused() -> None:
         DecisionConfig(hot_spares=-1)
     with pytest.raises(ValueError):
         DecisionConfig(promote_deadline_s=0.0)
+
+
+def test_tick_due_follows_the_schedule_and_the_decision_in_flight_and_an_operator_can_skip_the_wait() -> None:
+    clock = Clock()
+    m = machine(workers=2, interval_s=30.0, scale_deadline_s=60.0)
+    assert m.tick_due(clock.now)  # before the first ready tick
+    first = m.tick(clock.now, READY, desired_workers=3)
+    assert first is not None
+    # In flight: not due, even past the interval, until completed or past its deadline.
+    assert not m.tick_due(clock.advance(40))
+    assert m.tick_due(clock.advance(20))  # 60 s: the deadline
+    assert m.tick(clock.now, READY, desired_workers=3) is None  # expired, and 3 is already the target
+    assert m.history[-1].outcome is Outcome.TIMED_OUT
+    assert not m.tick_due(clock.advance(1))  # the interval grew with the 60 s wait
+    m.decide_at_next_tick()
+    assert m.tick_due(clock.now)
+    second = m.tick(clock.now, READY, desired_workers=1)
+    assert second is not None and second.targets == Targets(workers=1)

@@ -180,3 +180,16 @@ def test_a_canary_joins_a_full_batch_ahead_of_the_queue(moe):
         finished += [e.request_id for e in engine.step() if e.finish_reason is not FinishReason.NONE]
     assert finished == ["canary"]  # done while the full batch still runs and the queued request still waits
     assert [s.request_id for s in engine.waiting] == ["queued"]
+
+
+def test_the_kv_cache_is_sized_by_its_byte_budget_unless_a_block_count_is_given():
+    from phalanx.worker.config import AUTO_MAX_KV_BLOCKS, EngineConfig
+
+    # SmolLM2-135M's KV shape: 30 layers, 3 KV heads of 64 in float32 = 720 KiB per 16-token block.
+    smollm = EngineConfig(model="x").sized_for(30, 3, 64, 4)
+    assert smollm.num_kv_blocks == (512 * 2**20) // (30 * 2 * 16 * 3 * 64 * 4) == 728
+    # The tiny models' blocks are small: the cap applies.
+    assert EngineConfig(model="x").sized_for(4, 2, 64, 4).num_kv_blocks == AUTO_MAX_KV_BLOCKS
+    # Never less than one max_model_len sequence, and a given count stands.
+    assert EngineConfig(model="x", kv_cache_bytes=2**20, max_model_len=2048).sized_for(30, 3, 64, 4).num_kv_blocks == 128
+    assert EngineConfig(model="x", num_kv_blocks=64).sized_for(30, 3, 64, 4).num_kv_blocks == 64

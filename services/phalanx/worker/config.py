@@ -10,6 +10,11 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from phalanx.model.config import DEFAULT_MODEL
 
+# Tokens per KV block (phalanx.model.kv_cache.BLOCK_SIZE; not imported: this module stays torch-free).
+KV_BLOCK_TOKENS = 16
+# A budget-sized cache never has more blocks than this (enough for the tiny models at 128 MB).
+AUTO_MAX_KV_BLOCKS = 2048
+
 
 class EngineConfig(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="PHALANX_ENGINE_", protected_namespaces=())
@@ -35,7 +40,12 @@ class EngineConfig(BaseSettings):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="auto is float32 on CPU and bfloat16 on CUDA"
     )
-    num_kv_blocks: int = Field(2048, ge=8, description="KV cache blocks of 16 tokens each")
+    num_kv_blocks: int = Field(
+        0, ge=0, description="KV cache blocks of 16 tokens each; 0 sizes the cache from kv_cache_bytes (at most AUTO_MAX_KV_BLOCKS)"
+    )
+    kv_cache_bytes: int = Field(
+        512 * 2**20, ge=2**20, description="Memory the KV cache may take when num_kv_blocks is 0 (the model's KV shape decides the blocks)"
+    )
     max_num_seqs: int = Field(64, ge=1, le=4096, description="Most sequences in one batch")
     max_batched_tokens: int = Field(512, ge=16, description="Most tokens computed in one step (prefill chunks + decodes)")
     max_model_len: int = Field(2048, ge=16, description="Longest prompt + output, in tokens")
@@ -75,6 +85,19 @@ class EngineConfig(BaseSettings):
         if self.tensor_parallel_size > 1 and self.device != "cpu":
             raise ValueError("tensor_parallel_size > 1 runs on CPU (gloo) only so far; set PHALANX_ENGINE_DEVICE=cpu")
         return self
+
+    def sized_for(self, layers: int, kv_heads: int, head_dim: int, dtype_bytes: int) -> EngineConfig:
+        """This config with a concrete num_kv_blocks for a model of this KV shape (itself when it has one).
+
+        A fixed block count would give a 135M-parameter model with 30 layers 1.5 GB of KV while
+        the tiny models take 128 MB: the budget is in bytes, and long enough for one sequence.
+        """
+        if self.num_kv_blocks:
+            return self
+        block_bytes = layers * 2 * KV_BLOCK_TOKENS * kv_heads * head_dim * dtype_bytes
+        fits = self.kv_cache_bytes // max(1, block_bytes)
+        one_sequence = -(-self.max_model_len // KV_BLOCK_TOKENS)
+        return self.model_copy(update={"num_kv_blocks": max(one_sequence, min(AUTO_MAX_KV_BLOCKS, fits))})
 
     def effective_torch_threads(self) -> int:
         if self.torch_threads:

@@ -67,6 +67,7 @@ class Engine:
         runner: ModelRunner | None = None,
     ) -> None:
         c = model.config
+        config = config.sized_for(c.num_layers, c.num_kv_heads, c.head_dim, model.dtype.itemsize)
         if config.max_model_len > c.max_position_embeddings:
             raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's {c.max_position_embeddings} positions")
         if config.num_kv_blocks * BLOCK_SIZE < config.max_model_len:

@@ -181,6 +181,9 @@ class WorkerProcess:
                     load, self.engine_config.model, device=self.engine_config.device,
                     dtype=self.engine_config.torch_dtype(), seed=self.engine_config.seed,
                 )
+            # Before the followers get the config and the registration announces the cache's size.
+            mc = model.config
+            self.engine_config = self.engine_config.sized_for(mc.num_layers, mc.num_kv_heads, mc.head_dim, model.dtype.itemsize)
             cache = None
             if self.engine_config.tensor_parallel_size > 1:
                 shell.push_async_callback(self._stop_tensor_parallel)

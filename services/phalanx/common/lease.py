@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import logging
 import random
+from collections.abc import Callable
 
 import aetcd
 import aetcd.exceptions
@@ -258,25 +259,33 @@ class LeasedKey:
     async def _keepalive_stream(self, lease_id: int | None, backoff: Backoff) -> None:
         """Beat on one LeaseKeepAlive stream; return when etcd says the lease is gone."""
         assert lease_id is not None
-        await self._client.connect()
-        call = self._client.leasestub.LeaseKeepAlive(metadata=self._client.metadata)
-        interval = self._config.effective_keepalive_interval_s
-        # A reply slower than half the TTL means the stream is stuck, not slow.
-        reply_timeout = min(self._config.request_timeout_s, self._config.lease_ttl_s / 2)
-        try:
-            while True:
-                async with asyncio.timeout(reply_timeout):
-                    try:
-                        await call.write(rpc.LeaseKeepAliveRequest(ID=lease_id))
-                    except asyncio.InvalidStateError as error:
-                        # grpc.aio reports a stream that etcd already ended this way.
-                        raise ConnectionError("the keepalive stream ended") from error
-                    reply = await call.read()
-                if reply is grpc.aio.EOF:
-                    raise ConnectionError("etcd closed the keepalive stream")
-                if reply.TTL <= 0:
-                    return
-                backoff.reset()
-                await asyncio.sleep(interval)
-        finally:
-            call.cancel()
+        await keepalive_stream(self._client, self._config, lease_id, on_confirmed=backoff.reset)
+
+
+async def keepalive_stream(client: aetcd.Client, config: EtcdConfig, lease_id: int, *, on_confirmed: Callable[[], None]) -> None:
+    """Beat on one LeaseKeepAlive stream, calling ``on_confirmed`` per live reply; return when etcd says the lease is gone.
+
+    Raises a TRANSIENT_ERRORS error when the stream breaks or stalls; the caller decides whether to reopen it.
+    """
+    await client.connect()
+    call = client.leasestub.LeaseKeepAlive(metadata=client.metadata)
+    interval = config.effective_keepalive_interval_s
+    # A reply slower than half the TTL means the stream is stuck, not slow.
+    reply_timeout = min(config.request_timeout_s, config.lease_ttl_s / 2)
+    try:
+        while True:
+            async with asyncio.timeout(reply_timeout):
+                try:
+                    await call.write(rpc.LeaseKeepAliveRequest(ID=lease_id))
+                except asyncio.InvalidStateError as error:
+                    # grpc.aio reports a stream that etcd already ended this way.
+                    raise ConnectionError("the keepalive stream ended") from error
+                reply = await call.read()
+            if reply is grpc.aio.EOF:
+                raise ConnectionError("etcd closed the keepalive stream")
+            if reply.TTL <= 0:
+                return
+            on_confirmed()
+            await asyncio.sleep(interval)
+    finally:
+        call.cancel()

@@ -48,7 +48,7 @@ from aetcd import rpc
 
 from phalanx.common.config import EtcdConfig
 from phalanx.common.errors import PhalanxError
-from phalanx.common.lease import TRANSIENT_ERRORS, Backoff, await_cancelled, connect_etcd
+from phalanx.common.lease import TRANSIENT_ERRORS, Backoff, await_cancelled, connect_etcd, keepalive_stream
 
 __all__ = ["EtcdFailoverLock", "FailoverLock", "FailoverLockError", "FileFailoverLock"]
 
@@ -310,33 +310,20 @@ class EtcdFailoverLock(FailoverLock):
         """Beat on one keepalive stream (reopened on errors); set ``lost`` when the lease is gone or unconfirmed for a TTL."""
         client = self._etcd()
         ttl = float(self._config.lease_ttl_s)
-        interval = self._config.effective_keepalive_interval_s
-        reply_timeout = min(self._config.request_timeout_s, ttl / 2)
         last_confirmed = time.monotonic()
         backoff = Backoff(initial=0.02, cap=ttl / 4)
+
+        def confirmed() -> None:
+            nonlocal last_confirmed
+            last_confirmed = time.monotonic()
+            backoff.reset()
+
         while True:
             try:
-                await client.connect()
-                call = client.leasestub.LeaseKeepAlive(metadata=client.metadata)
-                try:
-                    while True:
-                        async with asyncio.timeout(reply_timeout):
-                            try:
-                                await call.write(rpc.LeaseKeepAliveRequest(ID=lease_id))
-                            except asyncio.InvalidStateError as error:
-                                raise ConnectionError("the keepalive stream ended") from error
-                            reply = await call.read()
-                        if reply is grpc.aio.EOF:
-                            raise ConnectionError("etcd closed the keepalive stream")
-                        if reply.TTL <= 0:
-                            log.error("failover lock %s: lease expired", self._key.decode())
-                            lost.set()
-                            return
-                        last_confirmed = time.monotonic()
-                        backoff.reset()
-                        await asyncio.sleep(interval)
-                finally:
-                    call.cancel()
+                await keepalive_stream(client, self._config, lease_id, on_confirmed=confirmed)
+                log.error("failover lock %s: lease expired", self._key.decode())
+                lost.set()
+                return
             except TRANSIENT_ERRORS as error:
                 if time.monotonic() - last_confirmed >= ttl:
                     log.error("failover lock %s: no keepalive confirmed for %.1f s (%s)", self._key.decode(), ttl, error)

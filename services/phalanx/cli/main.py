@@ -42,6 +42,15 @@ def worker(
     chaos_token: str = typer.Option(
         None, help="Admin token of fault injection, which PHALANX_WORKER_CHAOS_ENABLED=true turns on [env PHALANX_WORKER_CHAOS_TOKEN]"
     ),
+    failover_role: str = typer.Option(
+        None, help="none | primary | shadow: an engine of a failover slot, serving while it holds the slot's lock "
+        "[env PHALANX_WORKER_FAILOVER_ROLE]",
+    ),
+    engine_id: int = typer.Option(None, min=0, help="Engine id in the slot: 0 may load the weights, others map them [env PHALANX_WORKER_ENGINE_ID]"),
+    failover_lock: str = typer.Option(None, help="The slot's lock file [env PHALANX_WORKER_FAILOVER_LOCK]"),
+    memory_socket: str = typer.Option(None, help="The slot's memory service socket [env PHALANX_WORKER_MEMORY_SOCKET]"),
+    failover_slot: str = typer.Option(None, help="The slot's id (default: <hostname>:<lock path>) [env PHALANX_WORKER_FAILOVER_SLOT]"),
+    metrics_port: int = typer.Option(None, help="/metrics (and a failover engine's probes) port, 0 for any [env PHALANX_WORKER_METRICS_PORT]"),
     log_level: str = typer.Option("INFO"),
 ) -> None:
     """Run one engine worker: gRPC WorkerService, etcd lease, NATS load and KV events."""
@@ -58,13 +67,18 @@ def worker(
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     process = WorkerProcess(
-        WorkerConfig(**_given(worker_id=worker_id, host=host, port=port, chaos_token=chaos_token)),
+        WorkerConfig(**_given(
+            worker_id=worker_id, host=host, port=port, chaos_token=chaos_token, failover_role=failover_role, engine_id=engine_id,
+            failover_lock=failover_lock, memory_socket=memory_socket, failover_slot=failover_slot, metrics_port=metrics_port,
+        )),
         engine_config,
         NatsConfig(**_given(url=nats_url)),
         EtcdConfig(**_given(endpoint=etcd_endpoint)),
         TelemetryConfig(),
     )
     _run_until_signalled(process)
+    if process.exit_code:
+        raise typer.Exit(process.exit_code)
 
 
 @app.command("profile")

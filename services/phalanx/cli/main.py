@@ -499,6 +499,30 @@ def bench_failover(
     print(json.dumps(result, indent=None if as_json else 2))
 
 
+@bench_app.command("engine-failover")
+def bench_engine_failover(
+    streams: int = typer.Option(8, min=1, help="Concurrent greedy streams"),
+    tokens: int = typer.Option(64, min=16, help="Tokens generated per stream"),
+    prompt_min: int = typer.Option(100, min=1, help="Shortest prompt, in tokens"),
+    prompt_max: int = typer.Option(200, min=1, help="Longest prompt, in tokens"),
+    kill_after: int = typer.Option(16, min=1, help="Tokens each of the victim's streams has when it is SIGKILLed"),
+    repeats: int = typer.Option(1, min=1, help="Kills per scenario"),
+    scenarios: str = typer.Option("shadow,cold,peer", help="Comma-separated: shadow (takeover), cold (new process), peer (migration)"),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON only"),
+) -> None:
+    """The primary engine SIGKILLed under load: shadow takeover vs a cold replacement process vs migration to a peer
+    (kill to first token, stall, tokens lost, identical output, the standby's memory)."""
+    # It forks worker and service processes while its gRPC clients run: see run_up for why this is off.
+    os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
+    from phalanx.bench.engine_failover import run_engine_failover_bench
+
+    result = run_engine_failover_bench(
+        streams=streams, max_tokens=tokens, prompt_tokens=(prompt_min, max(prompt_min, prompt_max)), kill_after=kill_after,
+        repeats=repeats, scenarios=tuple(s.strip() for s in scenarios.split(",") if s.strip()),
+    )
+    print(json.dumps(result, indent=None if as_json else 2))
+
+
 def main() -> None:
     app()
 

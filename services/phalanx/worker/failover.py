@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
+import itertools
 import json
 import logging
 import os
@@ -185,6 +186,7 @@ class FailoverEngine:
         self.serving = False  # the worker's grpc health, for /ready while ACTIVE
         self.lock_lost: asyncio.Event | None = None
         self.standby_s = 0.0  # how long this engine stood by before it got the lock
+        self._marks: list[tuple[str, float]] = []  # the wake's steps and when each ended (perf_counter)
         counts = ledger.read()
         metrics.switch_attempts.inc(counts["attempts"])
         metrics.switch_successes.inc(counts["successes"])
@@ -215,6 +217,8 @@ class FailoverEngine:
             role_for_engine(self.engine_id), expected, load_weights, name=segment_name(model.version), timeout_s=self.weights_timeout_s
         )
         attach_state_dict(model, tensors)
+        # One small forward now: every weight page touched and torch's kernels and threads warm before a takeover needs them.
+        await asyncio.to_thread(_warm_up, model)
         return model
 
     async def stand_by(self, stop: Callable[[], Any]) -> bool:
@@ -238,6 +242,7 @@ class FailoverEngine:
             return False
         self.lock_lost = acquiring.result()
         self.standby_s = time.monotonic() - started
+        self._marks = [("lock", time.perf_counter())]
         if self.memory.broken.is_set():
             return False
         if self.role == "shadow":
@@ -245,7 +250,15 @@ class FailoverEngine:
             self.metrics.switch_attempts.inc()
         return True
 
+    def mark(self, step: str) -> None:
+        """The wake finished `step` now (logged with the others when ACTIVE)."""
+        self._marks.append((step, time.perf_counter()))
+
     def activated(self) -> None:
+        steps = ", ".join(f"{name} {1e3 * (at - before):.1f} ms" for (_, before), (name, at) in itertools.pairwise(self._marks))
+        total = self._marks[-1][1] - self._marks[0][1] if self._marks else 0.0
+        log.warning("engine %d (%s) of slot %s active %.1f ms after taking the lock (%s)", self.engine_id, self.role, self.slot,
+                    1e3 * total, steps)
         self.enter(FailoverState.ACTIVE)
         if self.role == "shadow":
             self.ledger.add("successes")
@@ -264,3 +277,10 @@ class FailoverEngine:
         self.enter(FailoverState.DEAD)
         await self.lock.release()
         await self.memory.close()
+
+
+def _warm_up(model: Any) -> None:
+    import torch
+
+    with torch.inference_mode():
+        model.forward_logits(list(range(1, 17)))

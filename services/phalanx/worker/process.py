@@ -134,15 +134,19 @@ class WorkerProcess:
                 if woken is None:
                     return
                 engine, model, watchdog = woken
+                self.failover.mark("engine")
             await self._endpoint.start()
             if self._capture is not None:
                 self._streamer = self._checkpoint_streamer(self._capture, engine, model)
                 shell.push_async_callback(self._streamer.stop)
                 await self._streamer.start()
             servicer.attach(engine, model_version=model.version)
+            if self.failover is not None:
+                self.failover.mark("channels+checkpointing")
             self._registration = await shell.register(self.etcd_config, worker_key(self.worker_id), self._registration_value(model))
             if self.failover is not None and watchdog is not None:
                 watchdog.cancel()
+                self.failover.mark("registered")
                 self.failover.activated()
             await self._set_serving(True)
             self.metrics.for_worker(self.metrics.serving).set(1)

@@ -269,6 +269,10 @@ def up(
     detach: bool = typer.Option(False, "--detach", help="Run in the background; stop it with `phalanx down`"),
     log_file: str = typer.Option(None, hidden=True, help="Set by --detach: where this supervisor's output goes"),
     planner: bool = typer.Option(False, "--planner", help="Run the planner; the supervisor starts and drains workers to its targets"),
+    failover: bool = typer.Option(
+        False, "--failover", help="Every worker slot a primary and a shadow engine on one memory service; a dead engine's "
+        "requests continue on its shadow, and the supervisor restarts it as the slot's new shadow",
+    ),
     min_workers: int = typer.Option(1, min=0, max=16, help="With --planner: fewest workers"),
     max_workers: int = typer.Option(None, min=1, max=16, help="With --planner: most workers [default: twice --workers, at most 16]"),
 ) -> None:
@@ -282,7 +286,7 @@ def up(
     options = UpOptions(
         workers=workers, model=model, deterministic=deterministic, port=port, gateway_port=gateway_port, state_file=_state_file(state_file),
         nats_url=nats_url, etcd_endpoint=etcd_endpoint, log_file=Path(log_file) if log_file else None,
-        planner=planner, min_workers=min_workers, max_workers=max_workers,
+        planner=planner, min_workers=min_workers, max_workers=max_workers, failover=failover,
     )
     console = Console(soft_wrap=True)  # long lines stay whole in the detached log
     raise typer.Exit(run_detached(options, console) if detach else asyncio.run(run_up(options, console)))

@@ -107,6 +107,17 @@ class WorkerHandle(ServiceHandle):
 class FailoverEngineHandle(WorkerHandle):
     """An engine of a failover slot: a worker that may be standing by (not registered yet), with its HTTP probes."""
 
+    role = ""  # the role it was started in: primary or shadow
+
+    def failover_state(self) -> str:
+        """init, standby, waking, active or dead (its /metrics' phalanx_failover_state); "gone" if it does not answer."""
+        try:
+            value = self.metric("phalanx_failover_state")
+        except (urllib.error.URLError, OSError):
+            return "gone"
+        names = ("init", "standby", "waking", "active", "dead")
+        return names[int(value)] if value is not None and 0 <= int(value) < len(names) else "gone"
+
     def probe(self, name: str) -> int | None:
         """The status of /startup, /live or /ready; None if the port refuses (the process is gone or not listening yet)."""
         try:
@@ -217,6 +228,7 @@ async def start_failover_engine(
         {"PHALANX_ETCD_LEASE_TTL_S": str(etcd_config.lease_ttl_s), **(env or {})},
     )
     handle = FailoverEngineHandle(worker_id, process, "", f"127.0.0.1:{metrics_port}")
+    handle.role = role
     deadline = time.monotonic() + timeout
     try:
         while await asyncio.to_thread(handle.probe, "startup") not in ((200,) if wait_startup else (200, 503)):

@@ -293,6 +293,42 @@ def test_a_killed_worker_and_router_are_replaced_while_the_stack_keeps_serving(t
     assert not state_file.exists()
 
 
+def test_up_failover_runs_each_slot_as_a_pair_and_restarts_a_dead_engine_as_the_new_shadow(tmp_path, foreground):
+    process, state_file, state = foreground("--failover")
+    engines = {w["worker_id"]: w for w in state["workers"]}
+    assert set(engines) == {"worker-0-e0", "worker-0-e1"}
+    assert engines["worker-0-e0"]["role"] == "primary" and engines["worker-0-e1"]["role"] == "shadow"
+    assert "slot-0-memory" in {s["name"] for s in state["services"]}
+
+    def engine_states() -> dict[str, tuple[str, str, int]]:
+        status = phalanx("status", "--json", "--state-file", str(state_file))
+        assert status.returncode == 0, status.stderr
+        return {e["worker_id"]: (e["role"], e["state"], e["pid"]) for e in json.loads(status.stdout)["supervisor"]["engines"]}
+
+    assert engine_states() == {
+        "worker-0-e0": ("primary", "active", engines["worker-0-e0"]["pid"]),
+        "worker-0-e1": ("shadow", "standby", engines["worker-0-e1"]["pid"]),
+    }
+    killed = phalanx("chaos", "kill", "worker-0-e0", "--state-file", str(state_file), timeout=150)
+    assert killed.returncode == 0, killed.stdout + killed.stderr
+    assert "replaced it with worker-0-e2 (pid " in killed.stdout
+
+    def taken_over() -> bool:
+        states = engine_states()
+        return states.get("worker-0-e1", ("", "", 0))[1] == "active" and states.get("worker-0-e2", ("", "", 0))[1] == "standby"
+
+    assert_eventually_sync(taken_over, timeout=30, interval=0.2)
+    generated = phalanx("generate", "Hello", "--max-tokens", "4", "--state-file", str(state_file))
+    assert generated.returncode == 0, generated.stderr
+    status = json.loads(phalanx("status", "--json", "--state-file", str(state_file)).stdout)
+    assert [w["worker_id"] for w in status["workers"]] == ["worker-0-e1"]  # the router sees the serving engine only
+
+    after = read_state(state_file)
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(90) == 0, (tmp_path / "out.txt").read_text()
+    assert_all_gone([*stack_pids(state), *stack_pids(after)])
+
+
 def test_chaos_kill_with_nothing_up_says_so(tmp_path):
     result = phalanx("chaos", "kill", "worker", "--state-file", str(tmp_path / "none.json"))
     assert result.returncode == 1 and "nothing is up" in result.stderr

@@ -161,7 +161,7 @@ def test_chart_health_deployment_probes_health_service_and_sets_real_settings():
 
 def test_chart_takes_the_worker_chaos_token_only_from_a_secret():
     statefulset = (CHART / "templates" / "worker-statefulset.yaml").read_text()
-    block = statefulset[statefulset.index("{{- if .Values.worker.chaos.enabled }}"):]
+    block = statefulset[statefulset.index("{{- if $.Values.worker.chaos.enabled }}"):]
     block = block[: block.index("{{- end }}")]
     assert "PHALANX_WORKER_CHAOS_TOKEN" in block and "secretKeyRef" in block and "required" in block
 

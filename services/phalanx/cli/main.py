@@ -42,6 +42,15 @@ def worker(
     chaos_token: str = typer.Option(
         None, help="Admin token of fault injection, which PHALANX_WORKER_CHAOS_ENABLED=true turns on [env PHALANX_WORKER_CHAOS_TOKEN]"
     ),
+    failover_role: str = typer.Option(
+        None, help="none | primary | shadow: an engine of a failover slot, serving while it holds the slot's lock "
+        "[env PHALANX_WORKER_FAILOVER_ROLE]",
+    ),
+    engine_id: int = typer.Option(None, min=0, help="Engine id in the slot: 0 may load the weights, others map them [env PHALANX_WORKER_ENGINE_ID]"),
+    failover_lock: str = typer.Option(None, help="The slot's lock file [env PHALANX_WORKER_FAILOVER_LOCK]"),
+    memory_socket: str = typer.Option(None, help="The slot's memory service socket [env PHALANX_WORKER_MEMORY_SOCKET]"),
+    failover_slot: str = typer.Option(None, help="The slot's id (default: <hostname>:<lock path>) [env PHALANX_WORKER_FAILOVER_SLOT]"),
+    metrics_port: int = typer.Option(None, help="/metrics (and a failover engine's probes) port, 0 for any [env PHALANX_WORKER_METRICS_PORT]"),
     log_level: str = typer.Option("INFO"),
 ) -> None:
     """Run one engine worker: gRPC WorkerService, etcd lease, NATS load and KV events."""
@@ -58,13 +67,18 @@ def worker(
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     process = WorkerProcess(
-        WorkerConfig(**_given(worker_id=worker_id, host=host, port=port, chaos_token=chaos_token)),
+        WorkerConfig(**_given(
+            worker_id=worker_id, host=host, port=port, chaos_token=chaos_token, failover_role=failover_role, engine_id=engine_id,
+            failover_lock=failover_lock, memory_socket=memory_socket, failover_slot=failover_slot, metrics_port=metrics_port,
+        )),
         engine_config,
         NatsConfig(**_given(url=nats_url)),
         EtcdConfig(**_given(endpoint=etcd_endpoint)),
         TelemetryConfig(),
     )
     _run_until_signalled(process)
+    if process.exit_code:
+        raise typer.Exit(process.exit_code)
 
 
 @app.command("profile")
@@ -255,6 +269,10 @@ def up(
     detach: bool = typer.Option(False, "--detach", help="Run in the background; stop it with `phalanx down`"),
     log_file: str = typer.Option(None, hidden=True, help="Set by --detach: where this supervisor's output goes"),
     planner: bool = typer.Option(False, "--planner", help="Run the planner; the supervisor starts and drains workers to its targets"),
+    failover: bool = typer.Option(
+        False, "--failover", help="Every worker slot a primary and a shadow engine on one memory service; a dead engine's "
+        "requests continue on its shadow, and the supervisor restarts it as the slot's new shadow",
+    ),
     min_workers: int = typer.Option(1, min=0, max=16, help="With --planner: fewest workers"),
     max_workers: int = typer.Option(None, min=1, max=16, help="With --planner: most workers [default: twice --workers, at most 16]"),
 ) -> None:
@@ -268,7 +286,7 @@ def up(
     options = UpOptions(
         workers=workers, model=model, deterministic=deterministic, port=port, gateway_port=gateway_port, state_file=_state_file(state_file),
         nats_url=nats_url, etcd_endpoint=etcd_endpoint, log_file=Path(log_file) if log_file else None,
-        planner=planner, min_workers=min_workers, max_workers=max_workers,
+        planner=planner, min_workers=min_workers, max_workers=max_workers, failover=failover,
     )
     console = Console(soft_wrap=True)  # long lines stay whole in the detached log
     raise typer.Exit(run_detached(options, console) if detach else asyncio.run(run_up(options, console)))
@@ -481,6 +499,30 @@ def bench_failover(
         restore_tokens=tuple(int(n) for n in restore_tokens.split(",") if n.strip()), restore_repeats=restore_repeats,
         overhead_pairs=overhead_pairs,
         overhead_waves=overhead_waves,
+    )
+    print(json.dumps(result, indent=None if as_json else 2))
+
+
+@bench_app.command("engine-failover")
+def bench_engine_failover(
+    streams: int = typer.Option(8, min=1, help="Concurrent greedy streams"),
+    tokens: int = typer.Option(64, min=16, help="Tokens generated per stream"),
+    prompt_min: int = typer.Option(100, min=1, help="Shortest prompt, in tokens"),
+    prompt_max: int = typer.Option(200, min=1, help="Longest prompt, in tokens"),
+    kill_after: int = typer.Option(16, min=1, help="Tokens each of the victim's streams has when it is SIGKILLed"),
+    repeats: int = typer.Option(1, min=1, help="Kills per scenario"),
+    scenarios: str = typer.Option("shadow,cold,peer", help="Comma-separated: shadow (takeover), cold (new process), peer (migration)"),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON only"),
+) -> None:
+    """The primary engine SIGKILLed under load: shadow takeover vs a cold replacement process vs migration to a peer
+    (kill to first token, stall, tokens lost, identical output, the standby's memory)."""
+    # It forks worker and service processes while its gRPC clients run: see run_up for why this is off.
+    os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
+    from phalanx.bench.engine_failover import run_engine_failover_bench
+
+    result = run_engine_failover_bench(
+        streams=streams, max_tokens=tokens, prompt_tokens=(prompt_min, max(prompt_min, prompt_max)), kill_after=kill_after,
+        repeats=repeats, scenarios=tuple(s.strip() for s in scenarios.split(",") if s.strip()),
     )
     print(json.dumps(result, indent=None if as_json else 2))
 

@@ -44,8 +44,12 @@ _VERSION = 1
 @dataclass
 class WorkerEntry:
     worker_id: str
-    address: str
+    address: str  # "" for an engine of a failover slot that stands by (not registered yet)
     pid: int
+    # `phalanx up --failover`: the role it started in (primary, shadow), its slot, and where its /metrics (and probes) are.
+    role: str = ""
+    slot: str = ""
+    metrics_address: str = ""
 
 
 @dataclass

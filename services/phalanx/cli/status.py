@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import sys
 import time
+import urllib.request
 from dataclasses import asdict
 
+from prometheus_client.parser import text_string_to_metric_families
 from rich import box
 from rich.console import Console
 from rich.measure import Measurement
 from rich.table import Table
 
-from phalanx.cli.state import UpState
+from phalanx.cli.state import UpState, WorkerEntry
 from phalanx.client import Client, PhalanxClientError, WorkerInfo
 
 __all__ = ["show_status", "stream_generate", "workers_table"]
@@ -62,6 +66,8 @@ async def show_status(target: str, *, as_json: bool, api_key: str | None, superv
         out: dict = {"router": target, "gateway_url": supervisor.gateway_url if supervisor else "", "workers": [asdict(w) for w in workers]}
         if supervisor is not None:
             out["supervisor"] = {"pid": supervisor.supervisor_pid, "events": [asdict(e) for e in supervisor.events]}
+            if engines := [w for w in supervisor.workers if w.role]:
+                out["supervisor"]["engines"] = await asyncio.gather(*(asyncio.to_thread(_engine_status, w) for w in engines))
             if supervisor.planner is not None:
                 out["supervisor"]["planner"] = supervisor.planner
         print(json.dumps(out, indent=2))
@@ -78,6 +84,20 @@ async def show_status(target: str, *, as_json: bool, api_key: str | None, superv
 
 
 _SHOWN_EVENTS = 10
+_ENGINE_STATES = ("init", "standby", "waking", "active", "dead")
+
+
+def _engine_status(entry: WorkerEntry) -> dict:
+    """An engine of a failover slot (`phalanx up --failover`): its slot, the role it started in, its PID and its state now
+    (from its /metrics: init, standby, waking, active; "gone" when it does not answer)."""
+    state = "gone"
+    with contextlib.suppress(OSError, ValueError):
+        with urllib.request.urlopen(f"http://{entry.metrics_address}/metrics", timeout=2) as reply:
+            for family in text_string_to_metric_families(reply.read().decode()):
+                for sample in family.samples:
+                    if sample.name == "phalanx_failover_state" and 0 <= int(sample.value) < len(_ENGINE_STATES):
+                        state = _ENGINE_STATES[int(sample.value)]
+    return {"worker_id": entry.worker_id, "slot": entry.slot, "role": entry.role, "pid": entry.pid, "state": state}
 
 
 def _print_events(console: Console, supervisor: UpState) -> None:

@@ -73,7 +73,15 @@ from phalanx.cli.state import (
 
 if TYPE_CHECKING:
     from phalanx.launch.infra import EtcdServer, NatsServer
-    from phalanx.launch.services import GatewayHandle, HealthHandle, PlannerHandle, RouterHandle, ServiceHandle, WorkerHandle
+    from phalanx.launch.services import (
+        FailoverEngineHandle,
+        GatewayHandle,
+        HealthHandle,
+        PlannerHandle,
+        RouterHandle,
+        ServiceHandle,
+        WorkerHandle,
+    )
     from phalanx.planner.connectors import DecisionRecord
 
 __all__ = ["UpOptions", "run_detached", "run_down", "run_up"]
@@ -106,6 +114,7 @@ class UpOptions:
     planner: bool = False  # run the planner and follow its decisions (the local connector)
     min_workers: int = 1
     max_workers: int | None = None  # None: twice --workers, at most 16
+    failover: bool = False  # every worker slot a primary + shadow engine pair on one memory service
 
     def command(self) -> list[str]:
         """The `phalanx up` command line that runs this configuration in the foreground."""
@@ -121,6 +130,8 @@ class UpOptions:
             args += ["--log-file", str(self.log_file)]
         if self.planner:
             args += ["--planner", "--min-workers", str(self.min_workers), "--max-workers", str(self.worker_ceiling)]
+        if self.failover:
+            args += ["--failover"]
         return args
 
     @property
@@ -161,6 +172,8 @@ def _preflight(options: UpOptions) -> None:
         raise UpError(_already_up_message(state, options.state_file))
     _check_port(options.port, os.environ.get("PHALANX_ROUTER_HOST") or "127.0.0.1", "--port")  # where the router will bind
     _check_port(options.gateway_port, "127.0.0.1", "--gateway-port")
+    if options.planner and options.failover:
+        raise UpError("--planner and --failover together are not supported yet: the planner scales plain workers")
     if options.planner and not 0 <= options.min_workers <= options.worker_ceiling:
         raise UpError(f"--min-workers {options.min_workers} and --max-workers {options.worker_ceiling}: need 0 <= min <= max")
 
@@ -290,6 +303,12 @@ class _Stack:
         self.changed = asyncio.Event()  # a process was replaced: the state file is out of date
         self.crash_loop: CrashLoopError | None = None
         self._next_worker = options.workers
+        # --failover: the slots' directory (locks, memory sockets, weight segments), each slot's memory service by name,
+        # each engine's slot, and the next engine id per slot (a restarted engine gets a new one and stands by).
+        self.slots_dir: Path | None = None
+        self.memories: dict[str, ServiceHandle] = {}
+        self.engine_slot: dict[str, int] = {}
+        self._next_engine: dict[int, int] = {}
 
     def start_infra(self) -> None:
         """NATS and etcd (unless external); blocking, from the main thread so PR_SET_PDEATHSIG holds."""
@@ -327,6 +346,56 @@ class _Stack:
 
         mode = "--deterministic" if self.options.deterministic else "--fast"
         return await start_worker(worker_id, self.nats_url, self._etcd_config, mode, model=self.options.model, env=self._env)
+
+    def _slot_dir(self, slot: int) -> Path:
+        assert self.slots_dir is not None
+        return self.slots_dir / f"slot-{slot}"
+
+    async def _start_memory(self, slot: int) -> ServiceHandle:
+        from phalanx.launch.services import start_memory_service
+
+        directory = self._slot_dir(slot)
+        await asyncio.to_thread(directory.mkdir, parents=True, exist_ok=True)
+        name = memory_name(slot)
+        return await start_memory_service(str(directory / "memory.sock"), str(directory / "segments"), name=name)
+
+    async def _start_engine(self, slot: int, role: str) -> FailoverEngineHandle:
+        """An engine of `slot`, returned once it stands by (or serves: a primary, or one that found the lock free)."""
+        from phalanx.launch.services import start_failover_engine
+
+        engine_id = self._next_engine.get(slot, 0)
+        self._next_engine[slot] = engine_id + 1
+        directory = self._slot_dir(slot)
+        mode = "--deterministic" if self.options.deterministic else "--fast"
+        name = f"worker-{slot}-e{engine_id}"
+        self.engine_slot[name] = slot
+        handle = await start_failover_engine(
+            name, self.nats_url, self._etcd_config, mode, model=self.options.model, role=role, engine_id=engine_id,
+            lock=str(directory / "failover.lock"), memory_socket=str(directory / "memory.sock"), slot=f"slot-{slot}",
+            env=self._env,
+        )
+        return handle
+
+    async def _start_slot(self, slot: int) -> None:
+        """The slot's memory service, its primary (registered) and its shadow (standing by)."""
+        from phalanx.launch.services import wait_registered
+
+        self.memories[memory_name(slot)] = memory = await self._start_memory(slot)
+        self._ready(memory.name, memory.address, memory.process.pid)
+        primary = await self._start_engine(slot, "primary")
+        await wait_registered(primary, self._etcd_config, timeout=60)
+        self.workers[primary.name] = primary
+        self._ready(primary.name, primary.address, primary.process.pid)
+        shadow = await self._start_engine(slot, "shadow")
+        self.workers[shadow.name] = shadow
+        self._ready(shadow.name, "standing by", shadow.process.pid)
+
+    async def _replace_engine(self, slot: int) -> tuple[str, int | None]:
+        """A dead engine's successor in its slot: a new engine that stands by (or takes over if the lock is free)."""
+        handle = await self._start_engine(slot, "shadow")
+        self.workers[handle.name] = handle
+        self.board.set(handle.name, "ready", handle.address or "standing by", handle.process.pid)
+        return handle.name, handle.process.pid
 
     async def _start_router(self, port: int) -> RouterHandle:
         from phalanx.launch.services import start_router
@@ -384,13 +453,20 @@ class _Stack:
             self.workers[worker_id] = handle
             self._ready(worker_id, handle.address, handle.process.pid)
 
+        if self.options.failover:
+            import tempfile
+
+            self.slots_dir = Path(tempfile.mkdtemp(prefix="phalanx-up-", dir="/dev/shm"))
+            for worker_id in ids:
+                self.board.rows.pop(worker_id, None)
         try:
             async with asyncio.TaskGroup() as group:
-                for worker_id in ids:
-                    group.create_task(one(worker_id))
+                for i, worker_id in enumerate(ids):
+                    group.create_task(self._start_slot(i) if self.options.failover else one(worker_id))
         except* Exception as failed:  # noqa: BLE001 - the first failure cancels the other starts, which kill their process
             raise UpError("; ".join(f"{e}" or type(e).__name__ for e in failed.exceptions)) from None
-        self.workers = {worker_id: self.workers[worker_id] for worker_id in ids}
+        if not self.options.failover:
+            self.workers = {worker_id: self.workers[worker_id] for worker_id in ids}
         self.board.set(ROUTER_ID, "starting")
         try:
             self.router = await self._start_router(self.options.port)
@@ -430,17 +506,26 @@ class _Stack:
         assert self.router_address, "called before start()"
         services = [
             ProcessEntry(h.name, h.address, h.process.pid)
-            for h in (self.gateway, self.health, self.store, self.migration, self.planner) if h is not None
+            for h in (self.gateway, self.health, self.store, self.migration, self.planner, *self.memories.values()) if h is not None
         ]
         return UpState(
             supervisor_pid=supervisor.supervisor_pid, started_at=supervisor.started_at, status="ready", model=self.options.model,
             router_id=ROUTER_ID, router_address=self.router_address, router_metrics_address=self.router_metrics,
             router_pid=self.router.process.pid if self.router is not None else None,
-            workers=[WorkerEntry(w.worker_id, w.address, w.process.pid) for w in self.workers.values()], services=services,
+            workers=[self._worker_entry(w) for w in self.workers.values()], services=services,
             nats_url=self.nats_url, nats_pid=self.nats.pid if self.nats else None,
             etcd_endpoint=self.etcd_endpoint, etcd_pid=self.etcd.pid if self.etcd else None,
             log_file=supervisor.log_file, ready_at=supervisor.ready_at or time.time(), events=self.events[-MAX_EVENTS:],
             gateway_url=self.gateway_url, planner=self.planner_state(),
+        )
+
+    def _worker_entry(self, worker: WorkerHandle) -> WorkerEntry:
+        slot = self.engine_slot.get(worker.worker_id)
+        if slot is None:
+            return WorkerEntry(worker.worker_id, worker.address, worker.process.pid)
+        return WorkerEntry(
+            worker.worker_id, worker.address, worker.process.pid, role=getattr(worker, "role", ""), slot=f"slot-{slot}",
+            metrics_address=worker.metrics_address,
         )
 
     def planner_state(self) -> dict[str, Any] | None:
@@ -461,7 +546,7 @@ class _Stack:
         """(name, pid, exit code) of every process of ours that exited and is not being replaced yet."""
         found: list[tuple[str, int | None, int | None]] = []
         extras = (self.router, self.gateway, self.health, self.store, self.migration, self.planner)
-        handles: list[ServiceHandle] = [*self.workers.values(), *(h for h in extras if h)]
+        handles: list[ServiceHandle] = [*self.workers.values(), *(h for h in extras if h), *self.memories.values()]
         for handle in handles:
             if handle.process.poll() is not None and handle.name not in self.replacing:
                 found.append((handle.name, handle.process.pid, handle.process.returncode))
@@ -477,7 +562,9 @@ class _Stack:
         decision = self.trackers[name].exited(time.monotonic())
         self._record(name, pid, f"exited with {_describe_exit(code)}")
         if self.workers.pop(name, None) is not None:
-            start = self._replace_worker
+            slot = self.engine_slot.get(name)
+            # An engine of a failover slot is succeeded in its slot, by an engine that stands by.
+            start = self._replace_worker if slot is None else functools.partial(self._replace_engine, slot)
             self.replacing_workers.add(name)
         else:
             start = functools.partial(self._restart_in_place, name)
@@ -544,6 +631,13 @@ class _Stack:
             self.gateway = gateway = await self._start_gateway(int(self.gateway_url.rsplit(":", 1)[1]))
             self.board.set(GATEWAY_ID, "ready", gateway.url, gateway.process.pid)
             return GATEWAY_ID, gateway.process.pid
+        if name in self.memories:
+            slot = int(name.split("-")[1])
+            del self.memories[name]
+            # Same socket and segments: its engines exited (they must, without it) and their successors map the weights again.
+            self.memories[name] = memory = await self._start_memory(slot)
+            self.board.set(name, "ready", memory.address, memory.process.pid)
+            return name, memory.process.pid
         if name in ("nats", "etcd"):
             server = self.nats if name == "nats" else self.etcd
             assert server is not None  # only ours are watched
@@ -686,6 +780,12 @@ class _Stack:
             await self._terminate({w.worker_id: w.process for w in (*self.workers.values(), *self.retiring.values())}, _WORKER_STOP_S)
         if self.store is not None:
             await self._terminate({STORE_ID: self.store.process}, _ROUTER_STOP_S)
+        if self.memories:
+            await self._terminate({name: m.process for name, m in self.memories.items()}, _ROUTER_STOP_S)
+        if self.slots_dir is not None:
+            import shutil
+
+            shutil.rmtree(self.slots_dir, ignore_errors=True)
         for name, server in (("etcd", self.etcd), ("nats", self.nats)):
             if server is not None:
                 server.close()
@@ -709,6 +809,11 @@ class _Stack:
             self.console.print(f"  stopped {name} (pid {process.pid}, {_describe_exit(process.returncode)})", highlight=False)
 
 
+def memory_name(slot: int) -> str:
+    """The name of a failover slot's memory service in `phalanx up` (``slot-<i>-memory``)."""
+    return f"slot-{slot}-memory"
+
+
 def _print_ready(console: Console, state: UpState, state_file: Path, seconds: float) -> None:
     console.print(f"[bold green]Phalanx is up[/] in {seconds:.1f} s: router [bold]{state.router_address}[/]", highlight=False)
     if state.gateway_url:
@@ -723,7 +828,8 @@ def _print_ready(console: Console, state: UpState, state_file: Path, seconds: fl
     console.print(f'  try      phalanx generate "The capital of France is"{flags}', highlight=False)
     console.print(f"           phalanx chat{flags}", highlight=False)
     console.print(f"           phalanx status{flags}", highlight=False)
-    console.print(f"           phalanx chaos kill worker-0{state_flag}   (the supervisor replaces it; the rest keeps serving)", highlight=False)
+    first = state.workers[0].worker_id if state.workers else "worker-0"
+    console.print(f"           phalanx chaos kill {first}{state_flag}   (the supervisor replaces it; the rest keeps serving)", highlight=False)
     console.print(f"  stop     phalanx down{down}  (or Ctrl-C in the foreground)", highlight=False)
 
 

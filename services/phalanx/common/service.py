@@ -48,17 +48,21 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import threading
 from collections.abc import Awaitable, Callable, Sequence
 from contextlib import AbstractAsyncContextManager, AsyncExitStack
 from dataclasses import dataclass
+from http import HTTPStatus
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Protocol, TypeVar
+from wsgiref.simple_server import make_server
 
 import grpc
 from grpc_health.v1 import health as grpc_health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CollectorRegistry, make_wsgi_app
+from prometheus_client.exposition import ThreadingWSGIServer, _get_best_family, _SilentHandler
 
 from phalanx.common.config import EtcdConfig, NatsConfig, TelemetryConfig
 from phalanx.common.events import EventBus
@@ -76,6 +80,8 @@ T = TypeVar("T")
 # A restarted service must not share its port with a predecessor still shutting down.
 _BASE_OPTIONS: tuple[tuple[str, Any], ...] = (("grpc.so_reuseport", 0),)
 _METRICS_JOIN_TIMEOUT_S = 2.0
+# Probe paths a service with ``probes`` answers on its metrics port (Kubernetes startup, liveness, readiness).
+PROBE_PATHS = ("/startup", "/live", "/ready")
 
 
 class ListenConfig(Protocol):
@@ -129,13 +135,16 @@ class ServiceShell:
     def __init__(
         self, name: str, listen: ListenConfig, telemetry: TelemetryConfig, *, registry: CollectorRegistry,
         options: Sequence[tuple[str, Any]] = (), tls: ServerTls | None = None, shutdown_grace_s: float = 1.0,
+        probes: Callable[[str], int] | None = None,
     ) -> None:
+        """``probes``: the HTTP status of probe "startup", "live" or "ready", served at /startup, /live, /ready beside /metrics."""
         self.name = name
         self._listen = listen
         self._telemetry = telemetry
         self._registry = registry
         self._options = [*_BASE_OPTIONS, *options]
         self._tls = tls
+        self._probes = probes
         self.shutdown_grace_s = shutdown_grace_s
         self.health = grpc_health.aio.HealthServicer()
         self.ready = asyncio.Event()
@@ -208,7 +217,16 @@ class ServiceShell:
         reflection.enable_server_reflection([*(s.name for s in self._services), grpc_health.SERVICE_NAME, reflection.SERVICE_NAME], server)
         self._started = True
         await server.start()
-        metrics_server, metrics_thread = start_http_server(self._listen.metrics_port, self._listen.host, registry=self._registry)
+        # prometheus_client's start_http_server, with the probes beside /metrics.
+        class Server(ThreadingWSGIServer):
+            pass
+
+        Server.address_family, host = _get_best_family(self._listen.host, self._listen.metrics_port)
+        metrics_server = make_server(
+            host, self._listen.metrics_port, _http_app(self._registry, self._probes), Server, handler_class=_SilentHandler
+        )
+        metrics_thread = threading.Thread(target=metrics_server.serve_forever, name=f"{self.name}-metrics", daemon=True)
+        metrics_thread.start()
         self.metrics_address = f"{self.advertised_host}:{metrics_server.server_port}"
 
         def stop_metrics() -> None:
@@ -267,6 +285,23 @@ class ServiceShell:
             async with self._stack:
                 if self._server is not None:
                     await self._server.stop(0)  # a no-op after stop_server(); cancels what still runs after a failure
+
+
+def _http_app(registry: CollectorRegistry, probes: Callable[[str], int] | None) -> Callable[..., Any]:
+    """/metrics (any path, as prometheus_client serves it), and with ``probes`` the PROBE_PATHS: probes(name) is the status."""
+    metrics = make_wsgi_app(registry)
+    if probes is None:
+        return metrics
+
+    def app(environ: dict[str, Any], start_response: Callable[..., Any]) -> Any:
+        path = environ.get("PATH_INFO", "")
+        if path not in PROBE_PATHS:
+            return metrics(environ, start_response)
+        status = HTTPStatus(probes(path[1:]))
+        start_response(f"{status.value} {status.phrase}", [("Content-Type", "text/plain; charset=utf-8")])
+        return [f"{status.phrase}\n".encode()]
+
+    return app
 
 
 def run_until_signalled(process: Runnable) -> None:

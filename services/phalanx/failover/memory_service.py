@@ -91,6 +91,7 @@ class MemoryServiceServer:
         self._segments: dict[str, _Segment] = {}
         self._server: asyncio.AbstractServer | None = None
         self._connections: set[asyncio.StreamWriter] = set()
+        self._handlers: set[asyncio.Task[None]] = set()
         self._readers = Gauge("phalanx_memory_readers", "Connections holding a read grant", registry=registry)
         self._writers = Gauge("phalanx_memory_writers", "Connections holding a write grant", registry=registry)
 
@@ -104,6 +105,9 @@ class MemoryServiceServer:
             self._server.close()
             for connection in list(self._connections):
                 connection.close()  # engines see EOF: the service is gone
+            if self._handlers:
+                # They end on their closed connections; left to asyncio.run's cancellation they would log tracebacks.
+                await asyncio.wait(set(self._handlers), timeout=1.0)
             await self._server.wait_closed()
             self._server = None
         with contextlib.suppress(FileNotFoundError):
@@ -118,6 +122,10 @@ class MemoryServiceServer:
         me = object()
         segment: _Segment | None = None
         self._connections.add(writer)
+        handler = asyncio.current_task()
+        if handler is not None:
+            self._handlers.add(handler)
+            handler.add_done_callback(self._handlers.discard)
         try:
             request = json.loads(await reader.readline() or b"null")
             if not isinstance(request, dict) or request.get("role") not in ("write", "read") or not request.get("layout"):

@@ -28,6 +28,7 @@ from phalanx.launch.ports import free_port
 
 __all__ = [
     "CheckpointStoreHandle",
+    "FailoverEngineHandle",
     "GatewayHandle",
     "HealthHandle",
     "PlannerHandle",
@@ -35,12 +36,15 @@ __all__ = [
     "ServiceHandle",
     "WorkerHandle",
     "start_checkpoint_store",
+    "start_failover_engine",
     "start_gateway",
     "start_health",
+    "start_memory_service",
     "start_migration",
     "start_planner",
     "start_router",
     "start_worker",
+    "wait_registered",
 ]
 
 
@@ -98,6 +102,39 @@ class WorkerHandle(ServiceHandle):
                     if b"phalanx.worker.tp_follower" in Path(f"/proc/{pid}/cmdline").read_bytes():
                         pids.append(int(pid))
         return sorted(pids)
+
+
+class FailoverEngineHandle(WorkerHandle):
+    """An engine of a failover slot: a worker that may be standing by (not registered yet), with its HTTP probes."""
+
+    role = ""  # the role it was started in: primary or shadow
+
+    def failover_state(self) -> str:
+        """init, standby, waking, active or dead (its /metrics' phalanx_failover_state); "gone" if it does not answer."""
+        try:
+            value = self.metric("phalanx_failover_state")
+        except (urllib.error.URLError, OSError):
+            return "gone"
+        names = ("init", "standby", "waking", "active", "dead")
+        return names[int(value)] if value is not None and 0 <= int(value) < len(names) else "gone"
+
+    def probe(self, name: str) -> int | None:
+        """The status of /startup, /live or /ready; None if the port refuses (the process is gone or not listening yet)."""
+        try:
+            with urllib.request.urlopen(f"http://{self.metrics_address}/{name}", timeout=2) as reply:
+                return int(reply.status)
+        except urllib.error.HTTPError as error:
+            return int(error.code)
+        except (urllib.error.URLError, OSError):
+            return None
+
+    def memory_kib(self) -> dict[str, int]:
+        """/proc/PID/smaps_rollup in KiB (Rss, Pss, Shared_Clean, Private_Dirty …)."""
+        fields = {}
+        for line in Path(f"/proc/{self.process.pid}/smaps_rollup").read_text().splitlines()[1:]:
+            key, value = line.split(":", 1)
+            fields[key] = int(value.split()[0])
+        return fields
 
 
 class RouterHandle(ServiceHandle):
@@ -161,6 +198,68 @@ async def start_worker(
     )
     registration = await _registration(process, WorkerDirectory(etcd_config), worker_id, 60)
     return WorkerHandle(worker_id, process, registration.address, registration.metrics_address)
+
+
+async def start_memory_service(socket_path: str, root: str, *, name: str = "memory", timeout: float = 30.0) -> ServiceHandle:
+    """A weight memory service (``phalanx memory-service``), returned once its socket is open; ``address`` is the socket."""
+    process = _spawn(["memory-service", "--socket-path", socket_path, "--root", root, "--port", "0", "--log-level", "WARNING"], {})
+    deadline = time.monotonic() + timeout
+    while not await asyncio.to_thread(os.path.exists, socket_path):
+        if process.poll() is not None:
+            raise RuntimeError(f"{name} exited with {process.returncode} before it opened {socket_path}")
+        if time.monotonic() > deadline:
+            process.kill()
+            raise TimeoutError(f"{name} did not open {socket_path} within {timeout:.0f} s")
+        await asyncio.sleep(0.02)
+    return ServiceHandle(name, process, socket_path)
+
+
+async def start_failover_engine(
+    worker_id: str, nats_url: str, etcd_config: EtcdConfig, *extra: str, model: str, role: str, engine_id: int, lock: str,
+    memory_socket: str, slot: str, env: dict | None = None, timeout: float = 60.0, wait_startup: bool = True,
+) -> FailoverEngineHandle:
+    """An engine of a failover slot, returned once its startup probe passes (standing by, or further); without
+    ``wait_startup`` once its probes answer at all."""
+    metrics_port = free_port()
+    process = _spawn(
+        ["worker", "--worker-id", worker_id, "--nats-url", nats_url, "--etcd-endpoint", etcd_config.endpoint, "--port", "0",
+         "--metrics-port", str(metrics_port), "--model", model, "--log-level", "WARNING", "--failover-role", role,
+         "--engine-id", str(engine_id), "--failover-lock", lock, "--memory-socket", memory_socket, "--failover-slot", slot, *extra],
+        {"PHALANX_ETCD_LEASE_TTL_S": str(etcd_config.lease_ttl_s), **(env or {})},
+    )
+    handle = FailoverEngineHandle(worker_id, process, "", f"127.0.0.1:{metrics_port}")
+    handle.role = role
+    deadline = time.monotonic() + timeout
+    try:
+        while await asyncio.to_thread(handle.probe, "startup") not in ((200,) if wait_startup else (200, 503)):
+            if process.poll() is not None:
+                raise RuntimeError(f"{worker_id} exited with {process.returncode} before it stood by")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{worker_id} did not pass its startup probe within {timeout:.0f} s")
+            await asyncio.sleep(0.05)
+    except BaseException:
+        handle.kill()
+        raise
+    return handle
+
+
+async def wait_registered(handle: WorkerHandle, etcd_config: EtcdConfig, timeout: float = 30.0) -> common_pb2.WorkerRegistration:
+    """``handle``'s registration once it is in etcd (its address and metrics address filled in on the handle)."""
+    directory = WorkerDirectory(etcd_config)
+    deadline = time.monotonic() + timeout
+    try:
+        while True:
+            if handle.process.poll() is not None:
+                raise RuntimeError(f"{handle.name} exited with {handle.process.returncode} before registering")
+            entry = (await directory.list()).get(handle.name)
+            if entry is not None and entry.pid == handle.process.pid:
+                handle.address = entry.address
+                return entry
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{handle.name} did not register within {timeout:.0f} s")
+            await asyncio.sleep(0.02)
+    finally:
+        await directory.close()
 
 
 async def start_router(

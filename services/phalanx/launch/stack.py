@@ -4,28 +4,59 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import shutil
+import tempfile
 import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
 
 from phalanx.common.config import EtcdConfig
 from phalanx.launch.services import (
     CheckpointStoreHandle,
+    FailoverEngineHandle,
     HealthHandle,
     RouterHandle,
     ServiceHandle,
     WorkerHandle,
     start_checkpoint_store,
+    start_failover_engine,
     start_health,
+    start_memory_service,
     start_migration,
     start_router,
     start_worker,
+    wait_registered,
 )
 
-__all__ = ["Stack", "unique_id"]
+__all__ = ["FailoverSlot", "Stack", "unique_id"]
 
 
 def unique_id(name: str) -> str:
     """``name`` with a random suffix: a killed service's etcd key may outlive it by a lease TTL."""
     return f"{name}-{uuid.uuid4().hex[:6]}"
+
+
+@dataclass
+class FailoverSlot:
+    """One failover slot: its directory (lock, memory socket, weight segments: the pod's emptyDir), memory service, engines."""
+
+    name: str
+    directory: Path
+    memory: ServiceHandle
+    engines: list[FailoverEngineHandle] = field(default_factory=list)
+    next_engine_id: int = 0
+
+    @property
+    def lock(self) -> str:
+        return str(self.directory / "failover.lock")
+
+    @property
+    def socket(self) -> str:
+        return str(self.directory / "memory.sock")
+
+    @property
+    def segments(self) -> str:
+        return str(self.directory / "segments")
 
 
 class Stack:
@@ -40,6 +71,7 @@ class Stack:
         self.healths: list[HealthHandle] = []
         self.stores: list[CheckpointStoreHandle] = []
         self.migrations: list[ServiceHandle] = []
+        self.slots: list[FailoverSlot] = []
 
     async def add_workers(self, count: int, *extra: str, env: dict | None = None, tensor_parallel_size: int = 1) -> list[WorkerHandle]:
         """``count`` workers started in parallel (deterministic numerics unless ``extra`` says --fast); each one a group
@@ -73,9 +105,45 @@ class Stack:
         self.migrations.append(handle)
         return handle
 
+    async def add_failover_slot(self, *extra: str, env: dict | None = None, engines: bool = True) -> FailoverSlot:
+        """A slot serving: its memory service, a primary engine (id 0, registered) and a shadow (id 1, standing by);
+        without ``engines`` its memory service only."""
+        directory = Path(tempfile.mkdtemp(prefix="phalanx-slot-", dir="/dev/shm"))
+        name = unique_id("slot")
+        try:
+            memory = await start_memory_service(str(directory / "memory.sock"), str(directory / "segments"), name=f"{name}-memory")
+        except BaseException:
+            shutil.rmtree(directory, ignore_errors=True)
+            raise
+        slot = FailoverSlot(name, directory, memory)
+        self.slots.append(slot)
+        if not engines:
+            return slot
+        primary = await self.add_failover_engine(slot, "primary", *extra, env=env)
+        await wait_registered(primary, self.etcd_config)
+        await self.add_failover_engine(slot, "shadow", *extra, env=env)
+        return slot
+
+    async def add_failover_engine(
+        self, slot: FailoverSlot, role: str, *extra: str, env: dict | None = None, wait_startup: bool = True
+    ) -> FailoverEngineHandle:
+        """One more engine of ``slot`` (deterministic numerics unless ``extra`` says --fast), returned once standing by
+        (or once its probes answer, without ``wait_startup``); the slot's first engine gets id 0 and loads the weights."""
+        flags = extra if "--fast" in extra else ("--deterministic", *extra)
+        engine_id, slot.next_engine_id = slot.next_engine_id, slot.next_engine_id + 1
+        engine = await start_failover_engine(
+            unique_id(f"{slot.name}-e{engine_id}"), self.nats_url, self.etcd_config, *flags, model=self.model, role=role,
+            engine_id=engine_id, lock=slot.lock, memory_socket=slot.socket, slot=slot.name, env=env, wait_startup=wait_startup,
+        )
+        slot.engines.append(engine)
+        return engine
+
     def stop(self) -> None:
         """SIGTERM every process (health first, so that it marks nothing dead on the way out; then routers, so that none
         routes to a stopping worker)."""
-        for handle in [*self.healths, *self.routers, *self.migrations, *self.workers, *self.stores]:
+        engines = [e for slot in self.slots for e in slot.engines]
+        for handle in [*self.healths, *self.routers, *self.migrations, *self.workers, *engines, *self.stores, *(s.memory for s in self.slots)]:
             with contextlib.suppress(Exception):
                 handle.terminate(timeout=20)
+        for slot in self.slots:
+            shutil.rmtree(slot.directory, ignore_errors=True)

@@ -44,6 +44,11 @@ class MigrationConfig(BaseSettings):
         0.1, ge=0, le=5.0,
         description="The targets' Stats serve the migrations that come within this of the answer (their own restores are counted on top)",
     )
+    failover_wait_s: float = Field(
+        2.0, ge=0, le=60.0,
+        description="How long the requests of a dead engine of a failover slot wait for the slot's next engine (its shadow, "
+        "which takes over within a fraction of a second) before they go to other workers; 0 never waits",
+    )
     max_attempts: int = Field(4, ge=1, le=16, description="Targets tried per request before giving up")
     remember_s: float = Field(120.0, gt=0, description="How long a finished migration answers repeated calls for the same request")
     parallel: int = Field(16, ge=1, le=256, description="Migrations run at once; the rest wait, lower RequestState.priority (premium) first")

@@ -10,6 +10,12 @@ commit that lags far behind can lose to a fresh re-prefill. Targets are
 tried in order of load among workers with enough free blocks, never the
 failing one; a target that refuses (no blocks) passes the request on.
 
+An engine of a failover slot (its registration names the slot) has a
+natural heir: the slot's shadow, which takes the slot's lock the moment the
+engine dies and registers a fraction of a second later. Its requests wait
+for it (up to ``failover_wait_s``) and go there first; the usual choice
+follows if it does not come or refuses.
+
 Concurrent calls for the same request (the router saw the stream break
 while health declared the worker dead) share one migration, and a finished
 one answers late callers for `remember_s`.
@@ -158,6 +164,10 @@ class Migrator:
         self._channels = GrpcChannels(_OPTIONS, traced=False)
         # First failure seen per worker (the restart strategy waits for a worker registered after it).
         self._failed_at: dict[str, float] = {}
+        # The failover slot of every worker seen registered with one: a dead engine's key may be gone when asked.
+        self._slots: dict[str, str] = {}
+        # The requests of one dead engine wait for its slot's next engine together, and share what they find.
+        self._heirs: SharedCalls = SharedCalls(reuse_s=1.0)
         # Measured as transfers happen (EMA), starting from the configured guess.
         self.link_bytes_per_s = config.link_bytes_per_s
 
@@ -221,7 +231,9 @@ class Migrator:
             source = registrations.get(request.worker_id)
             largest = max((p for p in (handoff, commit[0] if commit else None, known) if p is not None), key=lambda p: p.num_tokens, default=None)
             # The likely target's own measured rates price recomputing; the link's measured bandwidth prices moving KV.
-            target = await self._pick_target(largest, registrations, {request.worker_id}) if largest is not None else None
+            target = await self._heir(request.worker_id, source) if self.config.strategy != "restart" else None
+            if target is None and largest is not None:
+                target = await self._pick_target(largest, registrations, {request.worker_id})
             stats = target[1] if target is not None else None
             # Without a commit's layout, the failed worker's registration tells it (else the target's: the same model).
             bytes_per_token = layout_bytes or registration_bytes_per_token(source, target[0] if target is not None else None)
@@ -248,6 +260,41 @@ class Migrator:
                 worker_address=response.worker_address, method=response.method, at=time.time(),
             ))
         return response
+
+    async def _heir(
+        self, failed_worker: str, source: common_pb2.WorkerRegistration | None
+    ) -> tuple[common_pb2.WorkerRegistration, common_pb2.LoadReport] | None:
+        """The failed engine's failover slot's next engine, once registered (None: not an engine of a slot, or none came)."""
+        if source is not None and source.failover_slot:
+            self._slots[failed_worker] = source.failover_slot
+        slot = self._slots.get(failed_worker)
+        if not slot or self.config.failover_wait_s <= 0:
+            return None
+        heir = await self._heirs.get((slot, failed_worker), lambda: self._wait_for_heir(slot, failed_worker))
+        if heir is None:
+            return None
+        load = (await self._loads_of({heir.worker_id: heir})).get(heir.worker_id)
+        return heir, load or common_pb2.LoadReport(worker_id=heir.worker_id, total_blocks=heir.total_blocks, free_blocks=heir.total_blocks)
+
+    async def _wait_for_heir(self, slot: str, failed_worker: str) -> common_pb2.WorkerRegistration | None:
+        started = time.monotonic()
+        deadline = started + self.config.failover_wait_s
+        while True:
+            registrations = await self.workers.list()
+            for worker_id, registration in registrations.items():
+                if registration.failover_slot:
+                    self._slots[worker_id] = registration.failover_slot
+            heirs = [r for w, r in registrations.items() if r.failover_slot == slot and w != failed_worker]
+            if heirs:
+                heir = max(heirs, key=lambda r: r.started_at)
+                log.info("%s's slot %s is served by %s now (found after %.3f s)", failed_worker, slot, heir.worker_id,
+                         time.monotonic() - started)
+                return heir
+            if time.monotonic() >= deadline:
+                log.warning("no engine of %s's slot %s registered within %.1f s; migrating to peers", failed_worker, slot,
+                            self.config.failover_wait_s)
+                return None
+            await asyncio.sleep(0.01)
 
     async def _commit(self, request: M.MigrateRequest) -> tuple[str, tuple[Plan, int] | None]:
         """The address of the store holding the request's commit record, and that record as a plan (with KV bytes

@@ -81,6 +81,15 @@ def load_gguf(path: Path, *, name: str, cache_root: Path | None = None) -> tuple
     return model, tokenizer, f"{name}@{digest[:12]}"
 
 
+def gguf_skeleton(path: Path, *, name: str) -> tuple[ModelConfig, HFTokenizer, str]:
+    """What ``load_gguf`` gives but the weights: (config, tokenizer, model_version), from the file's header (the reader
+    maps the file; no tensor is read)."""
+    reader = read_gguf(path)
+    meta = metadata(reader)
+    config = config_from_gguf(meta, [t.name for t in reader.tensors], name=name)
+    return config, build_tokenizer(meta), f"{name}@{content_hash(path)[:12]}"
+
+
 def dequantized_state_dict(reader: GGUFReader, config: ModelConfig) -> dict[str, torch.Tensor]:
     """Our parameter names -> float32 tensors, Q/K rows back in Hugging Face's RoPE order."""
     from gguf.quants import dequantize

@@ -69,6 +69,36 @@ def load(
     return model
 
 
+def skeleton(name_or_path: str | Path, *, dtype: torch.dtype = torch.float32, seed: int | None = None) -> Transformer:
+    """The model ``load`` would give, on the meta device (no weights), with its tokenizer and ``version``.
+
+    A failover engine attaches shared weights to it (phalanx.failover.weights) instead of loading them.
+    """
+    if str(name_or_path) in BUILTIN_MODELS:
+        config = builtin_config(str(name_or_path), **({"seed": seed} if seed is not None else {}))
+        tokenizer: Tokenizer = ByteTokenizer()
+        version = model_version(name_or_path, config)
+    elif (gguf := gguf_file(name_or_path)) is not None:
+        from phalanx.model.gguf_weights import gguf_skeleton
+
+        name = str(name_or_path) if str(name_or_path) in BUILTIN_CHECKPOINTS else gguf.stem
+        config, tokenizer, version = gguf_skeleton(gguf, name=name)
+    elif (Path(name_or_path) / "config.json").is_file():
+        path = Path(name_or_path)
+        config = ModelConfig.from_hf_dir(path)
+        tokenizer = load_tokenizer(path, bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id)
+        version = model_version(name_or_path, config)
+    else:
+        raise CheckpointError(f"{name_or_path} is not a built-in model ({known_models()}), a .gguf file or a directory with config.json")
+    with torch.device("meta"):
+        model = Transformer(config)
+    model = model.to(dtype=dtype).eval()
+    model.requires_grad_(False)
+    model.tokenizer = tokenizer
+    model.version = version
+    return model
+
+
 def model_version(name_or_path: str | Path, config: ModelConfig) -> str:
     """What the weights are: ``<name>@seed=<seed>`` (built-in) or ``<name>@<12 hex digits>`` (checkpoint).
 

@@ -129,6 +129,8 @@ class _Flow:
     prompt_ids: list[int]
     next_index: int = 0
     first_sent: bool = False
+    # The worker the client was last told produced its tokens (a migration changes it: the next chunk names the new one).
+    named_worker: str = ""
     # What the client has: the fallback state for a migration when the checkpoint store has none.
     sampling: common_pb2.SamplingParams | None = None
     output_ids: list[int] = field(default_factory=list)
@@ -563,6 +565,8 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
                 )
                 if c.seed and not flow.seed:
                     flow.seed = c.seed
+                if flow.named_worker != flow.record.worker_id:
+                    flow.named_worker = out.worker_id = flow.record.worker_id
                 if not flow.first_sent:
                     flow.first_sent = True
                     out.worker_id = flow.record.worker_id

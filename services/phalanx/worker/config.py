@@ -158,6 +158,22 @@ class WorkerConfig(BaseSettings):
         "channel forms in the background for the next restore): right after a failure, forming one took ~300 ms, against "
         "~70 ms for 32 MiB over gRPC (0.45 GB/s; 3 ms to form and 2.8 GB/s on an idle host, `phalanx bench channel`)",
     )
+    failover_role: Literal["none", "primary", "shadow"] = Field(
+        "none",
+        description="An engine of a failover slot (issue 14): weights from the memory service, serves only while it holds the "
+        "slot's lock; primary and shadow differ only in what they count (a shadow's takeover is a switch). none: a plain worker",
+    )
+    engine_id: int = Field(0, ge=0, description="Engine id within the failover slot: 0 may load and publish the weights, others only map them")
+    failover_lock: str = Field("", description="The slot's lock file, on a volume both engines see (an emptyDir)")
+    memory_socket: str = Field("", description="Unix socket of the slot's memory service (phalanx memory-service)")
+    failover_slot: str = Field(
+        "", description="The slot's id, in the worker's registration: migration sends a dead engine's requests to its slot's "
+        "next engine; empty means <hostname>:<lock path>"
+    )
+    wake_timeout_s: float = Field(
+        30.0, gt=0, description="Longest a takeover (KV allocation, engine start, registration) may take before the engine exits (3)"
+    )
+    weights_timeout_s: float = Field(30.0, gt=0, description="Longest a read-only engine waits for the weights to be committed")
     max_message_bytes: int = Field(4 * 1024 * 1024, ge=1024, description="Largest gRPC request accepted")
     chaos_enabled: bool = Field(
         False, description="Serve the ChaosService (fault injection, for tests and game days); needs chaos_token"
@@ -165,6 +181,16 @@ class WorkerConfig(BaseSettings):
     chaos_token: str = Field(
         "", repr=False, description="Admin token the ChaosService requires as 'authorization: Bearer <token>' (16+ characters)"
     )
+
+    @property
+    def failover(self) -> bool:
+        return self.failover_role != "none"
+
+    @model_validator(mode="after")
+    def _check_failover(self) -> WorkerConfig:
+        if self.failover and not (self.failover_lock and self.memory_socket):
+            raise ValueError("a failover engine needs failover_lock and memory_socket (PHALANX_WORKER_FAILOVER_LOCK, _MEMORY_SOCKET)")
+        return self
 
     @model_validator(mode="after")
     def _check_chaos(self) -> WorkerConfig:

@@ -5,16 +5,24 @@ engine -> register in etcd -> SERVING. Stop (SIGTERM or Drain): NOT_SERVING
 -> drain the engine (finish or hand back) -> stop gRPC -> revoke the lease
 -> close NATS. Quarantine (Drain keep_running): NOT_SERVING, drained, up and
 running canaries until Undrain (SERVING again) or a stop.
+
+A failover engine (``--failover-role``, phalanx.worker.failover) maps the
+slot's shared weights instead of loading them and stands by, unregistered,
+until it holds the slot's lock; only then does it allocate its KV cache,
+start the engine and register (under a watchdog). A broken memory service or
+a lost lock ends it with exit status 1.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import socket
 import time
 from contextlib import aclosing
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -35,6 +43,8 @@ from phalanx.common.subjects import (
     worker_key,
 )
 from phalanx.common.telemetry import get_tracer
+from phalanx.failover.lock import FileFailoverLock
+from phalanx.failover.memory_service import MemoryServiceClient
 from phalanx.model import load
 from phalanx.model.kv_cache import BLOCK_SIZE, KvEvents
 from phalanx.worker.async_engine import AsyncEngine
@@ -42,6 +52,7 @@ from phalanx.worker.chaos import ChaosServicer
 from phalanx.worker.checkpointing import CheckpointCapture, CheckpointStreamer
 from phalanx.worker.config import EngineConfig, WorkerConfig
 from phalanx.worker.engine import Engine
+from phalanx.worker.failover import FailoverEngine, FailoverMetrics, FailoverState, SwitchLedger, WakeWatchdog
 from phalanx.worker.faults import FaultKind, FaultState
 from phalanx.worker.metrics import WorkerMetrics
 from phalanx.worker.server import KvSourceServicer, WorkerServicer, drain_engine, snapshot_to_proto
@@ -73,6 +84,9 @@ class WorkerProcess:
         self.telemetry_config = telemetry
         self.worker_id = validate_worker_id(worker.worker_id or f"{socket.gethostname()}-{os.getpid()}")
         self.metrics = WorkerMetrics(self.worker_id)
+        self.failover = self._failover_engine() if worker.failover else None
+        # Non-zero when the worker ends because it must be restarted (a failover engine's memory service or lock went).
+        self.exit_code = 0
         self.shell = ServiceShell(
             "phalanx-worker", worker, telemetry, registry=self.metrics.registry,
             options=[
@@ -80,6 +94,7 @@ class WorkerProcess:
                 # Routers ping every 10 s on open streams to notice a dead worker; the default would GOAWAY them.
                 ("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000),
             ],
+            probes=self.failover.probe if self.failover is not None else None,
         )
         self.health = self.shell.health
         self.ready = self.shell.ready
@@ -111,15 +126,29 @@ class WorkerProcess:
             await shell.start()
             self._bus = await EventBus.connect(self.nats_config, name=f"worker-{self.worker_id}")
             shell.push_async_callback(self._close_nats)
-            engine, model = await self._load(shell)
+            watchdog = None
+            if self.failover is None:
+                engine, model = await self._load(shell)
+            else:
+                woken = await self._take_over(shell, self.failover)
+                if woken is None:
+                    return
+                engine, model, watchdog = woken
+                self.failover.mark("engine")
             await self._endpoint.start()
             if self._capture is not None:
                 self._streamer = self._checkpoint_streamer(self._capture, engine, model)
                 shell.push_async_callback(self._streamer.stop)
                 await self._streamer.start()
             servicer.attach(engine, model_version=model.version)
+            if self.failover is not None:
+                self.failover.mark("channels+checkpointing")
             self._registration = await shell.register(self.etcd_config, worker_key(self.worker_id), self._registration_value(model))
-            await shell.set_serving(True)
+            if self.failover is not None and watchdog is not None:
+                watchdog.cancel()
+                self.failover.mark("registered")
+                self.failover.activated()
+            await self._set_serving(True)
             self.metrics.for_worker(self.metrics.serving).set(1)
             self.metrics.for_worker(self.metrics.batch_scale).set(1)
             log.info("worker %s serving %s (%s) on %s", self.worker_id, model.config.name, model.version, self.address)
@@ -133,6 +162,61 @@ class WorkerProcess:
                 await self._shutdown(engine)
                 for task in loops:
                     task.cancel()
+
+    def _failover_engine(self) -> FailoverEngine:
+        c = self.config
+        if self.engine_config.engine != "torch" or self.engine_config.tensor_parallel_size != 1:
+            raise ValueError("a failover engine runs the torch engine in one process (engine=torch, tensor_parallel_size=1)")
+        lock_path = os.path.abspath(c.failover_lock)
+        slot = c.failover_slot or f"{socket.gethostname()}:{lock_path}"
+        return FailoverEngine(
+            lock=FileFailoverLock(lock_path, f"{c.engine_id}:{self.worker_id}"), memory=MemoryServiceClient(c.memory_socket),
+            engine_id=c.engine_id, role=c.failover_role, slot=slot,
+            metrics=FailoverMetrics(self.metrics.registry, self.worker_id, c.failover_role, slot),
+            ledger=SwitchLedger(Path(f"{lock_path}.switches.json")), weights_timeout_s=c.weights_timeout_s,
+        )
+
+    async def _take_over(self, shell: ServiceShell, failover: FailoverEngine) -> tuple[AsyncEngine, Any, WakeWatchdog] | None:
+        """INIT -> shared weights -> STANDBY until the lock is ours -> WAKING: the engine, with a watchdog the caller
+        cancels once registered. None if a stop or a failure came first (exit_code says which)."""
+        shell.push_async_callback(failover.close)
+        self._set_torch_threads()
+        with get_tracer(__name__).start_as_current_span("worker.map_weights"):
+            loading = asyncio.ensure_future(
+                failover.load_model(self.engine_config.model, dtype=self.engine_config.torch_dtype(), seed=self.engine_config.seed)
+            )
+            stopping = asyncio.ensure_future(shell.wait_for_stop())
+            await asyncio.wait({loading, stopping}, return_when=asyncio.FIRST_COMPLETED)
+            stopping.cancel()
+            if not loading.done():  # stopped while waiting for the weights (a read-only engine before engine 0 published)
+                loading.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await loading
+                return None
+            model = loading.result()
+        log.info("engine %d (%s) of slot %s standing by on shared weights", failover.engine_id, failover.role, failover.slot)
+        if not await failover.stand_by(shell.wait_for_stop):
+            self._fail_if(failover)
+            return None
+        failover.enter(FailoverState.WAKING)
+        watchdog = WakeWatchdog(self.config.wake_timeout_s, f"the wake of engine {failover.engine_id}").start()
+        shell.callback(watchdog.cancel)
+        log.warning("engine %d (%s) holds the slot's lock after %.3f s standing by: waking", failover.engine_id, failover.role,
+                    failover.standby_s)
+        engine = await self._start_engine(shell, model)
+        return engine, model, watchdog
+
+    def _fail_if(self, failover: FailoverEngine) -> bool:
+        why = failover.failure()
+        if why is not None:
+            log.error("%s: the engine exits non-zero so that it is restarted", why)
+            self.exit_code = 1
+        return why is not None
+
+    async def _set_serving(self, serving: bool) -> None:
+        await self.shell.set_serving(serving)
+        if self.failover is not None:
+            self.failover.serving = serving
 
     @property
     def _endpoint(self) -> ChannelEndpoint:
@@ -164,13 +248,8 @@ class WorkerProcess:
 
     async def _load(self, shell: ServiceShell) -> tuple[AsyncEngine, Any]:
         """The model (split over the follower ranks with tensor parallelism) and its engine, started; both stopped at exit."""
-        c = self.config
         simulated = self.engine_config.engine == "sim"
-        if simulated:
-            # Nothing to compute: one thread, so that dozens of simulated workers share a small box.
-            torch.set_num_threads(1)
-        elif self.engine_config.device == "cpu":
-            torch.set_num_threads(self.engine_config.effective_torch_threads())
+        self._set_torch_threads()
         with get_tracer(__name__).start_as_current_span("worker.load_model"):
             runner = None
             model: Any  # a Transformer, or a SimulatedModel that quacks like one to the engine (no weights)
@@ -181,22 +260,38 @@ class WorkerProcess:
                     load, self.engine_config.model, device=self.engine_config.device,
                     dtype=self.engine_config.torch_dtype(), seed=self.engine_config.seed,
                 )
-            # Before the followers get the config and the registration announces the cache's size.
-            mc = model.config
-            self.engine_config = self.engine_config.sized_for(mc.num_layers, mc.num_kv_heads, mc.head_dim, model.dtype.itemsize)
             cache = None
             if self.engine_config.tensor_parallel_size > 1:
+                self._size_for(model)  # before the followers get the config
                 shell.push_async_callback(self._stop_tensor_parallel)
                 model, cache = await self._start_tensor_parallel(model)
-            if c.checkpointing:
-                self._capture = CheckpointCapture(c.checkpoint_max_pending_bytes, interval_tokens=c.checkpoint_interval_tokens)
-            engine = AsyncEngine(
-                Engine(model, self.engine_config, faults=self.faults, cache=cache, runner=runner), on_kv_events=self._kv_outbox.put_nowait,
-                checkpoints=self._capture,
-            )
+        return await self._start_engine(shell, model, cache=cache, runner=runner), model
+
+    def _set_torch_threads(self) -> None:
+        if self.engine_config.engine == "sim":
+            # Nothing to compute: one thread, so that dozens of simulated workers share a small box.
+            torch.set_num_threads(1)
+        elif self.engine_config.device == "cpu":
+            torch.set_num_threads(self.engine_config.effective_torch_threads())
+
+    def _size_for(self, model: Any) -> None:
+        # Before the registration announces the cache's size.
+        mc = model.config
+        self.engine_config = self.engine_config.sized_for(mc.num_layers, mc.num_kv_heads, mc.head_dim, model.dtype.itemsize)
+
+    async def _start_engine(self, shell: ServiceShell, model: Any, *, cache: Any = None, runner: Any = None) -> AsyncEngine:
+        """The engine on `model` (its KV cache allocated here unless a tensor-parallel group brings it), started; stopped at exit."""
+        c = self.config
+        self._size_for(model)
+        if c.checkpointing:
+            self._capture = CheckpointCapture(c.checkpoint_max_pending_bytes, interval_tokens=c.checkpoint_interval_tokens)
+        engine = AsyncEngine(
+            Engine(model, self.engine_config, faults=self.faults, cache=cache, runner=runner), on_kv_events=self._kv_outbox.put_nowait,
+            checkpoints=self._capture,
+        )
         shell.push_async_callback(engine.stop)
         await engine.start()
-        return engine, model
+        return engine
 
     async def _stop_tensor_parallel(self) -> None:
         # After the engine thread ended (its undo runs first): nothing else issues a collective any more.
@@ -229,6 +324,8 @@ class WorkerProcess:
             if engine.dead is not None:
                 log.error("engine died; worker exits so that its lease lapses and it is replaced")
                 return
+            if self.failover is not None and self._fail_if(self.failover):
+                return
             try:
                 await asyncio.wait_for(self.shell.wait_for_stop(), timeout=0.5)
             except TimeoutError:
@@ -236,6 +333,8 @@ class WorkerProcess:
 
     async def _shutdown(self, engine: AsyncEngine) -> None:
         self.metrics.for_worker(self.metrics.serving).set(0.5)
+        if self.failover is not None:
+            self.failover.serving = False
         await self.shell.stop_serving()
         await self._drain(engine, self.config.drain_grace_s)  # a no-op after a Drain that already ran
         # Streams already ended (finished or handed back); this only lets their last bytes flush.
@@ -247,7 +346,7 @@ class WorkerProcess:
         if keep_running and not engine.exiting:
             self._quarantined = True
             self.metrics.for_worker(self.metrics.serving).set(0.5)
-            await self.shell.set_serving(False)
+            await self._set_serving(False)
             drained = await drain_engine(engine, grace_s, keep_running=True, park_ttl_s=self._park_ttl())
             log.warning("quarantined: %d finished, %d handed back; admitting canaries only until Undrain", *drained)
             return drained
@@ -257,7 +356,7 @@ class WorkerProcess:
 
     async def _drain_to_exit(self, engine: AsyncEngine, grace_s: float) -> tuple[int, int]:
         self.metrics.for_worker(self.metrics.serving).set(0.5)
-        await self.shell.set_serving(False)
+        await self._set_serving(False)
         drained = await drain_engine(engine, grace_s, park_ttl_s=self._park_ttl())
         log.info("drained: %d finished, %d handed back", *drained)
         # Parked KV leaves with the process: stay up (serving KvSource only) until it was transferred or expired.
@@ -276,7 +375,7 @@ class WorkerProcess:
             return False
         self._quarantined = False
         engine.draining = False
-        await self.shell.set_serving(True)
+        await self._set_serving(True)
         self.metrics.for_worker(self.metrics.serving).set(1)
         log.warning("quarantine lifted: admitting requests again")
         return True
@@ -305,6 +404,7 @@ class WorkerProcess:
                 tensor_parallel_size=self.engine_config.tensor_parallel_size,
                 num_layers=model.config.num_layers, num_kv_heads=model.config.num_kv_heads, head_dim=model.config.head_dim,
                 kv_dtype=str(model.dtype).removeprefix("torch."),
+                failover_slot=self.failover.slot if self.failover is not None else "",
             )
         )
 

@@ -39,12 +39,20 @@ from phalanx.common.config import EtcdConfig, TelemetryConfig
 from phalanx.common.discovery import EtcdDirectory, WorkerDirectory, decode_json
 from phalanx.common.lease import Backoff, connect_etcd
 from phalanx.common.service import ServiceShell
-from phalanx.common.subjects import DEGRADATION_KEY, HEALTH_PREFIX, PLANNER_LEADER_KEY, ROUTERS_PREFIX, validate_worker_id
+from phalanx.common.subjects import (
+    DEGRADATION_KEY,
+    HEALTH_PREFIX,
+    PLANNER_LEADER_KEY,
+    ROUTERS_PREFIX,
+    SPARES_PREFIX,
+    spare_key,
+    validate_worker_id,
+)
 from phalanx.health.leader import LeaderElection
 from phalanx.planner.config import PlannerConfig
 from phalanx.planner.connectors import Connector, DecisionRecord, VirtualConnector, read_decision, read_target
 from phalanx.planner.correction import CorrectionConfig, CorrectionTracker, expected_itl_s, expected_ttft_s
-from phalanx.planner.decisions import Decision, DecisionConfig, DecisionMachine, Outcome, Readiness
+from phalanx.planner.decisions import Decision, DecisionConfig, DecisionMachine, DecisionReason, Outcome, Readiness
 from phalanx.planner.distribution import Summary
 from phalanx.planner.metrics import PlannerMetrics
 from phalanx.planner.observations import Observation, Scrape, observe_prometheus, observe_scrapes, parse_scrape, promql_queries
@@ -92,6 +100,9 @@ class Planner:
         self._scraped_twice = False
         self._operator_target: int | None = None
         self._workers = 0
+        self._spare_marks = EtcdDirectory(etcd_config, prefix=SPARES_PREFIX, message_type=common_pb2.HotSpareRecord)
+        self._spares: set[str] = set()  # registered, marked spare, not failing
+        self._promoted: dict[str, None] = {}  # spares this planner promoted: their mark may still show in a listing taken before
         self._counted: set[int] = set()
         self._degradation_level = 0
         self._http = httpx.AsyncClient(timeout=config.scrape_timeout_s)
@@ -108,11 +119,13 @@ class Planner:
             self.machine = DecisionMachine(
                 DecisionConfig(
                     interval_s=self.config.interval_s, max_interval_s=self.config.max_interval_s, scale_deadline_s=self.config.scale_deadline_s,
-                    replace_deadline_s=self.config.replace_deadline_s,
+                    replace_deadline_s=self.config.replace_deadline_s, promote_deadline_s=self.config.promote_deadline_s,
+                    hot_spares=self.config.hot_spares,
                 ),
                 start, first_id=previous.id + 1 if previous is not None else 1,
             )
             self.metrics.target_workers.set(start)
+            self._sync_spares()
             deaths = EtcdDirectory(self.etcd_config, prefix=HEALTH_PREFIX, message_type=common_pb2.WorkerHealthRecord)
             await deaths.list()  # DEAD records from before we led were handled then; watch from here on
             # Only now: a DEAD record written from here on is seen (the watch starts at the listed revision).
@@ -125,7 +138,7 @@ class Planner:
                     await self._step(workers, healths, routers)
                     await asyncio.sleep(self.config.poll_s)
         finally:
-            for directory in (workers, healths, routers):
+            for directory in (workers, healths, routers, self._spare_marks):
                 await directory.close()
             await self._http.aclose()
 
@@ -158,7 +171,11 @@ class Planner:
     async def _refresh(self, workers: WorkerDirectory, healths: EtcdDirectory, routers: EtcdDirectory) -> None:
         registered = await workers.list()
         health = await healths.list()
-        serving = [w for w in registered if w not in health or health[w].health not in _NOT_SERVING]
+        marks = await self._spare_marks.list()
+        alive = [w for w in registered if w not in health or health[w].health not in _NOT_SERVING]
+        serving = [w for w in alive if w not in marks]
+        self._spares = {w for w in alive if w in marks and w not in self._promoted}
+        self._sync_spares()
         found = await routers.list()
         self._workers = len(serving)
         self.metrics.actual_workers.set(len(serving))
@@ -169,6 +186,18 @@ class Planner:
             flowing = await self._scrape_routers(found)
         self.readiness = Readiness(routers_serving=bool(found), serving_workers=len(serving), metrics_flowing=flowing)
         self.metrics.ready.set(1 if self.readiness.ready else 0)
+
+    def _sync_spares(self) -> None:
+        """Tell the machine which spares are ready (registered, marked, not failing) and which left without dying."""
+        machine = self.machine
+        if machine is None:
+            return
+        for worker_id in list(machine.spares):
+            if worker_id not in self._spares:
+                machine.spare_lost(worker_id)
+        for worker_id in sorted(self._spares):
+            machine.spare_ready(worker_id)
+        self.metrics.spares.set(len(machine.spares))
 
     async def _scrape_routers(self, routers: Mapping[str, common_pb2.RouterRegistration]) -> bool:
         async def one(router_id: str, address: str) -> tuple[str, Scrape | None]:
@@ -350,9 +379,20 @@ class Planner:
                 continue
             assert self.machine is not None
             decision = self.machine.worker_dead(time.monotonic(), worker_id)
-            if decision is not None:
+            if decision is None:
+                continue
+            if decision.reason is DecisionReason.PROMOTE_SPARE and decision.promote:
+                # Capacity back now: routers watch the marks, and route to the spare the moment its mark goes. The decision
+                # record follows for the orchestrator, which counts the spare as a worker and starts a new spare.
+                self._promoted[decision.promote] = None
+                while len(self._promoted) > 1024:
+                    del self._promoted[next(iter(self._promoted))]
+                if not await self.election.fenced_delete(spare_key(decision.promote)):
+                    raise LeadershipLostError("a fenced promotion failed: another planner leads")
+                log.warning("worker %s is DEAD: decision %d promotes hot spare %s", worker_id, decision.id, decision.promote)
+            else:
                 log.warning("worker %s is DEAD: decision %d replaces it", worker_id, decision.id)
-                await self._publish(decision)
+            await self._publish(decision)
 
 
 def _scaled(summary: Summary | None, mean: float) -> Summary:

@@ -492,6 +492,25 @@ def bench_failover(
     print(json.dumps(result, indent=None if as_json else 2))
 
 
+@bench_app.command("planner")
+def bench_planner(
+    minutes: float = typer.Option(1.5, min=0.25, max=30, help="Length of the compressed trace; each of the three live runs replays it"),
+    peak_rps: float = typer.Option(None, min=0.05, help="Peak diurnal request rate [default: what two simulated workers serve]"),
+    hot_spares: int = typer.Option(1, min=1, max=4, help="Hot spares of the planner's live run"),
+    seed: int = typer.Option(13, help="Seed of the arrivals"),
+    out: str = typer.Option(None, help="JSON result path (the plot goes beside it as .png) [default: a temporary directory]"),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON only"),
+) -> None:
+    """The planner against static-min and static-max fleets of simulated workers on a bursty trace: SLO attainment, worker-seconds,
+    burst reaction, and capacity restored after a SIGKILL with and without a hot spare."""
+    # It forks `phalanx up` while its gRPC clients run: see run_up for why this is off.
+    os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
+    from phalanx.bench.planner import run_planner_bench
+
+    result = run_planner_bench(minutes=minutes, peak_rps=peak_rps, seed=seed, out=Path(out).resolve() if out else None, hot_spares=hot_spares)
+    print(json.dumps(result, indent=None if as_json else 2))
+
+
 def main() -> None:
     app()
 

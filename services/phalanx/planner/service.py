@@ -160,7 +160,8 @@ class Planner:
         observation = await self._observe_interval()
         self._degradation_level = await self._read_degradation_level()
         self.metrics.degradation.set(self._degradation_level)
-        desired = self._desired(observation)
+        # In a thread: a predictor's refit (ARIMA, Prophet) takes seconds, and the loop keeps the leadership lease alive.
+        desired = await asyncio.to_thread(self._desired, observation)
         self.metrics.desired_workers.set(desired)
         decision = machine.tick(now, self.readiness, desired)
         self._record_finished()
@@ -360,13 +361,15 @@ class Planner:
         self._counted = {finished.decision.id for finished in history}
 
     async def _watch_deaths(self, deaths: EtcdDirectory) -> None:
-        """Restoration for workers that died; not for those that were DRAINING first: a worker drains on SIGTERM, so it left on
-        purpose (a scale-down, an operator), and replacing it would undo that."""
+        """Restoration for workers that died; not for those that were DRAINING first by their own doing: a worker drains on
+        SIGTERM, so it left on purpose (a scale-down, an operator), and replacing it would undo that."""
         draining: dict[str, None] = {}
         async for kind, worker_id, record in deaths.watch():
             if kind != "put" or record is None:
                 continue
-            if record.health == common_pb2.WORKER_HEALTH_DRAINING:
+            if record.health == common_pb2.WORKER_HEALTH_DRAINING and record.circuit != common_pb2.CIRCUIT_STATE_OPEN:
+                # The worker drains itself (SIGTERM). Health's quarantine of an UNHEALTHY worker is DRAINING too, with its
+                # circuit open: that one did not leave on purpose, and its death is a loss to restore.
                 draining[worker_id] = None
                 while len(draining) > 1024:
                     del draining[next(iter(draining))]

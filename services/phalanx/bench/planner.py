@@ -412,7 +412,8 @@ def run_planner_bench(*, minutes: float = 1.5, peak_rps: float | None = None, se
     peak = peak_rps if peak_rps is not None else _rate_for_workers(2, profile, isl)
     times = arrivals(duration, peak, seed)
     rows = trace(times, duration, isl)
-    static_max = workers_for(peak * BURST_FACTOR, profile, isl)
+    # Enough for the largest burst by the replica maths, plus one: that maths sizes a fleet exactly at the SLOs.
+    static_max = workers_for(peak * BURST_FACTOR, profile, isl) + 1
     offline = dryruns(rows, profile, static_max)
     best = best_predictor(offline)
     directory = Path(tempfile.mkdtemp(prefix="phalanx-bench-planner-"))
@@ -423,6 +424,9 @@ def run_planner_bench(*, minutes: float = 1.5, peak_rps: float | None = None, se
         "PHALANX_PLANNER_TTFT_SLO_S": str(TTFT_SLO_S), "PHALANX_PLANNER_ITL_SLO_S": str(ITL_SLO_S),
         "PHALANX_PLANNER_SCALE_DEADLINE_S": "20", "PHALANX_PLANNER_DEFAULT_ISL": str(isl),
         "PHALANX_DEGRADATION_SLO_TTFT_S": str(TTFT_SLO_S), "PHALANX_DEGRADATION_SLO_TPOT_S": str(ITL_SLO_S),
+        # Health's hysteresis compressed like the trace: at its 30 s per step down, one burst's level 4 would refuse
+        # every request of the minutes that follow.
+        "PHALANX_DEGRADATION_RAISE_AFTER_S": "1", "PHALANX_DEGRADATION_LOWER_AFTER_S": "2",
         # A scaled-down worker drains fast: the trace is compressed, so is its grace.
         "PHALANX_WORKER_DRAIN_GRACE_S": "1",
     }

@@ -23,6 +23,8 @@ __all__ = [
     "HEALTH_REPORTS_PREFIX",
     "REQUESTS_PREFIX",
     "ROUTERS_PREFIX",
+    "PLANNER_CAPACITY_KEY",
+    "PLANNER_CAPACITY_PREFIX",
     "KV_EVENTS_ALL",
     "KV_EVENTS_PREFIX",
     "LOAD_ALL",
@@ -81,8 +83,10 @@ PLANNER_LEADER_KEY = PLANNER_PREFIX + "leader"
 PLANNER_DECISION_KEY = PLANNER_PREFIX + "decision"
 PLANNER_ACK_KEY = PLANNER_PREFIX + "ack"
 PLANNER_TARGET_KEY = PLANNER_PREFIX + "target"
-# The planner's capacity-vs-demand view (JSON PlannerCapacityView); health's degradation reads it.
-PLANNER_CAPACITY_KEY = PLANNER_PREFIX + "capacity"
+# The planner's capacity-vs-demand view (JSON PlannerCapacityView); health's degradation watches it. A prefix of its
+# own: the other keys under PLANNER_PREFIX are not PlannerCapacityView messages.
+PLANNER_CAPACITY_PREFIX = "/phalanx/v1/planner-capacity/"
+PLANNER_CAPACITY_KEY = PLANNER_CAPACITY_PREFIX + "global"
 # Hot spares (JSON HotSpareRecord per worker): registered workers routers do not route to. The orchestrator
 # writes the key before it starts the spare; the planner deletes it to promote the spare.
 SPARES_PREFIX = "/phalanx/v1/spares/"

@@ -36,12 +36,13 @@ import httpx
 
 from phalanx._proto import common_pb2
 from phalanx.common.config import EtcdConfig, TelemetryConfig
-from phalanx.common.discovery import EtcdDirectory, WorkerDirectory, decode_json
+from phalanx.common.discovery import EtcdDirectory, WorkerDirectory, decode_json, encode_json
 from phalanx.common.lease import Backoff, connect_etcd
 from phalanx.common.service import ServiceShell
 from phalanx.common.subjects import (
     DEGRADATION_KEY,
     HEALTH_PREFIX,
+    PLANNER_CAPACITY_KEY,
     PLANNER_LEADER_KEY,
     ROUTERS_PREFIX,
     SPARES_PREFIX,
@@ -49,6 +50,7 @@ from phalanx.common.subjects import (
     validate_worker_id,
 )
 from phalanx.health.leader import LeaderElection
+from phalanx.planner.capacity import CapacityView, capacity_view
 from phalanx.planner.config import PlannerConfig
 from phalanx.planner.connectors import Connector, DecisionRecord, VirtualConnector, read_decision, read_target
 from phalanx.planner.correction import CorrectionConfig, CorrectionTracker, expected_itl_s, expected_ttft_s
@@ -105,6 +107,8 @@ class Planner:
         self._promoted: dict[str, None] = {}  # spares this planner promoted: their mark may still show in a listing taken before
         self._counted: set[int] = set()
         self._degradation_level = 0
+        self._capacity: CapacityView | None = None  # of the last plan, published after it
+        self._observed_at: float | None = None  # when the last interval was observed (None: not yet)
         self._http = httpx.AsyncClient(timeout=config.scrape_timeout_s)
 
     async def run(self) -> None:
@@ -153,16 +157,23 @@ class Planner:
             machine.decide_at_next_tick()
         self._operator_target = target
         now = time.monotonic()
-        if not (self.readiness.ready and machine.tick_due(now)):
+        # Observe every interval, also while a decision is being carried out (the tick then decides nothing): the predictors
+        # see every interval, and health's capacity view stays fresh through a slow scale-up, when it matters most.
+        observe = machine.tick_due(now) or (self._observed_at is not None and now - self._observed_at >= machine.interval_s)
+        if not (self.readiness.ready and observe):
             machine.tick(now, self.readiness, machine.targets.workers)  # expires what is past its deadline
             self._record_finished()
             return
+        self._observed_at = now
         observation = await self._observe_interval()
         self._degradation_level = await self._read_degradation_level()
         self.metrics.degradation.set(self._degradation_level)
         # In a thread: a predictor's refit (ARIMA, Prophet) takes seconds, and the loop keeps the leadership lease alive.
+        self._capacity = None
         desired = await asyncio.to_thread(self._desired, observation)
         self.metrics.desired_workers.set(desired)
+        if self._capacity is not None and self.config.capacity_view:
+            await self._publish_capacity(self._capacity)
         decision = machine.tick(now, self.readiness, desired)
         self._record_finished()
         self.metrics.interval.set(machine.interval_s)
@@ -315,12 +326,14 @@ class Planner:
             isl=_scaled(observation.isl, self.predictors["isl"].predict_next()) if observation.isl else Summary(mean=self.config.default_isl),
             osl=_scaled(observation.osl, predicted_osl),
         )
-        plan = plan_replicas(
-            forecast, profile, SloTargets(ttft_s=self.config.ttft_slo_s, itl_s=self.config.itl_slo_s),
-            ReplicaConfig(interval_s=interval, min_workers=self.config.min_workers, max_gpus=self.config.max_gpus,
-                          length_quantile=self.config.length_quantile),
-            factors, degradation_level=self._degradation_level,
-        )
+        slo = SloTargets(ttft_s=self.config.ttft_slo_s, itl_s=self.config.itl_slo_s)
+        replica_config = ReplicaConfig(interval_s=interval, min_workers=self.config.min_workers, max_gpus=self.config.max_gpus,
+                                       length_quantile=self.config.length_quantile)
+        plan = plan_replicas(forecast, profile, slo, replica_config, factors, degradation_level=self._degradation_level)
+        # The capacity view is read at the configured SLOs (capacity.py), whatever level the plan targets.
+        at_slo = plan if self._degradation_level < replica_config.relaxed_slo_level else plan_replicas(
+            forecast, profile, slo, replica_config, factors, degradation_level=0)
+        self._capacity = capacity_view(at_slo, self._workers, forecast.requests / interval)
         return plan.combined
 
     # -- decisions -----------------------------------------------------------------------------------
@@ -334,6 +347,17 @@ class Planner:
         self.metrics.target_workers.set(decision.targets.workers)
         log.info("decision %d (%s): %d workers%s", decision.id, decision.reason, decision.targets.workers,
                  f", replacing {', '.join(replacing)}" if replacing else "")
+
+    async def _publish_capacity(self, view: CapacityView) -> None:
+        """The view for health's degradation, valid for two intervals (a planner that stops deciding stops counting)."""
+        assert self.machine is not None
+        record = common_pb2.PlannerCapacityView(
+            pressure=view.pressure, needed_workers=view.needed_workers, serving_workers=view.serving_workers,
+            predicted_requests_per_s=view.predicted_requests_per_s, updated_at=time.time(), valid_for_s=2 * self.machine.interval_s,
+        )
+        self.metrics.capacity_pressure.set(view.pressure)
+        if not await self.election.fenced_put(PLANNER_CAPACITY_KEY, encode_json(record)):
+            raise LeadershipLostError("a fenced capacity write failed: another planner leads")
 
     async def _take_acks(self) -> None:
         assert self.machine is not None

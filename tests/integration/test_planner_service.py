@@ -4,6 +4,7 @@ connector's decision / acknowledgement / timeout, a DEAD worker's immediate deci
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import shutil
 import subprocess
 import time
@@ -12,9 +13,9 @@ import pytest
 
 from phalanx._proto import common_pb2
 from phalanx.common.config import EtcdConfig
-from phalanx.common.discovery import encode_json
+from phalanx.common.discovery import decode_json, encode_json
 from phalanx.common.lease import connect_etcd
-from phalanx.common.subjects import DEGRADATION_KEY, HEALTH_PREFIX
+from phalanx.common.subjects import DEGRADATION_KEY, HEALTH_PREFIX, PLANNER_CAPACITY_KEY
 from phalanx.launch.services import PlannerHandle, start_planner
 from phalanx.launch.stack import Stack
 from phalanx.planner.connectors import AckRecord, read_decision, write_ack, write_target
@@ -188,6 +189,82 @@ def test_with_a_profile_the_planner_scales_with_the_load_it_scrapes_from_the_rou
             assert planner.metric("phalanx_planner_desired_workers") == 3
             assert planner.metric("phalanx_planner_correction_factor", phase="decode") is not None
             assert planner.metric("phalanx_planner_degradation_level") == 3
+        finally:
+            assert planner.terminate(timeout=20) == 0
+            stack.stop()
+            await forget_planner_state(etcd_config)
+            await forget_health_state(etcd_config)
+
+    asyncio.run(scenario())
+
+
+async def _load_until_pressure(router_address: str, view, timeout: float):
+    """Bursts of 4 streams until the planner's published view says the fleet is short (> 1); refusals (health's level rising
+    on that very view) are part of it. The last view read."""
+    from phalanx.client import Client, PhalanxClientError
+
+    published = None
+    async with await Client.connect(router_address) as client:
+        async def one(i: int) -> None:
+            with contextlib.suppress(PhalanxClientError):
+                async for _ in client.generate(f"load {i}", max_tokens=32, ignore_eos=True):
+                    pass
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            await asyncio.gather(*(one(i) for i in range(4)))
+            published = await view()
+            if published is not None and published.pressure > 1:
+                break
+    return published
+
+
+def test_the_planners_capacity_view_feeds_healths_degradation_level(nats_server, etcd_config: EtcdConfig, tmp_path) -> None:
+    """The same slow profile: under load the planner predicts more than the one serving worker can carry at the SLOs and
+    publishes that pressure; the health service takes it as a criterion, and its published level and reason show it."""
+    from phalanx.planner.profile import DecodeSample, PrefillSample, build_profile, save_profile
+
+    profile = build_profile(
+        [PrefillSample(128, 0.05), PrefillSample(512, 0.1), PrefillSample(2048, 0.4)],
+        [DecodeSample(context, concurrency, itl) for context in (256, 1024) for concurrency, itl in ((1, 0.05), (4, 0.2))],
+        model="phalanx-tiny-moe",
+    )
+    save_profile(profile, tmp_path / "profile.npz")
+    stack = Stack(nats_server.url, etcd_config, model="phalanx-tiny-moe")
+
+    async def view() -> common_pb2.PlannerCapacityView | None:
+        client = connect_etcd(etcd_config)
+        try:
+            found = await client.get(PLANNER_CAPACITY_KEY.encode())
+        finally:
+            await client.close()
+        return None if found is None else decode_json(found.value, common_pb2.PlannerCapacityView)
+
+    async def level_from_planner() -> common_pb2.DegradationState | None:
+        client = connect_etcd(etcd_config)
+        try:
+            found = await client.get(DEGRADATION_KEY.encode())
+        finally:
+            await client.close()
+        state = None if found is None else decode_json(found.value, common_pb2.DegradationState)
+        return state if state is not None and state.reason.startswith("planner:") and 1 <= state.level <= 3 else None
+
+    async def scenario() -> None:
+        await forget_planner_state(etcd_config)
+        await forget_health_state(etcd_config)
+        await stack.add_workers(1, "--fast")
+        router = await stack.add_router()
+        await stack.add_health(env={"PHALANX_DEGRADATION_RAISE_AFTER_S": "0"})
+        planner = await _planner(etcd_config, PHALANX_PLANNER_PROFILE=str(tmp_path / "profile.npz"), PHALANX_PLANNER_MAX_WORKERS="3")
+        try:
+            await assert_eventually(lambda: planner.metric("phalanx_planner_ready") == 1, timeout=15)
+            published = await _load_until_pressure(router.address, view, timeout=20)
+            assert published is not None and published.serving_workers == 1 and published.valid_for_s > 0
+            assert published.pressure > 1 and published.needed_workers > 1, published
+            assert planner.metric("phalanx_planner_capacity_pressure") > 1
+            # Health's own criteria read a fleet that just went idle; the planner's forecast is what keeps the level up.
+            state = await assert_eventually(level_from_planner, timeout=10, message="health never took the planner's view")
+            print(f"planner view {published.pressure:.2f}; health: level {state.level}, {state.reason}")
         finally:
             assert planner.terminate(timeout=20) == 0
             stack.stop()

@@ -390,3 +390,26 @@ def test_losing_workers_sheds_best_effort_then_every_new_request():
     router = Admission({"default": TenantPolicy()}, {}, premium_at_level_4=True)
     assert served(fleet(1)) == {Tier.PREMIUM}  # ...unless premium is served there, while any capacity exists
     assert served([]) == {Tier.PREMIUM}  # no worker: level 4; routing itself answers UNAVAILABLE
+
+
+# -- the planner's view ------------------------------------------------------------------
+def test_a_fresh_planner_view_raises_the_pressure_and_a_stale_one_counts_for_nothing():
+    from phalanx.health.degradation import PlannerView
+
+    policy = DegradationPolicy(make_config(raise_after_s=0.0))
+    workers = fleet(4)  # health's own reading: 300 of 400 tok/s, pressure 0.75
+    own = policy.evaluate(1000.0, workers)
+    assert own.pressure == pytest.approx(0.75)
+    coming = PlannerView(pressure=1.6, needed_workers=6.4, serving_workers=4, age_s=1.0, valid_for_s=4.0)
+    decision = policy.evaluate(1001.0, workers, coming)
+    assert decision.pressure == pytest.approx(1.6) and decision.reason.startswith("planner: predicted demand needs 6.4 workers, 4 serving")
+    assert decision.level == target_level(1.6)
+    calm = PlannerView(pressure=0.2, needed_workers=0.8, serving_workers=4, age_s=1.0, valid_for_s=4.0)
+    assert policy.evaluate(1002.0, workers, calm).pressure == pytest.approx(0.75)  # the larger of the two
+    stale = PlannerView(pressure=1.6, needed_workers=6.4, serving_workers=4, age_s=9.0, valid_for_s=4.0)
+    assert DegradationPolicy(make_config()).evaluate(1000.0, workers, stale).pressure == pytest.approx(0.75)
+    off = DegradationPolicy(make_config(planner_view=False))
+    assert off.evaluate(1000.0, workers, coming).pressure == pytest.approx(0.75)
+    # A forecast alone never refuses every request: level 3 at most.
+    short = PlannerView(pressure=5.0, needed_workers=20.0, serving_workers=4, age_s=0.0, valid_for_s=4.0)
+    assert DegradationPolicy(make_config(raise_after_s=0.0)).evaluate(1000.0, workers, short).level == 3

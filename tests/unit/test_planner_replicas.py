@@ -194,3 +194,16 @@ def test_invalid_config_is_refused() -> None:
         ReplicaConfig(interval_s=10, max_gpus=0)
     with pytest.raises(ValueError):
         ReplicaConfig(interval_s=10, length_quantile=1.0)
+
+
+def test_the_capacity_view_is_predicted_need_over_the_serving_fleet() -> None:
+    from phalanx.planner.capacity import MAX_PRESSURE, capacity_view
+
+    plan = plan_replicas(forecast(), PROFILE, SLO, config())  # 0.4 + 4.0 = 4.4 worker-equivalents (by hand, above)
+    view = capacity_view(plan, serving_workers=2, predicted_requests_per_s=10.0)
+    assert view.needed_workers == pytest.approx(4.4)
+    assert view.pressure == pytest.approx(2.2)  # 4.4 over 2: health's level 4 territory
+    assert capacity_view(plan, serving_workers=8, predicted_requests_per_s=10.0).pressure == pytest.approx(0.55)
+    assert capacity_view(plan, serving_workers=0, predicted_requests_per_s=10.0).pressure == MAX_PRESSURE
+    idle = plan_replicas(forecast(requests_per_s=0.0), PROFILE, SLO, config())
+    assert capacity_view(idle, serving_workers=0, predicted_requests_per_s=0.0).pressure == 0.0

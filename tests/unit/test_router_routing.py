@@ -314,3 +314,23 @@ def test_workers_view_shows_load_weight_health_and_indexed_blocks():
     )
     assert (b.health, b.weight, b.routable) == (common_pb2.WORKER_HEALTH_SUSPICIOUS, 0.5, True)
     assert (c.health, c.draining, c.routable) == (common_pb2.WORKER_HEALTH_DRAINING, True, False)
+
+
+# -- hot spares ----------------------------------------------------------------------------
+def test_a_hot_spare_is_never_routed_to_until_promoted():
+    table = RoutingTable(clock=FakeClock())
+    table.set_spare("spare", True)  # marked before it registers, as the orchestrator does
+    for worker_id in ("a", "spare"):
+        table.upsert_worker(worker_id, f"{worker_id}:1", pid=1)
+        table.load_kv_snapshot(worker_id, 0, [])
+        table.update_load(load(worker_id))
+    hold(table, "spare", PROMPT)  # even holding the whole prompt
+    table.update_load(load("a", queue_depth=50))
+    assert {table.route(PROMPT).worker_id for _ in range(10)} == {"a"}
+    assert {w.worker_id: (w.spare, w.routable) for w in table.workers()} == {"a": (False, True), "spare": (True, False)}
+
+    table.set_weight("a", 0.0, health=common_pb2.WORKER_HEALTH_DEAD)
+    assert table.route(PROMPT) is None  # a dead worker and an unpromoted spare: nobody
+    table.set_spare("spare", False)
+    assert table.route(PROMPT).worker_id == "spare"
+    assert {w.worker_id: w.routable for w in table.workers()} == {"a": False, "spare": True}

@@ -275,6 +275,10 @@ def up(
     ),
     min_workers: int = typer.Option(1, min=0, max=16, help="With --planner: fewest workers"),
     max_workers: int = typer.Option(None, min=1, max=16, help="With --planner: most workers [default: twice --workers, at most 16]"),
+    hot_spares: int = typer.Option(0, min=0, max=16, help="With --planner: warm workers kept registered but not routed to; one is "
+                                   "promoted at once when a worker dies"),
+    engine: str = typer.Option("", help="The workers' engine: torch, or sim (simulated: profile step times; for scale, never correctness)"),
+    profile: str = typer.Option("", help="With --engine sim: the profile (.npz) workers follow, and the planner plans with"),
 ) -> None:
     """Bring Phalanx up on this machine: NATS, etcd, workers, a router, an OpenAI-compatible gateway and the rest, supervised."""
     from rich.console import Console
@@ -286,8 +290,11 @@ def up(
     options = UpOptions(
         workers=workers, model=model, deterministic=deterministic, port=port, gateway_port=gateway_port, state_file=_state_file(state_file),
         nats_url=nats_url, etcd_endpoint=etcd_endpoint, log_file=Path(log_file) if log_file else None,
-        planner=planner, min_workers=min_workers, max_workers=max_workers, failover=failover,
+        planner=planner, min_workers=min_workers, max_workers=max_workers, failover=failover, hot_spares=hot_spares, engine=engine,
+        profile=str(Path(profile).resolve()) if profile else "",
     )
+    if hot_spares and not planner:
+        raise typer.BadParameter("--hot-spares needs --planner (the planner promotes them)", param_hint="--hot-spares")
     console = Console(soft_wrap=True)  # long lines stay whole in the detached log
     raise typer.Exit(run_detached(options, console) if detach else asyncio.run(run_up(options, console)))
 
@@ -524,6 +531,25 @@ def bench_engine_failover(
         streams=streams, max_tokens=tokens, prompt_tokens=(prompt_min, max(prompt_min, prompt_max)), kill_after=kill_after,
         repeats=repeats, scenarios=tuple(s.strip() for s in scenarios.split(",") if s.strip()),
     )
+    print(json.dumps(result, indent=None if as_json else 2))
+
+
+@bench_app.command("planner")
+def bench_planner(
+    minutes: float = typer.Option(1.5, min=0.25, max=30, help="Length of the compressed trace; each of the three live runs replays it"),
+    peak_rps: float = typer.Option(None, min=0.05, help="Peak diurnal request rate [default: what two simulated workers serve]"),
+    hot_spares: int = typer.Option(1, min=1, max=4, help="Hot spares of the planner's live run"),
+    seed: int = typer.Option(13, help="Seed of the arrivals"),
+    out: str = typer.Option(None, help="JSON result path (the plot goes beside it as .png) [default: a temporary directory]"),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON only"),
+) -> None:
+    """The planner against static-min and static-max fleets of simulated workers on a bursty trace: SLO attainment, worker-seconds,
+    burst reaction, and capacity restored after a SIGKILL with and without a hot spare."""
+    # It forks `phalanx up` while its gRPC clients run: see run_up for why this is off.
+    os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
+    from phalanx.bench.planner import run_planner_bench
+
+    result = run_planner_bench(minutes=minutes, peak_rps=peak_rps, seed=seed, out=Path(out).resolve() if out else None, hot_spares=hot_spares)
     print(json.dumps(result, indent=None if as_json else 2))
 
 

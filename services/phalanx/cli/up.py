@@ -24,6 +24,15 @@ changes the target. A restoration decision (health marked a worker DEAD) thus
 starts nothing more; if the DEAD worker's process still runs (hung), the
 supervisor SIGKILLs it and the restart path replaces it.
 
+``--hot-spares N`` (with ``--planner``) keeps N more workers warm: each is
+marked a spare in etcd (common.subjects.SPARES_PREFIX) before it starts, so
+routers never route to it. When a worker dies, this supervisor starts nothing
+for it and waits (up to the planner's promotion deadline) for the planner's
+PROMOTE_SPARE decision: the planner deletes the spare's mark (routers route
+to it from then on, capacity is back at once), and the supervisor counts the
+spare as a worker and starts a new spare in the background. Without a ready
+spare the planner's REPLACE_DEAD decision makes it start a worker instead.
+
 ``--detach`` runs the same supervisor in its own session, logging next to
 the state file (see ``phalanx.cli.state``), and returns once it is ready;
 `phalanx down` SIGTERMs it.
@@ -98,6 +107,8 @@ _ROUTER_STOP_S = 15.0
 _WORKER_STOP_S = 40.0
 _DETACH_READY_S = 300.0
 _POLL_S = 0.2
+# How long a dead worker's slot waits for the planner to promote a hot spare before a worker is started for it.
+_PROMOTION_WAIT_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -115,6 +126,9 @@ class UpOptions:
     min_workers: int = 1
     max_workers: int | None = None  # None: twice --workers, at most 16
     failover: bool = False  # every worker slot a primary + shadow engine pair on one memory service
+    hot_spares: int = 0  # with planner: warm workers registered but not routed to, promoted when a worker dies
+    engine: str = ""  # the workers' engine (torch or sim); empty: the worker's default
+    profile: str = ""  # the simulated engine's profile (.npz); empty: the shipped one
 
     def command(self) -> list[str]:
         """The `phalanx up` command line that runs this configuration in the foreground."""
@@ -129,9 +143,14 @@ class UpOptions:
         if self.log_file:
             args += ["--log-file", str(self.log_file)]
         if self.planner:
-            args += ["--planner", "--min-workers", str(self.min_workers), "--max-workers", str(self.worker_ceiling)]
+            args += ["--planner", "--min-workers", str(self.min_workers), "--max-workers", str(self.worker_ceiling),
+                     "--hot-spares", str(self.hot_spares)]
         if self.failover:
             args += ["--failover"]
+        if self.engine:
+            args += ["--engine", self.engine]
+        if self.profile:
+            args += ["--profile", self.profile]
         return args
 
     @property
@@ -192,7 +211,7 @@ class _Row:
 # Rows of processes that died and were replaced stay on the board as a record; this many at most.
 _MAX_REPLACED_ROWS = 8
 _MARKS = {"ready": ("✓", "green"), "external": ("✓", "green"), "failed": ("✗", "red"), "replaced": ("✗", "red"),
-          "restarting": ("↻", "yellow")}
+          "restarting": ("↻", "yellow"), "spare": ("✓", "cyan")}
 
 
 @dataclass
@@ -293,6 +312,12 @@ class _Stack:
         self.scaling: dict[int, asyncio.Task] = {}
         self.retiring: dict[str, WorkerHandle] = {}
         self.replacing_workers: set[str] = set()
+        # Hot spares (--hot-spares): warm, marked in etcd, not routed to; spares being started; dead workers (by name, since
+        # when) whose capacity a spare's promotion by the planner is to restore.
+        self.spares: dict[str, WorkerHandle] = {}
+        self.spare_starts: dict[int, asyncio.Task] = {}
+        self.awaiting_promotion: dict[str, float] = {}
+        self._unmarking: set[asyncio.Task] = set()
         self._etcd_client: Any = None
         self._planner_error = ""
         self.started_at = time.time()
@@ -345,7 +370,9 @@ class _Stack:
         from phalanx.launch.services import start_worker
 
         mode = "--deterministic" if self.options.deterministic else "--fast"
-        return await start_worker(worker_id, self.nats_url, self._etcd_config, mode, model=self.options.model, env=self._env)
+        engine = (*(("--engine", self.options.engine) if self.options.engine else ()),
+                  *(("--profile", self.options.profile) if self.options.profile else ()))
+        return await start_worker(worker_id, self.nats_url, self._etcd_config, mode, *engine, model=self.options.model, env=self._env)
 
     def _slot_dir(self, slot: int) -> Path:
         assert self.slots_dir is not None
@@ -426,7 +453,9 @@ class _Stack:
         from phalanx.launch.services import start_planner
 
         env = {"PHALANX_PLANNER_MIN_WORKERS": str(self.options.min_workers), "PHALANX_PLANNER_MAX_WORKERS": str(self.options.worker_ceiling),
-               "PHALANX_PLANNER_CONNECTOR": "virtual"}
+               "PHALANX_PLANNER_CONNECTOR": "virtual", "PHALANX_PLANNER_HOT_SPARES": str(self.options.hot_spares)}
+        if self.options.profile:
+            env["PHALANX_PLANNER_PROFILE"] = self.options.profile
         return await start_planner(PLANNER_ID, self._etcd_config, env=env)
 
     async def start_services(self) -> None:
@@ -467,6 +496,8 @@ class _Stack:
             raise UpError("; ".join(f"{e}" or type(e).__name__ for e in failed.exceptions)) from None
         if not self.options.failover:
             self.workers = {worker_id: self.workers[worker_id] for worker_id in ids}
+        if self.options.etcd_endpoint:
+            await self._clear_spare_marks()
         self.board.set(ROUTER_ID, "starting")
         try:
             self.router = await self._start_router(self.options.port)
@@ -538,6 +569,9 @@ class _Stack:
             "target_workers": decision.workers if decision else None, "decision_id": decision.id if decision else None,
             "reason": decision.reason if decision else "", "acked_id": self.acked_id, "workers": len(self.workers),
             "starting": len(self.scaling) + len(self.replacing_workers), "draining": sorted(self.retiring), "error": self._planner_error,
+            "hot_spares": self._target_spares, "spares": [{"worker_id": w.worker_id, "address": w.address, "pid": w.process.pid}
+                                                          for w in self.spares.values()],
+            "spares_starting": len(self.spare_starts), "awaiting_promotion": sorted(self.awaiting_promotion),
         }
 
     # --- replacing what died -------------------------------------------------------------------
@@ -546,7 +580,9 @@ class _Stack:
         """(name, pid, exit code) of every process of ours that exited and is not being replaced yet."""
         found: list[tuple[str, int | None, int | None]] = []
         extras = (self.router, self.gateway, self.health, self.store, self.migration, self.planner)
-        handles: list[ServiceHandle] = [*self.workers.values(), *(h for h in extras if h), *self.memories.values()]
+        handles: list[ServiceHandle] = [
+            *self.workers.values(), *self.spares.values(), *(h for h in extras if h), *self.memories.values()
+        ]
         for handle in handles:
             if handle.process.poll() is not None and handle.name not in self.replacing:
                 found.append((handle.name, handle.process.pid, handle.process.returncode))
@@ -559,6 +595,18 @@ class _Stack:
 
     def replace(self, name: str, pid: int | None, code: int | None) -> None:
         """Report that ``name`` died and start its replacement in the background (after a backoff)."""
+        if name in self.spares:
+            # The spare count is below its target now: follow_planner starts another.
+            self._spare_gone(self.spares.pop(name), f"exited with {_describe_exit(code)}")
+            return
+        if self.options.hot_spares and name in self.workers:
+            # A spare's promotion restores the capacity (the planner decides it when health marks the worker DEAD);
+            # follow_planner starts the next spare, or a worker if no promotion comes.
+            self.trackers.pop(name, None)
+            self.workers.pop(name)
+            self.awaiting_promotion[name] = time.monotonic()
+            self._record(name, pid, f"exited with {_describe_exit(code)}; waiting for the planner to promote a hot spare")
+            return
         decision = self.trackers[name].exited(time.monotonic())
         self._record(name, pid, f"exited with {_describe_exit(code)}")
         if self.workers.pop(name, None) is not None:
@@ -660,17 +708,15 @@ class _Stack:
     async def follow_planner(self) -> None:
         """One step of following the planner: read its decision, start or drain workers towards the target, acknowledge once
         the fleet matches. Called every poll; etcd trouble is shown and retried at the next poll."""
-        from phalanx.common.lease import connect_etcd
         from phalanx.planner.connectors import AckRecord, read_decision, write_ack
 
-        if self._etcd_client is None:
-            self._etcd_client = connect_etcd(self._etcd_config)
         try:
-            decision = await read_decision(self._etcd_client)
+            decision = await read_decision(self._etcd())
         except Exception as error:  # noqa: BLE001 - etcd restarting, a foreign value: say so, try again
             self._planner_error = f"reading the decision: {error or type(error).__name__}"
             return
         self._planner_error = ""
+        self._keep_spares()
         # A decision from before this supervisor started (an external etcd that served an earlier stack) is not ours to follow.
         stale = decision is not None and decision.issued_at < self.started_at
         if decision is not None and not stale and (self.decision is None or decision.id != self.decision.id):
@@ -678,13 +724,15 @@ class _Stack:
         self._reap_retired()
         if self.decision is None or self.crash_loop is not None:
             return
+        self._keep_spares()
         target = self.decision.workers
-        count = len(self.workers) + len(self.scaling) + len(self.replacing_workers)
+        count = len(self.workers) + len(self.scaling) + len(self.replacing_workers) + len(self.awaiting_promotion)
         for _ in range(target - count):
             self._scale_up(target)
         if count > target:
             self._scale_down(count - target, target)
         settled = (len(self.workers) == target and not self.scaling and not self.replacing_workers and not self.retiring
+                   and not self.awaiting_promotion and len(self.spares) + len(self.spare_starts) == self._target_spares
                    and not any(dead in self.workers for dead in self.decision.replaces))
         if settled and self.decision.id > self.acked_id:
             ack = AckRecord(id=self.decision.id, workers=len(self.workers), at=time.time(), orchestrator=f"phalanx-up:{os.getpid()}")
@@ -701,11 +749,124 @@ class _Stack:
         why = f"; {', '.join(decision.replaces)} DEAD" if decision.replaces else ""
         self._record(PLANNER_ID, None, f"decision {decision.id} ({decision.reason}): {decision.workers} workers{why}")
         for dead in decision.replaces:
+            self.awaiting_promotion.pop(dead, None)  # promoted below, or (REPLACE_DEAD) started as a worker by the count
+        spare = self.spares.pop(decision.promote, None) if decision.promote else None
+        if spare is not None:
+            self.workers[spare.worker_id] = spare
+            self.board.set(spare.worker_id, "ready", spare.address, spare.process.pid, note="promoted hot spare")
+            self._record(spare.worker_id, spare.process.pid, f"promoted: hot spare now routed to (decision {decision.id})")
+            self._unmark_spare(spare.worker_id)  # the planner deleted the mark already; again in case it could not
+        if self.options.hot_spares:
+            for dead in decision.replaces:
+                # Health judged it DEAD before this supervisor saw its process exit: take it out of the count now, or the
+                # promoted spare would count as a surplus worker. Killed if it still runs (hung); reaped as retired.
+                handle = self.workers.pop(dead, None)
+                if handle is not None:
+                    self.trackers.pop(dead, None)
+                    if handle.process.poll() is None:
+                        self._record(dead, handle.process.pid, "marked DEAD by health while its process runs: killing it")
+                        handle.process.kill()
+                    self.retiring[dead] = handle
+            return
+        for dead in decision.replaces:
             handle = self.workers.get(dead)
             if handle is not None and handle.process.poll() is None:
                 # Health judged it DEAD but its process runs (hung): kill it, the restart path replaces it.
                 self._record(dead, handle.process.pid, "marked DEAD by health while its process runs: killing it")
                 handle.process.kill()
+
+    # --- hot spares ----------------------------------------------------------------------------------
+
+    @property
+    def _target_spares(self) -> int:
+        if not self.options.planner:
+            return 0
+        return self.decision.spares if self.decision is not None else self.options.hot_spares
+
+    def _keep_spares(self) -> None:
+        """Start spares up to the target; stop surplus ones (the newest) once no dead worker awaits a promotion."""
+        now = time.monotonic()
+        for dead, since in list(self.awaiting_promotion.items()):
+            if now - since > _PROMOTION_WAIT_S:
+                # No promotion came (no planner, no spare): the worker count falls short and a worker starts instead.
+                del self.awaiting_promotion[dead]
+                self._record(dead, None, "no hot spare promoted for it: starting a worker instead")
+        if self.crash_loop is not None:
+            return
+        target = self._target_spares
+        for _ in range(target - len(self.spares) - len(self.spare_starts)):
+            self._start_spare()
+        surplus = len(self.spares) - target
+        if surplus > 0 and not self.awaiting_promotion:
+            for name in sorted(self.spares, key=lambda n: int(n.rsplit("-", 1)[1]), reverse=True)[:surplus]:
+                handle = self.spares.pop(name)
+                self.retiring[name] = handle
+                handle.process.send_signal(signal.SIGTERM)
+                self._unmark_spare(name)
+                self.board.set(name, "draining", handle.address, handle.process.pid, note=f"planner target {target} spares")
+                self._record(name, handle.process.pid, f"draining: planner target {target} spares")
+
+    def _etcd(self) -> Any:
+        from phalanx.common.lease import connect_etcd
+
+        if self._etcd_client is None:
+            self._etcd_client = connect_etcd(self._etcd_config)
+        return self._etcd_client
+
+    def _start_spare(self) -> None:
+        from phalanx._proto import common_pb2
+        from phalanx.common.discovery import encode_json
+        from phalanx.common.subjects import spare_key
+
+        key = max(self.spare_starts, default=0) + 1
+        worker_id = f"worker-{self._next_worker}"
+        self._next_worker += 1
+
+        async def start() -> None:
+            try:
+                # The mark goes first: routers must never route to the spare, not even between its registration and the mark.
+                record = common_pb2.HotSpareRecord(worker_id=worker_id, since=time.time(), orchestrator=f"phalanx-up:{os.getpid()}")
+                await self._etcd().put(spare_key(worker_id).encode(), encode_json(record))
+                self.board.set(worker_id, "starting", note="hot spare")
+                handle = await self._start_worker(worker_id)
+            except Exception as error:  # noqa: BLE001 - the next poll tries again, after a pause
+                self.board.rows.pop(worker_id, None)
+                self._unmark_spare(worker_id)
+                self._record(PLANNER_ID, None, f"could not start a hot spare: {error or type(error).__name__}")
+                await asyncio.sleep(self.policy.initial_backoff_s)
+                return
+            finally:
+                self.spare_starts.pop(key, None)
+            self.spares[worker_id] = handle
+            self.board.set(worker_id, "spare", handle.address, handle.process.pid, note="hot spare: warm, not routed to")
+            self._record(worker_id, handle.process.pid, "started: hot spare")
+
+        self.spare_starts[key] = asyncio.create_task(start())
+
+    async def _clear_spare_marks(self) -> None:
+        """Marks an earlier stack left in an external etcd: worker ids repeat from stack to stack, and a mark keeps routers off."""
+        from phalanx.common.subjects import SPARES_PREFIX
+
+        try:
+            await self._etcd().delete_prefix(SPARES_PREFIX.encode())
+        except Exception as error:  # noqa: BLE001 - say so; spares this stack starts write their own marks
+            self._record(PLANNER_ID, None, f"could not clear old hot spare marks: {error or type(error).__name__}")
+
+    def _spare_gone(self, handle: WorkerHandle, why: str) -> None:
+        self.board.rows.pop(handle.worker_id, None)
+        self._unmark_spare(handle.worker_id)
+        self._record(handle.worker_id, handle.process.pid, f"hot spare {why}")
+
+    def _unmark_spare(self, worker_id: str) -> None:
+        from phalanx.common.subjects import spare_key
+
+        async def unmark() -> None:
+            with contextlib.suppress(Exception):  # etcd away: a mark of a worker that is gone routes nobody anywhere
+                await self._etcd().delete(spare_key(worker_id).encode())
+
+        task = asyncio.get_running_loop().create_task(unmark())
+        self._unmarking.add(task)
+        task.add_done_callback(self._unmarking.discard)
 
     def _scale_up(self, target: int) -> None:
         key = max(self.scaling, default=0) + 1
@@ -759,13 +920,18 @@ class _Stack:
         etcd, NATS."""
         for task in list(self.replacing.values()):
             task.cancel()  # a start that is cancelled kills the process it was waiting for
-        for task in list(self.scaling.values()):
+        for task in [*self.scaling.values(), *self.spare_starts.values()]:
             task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
-            await asyncio.gather(*self.replacing.values(), *self.scaling.values(), return_exceptions=True)
+            await asyncio.gather(*self.replacing.values(), *self.scaling.values(), *self.spare_starts.values(), *self._unmarking,
+                                 return_exceptions=True)
         if self.planner is not None:  # first: it must not decide on a fleet that is going away
             await self._terminate({PLANNER_ID: self.planner.process}, _ROUTER_STOP_S)
         if self._etcd_client is not None:
+            for name in self.spares:
+                self._unmark_spare(name)  # a later stack on the same etcd may reuse the id
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.gather(*self._unmarking, return_exceptions=True)
             with contextlib.suppress(Exception):
                 await self._etcd_client.close()
         if self.health is not None:
@@ -776,8 +942,9 @@ class _Stack:
             await self._terminate({ROUTER_ID: self.router.process}, _ROUTER_STOP_S)
         if self.migration is not None:
             await self._terminate({MIGRATION_ID: self.migration.process}, _ROUTER_STOP_S)
-        if self.workers or self.retiring:
-            await self._terminate({w.worker_id: w.process for w in (*self.workers.values(), *self.retiring.values())}, _WORKER_STOP_S)
+        if self.workers or self.retiring or self.spares:
+            stopping = (*self.workers.values(), *self.retiring.values(), *self.spares.values())
+            await self._terminate({w.worker_id: w.process for w in stopping}, _WORKER_STOP_S)
         if self.store is not None:
             await self._terminate({STORE_ID: self.store.process}, _ROUTER_STOP_S)
         if self.memories:

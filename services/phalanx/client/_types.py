@@ -151,6 +151,10 @@ class WorkerInfo:
     health_reason: str = ""
     last_failure: str = ""
     last_failure_at: float = 0.0
+    # A hot spare: registered and warm, not routed to until the planner promotes it.
+    spare: bool = False
+    # Whether the router sends new requests to it now.
+    routable: bool = False
 
     @classmethod
     def from_proto(cls, status: router_pb2.WorkerStatus) -> WorkerInfo:
@@ -172,6 +176,8 @@ class WorkerInfo:
             health_reason=status.health_reason,
             last_failure=status.last_failure,
             last_failure_at=status.last_failure_at,
+            spare=status.spare,
+            routable=status.routable,
         )
 
 

@@ -23,10 +23,13 @@ __all__ = [
     "HEALTH_REPORTS_PREFIX",
     "REQUESTS_PREFIX",
     "ROUTERS_PREFIX",
+    "PLANNER_CAPACITY_KEY",
+    "PLANNER_CAPACITY_PREFIX",
     "KV_EVENTS_ALL",
     "KV_EVENTS_PREFIX",
     "LOAD_ALL",
     "LOAD_PREFIX",
+    "SPARES_PREFIX",
     "WORKERS_PREFIX",
     "canary_key",
     "kv_events_subject",
@@ -36,6 +39,7 @@ __all__ = [
     "load_subject",
     "request_key",
     "router_key",
+    "spare_key",
     "validate_request_id",
     "validate_worker_id",
     "worker_id_from_key",
@@ -79,6 +83,13 @@ PLANNER_LEADER_KEY = PLANNER_PREFIX + "leader"
 PLANNER_DECISION_KEY = PLANNER_PREFIX + "decision"
 PLANNER_ACK_KEY = PLANNER_PREFIX + "ack"
 PLANNER_TARGET_KEY = PLANNER_PREFIX + "target"
+# The planner's capacity-vs-demand view (JSON PlannerCapacityView); health's degradation watches it. A prefix of its
+# own: the other keys under PLANNER_PREFIX are not PlannerCapacityView messages.
+PLANNER_CAPACITY_PREFIX = "/phalanx/v1/planner-capacity/"
+PLANNER_CAPACITY_KEY = PLANNER_CAPACITY_PREFIX + "global"
+# Hot spares (JSON HotSpareRecord per worker): registered workers routers do not route to. The orchestrator
+# writes the key before it starts the spare; the planner deletes it to promote the spare.
+SPARES_PREFIX = "/phalanx/v1/spares/"
 
 _WORKER_ID = re.compile(r"[A-Za-z0-9_-]+")
 # Client-chosen, so a little wider (UUIDs, "tenant:job.42"), but never "/".
@@ -138,6 +149,11 @@ def router_key(router_id: str) -> str:
 def health_key(worker_id: str) -> str:
     """etcd key of a worker's health record: ``/phalanx/v1/health/<worker_id>``."""
     return HEALTH_PREFIX + validate_worker_id(worker_id)
+
+
+def spare_key(worker_id: str) -> str:
+    """etcd key marking a worker as a hot spare: ``/phalanx/v1/spares/<worker_id>``."""
+    return SPARES_PREFIX + validate_worker_id(worker_id)
 
 
 def request_key(request_id: str) -> str:

@@ -28,6 +28,10 @@ class DegradationConfig(BaseSettings):
         0.1, ge=0, lt=1, description="Pressure must fall this fraction below a level's threshold to leave it (hysteresis)"
     )
     report_stale_s: float = Field(3.0, gt=0, description="A worker whose last load report is older counts as no capacity")
+    planner_view: bool = Field(
+        True, description="Take the planner's capacity-vs-demand view (predicted demand over the serving fleet) as one more criterion "
+        "while it is fresh"
+    )
 
 
 class HealthConfig(BaseSettings):

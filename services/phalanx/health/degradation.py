@@ -57,6 +57,14 @@ unmeasured fleet as no capacity, which at cold start would shed the very
 traffic that would measure it. Peaks of workers no longer registered are
 forgotten. For a firm model, configure worker_tokens_per_s.
 
+The planner's view (when `planner_view` is on and the planner published one that is still fresh: written less than
+its `valid_for_s` ago): its predicted demand over the serving fleet's capacity, from its performance profile
+(planner.capacity). It is one more criterion, so the pressure is the larger of health's own and the planner's: health
+sees what workers report now, the planner what its forecast says is coming. A stale view (a planner that stopped)
+counts for nothing. A forecast alone reaches level 3 at most (its pressure is capped just below level 4's threshold):
+shedding best_effort, smaller batches and relaxed SLOs while the planner adds workers are the right answer to a
+predicted shortfall, refusing every request is not; level 4 takes health's own measurements.
+
 Hysteresis: the level rises when the target level has stayed above it for
 raise_after_s, to the lowest target seen during that hold (one spike at the
 end of a hold does not take the fleet to level 4); it drops one step when
@@ -82,6 +90,8 @@ from phalanx.health.config import DegradationConfig
 # Pressure up to LEVEL_THRESHOLDS[k] calls for level k; above the last one, MAX_LEVEL.
 LEVEL_THRESHOLDS = (1.0, 1.15, 1.4, 2.0)
 MAX_LEVEL = len(LEVEL_THRESHOLDS)
+# The planner's forecast alone stops short of level 4 (module docstring).
+_PLANNER_MAX_PRESSURE = LEVEL_THRESHOLDS[-1] * 0.999
 BATCH_SCALE_LEVEL = 1
 DEGRADED_BATCH_SCALE = 0.75
 SHED_BEST_EFFORT_LEVEL = 2
@@ -140,6 +150,21 @@ def target_level(pressure: float) -> int:
 
 
 @dataclass(frozen=True)
+class PlannerView:
+    """The planner's capacity-vs-demand view (common.v1.PlannerCapacityView) and how old it is."""
+
+    pressure: float
+    needed_workers: float
+    serving_workers: int
+    age_s: float  # since the planner wrote it (wall clocks of two hosts: a little skew either way is tolerated)
+    valid_for_s: float
+
+    @property
+    def fresh(self) -> bool:
+        return -self.valid_for_s <= self.age_s <= self.valid_for_s and math.isfinite(self.pressure) and self.pressure >= 0
+
+
+@dataclass(frozen=True)
 class _Criterion:
     name: str
     pressure: float
@@ -165,7 +190,7 @@ class DegradationPolicy:
         self._last_now: float | None = None
         self._outage = False  # the level was forced to MAX_LEVEL by no routable worker at all
 
-    def evaluate(self, now: float, workers: Iterable[WorkerCapacity]) -> DegradationDecision:
+    def evaluate(self, now: float, workers: Iterable[WorkerCapacity], planner: PlannerView | None = None) -> DegradationDecision:
         workers = list(workers)
         self._learn(now, workers)
         fresh = [w for w in workers if w.routable and w.weight > 0 and w.report_age_s <= self.config.report_stale_s]
@@ -176,7 +201,10 @@ class DegradationPolicy:
             reason = f"no routable worker with a load report under {self.config.report_stale_s:g} s old ({len(workers)} registered)"
             return self._decision(math.inf, reason, 0)
         notes: list[str] = []
-        criteria = [c for c in (self._throughput(fresh, len(workers), notes), self._tpot(fresh), self._ttft(fresh), self._kv(fresh)) if c]
+        criteria = [
+            c for c in (self._throughput(fresh, len(workers), notes), self._tpot(fresh), self._ttft(fresh), self._kv(fresh), self._planner(planner))
+            if c
+        ]
         worst = max(criteria, key=lambda c: c.pressure, default=None)
         pressure = worst.pressure if worst else 0.0
         reason = f"{worst.name}: {worst.detail}" if worst else "no load"
@@ -273,6 +301,12 @@ class DegradationPolicy:
         if capacity <= 0:
             return _Criterion("throughput", math.inf, f"need {need:g} tok/s, healthy capacity 0 tok/s ({workers})")
         return _Criterion("throughput", need / capacity, f"need {need:g} tok/s, healthy capacity {capacity:.0f} tok/s ({workers})")
+
+    def _planner(self, view: PlannerView | None) -> _Criterion | None:
+        if view is None or not self.config.planner_view or not view.fresh:
+            return None
+        detail = f"predicted demand needs {view.needed_workers:.1f} workers, {view.serving_workers} serving"
+        return _Criterion("planner", min(view.pressure, _PLANNER_MAX_PRESSURE), detail)
 
     def _tpot(self, fresh: list[WorkerCapacity]) -> _Criterion | None:
         busy = [w for w in fresh if w.running_seqs > 0 and w.step_time_s > 0]

@@ -34,13 +34,15 @@ from phalanx.common.subjects import (
     HEALTH_PREFIX,
     HEALTH_REPORTS_ALL,
     LOAD_ALL,
+    PLANNER_CAPACITY_KEY,
+    PLANNER_CAPACITY_PREFIX,
     canary_key,
     health_events_subject,
     health_key,
 )
 from phalanx.health.canary import CANDIDATE_PROMPTS, CanaryFact, CanaryRun, calibrate, canary_facts, judge
 from phalanx.health.config import DegradationConfig, HealthConfig
-from phalanx.health.degradation import DegradationDecision, DegradationPolicy, WorkerCapacity, latency_slo_factor
+from phalanx.health.degradation import DegradationDecision, DegradationPolicy, PlannerView, WorkerCapacity, latency_slo_factor
 from phalanx.health.leader import LeaderElection
 from phalanx.health.metrics import HealthMetrics
 from phalanx.health.schedule import (
@@ -110,6 +112,7 @@ class FleetMonitor:
         self.gone: dict[str, WorkerTracker] = {}  # DEAD and deregistered, kept for dead_retention_s
         self.calibrations: dict[str, common_pb2.CanaryCalibration] = {}
         self.degradation: common_pb2.DegradationState | None = None
+        self._planner_view: common_pb2.PlannerCapacityView | None = None  # the planner's capacity-vs-demand, if it publishes one
         self._records: dict[str, common_pb2.WorkerHealthRecord] = {}
         self._loads: dict[str, tuple[common_pb2.LoadReport, float]] = {}
         self._calibrate_wake = asyncio.Event()
@@ -123,6 +126,7 @@ class FleetMonitor:
         records = EtcdDirectory(self.etcd_config, prefix=HEALTH_PREFIX, message_type=common_pb2.WorkerHealthRecord)
         canaries = EtcdDirectory(self.etcd_config, prefix=CANARY_PREFIX, message_type=common_pb2.CanaryCalibration)
         degradation = EtcdDirectory(self.etcd_config, prefix=DEGRADATION_PREFIX, message_type=common_pb2.DegradationState)
+        planner_views = EtcdDirectory(self.etcd_config, prefix=PLANNER_CAPACITY_PREFIX, message_type=common_pb2.PlannerCapacityView)
         subscriptions = []
         try:
             self._records = await records.list()
@@ -130,6 +134,7 @@ class FleetMonitor:
             stored = (await degradation.list()).get(DEGRADATION_KEY.rsplit("/", 1)[1])
             self.degradation = stored
             registered = await workers.list()
+            self._planner_view = (await planner_views.list()).get(PLANNER_CAPACITY_KEY.rsplit("/", 1)[1])
             subscriptions.append(await self.bus.subscribe(LOAD_ALL, common_pb2.LoadReport, self._on_load))
             subscriptions.append(await self.bus.subscribe(HEALTH_REPORTS_ALL, common_pb2.WorkerStreamBroken, self._on_report))
             async with asyncio.TaskGroup() as tasks:
@@ -141,6 +146,7 @@ class FleetMonitor:
                 tasks.create_task(self._calibration_loop())
                 tasks.create_task(self._retention_loop())
                 tasks.create_task(self._watch_leadership())
+                tasks.create_task(self._follow_planner_view(planner_views))
                 if self.degradation_config.enabled:
                     tasks.create_task(self._degradation_loop(stored.level if stored else 0))
         finally:
@@ -152,7 +158,7 @@ class FleetMonitor:
                     task.cancel()
                 await w.channel.close()
             self.workers.clear()
-            for directory in (workers, records, canaries, degradation):
+            for directory in (workers, records, canaries, degradation, planner_views):
                 await directory.close()
 
     @property
@@ -541,7 +547,7 @@ class FleetMonitor:
         # Every live worker reports load within this; judged earlier, a new leader would see no capacity at all.
         await asyncio.sleep(self.degradation_config.report_stale_s)
         while True:
-            decision = policy.evaluate(time.monotonic(), self._capacities())
+            decision = policy.evaluate(time.monotonic(), self._capacities(), self._planner_capacity())
             self.metrics.degradation.set(decision.level)
             self.metrics.pressure.set(min(decision.pressure, 1e6))
             if self.degradation is None or _published(decision) != _published(self.degradation):
@@ -556,6 +562,18 @@ class FleetMonitor:
                 (log.warning if decision.level > previous else log.info)("degradation level %d -> %d: %s", previous, decision.level, decision.reason)
                 self.degradation = state
             await asyncio.sleep(self.degradation_config.interval_s)
+
+    async def _follow_planner_view(self, directory: EtcdDirectory) -> None:
+        async with aclosing(directory.watch()) as events:
+            async for kind, _name, view in events:
+                self._planner_view = view if kind == "put" else None
+
+    def _planner_capacity(self) -> PlannerView | None:
+        view = self._planner_view
+        if view is None:
+            return None
+        return PlannerView(pressure=view.pressure, needed_workers=view.needed_workers, serving_workers=view.serving_workers,
+                           age_s=time.time() - view.updated_at, valid_for_s=view.valid_for_s)
 
     def _capacities(self) -> list[WorkerCapacity]:
         now = time.monotonic()

@@ -29,6 +29,9 @@ class PlannerConfig(BaseSettings):
     max_workers: int = Field(8, ge=1, description="Most workers the planner asks for")
     gpus_per_worker: int = Field(1, ge=1, description="Used with max_gpus; the profile's own value wins when a profile is given")
     max_gpus: int | None = Field(None, ge=1, description="GPU budget of the fleet; unset: max_workers is the only bound")
+    hot_spares: int = Field(0, ge=0, le=16, description="Hot spares to keep: warm registered workers not routed to, promoted when a worker dies")
+    promote_deadline_s: float = Field(5.0, gt=0, description="A spare's promotion not acknowledged after this long times out")
+    capacity_view: bool = Field(True, description="Publish the capacity-vs-demand view (needs a profile) that health's degradation reads")
     scale_deadline_s: float = Field(120.0, gt=0, description="A scaling decision not acknowledged after this long times out")
     replace_deadline_s: float = Field(60.0, gt=0, description="Likewise for the replacement of a DEAD worker")
 

@@ -36,15 +36,25 @@ import httpx
 
 from phalanx._proto import common_pb2
 from phalanx.common.config import EtcdConfig, TelemetryConfig
-from phalanx.common.discovery import EtcdDirectory, WorkerDirectory, decode_json
+from phalanx.common.discovery import EtcdDirectory, WorkerDirectory, decode_json, encode_json
 from phalanx.common.lease import Backoff, connect_etcd
 from phalanx.common.service import ServiceShell
-from phalanx.common.subjects import DEGRADATION_KEY, HEALTH_PREFIX, PLANNER_LEADER_KEY, ROUTERS_PREFIX, validate_worker_id
+from phalanx.common.subjects import (
+    DEGRADATION_KEY,
+    HEALTH_PREFIX,
+    PLANNER_CAPACITY_KEY,
+    PLANNER_LEADER_KEY,
+    ROUTERS_PREFIX,
+    SPARES_PREFIX,
+    spare_key,
+    validate_worker_id,
+)
 from phalanx.health.leader import LeaderElection
+from phalanx.planner.capacity import CapacityView, capacity_view
 from phalanx.planner.config import PlannerConfig
 from phalanx.planner.connectors import Connector, DecisionRecord, VirtualConnector, read_decision, read_target
 from phalanx.planner.correction import CorrectionConfig, CorrectionTracker, expected_itl_s, expected_ttft_s
-from phalanx.planner.decisions import Decision, DecisionConfig, DecisionMachine, Outcome, Readiness
+from phalanx.planner.decisions import Decision, DecisionConfig, DecisionMachine, DecisionReason, Outcome, Readiness
 from phalanx.planner.distribution import Summary
 from phalanx.planner.metrics import PlannerMetrics
 from phalanx.planner.observations import Observation, Scrape, observe_prometheus, observe_scrapes, parse_scrape, promql_queries
@@ -92,8 +102,13 @@ class Planner:
         self._scraped_twice = False
         self._operator_target: int | None = None
         self._workers = 0
+        self._spare_marks = EtcdDirectory(etcd_config, prefix=SPARES_PREFIX, message_type=common_pb2.HotSpareRecord)
+        self._spares: set[str] = set()  # registered, marked spare, not failing
+        self._promoted: dict[str, None] = {}  # spares this planner promoted: their mark may still show in a listing taken before
         self._counted: set[int] = set()
         self._degradation_level = 0
+        self._capacity: CapacityView | None = None  # of the last plan, published after it
+        self._observed_at: float | None = None  # when the last interval was observed (None: not yet)
         self._http = httpx.AsyncClient(timeout=config.scrape_timeout_s)
 
     async def run(self) -> None:
@@ -108,11 +123,13 @@ class Planner:
             self.machine = DecisionMachine(
                 DecisionConfig(
                     interval_s=self.config.interval_s, max_interval_s=self.config.max_interval_s, scale_deadline_s=self.config.scale_deadline_s,
-                    replace_deadline_s=self.config.replace_deadline_s,
+                    replace_deadline_s=self.config.replace_deadline_s, promote_deadline_s=self.config.promote_deadline_s,
+                    hot_spares=self.config.hot_spares,
                 ),
                 start, first_id=previous.id + 1 if previous is not None else 1,
             )
             self.metrics.target_workers.set(start)
+            self._sync_spares()
             deaths = EtcdDirectory(self.etcd_config, prefix=HEALTH_PREFIX, message_type=common_pb2.WorkerHealthRecord)
             await deaths.list()  # DEAD records from before we led were handled then; watch from here on
             # Only now: a DEAD record written from here on is seen (the watch starts at the listed revision).
@@ -125,7 +142,7 @@ class Planner:
                     await self._step(workers, healths, routers)
                     await asyncio.sleep(self.config.poll_s)
         finally:
-            for directory in (workers, healths, routers):
+            for directory in (workers, healths, routers, self._spare_marks):
                 await directory.close()
             await self._http.aclose()
 
@@ -140,15 +157,23 @@ class Planner:
             machine.decide_at_next_tick()
         self._operator_target = target
         now = time.monotonic()
-        if not (self.readiness.ready and machine.tick_due(now)):
+        # Observe every interval, also while a decision is being carried out (the tick then decides nothing): the predictors
+        # see every interval, and health's capacity view stays fresh through a slow scale-up, when it matters most.
+        observe = machine.tick_due(now) or (self._observed_at is not None and now - self._observed_at >= machine.interval_s)
+        if not (self.readiness.ready and observe):
             machine.tick(now, self.readiness, machine.targets.workers)  # expires what is past its deadline
             self._record_finished()
             return
+        self._observed_at = now
         observation = await self._observe_interval()
         self._degradation_level = await self._read_degradation_level()
         self.metrics.degradation.set(self._degradation_level)
-        desired = self._desired(observation)
+        # In a thread: a predictor's refit (ARIMA, Prophet) takes seconds, and the loop keeps the leadership lease alive.
+        self._capacity = None
+        desired = await asyncio.to_thread(self._desired, observation)
         self.metrics.desired_workers.set(desired)
+        if self._capacity is not None and self.config.capacity_view:
+            await self._publish_capacity(self._capacity)
         decision = machine.tick(now, self.readiness, desired)
         self._record_finished()
         self.metrics.interval.set(machine.interval_s)
@@ -158,7 +183,11 @@ class Planner:
     async def _refresh(self, workers: WorkerDirectory, healths: EtcdDirectory, routers: EtcdDirectory) -> None:
         registered = await workers.list()
         health = await healths.list()
-        serving = [w for w in registered if w not in health or health[w].health not in _NOT_SERVING]
+        marks = await self._spare_marks.list()
+        alive = [w for w in registered if w not in health or health[w].health not in _NOT_SERVING]
+        serving = [w for w in alive if w not in marks]
+        self._spares = {w for w in alive if w in marks and w not in self._promoted}
+        self._sync_spares()
         found = await routers.list()
         self._workers = len(serving)
         self.metrics.actual_workers.set(len(serving))
@@ -169,6 +198,18 @@ class Planner:
             flowing = await self._scrape_routers(found)
         self.readiness = Readiness(routers_serving=bool(found), serving_workers=len(serving), metrics_flowing=flowing)
         self.metrics.ready.set(1 if self.readiness.ready else 0)
+
+    def _sync_spares(self) -> None:
+        """Tell the machine which spares are ready (registered, marked, not failing) and which left without dying."""
+        machine = self.machine
+        if machine is None:
+            return
+        for worker_id in list(machine.spares):
+            if worker_id not in self._spares:
+                machine.spare_lost(worker_id)
+        for worker_id in sorted(self._spares):
+            machine.spare_ready(worker_id)
+        self.metrics.spares.set(len(machine.spares))
 
     async def _scrape_routers(self, routers: Mapping[str, common_pb2.RouterRegistration]) -> bool:
         async def one(router_id: str, address: str) -> tuple[str, Scrape | None]:
@@ -285,12 +326,14 @@ class Planner:
             isl=_scaled(observation.isl, self.predictors["isl"].predict_next()) if observation.isl else Summary(mean=self.config.default_isl),
             osl=_scaled(observation.osl, predicted_osl),
         )
-        plan = plan_replicas(
-            forecast, profile, SloTargets(ttft_s=self.config.ttft_slo_s, itl_s=self.config.itl_slo_s),
-            ReplicaConfig(interval_s=interval, min_workers=self.config.min_workers, max_gpus=self.config.max_gpus,
-                          length_quantile=self.config.length_quantile),
-            factors, degradation_level=self._degradation_level,
-        )
+        slo = SloTargets(ttft_s=self.config.ttft_slo_s, itl_s=self.config.itl_slo_s)
+        replica_config = ReplicaConfig(interval_s=interval, min_workers=self.config.min_workers, max_gpus=self.config.max_gpus,
+                                       length_quantile=self.config.length_quantile)
+        plan = plan_replicas(forecast, profile, slo, replica_config, factors, degradation_level=self._degradation_level)
+        # The capacity view is read at the configured SLOs (capacity.py), whatever level the plan targets.
+        at_slo = plan if self._degradation_level < replica_config.relaxed_slo_level else plan_replicas(
+            forecast, profile, slo, replica_config, factors, degradation_level=0)
+        self._capacity = capacity_view(at_slo, self._workers, forecast.requests / interval)
         return plan.combined
 
     # -- decisions -----------------------------------------------------------------------------------
@@ -304,6 +347,17 @@ class Planner:
         self.metrics.target_workers.set(decision.targets.workers)
         log.info("decision %d (%s): %d workers%s", decision.id, decision.reason, decision.targets.workers,
                  f", replacing {', '.join(replacing)}" if replacing else "")
+
+    async def _publish_capacity(self, view: CapacityView) -> None:
+        """The view for health's degradation, valid for two intervals (a planner that stops deciding stops counting)."""
+        assert self.machine is not None
+        record = common_pb2.PlannerCapacityView(
+            pressure=view.pressure, needed_workers=view.needed_workers, serving_workers=view.serving_workers,
+            predicted_requests_per_s=view.predicted_requests_per_s, updated_at=time.time(), valid_for_s=2 * self.machine.interval_s,
+        )
+        self.metrics.capacity_pressure.set(view.pressure)
+        if not await self.election.fenced_put(PLANNER_CAPACITY_KEY, encode_json(record)):
+            raise LeadershipLostError("a fenced capacity write failed: another planner leads")
 
     async def _take_acks(self) -> None:
         assert self.machine is not None
@@ -331,13 +385,15 @@ class Planner:
         self._counted = {finished.decision.id for finished in history}
 
     async def _watch_deaths(self, deaths: EtcdDirectory) -> None:
-        """Restoration for workers that died; not for those that were DRAINING first: a worker drains on SIGTERM, so it left on
-        purpose (a scale-down, an operator), and replacing it would undo that."""
+        """Restoration for workers that died; not for those that were DRAINING first by their own doing: a worker drains on
+        SIGTERM, so it left on purpose (a scale-down, an operator), and replacing it would undo that."""
         draining: dict[str, None] = {}
         async for kind, worker_id, record in deaths.watch():
             if kind != "put" or record is None:
                 continue
-            if record.health == common_pb2.WORKER_HEALTH_DRAINING:
+            if record.health == common_pb2.WORKER_HEALTH_DRAINING and record.circuit != common_pb2.CIRCUIT_STATE_OPEN:
+                # The worker drains itself (SIGTERM). Health's quarantine of an UNHEALTHY worker is DRAINING too, with its
+                # circuit open: that one did not leave on purpose, and its death is a loss to restore.
                 draining[worker_id] = None
                 while len(draining) > 1024:
                     del draining[next(iter(draining))]
@@ -350,9 +406,20 @@ class Planner:
                 continue
             assert self.machine is not None
             decision = self.machine.worker_dead(time.monotonic(), worker_id)
-            if decision is not None:
+            if decision is None:
+                continue
+            if decision.reason is DecisionReason.PROMOTE_SPARE and decision.promote:
+                # Capacity back now: routers watch the marks, and route to the spare the moment its mark goes. The decision
+                # record follows for the orchestrator, which counts the spare as a worker and starts a new spare.
+                self._promoted[decision.promote] = None
+                while len(self._promoted) > 1024:
+                    del self._promoted[next(iter(self._promoted))]
+                if not await self.election.fenced_delete(spare_key(decision.promote)):
+                    raise LeadershipLostError("a fenced promotion failed: another planner leads")
+                log.warning("worker %s is DEAD: decision %d promotes hot spare %s", worker_id, decision.id, decision.promote)
+            else:
                 log.warning("worker %s is DEAD: decision %d replaces it", worker_id, decision.id)
-                await self._publish(decision)
+            await self._publish(decision)
 
 
 def _scaled(summary: Summary | None, mean: float) -> Summary:

@@ -35,6 +35,7 @@ from phalanx.common.subjects import (
     HEALTH_PREFIX,
     KV_EVENTS_ALL,
     LOAD_ALL,
+    SPARES_PREFIX,
     health_report_subject,
     router_key,
     validate_worker_id,
@@ -115,7 +116,8 @@ class RouterProcess:
             workers = WorkerDirectory(self.etcd_config)
             healths = EtcdDirectory(self.etcd_config, prefix=HEALTH_PREFIX, message_type=common_pb2.WorkerHealthRecord)
             degradation = EtcdDirectory(self.etcd_config, prefix=DEGRADATION_PREFIX, message_type=common_pb2.DegradationState)
-            for directory in (workers, healths, degradation):
+            spares = EtcdDirectory(self.etcd_config, prefix=SPARES_PREFIX, message_type=common_pb2.HotSpareRecord)
+            for directory in (workers, healths, degradation, spares):
                 shell.push_async_callback(directory.close)
             bus = await shell.connect_nats(self.nats_config, name=f"router-{self.router_id}")
             await bus.subscribe(KV_EVENTS_ALL, common_pb2.KvEvent, self._on_kv_event)
@@ -124,6 +126,9 @@ class RouterProcess:
             await bus.subscribe(HEALTH_EVENTS_ALL, common_pb2.WorkerHealthRecord, self._on_health_event)
             await bus.subscribe(DEGRADATION_SUBJECT, common_pb2.DegradationState, self._on_degradation_event)
             self._bus = bus
+            # Spares first: a spare's registration must never make it routable, not even for an instant.
+            for worker_id, spare in (await spares.list()).items():
+                self._on_spare("put", worker_id, spare)
             for worker_id, reg in (await workers.list()).items():
                 self._on_worker("put", worker_id, reg)
             for worker_id, record in (await healths.list()).items():
@@ -141,6 +146,7 @@ class RouterProcess:
                     tasks.create_task(self._follow(workers, self._on_worker)),
                     tasks.create_task(self._follow(healths, self._on_health)),
                     tasks.create_task(self._follow(degradation, self._on_degradation)),
+                    tasks.create_task(self._follow(spares, self._on_spare)),
                     tasks.create_task(self._resync_loop(channels)),
                     tasks.create_task(self._gauges_loop()),
                 ]
@@ -193,6 +199,12 @@ class RouterProcess:
         )
         if changed:
             self._want_resync(worker_id)
+
+    def _on_spare(self, kind: str, worker_id: str, record: common_pb2.HotSpareRecord | None) -> None:
+        """A hot spare's mark: put, out of routing; delete, promoted (or gone), routable from now on."""
+        self.table.set_spare(worker_id, kind == "put")
+        if kind == "delete" and worker_id in self.table:
+            log.info("hot spare %s promoted: routable", worker_id)
 
     def _on_health(self, kind: str, worker_id: str, record: common_pb2.WorkerHealthRecord | None) -> None:
         records = self._servicer.health_records

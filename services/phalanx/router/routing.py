@@ -92,6 +92,7 @@ class WorkerView:
     load_age_s: float  # since the last load report, or since registration if none came
     reported: bool
     routed_since_report: int
+    spare: bool = False  # a hot spare: registered, not routed to until promoted
 
 
 class _Worker:
@@ -153,6 +154,8 @@ class RoutingTable:
         self._workers: dict[str, _Worker] = {}
         # Health records may arrive before registrations and outlive them: kept apart.
         self._weights: dict[str, tuple[float, int]] = {}
+        # Hot spares (etcd SPARES_PREFIX): never routed to until promoted. Like health records, the mark may come first.
+        self._spares: set[str] = set()
         # (worker, 1 / weight) of routable workers, sorted by id; rebuilt when routability changes.
         self._routable: list[tuple[_Worker, float]] = []
         self._turn = 0
@@ -194,6 +197,17 @@ class RoutingTable:
             self._weights.pop(worker_id, None)
         else:
             self._weights[worker_id] = (weight, health)
+        if worker_id in self._workers:
+            self._rebuild_routable()
+
+    def set_spare(self, worker_id: str, spare: bool) -> None:
+        """Mark a worker as a hot spare (out of routing) or promote it (routable from now on). May come before it registers."""
+        if spare == (worker_id in self._spares):
+            return
+        if spare:
+            self._spares.add(worker_id)
+        else:
+            self._spares.discard(worker_id)
         if worker_id in self._workers:
             self._rebuild_routable()
 
@@ -282,7 +296,7 @@ class RoutingTable:
                     running_seqs=w.running_seqs, free_blocks=w.free_blocks, total_blocks=w.total_blocks, step_time_ms=w.step_time_ms,
                     prefill_tokens_per_s=w.prefill_tokens_per_s, decode_tokens_per_s=w.decode_tokens_per_s,
                     indexed_blocks=self.index.indexed_blocks(w.worker_id), load_age_s=max(0.0, now - w.report_at),
-                    reported=w.reported, routed_since_report=w.routed,
+                    reported=w.reported, routed_since_report=w.routed, spare=w.worker_id in self._spares,
                 )
             )
         return views
@@ -305,7 +319,7 @@ class RoutingTable:
         for worker_id in sorted(self._workers):
             w = self._workers[worker_id]
             weight, health = self._weights.get(worker_id, (1.0, common_pb2.WORKER_HEALTH_UNSPECIFIED))
-            if weight > 0 and not w.draining and health not in _NOT_ROUTABLE_HEALTH:
+            if weight > 0 and not w.draining and health not in _NOT_ROUTABLE_HEALTH and worker_id not in self._spares:
                 routable.append((w, 1.0 / weight))
         self._routable = routable
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from phalanx.common.config import EtcdConfig
 from phalanx.common.lease import connect_etcd
-from phalanx.common.subjects import CANARY_PREFIX, DEGRADATION_PREFIX, HEALTH_PREFIX, PLANNER_PREFIX
+from phalanx.common.subjects import CANARY_PREFIX, DEGRADATION_PREFIX, HEALTH_PREFIX, PLANNER_CAPACITY_PREFIX, PLANNER_PREFIX, SPARES_PREFIX
 
 __all__ = ["forget_health_state", "forget_planner_state"]
 
@@ -20,9 +20,10 @@ async def forget_health_state(etcd_config: EtcdConfig) -> None:
 
 
 async def forget_planner_state(etcd_config: EtcdConfig) -> None:
-    """Delete the planner's decision, acknowledgement, operator target and leadership key."""
+    """Delete the planner's decision, acknowledgement, operator target, leadership key, capacity view and hot spare marks."""
     client = connect_etcd(etcd_config)
     try:
-        await client.delete_prefix(PLANNER_PREFIX.encode())
+        for prefix in (PLANNER_PREFIX, PLANNER_CAPACITY_PREFIX, SPARES_PREFIX):
+            await client.delete_prefix(prefix.encode())
     finally:
         await client.close()

@@ -45,6 +45,10 @@ DEFAULT_PROFILE = "tiny-moe-cpu.npz"
 _ALPHABET = "abcdefghijklmnopqrstuvwxyz "
 
 
+_SIM_TOP_LOGIT = 10.0
+_SIM_TOP_MARGIN = 5.0
+
+
 def default_profile_path() -> Path:
     return Path(str(resources.files("phalanx.planner").joinpath("profiles", DEFAULT_PROFILE)))
 
@@ -117,7 +121,11 @@ class SimulatedRunner:
                 prefill_tokens += n
             if seq.num_computed + n == seq.num_tokens:
                 seed = 0 if seq.params.greedy else seq.sampler.seed
-                sampled.append((simulated_token(seq.prompt_ids, len(seq.output_ids), seed, self.alphabet), None, None))
+                token = simulated_token(seq.prompt_ids, len(seq.output_ids), seed, self.alphabet)
+                # Health's canaries record the top logit and its margin; a simulated model has neither, so it reports fixed
+                # ones (the same on every worker: calibration and every later canary agree).
+                top, margin = (_SIM_TOP_LOGIT, _SIM_TOP_MARGIN) if seq.record_top_logits else (None, None)
+                sampled.append((token, top, margin))
         seconds = self.step_seconds(prefill_tokens, decode_contexts)
         self.simulated_seconds += seconds
         remaining = seconds - (self._clock() - start)

@@ -1,0 +1,36 @@
+"""The planner bench's trace and predictor choice (the live part runs in `phalanx bench planner`)."""
+
+import pytest
+
+from phalanx.bench import planner as bench
+
+pytestmark = pytest.mark.unit
+
+
+def test_the_trace_ramps_up_and_down_with_three_triple_bursts():
+    duration, peak = 300.0, 2.0
+    assert len(bench.bursts(duration)) == 3
+    assert bench.rate_at(0.0, duration, peak) == pytest.approx(0.3 * peak)
+    assert bench.rate_at(duration / 2 - 20, duration, peak) == pytest.approx(peak, rel=0.05)
+    for burst in bench.bursts(duration):
+        inside = bench.rate_at(burst.start_s + 1, duration, peak)
+        outside = bench.rate_at(burst.start_s - 1, duration, peak)
+        assert inside == pytest.approx(3 * outside, rel=0.05)
+    times = bench.arrivals(duration, peak, seed=1)
+    assert times == sorted(times) and times == bench.arrivals(duration, peak, seed=1)
+    rows = bench.trace(times, duration, isl=48.0)
+    assert sum(row.requests for row in rows) == len(times)
+    expected = sum(bench.rate_at(t + 0.5, duration, peak) for t in range(int(duration)))
+    assert abs(len(times) - expected) < 4 * expected**0.5
+
+
+def test_the_best_predictor_weighs_missing_workers_over_idle_ones():
+    results = {
+        "constant": {"cost": 73.0}, "arima": {"cost": 71.0}, "kalman": {"cost": 71.0}, "prophet": {"skipped": "no"},
+    }
+    assert bench.best_predictor(results) == "arima"  # the tie goes to the simpler one
+    rows = bench.trace(bench.arrivals(60.0, 1.0, seed=2), 60.0, isl=48.0)
+    offline = bench.dryruns(rows, bench.bench_profile(), max_workers=6)
+    for kind, result in offline.items():
+        if "skipped" not in result:
+            assert result["cost"] == result["worker_intervals"] + bench.MISSING_COST * result["missing_worker_intervals"], kind

@@ -41,6 +41,7 @@ __all__ = [
     "worker_id_from_key",
     "worker_id_from_subject",
     "worker_key",
+    "expert_worker_key",
 ]
 
 KV_EVENTS_PREFIX = "phalanx.kv."
@@ -79,6 +80,12 @@ PLANNER_LEADER_KEY = PLANNER_PREFIX + "leader"
 PLANNER_DECISION_KEY = PLANNER_PREFIX + "decision"
 PLANNER_ACK_KEY = PLANNER_PREFIX + "ack"
 PLANNER_TARGET_KEY = PLANNER_PREFIX + "target"
+# Disaggregated MoE (docs/moe.md): expert workers, <prefix><id> -> JSON ExpertWorkerRegistration, leased; the expert
+# routing table (JSON ExpertRoutingTable) that the ERT manager leader writes and every attention worker watches.
+EXPERT_WORKERS_PREFIX = "/phalanx/v1/expert-workers/"
+MOE_PREFIX = "/phalanx/v1/moe/"
+ERT_KEY = MOE_PREFIX + "ert"
+ERT_LEADER_KEY = MOE_PREFIX + "ert-leader"
 
 _WORKER_ID = re.compile(r"[A-Za-z0-9_-]+")
 # Client-chosen, so a little wider (UUIDs, "tenant:job.42"), but never "/".
@@ -128,6 +135,11 @@ def canary_key(model_version: str) -> str:
 def worker_key(worker_id: str) -> str:
     """etcd key of a worker's registration: ``/phalanx/v1/workers/<worker_id>``."""
     return WORKERS_PREFIX + validate_worker_id(worker_id)
+
+
+def expert_worker_key(worker_id: str) -> str:
+    """etcd key of an expert worker's registration: ``/phalanx/v1/expert-workers/<worker_id>``."""
+    return EXPERT_WORKERS_PREFIX + validate_worker_id(worker_id)
 
 
 def router_key(router_id: str) -> str:

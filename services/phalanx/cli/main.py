@@ -499,6 +499,29 @@ def bench_serve(
     typer.echo(json.dumps(result, indent=None if as_json else 2))
 
 
+@bench_app.command("moe")
+def bench_moe(
+    streams: int = typer.Option(8, min=1, help="Concurrent greedy streams per wave"),
+    tokens: int = typer.Option(48, min=16, help="Tokens generated per stream"),
+    pairs: int = typer.Option(3, min=1, help="Monolithic/split steady-state run pairs, alternating (medians compared)"),
+    expert_workers: int = typer.Option(2, min=2, help="Expert workers the experts are spread over"),
+    copies: int = typer.Option(2, min=2, help="Copies of each expert (1 primary + shadows)"),
+    kill_after: int = typer.Option(16, min=1, help="Tokens every stream has when an expert worker is SIGKILLed"),
+    kill_repeats: int = typer.Option(3, min=1, help="Expert-worker kills (one wave each)"),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON only"),
+) -> None:
+    """Disaggregated MoE: steady-state tokens/s split vs monolithic with the per-layer AW-EW round trip, the stall of an
+    expert worker's SIGKILL, and a restart-the-group baseline."""
+    os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
+    from phalanx.bench.moe import run_moe_bench
+
+    result = run_moe_bench(
+        streams=streams, tokens=tokens, pairs=pairs, expert_workers=expert_workers, copies=copies, kill_after=kill_after,
+        kill_repeats=kill_repeats,
+    )
+    typer.echo(json.dumps(result) if as_json else json.dumps(result, indent=2))
+
+
 @bench_app.command("failover")
 def bench_failover(
     streams: int = typer.Option(12, min=1, help="Concurrent greedy streams per wave"),

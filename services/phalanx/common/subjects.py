@@ -85,7 +85,7 @@ PLANNER_TARGET_KEY = PLANNER_PREFIX + "target"
 EXPERT_WORKERS_PREFIX = "/phalanx/v1/expert-workers/"
 MOE_PREFIX = "/phalanx/v1/moe/"
 ERT_KEY = MOE_PREFIX + "ert"
-ERT_LEADER_KEY = MOE_PREFIX + "ert-leader"
+ERT_LEADER_KEY = "/phalanx/v1/ert-leader"
 
 _WORKER_ID = re.compile(r"[A-Za-z0-9_-]+")
 # Client-chosen, so a little wider (UUIDs, "tenant:job.42"), but never "/".

@@ -107,3 +107,37 @@ async def test_sigkill_of_an_expert_worker_mid_generation_changes_no_token_and_d
         assert after.locations[key].primary == before.locations[key].shadows[0]
     # And the AW keeps serving on the new table.
     assert await _generate(aw.address) == expected
+
+
+async def test_a_hung_expert_worker_is_found_by_probe_and_its_work_replayed_on_the_shadow(stack, etcd_config):
+    await stack.add_ert_manager()
+    ews = await stack.add_expert_workers(2, copies=2)
+    names = {ew.name for ew in ews}
+
+    async def table_names_our_workers():
+        table = await _table(etcd_config)
+        return table is not None and set(table.workers) == names and table.complete
+
+    await assert_eventually(table_names_our_workers, timeout=20, message="the ERT lists both expert workers")
+    (monolithic,) = await stack.add_workers(1)
+    aw = await start_worker(
+        unique_id("aw"), stack.nats_url, etcd_config, "--deterministic", "--role", "attention", model=MODEL,
+        env={"PHALANX_ENGINE_EXPERT_TIMEOUT_S": "0.5"},
+    )
+    stack.workers.append(aw)
+    expected = await _generate(monolithic.address)
+    victim = ews[0]
+    stopped: list[float] = []
+
+    def stop_mid_generation(i: int, produced: int) -> None:
+        if not stopped and produced >= MAX_TOKENS // 3:
+            os.kill(victim.process.pid, signal.SIGSTOP)  # alive to the kernel, silent on the data and control paths
+            stopped.append(time.monotonic())
+
+    try:
+        got = await _generate(aw.address, on_token=stop_mid_generation)
+    finally:
+        victim.kill()  # a stopped process would sit out SIGTERM
+    assert stopped and got == expected, "a hung expert worker changed tokens"
+    assert (await asyncio.to_thread(aw.metric, "phalanx_aw_expert_probe_failures_total", expert_worker=victim.name) or 0) > 0
+    assert (await asyncio.to_thread(aw.metric, "phalanx_aw_expert_replays_total", expert_worker=victim.name) or 0) > 0

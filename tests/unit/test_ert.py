@@ -113,3 +113,21 @@ def test_the_table_round_trips_through_its_etcd_json():
     assert table is not None
     decoded = ExpertRoutingTable.from_proto(decode_json(encode_json(table.to_proto()), expert_pb2.ExpertRoutingTable))
     assert decoded == table
+
+
+def test_primaries_follow_the_placement_whatever_order_the_workers_join_in():
+    manager = ErtManager("phalanx-tiny-moe", LAYERS, EXPERTS)
+    hosted = place(LAYERS, EXPERTS, 3, 2)
+    for i in (2, 0, 1):
+        manager.apply(ExpertWorkerJoined(_ref(i), tuple(hosted[i])))
+    for i, experts in enumerate(hosted):
+        assert manager.table.experts_of(f"ew-{i}") == [h.key for h in experts if h.role is ExpertRole.PRIMARY]
+
+
+def test_a_replacement_in_a_lost_slot_takes_its_primaries_back():
+    manager = _manager(3, 2)
+    before = manager.table
+    manager.apply(ExpertWorkerLost("ew-0"))
+    replacement = ExpertWorkerRef("ew-0b", "127.0.0.1:5100", "expert-ew-0b")
+    after = manager.apply(ExpertWorkerJoined(replacement, tuple(place(LAYERS, EXPERTS, 3, 2)[0])))
+    assert after is not None and after.experts_of("ew-0b") == before.experts_of("ew-0")

@@ -179,10 +179,12 @@ ErtEvent = ExpertWorkerJoined | ExpertWorkerLost
 class ErtManager:
     """Keeps the ERT in step with the live EWs: `apply(event)` returns the new table, or None when it did not change.
 
-    A primary stays primary while it lives (AWs do not move traffic for
-    nothing); when it goes, its first shadow takes over. A joining EW
-    becomes a shadow of what it holds, or the primary of experts nobody
-    else hosts (a replacement after a loss).
+    The copy placed as primary leads while it lives, so the load spreads as
+    `place` spread it; when it goes, its first shadow takes over. A joining
+    EW takes the place its copies have in the placement: a shadow behind
+    the live primaries, a primary for the experts it was placed to lead (a
+    replacement in a lost EW's slot takes its load back), the only host of
+    experts nobody else holds.
     """
 
     def __init__(self, model: str, num_layers: int, num_experts: int, *, version: int = 0) -> None:
@@ -207,12 +209,11 @@ class ErtManager:
                 hosts_of.setdefault(key, []).append((role, worker_id))
         locations: dict[ExpertKey, ExpertLocation] = {}
         for key, hosts in hosts_of.items():
-            live = {worker_id for _, worker_id in hosts}
             previous = old.locations.get(key, _NOWHERE).hosts
-            # Previous order first (stable primaries, shadows in the order AWs already know), then newcomers.
-            kept = [h for h in previous if h in live]
-            newcomers = [worker_id for _, worker_id in sorted(hosts) if worker_id not in kept]
-            order = kept + newcomers
+            # Copies placed as primaries before shadows (the placement spreads the load that way); within a role,
+            # the order AWs already know (a live primary stays primary), then newcomers by id.
+            rank = {worker_id: i for i, worker_id in enumerate(previous)}
+            order = [w for _, _, w in sorted((role, rank.get(w, len(previous)), w) for role, w in hosts)]
             locations[key] = ExpertLocation(order[0], tuple(order[1:]))
         workers = {worker_id: ref for worker_id, (ref, _) in self._members.items()}
         if locations == dict(old.locations) and workers == dict(old.workers):

@@ -139,5 +139,8 @@ async def test_a_hung_expert_worker_is_found_by_probe_and_its_work_replayed_on_t
     finally:
         victim.kill()  # a stopped process would sit out SIGTERM
     assert stopped and got == expected, "a hung expert worker changed tokens"
-    assert (await asyncio.to_thread(aw.metric, "phalanx_aw_expert_probe_failures_total", expert_worker=victim.name) or 0) > 0
+    await assert_eventually(
+        lambda: (aw.metric("phalanx_aw_expert_probe_failures_total", expert_worker=victim.name) or 0) > 0,
+        timeout=5, message="the hung expert worker failed its probe",
+    )
     assert (await asyncio.to_thread(aw.metric, "phalanx_aw_expert_replays_total", expert_worker=victim.name) or 0) > 0

@@ -111,20 +111,24 @@ class ExpertServicer(expert_pb2_grpc.ExpertServiceServicer):
         while True:
             await channel.recv_into(header, timeout_s=_IDLE_TIMEOUT_S)
             call = ExpertCall.parse(header)
-            activations = torch.empty((call.rows, loaded.hidden_size), dtype=loaded.dtype)
-            await channel.recv_into(activations, timeout_s=self.timeout_s)
-            start = time.perf_counter()
+            # Receive, compute and reply in one hop off the loop (the loop keeps answering probes meanwhile).
             try:
-                outputs = loaded.host.compute(call.layer, call.batches(activations), call.invariant)
+                await asyncio.to_thread(self._compute, channel, loaded, call)
             except MissingExpertError as error:
                 # The AW's table is wrong about us: break the channel (it replays elsewhere) rather than answer garbage.
                 log.error("%s; closing the channel", error)
                 return
-            self.metrics.compute_seconds.observe(time.perf_counter() - start)
             self.metrics.calls.inc()
             for expert, count in zip(call.experts, call.counts, strict=True):
                 self.metrics.rows.labels(layer=str(call.layer), expert=str(expert)).inc(count)
-            await channel.send(torch.cat(outputs), timeout_s=self.timeout_s)
+
+    def _compute(self, channel: TensorChannel, loaded: _Loaded, call: ExpertCall) -> None:
+        activations = torch.empty((call.rows, loaded.hidden_size), dtype=loaded.dtype)
+        channel.post_exchange([], [activations]).wait(self.timeout_s)
+        start = time.perf_counter()
+        outputs = loaded.host.compute(call.layer, call.batches(activations), call.invariant)
+        self.metrics.compute_seconds.observe(time.perf_counter() - start)
+        channel.post_exchange([torch.cat(outputs)], []).wait(self.timeout_s)
 
 
 class ExpertWorkerProcess:

@@ -5,17 +5,21 @@
 once per MoE layer of a step; it resolves each expert to an EW in the ERT,
 sends every EW all of its rows of that layer in one message (header, then
 activations) over the (AW, EW) channel, waits for all replies concurrently
-and returns the outputs in order. The channel work runs on the event loop
-(common/channels is asyncio); the engine thread blocks on it.
+and returns the outputs in order. On open channels the engine thread posts
+the gloo ops and waits for them itself (`TensorChannel.post_exchange`): an
+asyncio round per tensor would cost a thread hop each. Opening channels,
+probes and replays run on the event loop (`compute_async`).
 
 Failure: a channel op that fails (a SIGKILLed EW closes its sockets: tens
-of ms) or times out (`expert_timeout_s`: a hung EW) sends an explicit probe
-on the control path (gRPC `Probe`, `expert_probe_timeout_s`). A failed
-probe marks the EW dead here at once, before the ERT manager's table says
-so, and the same activations are replayed to the next host of each expert
-(a shadow or replica): experts are pure functions, so the outputs, and the
-tokens, are the ones the dead EW would have given. A live EW whose channel
-broke gets one fresh channel, then counts as dead too.
+of ms) or times out (`expert_timeout_s`: a hung EW) excludes the EW here at
+once, before the ERT manager's table says so, and the same activations are
+replayed to the next host of each expert (a shadow or replica): experts
+are pure functions, so the outputs, and the tokens, are the ones the lost
+EW would have given. The replay does not wait for the explicit probe on the
+control path (gRPC `Probe`, `expert_probe_timeout_s`), which runs beside
+it: a dying process can hold its listening socket a while and let the
+probe hang to its deadline. An EW that answers the probe is taken back
+(its channel broke, not it) once; a second failure keeps it out.
 """
 
 from __future__ import annotations
@@ -58,6 +62,12 @@ class ForwardingMetrics:
         self.probe_failures = Counter("phalanx_aw_expert_probe_failures", "Failed probes of an expert worker", ["expert_worker"], registry=r)
         self.rtt_seconds = Histogram(
             "phalanx_aw_expert_rtt_seconds", "Send-to-reply time of one layer call to one EW", buckets=_RTT_BUCKETS, registry=r
+        )
+        self.failover_seconds = Histogram(
+            "phalanx_aw_expert_failover_seconds",
+            "A MoE layer with a failed EW: from its start to every output in (detect + replay)",
+            buckets=_RTT_BUCKETS,
+            registry=r,
         )
         self.layer_seconds = Histogram(
             "phalanx_aw_expert_layer_seconds",
@@ -102,7 +112,7 @@ class RemoteExperts:
         self._grpc: dict[str, grpc.aio.Channel] = {}
         self._failures: dict[str, int] = {}
         self._ids = itertools.count()
-        self._closing: set[asyncio.Future[None]] = set()
+        self._closing: set[asyncio.Future[None]] = set()  # background closes and probes
 
     # -- the table ---------------------------------------------------------------------------
     def set_table(self, table: ExpertRoutingTable) -> None:
@@ -149,12 +159,75 @@ class RemoteExperts:
 
     # -- the engine thread's call --------------------------------------------------------------
     def compute(self, layer: int, batches: list[ExpertBatch], invariant: bool) -> list[torch.Tensor]:
-        future = asyncio.run_coroutine_threadsafe(self.compute_async(layer, batches, invariant), self.loop)
+        """On the engine thread: every EW's call posted on its open channel at once, then waited for here (no hop through
+        the event loop); what fails, or needs a new channel, goes through the event loop (`compute_async`)."""
+        start = time.perf_counter()
+        table = self.table
+        if table is None:
+            raise UnavailableError("no expert routing table yet")
+        by_ew: dict[str, list[int]] = {}
+        for i, batch in enumerate(batches):
+            by_ew.setdefault(table.resolve(layer, batch.expert, exclude=self.dead), []).append(i)
+        outputs: list[torch.Tensor | None] = [None] * len(batches)
+        posted = []
+        redo: list[int] = []
+        for ew, indices in by_ew.items():
+            channel = self._channels.get(ew)
+            if channel is None or channel.broken:
+                redo.extend(indices)
+                continue
+            call, activations = pack(layer, [batches[i] for i in indices], invariant)
+            out = torch.empty((call.rows, self.hidden_size), dtype=self.dtype)
+            posted.append((ew, indices, call, out, channel.post_exchange([call.header(self.num_experts), activations.to(self.dtype)], [out])))
+        failed: list[tuple[str, ChannelError]] = []
+        for ew, indices, call, out, exchange in posted:
+            try:
+                exchange.wait(self.timeout_s)
+            except ChannelError as error:
+                failed.append((ew, error))
+                self.metrics.replays.labels(expert_worker=ew).inc(len(indices))
+                redo.extend(indices)
+                continue
+            self._observe(ew, time.perf_counter() - start)
+            for i, y in zip(indices, out.split(list(call.counts)), strict=True):
+                outputs[i] = y
+        if redo:
+            detected = time.perf_counter()
+            redone = self._on_loop(self._recover(failed, layer, [batches[i] for i in redo], invariant))
+            for i, y in zip(redo, redone, strict=True):
+                outputs[i] = y
+            if failed:
+                self.metrics.failover_seconds.observe(time.perf_counter() - start)
+                log.warning(
+                    "layer %d: %s failed after %.1f ms; %d expert batches replayed in %.1f ms",
+                    layer,
+                    [ew for ew, _ in failed],
+                    (detected - start) * 1e3,
+                    len(redo),
+                    (time.perf_counter() - detected) * 1e3,
+                )
+        else:
+            self.metrics.layer_seconds.observe(time.perf_counter() - start)
+        return [y for y in outputs if y is not None]
+
+    def _on_loop(self, coroutine):
+        future = asyncio.run_coroutine_threadsafe(coroutine, self.loop)
         try:
             return future.result()
         except BaseException:
             future.cancel()
             raise
+
+    async def _recover(self, failed: list[tuple[str, ChannelError]], layer: int, batches: list[ExpertBatch], invariant: bool) -> list[torch.Tensor]:
+        for ew, error in failed:
+            await self._on_failure(ew, error)
+        return await self.compute_async(layer, batches, invariant)
+
+    def _observe(self, ew: str, rtt: float) -> None:
+        self.rtts.append(rtt)
+        self.metrics.rtt_seconds.observe(rtt)
+        self.metrics.calls.labels(expert_worker=ew).inc()
+        self._failures.pop(ew, None)
 
     async def compute_async(self, layer: int, batches: list[ExpertBatch], invariant: bool) -> list[torch.Tensor]:
         start = time.perf_counter()
@@ -194,11 +267,7 @@ class RemoteExperts:
         await channel.send(call.header(self.num_experts), timeout_s=self.timeout_s)
         await channel.send(activations.to(self.dtype), timeout_s=self.timeout_s)
         await channel.recv_into(out, timeout_s=self.timeout_s)
-        rtt = time.perf_counter() - start
-        self.rtts.append(rtt)
-        self.metrics.rtt_seconds.observe(rtt)
-        self.metrics.calls.labels(expert_worker=ew).inc()
-        self._failures.pop(ew, None)
+        self._observe(ew, time.perf_counter() - start)
         return list(out.split(list(call.counts)))
 
     async def _channel(self, ew: str) -> TensorChannel:
@@ -222,19 +291,29 @@ class RemoteExperts:
         return self._grpc[address]
 
     async def _on_failure(self, ew: str, error: BaseException) -> None:
+        """Exclude `ew` at once, so the replay goes to the next host without waiting; the probe decides in the background
+        whether it comes back (alive, its channel broke) or stays out (dead)."""
+        self.dead.add(ew)
         channel = self._channels.pop(ew, None)
         if channel is not None:
             # Tearing a broken group down takes tens of ms: the replay need not wait for it.
-            closing = asyncio.ensure_future(channel.close())
-            self._closing.add(closing)
-            closing.add_done_callback(self._closing.discard)
+            self._background(channel.close())
+        self._background(self._confirm(ew, error))
+
+    async def _confirm(self, ew: str, error: BaseException) -> None:
         alive = await self.probe(ew)
         self._failures[ew] = self._failures.get(ew, 0) + 1
-        if not alive or self._failures[ew] >= _MAX_CHANNEL_FAILURES:
-            self.dead.add(ew)
-            log.warning("expert worker %s is dead (%s; probe %s): replaying its experts elsewhere", ew, error, "ok" if alive else "failed")
-        else:
+        table = self.table
+        if alive and self._failures[ew] < _MAX_CHANNEL_FAILURES and table is not None and ew in table.workers:
+            self.dead.discard(ew)
             log.warning("channel to expert worker %s failed (%s) but it answers probes: reconnecting", ew, error)
+        else:
+            log.warning("expert worker %s is dead (%s; probe %s): its experts go to their shadows", ew, error, "ok" if alive else "failed")
+
+    def _background(self, work) -> None:
+        future = asyncio.ensure_future(work)
+        self._closing.add(future)
+        future.add_done_callback(self._closing.discard)
 
     async def probe(self, ew: str) -> bool:
         """The control path's answer within `probe_timeout_s`."""

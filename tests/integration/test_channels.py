@@ -372,3 +372,27 @@ async def test_kept_channels_are_reused_in_step_and_closed_when_broken_stale_or_
         await assert_eventually(lambda: all(c.broken for c in kept), timeout=5)
     finally:
         await endpoint.close()
+
+
+async def test_a_blocking_exchange_from_another_thread_pairs_with_the_peers_async_ops_and_breaks_on_its_death(endpoint, spawn_peer):
+    peer = _name("peer")
+    process = await spawn_peer(peer, "blocking")
+    channel = await endpoint.open(peer, "blocking")
+    data = torch.randn(5000)
+    back = torch.empty_like(data)
+
+    def exchange() -> None:
+        # Header, payload and the echo's receive posted at once, waited for on this (non-loop) thread.
+        channel.post_exchange([torch.tensor([data.numel(), DTYPES.index("float32")]), data], [back]).wait(10)
+
+    await asyncio.to_thread(exchange)
+    assert torch.equal(back, data)
+    # The async ops continue in step with the blocking ones.
+    assert torch.equal(await _echo(channel, torch.ones(4)), torch.ones(4))
+    os.kill(process.pid, signal.SIGKILL)
+    killed_at = time.monotonic()
+    with pytest.raises(ChannelError, match="died or closed|timed out"):
+        await asyncio.to_thread(lambda: channel.post_exchange([], [torch.empty(3)]).wait(30))
+    assert time.monotonic() - killed_at < 2.0
+    assert channel.broken
+    await channel.close()

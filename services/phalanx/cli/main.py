@@ -37,6 +37,9 @@ def worker(
     tensor_parallel_size: int = typer.Option(
         None, min=1, help="Processes the model is split over, started by this worker [env PHALANX_ENGINE_TENSOR_PARALLEL_SIZE]"
     ),
+    role: str = typer.Option(
+        None, help="monolithic (default) or attention: MoE experts on expert workers through the ERT (docs/moe.md) [env PHALANX_ENGINE_ROLE]"
+    ),
     nats_url: str = typer.Option(None, help="NATS URL [env PHALANX_NATS_URL]"),
     etcd_endpoint: str = typer.Option(None, help="etcd host:port [env PHALANX_ETCD_ENDPOINT]"),
     chaos_token: str = typer.Option(
@@ -58,7 +61,9 @@ def worker(
     from phalanx.worker.config import EngineConfig, WorkerConfig
 
     engine_config = EngineConfig(
-        **_given(model=model, engine=engine, profile=profile, deterministic=deterministic, tensor_parallel_size=tensor_parallel_size)
+        **_given(
+            model=model, engine=engine, profile=profile, deterministic=deterministic, tensor_parallel_size=tensor_parallel_size, role=role
+        )
     )
     if engine_config.tensor_parallel_size > 1:
         # It forks its follower ranks while gRPC runs: see run_up for why this is off.
@@ -79,6 +84,48 @@ def worker(
     _run_until_signalled(process)
     if process.exit_code:
         raise typer.Exit(process.exit_code)
+
+
+@app.command("expert-worker")
+def expert_worker(
+    worker_id: str = typer.Option("", help="Unique id (default: ew-<hostname>-<pid>)"),
+    host: str = typer.Option(None, help="Bind address [env PHALANX_EXPERT_HOST]"),
+    port: int = typer.Option(None, help="gRPC port of the control path, 0 for any [env PHALANX_EXPERT_PORT]"),
+    model: str = typer.Option(None, help="MoE model: built-in or HF Mixtral checkpoint dir [env PHALANX_EXPERT_MODEL]"),
+    index: int = typer.Option(None, min=0, help="This worker's placement slot [env PHALANX_EXPERT_INDEX]"),
+    num_expert_workers: int = typer.Option(None, min=1, help="Expert workers in the placement [env PHALANX_EXPERT_NUM_EXPERT_WORKERS]"),
+    copies: int = typer.Option(None, min=1, help="Copies of each expert: 1 primary + shadows [env PHALANX_EXPERT_COPIES]"),
+    etcd_endpoint: str = typer.Option(None, help="etcd host:port [env PHALANX_ETCD_ENDPOINT]"),
+    log_level: str = typer.Option("INFO"),
+) -> None:
+    """Run an expert worker: hosts a slot of the MoE experts and computes them for attention workers (docs/moe.md)."""
+    from phalanx.common.config import EtcdConfig, TelemetryConfig
+    from phalanx.worker.expert_config import ExpertWorkerConfig
+    from phalanx.worker.expert_process import ExpertWorkerProcess
+
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    config = ExpertWorkerConfig(
+        **_given(worker_id=worker_id, host=host, port=port, model=model, index=index, num_expert_workers=num_expert_workers, copies=copies)
+    )
+    _run_until_signalled(ExpertWorkerProcess(config, EtcdConfig(**_given(endpoint=etcd_endpoint)), TelemetryConfig()))
+
+
+@app.command("ert-manager")
+def ert_manager(
+    instance_id: str = typer.Option("", help="Unique id (default: ert-<hostname>-<pid>)"),
+    port: int = typer.Option(None, help="gRPC port (health), 0 for any [env PHALANX_ERT_PORT]"),
+    model: str = typer.Option(None, help="The MoE model the table places [env PHALANX_ERT_MODEL]"),
+    etcd_endpoint: str = typer.Option(None, help="etcd host:port [env PHALANX_ETCD_ENDPOINT]"),
+    log_level: str = typer.Option("INFO"),
+) -> None:
+    """Run an ERT manager: the elected one keeps the expert routing table in etcd in step with the expert workers."""
+    from phalanx.common.config import EtcdConfig, TelemetryConfig
+    from phalanx.worker.ert_service import ErtManagerProcess
+    from phalanx.worker.expert_config import ErtManagerConfig
+
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    config = ErtManagerConfig(**_given(instance_id=instance_id, port=port, model=model))
+    _run_until_signalled(ErtManagerProcess(config, EtcdConfig(**_given(endpoint=etcd_endpoint)), TelemetryConfig()))
 
 
 @app.command("profile")
@@ -475,6 +522,29 @@ def bench_serve(
         streams=streams, tokens=tokens, prompt_len=prompt_len, model=model, repeats=repeats, deterministic=deterministic
     )
     typer.echo(json.dumps(result, indent=None if as_json else 2))
+
+
+@bench_app.command("moe")
+def bench_moe(
+    streams: int = typer.Option(8, min=1, help="Concurrent greedy streams per wave"),
+    tokens: int = typer.Option(48, min=16, help="Tokens generated per stream"),
+    pairs: int = typer.Option(3, min=1, help="Monolithic/split steady-state run pairs, alternating (medians compared)"),
+    expert_workers: int = typer.Option(2, min=2, help="Expert workers the experts are spread over"),
+    copies: int = typer.Option(2, min=2, help="Copies of each expert (1 primary + shadows)"),
+    kill_after: int = typer.Option(16, min=1, help="Tokens every stream has when an expert worker is SIGKILLed"),
+    kill_repeats: int = typer.Option(3, min=1, help="Expert-worker kills (one wave each)"),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON only"),
+) -> None:
+    """Disaggregated MoE: steady-state tokens/s split vs monolithic with the per-layer AW-EW round trip, the stall of an
+    expert worker's SIGKILL, and a restart-the-group baseline."""
+    os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
+    from phalanx.bench.moe import run_moe_bench
+
+    result = run_moe_bench(
+        streams=streams, tokens=tokens, pairs=pairs, expert_workers=expert_workers, copies=copies, kill_after=kill_after,
+        kill_repeats=kill_repeats,
+    )
+    typer.echo(json.dumps(result) if as_json else json.dumps(result, indent=2))
 
 
 @bench_app.command("failover")

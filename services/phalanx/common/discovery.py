@@ -25,10 +25,10 @@ from aetcd.utils import prefix_range_end
 from google.protobuf import json_format
 from google.protobuf.message import Message
 
-from phalanx._proto import checkpoint_pb2, common_pb2, migration_pb2
+from phalanx._proto import checkpoint_pb2, common_pb2, expert_pb2, migration_pb2
 from phalanx.common.config import EtcdConfig
 from phalanx.common.lease import TRANSIENT_ERRORS, Backoff, connect_etcd
-from phalanx.common.subjects import CHECKPOINT_STORES_PREFIX, MIGRATIONS_PREFIX, WORKERS_PREFIX, validate_worker_id
+from phalanx.common.subjects import CHECKPOINT_STORES_PREFIX, EXPERT_WORKERS_PREFIX, MIGRATIONS_PREFIX, WORKERS_PREFIX, validate_worker_id
 
 __all__ = [
     "CheckpointStoreDirectory", "EtcdDirectory", "MigrationDirectory", "WatchEvent", "WorkerDirectory",
@@ -234,3 +234,10 @@ class MigrationDirectory(EtcdDirectory[migration_pb2.MigrationRegistration]):
     async def addresses(self) -> list[str]:
         """Each instance's gRPC address, in key order."""
         return [instance.address for instance in (await self.list()).values()]
+
+
+class ExpertWorkerDirectory(EtcdDirectory[expert_pb2.ExpertWorkerRegistration]):
+    """The expert workers of a disaggregated MoE deployment, each advertised under its lease."""
+
+    def __init__(self, config: EtcdConfig, *, prefix: str = EXPERT_WORKERS_PREFIX) -> None:
+        super().__init__(config, prefix=prefix, message_type=expert_pb2.ExpertWorkerRegistration)

@@ -45,6 +45,7 @@ __all__ = [
     "worker_id_from_key",
     "worker_id_from_subject",
     "worker_key",
+    "expert_worker_key",
 ]
 
 KV_EVENTS_PREFIX = "phalanx.kv."
@@ -90,6 +91,12 @@ PLANNER_CAPACITY_KEY = PLANNER_CAPACITY_PREFIX + "global"
 # Hot spares (JSON HotSpareRecord per worker): registered workers routers do not route to. The orchestrator
 # writes the key before it starts the spare; the planner deletes it to promote the spare.
 SPARES_PREFIX = "/phalanx/v1/spares/"
+# Disaggregated MoE (docs/moe.md): expert workers, <prefix><id> -> JSON ExpertWorkerRegistration, leased; the expert
+# routing table (JSON ExpertRoutingTable) that the ERT manager leader writes and every attention worker watches.
+EXPERT_WORKERS_PREFIX = "/phalanx/v1/expert-workers/"
+MOE_PREFIX = "/phalanx/v1/moe/"
+ERT_KEY = MOE_PREFIX + "ert"
+ERT_LEADER_KEY = "/phalanx/v1/ert-leader"
 
 _WORKER_ID = re.compile(r"[A-Za-z0-9_-]+")
 # Client-chosen, so a little wider (UUIDs, "tenant:job.42"), but never "/".
@@ -139,6 +146,11 @@ def canary_key(model_version: str) -> str:
 def worker_key(worker_id: str) -> str:
     """etcd key of a worker's registration: ``/phalanx/v1/workers/<worker_id>``."""
     return WORKERS_PREFIX + validate_worker_id(worker_id)
+
+
+def expert_worker_key(worker_id: str) -> str:
+    """etcd key of an expert worker's registration: ``/phalanx/v1/expert-workers/<worker_id>``."""
+    return EXPERT_WORKERS_PREFIX + validate_worker_id(worker_id)
 
 
 def router_key(router_id: str) -> str:

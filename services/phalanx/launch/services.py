@@ -22,7 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from phalanx._proto import checkpoint_pb2, checkpoint_pb2_grpc, common_pb2, health_pb2, health_pb2_grpc
 from phalanx.common.children import pdeathsig_preexec
 from phalanx.common.config import EtcdConfig
-from phalanx.common.discovery import CheckpointStoreDirectory, EtcdDirectory, MigrationDirectory, WorkerDirectory
+from phalanx.common.discovery import CheckpointStoreDirectory, EtcdDirectory, ExpertWorkerDirectory, MigrationDirectory, WorkerDirectory
 from phalanx.common.subjects import ROUTERS_PREFIX
 from phalanx.launch.ports import free_port
 
@@ -37,6 +37,8 @@ __all__ = [
     "WorkerHandle",
     "start_checkpoint_store",
     "start_failover_engine",
+    "start_ert_manager",
+    "start_expert_worker",
     "start_gateway",
     "start_health",
     "start_memory_service",
@@ -436,3 +438,44 @@ async def start_gateway(
         handle.kill()
         raise
     return handle
+
+
+async def start_expert_worker(
+    worker_id: str, etcd_config: EtcdConfig, *extra: str, model: str, index: int, num_expert_workers: int, copies: int = 1,
+    env: dict | None = None, timeout: float = 60.0,
+) -> ServiceHandle:
+    """An expert worker (``phalanx expert-worker``) of placement slot ``index``, returned once it registered its experts."""
+    process = _spawn(
+        ["expert-worker", "--worker-id", worker_id, "--etcd-endpoint", etcd_config.endpoint, "--port", "0", "--model", model,
+         "--index", str(index), "--num-expert-workers", str(num_expert_workers), "--copies", str(copies), "--log-level", "WARNING", *extra],
+        {"PHALANX_ETCD_LEASE_TTL_S": str(etcd_config.lease_ttl_s), **(env or {})},
+    )
+    registration = await _registration(process, ExpertWorkerDirectory(etcd_config), worker_id, timeout)
+    return ServiceHandle(worker_id, process, registration.address, registration.metrics_address)
+
+
+async def start_ert_manager(
+    instance_id: str, etcd_config: EtcdConfig, *extra: str, model: str, env: dict | None = None, timeout: float = 30.0
+) -> PlannerHandle:
+    """An ERT manager (``phalanx ert-manager``), returned once its gRPC health says SERVING (it then campaigns and leads)."""
+    port, metrics_port = free_port(), free_port()
+    process = _spawn(
+        ["ert-manager", "--instance-id", instance_id, "--etcd-endpoint", etcd_config.endpoint, "--port", str(port), "--model", model,
+         "--log-level", "WARNING", *extra],
+        {"PHALANX_ERT_METRICS_PORT": str(metrics_port), "PHALANX_ETCD_LEASE_TTL_S": str(etcd_config.lease_ttl_s), **(env or {})},
+    )
+    handle = PlannerHandle(instance_id, process, f"127.0.0.1:{port}", f"127.0.0.1:{metrics_port}")
+    deadline = time.monotonic() + timeout
+    try:
+        while True:
+            if process.poll() is not None:
+                raise RuntimeError(f"{instance_id} exited with {process.returncode} before it served")
+            with contextlib.suppress(grpc.aio.AioRpcError):
+                if await handle.serving():
+                    return handle
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{instance_id} did not serve within {timeout:.0f} s")
+            await asyncio.sleep(0.1)
+    except BaseException:
+        handle.kill()
+        raise

@@ -19,6 +19,8 @@ from phalanx.launch.services import (
     ServiceHandle,
     WorkerHandle,
     start_checkpoint_store,
+    start_ert_manager,
+    start_expert_worker,
     start_failover_engine,
     start_health,
     start_memory_service,
@@ -72,6 +74,9 @@ class Stack:
         self.stores: list[CheckpointStoreHandle] = []
         self.migrations: list[ServiceHandle] = []
         self.slots: list[FailoverSlot] = []
+        # A disaggregated MoE deployment's expert workers and ERT managers (docs/moe.md).
+        self.expert_workers: list[ServiceHandle] = []
+        self.ert_managers: list[ServiceHandle] = []
 
     async def add_workers(self, count: int, *extra: str, env: dict | None = None, tensor_parallel_size: int = 1) -> list[WorkerHandle]:
         """``count`` workers started in parallel (deterministic numerics unless ``extra`` says --fast); each one a group
@@ -138,11 +143,29 @@ class Stack:
         slot.engines.append(engine)
         return engine
 
+    async def add_expert_workers(self, count: int, *extra: str, copies: int = 1, env: dict | None = None) -> list[ServiceHandle]:
+        """``count`` expert workers, slots 0..count-1 of one placement with ``copies`` copies of each expert, started in parallel."""
+        started = await asyncio.gather(
+            *(start_expert_worker(unique_id(f"ew{i}"), self.etcd_config, *extra, model=self.model, index=i, num_expert_workers=count,
+                                  copies=copies, env=env)
+              for i in range(count))
+        )
+        self.expert_workers.extend(started)
+        return list(started)
+
+    async def add_ert_manager(self, *extra: str, instance_id: str | None = None, env: dict | None = None) -> ServiceHandle:
+        handle = await start_ert_manager(instance_id or unique_id("ert"), self.etcd_config, *extra, model=self.model, env=env)
+        self.ert_managers.append(handle)
+        return handle
+
     def stop(self) -> None:
         """SIGTERM every process (health first, so that it marks nothing dead on the way out; then routers, so that none
         routes to a stopping worker)."""
         engines = [e for slot in self.slots for e in slot.engines]
-        for handle in [*self.healths, *self.routers, *self.migrations, *self.workers, *engines, *self.stores, *(s.memory for s in self.slots)]:
+        for handle in [
+            *self.healths, *self.routers, *self.migrations, *self.workers, *engines, *self.stores, *(s.memory for s in self.slots),
+            *self.ert_managers, *self.expert_workers,
+        ]:
             with contextlib.suppress(Exception):
                 handle.terminate(timeout=20)
         for slot in self.slots:

@@ -69,15 +69,10 @@ class SparseMoE(nn.Module):
 
     def route(self, x: torch.Tensor, invariant: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (weights [T, k], expert ids [T, k]) for each token."""
-        logits = linear(x, self.gate.weight, invariant=invariant)
-        probs = F.softmax(logits, dim=-1, dtype=torch.float32)
-        weights, experts = torch.topk(probs, self.top_k, dim=-1)
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-        return weights.to(x.dtype), experts
+        return route(self.gate.weight, self.top_k, x, invariant)
 
     def expert(self, e: int, x: torch.Tensor, invariant: bool) -> torch.Tensor:
-        gate, up = linear(x, self.w13[e], invariant=invariant).chunk(2, dim=-1)
-        return linear(F.silu(gate) * up, self.w2[e], invariant=invariant)
+        return expert_mlp(self.w13[e], self.w2[e], x, invariant)
 
     def forward(self, x: torch.Tensor, invariant: bool) -> torch.Tensor:
         weights, experts = self.route(x, invariant)
@@ -91,6 +86,21 @@ class SparseMoE(nn.Module):
         return out
 
 
+def route(gate_weight: torch.Tensor, top_k: int, x: torch.Tensor, invariant: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The top-k softmax gate: (weights [T, k], expert ids [T, k]); shared by SparseMoE and an attention worker's split MoE."""
+    logits = linear(x, gate_weight, invariant=invariant)
+    probs = F.softmax(logits, dim=-1, dtype=torch.float32)
+    weights, experts = torch.topk(probs, top_k, dim=-1)
+    weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights.to(x.dtype), experts
+
+
+def expert_mlp(w13: torch.Tensor, w2: torch.Tensor, x: torch.Tensor, invariant: bool) -> torch.Tensor:
+    """One SwiGLU expert on rows x; shared by SparseMoE and an expert worker, so that both give the same bits."""
+    gate, up = linear(x, w13, invariant=invariant).chunk(2, dim=-1)
+    return linear(F.silu(gate) * up, w2, invariant=invariant)
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -98,7 +108,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = nn.Parameter(torch.ones(config.hidden_size))
         self.post_attention_layernorm = nn.Parameter(torch.ones(config.hidden_size))
         self.self_attn = Attention(config)
-        self.mlp = SparseMoE(config) if config.is_moe else DenseMLP(config)
+        # An attention worker swaps SparseMoE for model.expert_split.RemoteMoE, which takes the same arguments.
+        self.mlp: nn.Module = SparseMoE(config) if config.is_moe else DenseMLP(config)
         # Under tensor parallelism (model/tensor_parallel.py) attention and MLP give this rank's partial
         # sums; this completes them over the group. None: the layer is whole.
         self.reduce: Callable[[torch.Tensor], torch.Tensor] | None = None

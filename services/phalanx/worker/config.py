@@ -66,6 +66,19 @@ class EngineConfig(BaseSettings):
         30.0, gt=0, description="Longest a tensor-parallel collective waits for a rank before the group fail-stops"
     )
 
+    role: Literal["monolithic", "attention"] = Field(
+        "monolithic",
+        description=(
+            "monolithic: the whole model here. attention: attention, gate and KV here, the MoE experts on expert workers "
+            "(`phalanx expert-worker`) found through the expert routing table in etcd (docs/moe.md)"
+        ),
+    )
+    expert_timeout_s: float = Field(
+        2.0, gt=0, description="Attention role: longest wait for an expert worker's reply before it is probed (and its work replayed)"
+    )
+    expert_probe_timeout_s: float = Field(0.25, gt=0, description="Attention role: deadline of the control-path probe of an expert worker")
+    ert_wait_s: float = Field(60.0, gt=0, description="Attention role: how long start-up waits for a complete expert routing table")
+
     torch_threads: int = Field(
         0,
         ge=0,
@@ -84,6 +97,8 @@ class EngineConfig(BaseSettings):
             raise ValueError("the simulated engine runs in one process: tensor_parallel_size must be 1")
         if self.tensor_parallel_size > 1 and self.device != "cpu":
             raise ValueError("tensor_parallel_size > 1 runs on CPU (gloo) only so far; set PHALANX_ENGINE_DEVICE=cpu")
+        if self.role == "attention" and (self.engine == "sim" or self.tensor_parallel_size > 1 or self.device != "cpu"):
+            raise ValueError("the attention role runs the torch engine in one process on CPU (gloo channels) so far")
         return self
 
     def sized_for(self, layers: int, kv_heads: int, head_dim: int, dtype_bytes: int) -> EngineConfig:

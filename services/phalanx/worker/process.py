@@ -112,6 +112,8 @@ class WorkerProcess:
         self._capture: CheckpointCapture | None = None
         # The follower ranks and their group, when tensor_parallel_size > 1.
         self._tensor_parallel: TensorParallelLeader | None = None
+        # The forwarding engine, in the attention role (docs/moe.md).
+        self.remote_experts: Any = None
 
     @property
     def address(self) -> str:
@@ -261,6 +263,8 @@ class WorkerProcess:
                     dtype=self.engine_config.torch_dtype(), seed=self.engine_config.seed,
                 )
             cache = None
+            if self.engine_config.role == "attention":
+                model = await self._split_attention(shell, model)
             if self.engine_config.tensor_parallel_size > 1:
                 self._size_for(model)  # before the followers get the config
                 shell.push_async_callback(self._stop_tensor_parallel)
@@ -308,6 +312,32 @@ class WorkerProcess:
             self._nats_reconnect.cancel()
         if self._bus is not None:
             await self._bus.close()
+
+    async def _split_attention(self, shell: ServiceShell, model: Any) -> Any:
+        """Attention role: the experts go (split_attention); a RemoteExperts follows the ERT and reaches the expert workers."""
+        from phalanx.model.expert_split import split_attention
+        from phalanx.worker.forwarding import ForwardingMetrics, RemoteExperts
+
+        c = self.engine_config
+        mc = model.config
+        remote = self.remote_experts = RemoteExperts(
+            self.worker_id, self._endpoint, asyncio.get_running_loop(), num_experts=mc.num_experts, hidden_size=mc.hidden_size,
+            dtype=model.dtype, timeout_s=c.expert_timeout_s, probe_timeout_s=c.expert_probe_timeout_s,
+            metrics=ForwardingMetrics(self.metrics.registry),
+        )
+        following = asyncio.create_task(remote.follow(self.etcd_config), name="phalanx-ert-follow")
+
+        async def stop_following() -> None:
+            following.cancel()
+            await asyncio.gather(following, return_exceptions=True)
+            await remote.close()
+
+        shell.push_async_callback(stop_following)
+        # The channels need the endpoint, which the worker starts after the model loads otherwise.
+        await self._endpoint.start()
+        table = await remote.wait_complete(c.ert_wait_s)
+        log.info("attention worker %s: ERT version %d, %d expert workers", self.worker_id, table.version, len(table.workers))
+        return split_attention(model, remote)
 
     async def _start_tensor_parallel(self, model):
         """Starts the follower ranks and forms the group; returns the model and KV cache the Engine runs on.

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import grpc
@@ -126,6 +127,10 @@ class TensorChannel:
             sequence = self._received
             self._received += 1
             await self._guard("recv", self._recv_into(tensor, sequence, timeout), timeout)
+
+    def post_exchange(self, sends: Sequence[torch.Tensor], receives: Sequence[torch.Tensor]) -> Any:
+        """Blocking exchange for a thread other than the event loop's (see process_group._GroupChannel); gloo channels only."""
+        raise RuntimeError(f"channel {self.channel_id!r} ({self.backend}) has no blocking exchange")
 
     async def close(self) -> None:
         """Release the channel; the peer's pending and later ops fail with ChannelError. Idempotent."""

@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import os
 import time
+from collections.abc import Sequence
 from datetime import timedelta
 from functools import partial
 from typing import TYPE_CHECKING, Any
@@ -20,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from phalanx.common.channels.channel import TensorChannel, _nbytes
+from phalanx.common.channels.channel import TensorChannel, _describe, _is_timeout, _nbytes
 from phalanx.common.channels.threads import _in_thread
 
 if TYPE_CHECKING:
@@ -111,6 +112,35 @@ class _GroupChannel(TensorChannel):
         work = _post(self._live_group(), op, tensor, 1 - self._rank, tag)
         await _in_thread(self._endpoint._pool, partial(_wait, work, timeout), self._waiters)
 
+    def post_exchange(self, sends: Sequence[torch.Tensor], receives: Sequence[torch.Tensor]) -> PendingExchange:
+        """Post sends, then receives, without the event loop; `wait` on the result from the calling thread.
+
+        For a thread that must not hop through the event loop per tensor (an
+        engine thread calling expert workers once per layer): each op is one
+        gloo post and the waits cost no thread switch. The caller owns the
+        channel meanwhile: no async op may be pending on it. CPU (gloo) only.
+        """
+        if self.backend != "gloo":
+            raise RuntimeError(f"channel {self.channel_id!r}: blocking exchanges need gloo, not {self.backend}")
+        self._check_usable()
+        group = self._live_group()
+        works = []
+        for tensor in sends:
+            wire = tensor.contiguous()
+            works.append(("send", wire, _post(group, "send", wire, 1 - self._rank, self._sent % _TAG_MODULUS)))
+            self._sent += 1
+        for tensor in receives:
+            if not tensor.is_contiguous():
+                raise ValueError("receive into contiguous tensors")
+            works.append(("recv", tensor, _post(group, "recv", tensor, 1 - self._rank, self._received % _TAG_MODULUS)))
+            self._received += 1
+        return PendingExchange(self, works)
+
+    def _fail_from_thread(self, why: str) -> None:
+        """Mark the channel broken off the event loop; its owner closes it from the loop (which drops the group)."""
+        if self._failure is None and not self._closed:
+            self._failure = why
+
     def _live_group(self) -> Any:
         if self._group is None:
             raise self._error("the channel is released")
@@ -151,3 +181,28 @@ def _post_and_wait(group: Any, op: str, tensor: torch.Tensor, peer_rank: int, ta
     _wait(_post(group, op, tensor, peer_rank, tag), timeout)
     torch.cuda.current_stream(tensor.device).synchronize()
 
+
+
+class PendingExchange:
+    """The posted ops of one `post_exchange`; `wait` blocks the calling thread until all are done."""
+
+    def __init__(self, channel: _GroupChannel, works: list[tuple[str, torch.Tensor, Any]]) -> None:
+        self._channel = channel
+        self._works = works  # each holds its tensor until it is done
+
+    def wait(self, timeout_s: float) -> None:
+        """Raises ChannelError (and the channel is broken) if an op fails or the whole exchange outlasts `timeout_s`."""
+        deadline = time.monotonic() + timeout_s
+        for op, _, work in self._works:
+            try:
+                _wait(work, max(0.001, deadline - time.monotonic()))
+            except Exception as error:
+                if "closed by peer" in str(error) or "reset by peer" in str(error):
+                    why = f"{op} failed: the peer died or closed the channel ({_describe(error)})"
+                elif _is_timeout(error):
+                    why = f"{op} timed out after {timeout_s:g} s (peer hung or not reading?)"
+                else:
+                    why = f"{op} failed: {_describe(error)}"
+                self._channel._fail_from_thread(why)
+                raise self._channel._error(why) from error
+        self._works = []

@@ -1,0 +1,50 @@
+"""Settings of an expert worker (env prefix PHALANX_EXPERT_) and of the ERT manager (PHALANX_ERT_)."""
+
+from __future__ import annotations
+
+from pydantic import Field, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from phalanx.model.config import DEFAULT_MODEL
+
+
+class ExpertWorkerConfig(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="PHALANX_EXPERT_", extra="forbid", frozen=True)
+
+    worker_id: str = Field("", description="Unique id; empty means ew-<hostname>-<pid>")
+    host: str = Field("127.0.0.1", description="Address the gRPC server and the tensor-channel endpoint bind")
+    port: int = Field(0, ge=0, le=65535, description="gRPC port of the control path (ExpertService); 0 picks a free one")
+    advertise_host: str = Field("", description="Host others reach us at (default: host)")
+    metrics_port: int = Field(0, ge=0, le=65535, description="Prometheus /metrics port; 0 picks a free one")
+    model: str = Field(DEFAULT_MODEL, description="The MoE model whose experts this worker hosts (built-in, .gguf or HF Mixtral dir)")
+    seed: int | None = Field(None, ge=0, description="Seed of a built-in model's weights (default: the model's own)")
+    index: int = Field(0, ge=0, description="This worker's slot in the placement: which experts it hosts (worker.ert.place)")
+    num_expert_workers: int = Field(1, ge=1, description="Expert workers the placement spreads the experts over")
+    copies: int = Field(1, ge=1, description="Copies of each expert over the expert workers: 1 primary + copies-1 shadows, each on another worker")
+    torch_threads: int = Field(
+        1,
+        ge=1,
+        le=1024,
+        description="Intra-op threads of the expert MLPs: the attention workers' count keeps outputs bit-identical to a monolith's",
+    )
+    channel_timeout_s: float = Field(10.0, gt=0, description="Timeout of forming a tensor channel and of one reply")
+
+    @model_validator(mode="after")
+    def _check_slot(self) -> ExpertWorkerConfig:
+        if self.index >= self.num_expert_workers:
+            raise ValueError(f"index {self.index} is outside the {self.num_expert_workers} expert workers")
+        if self.copies > self.num_expert_workers:
+            raise ValueError(f"{self.copies} copies need as many expert workers, have {self.num_expert_workers}")
+        return self
+
+
+class ErtManagerConfig(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="PHALANX_ERT_", extra="forbid", frozen=True)
+
+    instance_id: str = Field("", description="Unique id; empty means ert-<hostname>-<pid>")
+    host: str = Field("127.0.0.1", description="Address the gRPC server (health only) binds")
+    port: int = Field(0, ge=0, le=65535, description="gRPC port; 0 picks a free one")
+    advertise_host: str = Field("", description="Host others reach us at (default: host)")
+    metrics_port: int = Field(0, ge=0, le=65535, description="Prometheus /metrics port; 0 picks a free one")
+    model: str = Field(DEFAULT_MODEL, description="The MoE model whose experts the table places")
+    leader_ttl_s: int = Field(2, ge=1, le=60, description="Lease TTL of the leadership key: how long a dead leader's standby waits")

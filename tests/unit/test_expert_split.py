@@ -1,0 +1,85 @@
+"""The MoE model split along the gate gives the monolithic model's bits: logits, and greedy tokens through the engine."""
+
+import pytest
+import torch
+
+import phalanx.model
+from phalanx.model.expert_split import ExpertBatch, ExpertHost, LocalExperts, MissingExpertError, RemoteMoE, split_attention
+from phalanx.model.sampling import SamplingParams
+from phalanx.worker.config import EngineConfig
+from phalanx.worker.engine import Engine, EngineRequest
+from phalanx.worker.ert import ErtManager, ExpertWorkerJoined, ExpertWorkerLost, ExpertWorkerRef, place
+
+pytestmark = pytest.mark.unit
+MODEL = "phalanx-tiny-moe"
+
+
+@pytest.fixture(scope="module")
+def monolithic():
+    return phalanx.model.load(MODEL)
+
+
+def _split(workers: int, copies: int):
+    """An attention-side model whose experts live on `workers` in-process hosts placed as the ERT manager would."""
+    full = phalanx.model.load(MODEL)
+    c = full.config
+    manager = ErtManager(MODEL, c.num_layers, c.num_experts)
+    hosts = {}
+    for i, hosted in enumerate(place(c.num_layers, c.num_experts, workers, copies)):
+        name = f"ew-{i}"
+        hosts[name] = ExpertHost.from_model(full, [h.key for h in hosted])
+        manager.apply(ExpertWorkerJoined(ExpertWorkerRef(name, "", ""), tuple(hosted)))
+    io = LocalExperts(hosts, lambda layer, expert: manager.table.resolve(layer, expert))
+    return split_attention(full, io), hosts, manager
+
+
+def _generate(model, prompts, n):
+    engine = Engine(model, EngineConfig(deterministic=True))
+    out = {
+        engine.add_request(EngineRequest(p, SamplingParams(max_tokens=n, ignore_eos=True), record_top_logits=True)).request_id: [] for p in prompts
+    }
+    while engine.has_work():
+        for event in engine.step():
+            out[event.request_id].append((event.token_id, event.top_logit))
+    return list(out.values())
+
+
+def test_split_model_holds_no_expert_weights_and_routes_through_the_hosts():
+    model, hosts, _ = _split(3, 2)
+    assert all(isinstance(layer.mlp, RemoteMoE) for layer in model.layers)
+    assert not any("w13" in name or "w2" in name for name, _ in model.named_parameters())
+    tokens = model.tokenizer.encode("hello")
+    model.forward_logits(tokens)
+    assert sum(h.batches_computed for h in hosts.values()) >= model.config.num_layers
+    # Each token's rows go to its k experts once: shadows are preloaded but idle while their primaries live.
+    assert sum(h.rows_computed for h in hosts.values()) == len(tokens) * model.config.num_layers * model.config.experts_per_token
+
+
+def test_split_forward_gives_bit_identical_logits(monolithic):
+    model, _, _ = _split(3, 2)
+    tokens = monolithic.tokenizer.encode("Experts are pure functions, so the split changes no bit.")
+    assert torch.equal(model.forward_logits(tokens), monolithic.forward_logits(tokens))
+
+
+def test_split_engine_gives_identical_greedy_tokens_and_logits_in_deterministic_mode(monolithic):
+    prompts = [monolithic.tokenizer.encode(f"stream {i}: " + "xyz" * i) for i in range(6)]
+    expected = _generate(monolithic, prompts, 16)
+    model, _, _ = _split(2, 1)
+    assert _generate(model, prompts, 16) == expected
+
+
+def test_after_losing_a_host_the_shadows_give_the_same_tokens(monolithic):
+    prompts = [monolithic.tokenizer.encode(f"loss {i}") for i in range(4)]
+    expected = _generate(monolithic, prompts, 12)
+    model, hosts, manager = _split(3, 2)
+    manager.apply(ExpertWorkerLost("ew-1"))
+    del hosts["ew-1"]
+    model.layers[0].mlp.io.hosts = hosts
+    assert _generate(model, prompts, 12) == expected
+
+
+def test_a_host_asked_for_an_expert_it_does_not_hold_refuses():
+    full = phalanx.model.load(MODEL)
+    host = ExpertHost.from_model(full, [(0, 0)])
+    with pytest.raises(MissingExpertError):
+        host.compute(0, [ExpertBatch(1, torch.zeros(2, full.config.hidden_size))], invariant=True)

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
-__all__ = ["ROOT_HASH", "MediaSpan", "hash_block", "media_hash", "prefix_block_hashes", "prefix_block_hashes_with_media"]
+__all__ = ["ROOT_HASH", "MediaSpan", "hash_block", "hash_block_with_media", "media_hash", "prefix_block_hashes", "prefix_block_hashes_with_media"]
 
 ROOT_HASH = 0
 
@@ -84,6 +84,18 @@ def media_hash(data: bytes) -> int:
 _MEDIA = struct.Struct("<Qi")
 
 
+def hash_block_with_media(parent_hash: int, token_ids: list[int] | tuple[int, ...], block_start: int, media: Sequence[MediaSpan]) -> int:
+    """``hash_block``, covering also the media spans that overlap positions [block_start, block_start + len(token_ids))."""
+    end = block_start + len(token_ids)
+    overlapping = [span for span in media if span.start < end and span.end > block_start]
+    if not overlapping:
+        return hash_block(parent_hash, token_ids)
+    data = parent_hash.to_bytes(8, "little") + _tokens_struct(len(token_ids)).pack(*token_ids)
+    for span in sorted(overlapping, key=lambda s: s.start):
+        data += _MEDIA.pack(span.media_hash, span.start - block_start)
+    return int.from_bytes(_blake2b(data, digest_size=8).digest(), "little")
+
+
 def prefix_block_hashes_with_media(
     token_ids: list[int] | tuple[int, ...], block_size: int, media: Sequence[MediaSpan], *, limit_tokens: int | None = None
 ) -> list[int]:
@@ -96,15 +108,9 @@ def prefix_block_hashes_with_media(
         return prefix_block_hashes(token_ids, block_size, limit_tokens=limit_tokens)
     n = len(token_ids) if limit_tokens is None else max(0, min(limit_tokens, len(token_ids)))
     n -= n % block_size
-    spans = sorted(media, key=lambda s: s.start)
     hashes: list[int] = []
-    digest = _ROOT_BYTES
+    parent = ROOT_HASH
     for start in range(0, n, block_size):
-        end = start + block_size
-        data = digest + _tokens_struct(block_size).pack(*token_ids[start:end])
-        for span in spans:
-            if span.start < end and span.end > start:
-                data += _MEDIA.pack(span.media_hash, span.start - start)
-        digest = _blake2b(data, digest_size=8).digest()
-        hashes.append(int.from_bytes(digest, "little"))
+        parent = hash_block_with_media(parent, token_ids[start : start + block_size], start, media)
+        hashes.append(parent)
     return hashes

@@ -14,6 +14,7 @@ from phalanx.launch.services import (
     ServiceHandle,
     WorkerHandle,
     start_checkpoint_store,
+    start_encoder_pool,
     start_health,
     start_migration,
     start_router,
@@ -40,6 +41,7 @@ class Stack:
         self.healths: list[HealthHandle] = []
         self.stores: list[CheckpointStoreHandle] = []
         self.migrations: list[ServiceHandle] = []
+        self.encoders: list[ServiceHandle] = []
 
     async def add_workers(self, count: int, *extra: str, env: dict | None = None, tensor_parallel_size: int = 1) -> list[WorkerHandle]:
         """``count`` workers started in parallel (deterministic numerics unless ``extra`` says --fast); each one a group
@@ -73,9 +75,14 @@ class Stack:
         self.migrations.append(handle)
         return handle
 
+    async def add_encoder(self, *extra: str, encoder_id: str | None = None, env: dict | None = None) -> ServiceHandle:
+        handle = await start_encoder_pool(encoder_id or unique_id("enc"), self.etcd_config, *extra, env=env)
+        self.encoders.append(handle)
+        return handle
+
     def stop(self) -> None:
         """SIGTERM every process (health first, so that it marks nothing dead on the way out; then routers, so that none
         routes to a stopping worker)."""
-        for handle in [*self.healths, *self.routers, *self.migrations, *self.workers, *self.stores]:
+        for handle in [*self.healths, *self.routers, *self.migrations, *self.workers, *self.stores, *self.encoders]:
             with contextlib.suppress(Exception):
                 handle.terminate(timeout=20)

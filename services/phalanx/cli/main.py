@@ -422,6 +422,21 @@ def bench_route(
     typer.echo(json.dumps(result, indent=None if as_json else 2))
 
 
+@bench_app.command("multimodal")
+def bench_multimodal(
+    image_encoder: str = typer.Option("small-clip", help="Vision tower: tiny-clip, small-clip or a HF CLIP directory"),
+    concurrency: int = typer.Option(16, min=1, help="Concurrent image requests"),
+    rounds: int = typer.Option(4, min=1, help="Rounds of `concurrency` requests per mode"),
+    torch_threads: int = typer.Option(2, min=1, help="torch CPU threads"),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON only"),
+) -> None:
+    """Encoder throughput with per-modality batching vs one image at a time, and encode time per unit."""
+    from phalanx.bench.multimodal import run_multimodal_bench
+
+    result = run_multimodal_bench(image_encoder=image_encoder, concurrency=concurrency, rounds=rounds, torch_threads=torch_threads)
+    typer.echo(json.dumps(result, indent=None if as_json else 2))
+
+
 @bench_app.command("health")
 def bench_health(
     workers: int = typer.Option(3, min=2, help="Chaos-enabled workers"),

@@ -27,6 +27,11 @@ BUILTIN_VISION: dict[str, ClipVisionConfig] = {
     "tiny-clip": ClipVisionConfig(
         hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, image_size=32, patch_size=8
     ),
+    # A ViT-S/32-sized tower at CLIP's 224² input (49 tokens per image): large enough that benchmarks measure
+    # compute, not Python overhead, small enough for a CPU.
+    "small-clip": ClipVisionConfig(
+        hidden_size=384, intermediate_size=1536, num_hidden_layers=6, num_attention_heads=6, image_size=224, patch_size=32
+    ),
 }
 BUILTIN_AUDIO: dict[str, WhisperEncoderConfig] = {
     "tiny-whisper": WhisperEncoderConfig(d_model=64, encoder_layers=2, encoder_attention_heads=4, encoder_ffn_dim=128),

@@ -35,7 +35,8 @@ def stack(nats_server, etcd_server):
     s = Stack(nats_server.url, EtcdConfig(endpoint=etcd_server.endpoint, lease_ttl_s=1), model=MODEL)
 
     async def start():
-        await asyncio.gather(s.add_workers(1), s.add_encoder(), s.add_encoder())
+        # Drain grace 0: a SIGTERMed worker hands its requests back at once (the handoff test).
+        await asyncio.gather(s.add_workers(2, env={"PHALANX_WORKER_DRAIN_GRACE_S": "0"}), s.add_encoder(), s.add_encoder())
         await s.add_router()
 
     try:
@@ -109,3 +110,18 @@ async def test_a_killed_encoder_leaves_the_request_to_the_other_one(stack):
     assert await _tokens(stack, _request("Look: <media> What is it?", image)) == expected
     assert stack.routers[0].metric("phalanx_router_encode_retries_total") == retries + 1
     assert await _tokens(stack, _request("Look: <media> What is it?", image)) == expected
+
+
+async def test_a_draining_worker_hands_a_media_request_on_with_its_embeddings(stack):
+    image = _png(4)
+    expected = _in_process(image, "Look: ", " What is it?", max_tokens=60)
+    seen = []
+    async with grpc.aio.insecure_channel(stack.routers[0].address) as channel:
+        async for chunk in router_pb2_grpc.RouterServiceStub(channel).Generate(_request("Look: <media> What is it?", image, 60)):
+            seen.append(chunk)
+            if len(seen) == 5:
+                serving = next(w for w in stack.workers if w.worker_id == seen[0].worker_id)  # named on the first chunk
+                serving.process.terminate()  # SIGTERM: drain, hand the request back; the router resumes it elsewhere
+    assert [c.index for c in seen] == list(range(60))
+    assert len({c.worker_id for c in seen if c.worker_id}) == 2
+    assert [c.token_id for c in seen] == expected

@@ -534,10 +534,11 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
             assert handoff_chunk is not None  # only a handed-back stream resumes elsewhere
             handoff = handoff_chunk.handoff
             self.metrics.handoffs.inc()
-            route = self._route(list(handoff.prompt_token_ids) + list(handoff.output_token_ids), decision.exclude)
+            route = self._route(list(handoff.prompt_token_ids) + list(handoff.output_token_ids), decision.exclude, flow.media)
             log.info("worker %s handed back %s; continuing on %s", flow.record.worker_id, flow.record.request_id, route.worker_id)
             self._move(flow, route)
-            resume = worker_pb2.GenerateRequest(request_id=flow.record.request_id, resume_from=handoff)
+            # The media ride along: a resumed prompt recomputes its KV, and its placeholders need the embeddings again.
+            resume = worker_pb2.GenerateRequest(request_id=flow.record.request_id, resume_from=handoff, media=flow.media)
             return lambda stub: stub.Generate(resume)
         raise AssertionError(f"unexpected relay effect {decision!r}")
 

@@ -170,7 +170,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         if request.HasField("resume_from"):
             snapshot = snapshot_from_proto(request.resume_from)
             request_id = request.request_id or snapshot.request_id or uuid.uuid4().hex
-            return EngineRequest(snapshot.prompt_ids, snapshot.params, request_id, resume=snapshot)
+            media = [media_from_proto(i, m) for i, m in enumerate(request.media)]
+            return EngineRequest(snapshot.prompt_ids, snapshot.params, request_id, resume=snapshot, media=media)
         return EngineRequest(
             self._prompt_ids(request), sampling_from_proto(request.sampling), request.request_id or uuid.uuid4().hex, priority=request.priority,
             media=[media_from_proto(i, m) for i, m in enumerate(request.media)],

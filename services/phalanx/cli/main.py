@@ -226,6 +226,35 @@ def checkpoint_store(
     _run_until_signalled(process)
 
 
+@app.command("encoder-pool")
+def encoder_pool(
+    encoder_id: str = typer.Option("", help="Unique encoder id (default: encoder-<hostname>-<pid>)"),
+    host: str = typer.Option(None, help="Bind address [env PHALANX_ENCODER_HOST]"),
+    port: int = typer.Option(None, help="gRPC port, 0 for any [env PHALANX_ENCODER_PORT]"),
+    image_encoder: str = typer.Option(None, help="tiny-clip or a HF CLIP directory; empty: no images [env PHALANX_ENCODER_IMAGE_ENCODER]"),
+    audio_encoder: str = typer.Option(
+        None, help="tiny-whisper or a HF Whisper directory; empty: no audio [env PHALANX_ENCODER_AUDIO_ENCODER]"
+    ),
+    llm_hidden_size: int = typer.Option(None, help="Hidden size of the LLM fed [env PHALANX_ENCODER_LLM_HIDDEN_SIZE]"),
+    max_batch: int = typer.Option(None, help="Units per batch [env PHALANX_ENCODER_MAX_BATCH]"),
+    max_backlog_ms: float = typer.Option(None, help="Backlog past which requests are refused [env PHALANX_ENCODER_MAX_BACKLOG_MS]"),
+    etcd_endpoint: str = typer.Option(None, help="etcd host:port [env PHALANX_ETCD_ENDPOINT]"),
+    log_level: str = typer.Option("INFO"),
+) -> None:
+    """Run a multimodal encoder: images, video frames and audio into embeddings of the LLM's hidden size, batched per modality."""
+    from phalanx.common.config import EtcdConfig, TelemetryConfig
+    from phalanx.encoder_pool.config import EncoderPoolConfig
+    from phalanx.encoder_pool.process import EncoderPoolProcess
+
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # An empty encoder name is meaningful (no such modality), so those two are passed through when given at all.
+    given = _given(encoder_id=encoder_id, host=host, port=port, llm_hidden_size=llm_hidden_size, max_batch=max_batch,
+                   max_backlog_ms=max_backlog_ms)
+    given.update({k: v for k, v in {"image_encoder": image_encoder, "audio_encoder": audio_encoder}.items() if v is not None})
+    config = EncoderPoolConfig(**given)
+    _run_until_signalled(EncoderPoolProcess(config, EtcdConfig(**_given(endpoint=etcd_endpoint)), TelemetryConfig()))
+
+
 @app.command("memory-service")
 def memory_service(
     socket_path: str = typer.Option(None, help="Unix socket engines connect to [env PHALANX_MEMORY_SOCKET_PATH]"),
@@ -462,6 +491,21 @@ def bench_route(
     from phalanx.bench.route import run_route_bench
 
     result = run_route_bench(worker_counts=[int(w) for w in workers.split(",")], total_blocks=blocks)
+    typer.echo(json.dumps(result, indent=None if as_json else 2))
+
+
+@bench_app.command("multimodal")
+def bench_multimodal(
+    image_encoder: str = typer.Option("small-clip", help="Vision tower: tiny-clip, small-clip or a HF CLIP directory"),
+    concurrency: int = typer.Option(16, min=1, help="Concurrent image requests"),
+    rounds: int = typer.Option(4, min=1, help="Rounds of `concurrency` requests per mode"),
+    torch_threads: int = typer.Option(2, min=1, help="torch CPU threads"),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON only"),
+) -> None:
+    """Encoder throughput with per-modality batching vs one image at a time, and encode time per unit."""
+    from phalanx.bench.multimodal import run_multimodal_bench
+
+    result = run_multimodal_bench(image_encoder=image_encoder, concurrency=concurrency, rounds=rounds, torch_threads=torch_threads)
     typer.echo(json.dumps(result, indent=None if as_json else 2))
 
 

@@ -6,8 +6,8 @@ dies. ``list()`` records the etcd revision it read at, and ``watch()``
 resumes from the revision after it, so no change falls between the two.
 ``EtcdDirectory`` does this for any prefix of JSON-encoded protobuf
 messages (health records, degradation state); ``WorkerDirectory`` is the
-one for workers, ``CheckpointStoreDirectory`` and ``MigrationDirectory``
-the ones for the instances of those services.
+one for workers, ``CheckpointStoreDirectory``, ``MigrationDirectory`` and
+``EncoderDirectory`` the ones for the instances of those services.
 """
 
 from __future__ import annotations
@@ -25,13 +25,20 @@ from aetcd.utils import prefix_range_end
 from google.protobuf import json_format
 from google.protobuf.message import Message
 
-from phalanx._proto import checkpoint_pb2, common_pb2, expert_pb2, migration_pb2
+from phalanx._proto import checkpoint_pb2, common_pb2, encoder_pb2, expert_pb2, migration_pb2
 from phalanx.common.config import EtcdConfig
 from phalanx.common.lease import TRANSIENT_ERRORS, Backoff, connect_etcd
-from phalanx.common.subjects import CHECKPOINT_STORES_PREFIX, EXPERT_WORKERS_PREFIX, MIGRATIONS_PREFIX, WORKERS_PREFIX, validate_worker_id
+from phalanx.common.subjects import (
+    CHECKPOINT_STORES_PREFIX,
+    ENCODERS_PREFIX,
+    EXPERT_WORKERS_PREFIX,
+    MIGRATIONS_PREFIX,
+    WORKERS_PREFIX,
+    validate_worker_id,
+)
 
 __all__ = [
-    "CheckpointStoreDirectory", "EtcdDirectory", "MigrationDirectory", "WatchEvent", "WorkerDirectory",
+    "CheckpointStoreDirectory", "EncoderDirectory", "EtcdDirectory", "ExpertWorkerDirectory", "MigrationDirectory", "WatchEvent", "WorkerDirectory",
     "decode_json", "decode_registration", "encode_json", "encode_registration",
 ]
 
@@ -241,3 +248,10 @@ class ExpertWorkerDirectory(EtcdDirectory[expert_pb2.ExpertWorkerRegistration]):
 
     def __init__(self, config: EtcdConfig, *, prefix: str = EXPERT_WORKERS_PREFIX) -> None:
         super().__init__(config, prefix=prefix, message_type=expert_pb2.ExpertWorkerRegistration)
+
+
+class EncoderDirectory(EtcdDirectory[encoder_pb2.EncoderRegistration]):
+    """The encoder pool's instances, each advertised under its lease with its backlog, refreshed as it changes."""
+
+    def __init__(self, config: EtcdConfig, *, prefix: str = ENCODERS_PREFIX) -> None:
+        super().__init__(config, prefix=prefix, message_type=encoder_pb2.EncoderRegistration)

@@ -15,6 +15,7 @@ __all__ = [
     "DEGRADATION_KEY",
     "DEGRADATION_PREFIX",
     "DEGRADATION_SUBJECT",
+    "ENCODERS_PREFIX",
     "HEALTH_EVENTS_ALL",
     "HEALTH_EVENTS_PREFIX",
     "HEALTH_LEADER_KEY",
@@ -72,6 +73,8 @@ HEALTH_LEADER_KEY = "/phalanx/v1/health-leader"
 CHANNELS_PREFIX = "/phalanx/v1/channels/"
 # Checkpoint store instances: <prefix><store id> -> JSON CheckpointStoreRegistration, leased.
 CHECKPOINT_STORES_PREFIX = "/phalanx/v1/checkpoint-stores/"
+# Encoder pool instances: <prefix><encoder id> -> JSON EncoderRegistration (with its backlog), leased.
+ENCODERS_PREFIX = "/phalanx/v1/encoders/"
 # Migration service instances: <prefix><id> -> JSON MigrationRegistration, leased.
 MIGRATIONS_PREFIX = "/phalanx/v1/migration/"
 # A request moved to another worker (MigrationEvent): routers relaying it re-attach there.

@@ -22,7 +22,14 @@ from prometheus_client.parser import text_string_to_metric_families
 from phalanx._proto import checkpoint_pb2, checkpoint_pb2_grpc, common_pb2, health_pb2, health_pb2_grpc
 from phalanx.common.children import pdeathsig_preexec
 from phalanx.common.config import EtcdConfig
-from phalanx.common.discovery import CheckpointStoreDirectory, EtcdDirectory, ExpertWorkerDirectory, MigrationDirectory, WorkerDirectory
+from phalanx.common.discovery import (
+    CheckpointStoreDirectory,
+    EncoderDirectory,
+    EtcdDirectory,
+    ExpertWorkerDirectory,
+    MigrationDirectory,
+    WorkerDirectory,
+)
 from phalanx.common.subjects import ROUTERS_PREFIX
 from phalanx.launch.ports import free_port
 
@@ -39,6 +46,7 @@ __all__ = [
     "start_failover_engine",
     "start_ert_manager",
     "start_expert_worker",
+    "start_encoder_pool",
     "start_gateway",
     "start_health",
     "start_memory_service",
@@ -398,6 +406,19 @@ async def start_migration(
     )
     advertisement = await _registration(process, MigrationDirectory(etcd_config), instance_id, timeout)
     return ServiceHandle(instance_id, process, advertisement.address, f"127.0.0.1:{metrics_port}")
+
+
+async def start_encoder_pool(
+    encoder_id: str, etcd_config: EtcdConfig, *extra: str, env: dict | None = None, timeout: float = 60.0
+) -> ServiceHandle:
+    """An encoder (``phalanx encoder-pool``), returned once it advertised itself in etcd (SERVING, encoders loaded)."""
+    process = _spawn(
+        ["encoder-pool", "--encoder-id", encoder_id, "--etcd-endpoint", etcd_config.endpoint, "--port", "0", "--log-level", "WARNING",
+         *extra],
+        {"PHALANX_ETCD_LEASE_TTL_S": str(etcd_config.lease_ttl_s), **(env or {})},
+    )
+    advertisement = await _registration(process, EncoderDirectory(etcd_config), encoder_id, timeout)
+    return ServiceHandle(encoder_id, process, advertisement.address, advertisement.metrics_address)
 
 
 class GatewayHandle(ServiceHandle):

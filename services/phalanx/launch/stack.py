@@ -19,6 +19,7 @@ from phalanx.launch.services import (
     ServiceHandle,
     WorkerHandle,
     start_checkpoint_store,
+    start_encoder_pool,
     start_ert_manager,
     start_expert_worker,
     start_failover_engine,
@@ -77,6 +78,7 @@ class Stack:
         # A disaggregated MoE deployment's expert workers and ERT managers (docs/moe.md).
         self.expert_workers: list[ServiceHandle] = []
         self.ert_managers: list[ServiceHandle] = []
+        self.encoders: list[ServiceHandle] = []
 
     async def add_workers(self, count: int, *extra: str, env: dict | None = None, tensor_parallel_size: int = 1) -> list[WorkerHandle]:
         """``count`` workers started in parallel (deterministic numerics unless ``extra`` says --fast); each one a group
@@ -158,13 +160,18 @@ class Stack:
         self.ert_managers.append(handle)
         return handle
 
+    async def add_encoder(self, *extra: str, encoder_id: str | None = None, env: dict | None = None) -> ServiceHandle:
+        handle = await start_encoder_pool(encoder_id or unique_id("enc"), self.etcd_config, *extra, env=env)
+        self.encoders.append(handle)
+        return handle
+
     def stop(self) -> None:
         """SIGTERM every process (health first, so that it marks nothing dead on the way out; then routers, so that none
         routes to a stopping worker)."""
         engines = [e for slot in self.slots for e in slot.engines]
         for handle in [
             *self.healths, *self.routers, *self.migrations, *self.workers, *engines, *self.stores, *(s.memory for s in self.slots),
-            *self.ert_managers, *self.expert_workers,
+            *self.ert_managers, *self.expert_workers, *self.encoders,
         ]:
             with contextlib.suppress(Exception):
                 handle.terminate(timeout=20)

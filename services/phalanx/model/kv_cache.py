@@ -12,11 +12,12 @@ from __future__ import annotations
 import math
 import mmap
 from collections import OrderedDict, deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 
-from phalanx.common.block_hash import ROOT_HASH, hash_block
+from phalanx.common.block_hash import ROOT_HASH, MediaSpan, hash_block, hash_block_with_media
 
 BLOCK_SIZE = 16
 
@@ -83,7 +84,12 @@ class KvCacheManager:
         return seq_id in self._seqs
 
     # -- allocation ---------------------------------------------------------
-    def match_prefix(self, token_ids: list[int]) -> list[int]:
+    def _hash(self, parent: int, token_ids: list[int], index: int, media: Sequence[MediaSpan]) -> int:
+        """Hash of block `index`; a block holding media positions covers the media's hash too (block_hash docstring)."""
+        tokens = token_ids[index * self.block_size : (index + 1) * self.block_size]
+        return hash_block_with_media(parent, tokens, index * self.block_size, media) if media else hash_block(parent, tokens)
+
+    def match_prefix(self, token_ids: list[int], media: Sequence[MediaSpan] = ()) -> list[int]:
         """Cached blocks covering the longest full-block prefix, leaving at least one token to compute."""
         if not self.prefix_caching:
             return []
@@ -91,19 +97,19 @@ class KvCacheManager:
         parent = ROOT_HASH
         usable = (len(token_ids) - 1) // self.block_size
         for i in range(usable):
-            parent = hash_block(parent, token_ids[i * self.block_size : (i + 1) * self.block_size])
+            parent = self._hash(parent, token_ids, i, media)
             block = self._by_hash.get(parent)
             if block is None:
                 break
             blocks.append(block)
         return blocks
 
-    def allocate(self, seq_id: str, token_ids: list[int], *, reserve_tokens: int = 0) -> int | None:
+    def allocate(self, seq_id: str, token_ids: list[int], *, reserve_tokens: int = 0, media: Sequence[MediaSpan] = ()) -> int | None:
         """Gives `seq_id` blocks for its tokens plus `reserve_tokens`; returns the number of
         prompt tokens whose KV is already cached, or None if memory is short (nothing changes)."""
         if seq_id in self._seqs:
             raise ValueError(f"sequence {seq_id} already has blocks")
-        cached = self.match_prefix(token_ids)
+        cached = self.match_prefix(token_ids, media)
         needed = self.blocks_for(len(token_ids) + reserve_tokens) - len(cached)
         reusable_free = sum(1 for b in cached if self._refcount[b] == 0)
         if needed > self.num_free_blocks - reusable_free:
@@ -132,7 +138,7 @@ class KvCacheManager:
             seq.table.append(self._take_block())
         return True
 
-    def commit(self, seq_id: str, token_ids: list[int], num_computed: int) -> None:
+    def commit(self, seq_id: str, token_ids: list[int], num_computed: int, media: Sequence[MediaSpan] = ()) -> None:
         """Registers the blocks that `num_computed` tokens of KV now fill completely."""
         if not self.prefix_caching:
             return
@@ -140,7 +146,7 @@ class KvCacheManager:
         full = min(num_computed // self.block_size, len(seq.table))
         parent = seq.hashes[-1] if seq.hashes else ROOT_HASH
         for i in range(len(seq.hashes), full):
-            h = hash_block(parent, token_ids[i * self.block_size : (i + 1) * self.block_size])
+            h = self._hash(parent, token_ids, i, media)
             block = seq.table[i]
             if h not in self._by_hash and self._block_hash[block] is None:
                 self._by_hash[h] = block

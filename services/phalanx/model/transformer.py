@@ -151,11 +151,21 @@ class Transformer(nn.Module):
             self._rope = rope_tables(c.head_dim, c.max_position_embeddings, c.rope_theta, self.device)
         return self._rope
 
-    def hidden_states(self, token_ids: torch.Tensor, positions: torch.Tensor, backend: AttentionBackend, *, invariant: bool = False) -> torch.Tensor:
-        """Final-norm hidden states [T, H] for a flat batch of tokens."""
+    def hidden_states(
+        self, token_ids: torch.Tensor, positions: torch.Tensor, backend: AttentionBackend, *, invariant: bool = False,
+        input_embeds: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """Final-norm hidden states [T, H] for a flat batch of tokens.
+
+        ``input_embeds`` = (rows, embeddings [len(rows), H]) replaces the token
+        embeddings of those rows: media placeholders take the encoder's output.
+        """
         cos_table, sin_table = self.rope()
         cos, sin = cos_table[positions], sin_table[positions]
         x = self.embed_tokens(token_ids)
+        if input_embeds is not None:
+            rows, embeddings = input_embeds
+            x[rows] = embeddings.to(device=x.device, dtype=x.dtype)
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, i, backend, invariant)
         return rms_norm(x, self.norm, self.config.rms_norm_eps)

@@ -49,6 +49,17 @@ class RouterConfig(BaseSettings):
     snapshot_timeout_s: float = Field(2.0, gt=0, description="Deadline of one KvSnapshot call to a worker")
     load_stale_s: float = Field(2.0, gt=0, description="A worker silent for longer is penalised in routing")
     no_worker_retry_after_s: float = Field(1.0, gt=0, description="Retry hint sent when no worker can take a request")
+    media_marker: str = Field(
+        "<media>", min_length=1,
+        description="Where a text prompt puts each media item (in order); a prompt without markers gets its media first",
+    )
+    media_placeholder_token_id: int = Field(
+        0, ge=0, description="Token id of a media position in the prompt sent to workers (a token prompt marks media with it)"
+    )
+    max_media_tokens: int = Field(
+        4096, ge=1, description="Most prompt positions one request's media may take (capped further by the room the context leaves)"
+    )
+    encode_timeout_s: float = Field(30.0, gt=0, description="Deadline of one Encode call; a timeout tries another encoder")
     premium_at_level_4: bool = Field(
         False,
         description="At degradation level 4 keep admitting premium requests while any worker can take them "

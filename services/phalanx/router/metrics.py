@@ -44,6 +44,9 @@ class RouterMetrics:
             buckets=(0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 1.0, 2.0, 5.0, 10.0), registry=r,
         )
         self.handoffs = Counter("phalanx_router_handoffs", "Requests moved to another worker after a drain", registry=r)
+        self.encode_retries = Counter(
+            "phalanx_router_encode_retries", "Encode calls retried on another encoder (gone, overloaded or too slow)", registry=r
+        )
         self.workers = Gauge("phalanx_router_workers", "Workers known to routing", registry=r)
         self.indexed_blocks = Gauge("phalanx_router_indexed_blocks", "KV blocks in the routing index", registry=r)
         self.kv_resyncs = Counter("phalanx_router_kv_resyncs", "KvSnapshot re-syncs after gaps or restarts", registry=r)

@@ -23,7 +23,7 @@ import grpc
 
 from phalanx._proto import common_pb2, router_pb2, router_pb2_grpc, worker_pb2
 from phalanx.common.config import EtcdConfig, NatsConfig, TelemetryConfig
-from phalanx.common.discovery import EtcdDirectory, WorkerDirectory, encode_json
+from phalanx.common.discovery import EncoderDirectory, EtcdDirectory, WorkerDirectory, encode_json
 from phalanx.common.errors import UnavailableError
 from phalanx.common.events import EventBus
 from phalanx.common.lease import Backoff
@@ -44,6 +44,7 @@ from phalanx.model.config import is_builtin_model, model_tokenizer, served_model
 from phalanx.model.tokenizer import Tokenizer
 from phalanx.router.admission import Admission
 from phalanx.router.config import RouterConfig
+from phalanx.router.media import EncoderSet, MediaEncoder
 from phalanx.router.metrics import RouterMetrics
 from phalanx.router.migration_client import MigrationClient
 from phalanx.router.records import RequestRecords
@@ -107,9 +108,15 @@ class RouterProcess:
             shell.push_async_callback(channels.close)
             migration = self.migration = MigrationClient(self.etcd_config)
             shell.push_async_callback(migration.close)
+            encoders = EncoderSet()
+            media_encoder = MediaEncoder(
+                encoders, timeout_s=self.config.encode_timeout_s, max_message_bytes=self.config.max_message_bytes,
+                on_retry=self.metrics.encode_retries.inc,
+            )
+            shell.push_async_callback(media_encoder.close)
             servicer = self.servicer = RouterServicer(
                 self.router_id, self.config, self.table, self.admission, records, channels, self.metrics, tokenizer=self._tokenizer,
-                on_broken_stream=self._report_broken_stream, migrate=migration.migrate,
+                on_broken_stream=self._report_broken_stream, migrate=migration.migrate, media_encoder=media_encoder,
             )
             shell.add_service(SERVICE_NAME, router_pb2_grpc.add_RouterServiceServicer_to_server, servicer)
             await shell.start()
@@ -117,7 +124,8 @@ class RouterProcess:
             healths = EtcdDirectory(self.etcd_config, prefix=HEALTH_PREFIX, message_type=common_pb2.WorkerHealthRecord)
             degradation = EtcdDirectory(self.etcd_config, prefix=DEGRADATION_PREFIX, message_type=common_pb2.DegradationState)
             spares = EtcdDirectory(self.etcd_config, prefix=SPARES_PREFIX, message_type=common_pb2.HotSpareRecord)
-            for directory in (workers, healths, degradation, spares):
+            encoder_directory = EncoderDirectory(self.etcd_config)
+            for directory in (workers, healths, degradation, spares, encoder_directory):
                 shell.push_async_callback(directory.close)
             bus = await shell.connect_nats(self.nats_config, name=f"router-{self.router_id}")
             await bus.subscribe(KV_EVENTS_ALL, common_pb2.KvEvent, self._on_kv_event)
@@ -135,6 +143,8 @@ class RouterProcess:
                 self._on_health("put", worker_id, record)
             for name, state in (await degradation.list()).items():
                 self._on_degradation("put", name, state)
+            for encoder_id, registration in (await encoder_directory.list()).items():
+                encoders.update("put", encoder_id, registration)
             await self._initial_sync(channels)
             await records.start()
             shell.push_async_callback(records.close)
@@ -147,6 +157,7 @@ class RouterProcess:
                     tasks.create_task(self._follow(healths, self._on_health)),
                     tasks.create_task(self._follow(degradation, self._on_degradation)),
                     tasks.create_task(self._follow(spares, self._on_spare)),
+                    tasks.create_task(self._follow(encoder_directory, encoders.update)),
                     tasks.create_task(self._resync_loop(channels)),
                     tasks.create_task(self._gauges_loop()),
                 ]

@@ -49,11 +49,11 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from phalanx._proto import common_pb2
-from phalanx.common.block_hash import prefix_block_hashes
+from phalanx.common.block_hash import MediaSpan, prefix_block_hashes, prefix_block_hashes_with_media
 from phalanx.router.index import KvIndex
 
 RUNNING_SEQ_STEPS = 0.1
@@ -252,14 +252,22 @@ class RoutingTable:
             self._refresh(w)
 
     # -- the decision -----------------------------------------------------------------
-    def route(self, prompt_ids: list[int], *, exclude: frozenset[str] | set[str] = frozenset()) -> RouteDecision | None:
-        """The cheapest routable worker for the prompt; None if no worker is routable (after `exclude`)."""
+    def route(
+        self, prompt_ids: list[int], *, exclude: frozenset[str] | set[str] = frozenset(), media: Sequence[MediaSpan] = ()
+    ) -> RouteDecision | None:
+        """The cheapest routable worker for the prompt; None if no worker is routable (after `exclude`).
+
+        `media`: the prompt's media runs; the blocks holding them hash with the media's bytes, as workers hash them.
+        """
         routable = self._routable
         if not routable:
             return None
         n = len(prompt_ids)
         bs = self.block_size
-        hashes = prefix_block_hashes(prompt_ids, bs, limit_tokens=n - 1)
+        hashes = (
+            prefix_block_hashes_with_media(prompt_ids, bs, media, limit_tokens=n - 1) if media
+            else prefix_block_hashes(prompt_ids, bs, limit_tokens=n - 1)
+        )
         matched = self.index.match_slots(hashes) if hashes else {}
         stale_before = self.clock() - self.load_stale_s
         penalty = self.stale_penalty_s

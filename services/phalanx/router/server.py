@@ -15,7 +15,7 @@ import logging
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import cast
 
@@ -24,14 +24,17 @@ from google.rpc import status_pb2
 from grpc_status import rpc_status
 
 from phalanx._proto import common_pb2, migration_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
+from phalanx.common.block_hash import MediaSpan
 from phalanx.common.errors import InvalidRequestError, NotFoundError, PhalanxError, RequestShedError, UnavailableError
 from phalanx.common.grpc_status import abort_with
 from phalanx.common.subjects import validate_request_id
 from phalanx.common.telemetry import get_tracer, grpc_client_interceptors
+from phalanx.encoder_pool.tokens import expand_placeholders, visual_token_budget
 from phalanx.model.params import sampling_from_proto
 from phalanx.model.tokenizer import Tokenizer
 from phalanx.router.admission import Admission, Admitted, Tier
 from phalanx.router.config import RouterConfig
+from phalanx.router.media import MediaEncoder, split_on_markers
 from phalanx.router.metrics import RouterMetrics
 from phalanx.router.records import RequestRecords
 from phalanx.router.relay import (
@@ -127,6 +130,8 @@ class _Flow:
     record: common_pb2.RequestRecord
     tier: Tier
     prompt_ids: list[int]
+    # The prompt's media runs and their embeddings (the worker request carries them; routing hashes them).
+    media: list[worker_pb2.MediaEmbedding] = field(default_factory=list)
     next_index: int = 0
     first_sent: bool = False
     # The worker the client was last told produced its tokens (a migration changes it: the next chunk names the new one).
@@ -172,6 +177,7 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
         tokenizer: Callable[[], Tokenizer],
         on_broken_stream: Callable[[str, grpc.aio.AioRpcError], None] | None = None,
         migrate: Callable[[migration_pb2.MigrateRequest], Awaitable[migration_pb2.MigrateResponse | None]] | None = None,
+        media_encoder: MediaEncoder | None = None,
     ) -> None:
         self.router_id = router_id
         self.config = config
@@ -183,6 +189,7 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
         self._tokenizer = tokenizer
         self._on_broken_stream = on_broken_stream or (lambda worker_id, error: None)
         self._migrate = migrate
+        self.media_encoder = media_encoder
         # Kept current by the process's etcd watches (and health notifications on NATS).
         self.registrations: dict[str, common_pb2.WorkerRegistration] = {}
         self.health_records: dict[str, common_pb2.WorkerHealthRecord] = {}
@@ -207,7 +214,10 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
                 return flow, self._attach(flow)
             tier = admitted.tier.label
             request_id = request.request_id or uuid.uuid4().hex
-            flow, existing = await self._start(request_id, admitted, prompt_ids)
+            media: list[worker_pb2.MediaEmbedding] = []
+            if request.media:
+                prompt_ids, media = await self._encode_media(request_id, request, prompt_ids, params)
+            flow, existing = await self._start(request_id, admitted, prompt_ids, media)
             if existing is not None:
                 # A retry of a request that is already running: stream it from the start (not a new arrival).
                 flow = _Flow(existing, Tier(existing.tier or Tier.STANDARD), prompt_ids, counts_output=False)
@@ -295,11 +305,13 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
         if request.request_id:
             self._request_id(request.request_id)
         admitted = self.admission.admit(tenant=request.tenant, tier=request.tier, api_key=_api_key(context))
-        if request.media:
+        if request.media and self.media_encoder is None:
             raise InvalidRequestError("media", "media inputs need the encoder pool, which this deployment does not run")
         tokenizer = self._tokenizer()
         which = request.WhichOneof("prompt")
-        if which == "text" and request.text:
+        if which == "text" and request.text and request.media:
+            prompt_ids = self._text_with_placeholders(request.text, len(request.media), tokenizer)
+        elif which == "text" and request.text:
             prompt_ids = tokenizer.encode(request.text)
         elif which == "tokens":
             prompt_ids = list(request.tokens.ids)
@@ -322,11 +334,55 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
             )
         return admitted, prompt_ids, params
 
+    # -- media ------------------------------------------------------------------
+    def _text_with_placeholders(self, text: str, items: int, tokenizer: Tokenizer) -> list[int]:
+        """The text's tokens with one placeholder per media marker; no markers: the media go first."""
+        placeholder = self.config.media_placeholder_token_id
+        pieces = split_on_markers(text, self.config.media_marker)
+        if len(pieces) == 1:
+            pieces = [""] * items + pieces  # no markers: every item before the text (after BOS)
+        if len(pieces) - 1 != items:
+            raise InvalidRequestError("text", f"{len(pieces) - 1} media markers for {items} media items")
+        ids = tokenizer.encode(pieces[0])
+        for piece in pieces[1:]:
+            ids.append(placeholder)
+            ids += tokenizer.encode(piece, add_bos=False) if piece else []
+        return ids
+
+    async def _encode_media(
+        self, request_id: str, request: router_pb2.GenerateRequest, prompt_ids: list[int], params
+    ) -> tuple[list[int], list[worker_pb2.MediaEmbedding]]:
+        """Encode the media, expand each placeholder to its rows; the visual token budget bounds them all."""
+        assert self.media_encoder is not None  # _validate refused media without one
+        placeholder = self.config.media_placeholder_token_id
+        items = len(request.media)
+        found = prompt_ids.count(placeholder)
+        if found == 0:
+            prompt_ids = [placeholder] * items + prompt_ids
+        elif found != items:
+            raise InvalidRequestError("prompt.tokens", f"{found} media placeholders (id {placeholder}) for {items} media items")
+        limit = min((r.max_model_len for r in self.registrations.values() if r.max_model_len), default=0)
+        budget = visual_token_budget(
+            max_visual_tokens=self.config.max_media_tokens, context_length=limit or self.config.max_prompt_tokens,
+            text_tokens=len(prompt_ids) - items, max_output_tokens=params.max_tokens,
+        )
+        if budget < 1:
+            raise InvalidRequestError("media", "the prompt and max_tokens leave no room for media in the context")
+        with tracer.start_as_current_span("router.encode", attributes={"request_id": request_id, "items": items}):
+            embeddings = await self.media_encoder.encode(request_id, request.media, budget)
+        expanded, spans = expand_placeholders(prompt_ids, placeholder, [e.rows for e in embeddings], [e.media_hash for e in embeddings])
+        media = [
+            worker_pb2.MediaEmbedding(start=span.start, rows=e.rows, hidden=e.hidden, dtype=e.dtype, data=e.data, media_hash=e.media_hash)
+            for span, e in zip(spans, embeddings, strict=True)
+        ]
+        return expanded, media
+
     # -- routing ----------------------------------------------------------------
-    def _route(self, prompt_ids: list[int], exclude: frozenset[str] = frozenset()):
+    def _route(self, prompt_ids: list[int], exclude: frozenset[str] = frozenset(), media: Sequence[worker_pb2.MediaEmbedding] = ()):
         start = time.perf_counter()
         with tracer.start_as_current_span("router.route") as span:
-            decision = self.table.route(prompt_ids, exclude=exclude)
+            spans = [MediaSpan(m.start, m.rows, m.media_hash) for m in media]
+            decision = self.table.route(prompt_ids, exclude=exclude, media=spans)
             if decision is None:
                 raise UnavailableError(
                     "no worker can take the request now" + (f" (excluded: {sorted(exclude)})" if exclude else ""),
@@ -340,9 +396,9 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
         self.table.note_routed(decision.worker_id, len(prompt_ids) - decision.cached_tokens)
         return decision
 
-    async def _start(self, request_id: str, admitted: Admitted, prompt_ids: list[int]):
+    async def _start(self, request_id: str, admitted: Admitted, prompt_ids: list[int], media: list[worker_pb2.MediaEmbedding]):
         """Pick a worker and claim the request's record; returns (flow, existing record of a retry)."""
-        decision = self._route(prompt_ids)
+        decision = self._route(prompt_ids, media=media)
         record = common_pb2.RequestRecord(
             request_id=request_id, worker_id=decision.worker_id, worker_address=self._address(decision.worker_id),
             router_id=self.router_id, tenant=admitted.tenant, tier=int(admitted.tier), prompt_tokens=len(prompt_ids),
@@ -355,7 +411,7 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
         if existing is not None:
             return None, existing
         self._remember(record)
-        return _Flow(record, admitted.tier, prompt_ids), None
+        return _Flow(record, admitted.tier, prompt_ids, media), None
 
     def _address(self, worker_id: str) -> str:
         registration = self.registrations.get(worker_id)
@@ -391,7 +447,7 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
         flow.sampling = request.sampling
         worker_request = worker_pb2.GenerateRequest(
             request_id=flow.record.request_id, tokens=common_pb2.PromptTokens(ids=flow.prompt_ids), sampling=request.sampling,
-            priority=int(flow.tier),
+            priority=int(flow.tier), media=flow.media,
         )
         return self._worker_stream(flow, lambda stub: stub.Generate(worker_request), retry_elsewhere=True)
 
@@ -469,7 +525,7 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
         if isinstance(decision, RetryElsewhere):
             assert broken is not None  # only a broken stream is retried elsewhere
             log.info("worker %s refused %s (%s); routing elsewhere", flow.record.worker_id, flow.record.request_id, broken.code().name)
-            self._move(flow, self._route(flow.prompt_ids, decision.exclude))
+            self._move(flow, self._route(flow.prompt_ids, decision.exclude, flow.media))
             return open_call
         if isinstance(decision, AttachMoved):
             def attach(stub: worker_pb2_grpc.WorkerServiceStub):
@@ -480,10 +536,11 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
             assert handoff_chunk is not None  # only a handed-back stream resumes elsewhere
             handoff = handoff_chunk.handoff
             self.metrics.handoffs.inc()
-            route = self._route(list(handoff.prompt_token_ids) + list(handoff.output_token_ids), decision.exclude)
+            route = self._route(list(handoff.prompt_token_ids) + list(handoff.output_token_ids), decision.exclude, flow.media)
             log.info("worker %s handed back %s; continuing on %s", flow.record.worker_id, flow.record.request_id, route.worker_id)
             self._move(flow, route)
-            resume = worker_pb2.GenerateRequest(request_id=flow.record.request_id, resume_from=handoff)
+            # The media ride along: a resumed prompt recomputes its KV, and its placeholders need the embeddings again.
+            resume = worker_pb2.GenerateRequest(request_id=flow.record.request_id, resume_from=handoff, media=flow.media)
             return lambda stub: stub.Generate(resume)
         raise AssertionError(f"unexpected relay effect {decision!r}")
 

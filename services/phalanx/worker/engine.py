@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -25,7 +25,7 @@ from phalanx.model.sampling import RequestSampler, SamplingParams
 from phalanx.model.transformer import Transformer
 from phalanx.worker.config import EngineConfig
 from phalanx.worker.faults import FaultState
-from phalanx.worker.sequence import FinishReason, RequestSnapshot, SeqStatus, Sequence, TokenEvent
+from phalanx.worker.sequence import FinishReason, MediaEmbedding, RequestSnapshot, SeqStatus, Sequence, TokenEvent
 
 
 @dataclass
@@ -46,6 +46,8 @@ class EngineRequest:
     # Restored from the checkpoint store this worker streams to: it holds the request's commit and KV up to the
     # restored KV already, so checkpointing here continues that commit instead of sending it all again.
     continues_commit: bool = False
+    # Encoder embeddings for the prompt's media placeholder runs (positions within the prompt, not overlapping).
+    media: list[MediaEmbedding] = field(default_factory=list)
 
 
 @dataclass
@@ -137,6 +139,20 @@ class Engine:
             )
         if request.resume and len(request.resume.output_ids) >= request.params.max_tokens:
             raise InvalidRequestError("resume_from.output_token_ids", "the request has already produced max_tokens tokens")
+        self._validate_media(request.media, len(prompt), c.hidden_size)
+
+    @staticmethod
+    def _validate_media(media: list[MediaEmbedding], prompt_len: int, hidden: int) -> None:
+        end = 0
+        for i, item in enumerate(sorted(media, key=lambda m: m.span.start)):
+            span = item.span
+            if span.start < end or span.length < 1 or span.end > prompt_len:
+                raise InvalidRequestError(f"media[{i}]", f"positions [{span.start}, {span.end}) overlap another item or leave the prompt")
+            if tuple(item.embeddings.shape) != (span.length, hidden):
+                raise InvalidRequestError(
+                    f"media[{i}]", f"embeddings of shape {tuple(item.embeddings.shape)} for {span.length} positions of width {hidden}"
+                )
+            end = span.end
 
     def add_request(self, request: EngineRequest) -> Sequence:
         self.validate(request)
@@ -158,6 +174,7 @@ class Engine:
             canary=request.canary,
             sequential_replay=request.sequential_replay,
             priority=resume.priority if resume else request.priority,
+            media=sorted(request.media, key=lambda m: m.span.start),
         )
         if resume:
             sampler.restore(resume.generator_state)
@@ -330,7 +347,7 @@ class Engine:
                 budget -= n
         while self.waiting and budget > 0 and (len(self.running) < self.max_num_seqs or self.waiting[0].canary):
             seq = self.waiting[0]
-            cached = self.kv.allocate(seq.request_id, seq.all_ids)
+            cached = self.kv.allocate(seq.request_id, seq.all_ids, media=seq.media_spans)
             if cached is None:
                 break  # first come, first served: no overtaking of a large head request
             self.waiting.popleft()
@@ -373,7 +390,7 @@ class Engine:
         row = 0
         for seq, n in scheduled:
             seq.num_computed += n
-            self.kv.commit(seq.request_id, seq.all_ids, seq.num_computed)
+            self.kv.commit(seq.request_id, seq.all_ids, seq.num_computed, media=seq.media_spans)
             if seq.num_computed < seq.num_tokens:
                 continue
             token, top, margin = sampled[row]  # the runner sampled every sequence whose slice reached its end
@@ -427,6 +444,8 @@ class TorchRunner:
         chunks: list[SeqChunk] = []
         sample_rows: list[int] = []
         sampled_seqs: list[Sequence] = []
+        media_rows: list[torch.Tensor] = []
+        media_values: list[torch.Tensor] = []
         for seq, n in batch:
             start = seq.num_computed
             table = torch.tensor(self.kv.block_table(seq.request_id)[: self.kv.blocks_for(start + n)], dtype=torch.int64)
@@ -434,6 +453,12 @@ class TorchRunner:
             chunks.append(SeqChunk(len(token_ids), start, n, table.to(device)))
             slots.append(table[pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE)
             positions.append(pos)
+            for item in seq.media:
+                # The media rows this slice computes (a chunked prefill may split an item across steps).
+                lo, hi = max(start, item.span.start), min(start + n, item.span.end)
+                if lo < hi:
+                    media_rows.append(torch.arange(lo, hi) - start + len(token_ids))
+                    media_values.append(item.embeddings[lo - item.span.start : hi - item.span.start])
             token_ids.extend(seq.all_ids[start : start + n])
             if start + n == seq.num_tokens:
                 sample_rows.append(len(token_ids) - 1)
@@ -441,8 +466,10 @@ class TorchRunner:
         invariant = self.invariant
         with torch.inference_mode():
             backend = PagedAttention(self.cache.data, torch.cat(slots).to(device), chunks, invariant=invariant)
+            embeds = (torch.cat(media_rows).to(device), torch.cat(media_values)) if media_rows else None
             hidden = self.model.hidden_states(
-                torch.tensor(token_ids, dtype=torch.int64, device=device), torch.cat(positions).to(device), backend, invariant=invariant
+                torch.tensor(token_ids, dtype=torch.int64, device=device), torch.cat(positions).to(device), backend, invariant=invariant,
+                input_embeds=embeds,
             )
             logits = self.model.logits(hidden[sample_rows], invariant=invariant).cpu() if sample_rows else None
         if logits is None:

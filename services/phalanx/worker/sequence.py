@@ -6,6 +6,9 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+import torch
+
+from phalanx.common.block_hash import MediaSpan
 from phalanx.model.sampling import RequestSampler, SamplingParams
 from phalanx.model.tokenizer import IncrementalDetokenizer
 
@@ -61,6 +64,14 @@ class RequestSnapshot:
     priority: int = 0
 
 
+@dataclass(frozen=True)
+class MediaEmbedding:
+    """One media item's embeddings (span.length rows of the model's hidden size) at prompt positions span.start..span.end."""
+
+    span: MediaSpan
+    embeddings: torch.Tensor
+
+
 @dataclass(eq=False)
 class Sequence:
     request_id: str
@@ -78,6 +89,8 @@ class Sequence:
     sequential_replay: bool = False
     # Migration order if this worker fails, lower first (the router's tier; 0 unknown).
     priority: int = 0
+    # Media embeddings that replace the placeholder positions' token embeddings at prefill (encoder pool).
+    media: list[MediaEmbedding] = field(default_factory=list)
     # Checkpointing: KV positions and output tokens already captured for the store, and the segment counter.
     ckpt_kv: int = 0
     ckpt_outputs: int = 0
@@ -93,6 +106,10 @@ class Sequence:
     finish_reason: FinishReason = FinishReason.NONE
     _pending_text: str = ""
     _announced: bool = False
+
+    @property
+    def media_spans(self) -> list[MediaSpan]:
+        return [m.span for m in self.media]
 
     @property
     def all_ids(self) -> list[int]:

@@ -12,6 +12,7 @@ import grpc
 import torch
 
 from phalanx._proto import common_pb2, migration_pb2, migration_pb2_grpc, worker_pb2, worker_pb2_grpc
+from phalanx.common.block_hash import MediaSpan
 from phalanx.common.buffers import BufferPool
 from phalanx.common.channels import ChannelEndpoint
 from phalanx.common.errors import InvalidRequestError, NotFoundError, PhalanxError, ResourceExhaustedError, UnavailableError
@@ -23,7 +24,7 @@ from phalanx.worker.checkpointing import tensor_bytes
 from phalanx.worker.engine import EngineRequest
 from phalanx.worker.kv_fetch import KvFetcher, KvFetchPolicy
 from phalanx.worker.metrics import WorkerMetrics
-from phalanx.worker.sequence import FinishReason, RequestSnapshot, TokenEvent
+from phalanx.worker.sequence import FinishReason, MediaEmbedding, RequestSnapshot, TokenEvent
 from phalanx.worker.streams import RequestLog, RequestStreams
 
 logger = logging.getLogger(__name__)  # `log` names request logs here
@@ -62,6 +63,23 @@ def event_to_proto(cls, event: TokenEvent):
         chunk.handoff.CopyFrom(snapshot_to_proto(event.handoff))
         chunk.handoff_kv_tokens = event.handoff_kv_tokens
     return chunk
+
+
+_MEDIA_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def media_from_proto(index: int, item: worker_pb2.MediaEmbedding) -> MediaEmbedding:
+    """A request's media embeddings as a tensor; the engine checks they fit the prompt and the model."""
+    dtype = _MEDIA_DTYPES.get(item.dtype)
+    if dtype is None:
+        raise InvalidRequestError(f"media[{index}].dtype", f"{item.dtype!r} is not one of {sorted(_MEDIA_DTYPES)}")
+    if item.rows < 1 or item.hidden < 1 or item.start < 0:
+        raise InvalidRequestError(f"media[{index}]", "start must be >= 0, rows and hidden >= 1")
+    expected = item.rows * item.hidden * torch.empty((), dtype=dtype).element_size()
+    if len(item.data) != expected:
+        raise InvalidRequestError(f"media[{index}].data", f"{len(item.data)} bytes for {item.rows} x {item.hidden} {item.dtype}")
+    values = torch.frombuffer(bytearray(item.data), dtype=dtype).view(item.rows, item.hidden)
+    return MediaEmbedding(MediaSpan(item.start, item.rows, item.media_hash), values)
 
 
 def snapshot_from_proto(state: common_pb2.RequestState) -> RequestSnapshot:
@@ -152,9 +170,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         if request.HasField("resume_from"):
             snapshot = snapshot_from_proto(request.resume_from)
             request_id = request.request_id or snapshot.request_id or uuid.uuid4().hex
-            return EngineRequest(snapshot.prompt_ids, snapshot.params, request_id, resume=snapshot)
+            media = [media_from_proto(i, m) for i, m in enumerate(request.media)]
+            return EngineRequest(snapshot.prompt_ids, snapshot.params, request_id, resume=snapshot, media=media)
         return EngineRequest(
-            self._prompt_ids(request), sampling_from_proto(request.sampling), request.request_id or uuid.uuid4().hex, priority=request.priority
+            self._prompt_ids(request), sampling_from_proto(request.sampling), request.request_id or uuid.uuid4().hex, priority=request.priority,
+            media=[media_from_proto(i, m) for i, m in enumerate(request.media)],
         )
 
     def _count(self, error: BaseException | None) -> None:

@@ -1,0 +1,110 @@
+"""`phalanx bench multimodal`: encoder throughput with per-modality batching vs one image at a time, and encode cost per unit.
+
+In process (no gRPC): an ``EncodePool`` serves ``concurrency`` concurrent
+image requests, ``rounds`` times, once with batches of up to 16 and once
+with batches of 1 (the same pool code, ``max_batch=1``); the throughput
+ratio is the batching gain (goal ≥ 2× at 16 concurrent images, the issue's).
+It also times the encoders directly: one batch of 1 and of 16 images, 8
+video frames, one 30 s audio chunk (medians), and reports the unit costs
+the pool learned. Decoding and preprocessing are included in the pool runs,
+as in the service.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import platform
+import statistics
+import time
+
+import cv2
+import numpy as np
+import torch
+
+from phalanx.encoder_pool.config import EncoderPoolConfig
+from phalanx.encoder_pool.cost import Modality
+from phalanx.encoder_pool.pool import EncodePool, MediaInput
+
+__all__ = ["GOALS", "run_multimodal_bench"]
+
+GOALS = {"batching_speedup_at_16_concurrent_images": 2.0}
+
+
+def _png(seed: int, size: int) -> bytes:
+    pixels = np.random.default_rng(seed).integers(0, 256, (size, size + size // 4, 3), dtype=np.uint8)
+    return cv2.imencode(".png", pixels)[1].tobytes()
+
+
+async def _throughput(config: EncoderPoolConfig, images: list[bytes], rounds: int) -> tuple[float, dict[str, float]]:
+    pool = EncodePool(config)
+    task = asyncio.get_running_loop().create_task(pool.run())
+    try:
+        await pool.encode([MediaInput(Modality.IMAGE, images[0])])  # warm-up
+        start = time.perf_counter()
+        for _ in range(rounds):
+            await asyncio.gather(*(pool.encode([MediaInput(Modality.IMAGE, data)]) for data in images))
+        elapsed = time.perf_counter() - start
+    finally:
+        task.cancel()
+    return rounds * len(images) / elapsed, {m.value: round(pool.cost.unit_ms(m), 3) for m in Modality if pool.cost.measured(m)}
+
+
+def _median_ms(fn, repeats: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1000)
+    return round(statistics.median(times), 3)
+
+
+def _direct(pool: EncodePool, repeats: int) -> dict[str, float]:
+    assert pool.image is not None and pool.audio is not None
+    size = pool.image.tower.config.image_size
+    pixels = torch.randn(16, 3, size, size, generator=torch.Generator().manual_seed(0))
+    image = pool.image
+    audio = pool.audio
+    chunk = torch.randn(1, audio.n_mels, 3000, generator=torch.Generator().manual_seed(1))
+    one = _median_ms(lambda: image.encode(pixels[:1]), repeats)
+    sixteen = _median_ms(lambda: image.encode(pixels), repeats)
+    return {
+        "image_batch_1_ms": one, "image_batch_16_ms": sixteen, "image_batch_16_per_image_ms": round(sixteen / 16, 3),
+        "video_8_frames_ms": _median_ms(lambda: image.encode(pixels[:8]), repeats),
+        "audio_30s_chunk_ms": _median_ms(lambda: audio.encode(chunk), max(1, repeats // 4)),
+    }
+
+
+def run_multimodal_bench(
+    *, image_encoder: str = "small-clip", audio_encoder: str = "tiny-whisper", llm_hidden_size: int = 256, concurrency: int = 16,
+    rounds: int = 4, repeats: int = 8, torch_threads: int = 2,
+) -> dict:
+    torch.set_num_threads(torch_threads)
+    batched_config, single_config = (
+        EncoderPoolConfig(
+            image_encoder=image_encoder, audio_encoder=audio_encoder, llm_hidden_size=llm_hidden_size, max_batch=batch,
+            max_backlog_ms=1e9,
+        )
+        for batch in (16, 1)
+    )
+    probe = EncodePool(batched_config)
+    assert probe.image is not None
+    images = [_png(seed, probe.image.tower.config.image_size) for seed in range(concurrency)]
+    batched, batched_costs = asyncio.run(_throughput(batched_config, images, rounds))
+    single, single_costs = asyncio.run(_throughput(single_config, images, rounds))
+    speedup = batched / single
+    return {
+        "image_encoder": image_encoder,
+        "tokens_per_image": probe.image.tokens_per_image,
+        "concurrency": concurrency,
+        "rounds": rounds,
+        "images_per_s": {"batched_max_16": round(batched, 1), "one_at_a_time": round(single, 1)},
+        "learned_unit_ms": {"batched_max_16": batched_costs, "one_at_a_time": single_costs},
+        "encoder_ms": _direct(probe, repeats),
+        "torch_threads": torch_threads,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "goals": dict(GOALS),
+        "met": {"batching_speedup_at_16_concurrent_images": speedup >= GOALS["batching_speedup_at_16_concurrent_images"]},
+        "batching_speedup": round(speedup, 2),
+    }

@@ -1,0 +1,105 @@
+"""The EncoderService servicer: protos in, ``EncodePool`` calls, embeddings out; errors reach gRPC status in the shell."""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+
+from phalanx._proto import encoder_pb2, encoder_pb2_grpc
+from phalanx.common.errors import ResourceExhaustedError
+from phalanx.common.telemetry import get_tracer
+from phalanx.encoder_pool.cost import Modality
+from phalanx.encoder_pool.errors import MediaError
+from phalanx.encoder_pool.metrics import EncoderMetrics
+from phalanx.encoder_pool.pool import EncodePool, MediaInput, VideoRequest
+from phalanx.encoder_pool.video import SamplingStrategy
+
+__all__ = ["EncoderServicer", "encoder_load", "modality_from_proto", "modality_to_proto"]
+
+_MODALITIES: dict[encoder_pb2.Modality, Modality] = {
+    encoder_pb2.MODALITY_IMAGE: Modality.IMAGE, encoder_pb2.MODALITY_VIDEO: Modality.VIDEO, encoder_pb2.MODALITY_AUDIO: Modality.AUDIO,
+}
+_PROTO_MODALITIES = {m: p for p, m in _MODALITIES.items()}
+_SAMPLING = {
+    encoder_pb2.FRAME_SAMPLING_UNSPECIFIED: SamplingStrategy.UNIFORM, encoder_pb2.FRAME_SAMPLING_UNIFORM: SamplingStrategy.UNIFORM,
+    encoder_pb2.FRAME_SAMPLING_KEYFRAME: SamplingStrategy.KEYFRAME, encoder_pb2.FRAME_SAMPLING_FPS: SamplingStrategy.FPS,
+}
+tracer = get_tracer(__name__)
+
+
+def modality_from_proto(value: encoder_pb2.Modality, field: str) -> Modality:
+    if value not in _MODALITIES:
+        raise MediaError(field, "modality must be IMAGE, VIDEO or AUDIO")
+    return _MODALITIES[value]
+
+
+def modality_to_proto(modality: Modality) -> encoder_pb2.Modality:
+    return _PROTO_MODALITIES[modality]
+
+
+def encoder_load(pool: EncodePool) -> encoder_pb2.EncoderLoad:
+    admission = pool.admission
+    return encoder_pb2.EncoderLoad(
+        backlog_ms=admission.backlog_ms, inflight_requests=pool.inflight,
+        costs=[
+            encoder_pb2.ModalityCost(modality=modality_to_proto(m), unit_ms=pool.cost.unit_ms(m), queued_units=admission.queued[m])
+            for m in pool.modalities
+        ],
+    )
+
+
+class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
+    def __init__(self, pool: EncodePool, metrics: EncoderMetrics, encoder_id: str) -> None:
+        self.pool = pool
+        self.metrics = metrics
+        self.encoder_id = encoder_id
+
+    async def Encode(self, request: encoder_pb2.EncodeRequest, context: grpc.aio.ServicerContext) -> encoder_pb2.EncodeResponse:
+        items = [self._item(i, item) for i, item in enumerate(request.items)]
+        labels = [m.modality.value for m in items] or ["image"]
+        with tracer.start_as_current_span("encoder.encode", attributes={"request_id": request.request_id, "items": len(items)}):
+            started = time.perf_counter()
+            try:
+                result = await self.pool.encode(items, max_positions=request.max_positions)
+            except MediaError:
+                self._count(labels, "invalid")
+                raise
+            except ResourceExhaustedError:
+                self._count(labels, "overloaded")
+                raise
+            except Exception:
+                self._count(labels, "error")
+                raise
+            finally:
+                self.metrics.observe_load(self.pool.admission)
+        self._count(labels, "ok")
+        self.metrics.request_seconds.observe(time.perf_counter() - started)
+        return encoder_pb2.EncodeResponse(
+            encoder_id=self.encoder_id, queue_ms=result.queue_ms, encode_ms=result.encode_ms,
+            embeddings=[
+                encoder_pb2.Embedding(
+                    modality=modality_to_proto(e.modality), rows=e.embeddings.shape[0], hidden=e.embeddings.shape[1],
+                    dtype=str(e.embeddings.dtype).removeprefix("torch."), data=e.embeddings.contiguous().numpy().tobytes(),
+                    media_hash=e.media_hash, units=e.units,
+                )
+                for e in result.items
+            ],
+        )
+
+    async def GetLoad(self, request: encoder_pb2.GetLoadRequest, context: grpc.aio.ServicerContext) -> encoder_pb2.GetLoadResponse:
+        return encoder_pb2.GetLoadResponse(load=encoder_load(self.pool))
+
+    def _count(self, modalities: list[str], result: str) -> None:
+        for modality in modalities:
+            self.metrics.items.labels(modality=modality, result=result).inc()
+
+    @staticmethod
+    def _item(index: int, item: encoder_pb2.MediaItem) -> MediaInput:
+        modality = modality_from_proto(item.modality, f"items[{index}].modality")
+        if item.video.sampling not in _SAMPLING:
+            raise MediaError(f"items[{index}].video.sampling", "unknown frame sampling")
+        if item.video.max_frames < 0 or item.video.fps < 0:
+            raise MediaError(f"items[{index}].video", "max_frames and fps must not be negative")
+        video = VideoRequest(_SAMPLING[item.video.sampling], item.video.max_frames, item.video.fps)
+        return MediaInput(modality, item.data, video)

@@ -1,0 +1,136 @@
+"""Media at the router: where the prompt's media go, which encoder encodes them, and the Encode call with failover.
+
+``EncoderSet`` (no I/O) keeps the encoders' registrations (their backlog and
+learned unit costs ride in them) and orders encoders by estimated time to
+finish: backlog + this request's units x their unit cost. ``MediaEncoder``
+calls them in that order: an encoder that is gone, overloaded or too slow
+costs a retry on the next one (media are pure inputs: encoding again gives
+the same rows); bad media are the caller's error and come back as
+INVALID_ARGUMENT at once.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import grpc
+
+from phalanx._proto import encoder_pb2, encoder_pb2_grpc, router_pb2
+from phalanx.common.errors import InvalidRequestError, UnavailableError
+from phalanx.common.grpc_channels import GrpcChannels
+
+__all__ = ["EncoderSet", "MediaEncoder", "estimated_units", "split_on_markers"]
+
+log = logging.getLogger(__name__)
+
+_KINDS = {
+    router_pb2.MEDIA_KIND_IMAGE: encoder_pb2.MODALITY_IMAGE,
+    router_pb2.MEDIA_KIND_VIDEO: encoder_pb2.MODALITY_VIDEO,
+    router_pb2.MEDIA_KIND_AUDIO: encoder_pb2.MODALITY_AUDIO,
+}
+# Frames an encoder takes from a video by default (EncoderPoolConfig.default_video_frames): the estimate before decoding.
+_VIDEO_FRAMES_ESTIMATE = 8
+_WAV_BYTES_PER_CHUNK = 16_000 * 2 * 30  # 30 s of 16 kHz 16-bit mono
+# Worth another encoder: it is gone, refusing work, or too slow; anything else is the request's own problem.
+_RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.DEADLINE_EXCEEDED,
+              grpc.StatusCode.CANCELLED, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN}
+
+
+def split_on_markers(text: str, marker: str) -> list[str]:
+    """The text pieces between media markers: n markers give n + 1 pieces."""
+    return text.split(marker)
+
+
+def estimated_units(item: router_pb2.MediaInput) -> int:
+    """Units the item will take before it is decoded: 1 per image, the default frames per video, a chunk per 30 s of audio."""
+    if item.kind == router_pb2.MEDIA_KIND_VIDEO:
+        return _VIDEO_FRAMES_ESTIMATE
+    if item.kind == router_pb2.MEDIA_KIND_AUDIO:
+        return max(1, -(-len(item.data) // _WAV_BYTES_PER_CHUNK))
+    return 1
+
+
+@dataclass(frozen=True)
+class _Choice:
+    encoder_id: str
+    address: str
+    estimate_ms: float
+
+
+class EncoderSet:
+    """The encoders registered in etcd; ``ranked`` orders them by estimated time to finish a request."""
+
+    def __init__(self) -> None:
+        self.encoders: dict[str, encoder_pb2.EncoderRegistration] = {}
+
+    def update(self, kind: str, encoder_id: str, registration: encoder_pb2.EncoderRegistration | None) -> None:
+        if kind == "put" and registration is not None:
+            self.encoders[encoder_id] = registration
+        else:
+            self.encoders.pop(encoder_id, None)
+
+    def ranked(self, units: dict[encoder_pb2.Modality, int]) -> list[_Choice]:
+        """Encoders serving every modality in `units` (modality -> units), cheapest first; ties by id."""
+        choices = []
+        for encoder_id, r in self.encoders.items():
+            costs = {c.modality: c.unit_ms for c in r.load.costs}
+            if not all(m in costs for m in units):
+                continue
+            estimate = r.load.backlog_ms + sum(costs[m] * n for m, n in units.items())
+            choices.append(_Choice(encoder_id, r.address, estimate))
+        return sorted(choices, key=lambda c: (c.estimate_ms, c.encoder_id))
+
+
+class MediaEncoder:
+    def __init__(
+        self, encoders: EncoderSet, *, timeout_s: float, max_message_bytes: int, on_retry: Callable[[], None] | None = None
+    ) -> None:
+        self.encoders = encoders
+        self._on_retry = on_retry or (lambda: None)
+        self.timeout_s = timeout_s
+        limit = [("grpc.max_receive_message_length", 256 << 20), ("grpc.max_send_message_length", max_message_bytes)]
+        self._channels = GrpcChannels(limit)
+
+    async def close(self) -> None:
+        await self._channels.close()
+
+    async def encode(self, request_id: str, media: Sequence[router_pb2.MediaInput], max_positions: int) -> list[encoder_pb2.Embedding]:
+        """One embedding per item, from the cheapest encoder that answers; InvalidRequestError for bad media."""
+        items: list[encoder_pb2.MediaItem] = []
+        units: dict[encoder_pb2.Modality, int] = {}
+        for i, item in enumerate(media):
+            modality = _KINDS.get(item.kind)
+            if modality is None:
+                raise InvalidRequestError(f"media[{i}].kind", "must be IMAGE, VIDEO or AUDIO")
+            if item.WhichOneof("source") != "data":
+                raise InvalidRequestError(f"media[{i}].source", "only inline data is supported (no URIs)")
+            items.append(encoder_pb2.MediaItem(modality=modality, data=item.data))
+            units[modality] = units.get(modality, 0) + estimated_units(item)
+        if not self.encoders.encoders:
+            # As before the pool existed: a deployment without encoders refuses media as the caller's error.
+            raise InvalidRequestError("media", "media inputs need the encoder pool, and no encoder is registered")
+        choices = self.encoders.ranked(units)
+        if not choices:
+            names = sorted(encoder_pb2.Modality.Name(m).removeprefix("MODALITY_").lower() for m in units)
+            raise InvalidRequestError("media", f"no registered encoder serves {names}")
+        request = encoder_pb2.EncodeRequest(request_id=request_id, items=items, max_positions=max_positions)
+        last: grpc.aio.AioRpcError | None = None
+        for choice in choices:
+            stub = encoder_pb2_grpc.EncoderServiceStub(self._channels.get(choice.address))
+            try:
+                reply = await stub.Encode(request, timeout=self.timeout_s)
+            except grpc.aio.AioRpcError as error:
+                if error.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                    raise InvalidRequestError("media", error.details() or "invalid media") from None
+                if error.code() not in _RETRYABLE:
+                    raise
+                log.warning("encoder %s failed %s (%s); trying the next", choice.encoder_id, request_id, error.code().name)
+                if error.code() == grpc.StatusCode.UNAVAILABLE:
+                    self._channels.discard(choice.address)
+                last = error
+                self._on_retry()
+                continue
+            return list(reply.embeddings)
+        raise UnavailableError(f"every encoder failed: {last.code().name if last else 'none'}", retry_after_s=1.0)

@@ -1,0 +1,127 @@
+"""An image request end to end: SDK-level gRPC -> router -> encoder pool -> worker, with the tokens an in-process
+encoder and engine give; a second encoder takes over when the first is killed; bad media come back as INVALID_ARGUMENT.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import cv2
+import grpc
+import numpy as np
+import pytest
+
+import phalanx.model
+from phalanx._proto import common_pb2, encoder_pb2, router_pb2, router_pb2_grpc
+from phalanx.common.block_hash import MediaSpan, media_hash
+from phalanx.common.config import EtcdConfig
+from phalanx.common.discovery import EncoderDirectory
+from phalanx.encoder_pool.models import load_image_encoder
+from phalanx.launch.stack import Stack
+from phalanx.model.sampling import SamplingParams
+from phalanx.router.media import EncoderSet
+from phalanx.worker.config import EngineConfig
+from phalanx.worker.engine import Engine, EngineRequest
+from phalanx.worker.sequence import MediaEmbedding
+
+pytestmark = pytest.mark.integration
+
+MODEL = "phalanx-tiny-dense"
+PLACEHOLDER = 0  # RouterConfig.media_placeholder_token_id
+
+
+@pytest.fixture(scope="module")
+def stack(nats_server, etcd_server):
+    s = Stack(nats_server.url, EtcdConfig(endpoint=etcd_server.endpoint, lease_ttl_s=1), model=MODEL)
+
+    async def start():
+        # Drain grace 0: a SIGTERMed worker hands its requests back at once (the handoff test).
+        await asyncio.gather(s.add_workers(2, env={"PHALANX_WORKER_DRAIN_GRACE_S": "0"}), s.add_encoder(), s.add_encoder())
+        await s.add_router()
+
+    try:
+        asyncio.run(start())
+        yield s
+    finally:
+        s.stop()
+
+
+def _png(seed: int) -> bytes:
+    return cv2.imencode(".png", np.random.default_rng(seed).integers(0, 256, (40, 40, 3), dtype=np.uint8))[1].tobytes()
+
+
+def _request(text: str, image: bytes, max_tokens: int = 10) -> router_pb2.GenerateRequest:
+    return router_pb2.GenerateRequest(
+        text=text, media=[router_pb2.MediaInput(kind=router_pb2.MEDIA_KIND_IMAGE, data=image)],
+        sampling=common_pb2.SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+    )
+
+
+async def _tokens(stack: Stack, request: router_pb2.GenerateRequest) -> list[int]:
+    async with grpc.aio.insecure_channel(stack.routers[0].address) as channel:
+        return [c.token_id async for c in router_pb2_grpc.RouterServiceStub(channel).Generate(request)]
+
+
+def _in_process(image: bytes, before: str, after: str, max_tokens: int = 10) -> list[int]:
+    """What the request must produce: the same encoder and engine, no services in between."""
+    model = phalanx.model.load(MODEL)
+    encoder = load_image_encoder("tiny-clip", model.config.hidden_size)
+    rows = encoder.encode(encoder.preprocess(cv2.imdecode(np.frombuffer(image, np.uint8), cv2.IMREAD_COLOR)[:, :, ::-1])[None])[0]
+    prefix = model.tokenizer.encode(before)
+    prompt = prefix + [PLACEHOLDER] * rows.shape[0] + model.tokenizer.encode(after, add_bos=False)
+    media = [MediaEmbedding(MediaSpan(len(prefix), rows.shape[0], media_hash(image)), rows)]
+    engine = Engine(model, EngineConfig(deterministic=True))
+    seq = engine.add_request(EngineRequest(prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True), media=media))
+    tokens = []
+    while engine.has_work():
+        tokens += [e.token_id for e in engine.step() if e.request_id == seq.request_id and e.index >= 0]
+    return tokens
+
+
+async def test_an_image_request_gives_the_in_process_encoder_and_engine_tokens(stack):
+    image = _png(1)
+    got = await _tokens(stack, _request("Look: <media> What is it?", image))
+    assert got == _in_process(image, "Look: ", " What is it?")
+    assert await _tokens(stack, _request("Look: <media> What is it?", image)) == got  # deterministic, and the prefix cache agrees
+    other = await _tokens(stack, _request("Look: <media> What is it?", _png(2)))
+    assert other == _in_process(_png(2), "Look: ", " What is it?")
+
+
+async def test_bad_media_are_invalid_argument(stack):
+    with pytest.raises(grpc.aio.AioRpcError) as error:
+        await _tokens(stack, _request("What is <media>?", b"\x89PNG\r\n\x1a\nnot really"))
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    with pytest.raises(grpc.aio.AioRpcError) as error:
+        await _tokens(stack, _request("<media> and <media>?", _png(1)))
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+async def test_a_killed_encoder_leaves_the_request_to_the_other_one(stack):
+    image = _png(3)
+    expected = _in_process(image, "Look: ", " What is it?")
+    # Kill the encoder the router ranks first: its etcd key outlives it by the lease TTL, so the router tries it first.
+    encoders = EncoderSet()
+    async with EncoderDirectory(stack.etcd_config) as directory:
+        for encoder_id, registration in (await directory.list()).items():
+            encoders.update("put", encoder_id, registration)
+    first = encoders.ranked({encoder_pb2.MODALITY_IMAGE: 1})[0].encoder_id
+    next(e for e in stack.encoders if e.name == first).kill()
+    retries = stack.routers[0].metric("phalanx_router_encode_retries_total")
+    assert await _tokens(stack, _request("Look: <media> What is it?", image)) == expected
+    assert stack.routers[0].metric("phalanx_router_encode_retries_total") == retries + 1
+    assert await _tokens(stack, _request("Look: <media> What is it?", image)) == expected
+
+
+async def test_a_draining_worker_hands_a_media_request_on_with_its_embeddings(stack):
+    image = _png(4)
+    expected = _in_process(image, "Look: ", " What is it?", max_tokens=60)
+    seen = []
+    async with grpc.aio.insecure_channel(stack.routers[0].address) as channel:
+        async for chunk in router_pb2_grpc.RouterServiceStub(channel).Generate(_request("Look: <media> What is it?", image, 60)):
+            seen.append(chunk)
+            if len(seen) == 5:
+                serving = next(w for w in stack.workers if w.worker_id == seen[0].worker_id)  # named on the first chunk
+                serving.process.terminate()  # SIGTERM: drain, hand the request back; the router resumes it elsewhere
+    assert [c.index for c in seen] == list(range(60))
+    assert len({c.worker_id for c in seen if c.worker_id}) == 2
+    assert [c.token_id for c in seen] == expected

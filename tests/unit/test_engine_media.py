@@ -1,0 +1,94 @@
+"""Media embeddings injected at prefill: placeholder positions take the encoder's rows, and the prefix cache tells media apart."""
+
+import pytest
+import torch
+
+import phalanx.model
+from phalanx.common.block_hash import MediaSpan
+from phalanx.common.errors import InvalidRequestError
+from phalanx.encoder_pool.tokens import expand_placeholders
+from phalanx.model.sampling import SamplingParams
+from phalanx.worker.config import EngineConfig
+from phalanx.worker.engine import Engine, EngineRequest
+from phalanx.worker.sequence import MediaEmbedding
+
+pytestmark = pytest.mark.unit
+
+PLACEHOLDER = 0
+
+
+@pytest.fixture(scope="module")
+def model():
+    return phalanx.model.load("phalanx-tiny-dense")
+
+
+def run(engine, request):
+    seq = engine.add_request(request)
+    events = []
+    while engine.has_work():
+        events += [e for e in engine.step() if e.request_id == seq.request_id]
+    return [e.token_id for e in events], seq
+
+
+def params(n=8):
+    return SamplingParams(max_tokens=n, ignore_eos=True)
+
+
+def embeddings(model, seed, rows):
+    return torch.randn(rows, model.config.hidden_size, generator=torch.Generator().manual_seed(seed))
+
+
+def media_prompt(model, rows, media_hash=1):
+    text = model.tokenizer.encode("Describe this picture:")
+    ids, (span,) = expand_placeholders([*text[:3], PLACEHOLDER, *text[3:]], PLACEHOLDER, [rows], [media_hash])
+    return ids, span
+
+
+def test_embeddings_equal_to_the_token_embeddings_give_the_plain_prompts_output(model):
+    # The strongest check of the splice: media rows that are exactly some tokens' embeddings must behave as those tokens.
+    plain = model.tokenizer.encode("The quick brown fox jumps over the lazy dog, then it sleeps in the sun all day")
+    start, length = 5, 11
+    placeholder_prompt = plain[:start] + [PLACEHOLDER] * length + plain[start + length :]
+    rows = model.embed_tokens.weight[plain[start : start + length]].detach().clone()
+    expected, _ = run(Engine(model, EngineConfig(deterministic=True)), EngineRequest(plain, params()))
+    media = [MediaEmbedding(MediaSpan(start, length, 42), rows)]
+    got, _ = run(Engine(model, EngineConfig(deterministic=True)), EngineRequest(placeholder_prompt, params(), media=media))
+    assert got == expected
+    without, _ = run(Engine(model, EngineConfig(deterministic=True)), EngineRequest(placeholder_prompt, params()))
+    assert without != expected  # the placeholders alone are another prompt: the test would notice a splice that did nothing
+
+
+def test_chunked_prefill_splits_media_across_steps_with_the_same_output(model):
+    ids, span = media_prompt(model, 40)
+    media = [MediaEmbedding(span, embeddings(model, 1, 40))]
+    whole, _ = run(Engine(model, EngineConfig(deterministic=True)), EngineRequest(ids, params(), media=media))
+    chunked, _ = run(
+        Engine(model, EngineConfig(deterministic=True, max_batched_tokens=16)), EngineRequest(ids, params(), media=media)
+    )
+    assert chunked == whole
+
+
+def test_prefix_cache_reuses_blocks_of_the_same_media_only(model):
+    engine = Engine(model, EngineConfig(deterministic=True))
+    ids, span = media_prompt(model, 48, media_hash=111)
+    cat = [MediaEmbedding(span, embeddings(model, 1, 48))]
+    first, _ = run(engine, EngineRequest(ids, params(), request_id="cat-1", media=cat))
+    again, seq = run(engine, EngineRequest(ids, params(), request_id="cat-2", media=cat))
+    assert again == first and seq.cached_prompt_tokens >= 48
+    dog_span = MediaSpan(span.start, span.length, 222)
+    dog = [MediaEmbedding(dog_span, embeddings(model, 2, 48))]
+    other, seq = run(engine, EngineRequest(ids, params(), request_id="dog", media=dog))
+    # Same tokens, another image: only the block before the media (3 text tokens: none full) could be shared.
+    assert seq.cached_prompt_tokens == 0
+    fresh, _ = run(Engine(model, EngineConfig(deterministic=True)), EngineRequest(ids, params(), media=dog))
+    assert other == fresh
+
+
+def test_media_that_do_not_fit_their_positions_are_refused(model):
+    ids, span = media_prompt(model, 8)
+    engine = Engine(model, EngineConfig(deterministic=True))
+    with pytest.raises(InvalidRequestError, match="shape"):
+        engine.add_request(EngineRequest(ids, params(), media=[MediaEmbedding(span, embeddings(model, 1, 7))]))
+    outside = MediaSpan(len(ids) - 2, 8, 1)
+    with pytest.raises(InvalidRequestError, match="leave the prompt"):
+        engine.add_request(EngineRequest(ids, params(), media=[MediaEmbedding(outside, embeddings(model, 1, 8))]))

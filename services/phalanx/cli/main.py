@@ -304,8 +304,17 @@ def up(
     planner: bool = typer.Option(False, "--planner", help="Run the planner; the supervisor starts and drains workers to its targets"),
     min_workers: int = typer.Option(1, min=0, max=16, help="With --planner: fewest workers"),
     max_workers: int = typer.Option(None, min=1, max=16, help="With --planner: most workers [default: twice --workers, at most 16]"),
+    attention_workers: int = typer.Option(
+        None, min=1, max=16, help="With --expert-workers: attention workers (the same as --workers, which they replace)"
+    ),
+    expert_workers: int = typer.Option(
+        0, min=0, max=16, help="Disaggregated MoE: expert workers the experts are spread over (the workers then run the attention role)"
+    ),
+    shadow_experts: int = typer.Option(1, min=0, max=15, help="With --expert-workers: extra copies of each expert, each on another expert worker"),
 ) -> None:
     """Bring Phalanx up on this machine: NATS, etcd, workers, a router, an OpenAI-compatible gateway and the rest, supervised."""
+    from dataclasses import replace
+
     from rich.console import Console
 
     from phalanx.cli.up import UpOptions, run_detached, run_up
@@ -315,8 +324,10 @@ def up(
     options = UpOptions(
         workers=workers, model=model, deterministic=deterministic, port=port, gateway_port=gateway_port, state_file=_state_file(state_file),
         nats_url=nats_url, etcd_endpoint=etcd_endpoint, log_file=Path(log_file) if log_file else None,
-        planner=planner, min_workers=min_workers, max_workers=max_workers,
+        planner=planner, min_workers=min_workers, max_workers=max_workers, expert_workers=expert_workers, shadow_experts=shadow_experts,
     )
+    if attention_workers is not None:
+        options = replace(options, workers=attention_workers)
     console = Console(soft_wrap=True)  # long lines stay whole in the detached log
     raise typer.Exit(run_detached(options, console) if detach else asyncio.run(run_up(options, console)))
 

@@ -61,7 +61,9 @@ async def show_status(target: str, *, as_json: bool, api_key: str | None, superv
     if as_json:
         out: dict = {"router": target, "gateway_url": supervisor.gateway_url if supervisor else "", "workers": [asdict(w) for w in workers]}
         if supervisor is not None:
-            out["supervisor"] = {"pid": supervisor.supervisor_pid, "events": [asdict(e) for e in supervisor.events]}
+            out["supervisor"] = {
+                "pid": supervisor.supervisor_pid, "events": [asdict(e) for e in supervisor.events], "processes": supervised_processes(supervisor),
+            }
             if supervisor.planner is not None:
                 out["supervisor"]["planner"] = supervisor.planner
         print(json.dumps(out, indent=2))
@@ -78,6 +80,22 @@ async def show_status(target: str, *, as_json: bool, api_key: str | None, superv
 
 
 _SHOWN_EVENTS = 10
+# A service's role by its name in `phalanx up` (cli/up.py names them so).
+_SERVICE_ROLES = (("expert-", "expert"), ("ert-manager-", "ert-manager"), ("health-", "health"), ("checkpoint-", "checkpoint-store"),
+                  ("migration-", "migration"), ("gateway-", "gateway"), ("planner-", "planner"))
+
+
+def supervised_processes(supervisor: UpState) -> list[dict]:
+    """Every process `phalanx up` supervises: name, role (workers: attention when expert workers run, else monolithic), pid."""
+    services = [(s.name, next((role for prefix, role in _SERVICE_ROLES if s.name.startswith(prefix)), "service"), s.pid)
+                for s in supervisor.services]
+    worker_role = "attention" if any(role == "expert" for _, role, _ in services) else "monolithic"
+    processes = [(w.worker_id, worker_role, w.pid) for w in supervisor.workers]
+    if supervisor.router_pid:
+        processes.append((supervisor.router_id or "router", "router", supervisor.router_pid))
+    processes += services
+    processes += [(name, name, pid) for name, pid in (("nats", supervisor.nats_pid), ("etcd", supervisor.etcd_pid)) if pid]
+    return [{"name": name, "role": role, "pid": pid} for name, role, pid in processes]
 
 
 def _print_events(console: Console, supervisor: UpState) -> None:

@@ -519,6 +519,7 @@ def bench_moe(
     copies: int = typer.Option(2, min=2, help="Copies of each expert (1 primary + shadows)"),
     kill_after: int = typer.Option(16, min=1, help="Tokens every stream has when an expert worker is SIGKILLed"),
     kill_repeats: int = typer.Option(3, min=1, help="Expert-worker kills (one wave each)"),
+    aw_kill_repeats: int = typer.Option(2, min=1, help="Attention-worker kills (one wave each, through the router)"),
     as_json: bool = typer.Option(False, "--json", help="Print JSON only"),
 ) -> None:
     """Disaggregated MoE: steady-state tokens/s split vs monolithic with the per-layer AW-EW round trip, the stall of an
@@ -528,7 +529,7 @@ def bench_moe(
 
     result = run_moe_bench(
         streams=streams, tokens=tokens, pairs=pairs, expert_workers=expert_workers, copies=copies, kill_after=kill_after,
-        kill_repeats=kill_repeats,
+        kill_repeats=kill_repeats, aw_kill_repeats=aw_kill_repeats,
     )
     typer.echo(json.dumps(result) if as_json else json.dumps(result, indent=2))
 

@@ -105,8 +105,22 @@ async def test_sigkill_of_an_expert_worker_mid_generation_changes_no_token_and_d
     # Its shadows took over: every expert it led is now led by the copy that shadowed it.
     for key in before.experts_of(victim.name):
         assert after.locations[key].primary == before.locations[key].shadows[0]
-    # And the AW keeps serving on the new table.
+    # A replacement in the victim's placement slot joins while the AW is busy, takes its primaries back, and serves.
+    from phalanx.launch.services import start_expert_worker
+
+    slot = ews.index(victim)
+    wave = asyncio.ensure_future(_generate(aw.address))
+    replacement = await start_expert_worker(unique_id(f"ew{slot}"), etcd_config, model=MODEL, index=slot, num_expert_workers=3, copies=2)
+    stack.expert_workers.append(replacement)
+    assert await wave == expected
+
+    async def replacement_leads():
+        table = await _table(etcd_config)
+        return table is not None and table.experts_of(replacement.name) == before.experts_of(victim.name)
+
+    await assert_eventually(replacement_leads, timeout=10, message="the replacement leads its slot's experts")
     assert await _generate(aw.address) == expected
+    assert (await asyncio.to_thread(aw.metric, "phalanx_aw_expert_calls_total", expert_worker=replacement.name) or 0) > 0
 
 
 async def test_a_hung_expert_worker_is_found_by_probe_and_its_work_replayed_on_the_shadow(stack, etcd_config):

@@ -143,7 +143,7 @@ async def _run(o: _Options) -> dict:
         (monolithic,) = await fleet.add_workers(1)
         aw = await start_worker(unique_id("aw"), nats.url, etcd_config, "--deterministic", "--role", "attention", model=MODEL)
         fleet.workers.append(aw)
-        steady = await _steady(o, rng, monolithic, aw)
+        steady = await _steady(o, rng, monolithic, aw, list(fleet.expert_workers))
         floor_us = await _channel_floor_us(etcd_config)
         loss = await _ew_loss(o, rng, fleet, monolithic, aw)
         aw_loss = await _aw_loss(o, rng, fleet, monolithic, aw)
@@ -188,12 +188,19 @@ async def _run(o: _Options) -> dict:
     }
 
 
-async def _steady(o: _Options, rng: random.Random, monolithic: WorkerHandle, aw: WorkerHandle) -> dict:
+def _ew_compute(ews: list[ServiceHandle]) -> tuple[float, float]:
+    """Sum and count of every EW's compute-time histogram."""
+    parts = [_histogram(ew, "phalanx_expert_compute_seconds") for ew in ews]
+    return sum(p[0] for p in parts), sum(p[1] for p in parts)
+
+
+async def _steady(o: _Options, rng: random.Random, monolithic: WorkerHandle, aw: WorkerHandle, ews: list[ServiceHandle]) -> dict:
     warm = _prompts(rng, o.streams)
     await _wave(monolithic.address, warm, 8)
     await _wave(aw.address, warm, 8)
     rtt_before = await asyncio.to_thread(_histogram, aw, "phalanx_aw_expert_rtt_seconds")
     layer_before = await asyncio.to_thread(_histogram, aw, "phalanx_aw_expert_layer_seconds")
+    compute_before = await asyncio.to_thread(_ew_compute, ews)
     mono_rates: list[float] = []
     split_rates: list[float] = []
     split_gaps: list[float] = []
@@ -205,6 +212,8 @@ async def _steady(o: _Options, rng: random.Random, monolithic: WorkerHandle, aw:
         split_gaps.extend(s.max_gap_s for s in split_wave)
     rtt_after = await asyncio.to_thread(_histogram, aw, "phalanx_aw_expert_rtt_seconds")
     layer_after = await asyncio.to_thread(_histogram, aw, "phalanx_aw_expert_layer_seconds")
+    compute_after = await asyncio.to_thread(_ew_compute, ews)
+    compute_mean = (compute_after[0] - compute_before[0]) / max(compute_after[1] - compute_before[1], 1)
     rtt_mean = (rtt_after[0] - rtt_before[0]) / max(rtt_after[1] - rtt_before[1], 1)
     layer_mean = (layer_after[0] - layer_before[0]) / max(layer_after[1] - layer_before[1], 1)
     mono, split = statistics.median(mono_rates), statistics.median(split_rates)
@@ -213,6 +222,8 @@ async def _steady(o: _Options, rng: random.Random, monolithic: WorkerHandle, aw:
         "split_tokens_per_s": round(split, 1),
         "split_vs_monolithic": round(split / mono, 3),
         "ew_rtt_mean_us": round(rtt_mean * 1e6, 1),
+        # What the EW spends computing one call's experts; the rest of a round trip is wire and waiting for a core.
+        "ew_compute_mean_us": round(compute_mean * 1e6, 1),
         "expert_layer_mean_us": round(layer_mean * 1e6, 1),
         "expert_layer_calls": int(layer_after[1] - layer_before[1]),
         # The same statistic as the EW-loss stall, without a failure: what scheduling on shared cores costs alone.

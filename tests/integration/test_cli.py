@@ -355,3 +355,28 @@ def test_a_process_that_keeps_dying_at_start_up_stops_the_stack_naming_it(tmp_pa
     assert "worker-1 exited with 1 before registering" in out and "last: worker-2 exited with 1 before registering" in out
     assert_all_gone(stack_pids(state))
     assert not state_file.exists()
+
+
+def test_up_with_expert_workers_serves_through_the_attention_role_and_replaces_a_killed_expert_worker(tmp_path, foreground):
+    process, state_file, state = foreground("--attention-workers", "1", "--expert-workers", "2", "--shadow-experts", "1")
+    assert {"ert-manager-0", "expert-0", "expert-1"} <= {s["name"] for s in state["services"]}
+    command = [*CLI, "generate", "The lantern keeper", "--max-tokens", "12", "--state-file", str(state_file)]
+    before = subprocess.run(command, env=ENV, capture_output=True, text=True, timeout=60, check=False)
+    assert before.returncode == 0, before.stderr
+    expert_pid = next(s["pid"] for s in state["services"] if s["name"] == "expert-0")
+    killed = phalanx("chaos", "kill", "expert-0", "--state-file", str(state_file), timeout=150)
+    assert killed.returncode == 0, killed.stdout + killed.stderr
+    assert f"sent SIGKILL to expert-0 (pid {expert_pid})" in killed.stdout and "replaced it with expert-0-r2 (pid " in killed.stdout
+    after = subprocess.run(command, env=ENV, capture_output=True, text=True, timeout=60, check=False)
+    assert after.returncode == 0 and after.stdout == before.stdout, after.stderr
+    status = phalanx("status", "--json", "--state-file", str(state_file))
+    assert status.returncode == 0, status.stderr
+    roles = {p["name"]: (p["role"], p["pid"]) for p in json.loads(status.stdout)["supervisor"]["processes"]}
+    assert {name: role for name, (role, _) in roles.items() if role in ("attention", "expert", "ert-manager")} == {
+        "worker-0": "attention", "expert-0-r2": "expert", "expert-1": "expert", "ert-manager-0": "ert-manager",
+    }
+    assert all(pid > 0 for _, pid in roles.values())
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(90) == 0, (tmp_path / "out.txt").read_text()
+    assert_all_gone([*stack_pids(state), *stack_pids(read_state(state_file) or state)])
+    assert not state_file.exists()

@@ -105,8 +105,22 @@ async def test_sigkill_of_an_expert_worker_mid_generation_changes_no_token_and_d
     # Its shadows took over: every expert it led is now led by the copy that shadowed it.
     for key in before.experts_of(victim.name):
         assert after.locations[key].primary == before.locations[key].shadows[0]
-    # And the AW keeps serving on the new table.
+    # A replacement in the victim's placement slot joins while the AW is busy, takes its primaries back, and serves.
+    from phalanx.launch.services import start_expert_worker
+
+    slot = ews.index(victim)
+    wave = asyncio.ensure_future(_generate(aw.address))
+    replacement = await start_expert_worker(unique_id(f"ew{slot}"), etcd_config, model=MODEL, index=slot, num_expert_workers=3, copies=2)
+    stack.expert_workers.append(replacement)
+    assert await wave == expected
+
+    async def replacement_leads():
+        table = await _table(etcd_config)
+        return table is not None and table.experts_of(replacement.name) == before.experts_of(victim.name)
+
+    await assert_eventually(replacement_leads, timeout=10, message="the replacement leads its slot's experts")
     assert await _generate(aw.address) == expected
+    assert (await asyncio.to_thread(aw.metric, "phalanx_aw_expert_calls_total", expert_worker=replacement.name) or 0) > 0
 
 
 async def test_a_hung_expert_worker_is_found_by_probe_and_its_work_replayed_on_the_shadow(stack, etcd_config):
@@ -144,3 +158,58 @@ async def test_a_hung_expert_worker_is_found_by_probe_and_its_work_replayed_on_t
         timeout=5, message="the hung expert worker failed its probe",
     )
     assert (await asyncio.to_thread(aw.metric, "phalanx_aw_expert_replays_total", expert_worker=victim.name) or 0) > 0
+
+
+async def test_sigkill_of_an_attention_worker_moves_its_streams_while_the_experts_keep_serving_the_other(stack, etcd_config):
+    from phalanx.client import Client
+
+    await stack.add_checkpoint_store()
+    await stack.add_migration()
+    await stack.add_ert_manager()
+    ews = await stack.add_expert_workers(2, copies=2)
+    names = {ew.name for ew in ews}
+
+    async def table_names_our_workers():
+        table = await _table(etcd_config)
+        return table is not None and set(table.workers) == names and table.complete
+
+    await assert_eventually(table_names_our_workers, timeout=20, message="the ERT lists both expert workers")
+    aws = await stack.add_workers(2, "--role", "attention")
+    router = await stack.add_router()
+
+    async def streams(on_chunk=None) -> dict[int, list]:
+        async def one(i: int) -> list:
+            chunks = []
+            async for chunk in client.generate(PROMPTS[i], max_tokens=MAX_TOKENS, ignore_eos=True):
+                chunks.append(chunk)
+                if on_chunk is not None:
+                    on_chunk(i, chunk)
+            return chunks
+
+        return dict(enumerate(await asyncio.gather(*(one(i) for i in range(STREAMS)))))
+
+    async with await Client.connect(router.address, timeout=60) as client:
+        baseline = {i: [c.token_id for c in chunks] for i, chunks in (await streams()).items()}
+        served_by: dict[int, str] = {}
+        progress: dict[int, int] = {}
+        killed: list = []
+
+        def kill_the_busiest_attention_worker(i: int, chunk) -> None:
+            served_by.setdefault(i, chunk.worker_id)
+            progress[i] = progress.get(i, 0) + 1
+            if killed or len(progress) < STREAMS or min(progress.values()) < 6:
+                return
+            busiest = max(aws, key=lambda w: sum(1 for s in served_by.values() if s == w.worker_id))
+            os.kill(busiest.process.pid, signal.SIGKILL)
+            killed.append(busiest)
+
+        results = await streams(kill_the_busiest_attention_worker)
+    (victim,) = killed
+    assert any(w == victim.worker_id for w in served_by.values())
+    for i, chunks in results.items():
+        assert [c.index for c in chunks] == list(range(MAX_TOKENS)), f"stream {i}: indices {[c.index for c in chunks]}"
+        assert [c.token_id for c in chunks] == baseline[i], f"stream {i} differs from the fault-free run"
+    # The expert workers lost a peer, not their service: both still run and serve the surviving AW.
+    assert all(ew.process.poll() is None for ew in ews)
+    survivor = next(w for w in aws if w is not victim)
+    assert (await asyncio.to_thread(survivor.metric, "phalanx_aw_expert_replays_total") or 0) == 0

@@ -11,7 +11,11 @@ A real deployment on loopback (nats-server, etcd, an ERT manager, `expert_worker
 2. EW loss. `kill_repeats` waves on the AW; once every stream has `kill_after` tokens, one EW is SIGKILLed (a new
    one replaces it between waves). Per stream the client's arrival times give the stall (the largest gap between
    consecutive tokens); tokens are checked against the monolithic worker's output for the same prompts.
-3. Restart baseline (MegaScale-style: any worker's death restarts the group): the time to start a fresh group (the
+3. AW loss. The monolithic worker stops; a second AW, the router and (from the start) the checkpoint store and the
+   migration service serve `aw_kill_repeats` waves through the SDK; once every stream has `kill_after` tokens the AW
+   serving most of them is SIGKILLed and its streams migrate to the other (a new AW replaces it between waves).
+   Stall, tokens lost and identical output as above, against the monolithic worker's tokens for the same prompts.
+4. Restart baseline (MegaScale-style: any worker's death restarts the group): the time to start a fresh group (the
    EWs and an AW, through to a complete ERT and a first token), which a stream would wait for instead.
 """
 
@@ -38,7 +42,7 @@ from phalanx.launch.services import ServiceHandle, WorkerHandle, start_expert_wo
 from phalanx.launch.stack import Stack, unique_id
 
 MODEL = "phalanx-tiny-moe"
-GOALS = {"ew_loss_stall_p99_s": 0.3, "tokens_lost": 0, "identical_fraction": 1.0, "restart_ratio": 20.0}
+GOALS = {"ew_loss_stall_p99_s": 0.3, "aw_loss_stall_p99_s": 0.3, "tokens_lost": 0, "identical_fraction": 1.0, "restart_ratio": 20.0}
 _STREAM_TIMEOUT_S = 60.0
 
 
@@ -51,6 +55,7 @@ class _Options:
     copies: int
     kill_after: int
     kill_repeats: int
+    aw_kill_repeats: int
     seed: int
 
 
@@ -63,14 +68,15 @@ def run_moe_bench(
     copies: int = 2,
     kill_after: int = 16,
     kill_repeats: int = 3,
+    aw_kill_repeats: int = 2,
     seed: int = 0,
 ) -> dict:
-    """Runs the three parts and returns one JSON-ready dict (see the module docstring)."""
+    """Runs the four parts and returns one JSON-ready dict (see the module docstring)."""
     if copies < 2:
         raise ValueError("an EW loss without losing experts needs copies >= 2")
     if not 0 < kill_after <= tokens - 8:
         raise ValueError(f"kill_after must be in [1, tokens - 8], got {kill_after} with {tokens} tokens")
-    return asyncio.run(_run(_Options(streams, tokens, pairs, expert_workers, copies, kill_after, kill_repeats, seed)))
+    return asyncio.run(_run(_Options(streams, tokens, pairs, expert_workers, copies, kill_after, kill_repeats, aw_kill_repeats, seed)))
 
 
 @dataclass
@@ -129,25 +135,31 @@ async def _run(o: _Options) -> dict:
         etcd_config = EtcdConfig(endpoint=etcd.endpoint, lease_ttl_s=1)
         fleet = Stack(nats.url, etcd_config, model=MODEL)
         exits.callback(fleet.stop)
+        # For part 3, from the start: workers stream checkpoints from their first request on (the monolith's too).
+        await fleet.add_checkpoint_store()
+        await fleet.add_migration()
         await fleet.add_ert_manager()
         await fleet.add_expert_workers(o.expert_workers, copies=o.copies)
         (monolithic,) = await fleet.add_workers(1)
         aw = await start_worker(unique_id("aw"), nats.url, etcd_config, "--deterministic", "--role", "attention", model=MODEL)
         fleet.workers.append(aw)
-        steady = await _steady(o, rng, monolithic, aw)
+        steady = await _steady(o, rng, monolithic, aw, list(fleet.expert_workers))
         floor_us = await _channel_floor_us(etcd_config)
         loss = await _ew_loss(o, rng, fleet, monolithic, aw)
+        aw_loss = await _aw_loss(o, rng, fleet, monolithic, aw)
         restart_s = await _restart_time(o, nats.url, etcd_config, fleet)
     per_layer_us = steady.pop("expert_layer_mean_us")
     ratio = restart_s / loss["stall_p99_s"] if loss["stall_p99_s"] > 0 else None
     measured = {
         "ew_loss_stall_p99_s": loss["stall_p99_s"],
-        "tokens_lost": loss["tokens_lost"],
-        "identical_fraction": loss["identical_fraction"],
+        "aw_loss_stall_p99_s": aw_loss["stall_p99_s"],
+        "tokens_lost": loss["tokens_lost"] + aw_loss["tokens_lost"],
+        "identical_fraction": min(loss["identical_fraction"], aw_loss["identical_fraction"]),
         "restart_ratio": ratio,
     }
     met = {
         "ew_loss_stall_p99_s": measured["ew_loss_stall_p99_s"] < GOALS["ew_loss_stall_p99_s"],
+        "aw_loss_stall_p99_s": measured["aw_loss_stall_p99_s"] < GOALS["aw_loss_stall_p99_s"],
         "tokens_lost": measured["tokens_lost"] == 0,
         "identical_fraction": measured["identical_fraction"] == 1.0,
         "restart_ratio": ratio is not None and ratio >= GOALS["restart_ratio"],
@@ -166,21 +178,29 @@ async def _run(o: _Options) -> dict:
             "layer_overhead_vs_floor_us": round(per_layer_us - floor_us, 1),
         },
         "ew_loss": loss,
+        "aw_loss": aw_loss,
         "restart_baseline_s": round(restart_s, 3),
         "measured": measured,
         "goals": GOALS,
         "met": met,
-        "not_measured": ["AW loss (part c)", "replicas-only placement (no shadows)"],
+        "not_measured": ["replicas-only placement (no shadows)"],
         "seconds": round(time.monotonic() - started, 1),
     }
 
 
-async def _steady(o: _Options, rng: random.Random, monolithic: WorkerHandle, aw: WorkerHandle) -> dict:
+def _ew_compute(ews: list[ServiceHandle]) -> tuple[float, float]:
+    """Sum and count of every EW's compute-time histogram."""
+    parts = [_histogram(ew, "phalanx_expert_compute_seconds") for ew in ews]
+    return sum(p[0] for p in parts), sum(p[1] for p in parts)
+
+
+async def _steady(o: _Options, rng: random.Random, monolithic: WorkerHandle, aw: WorkerHandle, ews: list[ServiceHandle]) -> dict:
     warm = _prompts(rng, o.streams)
     await _wave(monolithic.address, warm, 8)
     await _wave(aw.address, warm, 8)
     rtt_before = await asyncio.to_thread(_histogram, aw, "phalanx_aw_expert_rtt_seconds")
     layer_before = await asyncio.to_thread(_histogram, aw, "phalanx_aw_expert_layer_seconds")
+    compute_before = await asyncio.to_thread(_ew_compute, ews)
     mono_rates: list[float] = []
     split_rates: list[float] = []
     split_gaps: list[float] = []
@@ -192,6 +212,8 @@ async def _steady(o: _Options, rng: random.Random, monolithic: WorkerHandle, aw:
         split_gaps.extend(s.max_gap_s for s in split_wave)
     rtt_after = await asyncio.to_thread(_histogram, aw, "phalanx_aw_expert_rtt_seconds")
     layer_after = await asyncio.to_thread(_histogram, aw, "phalanx_aw_expert_layer_seconds")
+    compute_after = await asyncio.to_thread(_ew_compute, ews)
+    compute_mean = (compute_after[0] - compute_before[0]) / max(compute_after[1] - compute_before[1], 1)
     rtt_mean = (rtt_after[0] - rtt_before[0]) / max(rtt_after[1] - rtt_before[1], 1)
     layer_mean = (layer_after[0] - layer_before[0]) / max(layer_after[1] - layer_before[1], 1)
     mono, split = statistics.median(mono_rates), statistics.median(split_rates)
@@ -200,6 +222,8 @@ async def _steady(o: _Options, rng: random.Random, monolithic: WorkerHandle, aw:
         "split_tokens_per_s": round(split, 1),
         "split_vs_monolithic": round(split / mono, 3),
         "ew_rtt_mean_us": round(rtt_mean * 1e6, 1),
+        # What the EW spends computing one call's experts; the rest of a round trip is wire and waiting for a core.
+        "ew_compute_mean_us": round(compute_mean * 1e6, 1),
         "expert_layer_mean_us": round(layer_mean * 1e6, 1),
         "expert_layer_calls": int(layer_after[1] - layer_before[1]),
         # The same statistic as the EW-loss stall, without a failure: what scheduling on shared cores costs alone.
@@ -225,6 +249,9 @@ async def _channel_floor_us(etcd_config: EtcdConfig) -> float:
             try:
                 return await _round_trips(channel)
             finally:
+                # The peer first: it would report our closing the channel as an error.
+                with contextlib.suppress(ProcessLookupError):
+                    peer.kill()
                 await channel.close()
     finally:
         with contextlib.suppress(ProcessLookupError):
@@ -273,6 +300,61 @@ async def _ew_loss(o: _Options, rng: random.Random, fleet: Stack, monolithic: Wo
         "stall_p50_s": round(statistics.median(stalls), 4),
         "stall_p99_s": round(stalls[min(len(stalls) - 1, int(0.99 * len(stalls)))], 4),
         "stall_max_s": round(stalls[-1], 4),
+    }
+
+
+async def _aw_loss(o: _Options, rng: random.Random, fleet: Stack, monolithic: WorkerHandle, aw: WorkerHandle) -> dict:
+    from phalanx.client import Client
+
+    waves = [_prompts(rng, o.streams) for _ in range(o.aw_kill_repeats)]
+    expected = [[s.tokens for s in await _wave(monolithic.address, prompts, o.tokens)] for prompts in waves]
+    await asyncio.to_thread(monolithic.terminate)
+    fleet.workers.remove(monolithic)
+    aws = [aw, *await fleet.add_workers(1, "--role", "attention")]
+    router = await fleet.add_router()
+    stalls: list[float] = []
+    affected: list[float] = []
+    lost = identical = total = 0
+    async with await Client.connect(router.address, timeout=_STREAM_TIMEOUT_S) as client:
+        for prompts, want in zip(waves, expected, strict=True):
+            streams = [_Stream() for _ in prompts]
+            served_by: dict[int, str] = {}
+            killed: list[WorkerHandle] = []
+
+            async def one(i: int, prompts=prompts, streams=streams, served_by=served_by, killed=killed) -> None:
+                try:
+                    async for chunk in client.generate(prompts[i], max_tokens=o.tokens, ignore_eos=True):
+                        served_by.setdefault(i, chunk.worker_id)
+                        streams[i].tokens.append(chunk.token_id)
+                        streams[i].times.append(time.monotonic())
+                        if not killed and min(len(s.tokens) for s in streams) >= o.kill_after:
+                            busiest = max(aws, key=lambda w: sum(1 for s in served_by.values() if s == w.worker_id))
+                            os.kill(busiest.process.pid, signal.SIGKILL)
+                            killed.append(busiest)
+                except Exception as error:  # noqa: BLE001 - a failed stream is counted, not fatal to the bench
+                    streams[i].error = f"{type(error).__name__}: {error}"
+
+            await asyncio.gather(*(one(i) for i in range(len(prompts))))
+            for i, (stream, tokens) in enumerate(zip(streams, want, strict=True)):
+                total += 1
+                lost += max(0, len(tokens) - len(stream.tokens))
+                identical += stream.tokens == tokens and not stream.error
+                (affected if killed and served_by.get(i) == killed[0].worker_id else stalls).append(stream.max_gap_s)
+            for victim in killed:
+                aws.remove(victim)
+                fleet.workers.remove(victim)
+                await asyncio.to_thread(victim.process.wait, 10)
+                aws.extend(await fleet.add_workers(1, "--role", "attention"))
+    ranked = sorted(affected) or [0.0]
+    return {
+        "kills": o.aw_kill_repeats,
+        "streams": total,
+        "moved_streams": len(affected),
+        "tokens_lost": lost,
+        "identical_fraction": round(identical / total, 4),
+        "stall_p50_s": round(statistics.median(ranked), 4),
+        "stall_p99_s": round(ranked[min(len(ranked) - 1, int(0.99 * len(ranked)))], 4),
+        "unaffected_stall_max_s": round(max(stalls, default=0.0), 4),
     }
 
 

@@ -355,8 +355,17 @@ def up(
                                    "promoted at once when a worker dies"),
     engine: str = typer.Option("", help="The workers' engine: torch, or sim (simulated: profile step times; for scale, never correctness)"),
     profile: str = typer.Option("", help="With --engine sim: the profile (.npz) workers follow, and the planner plans with"),
+    attention_workers: int = typer.Option(
+        None, min=1, max=16, help="With --expert-workers: attention workers (the same as --workers, which they replace)"
+    ),
+    expert_workers: int = typer.Option(
+        0, min=0, max=16, help="Disaggregated MoE: expert workers the experts are spread over (the workers then run the attention role)"
+    ),
+    shadow_experts: int = typer.Option(1, min=0, max=15, help="With --expert-workers: extra copies of each expert, each on another expert worker"),
 ) -> None:
     """Bring Phalanx up on this machine: NATS, etcd, workers, a router, an OpenAI-compatible gateway and the rest, supervised."""
+    from dataclasses import replace
+
     from rich.console import Console
 
     from phalanx.cli.up import UpOptions, run_detached, run_up
@@ -367,10 +376,12 @@ def up(
         workers=workers, model=model, deterministic=deterministic, port=port, gateway_port=gateway_port, state_file=_state_file(state_file),
         nats_url=nats_url, etcd_endpoint=etcd_endpoint, log_file=Path(log_file) if log_file else None,
         planner=planner, min_workers=min_workers, max_workers=max_workers, failover=failover, hot_spares=hot_spares, engine=engine,
-        profile=str(Path(profile).resolve()) if profile else "",
+        profile=str(Path(profile).resolve()) if profile else "", expert_workers=expert_workers, shadow_experts=shadow_experts,
     )
     if hot_spares and not planner:
         raise typer.BadParameter("--hot-spares needs --planner (the planner promotes them)", param_hint="--hot-spares")
+    if attention_workers is not None:
+        options = replace(options, workers=attention_workers)
     console = Console(soft_wrap=True)  # long lines stay whole in the detached log
     raise typer.Exit(run_detached(options, console) if detach else asyncio.run(run_up(options, console)))
 
@@ -577,6 +588,7 @@ def bench_moe(
     copies: int = typer.Option(2, min=2, help="Copies of each expert (1 primary + shadows)"),
     kill_after: int = typer.Option(16, min=1, help="Tokens every stream has when an expert worker is SIGKILLed"),
     kill_repeats: int = typer.Option(3, min=1, help="Expert-worker kills (one wave each)"),
+    aw_kill_repeats: int = typer.Option(2, min=1, help="Attention-worker kills (one wave each, through the router)"),
     as_json: bool = typer.Option(False, "--json", help="Print JSON only"),
 ) -> None:
     """Disaggregated MoE: steady-state tokens/s split vs monolithic with the per-layer AW-EW round trip, the stall of an
@@ -586,7 +598,7 @@ def bench_moe(
 
     result = run_moe_bench(
         streams=streams, tokens=tokens, pairs=pairs, expert_workers=expert_workers, copies=copies, kill_after=kill_after,
-        kill_repeats=kill_repeats,
+        kill_repeats=kill_repeats, aw_kill_repeats=aw_kill_repeats,
     )
     typer.echo(json.dumps(result) if as_json else json.dumps(result, indent=2))
 

@@ -65,7 +65,9 @@ async def show_status(target: str, *, as_json: bool, api_key: str | None, superv
     if as_json:
         out: dict = {"router": target, "gateway_url": supervisor.gateway_url if supervisor else "", "workers": [asdict(w) for w in workers]}
         if supervisor is not None:
-            out["supervisor"] = {"pid": supervisor.supervisor_pid, "events": [asdict(e) for e in supervisor.events]}
+            out["supervisor"] = {
+                "pid": supervisor.supervisor_pid, "events": [asdict(e) for e in supervisor.events], "processes": supervised_processes(supervisor),
+            }
             if engines := [w for w in supervisor.workers if w.role]:
                 out["supervisor"]["engines"] = await asyncio.gather(*(asyncio.to_thread(_engine_status, w) for w in engines))
             if supervisor.planner is not None:
@@ -98,6 +100,24 @@ def _engine_status(entry: WorkerEntry) -> dict:
                     if sample.name == "phalanx_failover_state" and 0 <= int(sample.value) < len(_ENGINE_STATES):
                         state = _ENGINE_STATES[int(sample.value)]
     return {"worker_id": entry.worker_id, "slot": entry.slot, "role": entry.role, "pid": entry.pid, "state": state}
+
+
+# A service's role by its name in `phalanx up` (cli/up.py names them so).
+_SERVICE_ROLES = (("expert-", "expert"), ("ert-manager-", "ert-manager"), ("health-", "health"), ("checkpoint-", "checkpoint-store"),
+                  ("migration-", "migration"), ("gateway-", "gateway"), ("planner-", "planner"), ("slot-", "memory-service"))
+
+
+def supervised_processes(supervisor: UpState) -> list[dict]:
+    """Every process `phalanx up` supervises: name, role (workers: attention when expert workers run, else monolithic), pid."""
+    services = [(s.name, next((role for prefix, role in _SERVICE_ROLES if s.name.startswith(prefix)), "service"), s.pid)
+                for s in supervisor.services]
+    worker_role = "attention" if any(role == "expert" for _, role, _ in services) else "monolithic"
+    processes = [(w.worker_id, w.role or worker_role, w.pid) for w in supervisor.workers]  # failover engines: primary/shadow
+    if supervisor.router_pid:
+        processes.append((supervisor.router_id or "router", "router", supervisor.router_pid))
+    processes += services
+    processes += [(name, name, pid) for name, pid in (("nats", supervisor.nats_pid), ("etcd", supervisor.etcd_pid)) if pid]
+    return [{"name": name, "role": role, "pid": pid} for name, role, pid in processes]
 
 
 def _print_events(console: Console, supervisor: UpState) -> None:

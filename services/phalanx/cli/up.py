@@ -101,6 +101,8 @@ STORE_ID = "checkpoint-0"
 MIGRATION_ID = "migration-0"
 GATEWAY_ID = "gateway-0"
 PLANNER_ID = "planner-0"
+ERT_MANAGER_ID = "ert-manager-0"
+EXPERT_WORKER_PREFIX = "expert-"
 # Together under `phalanx down`'s 60 s. The router's own grace is 5 s; workers let running
 # requests finish for drain_grace_s (10 s by default) before handing them back.
 _ROUTER_STOP_S = 15.0
@@ -129,6 +131,9 @@ class UpOptions:
     hot_spares: int = 0  # with planner: warm workers registered but not routed to, promoted when a worker dies
     engine: str = ""  # the workers' engine (torch or sim); empty: the worker's default
     profile: str = ""  # the simulated engine's profile (.npz); empty: the shipped one
+    # Disaggregated MoE (docs/moe.md): with expert workers, the workers run the attention role.
+    expert_workers: int = 0
+    shadow_experts: int = 1  # extra copies of each expert, each on another expert worker
 
     def command(self) -> list[str]:
         """The `phalanx up` command line that runs this configuration in the foreground."""
@@ -151,6 +156,8 @@ class UpOptions:
             args += ["--engine", self.engine]
         if self.profile:
             args += ["--profile", self.profile]
+        if self.expert_workers:
+            args += ["--expert-workers", str(self.expert_workers), "--shadow-experts", str(self.shadow_experts)]
         return args
 
     @property
@@ -193,8 +200,12 @@ def _preflight(options: UpOptions) -> None:
     _check_port(options.gateway_port, "127.0.0.1", "--gateway-port")
     if options.planner and options.failover:
         raise UpError("--planner and --failover together are not supported yet: the planner scales plain workers")
+    if options.expert_workers and (options.failover or options.engine == "sim"):
+        raise UpError("--expert-workers runs real attention workers: not with --failover or --engine sim yet")
     if options.planner and not 0 <= options.min_workers <= options.worker_ceiling:
         raise UpError(f"--min-workers {options.min_workers} and --max-workers {options.worker_ceiling}: need 0 <= min <= max")
+    if options.expert_workers and not 0 <= options.shadow_experts < options.expert_workers:
+        raise UpError(f"--shadow-experts {options.shadow_experts} copies need more than that many --expert-workers ({options.expert_workers})")
 
 
 # --- progress display -------------------------------------------------------------------------
@@ -334,6 +345,11 @@ class _Stack:
         self.memories: dict[str, ServiceHandle] = {}
         self.engine_slot: dict[str, int] = {}
         self._next_engine: dict[int, int] = {}
+        # Disaggregated MoE: the ERT manager and the expert workers by name, with each one's placement slot.
+        self.ert_manager: ServiceHandle | None = None
+        self.expert_workers: dict[str, ServiceHandle] = {}
+        self.expert_slots: dict[str, int] = {}
+        self._expert_generation = 0
 
     def start_infra(self) -> None:
         """NATS and etcd (unless external); blocking, from the main thread so PR_SET_PDEATHSIG holds."""
@@ -372,7 +388,8 @@ class _Stack:
         mode = "--deterministic" if self.options.deterministic else "--fast"
         engine = (*(("--engine", self.options.engine) if self.options.engine else ()),
                   *(("--profile", self.options.profile) if self.options.profile else ()))
-        return await start_worker(worker_id, self.nats_url, self._etcd_config, mode, *engine, model=self.options.model, env=self._env)
+        role = ("--role", "attention") if self.options.expert_workers else ()
+        return await start_worker(worker_id, self.nats_url, self._etcd_config, mode, *engine, *role, model=self.options.model, env=self._env)
 
     def _slot_dir(self, slot: int) -> Path:
         assert self.slots_dir is not None
@@ -423,6 +440,44 @@ class _Stack:
         self.workers[handle.name] = handle
         self.board.set(handle.name, "ready", handle.address or "standing by", handle.process.pid)
         return handle.name, handle.process.pid
+
+
+    async def _start_ert_manager(self) -> ServiceHandle:
+        from phalanx.launch.services import start_ert_manager
+
+        return await start_ert_manager(ERT_MANAGER_ID, self._etcd_config, model=self.options.model)
+
+    async def _start_expert_worker(self, slot: int) -> tuple[str, ServiceHandle]:
+        """The expert worker of placement slot `slot`, under a new name each start (a dead one's lease may linger)."""
+        from phalanx.launch.services import start_expert_worker
+
+        generation, self._expert_generation = self._expert_generation, self._expert_generation + 1
+        name = f"{EXPERT_WORKER_PREFIX}{slot}" if generation < self.options.expert_workers else f"{EXPERT_WORKER_PREFIX}{slot}-r{generation}"
+        self.board.set(name, "starting")
+        handle = await start_expert_worker(
+            name, self._etcd_config, model=self.options.model, index=slot, num_expert_workers=self.options.expert_workers,
+            copies=1 + self.options.shadow_experts, env={"PHALANX_EXPERT_METRICS_PORT": "0"},
+        )
+        self.expert_workers[name] = handle
+        self.expert_slots[name] = slot
+        self._ready(name, handle.address, handle.process.pid)
+        return name, handle
+
+    async def _start_experts(self) -> None:
+        """The ERT manager, then every expert worker in parallel: the attention workers wait for their table."""
+        self.board.set(ERT_MANAGER_ID, "starting")
+        try:
+            self.ert_manager = await self._start_ert_manager()
+            self._ready(ERT_MANAGER_ID, self.ert_manager.address, self.ert_manager.process.pid)
+            async with asyncio.TaskGroup() as group:
+                for slot in range(self.options.expert_workers):
+                    group.create_task(self._start_expert_worker(slot))
+        except* Exception as failed:  # noqa: BLE001 - the first failure cancels the other starts, which kill their process
+            raise UpError("expert workers: " + "; ".join(f"{e}" or type(e).__name__ for e in failed.exceptions)) from None
+
+    async def _replace_expert_worker(self, slot: int) -> tuple[str, int | None]:
+        name, handle = await self._start_expert_worker(slot)
+        return name, handle.process.pid
 
     async def _start_router(self, port: int) -> RouterHandle:
         from phalanx.launch.services import start_router
@@ -476,6 +531,8 @@ class _Stack:
             self._ready(MIGRATION_ID, self.migration.address, self.migration.process.pid)
         except Exception as error:  # noqa: BLE001 - whatever it is, report it and stop the rest
             raise UpError(f"checkpoint store / migration: {error or type(error).__name__}") from None
+        if self.options.expert_workers:
+            await self._start_experts()
 
         async def one(worker_id: str) -> None:
             handle = await self._start_worker(worker_id)
@@ -537,7 +594,9 @@ class _Stack:
         assert self.router_address, "called before start()"
         services = [
             ProcessEntry(h.name, h.address, h.process.pid)
-            for h in (self.gateway, self.health, self.store, self.migration, self.planner, *self.memories.values()) if h is not None
+            for h in (self.gateway, self.health, self.store, self.migration, self.planner, self.ert_manager, *self.expert_workers.values(),
+                      *self.memories.values())
+            if h is not None
         ]
         return UpState(
             supervisor_pid=supervisor.supervisor_pid, started_at=supervisor.started_at, status="ready", model=self.options.model,
@@ -579,9 +638,9 @@ class _Stack:
     def exited(self) -> list[tuple[str, int | None, int | None]]:
         """(name, pid, exit code) of every process of ours that exited and is not being replaced yet."""
         found: list[tuple[str, int | None, int | None]] = []
-        extras = (self.router, self.gateway, self.health, self.store, self.migration, self.planner)
+        extras = (self.router, self.gateway, self.health, self.store, self.migration, self.planner, self.ert_manager)
         handles: list[ServiceHandle] = [
-            *self.workers.values(), *self.spares.values(), *(h for h in extras if h), *self.memories.values()
+            *self.workers.values(), *self.spares.values(), *self.expert_workers.values(), *(h for h in extras if h), *self.memories.values()
         ]
         for handle in handles:
             if handle.process.poll() is not None and handle.name not in self.replacing:
@@ -614,6 +673,8 @@ class _Stack:
             # An engine of a failover slot is succeeded in its slot, by an engine that stands by.
             start = self._replace_worker if slot is None else functools.partial(self._replace_engine, slot)
             self.replacing_workers.add(name)
+        elif self.expert_workers.pop(name, None) is not None:
+            start = functools.partial(self._replace_expert_worker, self.expert_slots.pop(name))
         else:
             start = functools.partial(self._restart_in_place, name)
         self.replacing[name] = asyncio.create_task(self._replace(name, pid, code, decision, start))
@@ -696,7 +757,8 @@ class _Stack:
             self.board.set(name, "ready", self.nats_url if name == "nats" else self.etcd_endpoint, server.pid)
             return name, server.pid
         attribute, start = {HEALTH_ID: ("health", self._start_health), STORE_ID: ("store", self._start_store),
-                            MIGRATION_ID: ("migration", self._start_migration), PLANNER_ID: ("planner", self._start_planner)}[name]
+                            MIGRATION_ID: ("migration", self._start_migration), PLANNER_ID: ("planner", self._start_planner),
+                            ERT_MANAGER_ID: ("ert_manager", self._start_ert_manager)}[name]
         setattr(self, attribute, None)
         service = await start()
         setattr(self, attribute, service)
@@ -947,6 +1009,10 @@ class _Stack:
             await self._terminate({w.worker_id: w.process for w in stopping}, _WORKER_STOP_S)
         if self.store is not None:
             await self._terminate({STORE_ID: self.store.process}, _ROUTER_STOP_S)
+        if self.expert_workers:  # after the attention workers, which drain through them
+            await self._terminate({name: h.process for name, h in self.expert_workers.items()}, _ROUTER_STOP_S)
+        if self.ert_manager is not None:
+            await self._terminate({ERT_MANAGER_ID: self.ert_manager.process}, _ROUTER_STOP_S)
         if self.memories:
             await self._terminate({name: m.process for name, m in self.memories.items()}, _ROUTER_STOP_S)
         if self.slots_dir is not None:

@@ -41,6 +41,7 @@ from phalanx.common.config import EtcdConfig
 from phalanx.common.discovery import EtcdDirectory
 from phalanx.common.errors import UnavailableError
 from phalanx.common.subjects import ERT_KEY, MOE_PREFIX
+from phalanx.common.telemetry import get_tracer
 from phalanx.model.expert_split import ExpertBatch
 from phalanx.worker.ert import ExpertRoutingTable
 from phalanx.worker.expert_wire import pack
@@ -112,6 +113,7 @@ class RemoteExperts:
         self._grpc: dict[str, grpc.aio.Channel] = {}
         self._failures: dict[str, int] = {}
         self._ids = itertools.count()
+        self._tracer = get_tracer(__name__)
         self._closing: set[asyncio.Future[None]] = set()  # background closes and probes
 
     # -- the table ---------------------------------------------------------------------------
@@ -161,6 +163,12 @@ class RemoteExperts:
     def compute(self, layer: int, batches: list[ExpertBatch], invariant: bool) -> list[torch.Tensor]:
         """On the engine thread: every EW's call posted on its open channel at once, then waited for here (no hop through
         the event loop); what fails, or needs a new channel, goes through the event loop (`compute_async`)."""
+        with self._tracer.start_as_current_span("moe.expert_calls") as span:
+            span.set_attribute("moe.layer", layer)
+            span.set_attribute("moe.experts", len(batches))
+            return self._compute(layer, batches, invariant, span)
+
+    def _compute(self, layer: int, batches: list[ExpertBatch], invariant: bool, span) -> list[torch.Tensor]:
         start = time.perf_counter()
         table = self.table
         if table is None:
@@ -179,6 +187,7 @@ class RemoteExperts:
             call, activations = pack(layer, [batches[i] for i in indices], invariant)
             out = torch.empty((call.rows, self.hidden_size), dtype=self.dtype)
             posted.append((ew, indices, call, out, channel.post_exchange([call.header(self.num_experts), activations.to(self.dtype)], [out])))
+        span.set_attribute("moe.expert_workers", sorted(by_ew))
         failed: list[tuple[str, ChannelError]] = []
         for ew, indices, call, out, exchange in posted:
             try:
@@ -196,7 +205,9 @@ class RemoteExperts:
             redone = self._on_loop(self._recover(failed, layer, [batches[i] for i in redo], invariant))
             for i, y in zip(redo, redone, strict=True):
                 outputs[i] = y
+            span.set_attribute("moe.replayed_batches", len(redo))
             if failed:
+                span.set_attribute("moe.failed_expert_workers", [ew for ew, _ in failed])
                 self.metrics.failover_seconds.observe(time.perf_counter() - start)
                 log.warning(
                     "layer %d: %s failed after %.1f ms; %d expert batches replayed in %.1f ms",

@@ -28,6 +28,8 @@ pytestmark = pytest.mark.integration
 
 MODEL = "phalanx-tiny-dense"
 PLACEHOLDER = 0  # RouterConfig.media_placeholder_token_id
+DRAIN_AT_ONCE = {"PHALANX_WORKER_DRAIN_GRACE_S": "0"}
+LONG = 200  # tokens: the stream still runs when its worker is stopped after the 5th
 
 
 @pytest.fixture(scope="module")
@@ -35,8 +37,10 @@ def stack(nats_server, etcd_server):
     s = Stack(nats_server.url, EtcdConfig(endpoint=etcd_server.endpoint, lease_ttl_s=1), model=MODEL)
 
     async def start():
-        # Drain grace 0: a SIGTERMed worker hands its requests back at once (the handoff test).
-        await asyncio.gather(s.add_workers(2, env={"PHALANX_WORKER_DRAIN_GRACE_S": "0"}), s.add_encoder(), s.add_encoder())
+        # A checkpoint store and a migration service for the worker kill; drain grace 0: a SIGTERMed worker hands its
+        # requests back at once (the handoff test).
+        await asyncio.gather(s.add_checkpoint_store(), s.add_migration(), s.add_encoder(), s.add_encoder())
+        await s.add_workers(2, env=DRAIN_AT_ONCE)
         await s.add_router()
 
     try:
@@ -112,16 +116,35 @@ async def test_a_killed_encoder_leaves_the_request_to_the_other_one(stack):
     assert await _tokens(stack, _request("Look: <media> What is it?", image)) == expected
 
 
-async def test_a_draining_worker_hands_a_media_request_on_with_its_embeddings(stack):
-    image = _png(4)
-    expected = _in_process(image, "Look: ", " What is it?", max_tokens=60)
+async def _stream_and_stop_the_worker(stack: Stack, image: bytes, max_tokens: int, stop) -> list:
+    """Chunks of one media request; after the 5th, `stop` is called with the worker serving it."""
     seen = []
     async with grpc.aio.insecure_channel(stack.routers[0].address) as channel:
-        async for chunk in router_pb2_grpc.RouterServiceStub(channel).Generate(_request("Look: <media> What is it?", image, 60)):
+        async for chunk in router_pb2_grpc.RouterServiceStub(channel).Generate(_request("Look: <media> What is it?", image, max_tokens)):
             seen.append(chunk)
             if len(seen) == 5:
-                serving = next(w for w in stack.workers if w.worker_id == seen[0].worker_id)  # named on the first chunk
-                serving.process.terminate()  # SIGTERM: drain, hand the request back; the router resumes it elsewhere
-    assert [c.index for c in seen] == list(range(60))
-    assert len({c.worker_id for c in seen if c.worker_id}) == 2
+                stop(next(w for w in stack.workers if w.worker_id == seen[0].worker_id))  # named on the first chunk
+    return seen
+
+
+async def test_a_worker_killed_mid_media_request_is_migrated_with_its_embeddings(stack):
+    image = _png(5)
+    expected = _in_process(image, "Look: ", " What is it?", max_tokens=LONG)
+    migrations = stack.routers[0].metric("phalanx_router_migrations_total") or 0
+    seen = await _stream_and_stop_the_worker(stack, image, LONG, lambda worker: worker.kill())
+    assert [c.index for c in seen] == list(range(LONG))
     assert [c.token_id for c in seen] == expected
+    assert stack.routers[0].metric("phalanx_router_migrations_total") == migrations + 1
+
+
+async def test_a_draining_worker_hands_a_media_request_on_with_its_embeddings(stack):
+    await stack.add_workers(1, env=DRAIN_AT_ONCE)  # the kill above left one
+    image = _png(4)
+    expected = _in_process(image, "Look: ", " What is it?", max_tokens=LONG)
+    router = stack.routers[0]
+    moves = (router.metric("phalanx_router_migrations_total") or 0) + (router.metric("phalanx_router_handoffs_total") or 0)
+    # SIGTERM: drain and hand the request back alive; the migration service moves its KV (and its media) to another.
+    seen = await _stream_and_stop_the_worker(stack, image, LONG, lambda worker: worker.process.terminate())
+    assert [c.index for c in seen] == list(range(LONG))
+    assert [c.token_id for c in seen] == expected
+    assert router.metric("phalanx_router_migrations_total") + router.metric("phalanx_router_handoffs_total") == moves + 1

@@ -13,6 +13,7 @@ import pytest
 
 import phalanx.model
 from phalanx._proto import common_pb2, encoder_pb2, router_pb2, router_pb2_grpc
+from phalanx.client import Client, Media
 from phalanx.common.block_hash import MediaSpan, media_hash
 from phalanx.common.config import EtcdConfig
 from phalanx.common.discovery import EncoderDirectory
@@ -89,6 +90,9 @@ async def test_an_image_request_gives_the_in_process_encoder_and_engine_tokens(s
     assert await _tokens(stack, _request("Look: <media> What is it?", image)) == got  # deterministic, and the prefix cache agrees
     other = await _tokens(stack, _request("Look: <media> What is it?", _png(2)))
     assert other == _in_process(_png(2), "Look: ", " What is it?")
+    async with await Client.connect(stack.routers[0].address, timeout=60) as client:  # the same through the SDK
+        completion = await client.complete("Look: <media> What is it?", media=[Media("image", image)], max_tokens=10, ignore_eos=True)
+    assert list(completion.token_ids) == got
 
 
 async def test_bad_media_are_invalid_argument(stack):

@@ -318,6 +318,12 @@ def down(
 _TARGET_HELP = "Router host:port [default: the running `phalanx up`'s router, else 127.0.0.1:50051]"
 
 
+# Repeatable options: module-level, as their default is a list (ruff B008).
+_IMAGE_OPTION = typer.Option(None, help="Image file (repeatable); the prompt's <media> markers place the media, else they go first")
+_AUDIO_OPTION = typer.Option(None, help="PCM WAV file (repeatable), after the images")
+_VIDEO_OPTION = typer.Option(None, help="Video file (repeatable), after the audio")
+
+
 @app.command()
 def generate(
     prompt: str = typer.Argument(..., help="Prompt text"),
@@ -329,13 +335,20 @@ def generate(
     tenant: str = typer.Option(None, help="Tenant to run as"),
     api_key: str = typer.Option(None, envvar="PHALANX_API_KEY", help="API key, if the router requires one"),
     state_file: str = typer.Option(None, envvar="PHALANX_STATE_FILE", help="State file to find the router in"),
+    image: list[Path] = _IMAGE_OPTION,
+    audio: list[Path] = _AUDIO_OPTION,
+    video: list[Path] = _VIDEO_OPTION,
 ) -> None:
-    """Stream a completion through the router."""
+    """Stream a completion through the router (with media: through the encoder pool)."""
     from phalanx.cli.state import resolve_target
     from phalanx.cli.status import stream_generate
+    from phalanx.client import Media
 
     target = resolve_target(target, _state_file(state_file))
-    options = {"max_tokens": max_tokens, "temperature": temperature, "seed": seed, "tier": tier, "tenant": tenant}
+    media = [Media.from_file(p, kind) for kind, paths in (("image", image), ("audio", audio), ("video", video)) for p in paths or ()]
+    options = {
+        "max_tokens": max_tokens, "temperature": temperature, "seed": seed, "tier": tier, "tenant": tenant, "media": media,
+    }
     raise typer.Exit(_run_client(stream_generate(target, prompt, api_key=api_key, **options)))
 
 

@@ -7,8 +7,9 @@ from pathlib import Path
 import pytest
 
 from phalanx._proto import encoder_pb2
+from phalanx.cli.up import UpOptions
 from phalanx.encoder_pool.config import EncoderPoolConfig
-from phalanx.model.config import builtin_config
+from phalanx.model.config import model_hidden_size
 from phalanx.testing.settings import unknown_settings
 
 yaml = pytest.importorskip("yaml")
@@ -36,9 +37,20 @@ def test_compose_encoder_feeds_the_workers_hidden_size_and_prometheus_scrapes_it
     services = _load(DEPLOY / "compose" / "docker-compose.yml")["services"]
     env = services["encoder"]["environment"]
     model = next(s["environment"]["PHALANX_ENGINE_MODEL"] for s in services.values() if "PHALANX_ENGINE_MODEL" in s.get("environment", {}))
-    if model == "smollm2-135m-instruct":
-        assert int(env["PHALANX_ENCODER_LLM_HIDDEN_SIZE"]) == 576  # SmolLM2-135M's hidden size
-    else:
-        assert int(env["PHALANX_ENCODER_LLM_HIDDEN_SIZE"]) == builtin_config(model).hidden_size
+    assert int(env["PHALANX_ENCODER_LLM_HIDDEN_SIZE"]) == model_hidden_size(model)
     jobs = {job["job_name"]: job for job in _load(DEPLOY / "prometheus" / "prometheus.yml")["scrape_configs"]}
     assert jobs["phalanx-encoder"]["static_configs"][0]["targets"] == [f"encoder:{env['PHALANX_ENCODER_METRICS_PORT']}"]
+
+
+def test_up_passes_its_encoder_count_to_a_detached_supervisor(tmp_path):
+    options = UpOptions(workers=1, model="phalanx-tiny-dense", deterministic=True, port=0, state_file=tmp_path / "up.json", encoders=2)
+    command = options.command()
+    assert command[command.index("--encoders") + 1] == "2"
+    assert "--encoders" not in UpOptions(workers=1, model="m", deterministic=True, port=0, state_file=tmp_path / "s").command()
+
+
+def test_the_hidden_size_an_encoder_projects_into_is_read_without_weights(tmp_path):
+    assert model_hidden_size("phalanx-tiny-dense") == 256
+    transformers = pytest.importorskip("transformers")
+    transformers.LlamaConfig(hidden_size=96, num_attention_heads=4, num_key_value_heads=2, vocab_size=300).save_pretrained(tmp_path)
+    assert model_hidden_size(tmp_path) == 96

@@ -286,6 +286,7 @@ def up(
     planner: bool = typer.Option(False, "--planner", help="Run the planner; the supervisor starts and drains workers to its targets"),
     min_workers: int = typer.Option(1, min=0, max=16, help="With --planner: fewest workers"),
     max_workers: int = typer.Option(None, min=1, max=16, help="With --planner: most workers [default: twice --workers, at most 16]"),
+    encoders: int = typer.Option(0, min=0, max=8, help="Multimodal encoders (built-in seeded towers): requests may carry media"),
 ) -> None:
     """Bring Phalanx up on this machine: NATS, etcd, workers, a router, an OpenAI-compatible gateway and the rest, supervised."""
     from rich.console import Console
@@ -297,7 +298,7 @@ def up(
     options = UpOptions(
         workers=workers, model=model, deterministic=deterministic, port=port, gateway_port=gateway_port, state_file=_state_file(state_file),
         nats_url=nats_url, etcd_endpoint=etcd_endpoint, log_file=Path(log_file) if log_file else None,
-        planner=planner, min_workers=min_workers, max_workers=max_workers,
+        planner=planner, min_workers=min_workers, max_workers=max_workers, encoders=encoders,
     )
     console = Console(soft_wrap=True)  # long lines stay whole in the detached log
     raise typer.Exit(run_detached(options, console) if detach else asyncio.run(run_up(options, console)))

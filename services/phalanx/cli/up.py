@@ -82,6 +82,7 @@ ROUTER_ID = "router-0"
 HEALTH_ID = "health-0"
 STORE_ID = "checkpoint-0"
 MIGRATION_ID = "migration-0"
+ENCODER_PREFIX = "encoder-"
 GATEWAY_ID = "gateway-0"
 PLANNER_ID = "planner-0"
 # Together under `phalanx down`'s 60 s. The router's own grace is 5 s; workers let running
@@ -106,6 +107,7 @@ class UpOptions:
     planner: bool = False  # run the planner and follow its decisions (the local connector)
     min_workers: int = 1
     max_workers: int | None = None  # None: twice --workers, at most 16
+    encoders: int = 0  # multimodal encoder pool processes (built-in seeded towers, projecting into the model's hidden size)
 
     def command(self) -> list[str]:
         """The `phalanx up` command line that runs this configuration in the foreground."""
@@ -121,6 +123,8 @@ class UpOptions:
             args += ["--log-file", str(self.log_file)]
         if self.planner:
             args += ["--planner", "--min-workers", str(self.min_workers), "--max-workers", str(self.worker_ceiling)]
+        if self.encoders:
+            args += ["--encoders", str(self.encoders)]
         return args
 
     @property
@@ -271,6 +275,7 @@ class _Stack:
         self.health: HealthHandle | None = None
         self.store: ServiceHandle | None = None
         self.migration: ServiceHandle | None = None
+        self.encoders: dict[str, ServiceHandle] = {}  # by id: encoder-0, encoder-1 ...
         self.gateway: GatewayHandle | None = None
         self.planner: PlannerHandle | None = None
         # The local connector (--planner): the decision followed, the last one acknowledged, workers being started
@@ -343,6 +348,13 @@ class _Stack:
 
         return await start_migration(MIGRATION_ID, self.nats_url, self._etcd_config)
 
+    async def _start_encoder(self, encoder_id: str) -> ServiceHandle:
+        from phalanx.launch.services import start_encoder_pool
+        from phalanx.model.config import model_hidden_size
+
+        hidden = await asyncio.to_thread(model_hidden_size, self.options.model)
+        return await start_encoder_pool(encoder_id, self._etcd_config, "--llm-hidden-size", str(hidden))
+
     async def _start_gateway(self, port: int) -> GatewayHandle:
         from phalanx.launch.services import start_gateway
 
@@ -378,6 +390,13 @@ class _Stack:
             self._ready(MIGRATION_ID, self.migration.address, self.migration.process.pid)
         except Exception as error:  # noqa: BLE001 - whatever it is, report it and stop the rest
             raise UpError(f"checkpoint store / migration: {error or type(error).__name__}") from None
+        for encoder_id in (f"{ENCODER_PREFIX}{i}" for i in range(self.options.encoders)):
+            self.board.set(encoder_id, "starting")
+            try:
+                self.encoders[encoder_id] = handle = await self._start_encoder(encoder_id)
+            except Exception as error:  # noqa: BLE001 - whatever it is, report it and stop the rest
+                raise UpError(f"encoder: {error or type(error).__name__}") from None
+            self._ready(encoder_id, handle.address, handle.process.pid)
 
         async def one(worker_id: str) -> None:
             handle = await self._start_worker(worker_id)
@@ -430,7 +449,7 @@ class _Stack:
         assert self.router_address, "called before start()"
         services = [
             ProcessEntry(h.name, h.address, h.process.pid)
-            for h in (self.gateway, self.health, self.store, self.migration, self.planner) if h is not None
+            for h in (self.gateway, self.health, self.store, self.migration, self.planner, *self.encoders.values()) if h is not None
         ]
         return UpState(
             supervisor_pid=supervisor.supervisor_pid, started_at=supervisor.started_at, status="ready", model=self.options.model,
@@ -460,7 +479,7 @@ class _Stack:
     def exited(self) -> list[tuple[str, int | None, int | None]]:
         """(name, pid, exit code) of every process of ours that exited and is not being replaced yet."""
         found: list[tuple[str, int | None, int | None]] = []
-        extras = (self.router, self.gateway, self.health, self.store, self.migration, self.planner)
+        extras = (self.router, self.gateway, self.health, self.store, self.migration, self.planner, *self.encoders.values())
         handles: list[ServiceHandle] = [*self.workers.values(), *(h for h in extras if h)]
         for handle in handles:
             if handle.process.poll() is not None and handle.name not in self.replacing:
@@ -553,6 +572,10 @@ class _Stack:
             server.start()
             self.board.set(name, "ready", self.nats_url if name == "nats" else self.etcd_endpoint, server.pid)
             return name, server.pid
+        if name in self.encoders:
+            self.encoders[name] = encoder = await self._start_encoder(name)
+            self.board.set(name, "ready", encoder.address, encoder.process.pid)
+            return name, encoder.process.pid
         attribute, start = {HEALTH_ID: ("health", self._start_health), STORE_ID: ("store", self._start_store),
                             MIGRATION_ID: ("migration", self._start_migration), PLANNER_ID: ("planner", self._start_planner)}[name]
         setattr(self, attribute, None)
@@ -682,6 +705,8 @@ class _Stack:
             await self._terminate({ROUTER_ID: self.router.process}, _ROUTER_STOP_S)
         if self.migration is not None:
             await self._terminate({MIGRATION_ID: self.migration.process}, _ROUTER_STOP_S)
+        if self.encoders:
+            await self._terminate({name: e.process for name, e in self.encoders.items()}, _ROUTER_STOP_S)
         if self.workers or self.retiring:
             await self._terminate({w.worker_id: w.process for w in (*self.workers.values(), *self.retiring.values())}, _WORKER_STOP_S)
         if self.store is not None:

@@ -5,6 +5,7 @@ encoder and engine give; a second encoder takes over when the first is killed; b
 from __future__ import annotations
 
 import asyncio
+import base64
 
 import cv2
 import grpc
@@ -18,6 +19,7 @@ from phalanx.common.block_hash import MediaSpan, media_hash
 from phalanx.common.config import EtcdConfig
 from phalanx.common.discovery import EncoderDirectory
 from phalanx.encoder_pool.models import load_image_encoder
+from phalanx.launch.services import start_gateway
 from phalanx.launch.stack import Stack
 from phalanx.model.sampling import SamplingParams
 from phalanx.router.media import EncoderSet
@@ -93,6 +95,29 @@ async def test_an_image_request_gives_the_in_process_encoder_and_engine_tokens(s
     async with await Client.connect(stack.routers[0].address, timeout=60) as client:  # the same through the SDK
         completion = await client.complete("Look: <media> What is it?", media=[Media("image", image)], max_tokens=10, ignore_eos=True)
     assert list(completion.token_ids) == got
+
+
+async def test_the_openai_gateway_takes_an_image_as_a_data_url(stack):
+    openai = pytest.importorskip("openai")
+    gateway = await start_gateway(stack.routers[0].address, "--model", MODEL, name="gateway-mm")
+    try:
+        async with openai.AsyncOpenAI(base_url=f"{gateway.url}/v1", api_key="unused", max_retries=0, timeout=60) as client:
+
+            async def ask(image: bytes):
+                url = "data:image/png;base64," + base64.b64encode(image).decode()
+                content = [{"type": "text", "text": "What is in "}, {"type": "image_url", "image_url": {"url": url}}]
+                return await client.chat.completions.create(
+                    model=MODEL, messages=[{"role": "user", "content": content}], max_tokens=6, temperature=0,
+                )
+
+            first, again = await ask(_png(1)), await ask(_png(1))
+            with pytest.raises(openai.BadRequestError):
+                await ask(b"not an image")
+    finally:
+        gateway.terminate()
+    assert first.choices[0].message.content == again.choices[0].message.content
+    assert first.usage.completion_tokens == 6
+    assert first.usage.prompt_tokens > 16  # the image's 16 positions and the chat template's text
 
 
 async def test_bad_media_are_invalid_argument(stack):

@@ -89,7 +89,12 @@ async def test_an_image_request_gives_the_in_process_encoder_and_engine_tokens(s
     image = _png(1)
     got = await _tokens(stack, _request("Look: <media> What is it?", image))
     assert got == _in_process(image, "Look: ", " What is it?")
-    assert await _tokens(stack, _request("Look: <media> What is it?", image)) == got  # deterministic, and the prefix cache agrees
+    encoded = sum(e.metric("phalanx_encoder_items_total", modality="image", result="ok") for e in stack.encoders)
+    hits = stack.routers[0].metric("phalanx_router_embedding_cache_hits_total")
+    # Deterministic; the repeat's embeddings come from the router's cache and its KV from the worker's prefix cache.
+    assert await _tokens(stack, _request("Look: <media> What is it?", image)) == got
+    assert sum(e.metric("phalanx_encoder_items_total", modality="image", result="ok") for e in stack.encoders) == encoded
+    assert stack.routers[0].metric("phalanx_router_embedding_cache_hits_total") == hits + 1
     other = await _tokens(stack, _request("Look: <media> What is it?", _png(2)))
     assert other == _in_process(_png(2), "Look: ", " What is it?")
     async with await Client.connect(stack.routers[0].address, timeout=60) as client:  # the same through the SDK

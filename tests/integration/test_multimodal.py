@@ -5,6 +5,7 @@ encoder and engine give; a second encoder takes over when the first is killed; b
 from __future__ import annotations
 
 import asyncio
+import base64
 
 import cv2
 import grpc
@@ -13,10 +14,12 @@ import pytest
 
 import phalanx.model
 from phalanx._proto import common_pb2, encoder_pb2, router_pb2, router_pb2_grpc
+from phalanx.client import Client, Media
 from phalanx.common.block_hash import MediaSpan, media_hash
 from phalanx.common.config import EtcdConfig
 from phalanx.common.discovery import EncoderDirectory
 from phalanx.encoder_pool.models import load_image_encoder
+from phalanx.launch.services import start_gateway
 from phalanx.launch.stack import Stack
 from phalanx.model.sampling import SamplingParams
 from phalanx.router.media import EncoderSet
@@ -28,6 +31,8 @@ pytestmark = pytest.mark.integration
 
 MODEL = "phalanx-tiny-dense"
 PLACEHOLDER = 0  # RouterConfig.media_placeholder_token_id
+DRAIN_AT_ONCE = {"PHALANX_WORKER_DRAIN_GRACE_S": "0"}
+LONG = 200  # tokens: the stream still runs when its worker is stopped after the 5th
 
 
 @pytest.fixture(scope="module")
@@ -35,8 +40,10 @@ def stack(nats_server, etcd_server):
     s = Stack(nats_server.url, EtcdConfig(endpoint=etcd_server.endpoint, lease_ttl_s=1), model=MODEL)
 
     async def start():
-        # Drain grace 0: a SIGTERMed worker hands its requests back at once (the handoff test).
-        await asyncio.gather(s.add_workers(2, env={"PHALANX_WORKER_DRAIN_GRACE_S": "0"}), s.add_encoder(), s.add_encoder())
+        # A checkpoint store and a migration service for the worker kill; drain grace 0: a SIGTERMed worker hands its
+        # requests back at once (the handoff test).
+        await asyncio.gather(s.add_checkpoint_store(), s.add_migration(), s.add_encoder(), s.add_encoder())
+        await s.add_workers(2, env=DRAIN_AT_ONCE)
         await s.add_router()
 
     try:
@@ -82,9 +89,40 @@ async def test_an_image_request_gives_the_in_process_encoder_and_engine_tokens(s
     image = _png(1)
     got = await _tokens(stack, _request("Look: <media> What is it?", image))
     assert got == _in_process(image, "Look: ", " What is it?")
-    assert await _tokens(stack, _request("Look: <media> What is it?", image)) == got  # deterministic, and the prefix cache agrees
+    encoded = sum(e.metric("phalanx_encoder_items_total", modality="image", result="ok") for e in stack.encoders)
+    hits = stack.routers[0].metric("phalanx_router_embedding_cache_hits_total")
+    # Deterministic; the repeat's embeddings come from the router's cache and its KV from the worker's prefix cache.
+    assert await _tokens(stack, _request("Look: <media> What is it?", image)) == got
+    assert sum(e.metric("phalanx_encoder_items_total", modality="image", result="ok") for e in stack.encoders) == encoded
+    assert stack.routers[0].metric("phalanx_router_embedding_cache_hits_total") == hits + 1
     other = await _tokens(stack, _request("Look: <media> What is it?", _png(2)))
     assert other == _in_process(_png(2), "Look: ", " What is it?")
+    async with await Client.connect(stack.routers[0].address, timeout=60) as client:  # the same through the SDK
+        completion = await client.complete("Look: <media> What is it?", media=[Media("image", image)], max_tokens=10, ignore_eos=True)
+    assert list(completion.token_ids) == got
+
+
+async def test_the_openai_gateway_takes_an_image_as_a_data_url(stack):
+    openai = pytest.importorskip("openai")
+    gateway = await start_gateway(stack.routers[0].address, "--model", MODEL, name="gateway-mm")
+    try:
+        async with openai.AsyncOpenAI(base_url=f"{gateway.url}/v1", api_key="unused", max_retries=0, timeout=60) as client:
+
+            async def ask(image: bytes):
+                url = "data:image/png;base64," + base64.b64encode(image).decode()
+                content = [{"type": "text", "text": "What is in "}, {"type": "image_url", "image_url": {"url": url}}]
+                return await client.chat.completions.create(
+                    model=MODEL, messages=[{"role": "user", "content": content}], max_tokens=6, temperature=0,
+                )
+
+            first, again = await ask(_png(1)), await ask(_png(1))
+            with pytest.raises(openai.BadRequestError):
+                await ask(b"not an image")
+    finally:
+        gateway.terminate()
+    assert first.choices[0].message.content == again.choices[0].message.content
+    assert first.usage.completion_tokens == 6
+    assert first.usage.prompt_tokens > 16  # the image's 16 positions and the chat template's text
 
 
 async def test_bad_media_are_invalid_argument(stack):
@@ -112,16 +150,35 @@ async def test_a_killed_encoder_leaves_the_request_to_the_other_one(stack):
     assert await _tokens(stack, _request("Look: <media> What is it?", image)) == expected
 
 
-async def test_a_draining_worker_hands_a_media_request_on_with_its_embeddings(stack):
-    image = _png(4)
-    expected = _in_process(image, "Look: ", " What is it?", max_tokens=60)
+async def _stream_and_stop_the_worker(stack: Stack, image: bytes, max_tokens: int, stop) -> list:
+    """Chunks of one media request; after the 5th, `stop` is called with the worker serving it."""
     seen = []
     async with grpc.aio.insecure_channel(stack.routers[0].address) as channel:
-        async for chunk in router_pb2_grpc.RouterServiceStub(channel).Generate(_request("Look: <media> What is it?", image, 60)):
+        async for chunk in router_pb2_grpc.RouterServiceStub(channel).Generate(_request("Look: <media> What is it?", image, max_tokens)):
             seen.append(chunk)
             if len(seen) == 5:
-                serving = next(w for w in stack.workers if w.worker_id == seen[0].worker_id)  # named on the first chunk
-                serving.process.terminate()  # SIGTERM: drain, hand the request back; the router resumes it elsewhere
-    assert [c.index for c in seen] == list(range(60))
-    assert len({c.worker_id for c in seen if c.worker_id}) == 2
+                stop(next(w for w in stack.workers if w.worker_id == seen[0].worker_id))  # named on the first chunk
+    return seen
+
+
+async def test_a_worker_killed_mid_media_request_is_migrated_with_its_embeddings(stack):
+    image = _png(5)
+    expected = _in_process(image, "Look: ", " What is it?", max_tokens=LONG)
+    migrations = stack.routers[0].metric("phalanx_router_migrations_total") or 0
+    seen = await _stream_and_stop_the_worker(stack, image, LONG, lambda worker: worker.kill())
+    assert [c.index for c in seen] == list(range(LONG))
     assert [c.token_id for c in seen] == expected
+    assert stack.routers[0].metric("phalanx_router_migrations_total") == migrations + 1
+
+
+async def test_a_draining_worker_hands_a_media_request_on_with_its_embeddings(stack):
+    await stack.add_workers(1, env=DRAIN_AT_ONCE)  # the kill above left one
+    image = _png(4)
+    expected = _in_process(image, "Look: ", " What is it?", max_tokens=LONG)
+    router = stack.routers[0]
+    moves = (router.metric("phalanx_router_migrations_total") or 0) + (router.metric("phalanx_router_handoffs_total") or 0)
+    # SIGTERM: drain and hand the request back alive; the migration service moves its KV (and its media) to another.
+    seen = await _stream_and_stop_the_worker(stack, image, LONG, lambda worker: worker.process.terminate())
+    assert [c.index for c in seen] == list(range(LONG))
+    assert [c.token_id for c in seen] == expected
+    assert router.metric("phalanx_router_migrations_total") + router.metric("phalanx_router_handoffs_total") == moves + 1

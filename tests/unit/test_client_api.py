@@ -22,6 +22,7 @@ from phalanx.client import (
     FinishReason,
     InternalError,
     InvalidArgumentError,
+    Media,
     NotFoundError,
     OverloadedError,
     PhalanxClientError,
@@ -55,6 +56,7 @@ def test_public_names_are_pinned():
         "GenerateStream",
         "InternalError",
         "InvalidArgumentError",
+        "Media",
         "NotFoundError",
         "OverloadedError",
         "PhalanxClientError",
@@ -221,6 +223,23 @@ def test_requests_carry_text_or_token_prompts_and_sampling():
     assert list(tokens.sampling.stop_strings) == ["END"] and list(tokens.sampling.stop_token_ids) == [7]
     assert (tokens.tier, tokens.tenant) == (router_pb2.TIER_BEST_EFFORT, "acme")
     assert request(tier="premium").tier == router_pb2.TIER_PREMIUM and request().tier == router_pb2.TIER_UNSPECIFIED
+
+
+def test_requests_carry_media_in_order_with_their_kind(tmp_path):
+    (tmp_path / "cat.PNG").write_bytes(b"png bytes")
+    (tmp_path / "clip.wav").write_bytes(b"wav bytes")
+    media = [Media.from_file(tmp_path / "cat.PNG"), Media.from_file(tmp_path / "clip.wav"), Media("video", b"avi bytes")]
+    built = request("a <media> b <media> c <media>", media=media)
+    assert [(m.kind, m.data) for m in built.media] == [
+        (router_pb2.MEDIA_KIND_IMAGE, b"png bytes"), (router_pb2.MEDIA_KIND_AUDIO, b"wav bytes"), (router_pb2.MEDIA_KIND_VIDEO, b"avi bytes"),
+    ]
+    assert not request("no media").media
+    with pytest.raises(ValueError, match="kind"):
+        Media("gif", b"")
+    (tmp_path / "notes.txt").write_bytes(b"")
+    with pytest.raises(ValueError, match="pass kind"):
+        Media.from_file(tmp_path / "notes.txt")
+    assert Media.from_file(tmp_path / "notes.txt", kind="image").kind == "image"
 
 
 @pytest.mark.parametrize(("prompt", "tier", "field"), [("hi", "gold", "tier"), ([1, "2"], None, "prompt"), (b"hi", None, "prompt")])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import json
 
 import grpc
@@ -12,7 +13,7 @@ from phalanx.gateway.auth import KeyRing
 from phalanx.gateway.config import GatewayConfig
 from phalanx.gateway.errors import GatewayError, from_client_error
 from phalanx.gateway.responses import CHAT, COMPLETIONS, finish_reason
-from phalanx.gateway.schema import ChatCompletionRequest, CompletionRequest, chat_text, parse_body
+from phalanx.gateway.schema import MEDIA_MARKER, ChatCompletionRequest, CompletionRequest, chat_text, parse_body
 from phalanx.model.chat import ChatPrompts
 from phalanx.router.admission import Tier
 from phalanx.router.config import TenantPolicy
@@ -40,7 +41,7 @@ def test_a_completion_maps_onto_the_sdk_call_with_openai_defaults():
     args = parse_body(CompletionRequest, completion()).generate_args()
     # OpenAI: 16 tokens and temperature 1 unless the request says otherwise.
     assert args.kwargs() == {
-        "max_tokens": 16, "temperature": 1.0, "top_p": 1.0, "top_k": 0, "stop": (), "seed": None, "ignore_eos": False,
+        "max_tokens": 16, "temperature": 1.0, "top_p": 1.0, "top_k": 0, "stop": (), "seed": None, "ignore_eos": False, "media": (),
     }
     assert args.prompt == "Hello"
 
@@ -75,10 +76,42 @@ def test_chat_text_parts_are_joined_and_other_parts_refused():
     parts = [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]
     parsed = parse_body(ChatCompletionRequest, chat(messages=[{"role": "user", "content": parts}]))
     assert parsed.template_messages() == [{"role": "user", "content": "ab"}]
-    parsed = parse_body(ChatCompletionRequest, chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]))
+    parsed = parse_body(ChatCompletionRequest, chat(messages=[{"role": "user", "content": [{"type": "file", "file": {}}]}]))
     with pytest.raises(GatewayError) as caught:
         parsed.template_messages()
     assert caught.value.param == "messages[0].content[0]"
+
+
+def test_chat_image_and_audio_parts_become_media_at_their_place():
+    png, wav = b"\x89PNG fake", b"RIFF fake"
+    parts = [
+        {"type": "text", "text": "Compare "},
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(png).decode()}},
+        {"type": "text", "text": " with "},
+        {"type": "input_audio", "input_audio": {"data": base64.b64encode(wav).decode(), "format": "wav"}},
+    ]
+    parsed = parse_body(ChatCompletionRequest, chat(messages=[{"role": "user", "content": parts}]))
+    assert parsed.template_messages() == [{"role": "user", "content": f"Compare {MEDIA_MARKER} with {MEDIA_MARKER}"}]
+    args = parsed.generate_args("rendered", default_max_tokens=8)
+    assert [(m.kind, m.data) for m in args.media] == [("image", png), ("audio", wav)]
+    assert args.kwargs()["media"] == args.media
+
+
+@pytest.mark.parametrize(
+    ("part", "param"),
+    [
+        ({"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}, "messages[0].content[0].image_url.url"),
+        ({"type": "image_url", "image_url": {"url": "data:image/png,rawbytes"}}, "messages[0].content[0].image_url.url"),
+        ({"type": "image_url", "image_url": {"url": "data:image/png;base64,@@@"}}, "messages[0].content[0].image_url.url"),
+        ({"type": "input_audio", "input_audio": {"data": "AAAA", "format": "mp3"}}, "messages[0].content[0].input_audio"),
+    ],
+    ids=["http-url", "not-base64-url", "bad-base64", "mp3"],
+)
+def test_chat_media_parts_the_gateway_cannot_take_are_refused_by_name(part, param):
+    parsed = parse_body(ChatCompletionRequest, chat(messages=[{"role": "user", "content": [part]}]))
+    with pytest.raises(GatewayError) as caught:
+        parsed.template_messages()
+    assert (caught.value.status, caught.value.param) == (400, param)
 
 
 def test_stream_options_include_usage_only_with_stream():

@@ -3,7 +3,7 @@
 import pytest
 
 from phalanx._proto import encoder_pb2, router_pb2
-from phalanx.router.media import EncoderSet, estimated_units, split_on_markers
+from phalanx.router.media import EmbeddingCache, EncoderSet, estimated_units, split_on_markers
 
 pytestmark = pytest.mark.unit
 
@@ -38,3 +38,24 @@ def test_units_are_estimated_before_decoding():
 def test_markers_split_the_text_into_one_more_piece_than_media():
     assert split_on_markers("a <media> b <media>", "<media>") == ["a ", " b ", ""]
     assert split_on_markers("no media here", "<media>") == ["no media here"]
+
+
+def _item(kind, data):
+    return router_pb2.MediaInput(kind=kind, data=data)
+
+
+def test_embedding_cache_keeps_recent_images_and_audio_within_its_bytes():
+    cache = EmbeddingCache(max_bytes=250)
+    image, audio, video = (_item(router_pb2.MEDIA_KIND_IMAGE, b"cat"), _item(router_pb2.MEDIA_KIND_AUDIO, b"cat"),
+                           _item(router_pb2.MEDIA_KIND_VIDEO, b"cat"))
+    assert cache.key(video) is None  # frames depend on the request's sampling and budget
+    assert cache.key(image) != cache.key(audio)  # the same bytes as another kind are another item
+    cache.put(cache.key(image), encoder_pb2.Embedding(rows=1, data=b"i" * 100))
+    cache.put(cache.key(audio), encoder_pb2.Embedding(rows=2, data=b"a" * 100))
+    assert cache.get(cache.key(image)).data == b"i" * 100  # now the most recently used
+    cache.put(cache.key(_item(router_pb2.MEDIA_KIND_IMAGE, b"dog")), encoder_pb2.Embedding(rows=3, data=b"d" * 100))
+    assert cache.get(cache.key(audio)) is None and cache.get(cache.key(image)) is not None  # the least recent went
+    assert (len(cache), cache.bytes) == (2, 200)
+    cache.put(cache.key(_item(router_pb2.MEDIA_KIND_IMAGE, b"big")), encoder_pb2.Embedding(data=b"b" * 251))
+    assert len(cache) == 2  # larger than the whole cache: not kept
+    assert EmbeddingCache(0).get(EmbeddingCache.key(image)) is None

@@ -362,6 +362,7 @@ def up(
         0, min=0, max=16, help="Disaggregated MoE: expert workers the experts are spread over (the workers then run the attention role)"
     ),
     shadow_experts: int = typer.Option(1, min=0, max=15, help="With --expert-workers: extra copies of each expert, each on another expert worker"),
+    encoders: int = typer.Option(0, min=0, max=8, help="Multimodal encoders (built-in seeded towers): requests may carry media"),
 ) -> None:
     """Bring Phalanx up on this machine: NATS, etcd, workers, a router, an OpenAI-compatible gateway and the rest, supervised."""
     from dataclasses import replace
@@ -377,6 +378,7 @@ def up(
         nats_url=nats_url, etcd_endpoint=etcd_endpoint, log_file=Path(log_file) if log_file else None,
         planner=planner, min_workers=min_workers, max_workers=max_workers, failover=failover, hot_spares=hot_spares, engine=engine,
         profile=str(Path(profile).resolve()) if profile else "", expert_workers=expert_workers, shadow_experts=shadow_experts,
+        encoders=encoders,
     )
     if hot_spares and not planner:
         raise typer.BadParameter("--hot-spares needs --planner (the planner promotes them)", param_hint="--hot-spares")
@@ -401,6 +403,12 @@ def down(
 _TARGET_HELP = "Router host:port [default: the running `phalanx up`'s router, else 127.0.0.1:50051]"
 
 
+# Repeatable options: module-level, as their default is a list (ruff B008).
+_IMAGE_OPTION = typer.Option(None, help="Image file (repeatable); the prompt's <media> markers place the media, else they go first")
+_AUDIO_OPTION = typer.Option(None, help="PCM WAV file (repeatable), after the images")
+_VIDEO_OPTION = typer.Option(None, help="Video file (repeatable), after the audio")
+
+
 @app.command()
 def generate(
     prompt: str = typer.Argument(..., help="Prompt text"),
@@ -412,13 +420,20 @@ def generate(
     tenant: str = typer.Option(None, help="Tenant to run as"),
     api_key: str = typer.Option(None, envvar="PHALANX_API_KEY", help="API key, if the router requires one"),
     state_file: str = typer.Option(None, envvar="PHALANX_STATE_FILE", help="State file to find the router in"),
+    image: list[Path] = _IMAGE_OPTION,
+    audio: list[Path] = _AUDIO_OPTION,
+    video: list[Path] = _VIDEO_OPTION,
 ) -> None:
-    """Stream a completion through the router."""
+    """Stream a completion through the router (with media: through the encoder pool)."""
     from phalanx.cli.state import resolve_target
     from phalanx.cli.status import stream_generate
+    from phalanx.client import Media
 
     target = resolve_target(target, _state_file(state_file))
-    options = {"max_tokens": max_tokens, "temperature": temperature, "seed": seed, "tier": tier, "tenant": tenant}
+    media = [Media.from_file(p, kind) for kind, paths in (("image", image), ("audio", audio), ("video", video)) for p in paths or ()]
+    options = {
+        "max_tokens": max_tokens, "temperature": temperature, "seed": seed, "tier": tier, "tenant": tenant, "media": media,
+    }
     raise typer.Exit(_run_client(stream_generate(target, prompt, api_key=api_key, **options)))
 
 

@@ -104,7 +104,8 @@ def _engine_status(entry: WorkerEntry) -> dict:
 
 # A service's role by its name in `phalanx up` (cli/up.py names them so).
 _SERVICE_ROLES = (("expert-", "expert"), ("ert-manager-", "ert-manager"), ("health-", "health"), ("checkpoint-", "checkpoint-store"),
-                  ("migration-", "migration"), ("gateway-", "gateway"), ("planner-", "planner"), ("slot-", "memory-service"))
+                  ("migration-", "migration"), ("gateway-", "gateway"), ("planner-", "planner"), ("slot-", "memory-service"),
+                  ("encoder-", "encoder"))
 
 
 def supervised_processes(supervisor: UpState) -> list[dict]:

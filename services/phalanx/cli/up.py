@@ -99,6 +99,7 @@ ROUTER_ID = "router-0"
 HEALTH_ID = "health-0"
 STORE_ID = "checkpoint-0"
 MIGRATION_ID = "migration-0"
+ENCODER_PREFIX = "encoder-"
 GATEWAY_ID = "gateway-0"
 PLANNER_ID = "planner-0"
 ERT_MANAGER_ID = "ert-manager-0"
@@ -134,6 +135,7 @@ class UpOptions:
     # Disaggregated MoE (docs/moe.md): with expert workers, the workers run the attention role.
     expert_workers: int = 0
     shadow_experts: int = 1  # extra copies of each expert, each on another expert worker
+    encoders: int = 0  # multimodal encoder pool processes (built-in seeded towers, projecting into the model's hidden size)
 
     def command(self) -> list[str]:
         """The `phalanx up` command line that runs this configuration in the foreground."""
@@ -158,6 +160,8 @@ class UpOptions:
             args += ["--profile", self.profile]
         if self.expert_workers:
             args += ["--expert-workers", str(self.expert_workers), "--shadow-experts", str(self.shadow_experts)]
+        if self.encoders:
+            args += ["--encoders", str(self.encoders)]
         return args
 
     @property
@@ -314,6 +318,7 @@ class _Stack:
         self.health: HealthHandle | None = None
         self.store: ServiceHandle | None = None
         self.migration: ServiceHandle | None = None
+        self.encoders: dict[str, ServiceHandle] = {}  # by id: encoder-0, encoder-1 ...
         self.gateway: GatewayHandle | None = None
         self.planner: PlannerHandle | None = None
         # The local connector (--planner): the decision followed, the last one acknowledged, workers being started
@@ -494,6 +499,13 @@ class _Stack:
 
         return await start_migration(MIGRATION_ID, self.nats_url, self._etcd_config)
 
+    async def _start_encoder(self, encoder_id: str) -> ServiceHandle:
+        from phalanx.launch.services import start_encoder_pool
+        from phalanx.model.config import model_hidden_size
+
+        hidden = await asyncio.to_thread(model_hidden_size, self.options.model)
+        return await start_encoder_pool(encoder_id, self._etcd_config, "--llm-hidden-size", str(hidden))
+
     async def _start_gateway(self, port: int) -> GatewayHandle:
         from phalanx.launch.services import start_gateway
 
@@ -533,6 +545,13 @@ class _Stack:
             raise UpError(f"checkpoint store / migration: {error or type(error).__name__}") from None
         if self.options.expert_workers:
             await self._start_experts()
+        for encoder_id in (f"{ENCODER_PREFIX}{i}" for i in range(self.options.encoders)):
+            self.board.set(encoder_id, "starting")
+            try:
+                self.encoders[encoder_id] = handle = await self._start_encoder(encoder_id)
+            except Exception as error:  # noqa: BLE001 - whatever it is, report it and stop the rest
+                raise UpError(f"encoder: {error or type(error).__name__}") from None
+            self._ready(encoder_id, handle.address, handle.process.pid)
 
         async def one(worker_id: str) -> None:
             handle = await self._start_worker(worker_id)
@@ -595,7 +614,7 @@ class _Stack:
         services = [
             ProcessEntry(h.name, h.address, h.process.pid)
             for h in (self.gateway, self.health, self.store, self.migration, self.planner, self.ert_manager, *self.expert_workers.values(),
-                      *self.memories.values())
+                      *self.memories.values(), *self.encoders.values())
             if h is not None
         ]
         return UpState(
@@ -638,7 +657,7 @@ class _Stack:
     def exited(self) -> list[tuple[str, int | None, int | None]]:
         """(name, pid, exit code) of every process of ours that exited and is not being replaced yet."""
         found: list[tuple[str, int | None, int | None]] = []
-        extras = (self.router, self.gateway, self.health, self.store, self.migration, self.planner, self.ert_manager)
+        extras = (self.router, self.gateway, self.health, self.store, self.migration, self.planner, self.ert_manager, *self.encoders.values())
         handles: list[ServiceHandle] = [
             *self.workers.values(), *self.spares.values(), *self.expert_workers.values(), *(h for h in extras if h), *self.memories.values()
         ]
@@ -756,6 +775,10 @@ class _Stack:
             server.start()
             self.board.set(name, "ready", self.nats_url if name == "nats" else self.etcd_endpoint, server.pid)
             return name, server.pid
+        if name in self.encoders:
+            self.encoders[name] = encoder = await self._start_encoder(name)
+            self.board.set(name, "ready", encoder.address, encoder.process.pid)
+            return name, encoder.process.pid
         attribute, start = {HEALTH_ID: ("health", self._start_health), STORE_ID: ("store", self._start_store),
                             MIGRATION_ID: ("migration", self._start_migration), PLANNER_ID: ("planner", self._start_planner),
                             ERT_MANAGER_ID: ("ert_manager", self._start_ert_manager)}[name]
@@ -1004,6 +1027,8 @@ class _Stack:
             await self._terminate({ROUTER_ID: self.router.process}, _ROUTER_STOP_S)
         if self.migration is not None:
             await self._terminate({MIGRATION_ID: self.migration.process}, _ROUTER_STOP_S)
+        if self.encoders:
+            await self._terminate({name: e.process for name, e in self.encoders.items()}, _ROUTER_STOP_S)
         if self.workers or self.retiring or self.spares:
             stopping = (*self.workers.values(), *self.retiring.values(), *self.spares.values())
             await self._terminate({w.worker_id: w.process for w in stopping}, _WORKER_STOP_S)

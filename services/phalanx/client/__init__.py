@@ -25,7 +25,7 @@ from phalanx.client._errors import (
 )
 from phalanx.client._stream import GenerateStream
 from phalanx.client._sync import SyncClient, SyncGenerateStream
-from phalanx.client._types import Chunk, Completion, FinishReason, Tier, WorkerHealth, WorkerInfo
+from phalanx.client._types import Chunk, Completion, FinishReason, Media, Tier, WorkerHealth, WorkerInfo
 
 __all__ = [
     "AuthenticationError",
@@ -37,6 +37,7 @@ __all__ = [
     "GenerateStream",
     "InternalError",
     "InvalidArgumentError",
+    "Media",
     "NotFoundError",
     "OverloadedError",
     "PhalanxClientError",

@@ -16,7 +16,7 @@ from phalanx.client._channel import call_metadata, open_channel
 from phalanx.client._config import RetryPolicy, TlsConfig
 from phalanx.client._errors import InvalidArgumentError, from_rpc_error
 from phalanx.client._stream import GenerateStream
-from phalanx.client._types import Completion, Tier, WorkerInfo, tier_to_proto
+from phalanx.client._types import Completion, Media, Tier, WorkerInfo, tier_to_proto
 
 __all__ = ["Client"]
 
@@ -86,17 +86,19 @@ class Client:
         tenant: str | None = None,
         request_id: str | None = None,
         timeout: float | None = None,
+        media: Sequence[Media] = (),
     ) -> GenerateStream:
         """Streams the tokens of a new request, exactly once each, across router failures.
 
-        ``prompt`` is text or token ids. ``request_id`` defaults to a fresh
+        ``prompt`` is text or token ids; ``media`` its images, video or audio, placed at its ``<media>`` markers
+        (media first when it has none). ``request_id`` defaults to a fresh
         uuid4 hex (it is what makes retries idempotent). ``timeout`` (seconds)
         bounds the whole stream, retries included.
         """
         request_id = request_id or uuid.uuid4().hex
         request = build_request(
             prompt, request_id=request_id, max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, stop=stop,
-            stop_token_ids=stop_token_ids, seed=seed, ignore_eos=ignore_eos, tier=tier, tenant=tenant,
+            stop_token_ids=stop_token_ids, seed=seed, ignore_eos=ignore_eos, tier=tier, tenant=tenant, media=media,
         )
         return GenerateStream(self, request_id=request_id, request=request, start_index=0, timeout=self._deadline(timeout))
 
@@ -116,12 +118,13 @@ class Client:
         tenant: str | None = None,
         request_id: str | None = None,
         timeout: float | None = None,
+        media: Sequence[Media] = (),
     ) -> Completion:
         """Generates to the end and returns the whole text (same arguments as ``generate``)."""
         stream = self.generate(
             prompt, max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, stop=stop,
             stop_token_ids=stop_token_ids, seed=seed, ignore_eos=ignore_eos, tier=tier, tenant=tenant,
-            request_id=request_id, timeout=timeout,
+            request_id=request_id, timeout=timeout, media=media,
         )
         async with stream:
             chunks = [chunk async for chunk in stream]
@@ -211,6 +214,7 @@ def build_request(
     ignore_eos: bool,
     tier: Tier | str | None,
     tenant: str | None,
+    media: Sequence[Media] = (),
 ) -> router_pb2.GenerateRequest:
     """The GenerateRequest for ``Client.generate``'s arguments (tier and prompt checked here)."""
     try:
@@ -231,4 +235,5 @@ def build_request(
         request.tokens.ids.extend(prompt)
     else:
         raise InvalidArgumentError("prompt must be a str or a list of token ids", violations=[("prompt", "must be str or list[int]")])
+    request.media.extend(m.to_proto() for m in media)
     return request

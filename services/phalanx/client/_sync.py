@@ -12,7 +12,7 @@ from typing import Any, TypeVar
 from phalanx.client._client import DEFAULT_MAX_TOKENS, Client
 from phalanx.client._config import RetryPolicy, TlsConfig
 from phalanx.client._stream import GenerateStream
-from phalanx.client._types import Chunk, Completion, Tier, WorkerInfo
+from phalanx.client._types import Chunk, Completion, Media, Tier, WorkerInfo
 
 __all__ = ["SyncClient", "SyncGenerateStream"]
 
@@ -183,12 +183,13 @@ class SyncClient:
         tenant: str | None = None,
         request_id: str | None = None,
         timeout: float | None = None,
+        media: Sequence[Media] = (),
     ) -> SyncGenerateStream:
         """Blocking twin of ``Client.generate``."""
         stream = self._client.generate(
             prompt, max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, stop=stop,
             stop_token_ids=stop_token_ids, seed=seed, ignore_eos=ignore_eos, tier=tier, tenant=tenant,
-            request_id=request_id, timeout=timeout,
+            request_id=request_id, timeout=timeout, media=media,
         )
         return SyncGenerateStream(self._loop, stream)
 
@@ -208,13 +209,14 @@ class SyncClient:
         tenant: str | None = None,
         request_id: str | None = None,
         timeout: float | None = None,
+        media: Sequence[Media] = (),
     ) -> Completion:
         """Blocking twin of ``Client.complete``."""
         return self._loop.run(
             self._client.complete(
                 prompt, max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, stop=stop,
                 stop_token_ids=stop_token_ids, seed=seed, ignore_eos=ignore_eos, tier=tier, tenant=tenant,
-                request_id=request_id, timeout=timeout,
+                request_id=request_id, timeout=timeout, media=media,
             )
         )
 

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import enum
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 from phalanx._proto import common_pb2, router_pb2
 
-__all__ = ["Chunk", "Completion", "FinishReason", "Tier", "WorkerHealth", "WorkerInfo"]
+__all__ = ["Chunk", "Completion", "FinishReason", "Media", "Tier", "WorkerHealth", "WorkerInfo"]
 
 
 class FinishReason(enum.StrEnum):
@@ -26,6 +28,41 @@ class Tier(enum.StrEnum):
     PREMIUM = "premium"
     STANDARD = "standard"
     BEST_EFFORT = "best_effort"
+
+
+_MEDIA_KINDS = {"image": router_pb2.MEDIA_KIND_IMAGE, "video": router_pb2.MEDIA_KIND_VIDEO, "audio": router_pb2.MEDIA_KIND_AUDIO}
+_SUFFIX_KINDS = {
+    **dict.fromkeys((".png", ".jpg", ".jpeg", ".webp", ".bmp"), "image"),
+    **dict.fromkeys((".mp4", ".avi", ".mov", ".mkv", ".webm"), "video"),
+    ".wav": "audio",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Media:
+    """An image, video or audio input; the prompt marks where it goes with ``<media>`` (no marker: media first).
+
+    ``data`` is the file's bytes: PNG/JPEG/WebP/BMP, a video OpenCV reads, or PCM WAV.
+    """
+
+    kind: str  # "image", "video" or "audio"
+    data: bytes
+
+    def __post_init__(self) -> None:
+        if self.kind not in _MEDIA_KINDS:
+            raise ValueError(f"media kind must be one of {sorted(_MEDIA_KINDS)}, not {self.kind!r}")
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike[str], kind: str | None = None) -> Media:
+        """The file's bytes; the kind from its suffix unless given."""
+        suffix = Path(path).suffix.lower()
+        kind = kind or _SUFFIX_KINDS.get(suffix)
+        if kind is None:
+            raise ValueError(f"cannot tell the media kind of {suffix or 'a file without suffix'}; pass kind=")
+        return cls(kind, Path(path).read_bytes())
+
+    def to_proto(self) -> router_pb2.MediaInput:
+        return router_pb2.MediaInput(kind=_MEDIA_KINDS[self.kind], data=self.data)
 
 
 class WorkerHealth(enum.StrEnum):

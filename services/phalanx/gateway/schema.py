@@ -9,16 +9,22 @@ Extensions (as vLLM's): ``top_k`` and ``ignore_eos``.
 
 from __future__ import annotations
 
+import base64
+import binascii
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from phalanx.client import Media
 from phalanx.common.errors import InvalidRequestError
 from phalanx.gateway.errors import GatewayError, bad_request
 from phalanx.model.chat import ChatPrompts
 from phalanx.model.params import MAX_STOP_STRINGS
+
+# Where an image or audio part stood in a message: the router's default media marker (PHALANX_ROUTER_MEDIA_MARKER).
+MEDIA_MARKER = "<media>"
 
 __all__ = [
     "ChatCompletionRequest",
@@ -90,7 +96,7 @@ class _Common(BaseModel):
     def metadata_tier(self) -> str | None:
         return (self.metadata or {}).get("tier")
 
-    def _args(self, prompt: str | list[int], max_tokens: int) -> GenerateArgs:
+    def _args(self, prompt: str | list[int], max_tokens: int, media: tuple[Media, ...] = ()) -> GenerateArgs:
         return GenerateArgs(
             prompt=prompt,
             max_tokens=max_tokens,
@@ -101,6 +107,7 @@ class _Common(BaseModel):
             stop=self.stop_strings(),
             seed=self.seed,
             ignore_eos=self.ignore_eos,
+            media=media,
         )
 
 
@@ -176,25 +183,63 @@ class ChatCompletionRequest(_Common):
         if self.max_tokens is not None and self.max_completion_tokens is not None and self.max_tokens != self.max_completion_tokens:
             raise bad_request("max_completion_tokens", "differs from max_tokens; send one of them")
         max_tokens = self.max_completion_tokens or self.max_tokens or default_max_tokens
-        return self._args(prompt, max_tokens)
+        media: list[Media] = []
+        for i, m in enumerate(self.messages):
+            _text_of(m.content, i, media)
+        return self._args(prompt, max_tokens, tuple(media))
 
     def template_messages(self) -> list[dict[str, str]]:
-        """The conversation as the chat template takes it: role and text content ("" for none)."""
-        return [{"role": m.role, "content": _text_of(m.content, i)} for i, m in enumerate(self.messages)]
+        """The conversation as the chat template takes it: role and text content ("" for none); each image or audio part
+        becomes the router's media marker where it stood."""
+        return [{"role": m.role, "content": _text_of(m.content, i, [])} for i, m in enumerate(self.messages)]
 
 
-def _text_of(content: str | list[dict[str, Any]] | None, index: int) -> str:
-    """A message's text: a string, or the text parts of a content list joined (other parts are refused)."""
+def _text_of(content: str | list[dict[str, Any]] | None, index: int, media: list[Media]) -> str:
+    """A message's text: a string, or its parts joined, an image_url (data URL) or input_audio part as MEDIA_MARKER
+    (its bytes appended to `media`); other parts are refused."""
     if content is None:
         return ""
     if isinstance(content, str):
         return content
     texts = []
     for j, part in enumerate(content):
-        if part.get("type") != "text" or not isinstance(part.get("text"), str):
-            raise bad_request(f"messages[{index}].content[{j}]", f"only text parts are supported, got type {part.get('type')!r}")
-        texts.append(part["text"])
+        field = f"messages[{index}].content[{j}]"
+        kind = part.get("type")
+        if kind == "text" and isinstance(part.get("text"), str):
+            texts.append(part["text"])
+        elif kind == "image_url":
+            media.append(Media("image", _data_url(part.get("image_url"), f"{field}.image_url")))
+            texts.append(MEDIA_MARKER)
+        elif kind == "input_audio":
+            media.append(Media("audio", _input_audio(part.get("input_audio"), f"{field}.input_audio")))
+            texts.append(MEDIA_MARKER)
+        else:
+            raise bad_request(field, f"only text, image_url and input_audio parts are supported, got type {kind!r}")
     return "".join(texts)
+
+
+def _data_url(value: Any, field: str) -> bytes:
+    """The bytes of ``{"url": "data:<mime>;base64,<data>"}``; the gateway fetches no URLs."""
+    url = value.get("url") if isinstance(value, dict) else None
+    if not isinstance(url, str) or not url.startswith("data:"):
+        raise bad_request(f"{field}.url", "only data: URLs (data:image/png;base64,...) are supported; the gateway fetches nothing")
+    header, _, data = url.partition(",")
+    if not header.endswith(";base64"):
+        raise bad_request(f"{field}.url", "the data URL must be base64")
+    return _base64(data, f"{field}.url")
+
+
+def _input_audio(value: Any, field: str) -> bytes:
+    if not isinstance(value, dict) or value.get("format") != "wav" or not isinstance(value.get("data"), str):
+        raise bad_request(field, 'expected {"data": <base64 WAV>, "format": "wav"}')
+    return _base64(value["data"], f"{field}.data")
+
+
+def _base64(data: str, field: str) -> bytes:
+    try:
+        return base64.b64decode(data, validate=True)
+    except binascii.Error:
+        raise bad_request(field, "is not valid base64") from None
 
 
 @dataclass(frozen=True)
@@ -209,11 +254,12 @@ class GenerateArgs:
     stop: tuple[str, ...]
     seed: int | None
     ignore_eos: bool
+    media: tuple[Media, ...] = ()
 
     def kwargs(self) -> dict[str, Any]:
         return {
             "max_tokens": self.max_tokens, "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
-            "stop": self.stop, "seed": self.seed, "ignore_eos": self.ignore_eos,
+            "stop": self.stop, "seed": self.seed, "ignore_eos": self.ignore_eos, "media": self.media,
         }
 
 

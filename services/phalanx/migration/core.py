@@ -354,7 +354,7 @@ class Migrator:
             state.CopyFrom(plan.state)
             state.request_id = request.request_id
             state.sampling.seed = plan.seed
-            item = M.RestoreItem(state=state, seed=plan.seed, method=plan.method, kv_tokens=plan.kv_tokens)
+            item = M.RestoreItem(state=state, seed=plan.seed, method=plan.method, kv_tokens=plan.kv_tokens, media=request.media)
             try:
                 with self._reserved.hold(target.worker_id, blocks_for(plan.num_tokens, target.block_size)):
                     result = await self._batcher.submit((target.address, plan.kv_source), item)

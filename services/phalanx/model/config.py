@@ -200,5 +200,18 @@ def model_tokenizer(name_or_path: str | Path) -> Tokenizer:
     return load_tokenizer(path, bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id)
 
 
+def model_hidden_size(name_or_path: str | Path) -> int:
+    """The hidden size of a built-in model, GGUF file or checkpoint directory, without loading weights (what an encoder pool
+    must project media into)."""
+    if str(name_or_path) in BUILTIN_MODELS:
+        return BUILTIN_MODELS[str(name_or_path)].hidden_size
+    if (gguf := gguf_file(name_or_path)) is not None:
+        from phalanx.model.gguf_format import config_from_gguf, metadata, read_gguf
+
+        reader = read_gguf(gguf)
+        return config_from_gguf(metadata(reader), [t.name for t in reader.tensors], name=str(name_or_path)).hidden_size
+    return ModelConfig.from_hf_dir(Path(name_or_path)).hidden_size
+
+
 def known_models() -> str:
     return ", ".join(sorted([*BUILTIN_MODELS, *BUILTIN_CHECKPOINTS]))

@@ -60,6 +60,9 @@ class RouterConfig(BaseSettings):
         4096, ge=1, description="Most prompt positions one request's media may take (capped further by the room the context leaves)"
     )
     encode_timeout_s: float = Field(30.0, gt=0, description="Deadline of one Encode call; a timeout tries another encoder")
+    embedding_cache_bytes: int = Field(
+        64 * 1024 * 1024, ge=0, description="Embeddings of recent images and audio kept by their bytes' digest (a repeat skips the encoder); 0: none"
+    )
     premium_at_level_4: bool = Field(
         False,
         description="At degradation level 4 keep admitting premium requests while any worker can take them "

@@ -11,7 +11,9 @@ INVALID_ARGUMENT at once.
 
 from __future__ import annotations
 
+import hashlib
 import logging
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -21,7 +23,7 @@ from phalanx._proto import encoder_pb2, encoder_pb2_grpc, router_pb2
 from phalanx.common.errors import InvalidRequestError, UnavailableError
 from phalanx.common.grpc_channels import GrpcChannels
 
-__all__ = ["EncoderSet", "MediaEncoder", "estimated_units", "split_on_markers"]
+__all__ = ["EmbeddingCache", "EncoderSet", "MediaEncoder", "estimated_units", "split_on_markers"]
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +52,45 @@ def estimated_units(item: router_pb2.MediaInput) -> int:
     if item.kind == router_pb2.MEDIA_KIND_AUDIO:
         return max(1, -(-len(item.data) // _WAV_BYTES_PER_CHUNK))
     return 1
+
+
+class EmbeddingCache:
+    """Embeddings of recent images and audio by their bytes' digest, least recently used out past ``max_bytes``.
+
+    A repeated image skips the encoder. Video is not cached: its frames depend
+    on the request's sampling and budget. The key is a 128-bit blake2b of
+    the bytes (the 64-bit media hash is for block hashes, not identity).
+    """
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self.bytes = 0
+        self._entries: OrderedDict[tuple[int, bytes], encoder_pb2.Embedding] = OrderedDict()
+
+    @staticmethod
+    def key(item: router_pb2.MediaInput) -> tuple[int, bytes] | None:
+        if item.kind not in (router_pb2.MEDIA_KIND_IMAGE, router_pb2.MEDIA_KIND_AUDIO):
+            return None
+        return int(item.kind), hashlib.blake2b(item.data, digest_size=16).digest()
+
+    def get(self, key: tuple[int, bytes] | None) -> encoder_pb2.Embedding | None:
+        if key is None or key not in self._entries:
+            return None
+        self._entries.move_to_end(key)
+        return self._entries[key]
+
+    def put(self, key: tuple[int, bytes] | None, embedding: encoder_pb2.Embedding) -> None:
+        size = len(embedding.data)
+        if key is None or key in self._entries or size > self.max_bytes:
+            return
+        self._entries[key] = embedding
+        self.bytes += size
+        while self.bytes > self.max_bytes:
+            _, evicted = self._entries.popitem(last=False)
+            self.bytes -= len(evicted.data)
+
+    def __len__(self) -> int:
+        return len(self._entries)
 
 
 @dataclass(frozen=True)
@@ -85,9 +126,12 @@ class EncoderSet:
 
 class MediaEncoder:
     def __init__(
-        self, encoders: EncoderSet, *, timeout_s: float, max_message_bytes: int, on_retry: Callable[[], None] | None = None
+        self, encoders: EncoderSet, *, timeout_s: float, max_message_bytes: int, on_retry: Callable[[], None] | None = None,
+        cache: EmbeddingCache | None = None, on_cache_hit: Callable[[], None] | None = None,
     ) -> None:
         self.encoders = encoders
+        self.cache = cache if cache is not None else EmbeddingCache(0)  # an empty cache is falsy (len 0)
+        self._on_cache_hit = on_cache_hit or (lambda: None)
         self._on_retry = on_retry or (lambda: None)
         self.timeout_s = timeout_s
         limit = [("grpc.max_receive_message_length", 256 << 20), ("grpc.max_send_message_length", max_message_bytes)]
@@ -97,7 +141,21 @@ class MediaEncoder:
         await self._channels.close()
 
     async def encode(self, request_id: str, media: Sequence[router_pb2.MediaInput], max_positions: int) -> list[encoder_pb2.Embedding]:
-        """One embedding per item, from the cheapest encoder that answers; InvalidRequestError for bad media."""
+        """One embedding per item, from the cache or the cheapest encoder that answers; InvalidRequestError for bad media."""
+        keys = [self.cache.key(item) for item in media]
+        cached = [self.cache.get(key) for key in keys]
+        if all(e is not None for e in cached):
+            hits = [e for e in cached if e is not None]
+            if max_positions and sum(e.rows for e in hits) > max_positions:
+                raise InvalidRequestError("media", f"media need more than the {max_positions} prompt positions the request allows")
+            self._on_cache_hit()
+            return hits
+        embeddings = await self._encode(request_id, media, max_positions)
+        for key, embedding in zip(keys, embeddings, strict=True):
+            self.cache.put(key, embedding)
+        return embeddings
+
+    async def _encode(self, request_id: str, media: Sequence[router_pb2.MediaInput], max_positions: int) -> list[encoder_pb2.Embedding]:
         items: list[encoder_pb2.MediaItem] = []
         units: dict[encoder_pb2.Modality, int] = {}
         for i, item in enumerate(media):

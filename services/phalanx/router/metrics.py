@@ -44,6 +44,9 @@ class RouterMetrics:
             buckets=(0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 1.0, 2.0, 5.0, 10.0), registry=r,
         )
         self.handoffs = Counter("phalanx_router_handoffs", "Requests moved to another worker after a drain", registry=r)
+        self.embedding_cache_hits = Counter(
+            "phalanx_router_embedding_cache_hits", "Media requests whose every item's embeddings came from the router's cache", registry=r
+        )
         self.encode_retries = Counter(
             "phalanx_router_encode_retries", "Encode calls retried on another encoder (gone, overloaded or too slow)", registry=r
         )

@@ -44,7 +44,7 @@ from phalanx.model.config import is_builtin_model, model_tokenizer, served_model
 from phalanx.model.tokenizer import Tokenizer
 from phalanx.router.admission import Admission
 from phalanx.router.config import RouterConfig
-from phalanx.router.media import EncoderSet, MediaEncoder
+from phalanx.router.media import EmbeddingCache, EncoderSet, MediaEncoder
 from phalanx.router.metrics import RouterMetrics
 from phalanx.router.migration_client import MigrationClient
 from phalanx.router.records import RequestRecords
@@ -111,7 +111,8 @@ class RouterProcess:
             encoders = EncoderSet()
             media_encoder = MediaEncoder(
                 encoders, timeout_s=self.config.encode_timeout_s, max_message_bytes=self.config.max_message_bytes,
-                on_retry=self.metrics.encode_retries.inc,
+                on_retry=self.metrics.encode_retries.inc, cache=EmbeddingCache(self.config.embedding_cache_bytes),
+                on_cache_hit=self.metrics.embedding_cache_hits.inc,
             )
             shell.push_async_callback(media_encoder.close)
             servicer = self.servicer = RouterServicer(

@@ -131,7 +131,7 @@ class _Flow:
     tier: Tier
     prompt_ids: list[int]
     # The prompt's media runs and their embeddings (the worker request carries them; routing hashes them).
-    media: list[worker_pb2.MediaEmbedding] = field(default_factory=list)
+    media: list[common_pb2.MediaEmbedding] = field(default_factory=list)
     next_index: int = 0
     first_sent: bool = False
     # The worker the client was last told produced its tokens (a migration changes it: the next chunk names the new one).
@@ -214,7 +214,7 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
                 return flow, self._attach(flow)
             tier = admitted.tier.label
             request_id = request.request_id or uuid.uuid4().hex
-            media: list[worker_pb2.MediaEmbedding] = []
+            media: list[common_pb2.MediaEmbedding] = []
             if request.media:
                 prompt_ids, media = await self._encode_media(request_id, request, prompt_ids, params)
             flow, existing = await self._start(request_id, admitted, prompt_ids, media)
@@ -351,7 +351,7 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
 
     async def _encode_media(
         self, request_id: str, request: router_pb2.GenerateRequest, prompt_ids: list[int], params
-    ) -> tuple[list[int], list[worker_pb2.MediaEmbedding]]:
+    ) -> tuple[list[int], list[common_pb2.MediaEmbedding]]:
         """Encode the media, expand each placeholder to its rows; the visual token budget bounds them all."""
         assert self.media_encoder is not None  # _validate refused media without one
         placeholder = self.config.media_placeholder_token_id
@@ -372,13 +372,13 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
             embeddings = await self.media_encoder.encode(request_id, request.media, budget)
         expanded, spans = expand_placeholders(prompt_ids, placeholder, [e.rows for e in embeddings], [e.media_hash for e in embeddings])
         media = [
-            worker_pb2.MediaEmbedding(start=span.start, rows=e.rows, hidden=e.hidden, dtype=e.dtype, data=e.data, media_hash=e.media_hash)
+            common_pb2.MediaEmbedding(start=span.start, rows=e.rows, hidden=e.hidden, dtype=e.dtype, data=e.data, media_hash=e.media_hash)
             for span, e in zip(spans, embeddings, strict=True)
         ]
         return expanded, media
 
     # -- routing ----------------------------------------------------------------
-    def _route(self, prompt_ids: list[int], exclude: frozenset[str] = frozenset(), media: Sequence[worker_pb2.MediaEmbedding] = ()):
+    def _route(self, prompt_ids: list[int], exclude: frozenset[str] = frozenset(), media: Sequence[common_pb2.MediaEmbedding] = ()):
         start = time.perf_counter()
         with tracer.start_as_current_span("router.route") as span:
             spans = [MediaSpan(m.start, m.rows, m.media_hash) for m in media]
@@ -396,7 +396,7 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
         self.table.note_routed(decision.worker_id, len(prompt_ids) - decision.cached_tokens)
         return decision
 
-    async def _start(self, request_id: str, admitted: Admitted, prompt_ids: list[int], media: list[worker_pb2.MediaEmbedding]):
+    async def _start(self, request_id: str, admitted: Admitted, prompt_ids: list[int], media: list[common_pb2.MediaEmbedding]):
         """Pick a worker and claim the request's record; returns (flow, existing record of a retry)."""
         decision = self._route(prompt_ids, media=media)
         record = common_pb2.RequestRecord(
@@ -550,7 +550,7 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
             return None
         request = migration_pb2.MigrateRequest(
             request_id=flow.record.request_id, worker_id=flow.record.worker_id, tokens_delivered=flow.next_index, seed=flow.seed,
-            reason=move.reason, priority=int(flow.tier),
+            reason=move.reason, priority=int(flow.tier), media=flow.media,
         )
         if flow.prompt_ids:
             known = request.known_state

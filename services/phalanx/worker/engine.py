@@ -222,7 +222,9 @@ class Engine:
         ids = resume.prompt_ids + resume.output_ids
         if not 0 <= kv_tokens < len(ids):
             raise InvalidRequestError("kv_tokens", f"{kv_tokens} must be in [0, {len(ids)}) for {len(ids)} tokens")
-        cached = self.kv.allocate(request.request_id, ids, reserve_tokens=1)
+        media = sorted(request.media, key=lambda m: m.span.start)
+        spans = [m.span for m in media]
+        cached = self.kv.allocate(request.request_id, ids, reserve_tokens=1, media=spans)
         if cached is None:
             raise ResourceExhaustedError(f"{self.kv.blocks_for(len(ids) + 1)} KV blocks are not free here", retry_after_s=0.1)
         if kv is not None and kv_tokens > cached:
@@ -233,6 +235,7 @@ class Engine:
         seq = Sequence(
             request_id=request.request_id, prompt_ids=list(resume.prompt_ids), params=request.params, sampler=sampler,
             detokenizer=self.tokenizer.detokenizer(), eos_token_id=self.tokenizer.eos_token_id, priority=resume.priority,
+            media=media,
         )
         seq.output_ids = list(resume.output_ids)
         seq.cached_prompt_tokens = min(cached, len(seq.prompt_ids))
@@ -241,7 +244,7 @@ class Engine:
             seq.ckpt_kv, seq.ckpt_outputs, seq.ckpt_adopt = kv_tokens, len(seq.output_ids), True
         seq.status = SeqStatus.RUNNING
         seq.num_computed = max(cached, kv_tokens)
-        self.kv.commit(seq.request_id, seq.all_ids, seq.num_computed)
+        self.kv.commit(seq.request_id, seq.all_ids, seq.num_computed, media=spans)
         self.running.append(seq)
         self.by_id[seq.request_id] = seq
         self.prefix_hit_tokens += cached

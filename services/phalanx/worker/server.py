@@ -68,7 +68,7 @@ def event_to_proto(cls, event: TokenEvent):
 _MEDIA_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def media_from_proto(index: int, item: worker_pb2.MediaEmbedding) -> MediaEmbedding:
+def media_from_proto(index: int, item: common_pb2.MediaEmbedding) -> MediaEmbedding:
     """A request's media embeddings as a tensor; the engine checks they fit the prompt and the model."""
     dtype = _MEDIA_DTYPES.get(item.dtype)
     if dtype is None:
@@ -316,6 +316,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         request = EngineRequest(
             snapshot.prompt_ids, snapshot.params, snapshot.request_id, resume=snapshot, migrated=True,
             sequential_replay=item.method == migration_pb2.MIGRATION_METHOD_SEQUENTIAL_REPLAY,
+            media=[media_from_proto(i, m) for i, m in enumerate(item.media)],
         )
         engine.engine.validate(request)
         total = len(snapshot.prompt_ids) + len(snapshot.output_ids) + 1

@@ -1,7 +1,7 @@
 """`phalanx bench engine-failover`: the primary engine SIGKILLed under a steady load of greedy streams, three ways back.
 
 A real deployment on loopback (nats-server, etcd, the checkpoint store, a router; deterministic numerics, the tiny
-MoE). Per scenario a fresh migration service and fresh engines; `streams` greedy streams (distinct prompts) run at
+MoE unless ``model`` names another). Per scenario a fresh migration service and fresh engines; `streams` greedy streams (distinct prompts) run at
 once, and when each has `kill_after` tokens the engine serving them is SIGKILLed:
 
 - ``shadow``: a failover slot (memory service, primary engine 0, shadow engine 1 standing by on the shared weights).
@@ -34,10 +34,11 @@ from phalanx.launch.infra import EtcdServer, NatsServer
 from phalanx.launch.services import ServiceHandle, WorkerHandle, wait_registered
 from phalanx.launch.stack import Stack
 
-MODEL = "phalanx-tiny-moe"
+DEFAULT_MODEL = "phalanx-tiny-moe"
 SCENARIOS = ("shadow", "cold", "peer")
 GOALS = {"shadow_kill_to_first_token_s": 0.5, "shadow_stall_p99_s": 0.5, "shadow_tokens_lost": 0, "shadow_identical_fraction": 1.0}
-_STREAM_TIMEOUT_S = 60.0
+# Longest a stream may take, stalls included (a real model on a small CPU host needs minutes for a wave).
+_STREAM_TIMEOUT_S = 300.0
 _METHODS = ("transfer", "checkpoint", "reprefill", "sequential_replay")
 
 
@@ -50,11 +51,12 @@ class _Options:
     repeats: int
     scenarios: tuple[str, ...]
     seed: int
+    model: str
 
 
 def run_engine_failover_bench(
     *, streams: int = 8, max_tokens: int = 64, prompt_tokens: tuple[int, int] = (100, 200), kill_after: int = 16, repeats: int = 1,
-    scenarios: tuple[str, ...] = SCENARIOS, seed: int = 0,
+    scenarios: tuple[str, ...] = SCENARIOS, seed: int = 0, model: str = DEFAULT_MODEL,
 ) -> dict:
     """Runs the scenarios and returns one JSON-ready dict (see the module docstring)."""
     if not 0 < kill_after <= max_tokens - 8:
@@ -63,7 +65,7 @@ def run_engine_failover_bench(
         raise ValueError(f"unknown scenarios {sorted(unknown)}; choose from {', '.join(SCENARIOS)}")
     if min(streams, repeats) < 1:
         raise ValueError("streams and repeats must be at least 1")
-    return asyncio.run(_run(_Options(streams, max_tokens, prompt_tokens, kill_after, repeats, tuple(scenarios), seed)))
+    return asyncio.run(_run(_Options(streams, max_tokens, prompt_tokens, kill_after, repeats, tuple(scenarios), seed, model)))
 
 
 async def _run(o: _Options) -> dict:
@@ -74,7 +76,7 @@ async def _run(o: _Options) -> dict:
     with contextlib.ExitStack() as exits:
         nats = exits.enter_context(NatsServer())
         etcd = exits.enter_context(EtcdServer())
-        fleet = Stack(nats.url, EtcdConfig(endpoint=etcd.endpoint, lease_ttl_s=1), model=MODEL)
+        fleet = Stack(nats.url, EtcdConfig(endpoint=etcd.endpoint, lease_ttl_s=1), model=o.model)
         exits.callback(fleet.stop)
         await fleet.add_checkpoint_store()
         router = await fleet.add_router()
@@ -93,7 +95,7 @@ async def _run(o: _Options) -> dict:
     return {
         "scenarios": results,
         "config": {
-            "model": MODEL, "streams": o.streams, "max_tokens": o.max_tokens, "prompt_tokens": list(o.prompt_tokens),
+            "model": o.model, "streams": o.streams, "max_tokens": o.max_tokens, "prompt_tokens": list(o.prompt_tokens),
             "kill_after": o.kill_after, "repeats": o.repeats, "deterministic": True, "cpus": os.cpu_count(), "seed": o.seed,
             "wall_s": round(time.monotonic() - started, 1),
         },
@@ -224,8 +226,10 @@ async def _engines(fleet: Stack, name: str) -> tuple[WorkerHandle, list]:
 
 async def _retire(fleet: Stack) -> None:
     """Every engine of the scenario stopped, so that the next starts from nothing (by PID, SIGTERM)."""
-    handles: list[ServiceHandle] = [*fleet.workers, *(e for s in fleet.slots for e in s.engines), *(s.memory for s in fleet.slots)]
+    handles: list[ServiceHandle] = [*fleet.workers, *(e for s in fleet.slots for e in s.engines)]
     await asyncio.gather(*(asyncio.to_thread(h.terminate, 20) for h in handles))
+    # The memory services last: an engine that loses its memory service exits non-zero.
+    await asyncio.gather(*(asyncio.to_thread(s.memory.terminate, 20) for s in fleet.slots))
     fleet.workers.clear()
     for slot in fleet.slots:
         slot.engines.clear()

@@ -660,6 +660,7 @@ def bench_engine_failover(
     kill_after: int = typer.Option(16, min=1, help="Tokens each of the victim's streams has when it is SIGKILLed"),
     repeats: int = typer.Option(1, min=1, help="Kills per scenario"),
     scenarios: str = typer.Option("shadow,cold,peer", help="Comma-separated: shadow (takeover), cold (new process), peer (migration)"),
+    model: str = typer.Option("phalanx-tiny-moe", help="Model of the engines (the goals are set for the tiny MoE)"),
     as_json: bool = typer.Option(False, "--json", help="Print JSON only"),
 ) -> None:
     """The primary engine SIGKILLed under load: shadow takeover vs a cold replacement process vs migration to a peer
@@ -670,7 +671,7 @@ def bench_engine_failover(
 
     result = run_engine_failover_bench(
         streams=streams, max_tokens=tokens, prompt_tokens=(prompt_min, max(prompt_min, prompt_max)), kill_after=kill_after,
-        repeats=repeats, scenarios=tuple(s.strip() for s in scenarios.split(",") if s.strip()),
+        repeats=repeats, scenarios=tuple(s.strip() for s in scenarios.split(",") if s.strip()), model=model,
     )
     print(json.dumps(result, indent=None if as_json else 2))
 

@@ -144,7 +144,7 @@ class WorkerProcess:
                 await self._streamer.start()
             servicer.attach(engine, model_version=model.version)
             if self.failover is not None:
-                self.failover.mark("channels+checkpointing")
+                self.failover.mark("channels+checkpointing")  # the endpoint started while standing by: a no-op here
             self._registration = await shell.register(self.etcd_config, worker_key(self.worker_id), self._registration_value(model))
             if self.failover is not None and watchdog is not None:
                 watchdog.cancel()
@@ -196,6 +196,9 @@ class WorkerProcess:
                     await loading
                 return None
             model = loading.result()
+        # The tensor-channel endpoint (a TCP store, a gloo device, its etcd advertisement: 10-200 ms, more on a busy host)
+        # is ready before the wake. It is no worker registration: nobody sends this engine anything until it registers.
+        await self._endpoint.start()
         log.info("engine %d (%s) of slot %s standing by on shared weights", failover.engine_id, failover.role, failover.slot)
         if not await failover.stand_by(shell.wait_for_stop):
             self._fail_if(failover)

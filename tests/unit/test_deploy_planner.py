@@ -69,3 +69,19 @@ def test_the_planner_dashboard_shows_every_planner_metric_and_filters_gauges_to_
     for expr in exprs:
         if re.search(r"phalanx_planner_(target|desired|actual)_workers|_per_second|_osl_tokens|correction_factor|interval_seconds", expr):
             assert "and on (job, instance) (phalanx_planner_leader == 1)" in expr, expr
+
+
+def test_compose_runs_the_planner_with_real_settings_and_prometheus_scrapes_it():
+    import yaml
+
+    from phalanx.planner.config import PlannerConfig
+
+    deploy = CHART.parents[1]
+    service = yaml.safe_load((deploy / "compose" / "docker-compose.yml").read_text())["services"]["planner"]
+    assert service["command"] == ["planner"]
+    env = service["environment"]
+    planner_settings = {n.removeprefix("PHALANX_PLANNER_").lower() for n in env if n.startswith("PHALANX_PLANNER_")}
+    assert planner_settings <= set(PlannerConfig.model_fields), planner_settings - set(PlannerConfig.model_fields)
+    assert env["PHALANX_PROBE_PORT"] == env["PHALANX_PLANNER_PORT"]
+    jobs = {j["job_name"]: j for j in yaml.safe_load((deploy / "prometheus" / "prometheus.yml").read_text())["scrape_configs"]}
+    assert jobs["phalanx-planner"]["static_configs"][0]["targets"] == [f"planner:{env['PHALANX_PLANNER_METRICS_PORT']}"]

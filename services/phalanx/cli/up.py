@@ -876,6 +876,9 @@ class _Stack:
                 # No promotion came (no planner, no spare): the worker count falls short and a worker starts instead.
                 del self.awaiting_promotion[dead]
                 self._record(dead, None, "no hot spare promoted for it: starting a worker instead")
+                if self.decision is None:
+                    # No decision to count against yet (a planner that never decided): start the worker here.
+                    self._scale_up(len(self.workers) + len(self.scaling) + 1)
         if self.crash_loop is not None:
             return
         target = self._target_spares

@@ -42,6 +42,10 @@ class PlannerConfig(BaseSettings):
     correction: bool = Field(True, description="Apply smoothed correction factors (False: plan from the profile alone)")
     length_quantile: float | None = Field(0.9, gt=0, lt=1, description="ISL/OSL quantile the operating point is read at; unset: the mean")
     default_isl: float = Field(512.0, gt=0, description="Prompt tokens assumed while the routers do not export ISL")
+    default_osl: float | None = Field(
+        None, gt=0, description="Output tokens assumed until a request completes (an overloaded fleet completes none); unset: no "
+        "load plan before the first completion"
+    )
     ttft_slo_s: float = Field(2.0, gt=0, description="Time-to-first-token SLO")
     itl_slo_s: float = Field(0.25, gt=0, description="Inter-token latency SLO")
 

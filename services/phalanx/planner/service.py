@@ -108,7 +108,8 @@ class Planner:
         self._counted: set[int] = set()
         self._degradation_level = 0
         self._capacity: CapacityView | None = None  # of the last plan, published after it
-        self._observed_at: float | None = None  # when the last interval was observed (None: not yet)
+        self._observed_at: float | None = None
+        self._osl_seen = False  # an interval has observed output lengths  # when the last interval was observed (None: not yet)
         self._http = httpx.AsyncClient(timeout=config.scrape_timeout_s)
 
     async def run(self) -> None:
@@ -291,18 +292,29 @@ class Planner:
         """Feed the predictors (and correction factors) with the interval; the profile's worker count for the next one."""
         osl_mean = observation.osl.mean if observation.osl is not None else None
         isl_mean = observation.isl.mean if observation.isl is not None else self.config.default_isl
-        self.predictors["requests"].observe(observation.requests)
+        # Demand: requests that finished (shed ones included) or, when more, those that arrived. Under overload few finish
+        # in an interval; counted by completions alone the demand seemed to fall exactly when the fleet was short.
+        demand = observation.requests
+        if observation.arrival_rate is not None:
+            demand = max(demand, observation.arrival_rate * observation.interval_s)
+        self.predictors["requests"].observe(demand)
         self.predictors["isl"].observe(isl_mean)
         if osl_mean is not None:
             self.predictors["osl"].observe(osl_mean)
-        self.metrics.observed_requests.set(observation.request_rate)
-        if osl_mean is not None:
             self.metrics.observed_osl.set(osl_mean)
+            self._osl_seen = True
+        elif self.config.default_osl is not None and not self._osl_seen:
+            # No request completed yet: an overloaded fleet completes none, and that is no reason not to plan. The operator's
+            # expected output length stands in until one does; after that the predictor carries the last lengths on.
+            osl_mean = self.config.default_osl
+        elif self._osl_seen:
+            osl_mean = self.predictors["osl"].predict_next()
+        self.metrics.observed_requests.set(demand / max(observation.interval_s, 1e-9))
         requests = self.predictors["requests"].predict_next()
         self.metrics.predicted_requests.set(requests / max(observation.interval_s, 1e-9))
         if self.profile is None or osl_mean is None:
             return None
-        predicted_osl = self.predictors["osl"].predict_next()
+        predicted_osl = self.predictors["osl"].predict_next() if self._osl_seen else osl_mean
         self.metrics.predicted_osl.set(predicted_osl)
         profile = self.profile
         if observation.ttft is not None and observation.itl is not None:
@@ -334,6 +346,11 @@ class Planner:
         at_slo = plan if self._degradation_level < replica_config.relaxed_slo_level else plan_replicas(
             forecast, profile, slo, replica_config, factors, degradation_level=0)
         self._capacity = capacity_view(at_slo, self._workers, forecast.requests / interval)
+        if self._degradation_level >= replica_config.relaxed_slo_level:
+            # The doubled SLOs of a degraded fleet need fewer workers, but a fleet is degraded because it lacks capacity:
+            # relaxing the target must not take more away (with the capacity view feeding the level, that loop scaled an
+            # overloaded fleet down).
+            return max(plan.combined, self.machine.targets.workers)
         return plan.combined
 
     # -- decisions -----------------------------------------------------------------------------------

@@ -92,3 +92,28 @@ def test_media_that_do_not_fit_their_positions_are_refused(model):
     outside = MediaSpan(len(ids) - 2, 8, 1)
     with pytest.raises(InvalidRequestError, match="leave the prompt"):
         engine.add_request(EngineRequest(ids, params(), media=[MediaEmbedding(outside, embeddings(model, 1, 8))]))
+
+
+class _TextOnlyModel:
+    """A model wrapper that cannot take media rows, as a tensor-parallel group's leader (tp_leader.TensorParallelModel)."""
+
+    takes_input_embeds = False
+
+    def __init__(self, inner):
+        self._inner = inner
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+    def hidden_states(self, token_ids, positions, backend, *, invariant=False):
+        return self._inner.hidden_states(token_ids, positions, backend, invariant=invariant)
+
+
+def test_a_model_without_media_support_refuses_media_requests_and_still_serves_text(model):
+    engine = Engine(_TextOnlyModel(model), EngineConfig(deterministic=True))
+    ids, span = media_prompt(model, 4)
+    with pytest.raises(InvalidRequestError, match="cannot take media"):
+        engine.add_request(EngineRequest(ids, params(), media=[MediaEmbedding(span, embeddings(model, 1, 4))]))
+    text, _ = run(engine, EngineRequest(model.tokenizer.encode("Hello there"), params(4)))
+    expected, _ = run(Engine(model, EngineConfig(deterministic=True)), EngineRequest(model.tokenizer.encode("Hello there"), params(4)))
+    assert text == expected

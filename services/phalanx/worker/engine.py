@@ -139,6 +139,8 @@ class Engine:
             )
         if request.resume and len(request.resume.output_ids) >= request.params.max_tokens:
             raise InvalidRequestError("resume_from.output_token_ids", "the request has already produced max_tokens tokens")
+        if request.media and not getattr(self.model, "takes_input_embeds", True):
+            raise InvalidRequestError("media", "this worker's model cannot take media embeddings (a tensor-parallel group)")
         self._validate_media(request.media, len(prompt), c.hidden_size)
 
     @staticmethod
@@ -470,9 +472,11 @@ class TorchRunner:
         with torch.inference_mode():
             backend = PagedAttention(self.cache.data, torch.cat(slots).to(device), chunks, invariant=invariant)
             embeds = (torch.cat(media_rows).to(device), torch.cat(media_values)) if media_rows else None
+            # Only media steps pass embeddings: models without media support (a tensor-parallel group) take text steps.
+            media_kwargs = {"input_embeds": embeds} if embeds is not None else {}
             hidden = self.model.hidden_states(
                 torch.tensor(token_ids, dtype=torch.int64, device=device), torch.cat(positions).to(device), backend, invariant=invariant,
-                input_embeds=embeds,
+                **media_kwargs,
             )
             logits = self.model.logits(hidden[sample_rows], invariant=invariant).cpu() if sample_rows else None
         if logits is None:

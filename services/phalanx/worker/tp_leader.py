@@ -170,6 +170,9 @@ class TensorParallelModel:
         self._model = model
         self._leader = leader
 
+    # The followers' step batch carries token ids only: the engine refuses media requests on a group.
+    takes_input_embeds = False
+
     def __getattr__(self, name: str):
         return getattr(self._model, name)
 

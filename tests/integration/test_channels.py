@@ -374,6 +374,27 @@ async def test_kept_channels_are_reused_in_step_and_closed_when_broken_stale_or_
         await endpoint.close()
 
 
+async def test_a_blocking_exchange_posted_after_its_peer_died_raises_a_channel_error(endpoint, spawn_peer):
+    # gloo refuses a send at post time once the pair saw its peer close: that is a ChannelError like any other loss
+    # (a RuntimeError there killed an attention worker's engine thread when an expert worker died between two layers).
+    peer = _name("peer")
+    process = await spawn_peer(peer, "first", "second")
+    first = await endpoint.open(peer, "first")
+    second = await endpoint.open(peer, "second")
+    assert torch.equal(await _echo(second, torch.ones(4)), torch.ones(4))
+    os.kill(process.pid, signal.SIGKILL)
+    await process.wait()
+    with pytest.raises(ChannelError, match="died or closed"):
+        await asyncio.to_thread(lambda: first.post_exchange([], [torch.empty(3)]).wait(30))
+    await asyncio.sleep(0.5)  # the second pair's own reader sees the same EOF
+    header = torch.tensor([4, DTYPES.index("float32")])
+    with pytest.raises(ChannelError, match="died or closed"):
+        await asyncio.to_thread(lambda: second.post_exchange([header, torch.ones(4)], [torch.empty(4)]).wait(30))
+    assert second.broken
+    await first.close()
+    await second.close()
+
+
 async def test_a_blocking_exchange_from_another_thread_pairs_with_the_peers_async_ops_and_breaks_on_its_death(endpoint, spawn_peer):
     peer = _name("peer")
     process = await spawn_peer(peer, "blocking")

@@ -179,6 +179,7 @@ class RemoteExperts:
         outputs: list[torch.Tensor | None] = [None] * len(batches)
         posted = []
         redo: list[int] = []
+        failed: list[tuple[str, ChannelError]] = []
         for ew, indices in by_ew.items():
             channel = self._channels.get(ew)
             if channel is None or channel.broken:
@@ -186,9 +187,15 @@ class RemoteExperts:
                 continue
             call, activations = pack(layer, [batches[i] for i in indices], invariant)
             out = torch.empty((call.rows, self.hidden_size), dtype=self.dtype)
-            posted.append((ew, indices, call, out, channel.post_exchange([call.header(self.num_experts), activations.to(self.dtype)], [out])))
+            try:
+                exchange = channel.post_exchange([call.header(self.num_experts), activations.to(self.dtype)], [out])
+            except ChannelError as error:  # the EW died after the last layer's exchange: gloo refuses the post itself
+                failed.append((ew, error))
+                self.metrics.replays.labels(expert_worker=ew).inc(len(indices))
+                redo.extend(indices)
+                continue
+            posted.append((ew, indices, call, out, exchange))
         span.set_attribute("moe.expert_workers", sorted(by_ew))
-        failed: list[tuple[str, ChannelError]] = []
         for ew, indices, call, out, exchange in posted:
             try:
                 exchange.wait(self.timeout_s)

@@ -123,17 +123,26 @@ class _GroupChannel(TensorChannel):
         if self.backend != "gloo":
             raise RuntimeError(f"channel {self.channel_id!r}: blocking exchanges need gloo, not {self.backend}")
         self._check_usable()
+        if not all(tensor.is_contiguous() for tensor in receives):
+            raise ValueError("receive into contiguous tensors")
         group = self._live_group()
         works = []
-        for tensor in sends:
-            wire = tensor.contiguous()
-            works.append(("send", wire, _post(group, "send", wire, 1 - self._rank, self._sent % _TAG_MODULUS)))
-            self._sent += 1
-        for tensor in receives:
-            if not tensor.is_contiguous():
-                raise ValueError("receive into contiguous tensors")
-            works.append(("recv", tensor, _post(group, "recv", tensor, 1 - self._rank, self._received % _TAG_MODULUS)))
-            self._received += 1
+        op = "send"
+        try:
+            for tensor in sends:
+                wire = tensor.contiguous()
+                works.append(("send", wire, _post(group, "send", wire, 1 - self._rank, self._sent % _TAG_MODULUS)))
+                self._sent += 1
+            op = "recv"
+            for tensor in receives:
+                works.append(("recv", tensor, _post(group, "recv", tensor, 1 - self._rank, self._received % _TAG_MODULUS)))
+                self._received += 1
+        except Exception as error:
+            # gloo fails a post at once when the pair already saw the peer go (it died between two exchanges): the same
+            # loss as a failed wait, so the same ChannelError, not a RuntimeError that would kill the caller's thread.
+            why = _failure_reason(op, error, None)
+            self._fail_from_thread(why)
+            raise self._error(why) from error
         return PendingExchange(self, works)
 
     def _fail_from_thread(self, why: str) -> None:
@@ -169,6 +178,15 @@ class _GroupChannel(TensorChannel):
             await self._drop_group()
 
 
+def _failure_reason(op: str, error: Exception, timeout_s: float | None) -> str:
+    """Why a blocking op failed, in the words the async path (`TensorChannel._guard`) uses."""
+    if "closed by peer" in str(error) or "reset by peer" in str(error):
+        return f"{op} failed: the peer died or closed the channel ({_describe(error)})"
+    if timeout_s is not None and _is_timeout(error):
+        return f"{op} timed out after {timeout_s:g} s (peer hung or not reading?)"
+    return f"{op} failed: {_describe(error)}"
+
+
 def _post(group: Any, op: str, tensor: torch.Tensor, peer_rank: int, tag: int) -> Any:
     return group.send([tensor], peer_rank, tag) if op == "send" else group.recv([tensor], peer_rank, tag)
 
@@ -180,7 +198,6 @@ def _wait(work: Any, timeout: float) -> None:
 def _post_and_wait(group: Any, op: str, tensor: torch.Tensor, peer_rank: int, tag: int, timeout: float) -> None:
     _wait(_post(group, op, tensor, peer_rank, tag), timeout)
     torch.cuda.current_stream(tensor.device).synchronize()
-
 
 
 class PendingExchange:
@@ -197,12 +214,7 @@ class PendingExchange:
             try:
                 _wait(work, max(0.001, deadline - time.monotonic()))
             except Exception as error:
-                if "closed by peer" in str(error) or "reset by peer" in str(error):
-                    why = f"{op} failed: the peer died or closed the channel ({_describe(error)})"
-                elif _is_timeout(error):
-                    why = f"{op} timed out after {timeout_s:g} s (peer hung or not reading?)"
-                else:
-                    why = f"{op} failed: {_describe(error)}"
+                why = _failure_reason(op, error, timeout_s)
                 self._channel._fail_from_thread(why)
                 raise self._channel._error(why) from error
         self._works = []

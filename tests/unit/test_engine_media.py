@@ -117,3 +117,31 @@ def test_a_model_without_media_support_refuses_media_requests_and_still_serves_t
     text, _ = run(engine, EngineRequest(model.tokenizer.encode("Hello there"), params(4)))
     expected, _ = run(Engine(model, EngineConfig(deterministic=True)), EngineRequest(model.tokenizer.encode("Hello there"), params(4)))
     assert text == expected
+
+
+def test_a_resumed_media_request_needs_its_embeddings_and_continues_identically_with_them(model):
+    from phalanx.common.errors import FailedPreconditionError
+    from phalanx.worker.server import snapshot_from_proto, snapshot_to_proto
+
+    ids, span = media_prompt(model, 4, media_hash=7)
+    media = [MediaEmbedding(span, embeddings(model, 3, 4))]
+    whole, _ = run(Engine(model, EngineConfig(deterministic=True)), EngineRequest(ids, params(12), media=media))
+
+    engine = Engine(model, EngineConfig(deterministic=True))
+    seq = engine.add_request(EngineRequest(ids, params(12), media=media))
+    while len(seq.output_ids) < 5:
+        engine.step()
+    # The snapshot travels as a RequestState (checkpoint store, migration): the media positions go with it.
+    snapshot = snapshot_from_proto(snapshot_to_proto(seq.snapshot()))
+    assert snapshot.media_spans == (span,)
+
+    target = Engine(model, EngineConfig(deterministic=True))
+    with pytest.raises(FailedPreconditionError, match="embeddings did not come with it"):
+        target.add_request(EngineRequest(snapshot.prompt_ids, snapshot.params, "moved", resume=snapshot))
+    other = [MediaEmbedding(MediaSpan(span.start, span.length, 8), embeddings(model, 3, 4))]  # another image's hash
+    with pytest.raises(FailedPreconditionError):
+        target.add_request(EngineRequest(snapshot.prompt_ids, snapshot.params, "moved", resume=snapshot, media=other))
+    resumed = target.add_request(EngineRequest(snapshot.prompt_ids, snapshot.params, "moved", resume=snapshot, media=media))
+    while target.has_work():
+        target.step()
+    assert resumed.output_ids == whole

@@ -18,7 +18,7 @@ from typing import Protocol
 
 import torch
 
-from phalanx.common.errors import InvalidRequestError, NotFoundError, ResourceExhaustedError
+from phalanx.common.errors import FailedPreconditionError, InvalidRequestError, NotFoundError, ResourceExhaustedError
 from phalanx.model.attention import PagedAttention, SeqChunk
 from phalanx.model.kv_cache import BLOCK_SIZE, KvCacheManager, KvCacheTensors, KvEvents
 from phalanx.model.sampling import RequestSampler, SamplingParams
@@ -142,6 +142,14 @@ class Engine:
         if request.media and not getattr(self.model, "takes_input_embeds", True):
             raise InvalidRequestError("media", "this worker's model cannot take media embeddings (a tensor-parallel group)")
         self._validate_media(request.media, len(prompt), c.hidden_size)
+        if request.resume and request.resume.media_spans:
+            given = {m.span for m in request.media}
+            if missing := [s for s in request.resume.media_spans if s not in given]:
+                raise FailedPreconditionError(
+                    f"request {request.resume.request_id} has {len(missing)} media item(s) whose embeddings did not come with it"
+                    f" (first at prompt position {missing[0].start}): continuing without them would give other tokens",
+                    subject="media",
+                )
 
     @staticmethod
     def _validate_media(media: list[MediaEmbedding], prompt_len: int, hidden: int) -> None:

@@ -62,6 +62,8 @@ class RequestSnapshot:
     generator_state: bytes
     # Migration order, lower first (RequestState.priority).
     priority: int = 0
+    # Where its media embeddings go: whoever continues it must be given them (RequestState.media).
+    media_spans: tuple[MediaSpan, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -132,6 +134,7 @@ class Sequence:
             seed=self.sampler.seed,
             generator_state=self.sampler.state(),
             priority=self.priority,
+            media_spans=tuple(self.media_spans),
         )
 
     def replayed_events(self) -> list[TokenEvent]:

@@ -49,6 +49,7 @@ def snapshot_to_proto(s: RequestSnapshot) -> common_pb2.RequestState:
     return common_pb2.RequestState(
         request_id=s.request_id, prompt_token_ids=s.prompt_ids, output_token_ids=s.output_ids,
         sampling=params, generator_state=s.generator_state, priority=s.priority,
+        media=[common_pb2.MediaSpanRecord(start=m.start, rows=m.length, media_hash=m.media_hash) for m in s.media_spans],
     )
 
 
@@ -88,7 +89,7 @@ def snapshot_from_proto(state: common_pb2.RequestState) -> RequestSnapshot:
     return RequestSnapshot(
         request_id=state.request_id, prompt_ids=list(state.prompt_token_ids), output_ids=list(state.output_token_ids),
         params=sampling_from_proto(state.sampling), seed=state.sampling.seed, generator_state=state.generator_state,
-        priority=state.priority,
+        priority=state.priority, media_spans=tuple(MediaSpan(m.start, m.rows, m.media_hash) for m in state.media),
     )
 
 

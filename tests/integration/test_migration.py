@@ -12,7 +12,7 @@ import time
 import grpc
 import pytest
 
-from phalanx._proto import worker_pb2, worker_pb2_grpc
+from phalanx._proto import chaos_pb2, chaos_pb2_grpc, worker_pb2, worker_pb2_grpc
 from phalanx.client import Client
 from phalanx.launch.stack import Stack
 from phalanx.testing.asserts import assert_eventually
@@ -27,7 +27,11 @@ PROMPTS = [f"Request {i}: tell the story of the lighthouse keeper number {i} and
 
 # This model's KV is a few MB a request, under the size at which a worker forms a tensor channel rather than fetch
 # over gRPC (PHALANX_WORKER_CHANNEL_MIN_BYTES): these tests move all of it over channels, the path for large KV.
-CHANNELS_ALWAYS = {"PHALANX_WORKER_CHANNEL_MIN_BYTES": "0"}
+CHAOS_TOKEN = "test-chaos-token-migration-0123456789"
+# Chaos on, for the test that must kill a worker mid-prefill: it slows that worker's steps down.
+CHANNELS_ALWAYS = {
+    "PHALANX_WORKER_CHANNEL_MIN_BYTES": "0", "PHALANX_WORKER_CHAOS_ENABLED": "true", "PHALANX_WORKER_CHAOS_TOKEN": CHAOS_TOKEN,
+}
 
 
 @pytest.fixture
@@ -189,6 +193,12 @@ async def test_kill_during_prefill_and_two_kills_one_after_the_other(fleet):
         channel = grpc.aio.insecure_channel(first.address)
         stub = worker_pb2_grpc.WorkerServiceStub(channel)
         before = await stub.Stats(worker_pb2.StatsRequest(), timeout=5)
+        # Each of its steps holds its tokens back 0.3 s: the chunked prefill of these prompts lasts seconds, not a
+        # few ms that a loaded box's Stats polling could miss.
+        await chaos_pb2_grpc.ChaosServiceStub(channel).InjectFault(
+            chaos_pb2.InjectFaultRequest(kind=chaos_pb2.FAULT_KIND_SLOW, slow_step_s=0.3),
+            metadata=[("authorization", f"Bearer {CHAOS_TOKEN}")], timeout=5,
+        )
         killed_in_prefill = asyncio.Event()
 
         async def kill_twice():

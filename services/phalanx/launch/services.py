@@ -336,16 +336,21 @@ async def start_planner(
         {"PHALANX_PLANNER_METRICS_PORT": str(metrics_port), **(env or {})},
     )
     handle = PlannerHandle(instance_id, process, f"127.0.0.1:{port}", f"127.0.0.1:{metrics_port}")
+    return await _serving(handle, timeout)
+
+
+async def _serving(handle: PlannerHandle, timeout: float) -> PlannerHandle:
+    """``handle`` once its gRPC health says SERVING; killed if it exits or does not serve within ``timeout``."""
     deadline = time.monotonic() + timeout
     try:
         while True:
-            if process.poll() is not None:
-                raise RuntimeError(f"{instance_id} exited with {process.returncode} before it served")
+            if handle.process.poll() is not None:
+                raise RuntimeError(f"{handle.name} exited with {handle.process.returncode} before it served")
             with contextlib.suppress(grpc.aio.AioRpcError):
                 if await handle.serving():
                     return handle
             if time.monotonic() > deadline:
-                raise TimeoutError(f"{instance_id} did not serve within {timeout:.0f} s")
+                raise TimeoutError(f"{handle.name} did not serve within {timeout:.0f} s")
             await asyncio.sleep(0.1)
     except BaseException:
         handle.kill()
@@ -486,17 +491,4 @@ async def start_ert_manager(
         {"PHALANX_ERT_METRICS_PORT": str(metrics_port), "PHALANX_ETCD_LEASE_TTL_S": str(etcd_config.lease_ttl_s), **(env or {})},
     )
     handle = PlannerHandle(instance_id, process, f"127.0.0.1:{port}", f"127.0.0.1:{metrics_port}")
-    deadline = time.monotonic() + timeout
-    try:
-        while True:
-            if process.poll() is not None:
-                raise RuntimeError(f"{instance_id} exited with {process.returncode} before it served")
-            with contextlib.suppress(grpc.aio.AioRpcError):
-                if await handle.serving():
-                    return handle
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{instance_id} did not serve within {timeout:.0f} s")
-            await asyncio.sleep(0.1)
-    except BaseException:
-        handle.kill()
-        raise
+    return await _serving(handle, timeout)

@@ -11,8 +11,10 @@ from __future__ import annotations
 import asyncio
 import collections
 
+import grpc
 import pytest
 
+from phalanx._proto import chaos_pb2, chaos_pb2_grpc
 from phalanx.client import Client
 from phalanx.common.discovery import WorkerDirectory
 from phalanx.launch.services import FailoverEngineHandle, wait_registered
@@ -24,6 +26,8 @@ pytestmark = pytest.mark.integration
 MODEL = "phalanx-tiny-moe"
 STREAMS = 8
 MAX_TOKENS = 48
+CHAOS_TOKEN = "test-chaos-token-engine-failover-0123"
+CHAOS = {"PHALANX_WORKER_CHAOS_ENABLED": "true", "PHALANX_WORKER_CHAOS_TOKEN": CHAOS_TOKEN}
 PROMPTS = [f"Request {i}: the shadow engine keeps the lighthouse lit through storm number {i}. " * 3 for i in range(STREAMS)]
 STATES = {"init": 0, "standby": 1, "waking": 2, "active": 3}
 
@@ -83,11 +87,18 @@ async def test_an_engine_in_init_fails_its_startup_probe(stack):
 async def test_primary_sigkilled_under_load_streams_continue_on_the_shadow_with_identical_tokens(stack, etcd_config):
     await stack.add_checkpoint_store()
     await stack.add_migration()
-    slot = await stack.add_failover_slot()
+    slot = await stack.add_failover_slot(env=CHAOS)
     primary, shadow = slot.engines
     await stack.add_router()
     async with await Client.connect(stack.routers[0].address, timeout=60) as client:
         baseline = await _streams(client)  # on the primary: its prefix cache draws the streams back to it below
+        # Its steps take 50 ms from now on: the kill lands mid-generation however fast the device (a GPU ends
+        # 48 tokens before a slow start's last stream has 8). The shadow, its own process, runs at full speed.
+        async with grpc.aio.insecure_channel(primary.address) as channel:
+            await chaos_pb2_grpc.ChaosServiceStub(channel).InjectFault(
+                chaos_pb2.InjectFaultRequest(kind=chaos_pb2.FAULT_KIND_SLOW, slow_step_s=0.05),
+                metadata=[("authorization", f"Bearer {CHAOS_TOKEN}")], timeout=5,
+            )
         # A plain worker beside the slot, idle when the primary dies: migration must still pick the slot's shadow.
         (peer,) = await stack.add_workers(1)
 

@@ -64,7 +64,7 @@ def bare_decode_tokens_per_s(model: Transformer, prompts: list[list[int]], decod
 def engine_decode_tokens_per_s(model: Transformer, prompts: list[list[int]], decode_tokens: int, *, deterministic: bool) -> float:
     batch, seq_len = len(prompts), len(prompts[0]) + decode_tokens
     config = EngineConfig(
-        deterministic=deterministic, max_num_seqs=batch, max_batched_tokens=max(512, batch * len(prompts[0])),
+        device=str(model.device), deterministic=deterministic, max_num_seqs=batch, max_batched_tokens=max(512, batch * len(prompts[0])),
         max_model_len=max(seq_len, 16), num_kv_blocks=batch * -(-seq_len // 16) + 16, prefix_caching=False,
     )
     engine = Engine(model, config)
@@ -81,8 +81,11 @@ def engine_decode_tokens_per_s(model: Transformer, prompts: list[list[int]], dec
     return batch * (decode_tokens - 1) / (time.perf_counter() - start)
 
 
-def run_engine_bench(*, model: str, batches: list[int], decode_tokens: int, prompt_len: int, repeats: int) -> dict:
-    m = load(model)
+def run_engine_bench(
+    *, model: str, batches: list[int], decode_tokens: int, prompt_len: int, repeats: int, device: str = "cpu", dtype: str = "auto"
+) -> dict:
+    torch_dtype = EngineConfig.model_validate({"device": device, "dtype": dtype}).torch_dtype()
+    m = load(model, device=device, dtype=torch_dtype)
     results = []
     for batch in batches:
         prompts = _prompts(m, batch, prompt_len)
@@ -110,6 +113,8 @@ def run_engine_bench(*, model: str, batches: list[int], decode_tokens: int, prom
         "decode_tokens": decode_tokens,
         "prompt_len": prompt_len,
         "repeats": repeats,
+        "device": torch.cuda.get_device_name(m.device) if m.device.type == "cuda" else "cpu",
+        "dtype": str(torch_dtype).removeprefix("torch."),
         "torch_threads": torch.get_num_threads(),
         "results": results,
         "goals": dict(GOALS),
@@ -117,7 +122,8 @@ def run_engine_bench(*, model: str, batches: list[int], decode_tokens: int, prom
         "met": {"ratio_at_batch_32": None if at_32 is None else at_32 >= GOALS["ratio_at_batch_32"]},
     }
     gguf = None if model in BUILTIN_MODELS else gguf_file(model)
-    if gguf is not None:
+    # transformers' reference runs on the CPU in float32: compared only there.
+    if gguf is not None and device == "cpu":
         from phalanx.bench.engine_reference import compare_with_transformers
 
         versus = compare_with_transformers(m, model, gguf, new_tokens=decode_tokens, prompt_len=prompt_len, repeats=repeats)

@@ -260,6 +260,9 @@ def memory_service(
     socket_path: str = typer.Option(None, help="Unix socket engines connect to [env PHALANX_MEMORY_SOCKET_PATH]"),
     root: str = typer.Option(None, help="Directory of the weight segments, a tmpfs [env PHALANX_MEMORY_ROOT]"),
     port: int = typer.Option(None, help="gRPC health port, 0 for any [env PHALANX_MEMORY_PORT]"),
+    device: str = typer.Option(
+        None, help="cpu, or the CUDA device that holds the weights for GPU engines (CUDA IPC) [env PHALANX_MEMORY_DEVICE]"
+    ),
     log_level: str = typer.Option("INFO"),
 ) -> None:
     """Run a weight memory service (engine failover): owns a slot's shared weight segments; one writer or many readers."""
@@ -267,7 +270,7 @@ def memory_service(
     from phalanx.failover.memory_service import MemoryServiceConfig, MemoryServiceProcess
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    config = MemoryServiceConfig(**_given(socket_path=socket_path, root=root, port=port))
+    config = MemoryServiceConfig(**_given(socket_path=socket_path, root=root, port=port, device=device))
     _run_until_signalled(MemoryServiceProcess(config, TelemetryConfig()))
 
 
@@ -497,13 +500,17 @@ def bench_engine(
         "phalanx-tiny-moe", help="Built-in model, .gguf file or HF checkpoint dir; a GGUF one is also compared with transformers"
     ),
     repeats: int = typer.Option(3, help="Runs per measurement; the median is reported"),
+    device: str = typer.Option("cpu", help="torch device: cpu, cuda, cuda:1 …"),
+    dtype: str = typer.Option("auto", help="auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16 or float16"),
     as_json: bool = typer.Option(False, "--json", help="Print JSON only"),
 ) -> None:
-    """Engine decode tokens/s vs the model's bare forward loop and (GGUF models) transformers' generate; load time to first token."""
+    """Engine decode tokens/s vs the model's bare forward loop and (GGUF models, on the CPU) transformers' generate."""
     from phalanx.bench.engine import default_batches, run_engine_bench
 
     sizes = [int(b) for b in batches.split(",")] if batches else default_batches(model)
-    result = run_engine_bench(model=model, batches=sizes, decode_tokens=tokens, prompt_len=prompt_len, repeats=repeats)
+    result = run_engine_bench(
+        model=model, batches=sizes, decode_tokens=tokens, prompt_len=prompt_len, repeats=repeats, device=device, dtype=dtype
+    )
     typer.echo(json.dumps(result, indent=None if as_json else 2))
 
 

@@ -307,8 +307,11 @@ def batch_of(captures: list[_Capture], snapshot_to_proto) -> checkpoint_pb2.Batc
 def tensor_bytes(tensor: torch.Tensor) -> bytes:
     """The tensor's raw C-order bytes, any dtype (numpy has no bfloat16, so through a byte view).
 
-    One copy: numpy writes a strided array (a piece of a capture's gather) out in C order itself.
+    One copy: numpy writes a strided array (a piece of a capture's gather) out in C order itself. A GPU
+    tensor (a CUDA worker's KV) comes to host memory first.
     """
+    if tensor.device.type != "cpu":
+        tensor = tensor.contiguous().cpu()
     if tensor.dim() == 0 or tensor.stride(-1) != 1:
         tensor = tensor.contiguous().view(-1)
     return tensor.view(torch.uint8).numpy().tobytes()

@@ -32,7 +32,7 @@ from phalanx.common.channels.grpc_stream import (
     _Pushed,
     _say_hello,
 )
-from phalanx.common.channels.process_group import _backend_for, _GroupChannel, _make_group
+from phalanx.common.channels.process_group import _backend_for, _gpu_identity, _GroupChannel, _make_group
 from phalanx.common.channels.rendezvous import _host_store, _lookup, _Rendezvous, channel_key
 from phalanx.common.channels.threads import _DaemonPool, _in_thread
 from phalanx.common.config import EtcdConfig
@@ -277,13 +277,13 @@ class ChannelEndpoint:
             advert = await self.lookup(peer_endpoint_id, timeout_s=timeout)
             address = (advert.host, advert.port)
         backend = _backend_for(device)
-        form = partial(_make_group, backend=backend, device=torch.device(device), deadline=deadline, gloo_device=self._gloo_device)
-        join = partial(self._rendezvous.join_as_opener, address, channel_id, backend, deadline, form)
+        form = partial(_make_group, device=torch.device(device), deadline=deadline, gloo_device=self._gloo_device)
+        join = partial(self._rendezvous.join_as_opener, address, channel_id, backend, deadline, form, _gpu_identity(device))
         # A hung peer store can hold one of its ops past the deadline: do not wait for it.
         limit = asyncio.timeout(max(0.001, deadline - time.monotonic()) + _OPEN_GRACE_S)
         try:
             async with limit:
-                group, store = await _in_thread(self._pool, join)
+                group, store, backend = await _in_thread(self._pool, join)
         except Exception as error:
             if limit.expired():
                 why = f"its store did not answer within {timeout:g} s (hung?)"
@@ -317,11 +317,11 @@ class ChannelEndpoint:
         backend = _backend_for(device)
         assert self._store is not None
         deadline = time.monotonic() + timeout
-        form = partial(_make_group, backend=backend, device=torch.device(device), deadline=deadline, gloo_device=self._gloo_device)
-        join = partial(self._rendezvous.join_as_acceptor, self._store, channel_id, backend, deadline, form)
+        form = partial(_make_group, device=torch.device(device), deadline=deadline, gloo_device=self._gloo_device)
+        join = partial(self._rendezvous.join_as_acceptor, self._store, channel_id, backend, deadline, form, _gpu_identity(device))
         self._accepting.add(channel_id)
         try:
-            group, store, peer = await _in_thread(self._pool, join)
+            group, store, peer, backend = await _in_thread(self._pool, join)
         except Exception as error:
             why = f"no peer opened it within {timeout:g} s" if _is_timeout(error) else _describe(error)
             raise ChannelError(f"cannot accept channel {channel_id!r} on {self.endpoint_id!r}: {why}", channel_id=channel_id) from error

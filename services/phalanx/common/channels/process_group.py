@@ -37,7 +37,14 @@ def _backend_for(device: str) -> str:
     return "gloo"
 
 
-def _make_group(store: dist.Store, rank: int, *, backend: str, device: torch.device, deadline: float, gloo_device: Any) -> Any:
+def _gpu_identity(device: str) -> str | None:
+    """The UUID of ``device``'s GPU (None off CUDA): two ends on one GPU cannot form an NCCL group."""
+    if torch.device(device).type != "cuda":
+        return None
+    return str(torch.cuda.get_device_properties(torch.device(device)).uuid)
+
+
+def _make_group(store: dist.Store, rank: int, backend: str, *, device: torch.device, deadline: float, gloo_device: Any) -> Any:
     """The 2-rank group of one channel, formed through its rendezvous ``store`` (blocking: call it on a thread)."""
     timeout = timedelta(seconds=max(0.001, deadline - time.monotonic()))
     if backend == "nccl":
@@ -84,6 +91,7 @@ class _GroupChannel(TensorChannel):
         self._dropping: asyncio.Future[None] | None = None
 
     def _wire_device(self) -> torch.device:
+        # gloo moves host memory: CUDA tensors are staged through it (two ends on one GPU, see rendezvous.py).
         return self._device if self.backend == "nccl" else torch.device("cpu")
 
     async def _send(self, tensor: torch.Tensor, sequence: int, timeout: float) -> None:

@@ -3,7 +3,11 @@
 The opener (rank 0) joins the acceptor's (rank 1) store under
 ``ch/<channel_id>/``: it writes who it is, both form the channel's group
 through that namespace, and the acceptor deletes the keys once the opener
-says its group formed. The advertisement (a ChannelEndpointAdvertisement,
+says its group formed. An NCCL channel needs the two ends on different
+GPUs (NCCL refuses two ranks of one communicator on one device: "Duplicate
+GPU detected"), so for NCCL the opener also names its GPU, and the acceptor
+says which backend both use: NCCL, or gloo staged through host memory when
+they share a GPU. The advertisement (a ChannelEndpointAdvertisement,
 proto3 JSON) lives under a lease (``/phalanx/v1/channels/<endpoint id>``),
 so a peer that dies disappears from discovery within the lease TTL.
 """
@@ -36,12 +40,21 @@ _OPENER_KEY = "opener"
 # Set by the opener once its group formed: until then it may still read the
 # rendezvous keys, so the acceptor deletes them only after seeing this.
 _READY_KEY = "ready"
+# Set by the acceptor of an NCCL channel: the backend both ends form the group with.
+_AGREED_KEY = "agreed"
 # Rendezvous waits poll the store: fast at first (the peer is usually there), then every 5 ms.
 _POLL_FIRST_S = 0.0002
 _POLL_MAX_S = 0.005
 
-# Forms a channel's group through its rendezvous namespace, as the given rank (blocking).
-FormGroup = Callable[[dist.Store, int], Any]
+# Forms a channel's group through its rendezvous namespace, as the given rank, with the given backend (blocking).
+FormGroup = Callable[[dist.Store, int, str], Any]
+
+
+def agreed_backend(requested: str, opener_gpu: str | None, acceptor_gpu: str | None) -> str:
+    """The backend of a channel both ends asked ``requested`` for: gloo instead of NCCL when they share one GPU."""
+    if requested == "nccl" and opener_gpu is not None and opener_gpu == acceptor_gpu:
+        return "gloo"
+    return requested
 
 
 def channel_key(endpoint_id: str) -> str:
@@ -163,9 +176,10 @@ class _Rendezvous:
         self._clients_lock = threading.Lock()
 
     def join_as_opener(
-        self, address: tuple[str, int], channel_id: str, backend: str, deadline: float, form: FormGroup
-    ) -> tuple[Any, dist.Store]:
-        opener = json.dumps({"endpoint": self._endpoint_id, "backend": backend})
+        self, address: tuple[str, int], channel_id: str, backend: str, deadline: float, form: FormGroup, gpu: str | None = None
+    ) -> tuple[Any, dist.Store, str]:
+        """Joins as rank 0; returns the group, its store and the backend the acceptor agreed to."""
+        opener = json.dumps({"endpoint": self._endpoint_id, "backend": backend, "gpu": gpu})
         client = self._client_for(address, deadline)
         try:
             client.set(f"{_store_prefix(channel_id)}/{_OPENER_KEY}", opener)
@@ -176,30 +190,36 @@ class _Rendezvous:
             client.set(f"{_store_prefix(channel_id)}/{_OPENER_KEY}", opener)
         store = _PollingStore(client, channel_id, deadline)
         try:
-            group = form(store, 0)
+            if backend == "nccl":
+                backend = store.get(_AGREED_KEY).decode()
+            group = form(store, 0, backend)
             store.set(_READY_KEY, "1")
         except BaseException:
             # Stale keys would make the next accept of this id join a group that is gone.
             _delete_keys(client, _store_prefix(channel_id))
             raise
-        return group, store
+        return group, store, backend
 
     def join_as_acceptor(
-        self, master: dist.TCPStore, channel_id: str, backend: str, deadline: float, form: FormGroup
-    ) -> tuple[Any, dist.Store, str]:
+        self, master: dist.TCPStore, channel_id: str, backend: str, deadline: float, form: FormGroup, gpu: str | None = None
+    ) -> tuple[Any, dist.Store, str, str]:
+        """Joins as rank 1; returns the group, its store, the opener's endpoint id and the backend both use."""
         store = _PollingStore(master, channel_id, deadline)
         try:
             store.wait([_OPENER_KEY])
             opener = json.loads(store.get(_OPENER_KEY))
             if opener["backend"] != backend:
                 raise ChannelError(f"the peer {opener['endpoint']!r} opened it with {opener['backend']}, accepted with {backend}")
-            group = form(store, 1)
+            if backend == "nccl":
+                backend = agreed_backend(backend, opener.get("gpu"), gpu)
+                store.set(_AGREED_KEY, backend)
+            group = form(store, 1, backend)
             store.wait([_READY_KEY])
         finally:
             # Joined (both sides are past the rendezvous) or failed: the keys are
             # no use any more, and stale ones would derail a reuse of the id.
             _delete_keys(master, _store_prefix(channel_id))
-        return group, store, opener["endpoint"]
+        return group, store, opener["endpoint"], backend
 
     def forget_clients(self) -> None:
         """Drop the clients of peer stores (the endpoint closes)."""

@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# The GPU paths, on a machine with a CUDA device (a lent device machine; CI has none):
+# tests/gpu (bf16 engine, determinism, KV moves, CUDA tensor channels, CUDA IPC weights), `phalanx bench engine` on
+# the GPU, and the migration and engine-failover suites with CUDA workers.
+# Needs torch with CUDA and the services' packages importable (PYTHONPATH=services plus what the machine lacks).
+# Usage: scripts/gpu_checks.sh [OUT_DIR]
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out="${1:-/tmp/phalanx-gpu}"
+mkdir -p "$out"
+export PYTHONPATH="$PWD/services${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 GRPC_ENABLE_FORK_SUPPORT=false
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/gpu.txt"
+python3 -m pytest tests/gpu -p no:cacheprovider -o filterwarnings= -m gpu -q -s -rfE 2>&1 | tee "$out/tests_gpu.log"
+for model in phalanx-tiny-moe phalanx-tiny-dense; do
+  python3 -m phalanx.cli bench engine --model "$model" --device cuda --batches 1,8,32,128 --repeats 3 --json \
+    2>&1 | tee "$out/bench_engine_${model}.json"
+done
+# The integration suites with every worker on the GPU (and the failover slots' weights there, over CUDA IPC).
+PHALANX_ENGINE_DEVICE=cuda python3 -m pytest tests/integration/test_migration.py -p no:cacheprovider -o filterwarnings= -q -rfE \
+  2>&1 | tee "$out/migration_cuda.log"
+PHALANX_ENGINE_DEVICE=cuda PHALANX_MEMORY_DEVICE=cuda python3 -m pytest tests/integration/test_engine_failover.py \
+  -p no:cacheprovider -o filterwarnings= -q -rfE 2>&1 | tee "$out/engine_failover_cuda.log"

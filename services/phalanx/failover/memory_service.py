@@ -5,12 +5,17 @@ decides who may write and who may read them, and a connection *is* the
 grant: per layout hash one writer or many readers. The protocol is one JSON
 object per line.
 
-    client -> {"role": "write" | "read", "name": ..., "layout": <hash>, "timeout_s": ...}
+    client -> {"role": "write" | "read", "name": ..., "layout": <hash>, "timeout_s": ..., "device": "cpu" | "cuda[:n]"}
     service -> {"granted": "write", "root": ...}     (only if nothing is committed yet)
-             | {"granted": "read", "root": ...}      (committed, no writer)
+             | {"granted": "read", "root": ..., "cuda": <IPC descriptor>?}      (committed, no writer)
              | {"error": "not_ready" | "stale_layout" | "bad_request", "message": ...}
-    writer  -> {"commit": true}  after publish_state_dict;  service -> {"committed": true}, and the
+    writer  -> {"commit": true}  after publish_state_dict;  service -> {"committed": true, "cuda": ...?}, and the
                connection becomes a read grant
+
+A service started with a CUDA ``device`` owns the weights' GPU copy
+(phalanx.failover.cuda_weights): a read grant to an engine that asked for a
+CUDA device carries the IPC descriptor of that copy, so engines on the GPU
+map the same device memory instead of holding a copy each.
 
 A writer that disconnects before committing frees the write grant (its
 staging directories are removed), so the next engine 0 writes. The client
@@ -38,7 +43,9 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from phalanx.common.config import TelemetryConfig
 from phalanx.common.service import ServiceShell
+from phalanx.failover.cuda_weights import GpuSegment, map_gpu_segment
 from phalanx.failover.weights import (
+    COMMIT_FILE,
     DEFAULT_ROOT,
     StaleLayoutError,
     WeightLayout,
@@ -71,6 +78,9 @@ class MemoryServiceConfig(BaseSettings):
     advertise_host: str = Field("", description="Host others reach us at (default: host)")
     metrics_port: int = Field(0, ge=0, le=65535, description="Prometheus /metrics port; 0 picks a free one")
     shutdown_grace_s: float = Field(1.0, ge=0, description="How long the health server may finish RPCs at shutdown")
+    device: str = Field(
+        "cpu", description="cpu, or the CUDA device whose memory holds the weights for engines on the GPU (shared over CUDA IPC)"
+    )
 
 
 @dataclass
@@ -85,15 +95,20 @@ class _Segment:
 class MemoryServiceServer:
     """The socket server; see the module docstring for the protocol."""
 
-    def __init__(self, root: Path, socket_path: Path, registry: CollectorRegistry | None = None) -> None:
+    def __init__(self, root: Path, socket_path: Path, registry: CollectorRegistry | None = None, *, device: str = "cpu") -> None:
         self.root = root
         self.socket_path = socket_path
+        self.device = device
         self._segments: dict[str, _Segment] = {}
+        # Layout hash -> the committed weights' copy on the GPU (kept for the service's life), made at the first ask.
+        self._gpu_segments: dict[str, GpuSegment] = {}
+        self._gpu_lock = asyncio.Lock()
         self._server: asyncio.AbstractServer | None = None
         self._connections: set[asyncio.StreamWriter] = set()
         self._handlers: set[asyncio.Task[None]] = set()
         self._readers = Gauge("phalanx_memory_readers", "Connections holding a read grant", registry=registry)
         self._writers = Gauge("phalanx_memory_writers", "Connections holding a write grant", registry=registry)
+        self._gpu_bytes = Gauge("phalanx_memory_gpu_bytes", "Bytes of weights this service holds on its GPU for its engines", registry=registry)
 
     async def start(self) -> None:
         with contextlib.suppress(FileNotFoundError):
@@ -137,9 +152,12 @@ class MemoryServiceServer:
             if "error" in granted:
                 await _send(writer, granted)
                 return
+            wants_gpu = str(request.get("device", "cpu")).startswith("cuda")
+            if granted["granted"] == "read" and wants_gpu:
+                granted = {**granted, **await self._gpu_share(layout_hash)}
             await _send(writer, granted)
             if granted["granted"] == "write":
-                if not await self._await_commit(reader, writer, segment, me, layout_hash):
+                if not await self._await_commit(reader, writer, segment, me, layout_hash, wants_gpu):
                     return
             await reader.read()  # hold the read grant until the engine disconnects (EOF)
         except (ConnectionError, json.JSONDecodeError, ValueError) as error:
@@ -178,8 +196,29 @@ class MemoryServiceServer:
         published = published_hash(name, self.root) if name else None
         return published if published not in (None, layout_hash) else None
 
+    async def _gpu_share(self, layout_hash: str) -> dict[str, object]:
+        """``{"cuda": descriptor}`` of the committed weights' GPU copy; ``{}`` if this service keeps none (CPU)."""
+        if torch.device(self.device).type != "cuda":
+            return {}
+        async with self._gpu_lock:
+            shared = self._gpu_segments.get(layout_hash)
+            if shared is None:
+                directory = segment_dir_for(self.root, layout_hash)
+                try:
+                    layout = WeightLayout.from_json(await asyncio.to_thread((directory / COMMIT_FILE).read_text))
+                    shared = await asyncio.to_thread(GpuSegment, directory, layout, self.device)
+                except (OSError, RuntimeError, WeightsError) as error:
+                    # The engine then copies the host pages to its device itself: slower and not shared, but serving.
+                    log.error("cannot put the weights of layout %s on %s: %s", layout_hash, self.device, error)
+                    return {}
+                self._gpu_segments[layout_hash] = shared
+                self._gpu_bytes.set(sum(s.nbytes for s in self._gpu_segments.values()))
+                log.info("weights of layout %s on %s: %.1f MiB shared over CUDA IPC", layout_hash, self.device, shared.nbytes / 2**20)
+        return {"cuda": shared.descriptor}
+
     async def _await_commit(
-        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, segment: _Segment, me: object, layout_hash: str
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, segment: _Segment, me: object, layout_hash: str,
+        wants_gpu: bool = False,
     ) -> bool:
         line = await reader.readline()
         message = json.loads(line) if line else None
@@ -195,7 +234,7 @@ class MemoryServiceServer:
             segment.readers.add(me)
             self._readers.inc()
             segment.changed.notify_all()
-        await _send(writer, {"committed": True})
+        await _send(writer, {"committed": True, **(await self._gpu_share(layout_hash) if wants_gpu else {})})
         return True
 
     async def _drop(self, segment: _Segment, me: object) -> None:
@@ -236,14 +275,19 @@ class MemoryServiceClient:
         *,
         name: str,
         timeout_s: float = 30.0,
+        device: str = "cpu",
     ) -> dict[str, torch.Tensor]:
-        """Shared tensors under a grant: RW_OR_RO writes if nothing is committed, else (and RO always) reads."""
+        """Shared tensors under a grant: RW_OR_RO writes if nothing is committed, else (and RO always) reads.
+
+        On a CUDA ``device`` they are views of the service's GPU copy; from a service that keeps none (a CPU
+        service) they are a private copy on the device, made from the shared host pages.
+        """
         try:
             self._reader, self._writer = await asyncio.open_unix_connection(self.socket_path, limit=MAX_LINE)
         except OSError as error:
             raise MemoryServiceUnavailableError(f"memory service at {self.socket_path} unreachable: {error}") from error
         wants = "write" if role is WeightRole.RW_OR_RO else "read"
-        reply = await self._ask({"role": wants, "name": name, "layout": expected.hash, "timeout_s": timeout_s})
+        reply = await self._ask({"role": wants, "name": name, "layout": expected.hash, "timeout_s": timeout_s, "device": device})
         if reply.get("error") == "not_ready":
             raise WeightsNotReadyError(str(reply["message"]))
         if reply.get("error") == "stale_layout":
@@ -255,9 +299,17 @@ class MemoryServiceClient:
             published = await asyncio.to_thread(lambda: publish_state_dict(load(), name=name, root=root))
             if published != expected:
                 raise StaleLayoutError(expected.hash, published.hash, "the loaded weights differ from the model's layout")
-            if (await self._ask({"commit": True})).get("committed") is not True:
+            reply = await self._ask({"commit": True})
+            if reply.get("committed") is not True:
                 raise WeightsError("the memory service did not accept the commit")
-        tensors = map_state_dict(expected, name=name, root=root, timeout_s=1.0)
+        shared_gpu = reply.get("cuda")
+        if isinstance(shared_gpu, dict):
+            tensors = await asyncio.to_thread(map_gpu_segment, shared_gpu, expected)
+        else:
+            tensors = map_state_dict(expected, name=name, root=root, timeout_s=1.0)
+            if torch.device(device).type != "cpu":
+                log.warning("the memory service keeps no weights on %s: this engine copies them there (not shared)", device)
+                tensors = await asyncio.to_thread(lambda: {k: v.to(device) for k, v in tensors.items()})
         self._watch = asyncio.create_task(self._watch_connection(), name="memory-service-watch")
         return tensors
 
@@ -303,7 +355,7 @@ class MemoryServiceProcess:
         self.registry = CollectorRegistry()
         self.shell = ServiceShell("phalanx-memory-service", config, telemetry, registry=self.registry, shutdown_grace_s=config.shutdown_grace_s)
         self.ready = self.shell.ready
-        self.server = MemoryServiceServer(Path(config.root), Path(config.socket_path), self.registry)
+        self.server = MemoryServiceServer(Path(config.root), Path(config.socket_path), self.registry, device=config.device)
 
     def request_stop(self) -> None:
         self.shell.request_stop()

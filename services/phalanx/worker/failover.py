@@ -201,8 +201,10 @@ class FailoverEngine:
         self.metrics.transition(self.state, state)
         self.state = state
 
-    async def load_model(self, model_name: str, *, dtype: Any, seed: int | None) -> Any:
-        """The model on the slot's shared weights: engine 0 loads and publishes them if nobody did, others only map."""
+    async def load_model(self, model_name: str, *, dtype: Any, seed: int | None, device: str = "cpu") -> Any:
+        """The model on the slot's shared weights: engine 0 loads and publishes them if nobody did, others only map.
+
+        On a CUDA ``device`` the weights are the memory service's GPU copy (phalanx.failover.cuda_weights)."""
         import torch
 
         from phalanx.model.loader import load, skeleton
@@ -214,7 +216,8 @@ class FailoverEngine:
             return load(model_name, device="cpu", dtype=dtype, seed=seed).state_dict()
 
         tensors = await self.memory.obtain(
-            role_for_engine(self.engine_id), expected, load_weights, name=segment_name(model.version), timeout_s=self.weights_timeout_s
+            role_for_engine(self.engine_id), expected, load_weights, name=segment_name(model.version), timeout_s=self.weights_timeout_s,
+            device=device,
         )
         attach_state_dict(model, tensors)
         # One small forward now: every weight page touched and torch's kernels and threads warm before a takeover needs them.

@@ -185,7 +185,10 @@ class WorkerProcess:
         self._set_torch_threads()
         with get_tracer(__name__).start_as_current_span("worker.map_weights"):
             loading = asyncio.ensure_future(
-                failover.load_model(self.engine_config.model, dtype=self.engine_config.torch_dtype(), seed=self.engine_config.seed)
+                failover.load_model(
+                    self.engine_config.model, dtype=self.engine_config.torch_dtype(), seed=self.engine_config.seed,
+                    device=self.engine_config.device,
+                )
             )
             stopping = asyncio.ensure_future(shell.wait_for_stop())
             await asyncio.wait({loading, stopping}, return_when=asyncio.FIRST_COMPLETED)

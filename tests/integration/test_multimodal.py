@@ -102,6 +102,21 @@ async def test_an_image_request_gives_the_in_process_encoder_and_engine_tokens(s
     assert list(completion.token_ids) == got
 
 
+async def test_the_text_before_the_image_is_prefilled_while_it_is_encoded_with_the_sequential_tokens(stack):
+    image = _png(4)
+    before = "Here is a long description of what the picture that follows may show, in many words. " * 4 + "Look: "
+    router = stack.routers[0]
+    prefilled = router.metric("phalanx_router_media_prefix_prefills_total", result="ok") or 0
+    async with grpc.aio.insecure_channel(router.address) as channel:
+        chunks = [c async for c in router_pb2_grpc.RouterServiceStub(channel).Generate(_request(before + "<media> What is it?", image))]
+    # The worker prefilled the prefix while the encoder ran: the request itself found its full blocks cached.
+    prefix_tokens = len(phalanx.model.load(MODEL).tokenizer.encode(before))
+    assert prefix_tokens >= 32 and chunks[0].cached_prompt_tokens == prefix_tokens // 16 * 16
+    assert router.metric("phalanx_router_media_prefix_prefills_total", result="ok") == prefilled + 1
+    # Greedy output identical to encoding first and prefilling the whole prompt at once.
+    assert [c.token_id for c in chunks] == _in_process(image, before, " What is it?")
+
+
 async def test_the_openai_gateway_takes_an_image_as_a_data_url(stack):
     openai = pytest.importorskip("openai")
     gateway = await start_gateway(stack.routers[0].address, "--model", MODEL, name="gateway-mm")

@@ -63,6 +63,11 @@ class RouterConfig(BaseSettings):
     embedding_cache_bytes: int = Field(
         64 * 1024 * 1024, ge=0, description="Embeddings of recent images and audio kept by their bytes' digest (a repeat skips the encoder); 0: none"
     )
+    media_prefix_overlap: bool = Field(
+        True,
+        description="Prefill a media request's text before its first media marker on the chosen worker while the encoder runs "
+        "(WorkerService.Prefill), instead of after the embeddings come",
+    )
     premium_at_level_4: bool = Field(
         False,
         description="At degradation level 4 keep admitting premium requests while any worker can take them "

@@ -59,3 +59,16 @@ def test_a_transfer_term_per_pair_can_turn_the_choice():
 def test_no_pair_without_encoders_or_workers():
     assert choose_joint([], [WorkerEstimate("w", 0.0, 1e-4, 0)], prefix_tokens=1, rest_tokens=1, overlap=True) is None
     assert choose_joint([EncoderEstimate("e", 0.01)], [], prefix_tokens=1, rest_tokens=1, overlap=True) is None
+
+
+def test_overlap_pays_only_when_its_saving_beats_the_prefixs_own_step():
+    worker = WorkerEstimate("w", 0.0, 0.25 * MS, 0, step_s=20 * MS)  # 4,000 tokens/s, 20 ms steps
+    encoder = EncoderEstimate("e", 30 * MS)
+    short = choose_joint([encoder], [worker], prefix_tokens=32, rest_tokens=60, overlap=True)
+    assert short is not None and short.overlap_gain_s == pytest.approx(0.008) and not short.overlap_pays(1.0)
+    assert short.overlap_pays(0.0)  # 0: whenever there is anything to gain
+    long = choose_joint([encoder], [worker], prefix_tokens=1024, rest_tokens=60, overlap=True)
+    assert long is not None and long.overlap_gain_s == pytest.approx(0.030) and long.overlap_pays(1.0)
+    cached = WorkerEstimate("w", 0.0, 0.25 * MS, 1024, step_s=20 * MS)
+    held = choose_joint([encoder], [cached], prefix_tokens=1024, rest_tokens=60, overlap=True)
+    assert held is not None and held.overlap_gain_s == 0 and not held.overlap_pays(0.0)

@@ -345,6 +345,7 @@ def test_estimates_give_each_workers_wait_rate_and_cached_prefix():
     assert by_id["a"].cached_tokens == 64 and by_id["b"].cached_tokens == 0
     assert by_id["a"].s_per_token == pytest.approx(1 / 4000)
     assert by_id["b"].wait_s == pytest.approx(by_id["a"].wait_s + 3 * 0.02)
+    assert by_id["a"].step_s == pytest.approx(0.02)
     decision = table.route(PROMPT[:100])
     assert decision is not None and decision.cost_s == pytest.approx(by_id["a"].wait_s + 36 / 4000)
     table.set_weight("b", 0.5)

@@ -1,8 +1,8 @@
 """Media TTFT through the real services: text prefix overlapped with encoding vs encode-then-prefill.
 
 NATS, etcd, one encoder, one worker and two routers as processes: one router
-with ``PHALANX_ROUTER_MEDIA_PREFIX_OVERLAP`` on (the default), one with it
-off. Requests alternate between the two, each with a fresh image (no
+with ``PHALANX_ROUTER_MEDIA_PREFIX_OVERLAP`` on for every prefix (min steps
+0: the mechanism, not the router's rule of when it pays), one with it off. Requests alternate between the two, each with a fresh image (no
 embedding cache hit) and fresh random prefix tokens (no prefix cache hit),
 and TTFT is taken at the client (the SDK's first token). Every process runs
 on the same cores here: the encoder and the worker compete for them, which a
@@ -88,7 +88,9 @@ async def overlap_ttft_through_services(
         stack.callback(worker.terminate)
         routers = {}
         for overlap in (True, False):
-            env = {"PHALANX_ROUTER_MEDIA_PREFIX_OVERLAP": "true" if overlap else "false"}
+            # The overlap on for every prefix with a block to compute (min steps 0), not only where the router's rule
+            # expects it to pay: this measures what the mechanism gains or costs at each prefix length.
+            env = {"PHALANX_ROUTER_MEDIA_PREFIX_OVERLAP": "true" if overlap else "false", "PHALANX_ROUTER_MEDIA_PREFIX_OVERLAP_MIN_STEPS": "0"}
             router = await start_router(f"bench-mm-router-{int(overlap)}", nats.url, etcd_config, env=env)
             stack.callback(router.terminate)
             routers[overlap] = router

@@ -18,6 +18,12 @@ slow encoder runs, a worker with a queue but the prefix cached may cost no
 more than an idle one, and the best worker for one encoder is not the best
 for another. Ties go to the encoder listed first (the caller's ranking),
 then to the worker listed first.
+
+Overlapping costs something the estimate leaves out: the prefix takes an
+engine step of its own (and a Prefill call). ``JointChoice.overlap_pays``
+says whether the saving (the shorter of the encode and the uncached prefix's
+prefill) covers that, in worker steps; a 32-token prefix next to a 30 ms
+encode does not.
 """
 
 from __future__ import annotations
@@ -42,6 +48,13 @@ class JointChoice:
     worker_id: str
     ttft_s: float
     prefix_cached_tokens: int  # of the text prefix, the tokens the worker holds already
+    # What overlapping the prefix with encoding saves by the estimate: the shorter of the two.
+    overlap_gain_s: float = 0.0
+    worker_step_s: float = 0.0
+
+    def overlap_pays(self, min_steps: float) -> bool:
+        """The saving beats what the overlap costs: the prefix's own engine step (and a Prefill call), in worker steps."""
+        return self.overlap_gain_s > 0 and self.overlap_gain_s >= min_steps * self.worker_step_s
 
 
 def pair_ttft_s(
@@ -64,5 +77,9 @@ def choose_joint(
             extra = transfer_s(encoder.encoder_id, worker.worker_id) if transfer_s is not None else 0.0
             ttft = pair_ttft_s(encoder, worker, prefix_tokens=prefix_tokens, rest_tokens=rest_tokens, overlap=overlap, transfer_s=extra)
             if best is None or ttft < best.ttft_s:
-                best = JointChoice(encoder.encoder_id, worker.worker_id, ttft, min(worker.cached_tokens, prefix_tokens))
+                prefill_s = max(0, prefix_tokens - worker.cached_tokens) * worker.s_per_token
+                best = JointChoice(
+                    encoder.encoder_id, worker.worker_id, ttft, min(worker.cached_tokens, prefix_tokens),
+                    overlap_gain_s=min(encoder.encode_s + extra, prefill_s), worker_step_s=worker.step_s,
+                )
     return best

@@ -52,7 +52,8 @@ class RouterMetrics:
         )
         self.prefix_prefills = Counter(
             "phalanx_router_media_prefix_prefills",
-            "Text prefixes of media requests prefilled on the chosen worker while the encoder ran, by result", ["result"], registry=r,
+            "Text prefixes of media requests prefilled on the chosen worker while the encoder ran, by result (ok; failed; unfinished: "
+            "the request went on without it, past media_prefix_wait_s or on an encoding error)", ["result"], registry=r,
         )
         self.workers = Gauge("phalanx_router_workers", "Workers known to routing", registry=r)
         self.indexed_blocks = Gauge("phalanx_router_indexed_blocks", "KV blocks in the routing index", registry=r)

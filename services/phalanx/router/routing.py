@@ -81,6 +81,7 @@ class WorkerEstimate:
     wait_s: float
     s_per_token: float
     cached_tokens: int
+    step_s: float = 0.0  # one engine step there (its report, else the default)
 
 
 @dataclass(frozen=True, slots=True)
@@ -316,7 +317,10 @@ class RoutingTable:
             if w.worker_id in exclude:
                 continue
             wait = w.base_s + (self.stale_penalty_s if w.report_at < stale_before else 0.0)
-            out.append(WorkerEstimate(w.worker_id, wait * inv_weight, w.inv_rate * inv_weight, matched.get(w.slot, 0) * self.block_size))
+            step = w.step_time_ms / 1e3 if w.step_time_ms > 0 else self.default_step_time_s
+            out.append(WorkerEstimate(
+                w.worker_id, wait * inv_weight, w.inv_rate * inv_weight, matched.get(w.slot, 0) * self.block_size, step * inv_weight,
+            ))
         return out
 
     def _matched(self, prompt_ids: list[int], media: Sequence[MediaSpan]) -> dict[int, int]:

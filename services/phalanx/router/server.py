@@ -380,16 +380,20 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
         if (
             choice is not None and self.config.media_prefix_overlap
             and first_media - choice.prefix_cached_tokens >= self.table.block_size  # a full block to compute, or nothing is cached
+            and choice.overlap_pays(self.config.media_prefix_overlap_min_steps)
         ):
             prefill = asyncio.create_task(self._prefill_prefix(request_id, choice.worker_id, prompt_ids[:first_media]))
         try:
             with tracer.start_as_current_span("router.encode", attributes={"request_id": request_id, "items": items}):
                 embeddings = await self.media_encoder.encode(request_id, request.media, budget, first=choice.encoder_id if choice else None)
             if prefill is not None:
-                await prefill  # its blocks must be cached before the request comes, or the worker computes them again
+                # Its blocks must be cached before the request comes, or the worker computes them again; a worker that
+                # takes much longer than the encoder is slow or hung, and the request must not wait on it for long.
+                await asyncio.wait([prefill], timeout=self.config.media_prefix_wait_s)
         finally:
             if prefill is not None and not prefill.done():
                 prefill.cancel()
+                self.metrics.prefix_prefills.labels(result="unfinished").inc()
         expanded, spans = expand_placeholders(prompt_ids, placeholder, [e.rows for e in embeddings], [e.media_hash for e in embeddings])
         media = [
             common_pb2.MediaEmbedding(start=span.start, rows=e.rows, hidden=e.hidden, dtype=e.dtype, data=e.data, media_hash=e.media_hash)
@@ -406,7 +410,7 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
             return None  # encode() raises it again, with the same message
         first_media = prompt_ids.index(self.config.media_placeholder_token_id)
         prefix = prompt_ids[:first_media]
-        workers = self.table.estimates(prefix) if prefix else []
+        workers = self.table.estimates(prefix)
         rest = len(prompt_ids) - first_media - len(media) + min(rows, budget)
         return choose_joint(
             encoders, workers, prefix_tokens=len(prefix), rest_tokens=rest, overlap=self.config.media_prefix_overlap,

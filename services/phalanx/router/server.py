@@ -410,7 +410,9 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
             return None  # encode() raises it again, with the same message
         first_media = prompt_ids.index(self.config.media_placeholder_token_id)
         prefix = prompt_ids[:first_media]
-        workers = self.table.estimates(prefix)
+        # One token past the prefix: a prefix's last full block counts as cached (the routing table always leaves the last
+        # token of what it is given to compute).
+        workers = self.table.estimates(prompt_ids[: first_media + 1])
         rest = len(prompt_ids) - first_media - len(media) + min(rows, budget)
         return choose_joint(
             encoders, workers, prefix_tokens=len(prefix), rest_tokens=rest, overlap=self.config.media_prefix_overlap,

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import phalanx.model
-from phalanx._proto import common_pb2, encoder_pb2, router_pb2, router_pb2_grpc
+from phalanx._proto import chaos_pb2, chaos_pb2_grpc, common_pb2, encoder_pb2, router_pb2, router_pb2_grpc
 from phalanx.client import Client, Media
 from phalanx.common.block_hash import MediaSpan, media_hash
 from phalanx.common.config import EtcdConfig
@@ -32,6 +32,9 @@ pytestmark = pytest.mark.integration
 MODEL = "phalanx-tiny-dense"
 PLACEHOLDER = 0  # RouterConfig.media_placeholder_token_id
 DRAIN_AT_ONCE = {"PHALANX_WORKER_DRAIN_GRACE_S": "0"}
+CHAOS_TOKEN = "test-chaos-token-multimodal-0123456789"
+# Chaos on (behind a token): the slow-worker test holds the workers' steps back.
+CHAOS = {"PHALANX_WORKER_CHAOS_ENABLED": "true", "PHALANX_WORKER_CHAOS_TOKEN": CHAOS_TOKEN}
 LONG = 200  # tokens: the stream still runs when its worker is stopped after the 5th
 
 
@@ -43,8 +46,10 @@ def stack(nats_server, etcd_server):
         # A checkpoint store and a migration service for the worker kill; drain grace 0: a SIGTERMed worker hands its
         # requests back at once (the handoff test).
         await asyncio.gather(s.add_checkpoint_store(), s.add_migration(), s.add_encoder(), s.add_encoder())
-        await s.add_workers(2, env=DRAIN_AT_ONCE)
-        await s.add_router()
+        await s.add_workers(2, env=DRAIN_AT_ONCE | CHAOS)
+        # Overlap whenever a prefix block is uncached: the tiny encoder is too fast for the default rule to pay (the
+        # overlap path is what the prefix test checks, and every other test runs through it too).
+        await s.add_router(env={"PHALANX_ROUTER_MEDIA_PREFIX_OVERLAP_MIN_STEPS": "0"})
 
     try:
         asyncio.run(start())
@@ -100,6 +105,47 @@ async def test_an_image_request_gives_the_in_process_encoder_and_engine_tokens(s
     async with await Client.connect(stack.routers[0].address, timeout=60) as client:  # the same through the SDK
         completion = await client.complete("Look: <media> What is it?", media=[Media("image", image)], max_tokens=10, ignore_eos=True)
     assert list(completion.token_ids) == got
+
+
+async def test_the_text_before_the_image_is_prefilled_while_it_is_encoded_with_the_sequential_tokens(stack):
+    image = _png(4)
+    before = "Here is a long description of what the picture that follows may show, in many words. " * 4 + "Look: "
+    router = stack.routers[0]
+    prefilled = router.metric("phalanx_router_media_prefix_prefills_total", result="ok") or 0
+    async with grpc.aio.insecure_channel(router.address) as channel:
+        chunks = [c async for c in router_pb2_grpc.RouterServiceStub(channel).Generate(_request(before + "<media> What is it?", image))]
+    # The worker prefilled the prefix while the encoder ran: the request itself found its full blocks cached.
+    prefix_tokens = len(phalanx.model.load(MODEL).tokenizer.encode(before))
+    assert prefix_tokens >= 32 and chunks[0].cached_prompt_tokens == prefix_tokens // 16 * 16
+    assert router.metric("phalanx_router_media_prefix_prefills_total", result="ok") == prefilled + 1
+    # Greedy output identical to encoding first and prefilling the whole prompt at once.
+    assert [c.token_id for c in chunks] == _in_process(image, before, " What is it?")
+
+
+async def test_a_slow_workers_prefix_prefill_does_not_hold_the_request(stack):
+    # A router that waits 0.2 s for a prefix once the image is encoded; both workers hold each step back 1 s.
+    router = await stack.add_router(
+        env={"PHALANX_ROUTER_MEDIA_PREFIX_OVERLAP_MIN_STEPS": "0", "PHALANX_ROUTER_MEDIA_PREFIX_WAIT_S": "0.2"}
+    )
+    image = _png(6)
+    before = "A preamble that the slow worker is still computing when the image is ready. " * 3
+    expected = _in_process(image, before, " What is it?", max_tokens=3)
+    auth = [("authorization", f"Bearer {CHAOS_TOKEN}")]
+    channels = [grpc.aio.insecure_channel(w.address) for w in stack.workers]
+    chaos = [chaos_pb2_grpc.ChaosServiceStub(c) for c in channels]
+    try:
+        for stub in chaos:
+            await stub.InjectFault(chaos_pb2.InjectFaultRequest(kind=chaos_pb2.FAULT_KIND_SLOW, slow_step_s=1.0), metadata=auth, timeout=5)
+        async with grpc.aio.insecure_channel(router.address) as channel:
+            request = _request(before + "<media> What is it?", image, max_tokens=3)
+            got = [c.token_id async for c in router_pb2_grpc.RouterServiceStub(channel).Generate(request, timeout=60)]
+    finally:
+        for stub, channel in zip(chaos, channels, strict=True):
+            await stub.ClearFaults(chaos_pb2.ClearFaultsRequest(), metadata=auth, timeout=5)
+            await channel.close()
+    # The request went without the prefix (cancelled, counted), and its tokens are the sequential run's.
+    assert router.metric("phalanx_router_media_prefix_prefills_total", result="unfinished") == 1
+    assert got == expected
 
 
 async def test_the_openai_gateway_takes_an_image_as_a_data_url(stack):

@@ -9,12 +9,13 @@ import numpy as np
 import pytest
 import torch
 
+from phalanx._proto import common_pb2
 from phalanx.common.block_hash import media_hash
 from phalanx.encoder_pool.batching import BatchQueues, Unit
 from phalanx.encoder_pool.config import EncoderPoolConfig
 from phalanx.encoder_pool.cost import PRIOR_UNIT_MS, Admission, CostModel, Modality
 from phalanx.encoder_pool.errors import EncoderOverloadedError, MediaError
-from phalanx.encoder_pool.pool import EncodePool, MediaInput, VideoRequest
+from phalanx.encoder_pool.pool import EncodedItem, EncodePool, MediaInput, VideoRequest
 
 pytestmark = pytest.mark.unit
 
@@ -159,3 +160,21 @@ async def test_an_image_only_pool_refuses_audio():
     pool = EncodePool(EncoderPoolConfig(llm_hidden_size=8, audio_encoder=""))
     with pytest.raises(MediaError, match="serves"):
         await pool.encode([MediaInput(AUDIO, _wav(1.0))])
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_embeddings_leave_in_the_configured_dtype_and_the_worker_reads_them_back(dtype):
+    from phalanx.encoder_pool.server import embedding_to_proto
+    from phalanx.worker.server import media_from_proto
+
+    assert EncoderPoolConfig(embedding_dtype=dtype).embedding_dtype == dtype
+    rows = torch.randn(16, 256, generator=torch.Generator().manual_seed(3))
+    item = EncodedItem(Modality.IMAGE, rows, media_hash=77, units=1)
+    proto = embedding_to_proto(item, getattr(torch, dtype))
+    assert proto.dtype == dtype and len(proto.data) == 16 * 256 * (4 if dtype == "float32" else 2)
+    wire = common_pb2.MediaEmbedding(start=3, rows=proto.rows, hidden=proto.hidden, dtype=proto.dtype, data=proto.data, media_hash=77)
+    back = media_from_proto(0, wire)
+    assert back.span.start == 3 and back.span.length == 16 and back.embeddings.dtype == getattr(torch, dtype)
+    assert torch.equal(back.embeddings, rows.to(getattr(torch, dtype)))  # exactly the rounded rows, nothing else lost
+    if dtype != "float32":
+        assert not torch.equal(back.embeddings.float(), rows)  # 16-bit does round: the option is not free

@@ -145,3 +145,29 @@ def test_a_resumed_media_request_needs_its_embeddings_and_continues_identically_
     while target.has_work():
         target.step()
     assert resumed.output_ids == whole
+
+
+def test_a_prefix_prefilled_while_encoding_is_reused_and_the_output_is_the_sequential_ones(model):
+    # The overlap path: the text before the image is prefilled alone (prefix_only), then the whole prompt with the
+    # embeddings comes and computes only the rest. Greedy output must equal computing it all at once.
+    text = model.tokenizer.encode("A long preamble about the picture that follows, " * 6)
+    rows = embeddings(model, 7, 24)
+    ids, (span,) = expand_placeholders([*text, PLACEHOLDER, *model.tokenizer.encode(" What is it?", add_bos=False)],
+                                       PLACEHOLDER, [24], [77])
+    media = [MediaEmbedding(span, rows)]
+    sequential, _ = run(Engine(model, EngineConfig(deterministic=True)), EngineRequest(ids, params(12), media=media))
+    engine = Engine(model, EngineConfig(deterministic=True))
+    _, prefix_seq = run(engine, EngineRequest(text, SamplingParams(max_tokens=1, ignore_eos=True), request_id="p", prefix_only=True))
+    assert prefix_seq.prefix_only and not engine.by_id and engine.kv.num_cached_blocks >= len(text) // 16
+    overlapped, seq = run(engine, EngineRequest(ids, params(12), request_id="r", media=media))
+    assert seq.cached_prompt_tokens == len(text) // 16 * 16 > 0
+    assert overlapped == sequential
+
+
+def test_a_prefix_prefill_is_neither_parked_nor_handed_back(model):
+    engine = Engine(model, EngineConfig(deterministic=True))
+    engine.add_request(EngineRequest(model.tokenizer.encode("some text " * 8), SamplingParams(max_tokens=1), request_id="p",
+                                     prefix_only=True))
+    engine.add_request(EngineRequest(model.tokenizer.encode("a request"), params(), request_id="r"))
+    assert [e.request_id for e in engine.park(None, ttl_s=1.0)] == ["r"]
+    assert "p" in engine.by_id

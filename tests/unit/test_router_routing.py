@@ -334,3 +334,32 @@ def test_a_hot_spare_is_never_routed_to_until_promoted():
     table.set_spare("spare", False)
     assert table.route(PROMPT).worker_id == "spare"
     assert {w.worker_id: w.routable for w in table.workers()} == {"a": False, "spare": True}
+
+
+# -- joint media routing's terms ------------------------------------------------------------
+def test_estimates_give_each_workers_wait_rate_and_cached_prefix():
+    table = make_table("a", "b")
+    table.update_load(load("b", queue_depth=3))
+    hold(table, "a", PROMPT[:64])
+    by_id = {e.worker_id: e for e in table.estimates(PROMPT[:100])}
+    assert by_id["a"].cached_tokens == 64 and by_id["b"].cached_tokens == 0
+    assert by_id["a"].s_per_token == pytest.approx(1 / 4000)
+    assert by_id["b"].wait_s == pytest.approx(by_id["a"].wait_s + 3 * 0.02)
+    assert by_id["a"].step_s == pytest.approx(0.02)
+    decision = table.route(PROMPT[:100])
+    assert decision is not None and decision.cost_s == pytest.approx(by_id["a"].wait_s + 36 / 4000)
+    table.set_weight("b", 0.5)
+    assert {e.worker_id: e for e in table.estimates(PROMPT[:100])}["b"].s_per_token == pytest.approx(2 / 4000)
+    assert [e.worker_id for e in table.estimates(PROMPT, exclude={"a"})] == ["b"]
+
+
+def test_route_takes_the_preferred_worker_while_it_is_routable():
+    table = make_table("a", "b")
+    hold(table, "a", PROMPT)
+    decision = table.route(PROMPT, prefer="b")
+    assert decision is not None and decision.worker_id == "b" and decision.cached_tokens == 0
+    table.update_load(load("b", draining=True))
+    decision = table.route(PROMPT, prefer="b")
+    assert decision is not None and decision.worker_id == "a"
+    decision = table.route(PROMPT, prefer="a", exclude=frozenset({"a"}))
+    assert decision is None

@@ -533,12 +533,20 @@ def bench_multimodal(
     concurrency: int = typer.Option(16, min=1, help="Concurrent image requests"),
     rounds: int = typer.Option(4, min=1, help="Rounds of `concurrency` requests per mode"),
     torch_threads: int = typer.Option(2, min=1, help="torch CPU threads"),
+    ttft_rounds: int = typer.Option(6, min=1, help="Requests per mode and prefix length in the overlap TTFT runs"),
+    skew_requests: int = typer.Option(20, min=2, help="Requests per mode (joint, round-robin) under skewed encoder load"),
+    long_prefix: int = typer.Option(1024, min=16, help="Tokens of text before the image in the long-prefix runs"),
+    ttft: bool = typer.Option(True, help="Also measure TTFT (overlap, joint routing under skew, by modality)"),
     as_json: bool = typer.Option(False, "--json", help="Print JSON only"),
 ) -> None:
-    """Encoder throughput with per-modality batching vs one image at a time, and encode time per unit."""
+    """Encoder batching throughput and encode time per unit; media TTFT: text prefix overlapped with encoding vs
+    sequential, joint (encoder, worker) routing vs round-robin under skewed encoder load, by modality."""
     from phalanx.bench.multimodal import run_multimodal_bench
 
-    result = run_multimodal_bench(image_encoder=image_encoder, concurrency=concurrency, rounds=rounds, torch_threads=torch_threads)
+    result = run_multimodal_bench(
+        image_encoder=image_encoder, concurrency=concurrency, rounds=rounds, torch_threads=torch_threads, ttft_rounds=ttft_rounds,
+        skew_requests=skew_requests, long_prefix=long_prefix, ttft=ttft,
+    )
     typer.echo(json.dumps(result, indent=None if as_json else 2))
 
 

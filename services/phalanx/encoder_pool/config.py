@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
@@ -22,6 +24,11 @@ class EncoderPoolConfig(BaseSettings):
         "tiny-whisper", description="Audio encoder: a built-in (tiny-whisper) or a HF Whisper directory; empty: no audio"
     )
     llm_hidden_size: int = Field(256, ge=1, description="Hidden size of the LLM the projectors feed (the built-in tiny models: 256)")
+    embedding_dtype: Literal["float32", "float16", "bfloat16"] = Field(
+        "float32",
+        description="dtype the embeddings leave in: 16-bit halves the bytes through the router to the worker (which casts them to "
+        "its model's dtype), at the cost of rounding the encoder's float32 output",
+    )
     seed: int = Field(0, ge=0, description="Seed of built-in weights and untrained projectors: equal on every replica")
 
     max_batch: int = Field(16, ge=1, le=256, description="Units (images, video frames, 30 s audio chunks) per batch, one modality each")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 
 import grpc
+import torch
 
 from phalanx._proto import encoder_pb2, encoder_pb2_grpc
 from phalanx.common.errors import ResourceExhaustedError
@@ -12,10 +13,10 @@ from phalanx.common.telemetry import get_tracer
 from phalanx.encoder_pool.cost import Modality
 from phalanx.encoder_pool.errors import MediaError
 from phalanx.encoder_pool.metrics import EncoderMetrics
-from phalanx.encoder_pool.pool import EncodePool, MediaInput, VideoRequest
+from phalanx.encoder_pool.pool import EncodedItem, EncodePool, MediaInput, VideoRequest
 from phalanx.encoder_pool.video import SamplingStrategy
 
-__all__ = ["EncoderServicer", "encoder_load", "modality_from_proto", "modality_to_proto"]
+__all__ = ["EncoderServicer", "embedding_to_proto", "encoder_load", "modality_from_proto", "modality_to_proto"]
 
 _MODALITIES: dict[encoder_pb2.Modality, Modality] = {
     encoder_pb2.MODALITY_IMAGE: Modality.IMAGE, encoder_pb2.MODALITY_VIDEO: Modality.VIDEO, encoder_pb2.MODALITY_AUDIO: Modality.AUDIO,
@@ -38,6 +39,16 @@ def modality_to_proto(modality: Modality) -> encoder_pb2.Modality:
     return _PROTO_MODALITIES[modality]
 
 
+def embedding_to_proto(item: EncodedItem, dtype: torch.dtype) -> encoder_pb2.Embedding:
+    """One item's rows in `dtype` (16-bit halves the bytes on the wire; the worker casts to its model's dtype)."""
+    values = item.embeddings.to(dtype).contiguous()
+    return encoder_pb2.Embedding(
+        modality=modality_to_proto(item.modality), rows=values.shape[0], hidden=values.shape[1],
+        dtype=str(dtype).removeprefix("torch."), data=values.view(torch.uint8).numpy().tobytes(),
+        media_hash=item.media_hash, units=item.units,
+    )
+
+
 def encoder_load(pool: EncodePool) -> encoder_pb2.EncoderLoad:
     admission = pool.admission
     return encoder_pb2.EncoderLoad(
@@ -54,6 +65,7 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
         self.pool = pool
         self.metrics = metrics
         self.encoder_id = encoder_id
+        self.wire_dtype: torch.dtype = getattr(torch, pool.config.embedding_dtype)
 
     async def Encode(self, request: encoder_pb2.EncodeRequest, context: grpc.aio.ServicerContext) -> encoder_pb2.EncodeResponse:
         items = [self._item(i, item) for i, item in enumerate(request.items)]
@@ -77,14 +89,7 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
         self.metrics.request_seconds.observe(time.perf_counter() - started)
         return encoder_pb2.EncodeResponse(
             encoder_id=self.encoder_id, queue_ms=result.queue_ms, encode_ms=result.encode_ms,
-            embeddings=[
-                encoder_pb2.Embedding(
-                    modality=modality_to_proto(e.modality), rows=e.embeddings.shape[0], hidden=e.embeddings.shape[1],
-                    dtype=str(e.embeddings.dtype).removeprefix("torch."), data=e.embeddings.contiguous().numpy().tobytes(),
-                    media_hash=e.media_hash, units=e.units,
-                )
-                for e in result.items
-            ],
+            embeddings=[embedding_to_proto(e, self.wire_dtype) for e in result.items],
         )
 
     async def GetLoad(self, request: encoder_pb2.GetLoadRequest, context: grpc.aio.ServicerContext) -> encoder_pb2.GetLoadResponse:

@@ -63,6 +63,21 @@ class RouterConfig(BaseSettings):
     embedding_cache_bytes: int = Field(
         64 * 1024 * 1024, ge=0, description="Embeddings of recent images and audio kept by their bytes' digest (a repeat skips the encoder); 0: none"
     )
+    media_prefix_overlap: bool = Field(
+        True,
+        description="Prefill a media request's text before its first media marker on the chosen worker while the encoder runs "
+        "(WorkerService.Prefill), instead of after the embeddings come",
+    )
+    media_prefix_overlap_min_steps: float = Field(
+        1.0, ge=0,
+        description="Overlap only when the estimated saving (the shorter of the encode and the prefix's prefill) is at least this "
+        "many of the worker's engine steps, the prefix's own step being the overlap's cost; 0: whenever a full block is uncached",
+    )
+    media_prefix_wait_s: float = Field(
+        2.0, ge=0,
+        description="How long a request whose media are encoded waits for its text prefix's prefill to end; past it the request "
+        "goes anyway and the worker computes what is not cached yet (a slow or hung worker does not hold it)",
+    )
     premium_at_level_4: bool = Field(
         False,
         description="At degradation level 4 keep admitting premium requests while any worker can take them "

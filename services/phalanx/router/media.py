@@ -22,6 +22,7 @@ import grpc
 from phalanx._proto import encoder_pb2, encoder_pb2_grpc, router_pb2
 from phalanx.common.errors import InvalidRequestError, UnavailableError
 from phalanx.common.grpc_channels import GrpcChannels
+from phalanx.router.joint import EncoderEstimate
 
 __all__ = ["EmbeddingCache", "EncoderSet", "MediaEncoder", "estimated_units", "split_on_markers"]
 
@@ -100,6 +101,13 @@ class _Choice:
     estimate_ms: float
 
 
+def estimated_rows(item: router_pb2.MediaInput, registration: encoder_pb2.EncoderRegistration) -> int:
+    """Prompt positions the item will take before it is encoded (the encoder's positions per image, frame or chunk)."""
+    if item.kind == router_pb2.MEDIA_KIND_AUDIO:
+        return estimated_units(item) * registration.audio_chunk_positions
+    return estimated_units(item) * registration.image_positions
+
+
 class EncoderSet:
     """The encoders registered in etcd; ``ranked`` orders them by estimated time to finish a request."""
 
@@ -140,8 +148,28 @@ class MediaEncoder:
     async def close(self) -> None:
         await self._channels.close()
 
-    async def encode(self, request_id: str, media: Sequence[router_pb2.MediaInput], max_positions: int) -> list[encoder_pb2.Embedding]:
-        """One embedding per item, from the cache or the cheapest encoder that answers; InvalidRequestError for bad media."""
+    def all_cached(self, media: Sequence[router_pb2.MediaInput]) -> bool:
+        """Every item's embeddings are in the cache: no encoder will run."""
+        return all(self.cache.get(self.cache.key(item)) is not None for item in media)
+
+    def estimates(self, media: Sequence[router_pb2.MediaInput]) -> tuple[list[EncoderEstimate], int]:
+        """The encoders that serve these media with their estimated encode time, cheapest first, and the prompt
+        positions the media will take by the cheapest one's registration (0 when none serves them)."""
+        _, units = self._items(media)
+        choices = self.encoders.ranked(units)
+        if not choices:
+            return [], 0
+        registration = self.encoders.encoders[choices[0].encoder_id]
+        rows = sum(estimated_rows(item, registration) for item in media)
+        return [EncoderEstimate(c.encoder_id, c.estimate_ms / 1e3) for c in choices], rows
+
+    async def encode(
+        self, request_id: str, media: Sequence[router_pb2.MediaInput], max_positions: int, *, first: str | None = None,
+    ) -> list[encoder_pb2.Embedding]:
+        """One embedding per item, from the cache or the cheapest encoder that answers; InvalidRequestError for bad media.
+
+        `first`: the encoder to try first (a joint (encoder, worker) choice); the others follow cheapest first.
+        """
         keys = [self.cache.key(item) for item in media]
         cached = [self.cache.get(key) for key in keys]
         if all(e is not None for e in cached):
@@ -150,12 +178,14 @@ class MediaEncoder:
                 raise InvalidRequestError("media", f"media need more than the {max_positions} prompt positions the request allows")
             self._on_cache_hit()
             return hits
-        embeddings = await self._encode(request_id, media, max_positions)
+        embeddings = await self._encode(request_id, media, max_positions, first)
         for key, embedding in zip(keys, embeddings, strict=True):
             self.cache.put(key, embedding)
         return embeddings
 
-    async def _encode(self, request_id: str, media: Sequence[router_pb2.MediaInput], max_positions: int) -> list[encoder_pb2.Embedding]:
+    @staticmethod
+    def _items(media: Sequence[router_pb2.MediaInput]) -> tuple[list[encoder_pb2.MediaItem], dict[encoder_pb2.Modality, int]]:
+        """The Encode items and estimated units per modality; InvalidRequestError for an item no encoder can take."""
         items: list[encoder_pb2.MediaItem] = []
         units: dict[encoder_pb2.Modality, int] = {}
         for i, item in enumerate(media):
@@ -166,6 +196,12 @@ class MediaEncoder:
                 raise InvalidRequestError(f"media[{i}].source", "only inline data is supported (no URIs)")
             items.append(encoder_pb2.MediaItem(modality=modality, data=item.data))
             units[modality] = units.get(modality, 0) + estimated_units(item)
+        return items, units
+
+    async def _encode(
+        self, request_id: str, media: Sequence[router_pb2.MediaInput], max_positions: int, first: str | None,
+    ) -> list[encoder_pb2.Embedding]:
+        items, units = self._items(media)
         if not self.encoders.encoders:
             # As before the pool existed: a deployment without encoders refuses media as the caller's error.
             raise InvalidRequestError("media", "media inputs need the encoder pool, and no encoder is registered")
@@ -173,6 +209,7 @@ class MediaEncoder:
         if not choices:
             names = sorted(encoder_pb2.Modality.Name(m).removeprefix("MODALITY_").lower() for m in units)
             raise InvalidRequestError("media", f"no registered encoder serves {names}")
+        choices.sort(key=lambda c: c.encoder_id != first)  # stable: the rest stay cheapest first
         request = encoder_pb2.EncodeRequest(request_id=request_id, items=items, max_positions=max_positions)
         last: grpc.aio.AioRpcError | None = None
         for choice in choices:

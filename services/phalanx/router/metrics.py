@@ -50,6 +50,11 @@ class RouterMetrics:
         self.encode_retries = Counter(
             "phalanx_router_encode_retries", "Encode calls retried on another encoder (gone, overloaded or too slow)", registry=r
         )
+        self.prefix_prefills = Counter(
+            "phalanx_router_media_prefix_prefills",
+            "Text prefixes of media requests prefilled on the chosen worker while the encoder ran, by result (ok; failed; unfinished: "
+            "the request went on without it, past media_prefix_wait_s or on an encoding error)", ["result"], registry=r,
+        )
         self.workers = Gauge("phalanx_router_workers", "Workers known to routing", registry=r)
         self.indexed_blocks = Gauge("phalanx_router_indexed_blocks", "KV blocks in the routing index", registry=r)
         self.kv_resyncs = Counter("phalanx_router_kv_resyncs", "KvSnapshot re-syncs after gaps or restarts", registry=r)

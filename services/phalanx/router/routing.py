@@ -70,6 +70,21 @@ class RouteDecision:
 
 
 @dataclass(frozen=True, slots=True)
+class WorkerEstimate:
+    """One routable worker's terms of the estimate, for a caller that adds terms of its own (joint media routing).
+
+    The worker's cost for n prompt tokens of which it caches `cached_tokens` is
+    ``wait_s + (n - cached_tokens) * s_per_token`` (the route() cost, weight and staleness included).
+    """
+
+    worker_id: str
+    wait_s: float
+    s_per_token: float
+    cached_tokens: int
+    step_s: float = 0.0  # one engine step there (its report, else the default)
+
+
+@dataclass(frozen=True, slots=True)
 class WorkerView:
     """One worker as routing sees it, for ListWorkers and gauges."""
 
@@ -253,22 +268,22 @@ class RoutingTable:
 
     # -- the decision -----------------------------------------------------------------
     def route(
-        self, prompt_ids: list[int], *, exclude: frozenset[str] | set[str] = frozenset(), media: Sequence[MediaSpan] = ()
+        self, prompt_ids: list[int], *, exclude: frozenset[str] | set[str] = frozenset(), media: Sequence[MediaSpan] = (),
+        prefer: str | None = None,
     ) -> RouteDecision | None:
         """The cheapest routable worker for the prompt; None if no worker is routable (after `exclude`).
 
         `media`: the prompt's media runs; the blocks holding them hash with the media's bytes, as workers hash them.
+        `prefer`: that worker if it is routable and not excluded, whatever the others cost (it was chosen already,
+        e.g. it holds the request's text prefix, computed while the media were encoded, and its KV events may not
+        have reached the index yet).
         """
         routable = self._routable
         if not routable:
             return None
         n = len(prompt_ids)
+        matched = self._matched(prompt_ids, media)
         bs = self.block_size
-        hashes = (
-            prefix_block_hashes_with_media(prompt_ids, bs, media, limit_tokens=n - 1) if media
-            else prefix_block_hashes(prompt_ids, bs, limit_tokens=n - 1)
-        )
-        matched = self.index.match_slots(hashes) if hashes else {}
         stale_before = self.clock() - self.load_stale_s
         penalty = self.stale_penalty_s
         turn = self._turn % len(routable)
@@ -280,6 +295,9 @@ class RoutingTable:
             if exclude and w.worker_id in exclude:
                 continue
             candidates += 1
+            if w.worker_id == prefer:
+                best, best_cost = w, (w.base_s + (n - matched.get(w.slot, 0) * bs) * w.inv_rate) * inv_weight
+                break
             cost = w.base_s + (n - matched.get(w.slot, 0) * bs) * w.inv_rate
             if w.report_at < stale_before:
                 cost += penalty
@@ -289,6 +307,30 @@ class RoutingTable:
         if best is None:
             return None
         return RouteDecision(best.worker_id, matched.get(best.slot, 0) * bs, best_cost, candidates)
+
+    def estimates(self, prompt_ids: list[int], *, exclude: frozenset[str] | set[str] = frozenset()) -> list[WorkerEstimate]:
+        """Every routable worker's cost terms for `prompt_ids` (by worker id), for joint (encoder, worker) routing."""
+        matched = self._matched(prompt_ids, ())
+        stale_before = self.clock() - self.load_stale_s
+        out = []
+        for w, inv_weight in self._routable:
+            if w.worker_id in exclude:
+                continue
+            wait = w.base_s + (self.stale_penalty_s if w.report_at < stale_before else 0.0)
+            step = w.step_time_ms / 1e3 if w.step_time_ms > 0 else self.default_step_time_s
+            out.append(WorkerEstimate(
+                w.worker_id, wait * inv_weight, w.inv_rate * inv_weight, matched.get(w.slot, 0) * self.block_size, step * inv_weight,
+            ))
+        return out
+
+    def _matched(self, prompt_ids: list[int], media: Sequence[MediaSpan]) -> dict[int, int]:
+        """Leading blocks of the prompt each worker slot holds; the last token is always computed, so not hashed."""
+        n, bs = len(prompt_ids), self.block_size
+        hashes = (
+            prefix_block_hashes_with_media(prompt_ids, bs, media, limit_tokens=n - 1) if media
+            else prefix_block_hashes(prompt_ids, bs, limit_tokens=n - 1)
+        )
+        return self.index.match_slots(hashes) if hashes else {}
 
     # -- views ------------------------------------------------------------------------
     def workers(self) -> list[WorkerView]:

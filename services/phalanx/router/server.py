@@ -34,6 +34,7 @@ from phalanx.model.params import sampling_from_proto
 from phalanx.model.tokenizer import Tokenizer
 from phalanx.router.admission import Admission, Admitted, Tier
 from phalanx.router.config import RouterConfig
+from phalanx.router.joint import JointChoice, choose_joint
 from phalanx.router.media import MediaEncoder, split_on_markers
 from phalanx.router.metrics import RouterMetrics
 from phalanx.router.records import RequestRecords
@@ -215,9 +216,10 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
             tier = admitted.tier.label
             request_id = request.request_id or uuid.uuid4().hex
             media: list[common_pb2.MediaEmbedding] = []
+            prefer = None
             if request.media:
-                prompt_ids, media = await self._encode_media(request_id, request, prompt_ids, params)
-            flow, existing = await self._start(request_id, admitted, prompt_ids, media)
+                prompt_ids, media, prefer = await self._encode_media(request_id, request, prompt_ids, params)
+            flow, existing = await self._start(request_id, admitted, prompt_ids, media, prefer=prefer)
             if existing is not None:
                 # A retry of a request that is already running: stream it from the start (not a new arrival).
                 flow = _Flow(existing, Tier(existing.tier or Tier.STANDARD), prompt_ids, counts_output=False)
@@ -351,8 +353,12 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
 
     async def _encode_media(
         self, request_id: str, request: router_pb2.GenerateRequest, prompt_ids: list[int], params
-    ) -> tuple[list[int], list[common_pb2.MediaEmbedding]]:
-        """Encode the media, expand each placeholder to its rows; the visual token budget bounds them all."""
+    ) -> tuple[list[int], list[common_pb2.MediaEmbedding], str | None]:
+        """Encode the media, expand each placeholder to its rows; the visual token budget bounds them all.
+
+        The encoder and the worker are chosen together (router/joint.py); the text before the first placeholder is
+        prefilled on that worker while the encoder runs. Returns the expanded prompt, its media and that worker.
+        """
         assert self.media_encoder is not None  # _validate refused media without one
         placeholder = self.config.media_placeholder_token_id
         items = len(request.media)
@@ -368,21 +374,76 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
         )
         if budget < 1:
             raise InvalidRequestError("media", "the prompt and max_tokens leave no room for media in the context")
-        with tracer.start_as_current_span("router.encode", attributes={"request_id": request_id, "items": items}):
-            embeddings = await self.media_encoder.encode(request_id, request.media, budget)
+        choice = None if self.media_encoder.all_cached(request.media) else self._joint_choice(prompt_ids, request.media, budget)
+        prefill: asyncio.Task | None = None
+        first_media = prompt_ids.index(placeholder)
+        if (
+            choice is not None and self.config.media_prefix_overlap
+            and first_media - choice.prefix_cached_tokens >= self.table.block_size  # a full block to compute, or nothing is cached
+            and choice.overlap_pays(self.config.media_prefix_overlap_min_steps)
+        ):
+            prefill = asyncio.create_task(self._prefill_prefix(request_id, choice.worker_id, prompt_ids[:first_media]))
+        try:
+            with tracer.start_as_current_span("router.encode", attributes={"request_id": request_id, "items": items}):
+                embeddings = await self.media_encoder.encode(request_id, request.media, budget, first=choice.encoder_id if choice else None)
+            if prefill is not None:
+                # Its blocks must be cached before the request comes, or the worker computes them again; a worker that
+                # takes much longer than the encoder is slow or hung, and the request must not wait on it for long.
+                await asyncio.wait([prefill], timeout=self.config.media_prefix_wait_s)
+        finally:
+            if prefill is not None and not prefill.done():
+                prefill.cancel()
+                self.metrics.prefix_prefills.labels(result="unfinished").inc()
         expanded, spans = expand_placeholders(prompt_ids, placeholder, [e.rows for e in embeddings], [e.media_hash for e in embeddings])
         media = [
             common_pb2.MediaEmbedding(start=span.start, rows=e.rows, hidden=e.hidden, dtype=e.dtype, data=e.data, media_hash=e.media_hash)
             for span, e in zip(spans, embeddings, strict=True)
         ]
-        return expanded, media
+        return expanded, media, choice.worker_id if choice is not None else None
+
+    def _joint_choice(self, prompt_ids: list[int], media: Sequence[router_pb2.MediaInput], budget: int) -> JointChoice | None:
+        """The (encoder, worker) pair with the lowest estimated TTFT; None when either is missing (encode decides the error)."""
+        assert self.media_encoder is not None
+        try:
+            encoders, rows = self.media_encoder.estimates(media)
+        except InvalidRequestError:
+            return None  # encode() raises it again, with the same message
+        first_media = prompt_ids.index(self.config.media_placeholder_token_id)
+        prefix = prompt_ids[:first_media]
+        # One token past the prefix: a prefix's last full block counts as cached (the routing table always leaves the last
+        # token of what it is given to compute).
+        workers = self.table.estimates(prompt_ids[: first_media + 1])
+        rest = len(prompt_ids) - first_media - len(media) + min(rows, budget)
+        return choose_joint(
+            encoders, workers, prefix_tokens=len(prefix), rest_tokens=rest, overlap=self.config.media_prefix_overlap,
+        )
+
+    async def _prefill_prefix(self, request_id: str, worker_id: str, prefix: list[int]) -> None:
+        """Fills the worker's prefix cache with the prompt's text before its media; on failure the request computes it."""
+        registration = self.registrations.get(worker_id)
+        if registration is None:
+            return
+        with tracer.start_as_current_span("router.prefill_prefix", attributes={"request_id": request_id, "tokens": len(prefix)}):
+            try:
+                await self.channels.stub(registration.address).Prefill(
+                    worker_pb2.PrefillRequest(request_id=request_id, tokens=common_pb2.PromptTokens(ids=prefix)),
+                    timeout=self.config.encode_timeout_s,
+                )
+            except grpc.aio.AioRpcError as error:
+                log.info("prefix prefill of %s on %s failed (%s); the request computes it", request_id, worker_id, error.code().name)
+                self.metrics.prefix_prefills.labels(result="failed").inc()
+                return
+        self.metrics.prefix_prefills.labels(result="ok").inc()
 
     # -- routing ----------------------------------------------------------------
-    def _route(self, prompt_ids: list[int], exclude: frozenset[str] = frozenset(), media: Sequence[common_pb2.MediaEmbedding] = ()):
+    def _route(
+        self, prompt_ids: list[int], exclude: frozenset[str] = frozenset(), media: Sequence[common_pb2.MediaEmbedding] = (),
+        prefer: str | None = None,
+    ):
         start = time.perf_counter()
         with tracer.start_as_current_span("router.route") as span:
             spans = [MediaSpan(m.start, m.rows, m.media_hash) for m in media]
-            decision = self.table.route(prompt_ids, exclude=exclude, media=spans)
+            decision = self.table.route(prompt_ids, exclude=exclude, media=spans, prefer=prefer)
             if decision is None:
                 raise UnavailableError(
                     "no worker can take the request now" + (f" (excluded: {sorted(exclude)})" if exclude else ""),
@@ -396,9 +457,11 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
         self.table.note_routed(decision.worker_id, len(prompt_ids) - decision.cached_tokens)
         return decision
 
-    async def _start(self, request_id: str, admitted: Admitted, prompt_ids: list[int], media: list[common_pb2.MediaEmbedding]):
-        """Pick a worker and claim the request's record; returns (flow, existing record of a retry)."""
-        decision = self._route(prompt_ids, media=media)
+    async def _start(
+        self, request_id: str, admitted: Admitted, prompt_ids: list[int], media: list[common_pb2.MediaEmbedding], *, prefer: str | None = None,
+    ):
+        """Pick a worker (`prefer` if routable) and claim the request's record; returns (flow, existing record of a retry)."""
+        decision = self._route(prompt_ids, media=media, prefer=prefer)
         record = common_pb2.RequestRecord(
             request_id=request_id, worker_id=decision.worker_id, worker_address=self._address(decision.worker_id),
             router_id=self.router_id, tenant=admitted.tenant, tier=int(admitted.tier), prompt_tokens=len(prompt_ids),

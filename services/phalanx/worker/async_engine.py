@@ -64,7 +64,7 @@ class ListCachedBlocks:
 
 @dataclass(frozen=True, slots=True)
 class HandBackAll:
-    """End every request but canaries with HANDED_BACK and its snapshot."""
+    """End every request but canaries and prefix prefills with HANDED_BACK and its snapshot."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -308,8 +308,8 @@ class AsyncEngine:
                     self._started_loop.call_soon_threadsafe(_set_result, done, self.engine.cached_blocks())
                 case HandBackAll():
                     for request_id, seq in list(self.engine.by_id.items()):
-                        if seq.canary:
-                            continue  # short, and a quarantined worker still runs them
+                        if seq.canary or seq.prefix_only:
+                            continue  # short; a quarantined worker still runs canaries, and a prefix is no request
                         event = self.engine.abort(request_id, FinishReason.HANDED_BACK)
                         if event is not None:
                             events.append(event)

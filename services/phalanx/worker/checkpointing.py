@@ -111,7 +111,7 @@ class CheckpointCapture:
         lag = 0
         todo: list[tuple[Sequence, int, int]] = []  # (seq, kv_start, kv_end); kv_start == kv_end: tokens only
         for seq in engine.running:
-            if seq.canary:
+            if seq.canary or seq.prefix_only:
                 continue
             if resync_all or seq.request_id in resync:
                 seq.ckpt_kv = seq.ckpt_outputs = 0

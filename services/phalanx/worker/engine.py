@@ -48,6 +48,9 @@ class EngineRequest:
     continues_commit: bool = False
     # Encoder embeddings for the prompt's media placeholder runs (positions within the prompt, not overlapping).
     media: list[MediaEmbedding] = field(default_factory=list)
+    # Only fills the prefix cache (WorkerService.Prefill): the request that follows reuses its blocks; nothing to
+    # checkpoint, migrate or hand back.
+    prefix_only: bool = False
 
 
 @dataclass
@@ -182,6 +185,7 @@ class Engine:
             eos_token_id=self.tokenizer.eos_token_id,
             record_top_logits=request.record_top_logits,
             canary=request.canary,
+            prefix_only=request.prefix_only,
             sequential_replay=request.sequential_replay,
             priority=resume.priority if resume else request.priority,
             media=sorted(request.media, key=lambda m: m.span.start),
@@ -261,7 +265,7 @@ class Engine:
         return seq
 
     def park(self, request_ids: list[str] | None, ttl_s: float) -> list[TokenEvent]:
-        """Stops requests (all but canaries when None) and keeps their KV for `ttl_s` for a transfer.
+        """Stops requests (all but canaries and prefix prefills when None) and keeps their KV for `ttl_s` for a transfer.
 
         Returns each one's HANDED_BACK event, with its state and how many KV positions stay here.
         """
@@ -269,7 +273,7 @@ class Engine:
         expiry = time.monotonic() + ttl_s
         for request_id in list(self.by_id) if request_ids is None else request_ids:
             seq = self.by_id.get(request_id)
-            if seq is None or (request_ids is None and seq.canary):
+            if seq is None or (request_ids is None and (seq.canary or seq.prefix_only)):
                 continue
             del self.by_id[request_id]
             if seq.status is SeqStatus.RUNNING:

@@ -87,6 +87,8 @@ class Sequence:
     resumed_outputs: int = 0
     record_top_logits: bool = False
     canary: bool = False
+    # A prefix prefill (EngineRequest.prefix_only): finishes after its prompt, checkpointed never.
+    prefix_only: bool = False
     # Migrated here by replaying: recompute one output token per step, as the original decode did.
     sequential_replay: bool = False
     # Migration order if this worker fails, lower first (the router's tier; 0 unknown).

@@ -386,6 +386,23 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             model=self.engine.engine.model.config.name, model_version=self.model_version, text="".join(text),
         )
 
+    async def Prefill(self, request, context):
+        """Fills the prefix cache with a request's text prefix while its media are encoded (see the proto)."""
+        prompt = list(request.tokens.ids)
+        if not prompt:
+            raise InvalidRequestError("tokens", "must not be empty")
+        # One token is sampled (an engine sequence ends on one), then dropped: the blocks stay cached once it ends.
+        engine_request = EngineRequest(
+            prompt, SamplingParams(max_tokens=1, ignore_eos=True), f"prefill-{request.request_id}-{time.monotonic_ns()}", prefix_only=True,
+        )
+        cached = 0
+        async for event in self.engine.generate(engine_request):
+            if event.prompt_tokens:
+                cached = event.cached_prompt_tokens
+            if event.finish_reason in (FinishReason.ABORTED, FinishReason.HANDED_BACK):
+                raise UnavailableError("the prefix prefill was interrupted: the worker is stopping", retry_after_s=0.5)
+        return worker_pb2.PrefillResponse(prompt_tokens=len(prompt), cached_tokens=cached)
+
     async def Stats(self, request, context):
         e = self.engine.engine
         load = self.engine.load()

@@ -498,7 +498,20 @@ def run_planner_bench(*, minutes: float = 1.5, peak_rps: float | None = None, se
     }
     out.write_text(json.dumps(result, indent=2))
     result["json"] = str(out)
+    result["timeline"] = str(write_timeline(out.with_suffix(".timeline.json"), runs))
     return result
+
+
+def write_timeline(path: Path, runs: dict[str, LiveRun]) -> Path:
+    """Every live run's fleet samples and requests, beside the JSON: what the per-interval analysis reads."""
+    path.write_text(json.dumps({
+        name: {
+            "samples": [[round(s.at, 2), s.routable, s.processes, s.target] for s in run.samples],
+            "requests": [[round(r.sent_at, 2), _r(r.ttft_s), _r(r.mean_itl_s), r.tokens, r.error] for r in run.requests],
+            "fields": {"samples": ["at_s", "routable", "processes", "target"], "requests": ["sent_at_s", "ttft_s", "mean_itl_s", "tokens", "error"]},
+        } for name, run in runs.items()
+    }))
+    return path
 
 
 def _rate_for_workers(workers: int, profile: PerformanceProfile, isl: float) -> float:

@@ -29,7 +29,9 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Mapping
+from collections import deque
+from collections.abc import Callable, Mapping
+from dataclasses import replace
 
 import aetcd
 import httpx
@@ -111,6 +113,9 @@ class Planner:
         self._observed_at: float | None = None
         self._osl_seen = False  # an interval has observed output lengths  # when the last interval was observed (None: not yet)
         self._http = httpx.AsyncClient(timeout=config.scrape_timeout_s)
+        # Router scrapes of the last polls (oldest first), for the surge window; and the last plan's maths for a new rate.
+        self._recent_scrapes: deque[dict[str, Scrape]] = deque()
+        self._replan: Callable[[float], int] | None = None
 
     async def run(self) -> None:
         previous = await read_decision(self.client)
@@ -126,6 +131,8 @@ class Planner:
                     interval_s=self.config.interval_s, max_interval_s=self.config.max_interval_s, scale_deadline_s=self.config.scale_deadline_s,
                     replace_deadline_s=self.config.replace_deadline_s, promote_deadline_s=self.config.promote_deadline_s,
                     hot_spares=self.config.hot_spares,
+                    scale_down_window_s=self.config.scale_down_window_s if self.config.scale_down_window_s is not None
+                    else 3 * self.config.interval_s,
                 ),
                 start, first_id=previous.id + 1 if previous is not None else 1,
             )
@@ -158,6 +165,11 @@ class Planner:
             machine.decide_at_next_tick()
         self._operator_target = target
         now = time.monotonic()
+        surge = self._surge_workers()
+        if surge is not None:
+            decision = machine.surge(now, self.readiness, surge)
+            if decision is not None:
+                await self._publish(decision)
         # Observe every interval, also while a decision is being carried out (the tick then decides nothing): the predictors
         # see every interval, and health's capacity view stays fresh through a slow scale-up, when it matters most.
         observe = machine.tick_due(now) or (self._observed_at is not None and now - self._observed_at >= machine.interval_s)
@@ -232,7 +244,29 @@ class Planner:
         for router_id, scrape in fresh.items():
             self._tick_scrapes.setdefault(router_id, scrape)
         self._scrapes = fresh
+        self._recent_scrapes.append(fresh)
+        horizon = time.monotonic() - self.config.surge_window_s - 2 * self.config.poll_s
+        while self._recent_scrapes and min((s.at for s in self._recent_scrapes[0].values()), default=0.0) < horizon:
+            self._recent_scrapes.popleft()
         return self._scraped_twice and bool(fresh)
+
+    def _surge_workers(self) -> int | None:
+        """Workers the arrivals of the last `surge_window_s` need at the last plan's lengths and factors; None when there is
+        no plan yet, too few arrivals to tell, an operator's target, or Prometheus (whose rates are over the interval)."""
+        c = self.config
+        if c.surge_window_s <= 0 or c.prometheus_url or self._replan is None or self._operator_target is not None:
+            return None
+        now = time.monotonic()
+        oldest = next((scrapes for scrapes in self._recent_scrapes
+                       if scrapes and now - min(s.at for s in scrapes.values()) <= c.surge_window_s), None)
+        if oldest is None or oldest is self._scrapes:
+            return None
+        observation = observe_scrapes(oldest, self._scrapes)
+        if observation is None or observation.arrival_rate is None or observation.interval_s < c.surge_window_s / 2:
+            return None
+        if observation.arrival_rate * observation.interval_s < c.surge_min_requests:
+            return None
+        return c.clamp(self._replan(observation.arrival_rate))
 
     async def _query(self, query: str) -> dict:
         reply = await self._http.get(f"{self.config.prometheus_url.rstrip('/')}/api/v1/query", params={"query": query})
@@ -339,11 +373,21 @@ class Planner:
             osl=_scaled(observation.osl, predicted_osl),
         )
         slo = SloTargets(ttft_s=self.config.ttft_slo_s, itl_s=self.config.itl_slo_s)
+        # The plan aims below the SLOs by the headroom: the SLO bounds every request, and at a fleet sized exactly for it
+        # the average request runs at it, so the requests of busier workers (routing is never perfectly even) miss it.
+        aim = SloTargets(ttft_s=slo.ttft_s * self.config.slo_headroom, itl_s=slo.itl_s * self.config.slo_headroom)
         replica_config = ReplicaConfig(interval_s=interval, min_workers=self.config.min_workers, max_gpus=self.config.max_gpus,
                                        length_quantile=self.config.length_quantile)
-        plan = plan_replicas(forecast, profile, slo, replica_config, factors, degradation_level=self._degradation_level)
-        # The capacity view is read at the configured SLOs (capacity.py), whatever level the plan targets.
-        at_slo = plan if self._degradation_level < replica_config.relaxed_slo_level else plan_replicas(
+        level = self._degradation_level
+        plan = plan_replicas(forecast, profile, aim, replica_config, factors, degradation_level=level)
+
+        def replan(arrival_rate: float) -> int:
+            return plan_replicas(replace(forecast, requests=arrival_rate * interval), profile, aim, replica_config, factors,
+                                 degradation_level=level).combined
+
+        self._replan = replan
+        # The capacity view is read at the configured SLOs (capacity.py), whatever level or headroom the plan targets.
+        at_slo = plan if level < replica_config.relaxed_slo_level and aim == slo else plan_replicas(
             forecast, profile, slo, replica_config, factors, degradation_level=0)
         self._capacity = capacity_view(at_slo, self._workers, forecast.requests / interval)
         if self._degradation_level >= replica_config.relaxed_slo_level:

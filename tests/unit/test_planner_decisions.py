@@ -261,6 +261,17 @@ def test_a_surge_scales_up_at_once_between_ticks_and_supersedes_the_decision_in_
     assert planner.complete(surge.id, clock.advance(1.0))
 
 
+def test_a_surge_promotes_a_ready_hot_spare_so_that_one_worker_serves_at_once() -> None:
+    clock, planner = Clock(), machine(workers=2, hot_spares=1)
+    planner.spare_ready("spare-1")
+    surge = planner.surge(clock.now, READY, desired_workers=4)
+    assert surge is not None and surge.promote == "spare-1" and surge.targets == Targets(workers=4, spares=1)
+    assert planner.spares == []
+    # Until a new spare is ready, a death is replaced by a new worker.
+    dead = planner.worker_dead(clock.advance(0.5), "worker-0")
+    assert dead is not None and dead.reason is DecisionReason.REPLACE_DEAD
+
+
 def test_scale_down_waits_for_the_window_and_scale_up_does_not() -> None:
     clock, planner = Clock(), machine(workers=2, interval_s=2.0, scale_down_window_s=6.0)
     up = planner.tick(clock.now, READY, desired_workers=6)

@@ -26,8 +26,9 @@ Rules, each fixing a limit of Dynamo's planner named in its design notes:
   exactly when a replacement is needed.
 - A surge does not wait for the interval (`surge`): when the arrivals of the last seconds already need more
   workers than the target, a SURGE decision goes at once, and it supersedes a scaling decision in flight
-  (decisions carry the whole target, so the larger one subsumes it). Measured (docs/planner.md): waiting for
-  the next tick, and then for the decision in flight, brought workers after a short burst had ended.
+  (decisions carry the whole target, so the larger one subsumes it). With a hot spare ready it promotes it:
+  one worker of the surge serves at once, the others and a new spare start. Measured (docs/planner.md):
+  waiting for the next tick, and then for the decision in flight, brought workers after a short burst had ended.
 - Scale-down waits (`scale_down_window_s`): a tick never asks for fewer workers than the largest count
   wanted within the window, so a lull between bursts does not drain the workers the next burst needs.
   Scale-up is never held back.
@@ -208,8 +209,10 @@ class DecisionMachine:
         self._remember(now, desired_workers)
         if self.in_flight is not None:
             self._finish(self.in_flight, Outcome.SUPERSEDED, now)
+        # A ready spare serves now; the rest of the surge, and a spare in its place, start meanwhile.
+        promote = {"promote": self.spares.pop(0)} if self.spares else {}
         decision = self._issue(now, Targets(workers=desired_workers, spares=self.config.hot_spares), DecisionReason.SURGE,
-                               self.config.scale_deadline_s)
+                               self.config.scale_deadline_s, **promote)
         self.in_flight = decision
         return decision
 

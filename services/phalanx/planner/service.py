@@ -169,6 +169,9 @@ class Planner:
         if surge is not None:
             decision = machine.surge(now, self.readiness, surge)
             if decision is not None:
+                if decision.promote:
+                    await self._promote(decision.promote)
+                    log.info("surge: decision %d promotes hot spare %s", decision.id, decision.promote)
                 await self._publish(decision)
         # Observe every interval, also while a decision is being carried out (the tick then decides nothing): the predictors
         # see every interval, and health's capacity view stays fresh through a slow scale-up, when it matters most.
@@ -470,17 +473,21 @@ class Planner:
             if decision is None:
                 continue
             if decision.reason is DecisionReason.PROMOTE_SPARE and decision.promote:
-                # Capacity back now: routers watch the marks, and route to the spare the moment its mark goes. The decision
-                # record follows for the orchestrator, which counts the spare as a worker and starts a new spare.
-                self._promoted[decision.promote] = None
-                while len(self._promoted) > 1024:
-                    del self._promoted[next(iter(self._promoted))]
-                if not await self.election.fenced_delete(spare_key(decision.promote)):
-                    raise LeadershipLostError("a fenced promotion failed: another planner leads")
+                await self._promote(decision.promote)
                 log.warning("worker %s is DEAD: decision %d promotes hot spare %s", worker_id, decision.id, decision.promote)
             else:
                 log.warning("worker %s is DEAD: decision %d replaces it", worker_id, decision.id)
             await self._publish(decision)
+
+
+    async def _promote(self, spare: str) -> None:
+        """Capacity now: routers watch the marks, and route to the spare the moment its mark goes. The decision record
+        follows for the orchestrator, which counts the spare as a worker and starts a new spare."""
+        self._promoted[spare] = None
+        while len(self._promoted) > 1024:
+            del self._promoted[next(iter(self._promoted))]
+        if not await self.election.fenced_delete(spare_key(spare)):
+            raise LeadershipLostError("a fenced promotion failed: another planner leads")
 
 
 def _scaled(summary: Summary | None, mean: float) -> Summary:

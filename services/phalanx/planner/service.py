@@ -59,7 +59,15 @@ from phalanx.planner.correction import CorrectionConfig, CorrectionTracker, expe
 from phalanx.planner.decisions import Decision, DecisionConfig, DecisionMachine, DecisionReason, Outcome, Readiness
 from phalanx.planner.distribution import Summary
 from phalanx.planner.metrics import PlannerMetrics
-from phalanx.planner.observations import Observation, Scrape, observe_prometheus, observe_scrapes, parse_scrape, promql_queries
+from phalanx.planner.observations import (
+    Observation,
+    Scrape,
+    interval_demand,
+    observe_prometheus,
+    observe_scrapes,
+    parse_scrape,
+    promql_queries,
+)
 from phalanx.planner.predictors import Predictor, PredictorConfig, load_trace, make_predictor, warm_start
 from phalanx.planner.profile import PerformanceProfile, load_profile
 from phalanx.planner.replicas import LoadForecast, ReplicaConfig, SloTargets, plan_replicas
@@ -187,6 +195,11 @@ class Planner:
         # In a thread: a predictor's refit (ARIMA, Prophet) takes seconds, and the loop keeps the leadership lease alive.
         self._capacity = None
         desired = await asyncio.to_thread(self._desired, observation)
+        surge = self._surge_workers()
+        if surge is not None and surge > desired:
+            # The interval's forecast is older than the last seconds' arrivals: a tick at the start of a burst must not drain
+            # the workers the burst is about to need (measured: a scale-down 1 s into a burst, undone by a surge 0.8 s later).
+            desired = surge
         self.metrics.desired_workers.set(desired)
         if self._capacity is not None and self.config.capacity_view:
             await self._publish_capacity(self._capacity)
@@ -329,11 +342,10 @@ class Planner:
         """Feed the predictors (and correction factors) with the interval; the profile's worker count for the next one."""
         osl_mean = observation.osl.mean if observation.osl is not None else None
         isl_mean = observation.isl.mean if observation.isl is not None else self.config.default_isl
-        # Demand: requests that finished (shed ones included) or, when more, those that arrived. Under overload few finish
-        # in an interval; counted by completions alone the demand seemed to fall exactly when the fleet was short.
-        demand = observation.requests
-        if observation.arrival_rate is not None:
-            demand = max(demand, observation.arrival_rate * observation.interval_s)
+        # Demand: arrivals, and refusals while shedding (observations.interval_demand). Under overload few requests finish in
+        # an interval (counted by completions alone the demand fell exactly when the fleet was short), and after a burst its
+        # requests go on finishing for a request's duration (counted as demand, they held the fleet large).
+        demand = interval_demand(observation, self._degradation_level)
         self.predictors["requests"].observe(demand)
         self.predictors["isl"].observe(isl_mean)
         if osl_mean is not None:

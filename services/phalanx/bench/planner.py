@@ -307,14 +307,25 @@ def _started(stack: Stack, worker_id: str, killed_wall: float) -> str:
     pid = next((w["pid"] for w in stack.state()["workers"] if w["worker_id"] == worker_id), None)
     if pid is None:
         return ""
-    try:  # Linux: the process's start in clock ticks after boot (field 22 of /proc/<pid>/stat), and the boot time
-        ticks = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
-        boot = next(float(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines() if line.startswith("btime"))
-    except (OSError, ValueError, IndexError, StopIteration):
+    try:
+        # Linux gives a process's start in clock ticks after boot (/proc/<pid>/stat); the wall-clock time of boot is
+        # calibrated on a child started now rather than read from btime (whole seconds).
+        before = time.time()
+        probe = subprocess.Popen(["sleep", "5"])
+        try:
+            boot = before - _start_ticks(probe.pid)
+        finally:
+            probe.kill()
+            probe.wait()
+        started = boot + _start_ticks(pid) - killed_wall
+    except (OSError, ValueError, IndexError):
         return ""
-    started = boot + ticks / os.sysconf("SC_CLK_TCK") - killed_wall
-    # btime is whole seconds: the figure is good to about a second, enough to tell a spare (started long before) from a new process.
-    return f"; its process started {started:.1f} s after the kill" if started > -1.0 else ""
+    return f"; its process started {started:.2f} s after the kill (10 ms resolution)" if started > -1.0 else ""
+
+
+def _start_ticks(pid: int) -> float:
+    """Seconds after boot at which a process started (field 22 of /proc/<pid>/stat)."""
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]) / os.sysconf("SC_CLK_TCK")
 
 
 def _live(name: str, directory: Path, args: list[str], env: dict[str, str], times: list[float], *, kill: bool, settle: Callable[[Stack], None]

@@ -304,7 +304,13 @@ async def _restore_after_kill(router: str, stack: Stack) -> tuple[float | None, 
 
 def _started(stack: Stack, worker_id: str, killed_wall: float) -> str:
     """When the restored worker's process started, after the kill (a spare started long before: nothing to say)."""
-    pid = next((w["pid"] for w in stack.state()["workers"] if w["worker_id"] == worker_id), None)
+    pid = None
+    deadline = time.monotonic() + 3.0
+    while pid is None and time.monotonic() < deadline:  # the supervisor writes its state file every 0.2 s
+        with contextlib.suppress(OSError, ValueError, KeyError):
+            pid = next((w["pid"] for w in stack.state()["workers"] if w["worker_id"] == worker_id), None)
+        if pid is None:
+            time.sleep(0.1)
     if pid is None:
         return ""
     try:
@@ -433,7 +439,7 @@ def plot(path: Path, duration_s: float, peak_rps: float, runs: dict[str, LiveRun
 
 
 def run_planner_bench(*, minutes: float = 1.5, peak_rps: float | None = None, seed: int = 13, out: Path | None = None,
-                      hot_spares: int = 1) -> dict[str, Any]:
+                      hot_spares: int = 1, scale_down_window_s: float | None = None) -> dict[str, Any]:
     duration = minutes * 60
     profile = bench_profile()
     isl = float(ISL_WORDS * 2)  # what the tiny tokenizer makes of the prompts, roughly
@@ -466,6 +472,8 @@ def run_planner_bench(*, minutes: float = 1.5, peak_rps: float | None = None, se
         # A scaled-down worker drains fast: the trace is compressed, so is its grace.
         "PHALANX_WORKER_DRAIN_GRACE_S": "1",
     }
+    if scale_down_window_s is not None:
+        env["PHALANX_PLANNER_SCALE_DOWN_WINDOW_S"] = str(scale_down_window_s)
     common = ["--engine", "sim", "--profile", str(profile_path), "--model", "phalanx-tiny-moe", "--fast"]
     started = time.monotonic()
 
@@ -520,6 +528,8 @@ def run_planner_bench(*, minutes: float = 1.5, peak_rps: float | None = None, se
                   "requests": len(times), "isl_words": ISL_WORDS, "osl": OSL, "interval_s": TRACE_INTERVAL_S},
         "slo": {"ttft_s": TTFT_SLO_S, "mean_itl_s": ITL_SLO_S},
         "profile": "synthetic (bench_profile): ITL 150 ms + 75 ms x concurrency, simulated workers (--engine sim)",
+        "planner_settings": {"slo_headroom": SLO_HEADROOM, "scale_down_window_s": scale_down_window_s or 3 * TRACE_INTERVAL_S,
+                             "hot_spares": hot_spares},
         "best_predictor": best, "offline": offline, "live": live,
         "worker_seconds_vs_static_max": round(ratio, 3),
         "worker_seconds_vs_static_max_without_spares": round(serving_ratio, 3),

@@ -53,6 +53,47 @@ async def worker_tokens(address: str, prompt: list[int], max_tokens: int) -> lis
         return [chunk.token_id async for chunk in worker_pb2_grpc.WorkerServiceStub(channel).Generate(request, timeout=30) if chunk.index >= 0]
 
 
+def torch_loaded(pid: int) -> bool:
+    """Whether a process imported torch: its shared libraries (libtorch*, libc10) are mapped into the process then."""
+    maps = Path(f"/proc/{pid}/maps").read_text()
+    return "libtorch" in maps or "libc10" in maps
+
+
+async def test_a_sim_worker_starts_serves_and_checkpoints_without_importing_torch(nats_server, etcd_server, tmp_path) -> None:
+    # torch was most of a simulated worker's start time and memory; nothing on its path needs it.
+    profile = write_profile(tmp_path / "p.npz", {1: 0.004, 8: 0.01})
+    stack = Stack(nats_server.url, EtcdConfig(endpoint=etcd_server.endpoint, lease_ttl_s=1), model=MODEL)
+    try:
+        store = await stack.add_checkpoint_store()
+        start = time.perf_counter()
+        (worker,) = await stack.add_workers(1, "--engine", "sim", "--profile", str(profile))
+        started_s = time.perf_counter() - start
+        router = await stack.add_router()
+        async with await Client.connect(router.address, timeout=30) as client:
+            completions = await asyncio.gather(*(client.complete(list(range(20 + i, 70 + i)), max_tokens=12, ignore_eos=True) for i in range(4)))
+        assert all(len(c.token_ids) == 12 for c in completions)
+        # Its requests' KV went to the checkpoint store (numpy, a few bytes per position) while it served.
+        metrics = (await asyncio.to_thread(_fetch, f"http://{worker.metrics_address}/metrics"))
+        sent = [line for line in metrics.splitlines() if line.startswith("phalanx_checkpoint_sent_bytes_total")]
+        assert sent and float(sent[0].split()[-1]) > 0, sent
+        print(f"sim worker registered {started_s:.2f} s after its start; {rss_mib(worker.process.pid):.0f} MiB RSS; store {store.name}")
+        assert not torch_loaded(worker.process.pid)
+    finally:
+        stack.stop()
+
+
+def rss_mib(pid: int) -> float:
+    status = Path(f"/proc/{pid}/status").read_text().splitlines()
+    return int(next(line for line in status if line.startswith("VmRSS:")).split()[1]) / 1024
+
+
+def _fetch(url: str) -> str:
+    import urllib.request
+
+    with urllib.request.urlopen(url, timeout=10) as response:  # noqa: S310 - the test's own http:// URL
+        return response.read().decode()
+
+
 async def test_sim_workers_serve_through_a_router_say_what_they_are_and_agree(nats_server, etcd_server, tmp_path) -> None:
     profile = write_profile(tmp_path / "p.npz", {1: 0.004, 8: 0.01})
     stack = Stack(nats_server.url, EtcdConfig(endpoint=etcd_server.endpoint, lease_ttl_s=1), model=MODEL)
@@ -138,6 +179,9 @@ async def test_sim_worker_sigkilled_mid_generation_its_streams_migrate_and_conti
             assert [c.token_id for c in chunks] == [simulated_token(prompts[i], n, 0, alphabet) for n in range(max_tokens)], f"stream {i}"
         by_method = await migrations_by_method(stack)
         print(f"moved {len(moved)} streams: {by_method}")
+        # The survivors restored the victim's requests (KV from the checkpoint store, over gRPC) without torch.
+        survivors = [w for w in stack.workers if w.worker_id != killer.victim.worker_id]
+        assert survivors and not any(torch_loaded(w.process.pid) for w in survivors)
         assert by_method["router"] >= len(moved) and by_method["transfer"] == 0, by_method
     finally:
         await asyncio.to_thread(stack.stop)

@@ -240,3 +240,54 @@ def test_tick_due_follows_the_schedule_and_the_decision_in_flight_and_an_operato
     assert m.tick_due(clock.now)
     second = m.tick(clock.now, READY, desired_workers=1)
     assert second is not None and second.targets == Targets(workers=1)
+
+
+def test_a_surge_scales_up_at_once_between_ticks_and_supersedes_the_decision_in_flight() -> None:
+    clock, planner = Clock(), machine(workers=2)
+    first = planner.tick(clock.now, READY, desired_workers=3)
+    assert first is not None and planner.in_flight == first
+    # Before the next tick and before `first` completed: the arrivals already need 6.
+    surge = planner.surge(clock.advance(1.0), READY, desired_workers=6)
+    assert surge is not None and surge.reason is DecisionReason.SURGE and surge.targets == Targets(workers=6)
+    assert planner.in_flight == surge
+    assert [(f.decision.id, f.outcome) for f in planner.history] == [(first.id, Outcome.SUPERSEDED)]
+    # A superseded decision says nothing about scaling latency: the interval stays as configured.
+    assert planner.interval_s == 30.0
+    # A surge never asks for fewer or as many, and waits for readiness.
+    assert planner.surge(clock.advance(1.0), READY, desired_workers=6) is None
+    assert planner.surge(clock.advance(1.0), READY, desired_workers=1) is None
+    not_ready = Readiness(routers_serving=True, serving_workers=0, metrics_flowing=True)
+    assert planner.surge(clock.advance(1.0), not_ready, desired_workers=9) is None
+    assert planner.complete(surge.id, clock.advance(1.0))
+
+
+def test_a_surge_promotes_a_ready_hot_spare_so_that_one_worker_serves_at_once() -> None:
+    clock, planner = Clock(), machine(workers=2, hot_spares=1)
+    planner.spare_ready("spare-1")
+    surge = planner.surge(clock.now, READY, desired_workers=4)
+    assert surge is not None and surge.promote == "spare-1" and surge.targets == Targets(workers=4, spares=1)
+    assert planner.spares == []
+    # Until a new spare is ready, a death is replaced by a new worker.
+    dead = planner.worker_dead(clock.advance(0.5), "worker-0")
+    assert dead is not None and dead.reason is DecisionReason.REPLACE_DEAD
+
+
+def test_scale_down_waits_for_the_window_and_scale_up_does_not() -> None:
+    clock, planner = Clock(), machine(workers=2, interval_s=2.0, scale_down_window_s=6.0)
+    up = planner.tick(clock.now, READY, desired_workers=6)
+    assert up is not None and up.targets.workers == 6
+    planner.complete(up.id, clock.advance(0.5))
+    # The burst is over: the maths wants 2, but the window still remembers 6.
+    assert planner.tick(clock.advance(2.0), READY, desired_workers=2) is None
+    assert planner.tick(clock.advance(2.0), READY, desired_workers=3) is None
+    # Once 6 left the window, the largest count still in it (3), not the newest (2).
+    down = planner.tick(clock.advance(2.5), READY, desired_workers=2)
+    assert down is not None and down.targets.workers == 3
+    planner.complete(down.id, clock.advance(0.5))
+    assert planner.tick(clock.advance(2.0), READY, desired_workers=5).targets.workers == 5  # type: ignore[union-attr]
+
+
+def test_without_a_window_a_tick_scales_down_at_once() -> None:
+    clock, planner = Clock(), machine(workers=6, interval_s=2.0)
+    down = planner.tick(clock.now, READY, desired_workers=2)
+    assert down is not None and down.targets.workers == 2

@@ -11,6 +11,9 @@ from prometheus_client import CollectorRegistry, generate_latest
 from phalanx.planner.distribution import Summary, histogram_quantile, summarise_histogram
 from phalanx.planner.errors import PrometheusQueryError
 from phalanx.planner.observations import (
+    SHEDDING_LEVEL,
+    Observation,
+    interval_demand,
     observe_prometheus,
     observe_scrapes,
     parse_scrape,
@@ -201,3 +204,13 @@ def test_prometheus_errors_are_reported_with_the_query() -> None:
 def test_scalar_responses_are_accepted() -> None:
     scalar = {"status": "success", "data": {"resultType": "scalar", "result": [1_700_000_000.0, "2.5"]}}
     assert observe_prometheus({"request_rate": scalar}, 10.0).request_rate == 2.5
+
+
+def test_demand_is_arrivals_unless_the_routers_shed_or_export_no_arrivals() -> None:
+    # After a burst: 2 requests arrived in the interval, 9 of the burst's finished in it.
+    after_burst = Observation(interval_s=2.0, requests=9.0, request_rate=4.5, ttft=None, itl=None, isl=None, osl=None, arrival_rate=1.0)
+    assert interval_demand(after_burst, degradation_level=0) == pytest.approx(2.0)
+    # While shedding, refused requests finish at once and never arrive: the larger count is the demand.
+    assert interval_demand(after_burst, degradation_level=SHEDDING_LEVEL) == pytest.approx(9.0)
+    older_router = Observation(interval_s=2.0, requests=9.0, request_rate=4.5, ttft=None, itl=None, isl=None, osl=None)
+    assert interval_demand(older_router, degradation_level=0) == 9.0

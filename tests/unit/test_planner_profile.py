@@ -204,3 +204,31 @@ def test_loading_something_that_is_not_a_profile_says_so(tmp_path: Path) -> None
     np.savez(old, **contents)
     with pytest.raises(ProfileError, match="old.npz: profile version 0"):
         load_profile(old)
+
+
+def test_the_numpy_interpolators_match_scipys() -> None:
+    # The profile interpolates without scipy (a simulated worker's start); these are the curves scipy draws.
+    from scipy.interpolate import PchipInterpolator, RegularGridInterpolator
+
+    from phalanx.planner.profile import pchip
+
+    rng = np.random.default_rng(13)
+    for points in (2, 3, 5, 9):
+        x = np.cumsum(rng.uniform(1, 100, points))
+        for y in (np.cumsum(rng.uniform(0, 1, points)), rng.uniform(0.1, 2.0, points), np.full(points, 0.5)):
+            queries = np.linspace(x[0], x[-1], 97)
+            expected = PchipInterpolator(x, y)(queries)
+            assert np.allclose([pchip(x, y)(q) for q in queries], expected, rtol=1e-9, atol=1e-12)
+    contexts, concurrency = np.array([64.0, 256.0, 1024.0]), np.array([1.0, 2.0, 4.0, 8.0, 16.0])
+    itl = rng.uniform(0.01, 0.5, (3, 5))
+    profile = PerformanceProfile(
+        model="m", gpus_per_worker=1, prefill_isl=np.array([16.0, 512.0]), prefill_ttft_s=np.array([0.01, 0.1]),
+        prefill_tokens_per_s=np.array([1600.0, 5120.0]), decode_context=contexts, decode_concurrency=concurrency,
+        decode_itl_s=np.sort(itl, axis=1), decode_tokens_per_s=concurrency / np.sort(itl, axis=1),
+    )
+    grid = RegularGridInterpolator((contexts, concurrency), profile._monotone_itl, method="linear")
+    for context in (10.0, 64.0, 100.0, 700.0, 1024.0, 5000.0):
+        c = np.clip(context, 64.0, 1024.0)
+        levels = np.array([0.5, 1.0, 3.0, 7.5, 16.0, 40.0])
+        expected = grid(np.column_stack([np.full(6, c), np.clip(levels, 1.0, 16.0)]))
+        assert np.allclose(profile._decode_itl(context, levels), expected, rtol=1e-12)

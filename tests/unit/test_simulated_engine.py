@@ -150,3 +150,44 @@ def test_the_simulated_engine_refuses_tensor_parallelism() -> None:
 def test_a_missing_profile_is_refused_at_configuration() -> None:
     with pytest.raises(ValueError, match="is not a file"):
         EngineConfig(engine="sim", profile="/nonexistent/profile.npz")
+
+
+SIM_PATH_WITHOUT_TORCH = """
+import sys
+from phalanx.model.sampling import SamplingParams
+from phalanx.worker.checkpointing import CheckpointCapture, batch_of
+from phalanx.worker.config import EngineConfig
+from phalanx.worker.engine import Engine, EngineRequest
+import phalanx.worker.process  # noqa: F401 - the worker process module, as `phalanx worker` imports it
+from phalanx.worker.server import snapshot_to_proto
+from phalanx.worker.simulated import load_simulated
+
+config = EngineConfig(engine="sim", profile=sys.argv[1])
+model, runner = load_simulated(config)
+engine = Engine(model, config, runner=runner)
+capture = CheckpointCapture(interval_tokens=4)
+capture.connected = True  # as once its streamer reached a store
+for i, params in enumerate([SamplingParams(max_tokens=12, ignore_eos=True), SamplingParams(max_tokens=12, temperature=0.8, seed=3)]):
+    engine.add_request(EngineRequest(list(range(20 + i, 60 + i)), params, request_id=str(i)))
+steps = 0
+while engine.has_work() and steps < 6:
+    engine.step()
+    capture.capture(engine)
+    steps += 1
+kv_bytes = sum(len(segment.kv) for segment in batch_of(capture.take(), snapshot_to_proto).segments)
+print(kv_bytes, "torch" in sys.modules, "scipy" in sys.modules)
+"""
+
+
+def test_the_simulated_path_runs_and_checkpoints_without_importing_torch_or_scipy(profile_path, tmp_path) -> None:
+    # A new process: this one imported torch long ago (other tests). Sampled and greedy requests, KV checkpoints.
+    import subprocess
+    import sys
+
+    script = tmp_path / "sim_path.py"
+    script.write_text(SIM_PATH_WITHOUT_TORCH)
+    done = subprocess.run([sys.executable, str(script), str(profile_path)], capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    kv_bytes, torch_imported, scipy_imported = done.stdout.split()
+    # Nor scipy: the profile interpolates with numpy (a third of a simulated worker's start was scipy's interpolators).
+    assert int(kv_bytes) > 0 and torch_imported == "False" and scipy_imported == "False"

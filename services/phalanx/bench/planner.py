@@ -67,6 +67,7 @@ OSL = 16
 TRACE_INTERVAL_S = 2.0  # the planner's interval, compressed like the trace
 PREDICTORS: tuple[PredictorKind, ...] = ("constant", "arima", "kalman", "prophet")
 BURST_FACTOR = 3.0
+SLO_HEADROOM = 0.8
 
 
 # -- the profile and the trace -----------------------------------------------------------------------------
@@ -289,15 +290,48 @@ async def _restore_after_kill(router: str, stack: Stack) -> tuple[float | None, 
     victim = state["workers"][0]
     async with await Client.connect(router) as client:
         before = {w.worker_id for w in await client.list_workers() if w.routable}
-        killed_at = time.monotonic()
+        killed_at, killed_wall = time.monotonic(), time.time()
         os.kill(victim["pid"], signal.SIGKILL)
         while time.monotonic() - killed_at < 30:
             now_routable = {w.worker_id for w in await client.list_workers(timeout=2) if w.routable}
             new = now_routable - before
             if new:
-                return time.monotonic() - killed_at, f"SIGKILL {victim['worker_id']} -> {sorted(new)[0]} routable"
+                restored = time.monotonic() - killed_at
+                return restored, f"SIGKILL {victim['worker_id']} -> {sorted(new)[0]} routable{_started(stack, sorted(new)[0], killed_wall)}"
             await asyncio.sleep(0.005)
     return None, f"SIGKILL {victim['worker_id']}: no new routable worker within 30 s"
+
+
+def _started(stack: Stack, worker_id: str, killed_wall: float) -> str:
+    """When the restored worker's process started, after the kill (a spare started long before: nothing to say)."""
+    pid = None
+    deadline = time.monotonic() + 3.0
+    while pid is None and time.monotonic() < deadline:  # the supervisor writes its state file every 0.2 s
+        with contextlib.suppress(OSError, ValueError, KeyError):
+            pid = next((w["pid"] for w in stack.state()["workers"] if w["worker_id"] == worker_id), None)
+        if pid is None:
+            time.sleep(0.1)
+    if pid is None:
+        return ""
+    try:
+        # Linux gives a process's start in clock ticks after boot (/proc/<pid>/stat); the wall-clock time of boot is
+        # calibrated on a child started now rather than read from btime (whole seconds).
+        before = time.time()
+        probe = subprocess.Popen(["sleep", "5"])
+        try:
+            boot = before - _start_ticks(probe.pid)
+        finally:
+            probe.kill()
+            probe.wait()
+        started = boot + _start_ticks(pid) - killed_wall
+    except (OSError, ValueError, IndexError):
+        return ""
+    return f"; its process started {started:.2f} s after the kill (10 ms resolution)" if started > -1.0 else ""
+
+
+def _start_ticks(pid: int) -> float:
+    """Seconds after boot at which a process started (field 22 of /proc/<pid>/stat)."""
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]) / os.sysconf("SC_CLK_TCK")
 
 
 def _live(name: str, directory: Path, args: list[str], env: dict[str, str], times: list[float], *, kill: bool, settle: Callable[[Stack], None]
@@ -405,7 +439,7 @@ def plot(path: Path, duration_s: float, peak_rps: float, runs: dict[str, LiveRun
 
 
 def run_planner_bench(*, minutes: float = 1.5, peak_rps: float | None = None, seed: int = 13, out: Path | None = None,
-                      hot_spares: int = 1) -> dict[str, Any]:
+                      hot_spares: int = 1, scale_down_window_s: float | None = None) -> dict[str, Any]:
     duration = minutes * 60
     profile = bench_profile()
     isl = float(ISL_WORDS * 2)  # what the tiny tokenizer makes of the prompts, roughly
@@ -428,6 +462,9 @@ def run_planner_bench(*, minutes: float = 1.5, peak_rps: float | None = None, se
         "PHALANX_PLANNER_TTFT_SLO_S": str(TTFT_SLO_S), "PHALANX_PLANNER_ITL_SLO_S": str(ITL_SLO_S),
         "PHALANX_PLANNER_SCALE_DEADLINE_S": "20", "PHALANX_PLANNER_DEFAULT_ISL": str(isl),
         "PHALANX_PLANNER_DEFAULT_OSL": str(OSL),
+        # The plan aims at 80 % of the latency SLOs: at a fleet sized exactly for the ITL SLO, the requests of the busier
+        # workers run over it (docs/planner.md).
+        "PHALANX_PLANNER_SLO_HEADROOM": str(SLO_HEADROOM),
         "PHALANX_DEGRADATION_SLO_TTFT_S": str(TTFT_SLO_S), "PHALANX_DEGRADATION_SLO_TPOT_S": str(ITL_SLO_S),
         # Health's hysteresis compressed like the trace: at its 30 s per step down, one burst's level 4 would refuse
         # every request of the minutes that follow.
@@ -435,6 +472,8 @@ def run_planner_bench(*, minutes: float = 1.5, peak_rps: float | None = None, se
         # A scaled-down worker drains fast: the trace is compressed, so is its grace.
         "PHALANX_WORKER_DRAIN_GRACE_S": "1",
     }
+    if scale_down_window_s is not None:
+        env["PHALANX_PLANNER_SCALE_DOWN_WINDOW_S"] = str(scale_down_window_s)
     common = ["--engine", "sim", "--profile", str(profile_path), "--model", "phalanx-tiny-moe", "--fast"]
     started = time.monotonic()
 
@@ -465,6 +504,8 @@ def run_planner_bench(*, minutes: float = 1.5, peak_rps: float | None = None, se
     }
     live[planner_name]["burst_reactions"] = reactions(runs[planner_name], duration)
     ratio = live[planner_name]["worker_seconds"] / max(live["static_max"]["worker_seconds"], 1e-9)
+    # The hot spare is there for restoration (the goal below), not for the load: the same ratio without its worker-seconds.
+    serving_ratio = (live[planner_name]["worker_seconds"] - hot_spares * duration) / max(live["static_max"]["worker_seconds"], 1e-9)
     with_spare, without_spare = runs[planner_name].restore_s, runs["static_max"].restore_s
     goals = {
         "slo_attainment_best_predictor": GOAL_SLO_ATTAINMENT, "worker_seconds_vs_static_max": GOAL_WORKER_SECONDS_RATIO,
@@ -487,8 +528,11 @@ def run_planner_bench(*, minutes: float = 1.5, peak_rps: float | None = None, se
                   "requests": len(times), "isl_words": ISL_WORDS, "osl": OSL, "interval_s": TRACE_INTERVAL_S},
         "slo": {"ttft_s": TTFT_SLO_S, "mean_itl_s": ITL_SLO_S},
         "profile": "synthetic (bench_profile): ITL 150 ms + 75 ms x concurrency, simulated workers (--engine sim)",
+        "planner_settings": {"slo_headroom": SLO_HEADROOM, "scale_down_window_s": scale_down_window_s or 3 * TRACE_INTERVAL_S,
+                             "hot_spares": hot_spares},
         "best_predictor": best, "offline": offline, "live": live,
         "worker_seconds_vs_static_max": round(ratio, 3),
+        "worker_seconds_vs_static_max_without_spares": round(serving_ratio, 3),
         "restore": {
             "with_hot_spare_s": _r(with_spare), "with_hot_spare": runs[planner_name].restore_note + " (planner promotes the spare)",
             "without_hot_spare_s": _r(without_spare),
@@ -498,7 +542,20 @@ def run_planner_bench(*, minutes: float = 1.5, peak_rps: float | None = None, se
     }
     out.write_text(json.dumps(result, indent=2))
     result["json"] = str(out)
+    result["timeline"] = str(write_timeline(out.with_suffix(".timeline.json"), runs))
     return result
+
+
+def write_timeline(path: Path, runs: dict[str, LiveRun]) -> Path:
+    """Every live run's fleet samples and requests, beside the JSON: what the per-interval analysis reads."""
+    path.write_text(json.dumps({
+        name: {
+            "samples": [[round(s.at, 2), s.routable, s.processes, s.target] for s in run.samples],
+            "requests": [[round(r.sent_at, 2), _r(r.ttft_s), _r(r.mean_itl_s), r.tokens, r.error] for r in run.requests],
+            "fields": {"samples": ["at_s", "routable", "processes", "target"], "requests": ["sent_at_s", "ttft_s", "mean_itl_s", "tokens", "error"]},
+        } for name, run in runs.items()
+    }))
+    return path
 
 
 def _rate_for_workers(workers: int, profile: PerformanceProfile, isl: float) -> float:

@@ -697,6 +697,9 @@ def bench_planner(
     peak_rps: float = typer.Option(None, min=0.05, help="Peak diurnal request rate [default: what two simulated workers serve]"),
     hot_spares: int = typer.Option(1, min=1, max=4, help="Hot spares of the planner's live run"),
     seed: int = typer.Option(13, help="Seed of the arrivals"),
+    scale_down_window: float = typer.Option(
+        None, min=0, help="The planner's scale-down window in seconds [default: the planner's, three intervals: 6 s]"
+    ),
     out: str = typer.Option(None, help="JSON result path (the plot goes beside it as .png) [default: a temporary directory]"),
     as_json: bool = typer.Option(False, "--json", help="Print JSON only"),
 ) -> None:
@@ -706,7 +709,8 @@ def bench_planner(
     os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
     from phalanx.bench.planner import run_planner_bench
 
-    result = run_planner_bench(minutes=minutes, peak_rps=peak_rps, seed=seed, out=Path(out).resolve() if out else None, hot_spares=hot_spares)
+    result = run_planner_bench(minutes=minutes, peak_rps=peak_rps, seed=seed, out=Path(out).resolve() if out else None, hot_spares=hot_spares,
+                               scale_down_window_s=scale_down_window)
     print(json.dumps(result, indent=None if as_json else 2))
 
 

@@ -9,8 +9,10 @@ takes its tensors from here instead of allocating them.
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["BufferPool"]
 
@@ -34,10 +36,14 @@ class BufferPool:
     def reserve(self, nbytes: int) -> None:
         """A buffer of at least ``nbytes``, its pages touched now (ahead of the first transfer, off its clock)."""
         if nbytes > 0 and not any(buffer.numel() >= nbytes for buffer in self._free):
+            import torch
+
             self._keep(torch.zeros(_rounded(nbytes), dtype=torch.uint8))
 
     def take(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """A contiguous tensor of ``shape`` and ``dtype`` (contents undefined) on a kept buffer, or a new one."""
+        import torch
+
         nbytes = math.prod(shape) * dtype.itemsize
         if nbytes == 0:
             return torch.empty(shape, dtype=dtype)
@@ -49,11 +55,13 @@ class BufferPool:
         """Back for reuse: a tensor from ``take`` that nothing uses any more (its whole buffer is kept)."""
         if tensor.device.type != "cpu" or tensor.numel() == 0 or tensor.storage_offset() != 0:
             return  # not one of ours
+        import torch
+
         self._keep(torch.empty(0, dtype=torch.uint8).set_(tensor.untyped_storage()))
 
     def _keep(self, buffer: torch.Tensor) -> None:
         self._free.append(buffer)
-        self._free.sort(key=torch.Tensor.numel)
+        self._free.sort(key=lambda buffer: buffer.numel())
         while self._free and self.free_bytes > self.keep_bytes:
             self._free.pop(0)  # the smallest: a large transfer is the one a fresh allocation slows most
 

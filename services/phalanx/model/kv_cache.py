@@ -14,10 +14,15 @@ import mmap
 from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-
-import torch
+from typing import TYPE_CHECKING
 
 from phalanx.common.block_hash import ROOT_HASH, MediaSpan, hash_block, hash_block_with_media
+
+if TYPE_CHECKING:
+    import torch
+
+# torch is imported where tensors are made, not here: the block accounting is also the simulated engine's, which runs
+# without torch (worker/simulated.py).
 
 BLOCK_SIZE = 16
 
@@ -72,6 +77,8 @@ class KvCacheManager:
 
     def slots(self, seq_id: str, start: int, end: int) -> torch.Tensor:
         """Cache slots of token positions [start, end) of a sequence."""
+        import torch
+
         table = torch.tensor(self._seqs[seq_id].table, dtype=torch.int64)
         pos = torch.arange(start, end)
         return table[pos // self.block_size] * self.block_size + pos % self.block_size
@@ -204,6 +211,8 @@ def zeroed(shape: tuple[int, ...], *, dtype: torch.dtype, device: torch.device |
     ``torch.zeros`` writes every byte at once: 110-150 ms for the tiny models' 128 MiB cache on a 2-core VM, paid at
     every start and, worse, inside a failover shadow's wake. Here untouched blocks also cost no resident memory.
     """
+    import torch
+
     if torch.device(device).type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     count = math.prod(shape)
@@ -214,7 +223,31 @@ def zeroed(shape: tuple[int, ...], *, dtype: torch.dtype, device: torch.device |
     return torch.frombuffer(mmap.mmap(-1, count * itemsize), dtype=dtype, count=count).view(shape)
 
 
-class KvCacheTensors:
+class SlotRanges:
+    """gather_ranges and scatter_range over a cache's gather and scatter of token slots (torch tensors).
+
+    The engine and checkpointing ask a cache for sequences' position ranges, never for slot tensors, so that the
+    simulated engine's cache (worker/simulated.py), which holds no KV, answers them without torch.
+    """
+
+    def gather(self, slots: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def scatter(self, slots: torch.Tensor, kv: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def gather_ranges(self, kv: KvCacheManager, ranges: Sequence[tuple[str, int, int]]) -> torch.Tensor:
+        """The KV of positions [start, end) of each (sequence, start, end), one after the other along dim 2."""
+        import torch
+
+        return self.gather(torch.cat([kv.slots(seq_id, start, end) for seq_id, start, end in ranges]))
+
+    def scatter_range(self, kv: KvCacheManager, seq_id: str, start: int, end: int, values: torch.Tensor) -> None:
+        """Writes [layers, 2, end - start, kv_heads, head_dim] into positions [start, end) of a sequence."""
+        self.scatter(kv.slots(seq_id, start, end), values)
+
+
+class KvCacheTensors(SlotRanges):
     """The cache memory: [layers, 2 (k, v), blocks, block_size, kv_heads, head_dim], preallocated once."""
 
     def __init__(
@@ -236,6 +269,8 @@ class KvCacheTensors:
 
     def export_blocks(self, block_ids: list[int]) -> torch.Tensor:
         """A copy of the blocks' KV: [layers, 2, len(block_ids), block_size, kv_heads, head_dim]."""
+        import torch
+
         index = torch.tensor(block_ids, dtype=torch.int64, device=self.data.device)
         return self.data.index_select(2, index)
 
@@ -259,5 +294,7 @@ class KvCacheTensors:
         expected = (*self.data.shape[:2], len(block_ids), *self.data.shape[3:])
         if tuple(blocks.shape) != expected:
             raise ValueError(f"KV blocks of shape {tuple(blocks.shape)} do not fit {expected}")
+        import torch
+
         index = torch.tensor(block_ids, dtype=torch.int64, device=self.data.device)
         self.data.index_copy_(2, index, blocks.to(self.data.device, self.data.dtype))

@@ -48,6 +48,18 @@ class PlannerConfig(BaseSettings):
     )
     ttft_slo_s: float = Field(2.0, gt=0, description="Time-to-first-token SLO")
     itl_slo_s: float = Field(0.25, gt=0, description="Inter-token latency SLO")
+    slo_headroom: float = Field(
+        1.0, gt=0, le=1, description="The plan sizes the fleet for this fraction of the latency SLOs (1: at the SLOs). A fleet "
+        "sized at the SLO runs its average request at it, and the requests of the busier workers over it"
+    )
+    surge_window_s: float = Field(
+        2.0, ge=0, description="Between ticks, arrivals over this window that need more workers than the target scale up at "
+        "once (a SURGE decision); 0: only at ticks"
+    )
+    surge_min_requests: int = Field(4, ge=1, description="Arrivals a surge window must hold before it counts (noise at low rates)")
+    scale_down_window_s: float | None = Field(
+        None, ge=0, description="A tick asks for no fewer workers than the most wanted within this window; unset: 3 x interval_s"
+    )
 
     prometheus_url: str = Field("", description="Prometheus base URL (http://host:9090); unset: scrape the routers' /metrics directly")
     scrape_timeout_s: float = Field(2.0, gt=0, le=60, description="Deadline of one /metrics scrape or Prometheus query")

@@ -24,6 +24,14 @@ Rules, each fixing a limit of Dynamo's planner named in its design notes:
   the connector starts a new spare in the background; without one, it replaces the worker with a new one.
   Restorations are not gated on readiness: when the last worker dies, the fleet is not ready, and that is
   exactly when a replacement is needed.
+- A surge does not wait for the interval (`surge`): when the arrivals of the last seconds already need more
+  workers than the target, a SURGE decision goes at once, and it supersedes a scaling decision in flight
+  (decisions carry the whole target, so the larger one subsumes it). With a hot spare ready it promotes it:
+  one worker of the surge serves at once, the others and a new spare start. Measured (docs/planner.md):
+  waiting for the next tick, and then for the decision in flight, brought workers after a short burst had ended.
+- Scale-down waits (`scale_down_window_s`): a tick never asks for fewer workers than the largest count
+  wanted within the window, so a lull between bursts does not drain the workers the next burst needs.
+  Scale-up is never held back.
 """
 
 from __future__ import annotations
@@ -35,6 +43,7 @@ from enum import StrEnum
 
 class DecisionReason(StrEnum):
     SCALE = "scale"
+    SURGE = "surge"
     REPLACE_DEAD = "replace_dead"
     PROMOTE_SPARE = "promote_spare"
 
@@ -42,6 +51,7 @@ class DecisionReason(StrEnum):
 class Outcome(StrEnum):
     COMPLETED = "completed"
     TIMED_OUT = "timed_out"
+    SUPERSEDED = "superseded"  # a surge asked for more before it completed
 
 
 @dataclass(frozen=True)
@@ -104,6 +114,8 @@ class DecisionConfig:
     promote_deadline_s: float = 5.0
     hot_spares: int = 0
     history: int = 100
+    # A tick asks for no fewer workers than the most any tick or surge wanted within this window (0: no hold).
+    scale_down_window_s: float = 0.0
 
     def __post_init__(self) -> None:
         if not 0 < self.interval_s <= self.max_interval_s:
@@ -112,6 +124,8 @@ class DecisionConfig:
             raise ValueError("latency_multiple > 0, latency_window >= 1 and hot_spares >= 0 are required")
         if min(self.scale_deadline_s, self.replace_deadline_s, self.promote_deadline_s) <= 0:
             raise ValueError("deadlines must be > 0")
+        if self.scale_down_window_s < 0:
+            raise ValueError("scale_down_window_s must be >= 0")
 
 
 # Dead worker ids remembered to ignore repeated DEAD events; ids are unique per process, so old ones can go.
@@ -133,6 +147,7 @@ class DecisionMachine:
         self._latencies: deque[float] = deque(maxlen=config.latency_window)
         self._history: deque[FinishedDecision] = deque(maxlen=config.history)
         self._handled_dead: dict[str, None] = {}
+        self._wanted: deque[tuple[float, int]] = deque()  # (when, desired workers) of recent ticks and surges
 
     # Schedule.
 
@@ -170,14 +185,34 @@ class DecisionMachine:
             return None
         if self._next_tick_at is not None and now < self._next_tick_at:
             return None
+        self._remember(now, desired_workers)
         if self.in_flight is not None:
             # Not yet past its deadline (_expire would have cleared it): decide when it completes.
             return None
         self._next_tick_at = now + self.interval_s
-        wanted = Targets(workers=max(desired_workers, 0), spares=self.config.hot_spares)
+        workers = max(desired_workers, 0)
+        if workers < self.targets.workers:
+            workers = min(self.targets.workers, max(d for _, d in self._wanted))  # hold what the window wanted
+        wanted = Targets(workers=workers, spares=self.config.hot_spares)
         if wanted == self.targets:
             return None
         decision = self._issue(now, wanted, DecisionReason.SCALE, self.config.scale_deadline_s)
+        self.in_flight = decision
+        return decision
+
+    def surge(self, now: float, readiness: Readiness, desired_workers: int) -> Decision | None:
+        """Arrivals between ticks already need `desired_workers`: a SURGE decision at once if that is more than the
+        target, superseding a scaling decision in flight; None otherwise (it never scales down)."""
+        self._expire(now)
+        if not readiness.ready or desired_workers <= self.targets.workers:
+            return None
+        self._remember(now, desired_workers)
+        if self.in_flight is not None:
+            self._finish(self.in_flight, Outcome.SUPERSEDED, now)
+        # A ready spare serves now; the rest of the surge, and a spare in its place, start meanwhile.
+        promote = {"promote": self.spares.pop(0)} if self.spares else {}
+        decision = self._issue(now, Targets(workers=desired_workers, spares=self.config.hot_spares), DecisionReason.SURGE,
+                               self.config.scale_deadline_s, **promote)
         self.in_flight = decision
         return decision
 
@@ -237,6 +272,11 @@ class DecisionMachine:
         self.targets = targets
         return decision
 
+    def _remember(self, now: float, desired_workers: int) -> None:
+        self._wanted.append((now, max(desired_workers, 0)))
+        while self._wanted and now - self._wanted[0][0] > self.config.scale_down_window_s:
+            self._wanted.popleft()
+
     def _expire(self, now: float) -> None:
         if self.in_flight is not None and now >= self.in_flight.deadline:
             self._finish(self.in_flight, Outcome.TIMED_OUT, now)
@@ -249,5 +289,6 @@ class DecisionMachine:
     def _finish(self, decision: Decision, outcome: Outcome, now: float) -> None:
         finished = FinishedDecision(decision, outcome, now)
         self._history.append(finished)
-        if decision.reason is not DecisionReason.PROMOTE_SPARE:
+        # A promotion says nothing about how fast a new worker starts, nor a superseded decision about how long one takes.
+        if decision.reason is not DecisionReason.PROMOTE_SPARE and outcome is not Outcome.SUPERSEDED:
             self._latencies.append(finished.latency_s)

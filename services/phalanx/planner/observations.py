@@ -268,3 +268,21 @@ def observe_prometheus(
         osl=osl,
         arrival_rate=values.get("arrival_rate"),
     )
+
+
+# From this degradation level on the routers refuse requests (best_effort first): those never count as arrivals.
+SHEDDING_LEVEL = 2
+
+
+def interval_demand(observation: Observation, degradation_level: int) -> float:
+    """The requests an interval asked for: its arrivals, or, while the routers shed, the larger of its arrivals and its
+    finished requests (refusals finish at once and never arrive).
+
+    Completions lag arrivals by a request's duration: counted as demand outside shedding, they kept it high for the
+    intervals after a burst, and the fleet stayed large (docs/planner.md, bench). Without an arrivals counter (older
+    routers), finished requests are all there is.
+    """
+    if observation.arrival_rate is None:
+        return observation.requests
+    arrived = observation.arrival_rate * observation.interval_s
+    return max(observation.requests, arrived) if degradation_level >= SHEDDING_LEVEL else arrived

@@ -8,8 +8,10 @@ deployment by `phalanx profile` (which calls `build_profile` on its samples):
 - decode, over (context length, concurrency): inter-token latency and the decode throughput in tokens/s
   per worker (`concurrency / itl` unless measured).
 
-Interpolation (scipy): prefill with PCHIP (shape-preserving cubic: no overshoot between points, exact on
-them), decode ITL bilinear on the (context, concurrency) grid. Decode throughput is concurrency / ITL
+Interpolation (numpy, no scipy: a simulated worker reads its step times from here, and importing scipy's
+interpolators was a third of its start): prefill with PCHIP (shape-preserving cubic: no overshoot between
+points, exact on them; scipy's PchipInterpolator, which a test compares it with), decode ITL bilinear on the
+(context, concurrency) grid. Decode throughput is concurrency / ITL
 times an efficiency (measured throughput over concurrency / ITL, 1.0 for derived throughputs) that is
 interpolated bilinearly: throughput is concave in concurrency, and interpolating it directly between
 powers of two underestimates it by ~10 %, while the efficiency varies slowly and matches every grid point. Off the grid every input is clamped to the
@@ -93,9 +95,42 @@ def _clamp(value: float, grid: np.ndarray) -> float:
     return float(min(max(value, grid[0]), grid[-1]))
 
 
-def _padded(grid: np.ndarray) -> np.ndarray:
-    """A one-point axis as two points (interpolators want two): every input clamps to the one point anyway."""
-    return grid if grid.size > 1 else np.array([grid[0], grid[0] + 1.0])
+def pchip(x: np.ndarray, y: np.ndarray) -> Callable[[float], float]:
+    """The monotone piecewise-cubic Hermite interpolant of (x, y) (Fritsch-Butland derivatives, as scipy's
+    PchipInterpolator: weighted harmonic means inside, the three-point shape-preserving formula at the ends), for x
+    within [x[0], x[-1]]; x strictly increasing, at least two points."""
+    x, y = np.asarray(x, dtype=np.float64), np.asarray(y, dtype=np.float64)
+    h = np.diff(x)
+    m = np.diff(y) / h
+    d = np.zeros_like(y)
+    if x.size == 2:
+        d[:] = m[0]
+    else:
+        w1, w2 = 2 * h[1:] + h[:-1], h[1:] + 2 * h[:-1]
+        same_sign = m[:-1] * m[1:] > 0
+        with np.errstate(divide="ignore", invalid="ignore"):
+            inner = (w1 + w2) / (w1 / m[:-1] + w2 / m[1:])
+        d[1:-1] = np.where(same_sign, inner, 0.0)
+        d[0] = _pchip_end(h[0], h[1], m[0], m[1])
+        d[-1] = _pchip_end(h[-1], h[-2], m[-1], m[-2])
+
+    def at(value: float) -> float:
+        k = int(np.clip(np.searchsorted(x, value, side="right") - 1, 0, x.size - 2))
+        t = (value - x[k]) / h[k]
+        t2, t3 = t * t, t * t * t
+        return float((2 * t3 - 3 * t2 + 1) * y[k] + (t3 - 2 * t2 + t) * h[k] * d[k] + (-2 * t3 + 3 * t2) * y[k + 1]
+                     + (t3 - t2) * h[k] * d[k + 1])
+
+    return at
+
+
+def _pchip_end(h0: float, h1: float, m0: float, m1: float) -> float:
+    d = ((2 * h0 + h1) * m0 - h0 * m1) / (h0 + h1)
+    if np.sign(d) != np.sign(m0):
+        return 0.0
+    if np.sign(m0) != np.sign(m1) and abs(d) > abs(3 * m0):
+        return 3 * m0
+    return float(d)
 
 
 @dataclass(frozen=True, eq=False)
@@ -134,7 +169,7 @@ class PerformanceProfile:
         if self.decode_itl_s.shape != grid_shape or self.decode_tokens_per_s.shape != grid_shape:
             raise ProfileError(f"decode_itl_s and decode_tokens_per_s must be [decode_context, decode_concurrency] = {grid_shape}")
 
-    # Interpolators, built on first use (scipy is imported only then).
+    # Interpolators, built on first use.
 
     @cached_property
     def _prefill_ttft(self) -> Callable[[float], float]:
@@ -148,10 +183,8 @@ class PerformanceProfile:
         if values.size == 1:
             constant = float(values[0])
             return lambda _isl: constant
-        from scipy.interpolate import PchipInterpolator
-
-        curve = PchipInterpolator(self.prefill_isl, values, extrapolate=False)
-        return lambda isl: float(curve(_clamp(isl, self.prefill_isl)))
+        curve = pchip(self.prefill_isl, values)
+        return lambda isl: curve(_clamp(isl, self.prefill_isl))
 
     @cached_property
     def _monotone_itl(self) -> np.ndarray:
@@ -159,19 +192,18 @@ class PerformanceProfile:
 
     def _grid_interpolator(self, values: np.ndarray) -> Callable[[float, np.ndarray], np.ndarray]:
         """Bilinear over the decode grid, vectorised over concurrency; inputs clamped to the grid."""
-        from scipy.interpolate import RegularGridInterpolator
-
-        padded = values
-        if self.decode_context.size == 1:
-            padded = np.vstack([padded, padded])
-        if self.decode_concurrency.size == 1:
-            padded = np.hstack([padded, padded])
-        grid = RegularGridInterpolator((_padded(self.decode_context), _padded(self.decode_concurrency)), padded, method="linear")
+        contexts, concurrencies = self.decode_context, self.decode_concurrency
 
         def at(context: float, concurrency: np.ndarray) -> np.ndarray:
-            concurrency = np.clip(concurrency, self.decode_concurrency[0], self.decode_concurrency[-1])
-            points = np.column_stack([np.full(concurrency.shape, _clamp(context, self.decode_context)), concurrency])
-            return np.asarray(grid(points), dtype=np.float64)
+            # Linear in context between the two rows around it, then linear in concurrency along that row.
+            c = _clamp(context, contexts)
+            i = int(np.clip(np.searchsorted(contexts, c, side="right") - 1, 0, max(contexts.size - 2, 0)))
+            if contexts.size == 1:
+                row = values[0]
+            else:
+                t = (c - contexts[i]) / (contexts[i + 1] - contexts[i])
+                row = (1.0 - t) * values[i] + t * values[i + 1]
+            return np.interp(np.asarray(concurrency, dtype=np.float64), concurrencies, row)
 
         return at
 

@@ -29,7 +29,9 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Mapping
+from collections import deque
+from collections.abc import Callable, Mapping
+from dataclasses import replace
 
 import aetcd
 import httpx
@@ -57,7 +59,15 @@ from phalanx.planner.correction import CorrectionConfig, CorrectionTracker, expe
 from phalanx.planner.decisions import Decision, DecisionConfig, DecisionMachine, DecisionReason, Outcome, Readiness
 from phalanx.planner.distribution import Summary
 from phalanx.planner.metrics import PlannerMetrics
-from phalanx.planner.observations import Observation, Scrape, observe_prometheus, observe_scrapes, parse_scrape, promql_queries
+from phalanx.planner.observations import (
+    Observation,
+    Scrape,
+    interval_demand,
+    observe_prometheus,
+    observe_scrapes,
+    parse_scrape,
+    promql_queries,
+)
 from phalanx.planner.predictors import Predictor, PredictorConfig, load_trace, make_predictor, warm_start
 from phalanx.planner.profile import PerformanceProfile, load_profile
 from phalanx.planner.replicas import LoadForecast, ReplicaConfig, SloTargets, plan_replicas
@@ -111,6 +121,9 @@ class Planner:
         self._observed_at: float | None = None
         self._osl_seen = False  # an interval has observed output lengths  # when the last interval was observed (None: not yet)
         self._http = httpx.AsyncClient(timeout=config.scrape_timeout_s)
+        # Router scrapes of the last polls (oldest first), for the surge window; and the last plan's maths for a new rate.
+        self._recent_scrapes: deque[dict[str, Scrape]] = deque()
+        self._replan: Callable[[float], int] | None = None
 
     async def run(self) -> None:
         previous = await read_decision(self.client)
@@ -126,6 +139,8 @@ class Planner:
                     interval_s=self.config.interval_s, max_interval_s=self.config.max_interval_s, scale_deadline_s=self.config.scale_deadline_s,
                     replace_deadline_s=self.config.replace_deadline_s, promote_deadline_s=self.config.promote_deadline_s,
                     hot_spares=self.config.hot_spares,
+                    scale_down_window_s=self.config.scale_down_window_s if self.config.scale_down_window_s is not None
+                    else 3 * self.config.interval_s,
                 ),
                 start, first_id=previous.id + 1 if previous is not None else 1,
             )
@@ -158,6 +173,14 @@ class Planner:
             machine.decide_at_next_tick()
         self._operator_target = target
         now = time.monotonic()
+        surge = self._surge_workers()
+        if surge is not None:
+            decision = machine.surge(now, self.readiness, surge)
+            if decision is not None:
+                if decision.promote:
+                    await self._promote(decision.promote)
+                    log.info("surge: decision %d promotes hot spare %s", decision.id, decision.promote)
+                await self._publish(decision)
         # Observe every interval, also while a decision is being carried out (the tick then decides nothing): the predictors
         # see every interval, and health's capacity view stays fresh through a slow scale-up, when it matters most.
         observe = machine.tick_due(now) or (self._observed_at is not None and now - self._observed_at >= machine.interval_s)
@@ -172,6 +195,11 @@ class Planner:
         # In a thread: a predictor's refit (ARIMA, Prophet) takes seconds, and the loop keeps the leadership lease alive.
         self._capacity = None
         desired = await asyncio.to_thread(self._desired, observation)
+        surge = self._surge_workers()
+        if surge is not None and surge > desired:
+            # The interval's forecast is older than the last seconds' arrivals: a tick at the start of a burst must not drain
+            # the workers the burst is about to need (measured: a scale-down 1 s into a burst, undone by a surge 0.8 s later).
+            desired = surge
         self.metrics.desired_workers.set(desired)
         if self._capacity is not None and self.config.capacity_view:
             await self._publish_capacity(self._capacity)
@@ -232,7 +260,29 @@ class Planner:
         for router_id, scrape in fresh.items():
             self._tick_scrapes.setdefault(router_id, scrape)
         self._scrapes = fresh
+        self._recent_scrapes.append(fresh)
+        horizon = time.monotonic() - self.config.surge_window_s - 2 * self.config.poll_s
+        while self._recent_scrapes and min((s.at for s in self._recent_scrapes[0].values()), default=0.0) < horizon:
+            self._recent_scrapes.popleft()
         return self._scraped_twice and bool(fresh)
+
+    def _surge_workers(self) -> int | None:
+        """Workers the arrivals of the last `surge_window_s` need at the last plan's lengths and factors; None when there is
+        no plan yet, too few arrivals to tell, an operator's target, or Prometheus (whose rates are over the interval)."""
+        c = self.config
+        if c.surge_window_s <= 0 or c.prometheus_url or self._replan is None or self._operator_target is not None:
+            return None
+        now = time.monotonic()
+        oldest = next((scrapes for scrapes in self._recent_scrapes
+                       if scrapes and now - min(s.at for s in scrapes.values()) <= c.surge_window_s), None)
+        if oldest is None or oldest is self._scrapes:
+            return None
+        observation = observe_scrapes(oldest, self._scrapes)
+        if observation is None or observation.arrival_rate is None or observation.interval_s < c.surge_window_s / 2:
+            return None
+        if observation.arrival_rate * observation.interval_s < c.surge_min_requests:
+            return None
+        return c.clamp(self._replan(observation.arrival_rate))
 
     async def _query(self, query: str) -> dict:
         reply = await self._http.get(f"{self.config.prometheus_url.rstrip('/')}/api/v1/query", params={"query": query})
@@ -292,11 +342,10 @@ class Planner:
         """Feed the predictors (and correction factors) with the interval; the profile's worker count for the next one."""
         osl_mean = observation.osl.mean if observation.osl is not None else None
         isl_mean = observation.isl.mean if observation.isl is not None else self.config.default_isl
-        # Demand: requests that finished (shed ones included) or, when more, those that arrived. Under overload few finish
-        # in an interval; counted by completions alone the demand seemed to fall exactly when the fleet was short.
-        demand = observation.requests
-        if observation.arrival_rate is not None:
-            demand = max(demand, observation.arrival_rate * observation.interval_s)
+        # Demand: arrivals, and refusals while shedding (observations.interval_demand). Under overload few requests finish in
+        # an interval (counted by completions alone the demand fell exactly when the fleet was short), and after a burst its
+        # requests go on finishing for a request's duration (counted as demand, they held the fleet large).
+        demand = interval_demand(observation, self._degradation_level)
         self.predictors["requests"].observe(demand)
         self.predictors["isl"].observe(isl_mean)
         if osl_mean is not None:
@@ -339,11 +388,21 @@ class Planner:
             osl=_scaled(observation.osl, predicted_osl),
         )
         slo = SloTargets(ttft_s=self.config.ttft_slo_s, itl_s=self.config.itl_slo_s)
+        # The plan aims below the SLOs by the headroom: the SLO bounds every request, and at a fleet sized exactly for it
+        # the average request runs at it, so the requests of busier workers (routing is never perfectly even) miss it.
+        aim = SloTargets(ttft_s=slo.ttft_s * self.config.slo_headroom, itl_s=slo.itl_s * self.config.slo_headroom)
         replica_config = ReplicaConfig(interval_s=interval, min_workers=self.config.min_workers, max_gpus=self.config.max_gpus,
                                        length_quantile=self.config.length_quantile)
-        plan = plan_replicas(forecast, profile, slo, replica_config, factors, degradation_level=self._degradation_level)
-        # The capacity view is read at the configured SLOs (capacity.py), whatever level the plan targets.
-        at_slo = plan if self._degradation_level < replica_config.relaxed_slo_level else plan_replicas(
+        level = self._degradation_level
+        plan = plan_replicas(forecast, profile, aim, replica_config, factors, degradation_level=level)
+
+        def replan(arrival_rate: float) -> int:
+            return plan_replicas(replace(forecast, requests=arrival_rate * interval), profile, aim, replica_config, factors,
+                                 degradation_level=level).combined
+
+        self._replan = replan
+        # The capacity view is read at the configured SLOs (capacity.py), whatever level or headroom the plan targets.
+        at_slo = plan if level < replica_config.relaxed_slo_level and aim == slo else plan_replicas(
             forecast, profile, slo, replica_config, factors, degradation_level=0)
         self._capacity = capacity_view(at_slo, self._workers, forecast.requests / interval)
         if self._degradation_level >= replica_config.relaxed_slo_level:
@@ -426,17 +485,21 @@ class Planner:
             if decision is None:
                 continue
             if decision.reason is DecisionReason.PROMOTE_SPARE and decision.promote:
-                # Capacity back now: routers watch the marks, and route to the spare the moment its mark goes. The decision
-                # record follows for the orchestrator, which counts the spare as a worker and starts a new spare.
-                self._promoted[decision.promote] = None
-                while len(self._promoted) > 1024:
-                    del self._promoted[next(iter(self._promoted))]
-                if not await self.election.fenced_delete(spare_key(decision.promote)):
-                    raise LeadershipLostError("a fenced promotion failed: another planner leads")
+                await self._promote(decision.promote)
                 log.warning("worker %s is DEAD: decision %d promotes hot spare %s", worker_id, decision.id, decision.promote)
             else:
                 log.warning("worker %s is DEAD: decision %d replaces it", worker_id, decision.id)
             await self._publish(decision)
+
+
+    async def _promote(self, spare: str) -> None:
+        """Capacity now: routers watch the marks, and route to the spare the moment its mark goes. The decision record
+        follows for the orchestrator, which counts the spare as a worker and starts a new spare."""
+        self._promoted[spare] = None
+        while len(self._promoted) > 1024:
+            del self._promoted[next(iter(self._promoted))]
+        if not await self.election.fenced_delete(spare_key(spare)):
+            raise LeadershipLostError("a fenced promotion failed: another planner leads")
 
 
 def _scaled(summary: Summary | None, mean: float) -> Summary:

@@ -13,15 +13,16 @@ import queue
 import threading
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Any, Protocol, assert_never
-
-import torch
+from typing import TYPE_CHECKING, Any, Protocol, assert_never
 
 from phalanx.common.errors import EngineDeadError, UnavailableError
 from phalanx.model.kv_cache import KvEvents
 from phalanx.worker.checkpointing import CheckpointCapture
 from phalanx.worker.engine import Engine, EngineRequest, StepStats
 from phalanx.worker.sequence import FinishReason, TokenEvent
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 _EMA_ALPHA = 0.1

@@ -26,9 +26,10 @@ import logging
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import grpc
-import torch
+import numpy as np
 
 from phalanx._proto import checkpoint_pb2, checkpoint_pb2_grpc
 from phalanx.common.config import EtcdConfig
@@ -36,6 +37,9 @@ from phalanx.common.discovery import CheckpointStoreDirectory
 from phalanx.common.lease import Backoff
 from phalanx.worker.engine import Engine
 from phalanx.worker.sequence import Sequence
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +52,8 @@ class _Piece:
     seq: int
     kv_start: int
     kv_end: int
-    kv: torch.Tensor | None  # [layers, 2, kv_end - kv_start, heads, dim]; None when kv_end == kv_start
+    # [layers, 2, kv_end - kv_start, heads, dim]; None when kv_end == kv_start. A numpy array from a simulated engine.
+    kv: torch.Tensor | Any
     state: object | None  # full RequestState when kv_start == 0, or when taking over a commit
     appended: list[int]
     generator_state: bytes
@@ -137,7 +142,7 @@ class CheckpointCapture:
             return
         capture = _Capture(released=released)
         with_kv = [(seq, start, end) for seq, start, end in todo if end > start]
-        kv = engine.cache.gather(torch.cat([engine.kv.slots(seq.request_id, start, end) for seq, start, end in with_kv])) if with_kv else None
+        kv = engine.cache.gather_ranges(engine.kv, [(seq.request_id, start, end) for seq, start, end in with_kv]) if with_kv else None
         offset = 0
         for seq, start, end in todo:
             piece_kv = None
@@ -145,7 +150,7 @@ class CheckpointCapture:
                 assert kv is not None  # gathered for every piece with end > start
                 piece_kv = kv[:, :, offset : offset + end - start]
                 offset += end - start
-                capture.nbytes += piece_kv.numel() * piece_kv.element_size()
+                capture.nbytes += piece_kv.nbytes
             seq.ckpt_seq += 1
             if start == 0 or seq.ckpt_adopt:  # the whole state: a new commit, or one this worker takes over
                 state, appended = seq.snapshot(), []
@@ -304,12 +309,16 @@ def batch_of(captures: list[_Capture], snapshot_to_proto) -> checkpoint_pb2.Batc
     return batch
 
 
-def tensor_bytes(tensor: torch.Tensor) -> bytes:
+def tensor_bytes(tensor: torch.Tensor | Any) -> bytes:
     """The tensor's raw C-order bytes, any dtype (numpy has no bfloat16, so through a byte view).
 
-    One copy: numpy writes a strided array (a piece of a capture's gather) out in C order itself. A GPU
-    tensor (a CUDA worker's KV) comes to host memory first.
+    One copy: numpy writes a strided array (a piece of a capture's gather) out in C order itself. A numpy array (a
+    simulated engine's KV) is written as it is; a GPU tensor (a CUDA worker's KV) comes to host memory first.
     """
+    if isinstance(tensor, np.ndarray):
+        return tensor.tobytes()
+    import torch
+
     if tensor.device.type != "cpu":
         tensor = tensor.contiguous().cpu()
     if tensor.dim() == 0 or tensor.stride(-1) != 1:

@@ -14,18 +14,23 @@ import time
 import uuid
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Protocol
-
-import torch
+from typing import TYPE_CHECKING, Any, Protocol
 
 from phalanx.common.errors import FailedPreconditionError, InvalidRequestError, NotFoundError, ResourceExhaustedError
-from phalanx.model.attention import PagedAttention, SeqChunk
-from phalanx.model.kv_cache import BLOCK_SIZE, KvCacheManager, KvCacheTensors, KvEvents
+from phalanx.model.kv_cache import BLOCK_SIZE, KvCacheManager, KvEvents
 from phalanx.model.sampling import RequestSampler, SamplingParams
-from phalanx.model.transformer import Transformer
 from phalanx.worker.config import EngineConfig
 from phalanx.worker.faults import FaultState
 from phalanx.worker.sequence import FinishReason, MediaEmbedding, RequestSnapshot, SeqStatus, Sequence, TokenEvent
+
+if TYPE_CHECKING:
+    import torch
+
+    from phalanx.model.kv_cache import KvCacheTensors
+    from phalanx.model.transformer import Transformer
+
+# torch is imported where the torch engine needs it (its cache, TorchRunner): the simulated engine brings its own cache
+# and runner and never imports it (worker/simulated.py).
 
 
 @dataclass
@@ -68,7 +73,7 @@ class Engine:
         config: EngineConfig,
         *,
         faults: FaultState | None = None,
-        cache: KvCacheTensors | None = None,
+        cache: KvCacheTensors | Any = None,
         runner: ModelRunner | None = None,
     ) -> None:
         c = model.config
@@ -82,9 +87,15 @@ class Engine:
         self.tokenizer = model.tokenizer
         self.kv = KvCacheManager(config.num_kv_blocks, BLOCK_SIZE, prefix_caching=config.prefix_caching)
         # A tensor-parallel leader brings its group's cache (worker/tp_leader.py); otherwise every head lives here.
-        self.cache = cache if cache is not None else KvCacheTensors(
-            c.num_layers, config.num_kv_blocks, BLOCK_SIZE, c.num_kv_heads, c.head_dim, dtype=model.dtype, device=model.device
-        )
+        new_kv_cache = getattr(model, "new_kv_cache", None)
+        if cache is None and new_kv_cache is not None:
+            cache = new_kv_cache(config.num_kv_blocks, BLOCK_SIZE)  # a simulated model's, without torch
+        if cache is None:
+            from phalanx.model.kv_cache import KvCacheTensors
+
+            cache = KvCacheTensors(c.num_layers, config.num_kv_blocks, BLOCK_SIZE, c.num_kv_heads, c.head_dim, dtype=model.dtype,
+                                   device=model.device)
+        self.cache = cache
         # The model's forward and sampling; a simulated engine brings its own (worker/simulated.py).
         self.runner: ModelRunner = runner if runner is not None else TorchRunner(model, self.cache, self.kv, config)
         self.waiting: deque[Sequence] = deque()
@@ -243,7 +254,7 @@ class Engine:
             raise ResourceExhaustedError(f"{self.kv.blocks_for(len(ids) + 1)} KV blocks are not free here", retry_after_s=0.1)
         if kv is not None and kv_tokens > cached:
             # Blocks borrowed from the prefix cache hold the same KV already and may be shared: left alone.
-            self.cache.scatter(self.kv.slots(request.request_id, cached, kv_tokens), kv[:, :, cached:kv_tokens])
+            self.cache.scatter_range(self.kv, request.request_id, cached, kv_tokens, kv[:, :, cached:kv_tokens])
         sampler = RequestSampler(request.params, seed=resume.seed)
         sampler.restore(resume.generator_state)
         seq = Sequence(
@@ -297,7 +308,7 @@ class Engine:
             raise NotFoundError(f"request {request_id!r} has no KV on this worker")
         if not 0 < kv_tokens <= seq.num_computed:
             raise InvalidRequestError("kv_tokens", f"{kv_tokens} is outside the {seq.num_computed} positions computed here")
-        return self.cache.gather(self.kv.slots(request_id, 0, kv_tokens))
+        return self.cache.gather_ranges(self.kv, [(request_id, 0, kv_tokens)])
 
     def unpark(self, request_id: str | None = None) -> int:
         """Frees parked KV: one request's, or every expired one's (None). Returns how many were freed."""
@@ -454,6 +465,10 @@ class TorchRunner:
         self.invariant = config.deterministic
 
     def run(self, batch: list[tuple[Sequence, int]], faults: FaultState | None) -> list[SampledToken]:
+        import torch
+
+        from phalanx.model.attention import PagedAttention, SeqChunk
+
         device = self.model.device
         token_ids: list[int] = []
         positions: list[torch.Tensor] = []

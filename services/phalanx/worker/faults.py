@@ -18,7 +18,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
+
 
 if TYPE_CHECKING:
     from phalanx.model.transformer import Transformer
@@ -204,6 +206,8 @@ class FaultState:
         fault = self.get(FaultKind.CORRUPT)
         if fault is None or fault.corrupt_target is not CorruptTarget.LOGITS:
             return logits
+        import torch
+
         bias = self._bias
         if bias is None or bias.shape[-1] != logits.shape[-1]:
             bias = self._bias = torch.randn(logits.shape[-1], generator=torch.Generator().manual_seed(_NOISE_SEED))
@@ -219,6 +223,8 @@ class FaultState:
         wanted = fault if fault is not None and fault.corrupt_target is CorruptTarget.WEIGHTS else None
         if wanted is self._weights_fault:
             return False
+        import torch
+
         with torch.no_grad():
             if self._weights_fault is not None:
                 params = dict(model.named_parameters())
@@ -233,6 +239,8 @@ class FaultState:
         return True
 
     def _corrupt_weights(self, model: Transformer, scale: float) -> None:
+        import torch
+
         prefix = f"layers.{corrupted_layer(model)}."
         generator = torch.Generator().manual_seed(_NOISE_SEED)
         for name, param in sorted(model.named_parameters()):

@@ -21,13 +21,18 @@ import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from functools import partial
+from typing import TYPE_CHECKING, Any
 
 import grpc
-import torch
+import numpy as np
 
 from phalanx._proto import migration_pb2, migration_pb2_grpc
-from phalanx.common.channels import ChannelEndpoint, ChannelNotKeptError, TensorChannel
 from phalanx.common.errors import PhalanxError, UnavailableError
+
+if TYPE_CHECKING:
+    import torch
+
+    from phalanx.common.channels import ChannelEndpoint, TensorChannel
 
 __all__ = ["KvFetch", "KvFetchDecision", "KvFetchPolicy", "KvFetchRoute", "KvFetcher"]
 
@@ -139,6 +144,8 @@ class KvFetcher:
         return self._channels
 
     def _kept(self, key: str) -> TensorChannel | None:
+        from phalanx.common.channels import ChannelNotKeptError
+
         try:
             return self._endpoint().reuse(key)
         except ChannelNotKeptError:
@@ -227,13 +234,23 @@ def _ready(value: TensorChannel) -> asyncio.Future[TensorChannel]:
 
 async def _fetch_kv(stub: migration_pb2_grpc.KvSourceStub, pieces: Pieces, buffers: dict[str, torch.Tensor], timeout: float) -> None:
     """The gRPC fallback: each piece's bytes in chunks, copied into its buffer."""
-    views = [buffers[p.request_id].view(-1).view(torch.uint8) for p in pieces]
+    views = [_byte_view(buffers[p.request_id]) for p in pieces]
     filled = [0] * len(pieces)
     async for chunk in stub.FetchKv(migration_pb2.FetchKvRequest(pieces=pieces), timeout=timeout):
         view, start = views[chunk.piece], filled[chunk.piece]
-        data = torch.frombuffer(bytearray(chunk.data), dtype=torch.uint8)
-        view[start : start + len(data)].copy_(data)
+        data = np.frombuffer(chunk.data, dtype=np.uint8)
+        view[start : start + len(data)] = data
         filled[chunk.piece] += len(data)
     for piece, view, n in zip(pieces, views, filled, strict=True):
-        if n != view.numel():
-            raise UnavailableError(f"the KV source sent {n} of {view.numel()} bytes of {piece.request_id}", retry_after_s=0.1)
+        if n != view.size:
+            raise UnavailableError(f"the KV source sent {n} of {view.size} bytes of {piece.request_id}", retry_after_s=0.1)
+
+
+def _byte_view(buffer: torch.Tensor | Any) -> np.ndarray:
+    """A contiguous buffer's bytes as a writable numpy view: a torch tensor (any dtype, bfloat16 too, through a uint8
+    view), or a numpy array (a simulated worker's KV, which has no torch)."""
+    if isinstance(buffer, np.ndarray):
+        return buffer.reshape(-1).view(np.uint8)
+    import torch
+
+    return buffer.view(-1).view(torch.uint8).numpy()

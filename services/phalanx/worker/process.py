@@ -23,12 +23,9 @@ import socket
 import time
 from contextlib import aclosing
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from phalanx._proto import chaos_pb2, chaos_pb2_grpc, checkpoint_pb2, common_pb2, migration_pb2, migration_pb2_grpc, worker_pb2, worker_pb2_grpc
-from phalanx.common.channels import ChannelEndpoint
 from phalanx.common.config import EtcdConfig, NatsConfig, TelemetryConfig
 from phalanx.common.discovery import EtcdDirectory, encode_registration
 from phalanx.common.events import EventBus
@@ -43,21 +40,20 @@ from phalanx.common.subjects import (
     worker_key,
 )
 from phalanx.common.telemetry import get_tracer
-from phalanx.failover.lock import FileFailoverLock
-from phalanx.failover.memory_service import MemoryServiceClient
-from phalanx.model import load
 from phalanx.model.kv_cache import BLOCK_SIZE, KvEvents
 from phalanx.worker.async_engine import AsyncEngine
 from phalanx.worker.chaos import ChaosServicer
 from phalanx.worker.checkpointing import CheckpointCapture, CheckpointStreamer
 from phalanx.worker.config import EngineConfig, WorkerConfig
 from phalanx.worker.engine import Engine
-from phalanx.worker.failover import FailoverEngine, FailoverMetrics, FailoverState, SwitchLedger, WakeWatchdog
 from phalanx.worker.faults import FaultKind, FaultState
 from phalanx.worker.metrics import WorkerMetrics
 from phalanx.worker.server import KvSourceServicer, WorkerServicer, drain_engine, snapshot_to_proto
-from phalanx.worker.simulated import load_simulated
-from phalanx.worker.tp_leader import TensorParallelLeader
+
+if TYPE_CHECKING:
+    from phalanx.common.channels import ChannelEndpoint
+    from phalanx.worker.failover import FailoverEngine, WakeWatchdog
+    from phalanx.worker.tp_leader import TensorParallelLeader
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["WorkerService"].full_name
@@ -137,7 +133,8 @@ class WorkerProcess:
                     return
                 engine, model, watchdog = woken
                 self.failover.mark("engine")
-            await self._endpoint.start()
+            if self.channels is not None:
+                await self.channels.start()
             if self._capture is not None:
                 self._streamer = self._checkpoint_streamer(self._capture, engine, model)
                 shell.push_async_callback(self._streamer.stop)
@@ -166,6 +163,10 @@ class WorkerProcess:
                     task.cancel()
 
     def _failover_engine(self) -> FailoverEngine:
+        from phalanx.failover.lock import FileFailoverLock
+        from phalanx.failover.memory_service import MemoryServiceClient
+        from phalanx.worker.failover import FailoverEngine, FailoverMetrics, SwitchLedger
+
         c = self.config
         if self.engine_config.engine != "torch" or self.engine_config.tensor_parallel_size != 1:
             raise ValueError("a failover engine runs the torch engine in one process (engine=torch, tensor_parallel_size=1)")
@@ -181,6 +182,8 @@ class WorkerProcess:
     async def _take_over(self, shell: ServiceShell, failover: FailoverEngine) -> tuple[AsyncEngine, Any, WakeWatchdog] | None:
         """INIT -> shared weights -> STANDBY until the lock is ours -> WAKING: the engine, with a watchdog the caller
         cancels once registered. None if a stop or a failure came first (exit_code says which)."""
+        from phalanx.worker.failover import FailoverState, WakeWatchdog
+
         shell.push_async_callback(failover.close)
         self._set_torch_threads()
         with get_tracer(__name__).start_as_current_span("worker.map_weights"):
@@ -235,12 +238,18 @@ class WorkerProcess:
     def _add_services(self, shell: ServiceShell) -> WorkerServicer:
         """The worker's gRPC services (chaos only when enabled) and its tensor-channel endpoint, whose undo goes first."""
         c = self.config
-        # Peers connect to the advertised host (a container's service name), which must resolve to this host.
-        channels = self.channels = ChannelEndpoint(
-            f"worker-{self.worker_id}", self.etcd_config, host=shell.advertised_host, timeout_s=c.channel_timeout_s
-        )
-        shell.push_async_callback(channels.close)
-        channels.add_grpc_service(shell.server)
+        channels = None
+        # A simulated worker has no tensor channels: its KV is a few bytes per position, which gRPC carries, and an endpoint
+        # (torch.distributed's TCP store and gloo) would import torch, most of its start time and memory.
+        if self.engine_config.engine != "sim":
+            from phalanx.common.channels import ChannelEndpoint
+
+            # Peers connect to the advertised host (a container's service name), which must resolve to this host.
+            channels = self.channels = ChannelEndpoint(
+                f"worker-{self.worker_id}", self.etcd_config, host=shell.advertised_host, timeout_s=c.channel_timeout_s
+            )
+            shell.push_async_callback(channels.close)
+            channels.add_grpc_service(shell.server)
         servicer = WorkerServicer(
             self.worker_id, self.metrics, on_drain=self._drain, on_undrain=self._undrain, kv_sequence=lambda: self.kv_sequence,
             address=self.address, channels=channels, channel_timeout_s=c.channel_timeout_s, channel_min_bytes=c.channel_min_bytes,
@@ -260,15 +269,19 @@ class WorkerProcess:
         self._set_torch_threads()
         with get_tracer(__name__).start_as_current_span("worker.load_model"):
             runner = None
+            cache = None
             model: Any  # a Transformer, or a SimulatedModel that quacks like one to the engine (no weights)
             if simulated:
+                from phalanx.worker.simulated import load_simulated
+
                 model, runner = await asyncio.to_thread(load_simulated, self.engine_config)
             else:
+                from phalanx.model import load
+
                 model = await asyncio.to_thread(
                     load, self.engine_config.model, device=self.engine_config.device,
                     dtype=self.engine_config.torch_dtype(), seed=self.engine_config.seed,
                 )
-            cache = None
             if self.engine_config.role == "attention":
                 model = await self._split_attention(shell, model)
             if self.engine_config.tensor_parallel_size > 1:
@@ -278,10 +291,10 @@ class WorkerProcess:
         return await self._start_engine(shell, model, cache=cache, runner=runner), model
 
     def _set_torch_threads(self) -> None:
-        if self.engine_config.engine == "sim":
-            # Nothing to compute: one thread, so that dozens of simulated workers share a small box.
-            torch.set_num_threads(1)
-        elif self.engine_config.device == "cpu":
+        # A simulated worker computes nothing and never imports torch (its start time and memory are most of a worker's).
+        if self.engine_config.engine != "sim" and self.engine_config.device == "cpu":
+            import torch
+
             torch.set_num_threads(self.engine_config.effective_torch_threads())
 
     def _size_for(self, model: Any) -> None:
@@ -351,6 +364,8 @@ class WorkerProcess:
         The followers are started from this, the main, thread: they die with
         it (PDEATHSIG follows the thread that forked them).
         """
+        from phalanx.worker.tp_leader import TensorParallelLeader
+
         leader = self._tensor_parallel = TensorParallelLeader(self.engine_config)
         leader.start_followers(model)
         return await asyncio.to_thread(leader.connect, model)
@@ -403,7 +418,9 @@ class WorkerProcess:
         return drained
 
     def _park_ttl(self) -> float:
-        return self.config.park_ttl_s if self.config.transfer_on_drain and self.channels is not None else 0.0
+        # A simulated worker's parked KV goes over gRPC (it has no channels; a few bytes per position).
+        movable = self.channels is not None or self.engine_config.engine == "sim"
+        return self.config.park_ttl_s if self.config.transfer_on_drain and movable else 0.0
 
     async def _undrain(self, engine: AsyncEngine) -> bool:
         """Lifts a quarantine; False if there is none or the worker is on its way out."""
@@ -424,7 +441,7 @@ class WorkerProcess:
         )
         return CheckpointStreamer(
             capture, worker_id=self.worker_id, model_version=model.version, layout=layout,
-            channel_endpoint=self._endpoint.endpoint_id, etcd_config=self.etcd_config,
+            channel_endpoint=self.channels.endpoint_id if self.channels is not None else "", etcd_config=self.etcd_config,
             sent_bytes=self.metrics.for_worker(self.metrics.checkpoint_bytes),
             snapshot_to_proto=snapshot_to_proto, flush_interval_s=self.config.checkpoint_flush_interval_s,
         )

@@ -5,12 +5,14 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-
-import torch
+from typing import TYPE_CHECKING
 
 from phalanx.common.block_hash import MediaSpan
 from phalanx.model.sampling import RequestSampler, SamplingParams
 from phalanx.model.tokenizer import IncrementalDetokenizer
+
+if TYPE_CHECKING:
+    import torch
 
 
 class FinishReason(enum.IntEnum):

@@ -7,14 +7,13 @@ import logging
 import time
 import uuid
 from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import grpc
-import torch
 
 from phalanx._proto import common_pb2, migration_pb2, migration_pb2_grpc, worker_pb2, worker_pb2_grpc
 from phalanx.common.block_hash import MediaSpan
 from phalanx.common.buffers import BufferPool
-from phalanx.common.channels import ChannelEndpoint
 from phalanx.common.errors import InvalidRequestError, NotFoundError, PhalanxError, ResourceExhaustedError, UnavailableError
 from phalanx.common.grpc_channels import GrpcChannels
 from phalanx.model.kv_cache import BLOCK_SIZE
@@ -26,6 +25,11 @@ from phalanx.worker.kv_fetch import KvFetcher, KvFetchPolicy
 from phalanx.worker.metrics import WorkerMetrics
 from phalanx.worker.sequence import FinishReason, MediaEmbedding, RequestSnapshot, TokenEvent
 from phalanx.worker.streams import RequestLog, RequestStreams
+
+if TYPE_CHECKING:
+    import torch
+
+    from phalanx.common.channels import ChannelEndpoint
 
 logger = logging.getLogger(__name__)  # `log` names request logs here
 
@@ -66,14 +70,16 @@ def event_to_proto(cls, event: TokenEvent):
     return chunk
 
 
-_MEDIA_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_MEDIA_DTYPES = ("bfloat16", "float16", "float32")
 
 
 def media_from_proto(index: int, item: common_pb2.MediaEmbedding) -> MediaEmbedding:
     """A request's media embeddings as a tensor; the engine checks they fit the prompt and the model."""
-    dtype = _MEDIA_DTYPES.get(item.dtype)
-    if dtype is None:
+    if item.dtype not in _MEDIA_DTYPES:
         raise InvalidRequestError(f"media[{index}].dtype", f"{item.dtype!r} is not one of {sorted(_MEDIA_DTYPES)}")
+    import torch  # here, not at the top: a simulated worker that serves no media never imports it
+
+    dtype = getattr(torch, item.dtype)
     if item.rows < 1 or item.hidden < 1 or item.start < 0:
         raise InvalidRequestError(f"media[{index}]", "start must be >= 0, rows and hidden >= 1")
     expected = item.rows * item.hidden * torch.empty((), dtype=dtype).element_size()
@@ -135,7 +141,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         self.model_version = model_version
         # The first restore after a failure is the one that counts: its buffer is touched now, not on its clock.
         cache = engine.engine.cache
-        self.kv_buffers.reserve(engine.engine.config.max_model_len * cache.bytes_per_block // BLOCK_SIZE)
+        if not getattr(cache, "simulated", False):  # a simulated cache receives into numpy arrays of a few bytes
+            self.kv_buffers.reserve(engine.engine.config.max_model_len * cache.bytes_per_block // BLOCK_SIZE)
 
     async def close(self) -> None:
         """Ends what still waits on a request log, stops detach timers, closes channels to KV sources; idempotent."""
@@ -268,7 +275,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             except PhalanxError as exc:
                 results[item.state.request_id] = _failed(item.state.request_id, exc)
         wants_kv = [(item, er) for item, er in prepared if _kv_method(item) and item.kv_tokens > 0]
-        kv: dict[str, torch.Tensor] = {}
+        kv: dict[str, torch.Tensor | Any] = {}
         kv_bytes, transfer_s = 0, 0.0
         if wants_kv:
             start = time.perf_counter()
@@ -276,7 +283,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
                 [item for item, _ in wants_kv], request.kv_source_address, request.transport, timeout, engine
             )
             transfer_s = time.perf_counter() - start
-            kv_bytes = sum(t.numel() * t.element_size() for t in kv.values())
+            kv_bytes = sum(t.nbytes for t in kv.values())
 
         async def restore_one(item, engine_request: EngineRequest) -> worker_pb2.RestoreResult:
             request_id = engine_request.request_id
@@ -298,8 +305,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         # Together: the engine takes them all at its next step boundary, not one per step.
         for result in await asyncio.gather(*(restore_one(item, engine_request) for item, engine_request in prepared)):
             results[result.request_id] = result
-        for tensor in kv.values():  # the engine copied each into its cache (or refused it): reusable
-            self.kv_buffers.give(tensor)
+        if not getattr(engine.engine.cache, "simulated", False):
+            for tensor in kv.values():  # the engine copied each into its cache (or refused it): reusable
+                self.kv_buffers.give(tensor)
         self.metrics.for_worker(self.metrics.restores).inc(sum(1 for r in results.values() if r.ok))
         return worker_pb2.RestoreResponse(
             results=[results[i.state.request_id] for i in request.items if i.state.request_id in results],
@@ -326,13 +334,17 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             raise ResourceExhaustedError(f"{needed} KV blocks are not free here", retry_after_s=0.1)
         return request
 
-    async def _receive_kv(self, items, source: str, transport: int, timeout: float, engine: AsyncEngine) -> dict[str, torch.Tensor]:
+    async def _receive_kv(self, items, source: str, transport: int, timeout: float, engine: AsyncEngine) -> dict[str, torch.Tensor | Any]:
         """KV of each item from `source` (a KvSource) into fresh tensors, over a tensor channel or gRPC."""
         if not source:
             raise InvalidRequestError("kv_source_address", "is required for transfer and checkpoint restores")
         cache = engine.engine.cache
         layers, _, _, _, heads, dim = cache.full_shape
-        buffers = {i.state.request_id: self.kv_buffers.take((layers, 2, i.kv_tokens, heads, dim), cache.data.dtype) for i in items}
+        if getattr(cache, "simulated", False):
+            simulated: Any = cache  # worker/simulated.py's SimulatedKvCache
+            buffers = {i.state.request_id: simulated.empty((layers, 2, i.kv_tokens, heads, dim)) for i in items}
+        else:
+            buffers = {i.state.request_id: self.kv_buffers.take((layers, 2, i.kv_tokens, heads, dim), cache.data.dtype) for i in items}
         pieces = [migration_pb2.KvPiece(request_id=i.state.request_id, kv_tokens=i.kv_tokens) for i in items]
         stub = migration_pb2_grpc.KvSourceStub(self.kv_sources.get(source))
         fetcher = KvFetcher(self.channels, KvFetchPolicy(self.channel_min_bytes), warming=self._warming)
@@ -477,7 +489,7 @@ class KvSourceServicer(migration_pb2_grpc.KvSourceServicer):
                 await channel.send(tensor, timeout_s=timeout)
         for p in request.pieces:
             await engine.unpark(p.request_id)
-        nbytes = sum(t.numel() * t.element_size() for t in tensors)
+        nbytes = sum(t.nbytes for t in tensors)
         return migration_pb2.SendKvResponse(bytes=nbytes, seconds=time.perf_counter() - start)
 
     async def FetchKv(self, request, context):

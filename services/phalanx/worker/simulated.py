@@ -16,6 +16,10 @@ with a real worker's.
 Step time: the step's prefill tokens take the profile's TTFT for a prompt of that many tokens, and its decodes
 take the profile's ITL at the batch's decode concurrency and mean context; a mixed step takes both. The
 sleep covers what the step's bookkeeping did not already spend.
+
+It never imports torch (a test pins that): its KV lives in a numpy array (SimulatedKvCache), its sampler's
+generator is never drawn from, and the worker gives it no tensor channels. Importing torch was most of a simulated
+worker's start time (seconds on a loaded box) and of its memory.
 """
 
 from __future__ import annotations
@@ -27,10 +31,12 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from importlib import resources
 from pathlib import Path
+from typing import Any
 
-import torch
+import numpy as np
 
 from phalanx.model.config import BUILTIN_MODELS, SIM_PREFIX, ModelConfig, model_tokenizer, simulated_model_name
+from phalanx.model.kv_cache import KvCacheManager
 from phalanx.model.tokenizer import Tokenizer
 from phalanx.planner.profile import PerformanceProfile, load_profile
 from phalanx.worker.config import EngineConfig
@@ -82,11 +88,62 @@ class SimulatedModel:
     tokenizer: Tokenizer
     version: str
     profile: PerformanceProfile
-    dtype: torch.dtype = torch.float32
-    device: torch.device = torch.device("cpu")
+    # The engine reads the item size and the worker the name ("float32" in its registration and checkpoint layout).
+    dtype: np.dtype = np.dtype(np.float32)
+    device: str = "cpu"
 
-    def named_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def named_parameters(self) -> Iterator[tuple[str, Any]]:
         return iter(())  # nothing for a WEIGHTS corruption to corrupt
+
+    def new_kv_cache(self, num_blocks: int, block_size: int) -> SimulatedKvCache:
+        """The engine's KV cache for this model: numpy, not torch."""
+        c = self.config
+        return SimulatedKvCache(c.num_layers, num_blocks, block_size, c.num_kv_heads, c.head_dim)
+
+
+class SimulatedKvCache:
+    """KvCacheTensors' interface on a numpy array: [layers, 2, blocks, block_size, heads, dim], all 1 but blocks.
+
+    Nothing computes KV in a simulated worker, but it moves like real KV: checkpoints gather it, restores and transfers
+    scatter it, so those paths run on a cache of a few kilobytes without torch.
+    """
+
+    simulated = True  # the worker's restore path receives KV into `empty` arrays, not its torch buffer pool
+
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> None:
+        self.block_size = block_size
+        self.data = np.zeros((num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim), dtype=np.float32)
+
+    @property
+    def full_shape(self) -> tuple[int, ...]:
+        return tuple(self.data.shape)
+
+    @property
+    def bytes_per_block(self) -> int:
+        return int(self.data[:, :, 0].nbytes)
+
+    def empty(self, shape: tuple[int, ...]) -> np.ndarray:
+        return np.zeros(shape, dtype=self.data.dtype)
+
+    def _flat(self) -> np.ndarray:
+        d = self.data
+        return d.reshape(d.shape[0], 2, d.shape[2] * d.shape[3], *d.shape[4:])
+
+    def _slots(self, kv: KvCacheManager, seq_id: str, start: int, end: int) -> np.ndarray:
+        table = np.asarray(kv.block_table(seq_id), dtype=np.int64)
+        positions = np.arange(start, end)
+        return table[positions // self.block_size] * self.block_size + positions % self.block_size
+
+    def gather_ranges(self, kv: KvCacheManager, ranges: list[tuple[str, int, int]]) -> np.ndarray:
+        slots = np.concatenate([self._slots(kv, seq_id, start, end) for seq_id, start, end in ranges])
+        return self._flat()[:, :, slots]  # fancy indexing: a copy
+
+    def scatter_range(self, kv: KvCacheManager, seq_id: str, start: int, end: int, values: Any) -> None:
+        flat = self._flat()
+        expected = (*flat.shape[:2], end - start, *flat.shape[3:])
+        if tuple(values.shape) != expected:
+            raise ValueError(f"KV of shape {tuple(values.shape)} does not fit {expected}")
+        flat[:, :, self._slots(kv, seq_id, start, end)] = np.asarray(values, dtype=self.data.dtype)
 
 
 class SimulatedRunner:

@@ -34,7 +34,7 @@ import torch
 
 from phalanx.common.children import pdeathsig_preexec
 from phalanx.model.attention import PagedAttention
-from phalanx.model.kv_cache import BLOCK_SIZE, KvCacheTensors
+from phalanx.model.kv_cache import BLOCK_SIZE, KvCacheTensors, SlotRanges
 from phalanx.model.tensor_parallel import check_shardable, local_kv_heads, shard_model
 from phalanx.model.transformer import Transformer
 from phalanx.worker.config import EngineConfig
@@ -185,7 +185,7 @@ class TensorParallelModel:
         return self._model.hidden_states(token_ids, positions, backend, invariant=invariant)
 
 
-class TensorParallelKvCache:
+class TensorParallelKvCache(SlotRanges):
     """KvCacheTensors' interface over the group: `data` holds this rank's heads; gather and scatter move all heads."""
 
     def __init__(self, local: KvCacheTensors, leader: TensorParallelLeader) -> None:

@@ -28,6 +28,17 @@ class ExpertWorkerConfig(BaseSettings):
         description="Intra-op threads of the expert MLPs: the attention workers' count keeps outputs bit-identical to a monolith's",
     )
     channel_timeout_s: float = Field(10.0, gt=0, description="Timeout of forming a tensor channel and of one reply")
+    batch_window_s: float = Field(
+        0.002,
+        ge=0,
+        le=1.0,
+        description="Longest a layer call waits for the other attention workers' calls of that layer, to compute them as one batch"
+        " (0: every call on arrival, no batching across attention workers)",
+    )
+    batch_min_rows: int = Field(256, ge=1, description="A cross-AW batch with this many rows starts at once, whoever has not delivered")
+    attention_silence_s: float = Field(
+        0.1, gt=0, description="An attention worker that sent nothing for this long is not waited for (dead, hung or idle)"
+    )
 
     @model_validator(mode="after")
     def _check_slot(self) -> ExpertWorkerConfig:

@@ -9,9 +9,12 @@ close every channel.
 
 An AW calls `Connect` on the control path; the EW accepts the AW's tensor
 channel and serves it on a task of its own: receive a layer's rows, compute,
-send the outputs back. Each AW's channel is served on its own, so a dead or
-silent AW stalls nobody (its channel breaks, or it just sends nothing).
-Stateless: anything an AW sent can be replayed here or on another EW.
+send the outputs back. Calls of different AWs for the same layer that
+arrive together are computed as one batch per expert (`expert_batcher`:
+a call waits at most `batch_window_s` for the other AWs, and never for one
+whose channel closed or that has been silent for `attention_silence_s`), so
+a dead or silent AW stalls nobody. Stateless: anything an AW sent can be
+replayed here or on another EW.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from phalanx.common.subjects import expert_worker_key, validate_worker_id
 from phalanx.model import load
 from phalanx.model.expert_split import ExpertHost, MissingExpertError
 from phalanx.worker.ert import place
+from phalanx.worker.expert_batcher import Batch, BatchPolicy, LayerBatcher
 from phalanx.worker.expert_config import ExpertWorkerConfig
 from phalanx.worker.expert_wire import ExpertCall, header_len
 
@@ -45,6 +49,9 @@ SERVICE_NAME = expert_pb2.DESCRIPTOR.services_by_name["ExpertService"].full_name
 # An AW may idle for hours between steps; its death ends the wait sooner (the channel closes).
 _IDLE_TIMEOUT_S = timedelta(days=1).total_seconds()
 _COMPUTE_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5)
+_WAIT_BUCKETS = (0.0001, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
+_ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)
+_AW_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16)
 
 
 class ExpertWorkerMetrics:
@@ -52,7 +59,23 @@ class ExpertWorkerMetrics:
         self.registry = r = CollectorRegistry()
         self.calls = Counter("phalanx_expert_calls", "Layer calls computed (one per AW, layer and step)", registry=r)
         self.rows = Counter("phalanx_expert_rows", "Token rows computed, per expert", ["layer", "expert"], registry=r)
-        self.compute_seconds = Histogram("phalanx_expert_compute_seconds", "Compute time of one layer call", buckets=_COMPUTE_BUCKETS, registry=r)
+        self.compute_seconds = Histogram(
+            "phalanx_expert_compute_seconds", "Compute time of one layer batch (one AW's call, or several AWs' batched)", buckets=_COMPUTE_BUCKETS,
+            registry=r,
+        )
+        self.batches = Counter(
+            "phalanx_expert_batches",
+            "Cross-AW layer batches by what started them: all_delivered, min_rows, or window (a wait that timed out)",
+            ["start"],
+            registry=r,
+        )
+        self.batch_rows = Histogram("phalanx_expert_batch_rows", "Rows of one cross-AW layer batch", buckets=_ROW_BUCKETS, registry=r)
+        self.batch_attention_workers = Histogram(
+            "phalanx_expert_batch_attention_workers", "AWs whose calls one layer batch computes", buckets=_AW_BUCKETS, registry=r
+        )
+        self.batch_wait_seconds = Histogram(
+            "phalanx_expert_batch_wait_seconds", "From a batch's first call to its start", buckets=_WAIT_BUCKETS, registry=r
+        )
         self.attention_workers = Gauge("phalanx_expert_attention_workers", "AWs with an open channel here", registry=r)
         self.hosted = Gauge("phalanx_expert_hosted", "Experts hosted here, by role", ["role"], registry=r)
 
@@ -65,11 +88,123 @@ class _Loaded:
     dtype: torch.dtype
 
 
+@dataclass(frozen=True)
+class _Call:
+    """One AW's layer call, received and waiting in a cross-AW batch."""
+
+    channel: TensorChannel
+    call: ExpertCall
+    activations: torch.Tensor
+    replied: asyncio.Future[None]
+
+
+class _CrossAwBatches:
+    """The I/O shell of `LayerBatcher`: feeds it the AWs' calls and the clock, computes the batches it starts (off the
+    loop) and replies to each AW on its own channel; one AW's broken channel fails that AW's call alone."""
+
+    def __init__(self, policy: BatchPolicy, metrics: ExpertWorkerMetrics, timeout_s: float) -> None:
+        self.batcher: LayerBatcher[_Call] = LayerBatcher(policy)
+        self.metrics = metrics
+        self.timeout_s = timeout_s
+        self.loaded: _Loaded | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self._running: set[asyncio.Task[None]] = set()
+
+    def connect(self, aw: str) -> None:
+        self.batcher.connect(aw)
+
+    def disconnect(self, aw: str) -> None:
+        self._start(self.batcher.disconnect(aw, asyncio.get_running_loop().time()))
+
+    async def submit(self, aw: str, channel: TensorChannel, call: ExpertCall, activations: torch.Tensor) -> None:
+        """Returns once the outputs of `call` went back on `channel`; raises ChannelError or MissingExpertError."""
+        loop = asyncio.get_running_loop()
+        item = _Call(channel, call, activations, loop.create_future())
+        self._start(self.batcher.deliver(aw, (call.layer, call.invariant), item, call.rows, loop.time()))
+        await item.replied
+
+    def _on_timer(self) -> None:
+        self._timer = None
+        self._start(self.batcher.expire(asyncio.get_running_loop().time()))
+
+    def _start(self, batches: list[Batch[_Call]]) -> None:
+        loop = asyncio.get_running_loop()
+        for batch in batches:
+            assert batch.started_by is not None
+            self.metrics.batches.labels(start=batch.started_by.value).inc()
+            self.metrics.batch_rows.observe(batch.rows)
+            self.metrics.batch_attention_workers.observe(len(batch.entries))
+            self.metrics.batch_wait_seconds.observe(loop.time() - batch.opened_at)
+            task = asyncio.create_task(self._run(batch))
+            self._running.add(task)
+            task.add_done_callback(self._running.discard)
+        # One timer, at the earliest open batch's deadline.
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        deadline = self.batcher.next_deadline()
+        if deadline is not None:
+            self._timer = loop.call_at(deadline, self._on_timer)
+
+    async def _run(self, batch: Batch[_Call]) -> None:
+        items = [item for _, item in batch.entries]
+        try:
+            errors = await asyncio.to_thread(self._compute_and_reply, batch.key[0], batch.key[1], items)
+        except Exception as failure:  # noqa: BLE001 - handed to every caller of the batch, which re-raises it
+            errors = [failure] * len(items)
+        for item, error in zip(items, errors, strict=True):
+            if item.replied.done():  # its AW's task was cancelled (shutdown)
+                continue
+            if error is None:
+                item.replied.set_result(None)
+            else:
+                item.replied.set_exception(error)
+
+    def _compute_and_reply(self, layer: int, invariant: bool, items: list[_Call]) -> list[BaseException | None]:
+        loaded = self.loaded
+        assert loaded is not None
+        start = time.perf_counter()
+        errors: list[BaseException | None] = [None] * len(items)
+        calls = [item.call.batches(item.activations) for item in items]
+        try:
+            outputs: list[list[torch.Tensor] | None] = list(loaded.host.compute_merged(layer, calls, invariant))
+        except MissingExpertError:
+            # Some AW's table is wrong about us: only its call fails, the others' are computed alone.
+            outputs = []
+            for i, batches in enumerate(calls):
+                try:
+                    outputs.append(loaded.host.compute(layer, batches, invariant))
+                except MissingExpertError as error:
+                    errors[i] = error
+                    outputs.append(None)
+        self.metrics.compute_seconds.observe(time.perf_counter() - start)
+        pending = []
+        for i, (item, out) in enumerate(zip(items, outputs, strict=True)):
+            if out is None:
+                continue
+            try:
+                pending.append((i, item.channel.post_exchange([torch.cat(out)], [])))
+            except ChannelError as error:
+                errors[i] = error
+        for i, exchange in pending:
+            try:
+                exchange.wait(self.timeout_s)
+            except ChannelError as error:
+                errors[i] = error
+        return errors
+
+    def close(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+
+
 class ExpertServicer(expert_pb2_grpc.ExpertServiceServicer):
-    def __init__(self, worker_id: str, metrics: ExpertWorkerMetrics, timeout_s: float) -> None:
+    def __init__(self, worker_id: str, metrics: ExpertWorkerMetrics, timeout_s: float, batching: BatchPolicy | None = None) -> None:
         self.worker_id = worker_id
         self.metrics = metrics
         self.timeout_s = timeout_s
+        # None: every call is computed on arrival, alone (batch_window_s = 0).
+        self.batches = _CrossAwBatches(batching, metrics, timeout_s) if batching is not None else None
         # Both set once the experts are loaded and the endpoint started (before the worker registers).
         self.loaded: _Loaded | None = None
         self.endpoint: ChannelEndpoint | None = None
@@ -97,7 +232,10 @@ class ExpertServicer(expert_pb2_grpc.ExpertServiceServicer):
             return
         self.metrics.attention_workers.inc()
         try:
-            await self._serve(channel)
+            if self.batches is None:
+                await self._serve(channel)
+            else:
+                await self._serve_batched(channel, self.batches)
         except ChannelError as error:
             log.info("channel of attention worker %s ended: %s", aw, error)
         finally:
@@ -121,6 +259,31 @@ class ExpertServicer(expert_pb2_grpc.ExpertServiceServicer):
             self.metrics.calls.inc()
             for expert, count in zip(call.experts, call.counts, strict=True):
                 self.metrics.rows.labels(layer=str(call.layer), expert=str(expert)).inc(count)
+
+    async def _serve_batched(self, channel: TensorChannel, batches: _CrossAwBatches) -> None:
+        loaded = self.loaded
+        assert loaded is not None
+        batches.loaded = loaded
+        header = torch.empty(header_len(loaded.num_experts), dtype=torch.int64)
+        # Keyed by channel, not AW id: an AW that reconnects is a new participant, its old channel a closed one.
+        aw = channel.channel_id
+        batches.connect(aw)
+        try:
+            while True:
+                await channel.recv_into(header, timeout_s=_IDLE_TIMEOUT_S)
+                call = ExpertCall.parse(header)
+                activations = torch.empty((call.rows, loaded.hidden_size), dtype=loaded.dtype)
+                await channel.recv_into(activations, timeout_s=self.timeout_s)
+                try:
+                    await batches.submit(aw, channel, call, activations)
+                except MissingExpertError as error:
+                    log.error("%s; closing the channel", error)
+                    return
+                self.metrics.calls.inc()
+                for expert, count in zip(call.experts, call.counts, strict=True):
+                    self.metrics.rows.labels(layer=str(call.layer), expert=str(expert)).inc(count)
+        finally:
+            batches.disconnect(aw)
 
     def _compute(self, channel: TensorChannel, loaded: _Loaded, call: ExpertCall) -> None:
         activations = torch.empty((call.rows, loaded.hidden_size), dtype=loaded.dtype)
@@ -152,7 +315,8 @@ class ExpertWorkerProcess:
     async def run(self) -> None:
         c = self.config
         torch.set_num_threads(c.torch_threads)
-        servicer = self.servicer = ExpertServicer(self.worker_id, self.metrics, c.channel_timeout_s)
+        batching = BatchPolicy(c.batch_window_s, c.batch_min_rows, c.attention_silence_s) if c.batch_window_s > 0 else None
+        servicer = self.servicer = ExpertServicer(self.worker_id, self.metrics, c.channel_timeout_s, batching)
         async with self.shell as shell:
             shell.add_service(SERVICE_NAME, expert_pb2_grpc.add_ExpertServiceServicer_to_server, servicer)
             await shell.start()
@@ -195,4 +359,6 @@ class ExpertWorkerProcess:
         if self.servicer is not None:
             for task in list(self.servicer.serving):
                 task.cancel()
+            if self.servicer.batches is not None:
+                self.servicer.batches.close()
         await endpoint.close()

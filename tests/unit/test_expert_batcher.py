@@ -5,16 +5,17 @@ import pytest
 from phalanx.worker.expert_batcher import BatchPolicy, BatchStart, LayerBatcher
 
 pytestmark = pytest.mark.unit
-POLICY = BatchPolicy(window_s=0.002, min_rows=64, silence_s=0.1)
+POLICY = BatchPolicy(window_s=0.002, min_rows=64, silence_s=0.1, num_layers=4)
 L0, L1 = (0, True), (1, True)
 
 
 def _batcher(*aws: str, now: float = 0.0) -> LayerBatcher[str]:
-    """A batcher whose AWs are connected and each completed one call at `now`: recently active, waiting nowhere."""
+    """A batcher whose AWs are connected and each completed the last layer of a step at `now`: recently active,
+    waiting nowhere, next at layer 0."""
     b: LayerBatcher[str] = LayerBatcher(POLICY)
     for aw in aws:
         b.connect(aw)
-        b.deliver(aw, (99, True), f"warm-{aw}", 1, now)
+        b.deliver(aw, (3, True), f"warm-{aw}", 1, now)
     b.expire(now + POLICY.window_s)
     assert b.next_deadline() is None
     return b
@@ -75,7 +76,7 @@ def test_an_attention_worker_silent_past_the_probe_window_is_dropped():
 def test_an_attention_worker_waiting_at_another_layer_is_not_waited_for():
     b = _batcher("a", "b", "c", now=0.0)
     assert b.deliver("a", L0, "a0", 3, now=0.01) == []
-    # b arrives at layer 1 (it skipped this EW at layer 0, or is ahead): layer 0 now waits only for c, layer 1 for c.
+    # b arrives at layer 1 (it skipped this EW at layer 0): layer 0 now waits only for c; layer 1 waits for c too.
     assert b.deliver("b", L1, "b1", 3, now=0.0101) == []
     started = b.deliver("c", L0, "c0", 3, now=0.0102)
     # Every AW now waits somewhere: both layers start, neither waits out its window.
@@ -83,6 +84,34 @@ def test_an_attention_worker_waiting_at_another_layer_is_not_waited_for():
         (L0, BatchStart.ALL_DELIVERED, 2),
         (L1, BatchStart.ALL_DELIVERED, 1),
     ]
+
+
+def test_the_attention_worker_ahead_waits_for_the_one_behind_which_then_catches_up():
+    b = _batcher("a", "b", now=0.0)
+    # b's layer 0 waits for a (between steps) and its window runs out; then a comes to layer 0: b passed it, nobody
+    # to wait for.
+    assert b.deliver("b", L0, "b0", 3, now=0.01) == []
+    (b0,) = b.expire(0.01 + POLICY.window_s)
+    assert b0.started_by is BatchStart.WINDOW and b0.attention_workers() == ["b"]
+    (a0,) = b.deliver("a", L0, "a0", 3, now=0.0122)
+    assert a0.started_by is BatchStart.ALL_DELIVERED
+    # a is still computing layer 0 when b is at layer 1: b waits for a (one layer behind) ...
+    assert b.deliver("b", L1, "b1", 3, now=0.0124) == []
+    # ... and a's layer 1 joins it: from here on they are in step.
+    (both,) = b.deliver("a", L1, "a1", 3, now=0.0128)
+    assert both.started_by is BatchStart.ALL_DELIVERED and both.attention_workers() == ["b", "a"]
+
+
+def test_an_attention_worker_that_already_passed_the_layer_is_not_waited_for():
+    b = _batcher("a", "b", now=0.0)
+    for layer in range(2):  # a runs layers 0..1 while b is quiet (its layer 0 waits for b, which is next at layer 0)
+        started = b.deliver("a", (layer, True), "a", 3, now=0.01 + layer * 0.003)
+        started += b.expire(0.01 + layer * 0.003 + POLICY.window_s)
+        assert [s.key[0] for s in started] == [layer]
+    # b's layer 0: a is two layers past it (it would come back next step only; layer numbers alone cannot tell two
+    # past from two behind on 4 layers, and the batcher counts half the layers as behind).
+    (batch,) = b.deliver("b", L0, "b0", 3, now=0.02)
+    assert batch.started_by is BatchStart.ALL_DELIVERED
 
 
 def test_a_batch_with_min_rows_starts_at_once():

@@ -8,9 +8,14 @@ computing the batches it returns. A batch opens with the first call for a
 - every AW it still expects has delivered (`ALL_DELIVERED`), where an AW is
   expected if its channel is open, it delivered something within
   `silence_s` (an AW silent past that probe window is dropped: dead, hung or
-  idle, it is not waited for), and it is not itself waiting in another
-  batch here (it is at another layer, or skipped this EW for this layer:
-  waiting for it could only time out);
+  idle, it is not waited for), it is not itself waiting in another batch
+  here (waiting for it could only time out), and it is a little behind:
+  its last call here was for one of the `num_layers // 2` layers before
+  this one (cyclically: a step's layer 0 follows the last layer). An AW that
+  already passed this layer (ahead, or it skipped this EW here) would come
+  back only next step. Waiting for the one behind is what brings AWs into
+  step: the AW ahead waits, the one behind catches up, and from then on
+  their calls of each layer arrive together;
 - or it holds `min_rows` rows (`MIN_ROWS`: big enough on its own);
 - or `window_s` has passed since it opened (`WINDOW`: a timed-out wait).
 
@@ -40,6 +45,7 @@ class BatchPolicy:
     window_s: float
     min_rows: int
     silence_s: float
+    num_layers: int
 
 
 @dataclass
@@ -63,6 +69,7 @@ class LayerBatcher(Generic[T]):
     def __init__(self, policy: BatchPolicy) -> None:
         self.policy = policy
         self._last_delivery: dict[Hashable, float] = {}  # open AW channels: when each last delivered (-inf: never)
+        self._last_layer: dict[Hashable, int] = {}
         self._open: dict[BatchKey, Batch[T]] = {}
         self._waiting_in: dict[Hashable, BatchKey] = {}  # AW -> the open batch holding its call
 
@@ -70,11 +77,13 @@ class LayerBatcher(Generic[T]):
     def connect(self, aw: Hashable) -> None:
         """An AW's channel opened; it is expected only once it delivers (an idle AW holds nobody up)."""
         self._last_delivery.setdefault(aw, float("-inf"))
+        self._last_layer.setdefault(aw, -1)
 
     def disconnect(self, aw: Hashable, now: float) -> list[Batch[T]]:
         """An AW's channel ended (it died or left): nobody waits for it any more. Its call in an open batch, if any,
         stays (computing it is harmless; its reply fails alone)."""
         self._last_delivery.pop(aw, None)
+        self._last_layer.pop(aw, None)
         return self._ready(now)
 
     def deliver(self, aw: Hashable, key: BatchKey, item: T, rows: int, now: float) -> list[Batch[T]]:
@@ -83,6 +92,7 @@ class LayerBatcher(Generic[T]):
         if aw in self._waiting_in:
             raise ValueError(f"attention worker {aw!r} sent a call before the reply to its last one")
         self._last_delivery[aw] = now
+        self._last_layer[aw] = key[0]
         batch = self._open.get(key)
         if batch is None:
             batch = self._open[key] = Batch(key, now)
@@ -100,20 +110,24 @@ class LayerBatcher(Generic[T]):
         return min((b.opened_at + self.policy.window_s for b in self._open.values()), default=None)
 
     # -- decisions ---------------------------------------------------------------------------------
-    def expected(self, now: float) -> set[Hashable]:
-        """The AWs an open batch still waits for: active recently and not waiting in any batch (its own included)."""
+    def expected(self, layer: int, now: float) -> set[Hashable]:
+        """The AWs a batch of `layer` still waits for (see the module docstring)."""
+        layers = self.policy.num_layers
+        reach = max(1, layers // 2)
         return {
             aw
             for aw, last in self._last_delivery.items()
-            if aw not in self._waiting_in and now - last <= self.policy.silence_s
+            if aw not in self._waiting_in
+            and now - last <= self.policy.silence_s
+            and ((layer - self._last_layer[aw] - 1) % layers) < reach
         }
 
     def _ready(self, now: float) -> list[Batch[T]]:
         # Every batch is judged on the same state: AWs waiting in one that starts now still count as busy for the rest
         # (two AWs waiting at different layers for each other both start at once).
         started = []
-        missing = self.expected(now)
         for batch in self._open.values():
+            missing = self.expected(batch.key[0], now)
             if not missing:
                 batch.started_by = BatchStart.ALL_DELIVERED
             elif batch.rows >= self.policy.min_rows:

@@ -102,11 +102,11 @@ class _CrossAwBatches:
     """The I/O shell of `LayerBatcher`: feeds it the AWs' calls and the clock, computes the batches it starts (off the
     loop) and replies to each AW on its own channel; one AW's broken channel fails that AW's call alone."""
 
-    def __init__(self, policy: BatchPolicy, metrics: ExpertWorkerMetrics, timeout_s: float) -> None:
+    def __init__(self, policy: BatchPolicy, loaded: _Loaded, metrics: ExpertWorkerMetrics, timeout_s: float) -> None:
         self.batcher: LayerBatcher[_Call] = LayerBatcher(policy)
+        self.loaded = loaded
         self.metrics = metrics
         self.timeout_s = timeout_s
-        self.loaded: _Loaded | None = None
         self._timer: asyncio.TimerHandle | None = None
         self._running: set[asyncio.Task[None]] = set()
 
@@ -162,7 +162,6 @@ class _CrossAwBatches:
 
     def _compute_and_reply(self, layer: int, invariant: bool, items: list[_Call]) -> list[BaseException | None]:
         loaded = self.loaded
-        assert loaded is not None
         start = time.perf_counter()
         errors: list[BaseException | None] = [None] * len(items)
         calls = [item.call.batches(item.activations) for item in items]
@@ -199,12 +198,12 @@ class _CrossAwBatches:
 
 
 class ExpertServicer(expert_pb2_grpc.ExpertServiceServicer):
-    def __init__(self, worker_id: str, metrics: ExpertWorkerMetrics, timeout_s: float, batching: BatchPolicy | None = None) -> None:
+    def __init__(self, worker_id: str, metrics: ExpertWorkerMetrics, timeout_s: float) -> None:
         self.worker_id = worker_id
         self.metrics = metrics
         self.timeout_s = timeout_s
-        # None: every call is computed on arrival, alone (batch_window_s = 0).
-        self.batches = _CrossAwBatches(batching, metrics, timeout_s) if batching is not None else None
+        # Set with `loaded` when batch_window_s > 0; None: every call is computed on arrival, alone.
+        self.batches: _CrossAwBatches | None = None
         # Both set once the experts are loaded and the endpoint started (before the worker registers).
         self.loaded: _Loaded | None = None
         self.endpoint: ChannelEndpoint | None = None
@@ -261,9 +260,7 @@ class ExpertServicer(expert_pb2_grpc.ExpertServiceServicer):
                 self.metrics.rows.labels(layer=str(call.layer), expert=str(expert)).inc(count)
 
     async def _serve_batched(self, channel: TensorChannel, batches: _CrossAwBatches) -> None:
-        loaded = self.loaded
-        assert loaded is not None
-        batches.loaded = loaded
+        loaded = batches.loaded
         header = torch.empty(header_len(loaded.num_experts), dtype=torch.int64)
         # Keyed by channel, not AW id: an AW that reconnects is a new participant, its old channel a closed one.
         aw = channel.channel_id
@@ -315,13 +312,15 @@ class ExpertWorkerProcess:
     async def run(self) -> None:
         c = self.config
         torch.set_num_threads(c.torch_threads)
-        batching = BatchPolicy(c.batch_window_s, c.batch_min_rows, c.attention_silence_s) if c.batch_window_s > 0 else None
-        servicer = self.servicer = ExpertServicer(self.worker_id, self.metrics, c.channel_timeout_s, batching)
+        servicer = self.servicer = ExpertServicer(self.worker_id, self.metrics, c.channel_timeout_s)
         async with self.shell as shell:
             shell.add_service(SERVICE_NAME, expert_pb2_grpc.add_ExpertServiceServicer_to_server, servicer)
             await shell.start()
             hosted, host, model_config, version, dtype = await asyncio.to_thread(self._load)
-            servicer.loaded = _Loaded(host, model_config.hidden_size, model_config.num_experts, dtype)
+            servicer.loaded = loaded = _Loaded(host, model_config.hidden_size, model_config.num_experts, dtype)
+            if c.batch_window_s > 0:
+                policy = BatchPolicy(c.batch_window_s, c.batch_min_rows, c.attention_silence_s, model_config.num_layers)
+                servicer.batches = _CrossAwBatches(policy, loaded, self.metrics, c.channel_timeout_s)
             endpoint = ChannelEndpoint(f"expert-{self.worker_id}", self.etcd_config, host=shell.advertised_host, timeout_s=c.channel_timeout_s)
             shell.push_async_callback(self._close, endpoint)
             await endpoint.start()

@@ -1,7 +1,8 @@
 """`phalanx bench moe`: what disaggregating the MoE costs when nothing fails, and what an expert worker's loss costs.
 
 A real deployment on loopback (nats-server, etcd, an ERT manager, `expert_workers` EWs holding every expert
-`copies` times, one attention worker (AW) and one monolithic worker, all deterministic, on the same cores). Parts:
+`copies` times: 1 primary + idle shadows, or with `replicas` equal active copies; one attention worker (AW) and
+one monolithic worker, all deterministic, on the same cores). Parts:
 
 1. Steady state. Waves of `streams` greedy streams of `tokens` tokens (distinct prompts) straight to a worker's
    WorkerService, alternating monolithic and split runs (`pairs` of each, medians compared), as generated tokens/s at
@@ -57,6 +58,11 @@ class _Options:
     kill_repeats: int
     aw_kill_repeats: int
     seed: int
+    replicas: bool
+
+    @property
+    def ew_flags(self) -> tuple[str, ...]:
+        return ("--replicas",) if self.replicas else ()
 
 
 def run_moe_bench(
@@ -70,13 +76,15 @@ def run_moe_bench(
     kill_repeats: int = 3,
     aw_kill_repeats: int = 2,
     seed: int = 0,
+    replicas: bool = False,
 ) -> dict:
     """Runs the four parts and returns one JSON-ready dict (see the module docstring)."""
     if copies < 2:
         raise ValueError("an EW loss without losing experts needs copies >= 2")
     if not 0 < kill_after <= tokens - 8:
         raise ValueError(f"kill_after must be in [1, tokens - 8], got {kill_after} with {tokens} tokens")
-    return asyncio.run(_run(_Options(streams, tokens, pairs, expert_workers, copies, kill_after, kill_repeats, aw_kill_repeats, seed)))
+    options = _Options(streams, tokens, pairs, expert_workers, copies, kill_after, kill_repeats, aw_kill_repeats, seed, replicas)
+    return asyncio.run(_run(options))
 
 
 @dataclass
@@ -139,7 +147,7 @@ async def _run(o: _Options) -> dict:
         await fleet.add_checkpoint_store()
         await fleet.add_migration()
         await fleet.add_ert_manager()
-        await fleet.add_expert_workers(o.expert_workers, copies=o.copies)
+        await fleet.add_expert_workers(o.expert_workers, *o.ew_flags, copies=o.copies)
         (monolithic,) = await fleet.add_workers(1)
         aw = await start_worker(unique_id("aw"), nats.url, etcd_config, "--deterministic", "--role", "attention", model=MODEL)
         fleet.workers.append(aw)
@@ -169,6 +177,8 @@ async def _run(o: _Options) -> dict:
         "cores": len(os.sched_getaffinity(0)),
         "expert_workers": o.expert_workers,
         "copies": o.copies,
+        # shadows: 1 primary + idle preloaded shadows per expert; replicas: every copy active, calls spread over them.
+        "placement": "replicas" if o.replicas else "shadows",
         "streams": o.streams,
         "tokens": o.tokens,
         "steady": {
@@ -183,7 +193,6 @@ async def _run(o: _Options) -> dict:
         "measured": measured,
         "goals": GOALS,
         "met": met,
-        "not_measured": ["replicas-only placement (no shadows)"],
         "seconds": round(time.monotonic() - started, 1),
     }
 
@@ -284,7 +293,8 @@ async def _ew_loss(o: _Options, rng: random.Random, fleet: Stack, monolithic: Wo
         # The replacement takes the lost slot, so the next wave again has every expert twice.
         index = next(i for i in range(o.expert_workers) if not any(ew.name.startswith(f"ew{i}-") for ew in fleet.expert_workers))
         replacement = await start_expert_worker(
-            unique_id(f"ew{index}"), fleet.etcd_config, model=MODEL, index=index, num_expert_workers=o.expert_workers, copies=o.copies
+            unique_id(f"ew{index}"), fleet.etcd_config, *o.ew_flags, model=MODEL, index=index, num_expert_workers=o.expert_workers,
+            copies=o.copies,
         )
         fleet.expert_workers.insert(0, replacement)
         await asyncio.sleep(0.5)  # the ERT manager adds it; the AW sees the new table
@@ -364,7 +374,10 @@ async def _restart_time(o: _Options, nats_url: str, etcd_config: EtcdConfig, fle
     started = time.monotonic()
     ews = await asyncio.gather(
         *(
-            start_expert_worker(unique_id(f"{group}-ew{i}"), etcd_config, model=MODEL, index=i, num_expert_workers=o.expert_workers, copies=o.copies)
+            start_expert_worker(
+                unique_id(f"{group}-ew{i}"), etcd_config, *o.ew_flags, model=MODEL, index=i, num_expert_workers=o.expert_workers,
+                copies=o.copies,
+            )
             for i in range(o.expert_workers)
         )
     )

@@ -21,6 +21,9 @@ class ExpertWorkerConfig(BaseSettings):
     index: int = Field(0, ge=0, description="This worker's slot in the placement: which experts it hosts (worker.ert.place)")
     num_expert_workers: int = Field(1, ge=1, description="Expert workers the placement spreads the experts over")
     copies: int = Field(1, ge=1, description="Copies of each expert over the expert workers: 1 primary + copies-1 shadows, each on another worker")
+    replicas: bool = Field(
+        False, description="Copies are equal active replicas (AWs spread each expert's calls over them) instead of 1 primary + idle shadows"
+    )
     torch_threads: int = Field(
         1,
         ge=1,

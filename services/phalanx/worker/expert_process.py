@@ -348,9 +348,9 @@ class ExpertWorkerProcess:
         mc = model.config
         if not mc.is_moe:
             raise ValueError(f"{mc.name} is dense: an expert worker needs a mixture-of-experts model")
-        hosted = place(mc.num_layers, mc.num_experts, c.num_expert_workers, c.copies)[c.index]
+        hosted = place(mc.num_layers, mc.num_experts, c.num_expert_workers, c.copies, replicas=c.replicas)[c.index]
         host = ExpertHost.from_model(model, [h.key for h in hosted])
-        for role in ("PRIMARY", "SHADOW"):
+        for role in ("PRIMARY", "SHADOW", "REPLICA"):
             self.metrics.hosted.labels(role=role.lower()).set(sum(1 for h in hosted if h.role.name == role))
         return hosted, host, mc, model.version, model.dtype
 

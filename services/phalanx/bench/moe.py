@@ -324,14 +324,18 @@ async def _aw_loss(o: _Options, rng: random.Random, fleet: Stack, monolithic: Wo
     router = await fleet.add_router()
     stalls: list[float] = []
     affected: list[float] = []
+    kill_to_next: list[float] = []  # per moved stream: the SIGKILL to its next token (detection + migration + first step)
+    migration = fleet.migrations[0]
+    migrated_before = await asyncio.to_thread(_histogram, migration, "phalanx_migration_duration_seconds")
     lost = identical = total = 0
     async with await Client.connect(router.address, timeout=_STREAM_TIMEOUT_S) as client:
         for prompts, want in zip(waves, expected, strict=True):
             streams = [_Stream() for _ in prompts]
             served_by: dict[int, str] = {}
             killed: list[WorkerHandle] = []
+            killed_at: list[float] = []
 
-            async def one(i: int, prompts=prompts, streams=streams, served_by=served_by, killed=killed) -> None:
+            async def one(i: int, prompts=prompts, streams=streams, served_by=served_by, killed=killed, killed_at=killed_at) -> None:
                 try:
                     async for chunk in client.generate(prompts[i], max_tokens=o.tokens, ignore_eos=True):
                         served_by.setdefault(i, chunk.worker_id)
@@ -340,6 +344,7 @@ async def _aw_loss(o: _Options, rng: random.Random, fleet: Stack, monolithic: Wo
                         if not killed and min(len(s.tokens) for s in streams) >= o.kill_after:
                             busiest = max(aws, key=lambda w: sum(1 for s in served_by.values() if s == w.worker_id))
                             os.kill(busiest.process.pid, signal.SIGKILL)
+                            killed_at.append(time.monotonic())
                             killed.append(busiest)
                 except Exception as error:  # noqa: BLE001 - a failed stream is counted, not fatal to the bench
                     streams[i].error = f"{type(error).__name__}: {error}"
@@ -349,13 +354,26 @@ async def _aw_loss(o: _Options, rng: random.Random, fleet: Stack, monolithic: Wo
                 total += 1
                 lost += max(0, len(tokens) - len(stream.tokens))
                 identical += stream.tokens == tokens and not stream.error
-                (affected if killed and served_by.get(i) == killed[0].worker_id else stalls).append(stream.max_gap_s)
+                moved = bool(killed) and served_by.get(i) == killed[0].worker_id
+                (affected if moved else stalls).append(stream.max_gap_s)
+                after = [t for t in stream.times if killed_at and t > killed_at[0]]
+                if moved and after:
+                    kill_to_next.append(after[0] - killed_at[0])
             for victim in killed:
                 aws.remove(victim)
                 fleet.workers.remove(victim)
                 await asyncio.to_thread(victim.process.wait, 10)
                 aws.extend(await fleet.add_workers(1, "--role", "attention"))
     ranked = sorted(affected) or [0.0]
+    migrated_after = await asyncio.to_thread(_histogram, migration, "phalanx_migration_duration_seconds")
+    migrations = migrated_after[1] - migrated_before[1]
+    migration_mean = (migrated_after[0] - migrated_before[0]) / max(migrations, 1)
+    methods = {}
+    for method in ("transfer", "checkpoint", "reprefill", "sequential_replay"):
+        count = await asyncio.to_thread(migration.metric, "phalanx_migration_total", method=method)
+        if count:
+            methods[method] = int(count)
+    next_ranked = sorted(kill_to_next) or [0.0]
     return {
         "kills": o.aw_kill_repeats,
         "streams": total,
@@ -365,6 +383,14 @@ async def _aw_loss(o: _Options, rng: random.Random, fleet: Stack, monolithic: Wo
         "stall_p50_s": round(statistics.median(ranked), 4),
         "stall_p99_s": round(ranked[min(len(ranked) - 1, int(0.99 * len(ranked)))], 4),
         "unaffected_stall_max_s": round(max(stalls, default=0.0), 4),
+        # Where a moved stream's stall goes: the gap runs from its last token before the kill (up to a step earlier)
+        # through detection (the router's stream breaks), the migration call (target choice, restore: the migration
+        # service's own timing) and the target's first steps (catching up the tokens past the commit).
+        "kill_to_next_token_p50_s": round(statistics.median(next_ranked), 4),
+        "kill_to_next_token_max_s": round(next_ranked[-1], 4),
+        "migration_mean_s": round(migration_mean, 4),
+        "migrations": int(migrations),
+        "migration_methods": methods,
     }
 
 

@@ -110,3 +110,49 @@ async def test_a_stopped_then_killed_attention_worker_is_not_waited_for_and_the_
     timed_out = await asyncio.to_thread(_sum, ews, "phalanx_expert_batches_total", start="window")
     assert await _generate(aw_a.address, prompts_a) == want_a
     assert await asyncio.to_thread(_sum, ews, "phalanx_expert_batches_total", start="window") == timed_out
+
+
+async def test_a_new_expert_replica_and_a_new_attention_worker_join_under_load_without_changing_a_token(nats_config, etcd_config):
+    """Replicas-only placement: an EW joining as one more replica of slot 0 takes calls from the next layer call after the
+    ERT names it (an AW reads the table once per layer), and an AW started mid-wave is batched with the busy one."""
+    from phalanx.launch.services import start_expert_worker, start_worker
+    from phalanx.launch.stack import unique_id
+
+    stack = Stack(nats_config.url, etcd_config, model=MODEL)
+    try:
+        await stack.add_ert_manager()
+        ews = await stack.add_expert_workers(2, "--replicas", copies=2)
+        (monolithic,) = await stack.add_workers(1)
+        (aw_a,) = await stack.add_workers(1, "--role", "attention")
+        prompts_a, prompts_c = _prompts("A"), _prompts("C")
+        want_a, want_c = await _generate(monolithic.address, prompts_a), await _generate(monolithic.address, prompts_c)
+        stop = asyncio.Event()
+
+        async def keep_a_busy() -> int:
+            """Waves on a, back to back, until told to stop: every join below lands while a is generating."""
+            waves = 0
+            while not stop.is_set():
+                assert await _generate(aw_a.address, prompts_a) == want_a, "a join under load changed the busy AW's tokens"
+                waves += 1
+            return waves
+
+        busy = asyncio.ensure_future(keep_a_busy())
+        try:
+            joined = await start_expert_worker(
+                unique_id("ew0b"), etcd_config, "--replicas", model=MODEL, index=0, num_expert_workers=2, copies=2
+            )
+            stack.expert_workers.append(joined)
+            aw_c = await start_worker(unique_id("awc"), stack.nats_url, etcd_config, "--deterministic", "--role", "attention", model=MODEL)
+            stack.workers.append(aw_c)
+            assert await _generate(aw_c.address, prompts_c) == want_c, "the attention worker that joined under load gives other tokens"
+            await assert_eventually(
+                lambda: (joined.metric("phalanx_expert_calls_total") or 0) > 0, timeout=30, message="the new replica takes calls"
+            )
+            assert not busy.done(), "the busy attention worker stopped early"
+        finally:
+            stop.set()
+            waves = await busy
+        assert waves >= 2
+        assert all(ew.process.poll() is None for ew in ews)
+    finally:
+        await asyncio.to_thread(stack.stop)

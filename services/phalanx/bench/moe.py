@@ -36,8 +36,10 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from phalanx._proto import common_pb2, worker_pb2, worker_pb2_grpc
-from phalanx.common.config import EtcdConfig
+from phalanx._proto import common_pb2, migration_pb2, worker_pb2, worker_pb2_grpc
+from phalanx.common.config import EtcdConfig, NatsConfig
+from phalanx.common.events import EventBus
+from phalanx.common.subjects import MIGRATION_EVENTS_SUBJECT
 from phalanx.launch.infra import EtcdServer, NatsServer
 from phalanx.launch.services import ServiceHandle, WorkerHandle, start_expert_worker, start_worker
 from phalanx.launch.stack import Stack, unique_id
@@ -327,6 +329,15 @@ async def _aw_loss(o: _Options, rng: random.Random, fleet: Stack, monolithic: Wo
     kill_to_next: list[float] = []  # per moved stream: the SIGKILL to its next token (detection + migration + first step)
     migration = fleet.migrations[0]
     migrated_before = await asyncio.to_thread(_histogram, migration, "phalanx_migration_duration_seconds")
+    # When each migration ended (the migration service's NATS event, as received here).
+    migrated_at: list[float] = []
+    kill_to_migrated: list[float] = []
+    bus = await EventBus.connect(NatsConfig(url=fleet.nats_url), name="bench-moe")
+
+    async def on_migrated(message: migration_pb2.MigrationEvent, subject: str, context) -> None:
+        migrated_at.append(time.monotonic())
+
+    await bus.subscribe(MIGRATION_EVENTS_SUBJECT, migration_pb2.MigrationEvent, on_migrated)
     lost = identical = total = 0
     async with await Client.connect(router.address, timeout=_STREAM_TIMEOUT_S) as client:
         for prompts, want in zip(waves, expected, strict=True):
@@ -349,7 +360,10 @@ async def _aw_loss(o: _Options, rng: random.Random, fleet: Stack, monolithic: Wo
                 except Exception as error:  # noqa: BLE001 - a failed stream is counted, not fatal to the bench
                     streams[i].error = f"{type(error).__name__}: {error}"
 
+            del migrated_at[:]
             await asyncio.gather(*(one(i) for i in range(len(prompts))))
+            await bus.flush()
+            kill_to_migrated.extend(t - killed_at[0] for t in migrated_at if killed_at and t > killed_at[0])
             for i, (stream, tokens) in enumerate(zip(streams, want, strict=True)):
                 total += 1
                 lost += max(0, len(tokens) - len(stream.tokens))
@@ -364,6 +378,7 @@ async def _aw_loss(o: _Options, rng: random.Random, fleet: Stack, monolithic: Wo
                 fleet.workers.remove(victim)
                 await asyncio.to_thread(victim.process.wait, 10)
                 aws.extend(await fleet.add_workers(1, "--role", "attention"))
+    await bus.close()
     ranked = sorted(affected) or [0.0]
     migrated_after = await asyncio.to_thread(_histogram, migration, "phalanx_migration_duration_seconds")
     migrations = migrated_after[1] - migrated_before[1]
@@ -374,6 +389,7 @@ async def _aw_loss(o: _Options, rng: random.Random, fleet: Stack, monolithic: Wo
         if count:
             methods[method] = int(count)
     next_ranked = sorted(kill_to_next) or [0.0]
+    migrated_ranked = sorted(kill_to_migrated) or [0.0]
     return {
         "kills": o.aw_kill_repeats,
         "streams": total,
@@ -387,6 +403,10 @@ async def _aw_loss(o: _Options, rng: random.Random, fleet: Stack, monolithic: Wo
         # through detection (the router's stream breaks), the migration call (target choice, restore: the migration
         # service's own timing) and the target's first steps (catching up the tokens past the commit).
         "kill_to_next_token_p50_s": round(statistics.median(next_ranked), 4),
+        # SIGKILL to each migration's end (router detection + the migration call); the rest of kill_to_next_token is
+        # the router re-attaching and the target's first step.
+        "kill_to_migrated_p50_s": round(statistics.median(migrated_ranked), 4),
+        "kill_to_migrated_max_s": round(migrated_ranked[-1], 4),
         "kill_to_next_token_max_s": round(next_ranked[-1], 4),
         "migration_mean_s": round(migration_mean, 4),
         "migrations": int(migrations),

@@ -92,21 +92,20 @@ class _Loaded:
 class _Call:
     """One AW's layer call, received and waiting in a cross-AW batch."""
 
-    channel: TensorChannel
     call: ExpertCall
     activations: torch.Tensor
-    replied: asyncio.Future[None]
+    outputs: asyncio.Future[torch.Tensor]
 
 
 class _CrossAwBatches:
     """The I/O shell of `LayerBatcher`: feeds it the AWs' calls and the clock, computes the batches it starts (off the
-    loop) and replies to each AW on its own channel; one AW's broken channel fails that AW's call alone."""
+    loop) and hands each AW its outputs; each AW's task sends its own reply, so an AW that stopped reading holds up
+    nobody else's."""
 
-    def __init__(self, policy: BatchPolicy, loaded: _Loaded, metrics: ExpertWorkerMetrics, timeout_s: float) -> None:
+    def __init__(self, policy: BatchPolicy, loaded: _Loaded, metrics: ExpertWorkerMetrics) -> None:
         self.batcher: LayerBatcher[_Call] = LayerBatcher(policy)
         self.loaded = loaded
         self.metrics = metrics
-        self.timeout_s = timeout_s
         self._timer: asyncio.TimerHandle | None = None
         self._running: set[asyncio.Task[None]] = set()
 
@@ -116,12 +115,12 @@ class _CrossAwBatches:
     def disconnect(self, aw: str) -> None:
         self._start(self.batcher.disconnect(aw, asyncio.get_running_loop().time()))
 
-    async def submit(self, aw: str, channel: TensorChannel, call: ExpertCall, activations: torch.Tensor) -> None:
-        """Returns once the outputs of `call` went back on `channel`; raises ChannelError or MissingExpertError."""
+    async def compute(self, aw: str, call: ExpertCall, activations: torch.Tensor) -> torch.Tensor:
+        """The outputs of `call` [rows, hidden], computed in the batch it lands in; raises MissingExpertError."""
         loop = asyncio.get_running_loop()
-        item = _Call(channel, call, activations, loop.create_future())
+        item = _Call(call, activations, loop.create_future())
         self._start(self.batcher.deliver(aw, (call.layer, call.invariant), item, call.rows, loop.time()))
-        await item.replied
+        return await item.outputs
 
     def _on_timer(self) -> None:
         self._timer = None
@@ -149,48 +148,33 @@ class _CrossAwBatches:
     async def _run(self, batch: Batch[_Call]) -> None:
         items = [item for _, item in batch.entries]
         try:
-            errors = await asyncio.to_thread(self._compute_and_reply, batch.key[0], batch.key[1], items)
+            results = await asyncio.to_thread(self._compute, batch.key[0], batch.key[1], items)
         except Exception as failure:  # noqa: BLE001 - handed to every caller of the batch, which re-raises it
-            errors = [failure] * len(items)
-        for item, error in zip(items, errors, strict=True):
-            if item.replied.done():  # its AW's task was cancelled (shutdown)
+            results = [failure] * len(items)
+        for item, result in zip(items, results, strict=True):
+            if item.outputs.done():  # its AW's task was cancelled (shutdown)
                 continue
-            if error is None:
-                item.replied.set_result(None)
+            if isinstance(result, BaseException):
+                item.outputs.set_exception(result)
             else:
-                item.replied.set_exception(error)
+                item.outputs.set_result(result)
 
-    def _compute_and_reply(self, layer: int, invariant: bool, items: list[_Call]) -> list[BaseException | None]:
+    def _compute(self, layer: int, invariant: bool, items: list[_Call]) -> list[torch.Tensor | BaseException]:
         loaded = self.loaded
         start = time.perf_counter()
-        errors: list[BaseException | None] = [None] * len(items)
         calls = [item.call.batches(item.activations) for item in items]
+        results: list[torch.Tensor | BaseException] = []
         try:
-            outputs: list[list[torch.Tensor] | None] = list(loaded.host.compute_merged(layer, calls, invariant))
+            results = [torch.cat(out) for out in loaded.host.compute_merged(layer, calls, invariant)]
         except MissingExpertError:
             # Some AW's table is wrong about us: only its call fails, the others' are computed alone.
-            outputs = []
-            for i, batches in enumerate(calls):
+            for batches in calls:
                 try:
-                    outputs.append(loaded.host.compute(layer, batches, invariant))
+                    results.append(torch.cat(loaded.host.compute(layer, batches, invariant)))
                 except MissingExpertError as error:
-                    errors[i] = error
-                    outputs.append(None)
+                    results.append(error)
         self.metrics.compute_seconds.observe(time.perf_counter() - start)
-        pending = []
-        for i, (item, out) in enumerate(zip(items, outputs, strict=True)):
-            if out is None:
-                continue
-            try:
-                pending.append((i, item.channel.post_exchange([torch.cat(out)], [])))
-            except ChannelError as error:
-                errors[i] = error
-        for i, exchange in pending:
-            try:
-                exchange.wait(self.timeout_s)
-            except ChannelError as error:
-                errors[i] = error
-        return errors
+        return results
 
     def close(self) -> None:
         if self._timer is not None:
@@ -272,10 +256,11 @@ class ExpertServicer(expert_pb2_grpc.ExpertServiceServicer):
                 activations = torch.empty((call.rows, loaded.hidden_size), dtype=loaded.dtype)
                 await channel.recv_into(activations, timeout_s=self.timeout_s)
                 try:
-                    await batches.submit(aw, channel, call, activations)
+                    outputs = await batches.compute(aw, call, activations)
                 except MissingExpertError as error:
                     log.error("%s; closing the channel", error)
                     return
+                await channel.send(outputs, timeout_s=self.timeout_s)
                 self.metrics.calls.inc()
                 for expert, count in zip(call.experts, call.counts, strict=True):
                     self.metrics.rows.labels(layer=str(call.layer), expert=str(expert)).inc(count)
@@ -320,7 +305,7 @@ class ExpertWorkerProcess:
             servicer.loaded = loaded = _Loaded(host, model_config.hidden_size, model_config.num_experts, dtype)
             if c.batch_window_s > 0:
                 policy = BatchPolicy(c.batch_window_s, c.batch_min_rows, c.attention_silence_s, model_config.num_layers)
-                servicer.batches = _CrossAwBatches(policy, loaded, self.metrics, c.channel_timeout_s)
+                servicer.batches = _CrossAwBatches(policy, loaded, self.metrics)
             endpoint = ChannelEndpoint(f"expert-{self.worker_id}", self.etcd_config, host=shell.advertised_host, timeout_s=c.channel_timeout_s)
             shell.push_async_callback(self._close, endpoint)
             await endpoint.start()

@@ -131,3 +131,29 @@ def test_a_replacement_in_a_lost_slot_takes_its_primaries_back():
     replacement = ExpertWorkerRef("ew-0b", "127.0.0.1:5100", "expert-ew-0b")
     after = manager.apply(ExpertWorkerJoined(replacement, tuple(place(LAYERS, EXPERTS, 3, 2)[0])))
     assert after is not None and after.experts_of("ew-0b") == before.experts_of("ew-0")
+
+
+def test_replicas_are_all_active_and_a_lost_one_spreads_its_experts_over_the_rest():
+    manager = ErtManager("phalanx-tiny-moe", LAYERS, EXPERTS)
+    for i, hosted in enumerate(place(LAYERS, EXPERTS, 3, 3, replicas=True)):
+        assert {h.role for h in hosted} == {ExpertRole.REPLICA}
+        manager.apply(ExpertWorkerJoined(_ref(i), tuple(hosted)))
+    table = manager.table
+    assert table.complete and all(location.replicated for location in table.locations.values())
+    keys = [(layer, expert) for layer in range(LAYERS) for expert in range(EXPERTS)]
+    load = Counter(table.resolve(*key) for key in keys)
+    # Every replica computes its share (no idle standby), within one of even.
+    assert set(load) == {"ew-0", "ew-1", "ew-2"} and max(load.values()) - min(load.values()) <= 1
+    # An AW that found ew-1 dead spreads ew-1's experts over both others, and moves nothing to a dead host.
+    after = Counter(table.resolve(*key, exclude={"ew-1"}) for key in keys)
+    assert set(after) == {"ew-0", "ew-2"} and max(after.values()) - min(after.values()) <= 1
+    # The manager's table after the loss says the same, and survives its etcd encoding.
+    lost = manager.apply(ExpertWorkerLost("ew-1"))
+    assert lost is not None
+    decoded = ExpertRoutingTable.from_proto(decode_json(encode_json(lost.to_proto()), expert_pb2.ExpertRoutingTable))
+    assert decoded == lost and Counter(decoded.resolve(*key) for key in keys) == after
+
+
+def test_shadow_placement_is_not_replicated():
+    table = _manager(3, 2).table
+    assert not any(location.replicated for location in table.locations.values())

@@ -83,3 +83,36 @@ def test_a_host_asked_for_an_expert_it_does_not_hold_refuses():
     host = ExpertHost.from_model(full, [(0, 0)])
     with pytest.raises(MissingExpertError):
         host.compute(0, [ExpertBatch(1, torch.zeros(2, full.config.hidden_size))], invariant=True)
+
+
+def test_several_callers_batched_per_expert_get_the_bits_each_would_get_alone(monolithic):
+    """The EW's cross-AW batch (one GEMM per expert over every AW's rows) is bit-identical, per AW, to computing each
+    AW's call alone, in batch-invariant mode, for row counts below and above the padding threshold of model/ops.py.
+
+    On one GEMM thread, an EW's default: with 2 threads torch 2.13's CPU GEMM gives rows of M = 5..11 (not 8) other
+    bits than at M = 64 (measured 2026-11-26), so invariance, merged or not, needs the thread count fixed."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        _check_merged_equals_alone(monolithic)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _check_merged_equals_alone(monolithic) -> None:
+    c = monolithic.config
+    host = ExpertHost.from_model(monolithic, [(1, e) for e in range(c.num_experts)])
+    gen = torch.Generator().manual_seed(7)
+
+    def call(rows_by_expert: dict[int, int]) -> list[ExpertBatch]:
+        return [ExpertBatch(e, torch.randn((n, c.hidden_size), generator=gen)) for e, n in sorted(rows_by_expert.items())]
+
+    calls = [call({0: 1, 3: 2, 5: 7}), call({0: 3, 1: 1}), call({3: 5, 5: 1, 7: 2}), call({2: 1})]
+    alone = [host.compute(1, batches, True) for batches in calls]
+    merged = host.compute_merged(1, calls, True)
+    assert len(merged) == len(calls)
+    for got, want in zip(merged, alone, strict=True):
+        assert len(got) == len(want)
+        assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+    with pytest.raises(MissingExpertError):
+        host.compute_merged(0, calls, True)

@@ -1,7 +1,8 @@
 """`phalanx bench moe`: what disaggregating the MoE costs when nothing fails, and what an expert worker's loss costs.
 
 A real deployment on loopback (nats-server, etcd, an ERT manager, `expert_workers` EWs holding every expert
-`copies` times, one attention worker (AW) and one monolithic worker, all deterministic, on the same cores). Parts:
+`copies` times: 1 primary + idle shadows, or with `replicas` equal active copies; one attention worker (AW) and
+one monolithic worker, all deterministic, on the same cores). Parts:
 
 1. Steady state. Waves of `streams` greedy streams of `tokens` tokens (distinct prompts) straight to a worker's
    WorkerService, alternating monolithic and split runs (`pairs` of each, medians compared), as generated tokens/s at
@@ -35,8 +36,10 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from phalanx._proto import common_pb2, worker_pb2, worker_pb2_grpc
-from phalanx.common.config import EtcdConfig
+from phalanx._proto import common_pb2, migration_pb2, worker_pb2, worker_pb2_grpc
+from phalanx.common.config import EtcdConfig, NatsConfig
+from phalanx.common.events import EventBus
+from phalanx.common.subjects import MIGRATION_EVENTS_SUBJECT
 from phalanx.launch.infra import EtcdServer, NatsServer
 from phalanx.launch.services import ServiceHandle, WorkerHandle, start_expert_worker, start_worker
 from phalanx.launch.stack import Stack, unique_id
@@ -57,6 +60,11 @@ class _Options:
     kill_repeats: int
     aw_kill_repeats: int
     seed: int
+    replicas: bool
+
+    @property
+    def ew_flags(self) -> tuple[str, ...]:
+        return ("--replicas",) if self.replicas else ()
 
 
 def run_moe_bench(
@@ -70,13 +78,15 @@ def run_moe_bench(
     kill_repeats: int = 3,
     aw_kill_repeats: int = 2,
     seed: int = 0,
+    replicas: bool = False,
 ) -> dict:
     """Runs the four parts and returns one JSON-ready dict (see the module docstring)."""
     if copies < 2:
         raise ValueError("an EW loss without losing experts needs copies >= 2")
     if not 0 < kill_after <= tokens - 8:
         raise ValueError(f"kill_after must be in [1, tokens - 8], got {kill_after} with {tokens} tokens")
-    return asyncio.run(_run(_Options(streams, tokens, pairs, expert_workers, copies, kill_after, kill_repeats, aw_kill_repeats, seed)))
+    options = _Options(streams, tokens, pairs, expert_workers, copies, kill_after, kill_repeats, aw_kill_repeats, seed, replicas)
+    return asyncio.run(_run(options))
 
 
 @dataclass
@@ -139,7 +149,7 @@ async def _run(o: _Options) -> dict:
         await fleet.add_checkpoint_store()
         await fleet.add_migration()
         await fleet.add_ert_manager()
-        await fleet.add_expert_workers(o.expert_workers, copies=o.copies)
+        await fleet.add_expert_workers(o.expert_workers, *o.ew_flags, copies=o.copies)
         (monolithic,) = await fleet.add_workers(1)
         aw = await start_worker(unique_id("aw"), nats.url, etcd_config, "--deterministic", "--role", "attention", model=MODEL)
         fleet.workers.append(aw)
@@ -169,6 +179,8 @@ async def _run(o: _Options) -> dict:
         "cores": len(os.sched_getaffinity(0)),
         "expert_workers": o.expert_workers,
         "copies": o.copies,
+        # shadows: 1 primary + idle preloaded shadows per expert; replicas: every copy active, calls spread over them.
+        "placement": "replicas" if o.replicas else "shadows",
         "streams": o.streams,
         "tokens": o.tokens,
         "steady": {
@@ -183,7 +195,6 @@ async def _run(o: _Options) -> dict:
         "measured": measured,
         "goals": GOALS,
         "met": met,
-        "not_measured": ["replicas-only placement (no shadows)"],
         "seconds": round(time.monotonic() - started, 1),
     }
 
@@ -284,7 +295,8 @@ async def _ew_loss(o: _Options, rng: random.Random, fleet: Stack, monolithic: Wo
         # The replacement takes the lost slot, so the next wave again has every expert twice.
         index = next(i for i in range(o.expert_workers) if not any(ew.name.startswith(f"ew{i}-") for ew in fleet.expert_workers))
         replacement = await start_expert_worker(
-            unique_id(f"ew{index}"), fleet.etcd_config, model=MODEL, index=index, num_expert_workers=o.expert_workers, copies=o.copies
+            unique_id(f"ew{index}"), fleet.etcd_config, *o.ew_flags, model=MODEL, index=index, num_expert_workers=o.expert_workers,
+            copies=o.copies,
         )
         fleet.expert_workers.insert(0, replacement)
         await asyncio.sleep(0.5)  # the ERT manager adds it; the AW sees the new table
@@ -314,14 +326,27 @@ async def _aw_loss(o: _Options, rng: random.Random, fleet: Stack, monolithic: Wo
     router = await fleet.add_router()
     stalls: list[float] = []
     affected: list[float] = []
+    kill_to_next: list[float] = []  # per moved stream: the SIGKILL to its next token (detection + migration + first step)
+    migration = fleet.migrations[0]
+    migrated_before = await asyncio.to_thread(_histogram, migration, "phalanx_migration_duration_seconds")
+    # When each migration ended (the migration service's NATS event, as received here).
+    migrated_at: list[float] = []
+    kill_to_migrated: list[float] = []
+    bus = await EventBus.connect(NatsConfig(url=fleet.nats_url), name="bench-moe")
+
+    async def on_migrated(message: migration_pb2.MigrationEvent, subject: str, context) -> None:
+        migrated_at.append(time.monotonic())
+
+    await bus.subscribe(MIGRATION_EVENTS_SUBJECT, migration_pb2.MigrationEvent, on_migrated)
     lost = identical = total = 0
     async with await Client.connect(router.address, timeout=_STREAM_TIMEOUT_S) as client:
         for prompts, want in zip(waves, expected, strict=True):
             streams = [_Stream() for _ in prompts]
             served_by: dict[int, str] = {}
             killed: list[WorkerHandle] = []
+            killed_at: list[float] = []
 
-            async def one(i: int, prompts=prompts, streams=streams, served_by=served_by, killed=killed) -> None:
+            async def one(i: int, prompts=prompts, streams=streams, served_by=served_by, killed=killed, killed_at=killed_at) -> None:
                 try:
                     async for chunk in client.generate(prompts[i], max_tokens=o.tokens, ignore_eos=True):
                         served_by.setdefault(i, chunk.worker_id)
@@ -330,22 +355,41 @@ async def _aw_loss(o: _Options, rng: random.Random, fleet: Stack, monolithic: Wo
                         if not killed and min(len(s.tokens) for s in streams) >= o.kill_after:
                             busiest = max(aws, key=lambda w: sum(1 for s in served_by.values() if s == w.worker_id))
                             os.kill(busiest.process.pid, signal.SIGKILL)
+                            killed_at.append(time.monotonic())
                             killed.append(busiest)
                 except Exception as error:  # noqa: BLE001 - a failed stream is counted, not fatal to the bench
                     streams[i].error = f"{type(error).__name__}: {error}"
 
+            del migrated_at[:]
             await asyncio.gather(*(one(i) for i in range(len(prompts))))
+            await bus.flush()
+            kill_to_migrated.extend(t - killed_at[0] for t in migrated_at if killed_at and t > killed_at[0])
             for i, (stream, tokens) in enumerate(zip(streams, want, strict=True)):
                 total += 1
                 lost += max(0, len(tokens) - len(stream.tokens))
                 identical += stream.tokens == tokens and not stream.error
-                (affected if killed and served_by.get(i) == killed[0].worker_id else stalls).append(stream.max_gap_s)
+                moved = bool(killed) and served_by.get(i) == killed[0].worker_id
+                (affected if moved else stalls).append(stream.max_gap_s)
+                after = [t for t in stream.times if killed_at and t > killed_at[0]]
+                if moved and after:
+                    kill_to_next.append(after[0] - killed_at[0])
             for victim in killed:
                 aws.remove(victim)
                 fleet.workers.remove(victim)
                 await asyncio.to_thread(victim.process.wait, 10)
                 aws.extend(await fleet.add_workers(1, "--role", "attention"))
+    await bus.close()
     ranked = sorted(affected) or [0.0]
+    migrated_after = await asyncio.to_thread(_histogram, migration, "phalanx_migration_duration_seconds")
+    migrations = migrated_after[1] - migrated_before[1]
+    migration_mean = (migrated_after[0] - migrated_before[0]) / max(migrations, 1)
+    methods = {}
+    for method in ("transfer", "checkpoint", "reprefill", "sequential_replay"):
+        count = await asyncio.to_thread(migration.metric, "phalanx_migration_total", method=method)
+        if count:
+            methods[method] = int(count)
+    next_ranked = sorted(kill_to_next) or [0.0]
+    migrated_ranked = sorted(kill_to_migrated) or [0.0]
     return {
         "kills": o.aw_kill_repeats,
         "streams": total,
@@ -355,6 +399,18 @@ async def _aw_loss(o: _Options, rng: random.Random, fleet: Stack, monolithic: Wo
         "stall_p50_s": round(statistics.median(ranked), 4),
         "stall_p99_s": round(ranked[min(len(ranked) - 1, int(0.99 * len(ranked)))], 4),
         "unaffected_stall_max_s": round(max(stalls, default=0.0), 4),
+        # Where a moved stream's stall goes: the gap runs from its last token before the kill (up to a step earlier)
+        # through detection (the router's stream breaks), the migration call (target choice, restore: the migration
+        # service's own timing) and the target's first steps (catching up the tokens past the commit).
+        "kill_to_next_token_p50_s": round(statistics.median(next_ranked), 4),
+        # SIGKILL to each migration's end (router detection + the migration call); the rest of kill_to_next_token is
+        # the router re-attaching and the target's first step.
+        "kill_to_migrated_p50_s": round(statistics.median(migrated_ranked), 4),
+        "kill_to_migrated_max_s": round(migrated_ranked[-1], 4),
+        "kill_to_next_token_max_s": round(next_ranked[-1], 4),
+        "migration_mean_s": round(migration_mean, 4),
+        "migrations": int(migrations),
+        "migration_methods": methods,
     }
 
 
@@ -364,7 +420,10 @@ async def _restart_time(o: _Options, nats_url: str, etcd_config: EtcdConfig, fle
     started = time.monotonic()
     ews = await asyncio.gather(
         *(
-            start_expert_worker(unique_id(f"{group}-ew{i}"), etcd_config, model=MODEL, index=i, num_expert_workers=o.expert_workers, copies=o.copies)
+            start_expert_worker(
+                unique_id(f"{group}-ew{i}"), etcd_config, *o.ew_flags, model=MODEL, index=i, num_expert_workers=o.expert_workers,
+                copies=o.copies,
+            )
             for i in range(o.expert_workers)
         )
     )

@@ -95,6 +95,9 @@ def expert_worker(
     index: int = typer.Option(None, min=0, help="This worker's placement slot [env PHALANX_EXPERT_INDEX]"),
     num_expert_workers: int = typer.Option(None, min=1, help="Expert workers in the placement [env PHALANX_EXPERT_NUM_EXPERT_WORKERS]"),
     copies: int = typer.Option(None, min=1, help="Copies of each expert: 1 primary + shadows [env PHALANX_EXPERT_COPIES]"),
+    replicas: bool = typer.Option(
+        None, "--replicas/--shadows", help="Copies are active replicas, not 1 primary + idle shadows [env PHALANX_EXPERT_REPLICAS]"
+    ),
     etcd_endpoint: str = typer.Option(None, help="etcd host:port [env PHALANX_ETCD_ENDPOINT]"),
     log_level: str = typer.Option("INFO"),
 ) -> None:
@@ -105,7 +108,10 @@ def expert_worker(
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = ExpertWorkerConfig(
-        **_given(worker_id=worker_id, host=host, port=port, model=model, index=index, num_expert_workers=num_expert_workers, copies=copies)
+        **_given(
+            worker_id=worker_id, host=host, port=port, model=model, index=index, num_expert_workers=num_expert_workers, copies=copies,
+            replicas=replicas,
+        )
     )
     _run_until_signalled(ExpertWorkerProcess(config, EtcdConfig(**_given(endpoint=etcd_endpoint)), TelemetryConfig()))
 
@@ -619,6 +625,7 @@ def bench_moe(
     kill_after: int = typer.Option(16, min=1, help="Tokens every stream has when an expert worker is SIGKILLed"),
     kill_repeats: int = typer.Option(3, min=1, help="Expert-worker kills (one wave each)"),
     aw_kill_repeats: int = typer.Option(2, min=1, help="Attention-worker kills (one wave each, through the router)"),
+    replicas: bool = typer.Option(False, "--replicas", help="Copies as active replicas (no shadows): the EW loss lands on replicas that serve"),
     as_json: bool = typer.Option(False, "--json", help="Print JSON only"),
 ) -> None:
     """Disaggregated MoE: steady-state tokens/s split vs monolithic with the per-layer AW-EW round trip, the stall of an
@@ -628,7 +635,7 @@ def bench_moe(
 
     result = run_moe_bench(
         streams=streams, tokens=tokens, pairs=pairs, expert_workers=expert_workers, copies=copies, kill_after=kill_after,
-        kill_repeats=kill_repeats, aw_kill_repeats=aw_kill_repeats,
+        kill_repeats=kill_repeats, aw_kill_repeats=aw_kill_repeats, replicas=replicas,
     )
     typer.echo(json.dumps(result) if as_json else json.dumps(result, indent=2))
 

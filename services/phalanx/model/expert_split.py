@@ -81,6 +81,27 @@ class ExpertHost:
         self.batches_computed += 1
         return outputs
 
+    def compute_merged(self, layer: int, calls: list[list[ExpertBatch]], invariant: bool) -> list[list[torch.Tensor]]:
+        """Several callers' batches of one layer, each expert computed once on all of its callers' rows (in `calls`
+        order); the outputs come back per call, as `compute` would give them. In batch-invariant mode a row's result
+        does not depend on the rows beside it (model/ops.py), so each call gets `compute`'s bits."""
+        if len(calls) == 1:
+            return [self.compute(layer, calls[0], invariant)]
+        # expert -> [(call, position in that call)], in call order
+        users: dict[int, list[tuple[int, int]]] = {}
+        for c, batches in enumerate(calls):
+            for j, batch in enumerate(batches):
+                users.setdefault(batch.expert, []).append((c, j))
+        experts = sorted(users)
+        merged = [ExpertBatch(e, torch.cat([calls[c][j].rows for c, j in users[e]])) for e in experts]
+        results = self.compute(layer, merged, invariant)
+        outputs: list[list[torch.Tensor | None]] = [[None] * len(batches) for batches in calls]
+        for e, y in zip(experts, results, strict=True):
+            parts = y.split([calls[c][j].rows.shape[0] for c, j in users[e]])
+            for (c, j), part in zip(users[e], parts, strict=True):
+                outputs[c][j] = part
+        return [[y for y in call if y is not None] for call in outputs]
+
 
 class RemoteMoE(nn.Module):
     """A SparseMoE whose experts live elsewhere: gate and combine here, the MLPs through `io`."""

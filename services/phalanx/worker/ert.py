@@ -44,6 +44,7 @@ class NoExpertHostError(UnavailableError):
 class ExpertRole(enum.IntEnum):
     PRIMARY = expert_pb2.EXPERT_ROLE_PRIMARY
     SHADOW = expert_pb2.EXPERT_ROLE_SHADOW
+    REPLICA = expert_pb2.EXPERT_ROLE_REPLICA
 
 
 @dataclass(frozen=True, order=True)
@@ -70,6 +71,8 @@ class ExpertWorkerRef:
 class ExpertLocation:
     primary: str
     shadows: tuple[str, ...] = ()
+    # Every copy is an active replica: `resolve` spreads over the live hosts instead of taking the first.
+    replicated: bool = False
 
     @property
     def hosts(self) -> tuple[str, ...]:
@@ -92,12 +95,17 @@ class ExpertRoutingTable:
         return all(self.locations.get((layer, expert), _NOWHERE).primary for layer in range(self.num_layers) for expert in range(self.num_experts))
 
     def resolve(self, layer: int, expert: int, exclude: Iterable[str] = ()) -> str:
-        """The EW that computes (layer, expert): its first host not in `exclude`; NoExpertHostError if none is left."""
+        """The EW that computes (layer, expert): its first host not in `exclude`, or for replicated experts one of the
+        live replicas, spread by expert (every AW picks the same, so the EWs can batch their calls); NoExpertHostError if
+        none is left."""
         excluded = set(exclude)
-        for host in self.locations.get((layer, expert), _NOWHERE).hosts:
-            if host not in excluded:
-                return host
-        raise NoExpertHostError(layer, expert)
+        location = self.locations.get((layer, expert), _NOWHERE)
+        live = [host for host in location.hosts if host not in excluded]
+        if not live:
+            raise NoExpertHostError(layer, expert)
+        if location.replicated:
+            return live[(layer * self.num_experts + expert) % len(live)]
+        return live[0]
 
     def experts_of(self, worker_id: str) -> list[ExpertKey]:
         """The experts for which `worker_id` is the primary."""
@@ -114,7 +122,9 @@ class ExpertRoutingTable:
                 for _, w in sorted(self.workers.items())
             ],
             locations=[
-                expert_pb2.ExpertLocation(layer=layer, expert=expert, primary=location.primary, shadows=list(location.shadows))
+                expert_pb2.ExpertLocation(
+                    layer=layer, expert=expert, primary=location.primary, shadows=list(location.shadows), replicated=location.replicated
+                )
                 for (layer, expert), location in sorted(self.locations.items())
             ],
         )
@@ -127,15 +137,16 @@ class ExpertRoutingTable:
             num_layers=message.num_layers,
             num_experts=message.num_experts,
             workers={w.worker_id: ExpertWorkerRef(w.worker_id, w.address, w.channel_endpoint) for w in message.workers},
-            locations={(loc.layer, loc.expert): ExpertLocation(loc.primary, tuple(loc.shadows)) for loc in message.locations},
+            locations={(loc.layer, loc.expert): ExpertLocation(loc.primary, tuple(loc.shadows), loc.replicated) for loc in message.locations},
         )
 
 
 _NOWHERE = ExpertLocation(primary="")
 
 
-def place(num_layers: int, num_experts: int, num_workers: int, copies: int = 1) -> list[list[HostedExpert]]:
-    """What EW i of `num_workers` hosts: every expert `copies` times (1 primary + copies-1 shadows), each copy on another EW.
+def place(num_layers: int, num_experts: int, num_workers: int, copies: int = 1, *, replicas: bool = False) -> list[list[HostedExpert]]:
+    """What EW i of `num_workers` hosts: every expert `copies` times (1 primary + copies-1 shadows, or with `replicas`
+    `copies` equal active replicas), each copy on another EW.
 
     Primaries go round-robin over the flattened (layer, expert) list, so every
     EW holds the same number (±1) and consecutive experts of a layer land on
@@ -152,7 +163,7 @@ def place(num_layers: int, num_experts: int, num_workers: int, copies: int = 1) 
         for expert in range(num_experts):
             first = (layer * num_experts + expert) % num_workers
             for copy in range(copies):
-                role = ExpertRole.PRIMARY if copy == 0 else ExpertRole.SHADOW
+                role = ExpertRole.REPLICA if replicas else ExpertRole.PRIMARY if copy == 0 else ExpertRole.SHADOW
                 hosted[(first + copy) % num_workers].append(HostedExpert(layer, expert, role))
     return [sorted(h) for h in hosted]
 
@@ -214,7 +225,8 @@ class ErtManager:
             # the order AWs already know (a live primary stays primary), then newcomers by id.
             rank = {worker_id: i for i, worker_id in enumerate(previous)}
             order = [w for _, _, w in sorted((role, rank.get(w, len(previous)), w) for role, w in hosts)]
-            locations[key] = ExpertLocation(order[0], tuple(order[1:]))
+            replicated = all(role == ExpertRole.REPLICA for role, _ in hosts)
+            locations[key] = ExpertLocation(order[0], tuple(order[1:]), replicated)
         workers = {worker_id: ref for worker_id, (ref, _) in self._members.items()}
         if locations == dict(old.locations) and workers == dict(old.workers):
             return None

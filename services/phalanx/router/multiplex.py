@@ -7,10 +7,11 @@ and has `cancel()`. The worker sends one message per engine step with the
 new chunks of all the requests (issue 11: per-token gRPC work on the
 worker's event loop starves its engine thread of the GIL).
 
-A broken stream fails every subscription on it with the stream's status,
-exactly as a dropped channel breaks every per-request call on it, so the
-relay policy decides for each request as before (attach again, migrate); the
-next subscription opens a new stream. A worker that does not know Multiplex
+A broken stream costs the requests on it nothing while the worker lives:
+each subscription opens again once over a new stream, from its next index.
+If that fails too (the worker died), it fails with the stream's status,
+exactly as a dropped channel breaks every per-request call on it, and the
+relay policy decides for each request as before (migrate, fail). A worker that does not know Multiplex
 (UNIMPLEMENTED) is read with per-request calls from then on.
 """
 
@@ -72,16 +73,26 @@ class WorkerMultiplexer:
     def _call(self, request: worker_pb2.MultiplexRequest, per_request: _OpenCall) -> MultiplexedCall | grpc.aio.UnaryStreamCall:
         if not self.enabled or self._closed:
             return per_request(self.stub)
+        call = MultiplexedCall(self, request, per_request)
+        self._subscribe(call, request)
+        return call
+
+    @property
+    def open(self) -> bool:
+        """Whether subscriptions may still go over the stream (not closed, not an old worker)."""
+        return self.enabled and not self._closed
+
+    def _subscribe(self, call: MultiplexedCall, request: worker_pb2.MultiplexRequest) -> None:
+        """Opens `call` on the stream (a new one if there is none), under a new subscription id."""
         stream = self._stream
         if stream is None:
             stream = self._stream = _Stream(self.stub)
             stream.reader = asyncio.get_running_loop().create_task(self._read(stream))
         request.subscription_id = next(self._ids)
         propagate.inject(request.trace_context)
-        call = MultiplexedCall(self, stream, request.subscription_id, per_request)
+        call._stream, call._id = stream, request.subscription_id
         stream.subscriptions[request.subscription_id] = call
         stream.outgoing.put_nowait(request)
-        return call
 
     def _leave(self, stream: _Stream, subscription_id: int) -> None:
         if stream.subscriptions.pop(subscription_id, None) is not None and stream is self._stream:
@@ -95,6 +106,8 @@ class WorkerMultiplexer:
                 for chunk in response.chunks:
                     subscription = subscriptions.get(chunk.subscription_id)
                     if subscription is not None:
+                        if chunk.closed:
+                            del subscriptions[chunk.subscription_id]  # the worker forgot it too
                         subscription.feed(chunk)
             error = _error(grpc.StatusCode.UNAVAILABLE, f"worker {self.worker_address} ended the multiplexed stream")
         except grpc.aio.AioRpcError as caught:
@@ -127,17 +140,24 @@ class WorkerMultiplexer:
 
 
 class MultiplexedCall:
-    """One request's subscription on a worker's multiplexed stream, read as its own Generate or Attach call."""
+    """One request's subscription on a worker's multiplexed stream, read as its own Generate or Attach call.
 
-    def __init__(self, multiplexer: WorkerMultiplexer, stream: _Stream, subscription_id: int, per_request: _OpenCall) -> None:
+    When the stream breaks under it, it subscribes again once over a new stream, from the index after the last
+    token it yielded (a Generate not answered yet is sent again: the worker does not start a request id twice);
+    only if that fails too does the relay see the break, and decide (migrate, fail) as for a broken call.
+    """
+
+    def __init__(self, multiplexer: WorkerMultiplexer, request: worker_pb2.MultiplexRequest, per_request: _OpenCall) -> None:
         self._multiplexer = multiplexer
-        self._stream = stream
-        self._id = subscription_id
+        self._request = request
         self._per_request = per_request
+        self._stream: _Stream | None = None
+        self._id = 0
         self._chunks: deque[worker_pb2.MultiplexChunk] = deque()
         self._error: grpc.aio.AioRpcError | None = None
         self._wake: asyncio.Future | None = None
         self._ended = False
+        self._reconnected = False
         self._fallback: grpc.aio.UnaryStreamCall | None = None
 
     def feed(self, chunk: worker_pb2.MultiplexChunk) -> None:
@@ -159,6 +179,7 @@ class MultiplexedCall:
             self._fallback.cancel()
         if not self._ended:
             self._ended = True
+            assert self._stream is not None
             self._multiplexer._leave(self._stream, self._id)
 
     def __aiter__(self) -> AsyncIterator[worker_pb2.GenerateResponse]:
@@ -167,6 +188,7 @@ class MultiplexedCall:
     async def _responses(self) -> AsyncIterator[worker_pb2.GenerateResponse]:
         chunks = self._chunks
         got_any = False
+        next_index = -1  # after the last token yielded
         while True:
             while chunks:
                 chunk = chunks.popleft()
@@ -174,23 +196,43 @@ class MultiplexedCall:
                     self._ended = True
                 if chunk.HasField("response"):
                     got_any = True
+                    if chunk.response.index >= 0:
+                        next_index = chunk.response.index + 1
                     yield chunk.response
                 if chunk.closed:
                     if chunk.code:
                         raise _error(_CODES.get(chunk.code, grpc.StatusCode.UNKNOWN), chunk.message, chunk.status_details)
                     return
-            if self._error is not None:
-                self._ended = True
-                if self._error.code() == grpc.StatusCode.UNIMPLEMENTED and not got_any:
+            error = self._error
+            if error is not None:
+                self._error = None
+                if error.code() == grpc.StatusCode.UNIMPLEMENTED and not got_any:
                     # An older worker: the request was never opened there; open it on its own call instead.
+                    self._ended = True
                     self._fallback = self._per_request(self._multiplexer.stub)
                     async for response in self._fallback:
                         yield response
                     return
-                raise self._error
+                if self._reconnected or not self._multiplexer.open:
+                    self._ended = True
+                    raise error
+                self._reconnected = True
+                self._multiplexer._subscribe(self, self._again(next_index))
+                continue
             self._wake = asyncio.get_running_loop().create_future()
             await self._wake
             self._wake = None
+
+    def _again(self, next_index: int) -> worker_pb2.MultiplexRequest:
+        """The subscription to continue from `next_index` (-1: no token yet) after the stream broke."""
+        request = self._request
+        if request.WhichOneof("action") == "generate":
+            if next_index < 0:
+                return worker_pb2.MultiplexRequest(generate=request.generate)
+            attach = worker_pb2.AttachRequest(request_id=request.generate.request_id, from_index=next_index)
+        else:
+            attach = worker_pb2.AttachRequest(request_id=request.attach.request_id, from_index=max(next_index, request.attach.from_index))
+        return worker_pb2.MultiplexRequest(attach=attach)
 
 
 def _error(code: grpc.StatusCode, details: str, status_details: bytes = b"") -> grpc.aio.AioRpcError:

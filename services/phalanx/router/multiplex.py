@@ -158,13 +158,26 @@ class MultiplexedCall:
         self._wake: asyncio.Future | None = None
         self._ended = False
         self._reconnected = False
+        self._got_any = False
+        self._next_index = -1  # after the last token received (-1: none yet)
         self._fallback: grpc.aio.UnaryStreamCall | None = None
 
     def feed(self, chunk: worker_pb2.MultiplexChunk) -> None:
+        if chunk.HasField("response"):
+            self._got_any = True
+            if chunk.response.index >= 0:
+                self._next_index = chunk.response.index + 1
         self._chunks.append(chunk)
         self._wakeup()
 
     def fail(self, error: grpc.aio.AioRpcError) -> None:
+        """The stream broke: subscribe again at once (not when next read: the worker's detach grace runs), or end."""
+        unimplemented = error.code() == grpc.StatusCode.UNIMPLEMENTED and not self._got_any
+        if not unimplemented and not self._reconnected and not self._ended and self._multiplexer.open:
+            self._reconnected = True
+            # After the chunks received so far, which are still to be read.
+            self._multiplexer._subscribe(self, self._again(self._next_index))
+            return
         self._error = error
         self._wakeup()
 
@@ -187,17 +200,12 @@ class MultiplexedCall:
 
     async def _responses(self) -> AsyncIterator[worker_pb2.GenerateResponse]:
         chunks = self._chunks
-        got_any = False
-        next_index = -1  # after the last token yielded
         while True:
             while chunks:
                 chunk = chunks.popleft()
                 if chunk.closed:
                     self._ended = True
                 if chunk.HasField("response"):
-                    got_any = True
-                    if chunk.response.index >= 0:
-                        next_index = chunk.response.index + 1
                     yield chunk.response
                 if chunk.closed:
                     if chunk.code:
@@ -205,20 +213,14 @@ class MultiplexedCall:
                     return
             error = self._error
             if error is not None:
-                self._error = None
-                if error.code() == grpc.StatusCode.UNIMPLEMENTED and not got_any:
+                self._ended = True
+                if error.code() == grpc.StatusCode.UNIMPLEMENTED and not self._got_any:
                     # An older worker: the request was never opened there; open it on its own call instead.
-                    self._ended = True
                     self._fallback = self._per_request(self._multiplexer.stub)
                     async for response in self._fallback:
                         yield response
                     return
-                if self._reconnected or not self._multiplexer.open:
-                    self._ended = True
-                    raise error
-                self._reconnected = True
-                self._multiplexer._subscribe(self, self._again(next_index))
-                continue
+                raise error
             self._wake = asyncio.get_running_loop().create_future()
             await self._wake
             self._wake = None

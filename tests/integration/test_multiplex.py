@@ -170,7 +170,7 @@ async def test_the_routers_side_subscribes_again_after_its_stream_breaks_and_yie
 async def test_through_a_router_a_killed_workers_streams_still_migrate_and_deliver_every_token_once(nats_config, etcd_config):
     stack = Stack(nats_config.url, etcd_config, model="phalanx-tiny-moe")
     try:
-        victim, survivor = await stack.add_workers(2, "--deterministic")
+        workers = await stack.add_workers(2, "--deterministic")
         await stack.add_migration()
         router = await stack.add_router()
         async with await Client.connect(router.address, timeout=60) as client:
@@ -187,7 +187,8 @@ async def test_through_a_router_a_killed_workers_streams_still_migrate_and_deliv
             readers = [asyncio.create_task(read(i)) for i in range(len(prompts))]
             while not all(len(s) >= 4 for s in seen):
                 await asyncio.sleep(0.01)
-            assert any(s[0].worker_id == victim.worker_id for s in seen), "the router spreads them"
+            # The worker of the first stream (routing by prefix may put them all on one) dies under it.
+            victim = next(w for w in workers if w.worker_id == seen[0][0].worker_id)
             victim.kill()
             await asyncio.wait_for(asyncio.gather(*readers), 60)
         for i, s in enumerate(seen):

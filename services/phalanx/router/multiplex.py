@@ -142,8 +142,8 @@ class WorkerMultiplexer:
 class MultiplexedCall:
     """One request's subscription on a worker's multiplexed stream, read as its own Generate or Attach call.
 
-    When the stream breaks under it, it subscribes again once over a new stream, from the index after the last
-    token it yielded (a Generate not answered yet is sent again: the worker does not start a request id twice);
+    When the stream breaks under it, it subscribes again at once over a new stream, from the index after the
+    last token it received (a Generate not answered yet is sent again: the worker does not start a request id twice);
     only if that fails too does the relay see the break, and decide (migrate, fail) as for a broken call.
     """
 

@@ -8,6 +8,11 @@ etcd, one worker process, one router process) driven by the SDK with
 the last token, prefill included. Sides alternate per repeat and report
 the median, so machine noise hits them alike; each repeat uses fresh
 prompts (shared by both sides) so the prefix cache helps neither.
+
+The router reads the worker's tokens over one multiplexed stream (one
+message per engine step for all requests). With `compare_per_request` a
+second router on the same worker reads them with a call per request, the
+way routers did before issue 11, as a third side of each repeat.
 """
 
 from __future__ import annotations
@@ -62,12 +67,14 @@ async def stack_tokens_per_s(client: Client, prompts: list[list[int]], tokens: i
 
 def run_serve_bench(
     *, streams: int = 16, tokens: int = 128, prompt_len: int = 32, model: str = "phalanx-tiny-moe", repeats: int = 3,
-    deterministic: bool = False,
+    deterministic: bool = False, compare_per_request: bool = False,
 ) -> dict:
-    return asyncio.run(_run(streams, tokens, prompt_len, model, repeats, deterministic))
+    return asyncio.run(_run(streams, tokens, prompt_len, model, repeats, deterministic, compare_per_request))
 
 
-async def _run(streams: int, tokens: int, prompt_len: int, model: str, repeats: int, deterministic: bool) -> dict:
+async def _run(
+    streams: int, tokens: int, prompt_len: int, model: str, repeats: int, deterministic: bool, compare_per_request: bool
+) -> dict:
     engine_config = EngineConfig(model=model, deterministic=deterministic)
     # The worker runs its engine on effective_torch_threads() (all cores but one: its event loop needs the other);
     # the bare side gets the same setting, so that the ratio is the stack's cost and not a thread count's.
@@ -75,7 +82,9 @@ async def _run(streams: int, tokens: int, prompt_len: int, model: str, repeats: 
     torch.set_num_threads(torch_threads)
     engine = Engine(load(model), engine_config)
     runs: dict[str, list[float]] = {"bare": [], "stack": []}
-    with contextlib.ExitStack() as stack:
+    if compare_per_request:
+        runs["stack_per_request"] = []
+    async with contextlib.AsyncExitStack() as stack:
         nats = stack.enter_context(NatsServer())
         etcd = stack.enter_context(EtcdServer())
         etcd_config = EtcdConfig(endpoint=etcd.endpoint, lease_ttl_s=1)
@@ -83,16 +92,25 @@ async def _run(streams: int, tokens: int, prompt_len: int, model: str, repeats: 
         stack.callback(worker.terminate)
         router = await start_router("bench-router", nats.url, etcd_config)
         stack.callback(router.terminate)
-        async with await Client.connect(router.address) as client:
-            # Warm-up: allocator, kernels, channels, the first routing decisions.
-            warm = _prompts(-1, streams, prompt_len)
-            bare_tokens_per_s(engine, warm, 8)
+        clients = {"stack": await stack.enter_async_context(await Client.connect(router.address))}
+        if compare_per_request:
+            old = await start_router("bench-router-per-request", nats.url, etcd_config, env={"PHALANX_ROUTER_MULTIPLEX_WORKER_STREAMS": "false"})
+            stack.callback(old.terminate)
+            clients["stack_per_request"] = await stack.enter_async_context(await Client.connect(old.address))
+        # Warm-up: allocator, kernels, channels, the first routing decisions.
+        warm = _prompts(-1, streams, prompt_len)
+        bare_tokens_per_s(engine, warm, 8)
+        for client in clients.values():
             await stack_tokens_per_s(client, warm, 8)
-            for repeat in range(repeats):
-                prompts = _prompts(repeat, streams, prompt_len)
-                runs["bare"].append(bare_tokens_per_s(engine, prompts, tokens))
-                runs["stack"].append(await stack_tokens_per_s(client, prompts, tokens))
+        for repeat in range(repeats):
+            prompts = _prompts(repeat, streams, prompt_len)
+            runs["bare"].append(bare_tokens_per_s(engine, prompts, tokens))
+            for side, client in clients.items():
+                runs[side].append(await stack_tokens_per_s(client, prompts, tokens))
     bare, served = statistics.median(runs["bare"]), statistics.median(runs["stack"])
+    compared = {}
+    if compare_per_request:
+        compared["per_request_ratio"] = round(statistics.median(runs["stack_per_request"]) / bare, 3)
     return {
         "model": model,
         "streams": streams,
@@ -103,6 +121,7 @@ async def _run(streams: int, tokens: int, prompt_len: int, model: str, repeats: 
         "bare_tokens_per_s": round(bare, 1),
         "stack_tokens_per_s": round(served, 1),
         "ratio": round(served / bare, 3),
+        **compared,
         "torch_threads": torch_threads,
         "runs": {k: [round(v, 1) for v in vs] for k, vs in runs.items()},
         "goals": {"ratio": GOAL_RATIO},

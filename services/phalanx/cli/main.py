@@ -602,6 +602,9 @@ def bench_serve(
     model: str = typer.Option("phalanx-tiny-moe"),
     repeats: int = typer.Option(3, help="Runs per measurement; the median is reported"),
     deterministic: bool = typer.Option(False, "--deterministic/--fast", help="Batch-invariant numerics"),
+    compare_per_request: bool = typer.Option(
+        False, "--compare-per-request", help="Also through a router reading a call per request (not multiplexed): per_request_ratio"
+    ),
     as_json: bool = typer.Option(False, "--json", help="Print JSON only"),
 ) -> None:
     """End-to-end streaming throughput through a router and workers."""
@@ -610,7 +613,8 @@ def bench_serve(
     from phalanx.bench.serve import run_serve_bench
 
     result = run_serve_bench(
-        streams=streams, tokens=tokens, prompt_len=prompt_len, model=model, repeats=repeats, deterministic=deterministic
+        streams=streams, tokens=tokens, prompt_len=prompt_len, model=model, repeats=repeats, deterministic=deterministic,
+        compare_per_request=compare_per_request,
     )
     typer.echo(json.dumps(result, indent=None if as_json else 2))
 

@@ -47,6 +47,11 @@ class RouterConfig(BaseSettings):
     )
     ready_timeout_s: float = Field(30.0, gt=0, description="Longest startup waits for KV snapshots before it serves anyway")
     snapshot_timeout_s: float = Field(2.0, gt=0, description="Deadline of one KvSnapshot call to a worker")
+    multiplex_worker_streams: bool = Field(
+        True,
+        description="Read the tokens of all requests on a worker over one stream (WorkerService.Multiplex, one message per engine"
+        " step) instead of a call per request; workers without it get per-request calls either way",
+    )
     load_stale_s: float = Field(2.0, gt=0, description="A worker silent for longer is penalised in routing")
     no_worker_retry_after_s: float = Field(1.0, gt=0, description="Retry hint sent when no worker can take a request")
     media_marker: str = Field(

@@ -104,7 +104,7 @@ class RouterProcess:
     async def run(self) -> None:
         async with self.shell as shell:
             records = RequestRecords(self.etcd_config, self.router_id, resume_window_s=self.config.resume_window_s)
-            channels = WorkerChannels(self.config.max_message_bytes)
+            channels = WorkerChannels(self.config.max_message_bytes, multiplex=self.config.multiplex_worker_streams)
             shell.push_async_callback(channels.close)
             migration = self.migration = MigrationClient(self.etcd_config)
             shell.push_async_callback(migration.close)

@@ -37,6 +37,7 @@ from phalanx.router.config import RouterConfig
 from phalanx.router.joint import JointChoice, choose_joint
 from phalanx.router.media import MediaEncoder, split_on_markers
 from phalanx.router.metrics import RouterMetrics
+from phalanx.router.multiplex import MultiplexedCall, WorkerMultiplexer
 from phalanx.router.records import RequestRecords
 from phalanx.router.relay import (
     AttachMoved,
@@ -64,8 +65,8 @@ HANDED_BACK = common_pb2.FINISH_REASON_HANDED_BACK
 _RECENT_RECORDS = 10_000
 
 
-# Opens one worker stream of a request on the given worker's stub.
-_OpenCall = Callable[[worker_pb2_grpc.WorkerServiceStub], grpc.aio.UnaryStreamCall]
+# Opens one worker stream of a request on the given worker (its multiplexed stream, or a call of its own).
+_OpenCall = Callable[[WorkerMultiplexer], MultiplexedCall | grpc.aio.UnaryStreamCall]
 # A worker's last chunk of a request it handed back: the state to continue from (Generate and Attach alike).
 _HandoffChunk = worker_pb2.GenerateResponse | worker_pb2.AttachResponse
 
@@ -78,8 +79,9 @@ class WorkerChannels:
     that registers again reuses the channel. A dead worker's streams have broken on their own long before.
     """
 
-    def __init__(self, max_message_bytes: int, *, linger_s: float = 30.0) -> None:
+    def __init__(self, max_message_bytes: int, *, linger_s: float = 30.0, multiplex: bool = True) -> None:
         self.linger_s = linger_s
+        self.multiplex = multiplex
         self._options = [
             ("grpc.max_receive_message_length", max_message_bytes),
             ("grpc.max_send_message_length", max_message_bytes),
@@ -89,6 +91,7 @@ class WorkerChannels:
             ("grpc.max_reconnect_backoff_ms", 1_000),
         ]
         self._channels: dict[str, tuple[grpc.aio.Channel, worker_pb2_grpc.WorkerServiceStub]] = {}
+        self._multiplexers: dict[str, WorkerMultiplexer] = {}
         self._retiring: dict[str, asyncio.TimerHandle] = {}
 
     def stub(self, address: str) -> worker_pb2_grpc.WorkerServiceStub:
@@ -100,6 +103,14 @@ class WorkerChannels:
             channel = grpc.aio.insecure_channel(address, options=self._options, interceptors=grpc_client_interceptors())
             entry = self._channels[address] = (channel, worker_pb2_grpc.WorkerServiceStub(channel))
         return entry[1]
+
+    def streams(self, address: str) -> WorkerMultiplexer:
+        """How requests' token streams are read from the worker at `address`: its multiplexed stream, or per-request calls."""
+        stub = self.stub(address)
+        multiplexer = self._multiplexers.get(address)
+        if multiplexer is None or multiplexer.stub is not stub:
+            multiplexer = self._multiplexers[address] = WorkerMultiplexer(stub, address, enabled=self.multiplex)
+        return multiplexer
 
     def retire(self, address: str) -> None:
         """The worker left membership: close its channel after `linger_s` unless it is used again before."""
@@ -115,6 +126,9 @@ class WorkerChannels:
         timer = self._retiring.pop(address, None)
         if timer is not None:
             timer.cancel()
+        multiplexer = self._multiplexers.pop(address, None)
+        if multiplexer is not None:
+            await multiplexer.close()
         entry = self._channels.pop(address, None)
         if entry is not None:
             await entry[0].close(grace=None)
@@ -512,11 +526,11 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
             request_id=flow.record.request_id, tokens=common_pb2.PromptTokens(ids=flow.prompt_ids), sampling=request.sampling,
             priority=int(flow.tier), media=flow.media,
         )
-        return self._worker_stream(flow, lambda stub: stub.Generate(worker_request), retry_elsewhere=True)
+        return self._worker_stream(flow, lambda streams: streams.generate(worker_request), retry_elsewhere=True)
 
     def _attach(self, flow: _Flow) -> AsyncIterator:
         attach = worker_pb2.AttachRequest(request_id=flow.record.request_id, from_index=flow.next_index)
-        return self._worker_stream(flow, lambda stub: stub.Attach(attach), retry_elsewhere=False)
+        return self._worker_stream(flow, lambda streams: streams.attach(attach), retry_elsewhere=False)
 
     async def _worker_stream(self, flow: _Flow, open_call: _OpenCall, *, retry_elsewhere: bool) -> AsyncIterator:
         """Worker chunks of one request, following handoffs and migrations; re-routes a refused first attempt.
@@ -525,7 +539,7 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
         """
         relay = RelayPolicy(retry_elsewhere=retry_elsewhere, can_migrate=self._migrate is not None)
         while True:
-            call = open_call(self.channels.stub(flow.record.worker_address))
+            call = open_call(self.channels.streams(flow.record.worker_address))
             handoff_chunk = None
             got_any = False
             broken: grpc.aio.AioRpcError | None = None
@@ -591,8 +605,8 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
             self._move(flow, self._route(flow.prompt_ids, decision.exclude, flow.media))
             return open_call
         if isinstance(decision, AttachMoved):
-            def attach(stub: worker_pb2_grpc.WorkerServiceStub):
-                return stub.Attach(worker_pb2.AttachRequest(request_id=flow.record.request_id, from_index=flow.next_index))
+            def attach(streams: WorkerMultiplexer):
+                return streams.attach(worker_pb2.AttachRequest(request_id=flow.record.request_id, from_index=flow.next_index))
 
             return attach
         if isinstance(decision, ResumeElsewhere):
@@ -604,7 +618,7 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
             self._move(flow, route)
             # The media ride along: a resumed prompt recomputes its KV, and its placeholders need the embeddings again.
             resume = worker_pb2.GenerateRequest(request_id=flow.record.request_id, resume_from=handoff, media=flow.media)
-            return lambda stub: stub.Generate(resume)
+            return lambda streams: streams.generate(resume)
         raise AssertionError(f"unexpected relay effect {decision!r}")
 
     async def _migrate_flow(self, flow: _Flow, move: Migrate, handoff_chunk: _HandoffChunk | None) -> migration_pb2.MigrateResponse | None:

@@ -23,6 +23,7 @@ from phalanx.worker.checkpointing import tensor_bytes
 from phalanx.worker.engine import EngineRequest
 from phalanx.worker.kv_fetch import KvFetcher, KvFetchPolicy
 from phalanx.worker.metrics import WorkerMetrics
+from phalanx.worker.multiplex import MultiplexedStream
 from phalanx.worker.sequence import FinishReason, MediaEmbedding, RequestSnapshot, TokenEvent
 from phalanx.worker.streams import RequestLog, RequestStreams
 
@@ -59,15 +60,34 @@ def snapshot_to_proto(s: RequestSnapshot) -> common_pb2.RequestState:
 
 def event_to_proto(cls, event: TokenEvent):
     """A GenerateResponse or an AttachResponse (the same fields) for one event."""
-    chunk = cls(
-        request_id=event.request_id, token_id=event.token_id, text=event.text, index=event.index,
-        finish_reason=int(event.finish_reason), prompt_tokens=event.prompt_tokens,
-        cached_prompt_tokens=event.cached_prompt_tokens, seed=event.seed,
-    )
+    chunk = cls()
+    fill_chunk(chunk, event)
+    return chunk
+
+
+def fill_chunk(chunk, event: TokenEvent, handoff_source: str = "") -> None:
+    """Sets a new GenerateResponse's (or AttachResponse's) fields from one event.
+
+    Fields that are set one by one, and only when not zero: per token this runs
+    for every request of every engine step, on the loop the engine thread shares the GIL with.
+    """
+    chunk.request_id = event.request_id
+    chunk.token_id = event.token_id
+    chunk.index = event.index
+    if event.text:
+        chunk.text = event.text
+    if event.finish_reason:
+        chunk.finish_reason = int(event.finish_reason)
+    if event.prompt_tokens:
+        chunk.prompt_tokens = event.prompt_tokens
+        chunk.cached_prompt_tokens = event.cached_prompt_tokens
+    if event.seed:
+        chunk.seed = event.seed
     if event.handoff is not None:
         chunk.handoff.CopyFrom(snapshot_to_proto(event.handoff))
         chunk.handoff_kv_tokens = event.handoff_kv_tokens
-    return chunk
+    if event.handoff_kv_tokens and handoff_source:
+        chunk.handoff_source = handoff_source  # where the parked KV waits
 
 
 _MEDIA_DTYPES = ("bfloat16", "float16", "float32")
@@ -210,7 +230,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
 
         return on_event
 
-    async def _submit(self, engine: AsyncEngine, request: EngineRequest, log: RequestLog) -> None:
+    async def submit(self, engine: AsyncEngine, request: EngineRequest, log: RequestLog) -> None:
         try:
             await engine.submit(request, log)
         except asyncio.CancelledError:
@@ -220,45 +240,58 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             self.streams.discard(log, exc)
             raise
 
-    async def Generate(self, request, context):
+    def generate_log(self, request: worker_pb2.GenerateRequest) -> tuple[RequestLog, EngineRequest | None]:
+        """The log a Generate reads, and its request to submit (None: a retry of a request this worker has already)."""
         try:
-            engine = self.engine
+            self.engine  # noqa: B018 - raises UNAVAILABLE while the model loads
             engine_request = self._engine_request(request)
         except PhalanxError as exc:
             self._count(exc)
             raise
-        streams = self.streams
-        existing = streams.get(engine_request.request_id)
-        fresh = existing is None
-        if existing is None:
-            resumed = engine_request.resume
-            log = streams.start(
-                engine_request.request_id, first_index=len(resumed.output_ids) if resumed else 0, on_event=self._observer()
-            )
-        else:
-            log = existing
-        with streams.reader(log):
-            if fresh:
-                await self._submit(engine, engine_request, log)
-            async for event in log.read(log.first_index):
-                yield self._chunk(worker_pb2.GenerateResponse, event)
+        existing = self.streams.get(engine_request.request_id)
+        if existing is not None:
+            return existing, None
+        resumed = engine_request.resume
+        log = self.streams.start(
+            engine_request.request_id, first_index=len(resumed.output_ids) if resumed else 0, on_event=self._observer()
+        )
+        return log, engine_request
 
-    async def Attach(self, request, context):
+    def attach_log(self, request: worker_pb2.AttachRequest) -> RequestLog:
+        """The log an Attach reads."""
         if request.from_index < 0:
             raise InvalidRequestError("from_index", "must be >= 0")
         log = self.streams.get(request.request_id)
         if log is None:
             raise NotFoundError(f"request {request.request_id!r} is not running on this worker and did not finish recently")
         self.metrics.for_worker(self.metrics.attaches).inc()
+        return log
+
+    async def Generate(self, request, context):
+        log, engine_request = self.generate_log(request)
+        with self.streams.reader(log):
+            if engine_request is not None:
+                await self.submit(self.engine, engine_request, log)
+            async for event in log.read(log.first_index):
+                yield self.chunk(worker_pb2.GenerateResponse, event)
+
+    async def Attach(self, request, context):
+        log = self.attach_log(request)
         with self.streams.reader(log):
             async for event in log.read(request.from_index):
-                yield self._chunk(worker_pb2.AttachResponse, event)
+                yield self.chunk(worker_pb2.AttachResponse, event)
 
-    def _chunk(self, cls, event: TokenEvent):
-        chunk = event_to_proto(cls, event)
-        if event.handoff_kv_tokens:
-            chunk.handoff_source = self.address
+    async def Multiplex(self, request_iterator, context):
+        async for response in MultiplexedStream(self).serve(request_iterator):
+            yield response
+
+    def chunk(self, cls, event: TokenEvent):
+        chunk = cls()
+        fill_chunk(chunk, event, self.address)
         return chunk
+
+    def fill_chunk(self, chunk: worker_pb2.GenerateResponse, event: TokenEvent) -> None:
+        fill_chunk(chunk, event, self.address)
 
     # -- migration ----------------------------------------------------------------
     async def Restore(self, request, context):

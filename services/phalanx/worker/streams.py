@@ -20,7 +20,7 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from phalanx.common.errors import InvalidRequestError
 from phalanx.worker.sequence import FinishReason, TokenEvent
 
-__all__ = ["RequestLog", "RequestStreams"]
+__all__ = ["LogCursor", "RequestLog", "RequestStreams"]
 
 
 class RequestLog:
@@ -43,6 +43,7 @@ class RequestLog:
         self._on_event = on_event
         self._on_end: Callable[[RequestLog], None] | None = None
         self._changed = asyncio.Event()
+        self._watchers: list[Callable[[], None]] = []
 
     @property
     def finished(self) -> bool:
@@ -60,18 +61,35 @@ class RequestLog:
             self.end = event
             if self._on_end is not None:
                 self._on_end(self)
-        self._changed.set()
+        self._notify()
 
     def seed(self, events: list[TokenEvent]) -> None:
         """Starts the log with tokens produced elsewhere (a migrated request); not counted as generated here."""
         if self.tokens or self.end is not None or self.first_index:
             raise ValueError(f"the log of {self.request_id} is not empty")
         self.tokens.extend(events)
-        self._changed.set()
+        self._notify()
 
     def close(self, reason: FinishReason = FinishReason.ABORTED, error: Exception | None = None) -> None:
         """Ends the log here, with no token, unless it has ended already."""
         self.put_nowait(TokenEvent(self.request_id, -1, "", -1, reason, error=error))
+
+    def cursor(self, from_index: int) -> LogCursor:
+        """A reader from `from_index` that takes what is new when told, with no task of its own (see LogCursor)."""
+        return LogCursor(self, from_index)
+
+    def watch(self, on_change: Callable[[], None]) -> None:
+        """Calls `on_change` after every change of the log (a token, the end), until `unwatch`."""
+        self._watchers.append(on_change)
+
+    def unwatch(self, on_change: Callable[[], None]) -> None:
+        with contextlib.suppress(ValueError):
+            self._watchers.remove(on_change)
+
+    def _notify(self) -> None:
+        self._changed.set()
+        for watcher in self._watchers:
+            watcher()
 
     async def read(self, from_index: int) -> AsyncIterator[TokenEvent]:
         """Yields the tokens from `from_index` on (waiting for those not made yet), then the end.
@@ -81,28 +99,58 @@ class RequestLog:
         when handed back, the state to continue from). Raises the engine's
         error if the request failed.
         """
-        if from_index < self.first_index:
-            raise InvalidRequestError("from_index", f"this request's output starts at index {self.first_index} on this worker")
-        start = pos = from_index - self.first_index
-        tokens = self.tokens
+        cursor = self.cursor(from_index)
         while True:
-            while pos < len(tokens):
-                yield tokens[pos]
-                pos += 1
-            end = self.end
-            if end is not None:
-                break
-            # No await between the checks above and the wait: no wakeup is missed.
-            self._changed.clear()
-            await self._changed.wait()
+            events, error = cursor.take()
+            for event in events:
+                yield event
+            if error is not None:
+                raise error
+            if cursor.done:
+                return
+            if not events:
+                # No await between take() and the wait: no wakeup is missed.
+                self._changed.clear()
+                await self._changed.wait()
+
+
+class LogCursor:
+    """Where one reader is in a log: `take()` returns what it has not had yet.
+
+    The same order and ending as `RequestLog.read`, for a caller that is
+    told of changes (`RequestLog.watch`) and takes them in batches, e.g. one
+    stream that carries many requests' tokens.
+    """
+
+    def __init__(self, log: RequestLog, from_index: int) -> None:
+        if from_index < log.first_index:
+            raise InvalidRequestError("from_index", f"this request's output starts at index {log.first_index} on this worker")
+        self.log = log
+        self._start = self._pos = from_index - log.first_index
+        self.done = False
+
+    def take(self) -> tuple[list[TokenEvent], Exception | None]:
+        """The events not taken yet, and the error to end with after them; `done` once the end was taken."""
+        if self.done:
+            return [], None
+        log = self.log
+        tokens = log.tokens
+        pos = self._pos
+        events = tokens[pos:] if pos < len(tokens) else []
+        self._pos = pos + len(events)
+        end = log.end
+        if end is None:
+            return events, None
+        self.done = True
         if end.error is not None:
-            raise end.error
-        if pos > len(tokens):
-            raise InvalidRequestError("from_index", f"the request ended after {self.first_index + len(tokens)} tokens")
+            return events, end.error
+        if self._pos > len(tokens):
+            return events, InvalidRequestError("from_index", f"the request ended after {log.first_index + len(tokens)} tokens")
         if end.index < 0:
-            yield end
-        elif start >= len(tokens):  # the reader already had the last token, but not the news that it was the last
-            yield TokenEvent(self.request_id, -1, "", -1, end.finish_reason)
+            events.append(end)
+        elif self._start >= len(tokens):  # the reader already had the last token, but not the news that it was the last
+            events.append(TokenEvent(log.request_id, -1, "", -1, end.finish_reason))
+        return events, None
 
 
 class RequestStreams:

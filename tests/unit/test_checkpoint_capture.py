@@ -4,9 +4,10 @@ import pytest
 import torch
 
 import phalanx.model
+from phalanx._proto import checkpoint_pb2
 from phalanx.checkpoint_store.store import CheckpointStore, KvLayout, SegmentResult, Writer
 from phalanx.model.sampling import SamplingParams
-from phalanx.worker.checkpointing import CheckpointCapture, batch_of, pick_store
+from phalanx.worker.checkpointing import CheckpointCapture, _slots, batch_of, pick_store
 from phalanx.worker.config import EngineConfig
 from phalanx.worker.engine import Engine, EngineRequest
 from phalanx.worker.server import snapshot_from_proto, snapshot_to_proto
@@ -158,3 +159,68 @@ def test_a_worker_restored_from_the_store_continues_that_commit_without_resendin
     target.restore(request, store.read_kv("r", record.kv_tokens), record.kv_tokens)
     assert tokens_of(target, "r") == expected[len(record.state.output_token_ids) :]
     store.close()
+
+
+@pytest.mark.parametrize("interval", [1, INTERVAL])
+def test_steps_coalesced_into_one_message_commit_what_one_message_per_step_commits(moe, tmp_path, interval):
+    """A message carrying several steps merges each request's steps into one segment: the store ends in the same
+    commit (outputs, generator state, seq, KV bytes) as with a message per step, in fewer segments."""
+    engine = engine_of(moe)
+    cache = engine.cache.data
+    layout = KvLayout(num_layers=cache.shape[0], num_kv_heads=cache.shape[4], head_dim=cache.shape[5], dtype=cache.dtype)
+    writer = Writer("w", layout, "tiny@1")
+    per_step, coalesced = CheckpointStore(tmp_path / "a"), CheckpointStore(tmp_path / "b")
+    capture = CheckpointCapture(interval_tokens=interval)
+    capture.connected = True
+    for i, (text, max_tokens, temperature) in enumerate([("one", 30, 0.0), ("two tokens", 12, 0.9), ("three", 30, 0.7)]):
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=temperature, seed=i)
+        engine.add_request(EngineRequest(moe.tokenizer.encode(text * 5), params, f"r{i}"))
+    segments = {"per_step": 0, "coalesced": 0}
+    pending = []
+    while engine.has_work():
+        engine.step()
+        capture.capture(engine)
+        items = capture.take()
+        pending += items
+        for item in items:
+            batch = batch_of([item], snapshot_to_proto)
+            apply(per_step, writer, batch)
+            segments["per_step"] += len(batch.segments)
+        if len(pending) >= 4 or not engine.has_work():  # a message every 4 steps, or the last
+            batch = checkpoint_pb2.StreamRequest()
+            batch_of(pending, snapshot_to_proto, into=batch.batch)
+            apply(coalesced, writer, batch.batch)
+            segments["coalesced"] += len(batch.batch.segments)
+            pending = []
+            assert_same_commits(per_step, coalesced)
+    assert segments["coalesced"] < segments["per_step"] / 2
+    assert "r1" not in coalesced  # finished and released in the middle of a message
+    per_step.close()
+    coalesced.close()
+
+
+def apply(store: CheckpointStore, writer: Writer, batch: checkpoint_pb2.Batch) -> None:
+    for segment in batch.segments:
+        assert store.apply(writer, segment).result is SegmentResult.APPLIED
+    for request_id in batch.released_request_ids:
+        store.release(request_id, worker_id=writer.worker_id)
+
+
+def assert_same_commits(expected: CheckpointStore, actual: CheckpointStore) -> None:
+    records = {r.request_id: r for r in expected.records()}
+    assert {r.request_id for r in actual.records()} == set(records)
+    for record in actual.records():
+        want = records[record.request_id]
+        want.updated_at = record.updated_at
+        assert record == want, record.request_id
+        assert torch.equal(actual.read_kv(record.request_id, record.kv_tokens), expected.read_kv(want.request_id, want.kv_tokens))
+
+
+def test_one_gather_index_covers_short_and_long_ranges_in_order(moe):
+    engine = engine_of(moe)
+    for i, length in enumerate([90, 20, 150]):
+        engine.add_request(EngineRequest([1 + i] * length, SamplingParams(max_tokens=4, ignore_eos=True), f"r{i}"))
+    engine.step()
+    ranges = [(engine.by_id["r0"], 0, 90), (engine.by_id["r1"], 3, 19), (engine.by_id["r2"], 17, 18), (engine.by_id["r0"], 40, 41)]
+    expected = torch.cat([engine.kv.slots(seq.request_id, start, end) for seq, start, end in ranges])
+    assert torch.equal(_slots(engine, ranges), expected)

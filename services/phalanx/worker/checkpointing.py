@@ -25,7 +25,7 @@ import collections
 import logging
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import grpc
 import torch
@@ -35,9 +35,15 @@ from phalanx.common.config import EtcdConfig
 from phalanx.common.discovery import CheckpointStoreDirectory
 from phalanx.common.lease import Backoff
 from phalanx.worker.engine import Engine
-from phalanx.worker.sequence import Sequence
+from phalanx.worker.sequence import RequestSnapshot, Sequence
 
 log = logging.getLogger(__name__)
+
+# Ranges of at most this many positions get their cache slots from Python ints (see _slots).
+_SHORT_RANGE = 64
+# A piece with KV joins its request's piece before it in a message while both hold at most this many positions
+# together: copying them into one is cheaper than a segment more (see coalesced).
+_MERGE_KV_TOKENS = 64
 
 
 @dataclass(slots=True)
@@ -49,7 +55,7 @@ class _Piece:
     kv_start: int
     kv_end: int
     kv: torch.Tensor | None  # [layers, 2, kv_end - kv_start, heads, dim]; None when kv_end == kv_start
-    state: object | None  # full RequestState when kv_start == 0, or when taking over a commit
+    state: RequestSnapshot | None  # the whole state when kv_start == 0, or when taking over a commit
     appended: list[int]
     generator_state: bytes
     seed: int
@@ -137,7 +143,7 @@ class CheckpointCapture:
             return
         capture = _Capture(released=released)
         with_kv = [(seq, start, end) for seq, start, end in todo if end > start]
-        kv = engine.cache.gather(torch.cat([engine.kv.slots(seq.request_id, start, end) for seq, start, end in with_kv])) if with_kv else None
+        kv = engine.cache.gather(_slots(engine, with_kv)) if with_kv else None
         offset = 0
         for seq, start, end in todo:
             piece_kv = None
@@ -162,6 +168,29 @@ class CheckpointCapture:
             self._pending_bytes += capture.nbytes
         if wake and self._notify is not None:
             self._notify()
+
+
+def _slots(engine: Engine, ranges: list[tuple[Sequence, int, int]]) -> torch.Tensor:
+    """Cache slots of every range of positions, in order, as one index for one gather.
+
+    A step adds one position or a few to most requests: their slots come from Python ints (a tensor per range
+    costs ~30 us of the engine thread each); long ranges (a prompt) from tensor arithmetic.
+    """
+    size = engine.kv.block_size
+    parts: list[torch.Tensor] = []
+    short: list[int] = []
+    for seq, start, end in ranges:
+        if end - start > _SHORT_RANGE:
+            if short:
+                parts.append(torch.tensor(short, dtype=torch.int64))
+                short = []
+            parts.append(engine.kv.slots(seq.request_id, start, end))
+            continue
+        table = engine.kv.block_table(seq.request_id)
+        short.extend(table[p // size] * size + p % size for p in range(start, end))
+    if short:
+        parts.append(torch.tensor(short, dtype=torch.int64))
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 class CheckpointStreamer:
@@ -262,8 +291,9 @@ class CheckpointStreamer:
 
     async def _send(self, call, items: list[_Capture]) -> None:
         """Every queued capture in one message, in capture order (so each request's segments stay in order)."""
-        batch = batch_of(items, self._snapshot_to_proto)
-        await call.write(checkpoint_pb2.StreamRequest(batch=batch))
+        request = checkpoint_pb2.StreamRequest()
+        batch_of(items, self._snapshot_to_proto, into=request.batch)  # in place: StreamRequest(batch=...) copies it all
+        await call.write(request)
         nbytes = sum(item.nbytes for item in items)  # not len(segment.kv): each read of a bytes field copies it
         self.bytes_sent += nbytes
         if self._sent_bytes is not None and nbytes:
@@ -287,21 +317,64 @@ def pick_store(addresses: list[str], failed: str) -> str | None:
     return candidates[0] if candidates else None
 
 
-def batch_of(captures: list[_Capture], snapshot_to_proto) -> checkpoint_pb2.Batch:
-    """Captures, in order, as the one message that carries them to the store (each request's segments stay in order)."""
-    batch = checkpoint_pb2.Batch()
+def batch_of(captures: list[_Capture], snapshot_to_proto, *, into: checkpoint_pb2.Batch | None = None) -> checkpoint_pb2.Batch:
+    """Captures, in order, as the one message that carries them to the store (each request's segments stay in order).
+
+    A request's steps without KV join its segment before them in the message (see `coalesced`): the store then
+    applies one segment per request and message, not one per step, and ends in the same state.
+    """
+    batch = checkpoint_pb2.Batch() if into is None else into
     for capture in captures:
         batch.released_request_ids.extend(capture.released)
-        for piece in capture.pieces:
-            segment = batch.segments.add(
-                request_id=piece.request_id, seq=piece.seq, kv_start=piece.kv_start, kv_end=piece.kv_end,
-                appended_output_ids=piece.appended, generator_state=piece.generator_state, seed=piece.seed,
-            )
-            if piece.kv is not None:
-                segment.kv = tensor_bytes(piece.kv)
-            if piece.state is not None:
-                segment.state.CopyFrom(snapshot_to_proto(piece.state))
+    for piece in coalesced(captures):
+        segment = batch.segments.add(
+            request_id=piece.request_id, seq=piece.seq, kv_start=piece.kv_start, kv_end=piece.kv_end,
+            appended_output_ids=piece.appended, generator_state=piece.generator_state, seed=piece.seed,
+        )
+        if piece.kv is not None:
+            segment.kv = tensor_bytes(piece.kv)
+        if piece.state is not None:
+            segment.state.CopyFrom(snapshot_to_proto(piece.state))
     return batch
+
+
+def coalesced(captures: list[_Capture]) -> list[_Piece]:
+    """The captures' pieces, in order, each merged into its request's piece before it where it continues that one.
+
+    A merged piece spans both KV ranges, appends both pieces' outputs and takes the later one's seq and generator
+    state: what the store would hold after applying the two one after the other. A piece with a whole state starts a
+    new one, and so does one whose KV would make the merged piece's long (merging copies KV once more).
+    """
+    pieces: list[_Piece] = []
+    last: dict[str, int] = {}  # request id -> index in pieces of its latest piece
+    for capture in captures:
+        for request_id in capture.released:  # ended before this capture: its id may come back as a new request
+            last.pop(request_id, None)
+        for piece in capture.pieces:
+            index = last.get(piece.request_id)
+            head = pieces[index] if index is not None else None
+            if head is None or not _joins(head, piece):
+                last[piece.request_id] = len(pieces)
+                pieces.append(piece)
+                continue
+            if piece.kv is not None:
+                head.kv = piece.kv if head.kv is None else torch.cat([head.kv, piece.kv], dim=2)
+                head.kv_end = piece.kv_end
+            if head.state is not None:  # a whole state: the outputs go into it, which the store takes as it is
+                head.state = replace(head.state, output_ids=[*head.state.output_ids, *piece.appended])
+            else:
+                head.appended = head.appended + piece.appended
+            head.seq = piece.seq
+            if piece.generator_state:
+                head.generator_state = piece.generator_state
+    return pieces
+
+
+def _joins(head: _Piece, piece: _Piece) -> bool:
+    """Whether ``piece`` (the request's next) merges into ``head``: it continues it, and brings no state and little KV."""
+    if piece.state is not None or piece.kv_start != head.kv_end:
+        return False
+    return piece.kv is None or head.kv_end - head.kv_start + piece.kv_end - piece.kv_start <= _MERGE_KV_TOKENS
 
 
 def tensor_bytes(tensor: torch.Tensor) -> bytes:

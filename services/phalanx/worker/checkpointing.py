@@ -4,10 +4,11 @@ Two halves. `CheckpointCapture` runs on the engine thread between steps: for
 every running request it takes the output tokens produced since the last
 capture (and a sampled request's generator state) and, once
 `interval_tokens` new KV positions are due, copies them too (one gather for
-all requests). `CheckpointStreamer` runs on the event loop: it sends each
-capture as one message over one gRPC stream to the store, reads the store's
-acks, and reconnects (re-sending every request from position 0) when the
-store restarts.
+all requests). `CheckpointStreamer` runs on the event loop: it sends the
+captures queued since its last message as one message over one gRPC stream to
+the store, each request's steps merged into one segment (`coalesced`), reads
+the store's acks, and reconnects (re-sending every request from position 0)
+when the store restarts.
 
 Tokens every step but KV every few tokens keeps the cost per step small (one
 message, a few KB) while a commit is never more than a step behind: a
@@ -71,7 +72,7 @@ class _Capture:
 class CheckpointCapture:
     """The engine-thread half; `streamer` decides whether to capture and takes what is captured."""
 
-    def __init__(self, max_pending_bytes: int = 64 << 20, *, interval_tokens: int = 16) -> None:
+    def __init__(self, max_pending_bytes: int = 64 << 20, *, interval_tokens: int = 8) -> None:
         self.max_pending_bytes = max_pending_bytes
         self.interval_tokens = interval_tokens
         self._lock = threading.Lock()

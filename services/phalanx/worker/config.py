@@ -150,9 +150,9 @@ class WorkerConfig(BaseSettings):
         True, description="Stream every running request's new KV to the checkpoint store (when one is registered in etcd)"
     )
     checkpoint_interval_tokens: int = Field(
-        16, ge=1,
+        8, ge=1,
         description="KV goes to the store once this many new positions are due (output tokens go every step; a restore "
-        "recomputes the positions in between)",
+        "recomputes the positions in between: with an MoE model each one more may run more experts in that first step)",
     )
     checkpoint_flush_interval_s: float = Field(
         0.05, ge=0, le=1.0,

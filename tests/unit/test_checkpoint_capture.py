@@ -7,9 +7,10 @@ import phalanx.model
 from phalanx._proto import checkpoint_pb2
 from phalanx.checkpoint_store.store import CheckpointStore, KvLayout, SegmentResult, Writer
 from phalanx.model.sampling import SamplingParams
-from phalanx.worker.checkpointing import CheckpointCapture, _slots, batch_of, pick_store
+from phalanx.worker.checkpointing import CheckpointCapture, _Capture, _Piece, _slots, batch_of, pick_store, stream_request_bytes
 from phalanx.worker.config import EngineConfig
 from phalanx.worker.engine import Engine, EngineRequest
+from phalanx.worker.sequence import RequestSnapshot
 from phalanx.worker.server import snapshot_from_proto, snapshot_to_proto
 
 pytestmark = pytest.mark.unit
@@ -187,10 +188,11 @@ def test_steps_coalesced_into_one_message_commit_what_one_message_per_step_commi
             apply(per_step, writer, batch)
             segments["per_step"] += len(batch.segments)
         if len(pending) >= 4 or not engine.has_work():  # a message every 4 steps, or the last
-            batch = checkpoint_pb2.StreamRequest()
-            batch_of(pending, snapshot_to_proto, into=batch.batch)
-            apply(coalesced, writer, batch.batch)
-            segments["coalesced"] += len(batch.batch.segments)
+            # What the streamer writes is the message protobuf would write, field for field.
+            message = checkpoint_pb2.StreamRequest.FromString(stream_request_bytes(pending, snapshot_to_proto))
+            assert message == checkpoint_pb2.StreamRequest(batch=batch_of(pending, snapshot_to_proto))
+            apply(coalesced, writer, message.batch)
+            segments["coalesced"] += len(message.batch.segments)
             pending = []
             assert_same_commits(per_step, coalesced)
     assert segments["coalesced"] < segments["per_step"] / 2
@@ -224,3 +226,24 @@ def test_one_gather_index_covers_short_and_long_ranges_in_order(moe):
     ranges = [(engine.by_id["r0"], 0, 90), (engine.by_id["r1"], 3, 19), (engine.by_id["r2"], 17, 18), (engine.by_id["r0"], 40, 41)]
     expected = torch.cat([engine.kv.slots(seq.request_id, start, end) for seq, start, end in ranges])
     assert torch.equal(_slots(engine, ranges), expected)
+
+
+def test_written_message_matches_protobuf_for_strided_bfloat16_kv_states_and_releases():
+    gathered = torch.randn(2, 2, 300, 2, 8).to(torch.bfloat16)  # one gather, pieces are strided views of it
+    prompt = RequestSnapshot("b", [1, 2, 3], [4], SamplingParams(max_tokens=9), seed=5, generator_state=b"g")
+    captures = [
+        _Capture(pieces=[
+            _Piece("a", 7, 40, 290, gathered[:, :, :250], None, [9, 10], b"", 0),  # > 16 KiB: multi-byte lengths
+            _Piece("b", 1, 0, 3, gathered[:, :, 250:253], prompt, [], b"g", 5),
+        ], released=["x"]),
+        _Capture(pieces=[_Piece("a", 8, 290, 290, None, None, [11], b"", 0), _Piece("b", 2, 3, 4, gathered[:, :, 253:254], None, [12], b"h", 5)]),
+        _Capture(released=["y", "a"]),
+    ]
+    expected = checkpoint_pb2.StreamRequest(batch=batch_of(captures, snapshot_to_proto))
+    assert checkpoint_pb2.StreamRequest.FromString(stream_request_bytes(captures, snapshot_to_proto)) == expected
+    assert [(s.request_id, s.seq, s.kv_start, s.kv_end) for s in expected.batch.segments] == [("a", 8, 40, 290), ("b", 2, 0, 4)]
+    assert expected.batch.segments[1].state.output_token_ids == [4, 12] and expected.batch.segments[1].generator_state == b"h"
+    assert expected.batch.segments[0].kv == gathered[:, :, :250].contiguous().view(torch.uint8).numpy().tobytes()
+    assert list(expected.batch.released_request_ids) == ["x", "y", "a"]
+    empty = checkpoint_pb2.StreamRequest.FromString(stream_request_bytes([], snapshot_to_proto))
+    assert empty.WhichOneof("body") == "batch" and not empty.batch.segments

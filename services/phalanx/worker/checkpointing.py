@@ -31,7 +31,7 @@ from dataclasses import dataclass, field, replace
 import grpc
 import torch
 
-from phalanx._proto import checkpoint_pb2, checkpoint_pb2_grpc
+from phalanx._proto import checkpoint_pb2
 from phalanx.common.config import EtcdConfig
 from phalanx.common.discovery import CheckpointStoreDirectory
 from phalanx.common.lease import Backoff
@@ -263,8 +263,11 @@ class CheckpointStreamer:
             address, options=[("grpc.max_send_message_length", 256 << 20), ("grpc.max_receive_message_length", 64 << 20)]
         ) as channel:
             await asyncio.wait_for(channel.channel_ready(), timeout=2.0)
-            call = checkpoint_pb2_grpc.CheckpointStoreStub(channel).Stream()
-            await call.write(checkpoint_pb2.StreamRequest(hello=self.hello))
+            # Messages go out as bytes written here (see stream_request_bytes); the store reads plain StreamRequests.
+            call = channel.stream_stream(
+                _STREAM_METHOD, request_serializer=_as_is, response_deserializer=checkpoint_pb2.StreamResponse.FromString
+            )()
+            await call.write(checkpoint_pb2.StreamRequest(hello=self.hello).SerializeToString())
             self.store_address = address
             self.capture.resync()
             self.capture.connected = True
@@ -292,9 +295,7 @@ class CheckpointStreamer:
 
     async def _send(self, call, items: list[_Capture]) -> None:
         """Every queued capture in one message, in capture order (so each request's segments stay in order)."""
-        request = checkpoint_pb2.StreamRequest()
-        batch_of(items, self._snapshot_to_proto, into=request.batch)  # in place: StreamRequest(batch=...) copies it all
-        await call.write(request)
+        await call.write(stream_request_bytes(items, self._snapshot_to_proto))
         nbytes = sum(item.nbytes for item in items)  # not len(segment.kv): each read of a bytes field copies it
         self.bytes_sent += nbytes
         if self._sent_bytes is not None and nbytes:
@@ -318,25 +319,79 @@ def pick_store(addresses: list[str], failed: str) -> str | None:
     return candidates[0] if candidates else None
 
 
-def batch_of(captures: list[_Capture], snapshot_to_proto, *, into: checkpoint_pb2.Batch | None = None) -> checkpoint_pb2.Batch:
+def batch_of(captures: list[_Capture], snapshot_to_proto) -> checkpoint_pb2.Batch:
     """Captures, in order, as the one message that carries them to the store (each request's segments stay in order).
 
-    A request's steps without KV join its segment before them in the message (see `coalesced`): the store then
-    applies one segment per request and message, not one per step, and ends in the same state.
+    A request's steps join its segment before them in the message where they continue it (see `coalesced`): the
+    store then applies about one segment per request and message, not one per step, and ends in the same state.
+    The streamer sends this message as `stream_request_bytes` writes it.
     """
-    batch = checkpoint_pb2.Batch() if into is None else into
+    batch = checkpoint_pb2.Batch()
     for capture in captures:
         batch.released_request_ids.extend(capture.released)
     for piece in coalesced(captures):
-        segment = batch.segments.add(
-            request_id=piece.request_id, seq=piece.seq, kv_start=piece.kv_start, kv_end=piece.kv_end,
-            appended_output_ids=piece.appended, generator_state=piece.generator_state, seed=piece.seed,
-        )
+        segment = batch.segments.add()
+        segment.CopyFrom(_segment_without_kv(piece, snapshot_to_proto))
         if piece.kv is not None:
             segment.kv = tensor_bytes(piece.kv)
-        if piece.state is not None:
-            segment.state.CopyFrom(snapshot_to_proto(piece.state))
     return batch
+
+
+def stream_request_bytes(captures: list[_Capture], snapshot_to_proto) -> bytes:
+    """``StreamRequest(batch=batch_of(captures))`` serialized, with each segment's KV copied once, into the message.
+
+    Through protobuf the KV of a capture is copied three times more (to bytes, into the field, out to the wire), each
+    into freshly allocated memory: serializing was the largest part of a worker's checkpointing cost. Here every
+    segment but its KV is serialized by protobuf, and the KV field (bytes, the segment's last field on the wire,
+    where any order is valid) and the length prefixes of the enclosing messages are written around it.
+    """
+    released = checkpoint_pb2.Batch(released_request_ids=[r for capture in captures for r in capture.released])
+    parts: list[bytes | memoryview] = []
+    for piece in coalesced(captures):
+        body = _segment_without_kv(piece, snapshot_to_proto).SerializeToString()
+        kv = _c_order_bytes(piece.kv) if piece.kv is not None else b""
+        kv_field = [_KV_TAG, _varint(len(kv)), kv] if len(kv) else []
+        parts += [_SEGMENTS_TAG, _varint(len(body) + sum(len(p) for p in kv_field)), body, *kv_field]
+    parts.append(released.SerializeToString())
+    return b"".join([_BATCH_TAG, _varint(sum(len(p) for p in parts)), *parts])
+
+
+def _segment_without_kv(piece: _Piece, snapshot_to_proto) -> checkpoint_pb2.Segment:
+    segment = checkpoint_pb2.Segment(
+        request_id=piece.request_id, seq=piece.seq, kv_start=piece.kv_start, kv_end=piece.kv_end,
+        appended_output_ids=piece.appended, generator_state=piece.generator_state, seed=piece.seed,
+    )
+    if piece.state is not None:
+        segment.state.CopyFrom(snapshot_to_proto(piece.state))
+    return segment
+
+
+# The wire keys (field number << 3 | 2, length-delimited) of StreamRequest.batch, Batch.segments and Segment.kv
+# (checkpoint.proto); a unit test checks that stream_request_bytes parses back into what protobuf writes.
+_BATCH_TAG = bytes([2 << 3 | 2])
+_SEGMENTS_TAG = bytes([1 << 3 | 2])
+_KV_TAG = bytes([5 << 3 | 2])
+_STREAM_METHOD = "/phalanx.checkpoint.v1.CheckpointStore/Stream"
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while value > 0x7F:
+        out.append(value & 0x7F | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+def _as_is(message: bytes) -> bytes:
+    return message
+
+
+def _c_order_bytes(tensor: torch.Tensor) -> memoryview:
+    """The tensor's raw C-order bytes: a view where it is contiguous, else of a contiguous copy (kept alive by the view)."""
+    if not tensor.is_contiguous():
+        tensor = tensor.contiguous()
+    return tensor.reshape(-1).view(torch.uint8).numpy().data
 
 
 def coalesced(captures: list[_Capture]) -> list[_Piece]:
@@ -348,16 +403,20 @@ def coalesced(captures: list[_Capture]) -> list[_Piece]:
     """
     pieces: list[_Piece] = []
     last: dict[str, int] = {}  # request id -> index in pieces of its latest piece
+    merged: set[int] = set()
     for capture in captures:
         for request_id in capture.released:  # ended before this capture: its id may come back as a new request
             last.pop(request_id, None)
         for piece in capture.pieces:
             index = last.get(piece.request_id)
-            head = pieces[index] if index is not None else None
-            if head is None or not _joins(head, piece):
+            if index is None or not _joins(pieces[index], piece):
                 last[piece.request_id] = len(pieces)
                 pieces.append(piece)
                 continue
+            if index not in merged:  # a copy takes the merges: the captures' own pieces stay as they were
+                pieces[index] = replace(pieces[index])
+                merged.add(index)
+            head = pieces[index]
             if piece.kv is not None:
                 head.kv = piece.kv if head.kv is None else torch.cat([head.kv, piece.kv], dim=2)
                 head.kv_end = piece.kv_end

@@ -7,7 +7,7 @@ import phalanx.model
 from phalanx._proto import checkpoint_pb2
 from phalanx.checkpoint_store.store import CheckpointStore, KvLayout, SegmentResult, Writer
 from phalanx.model.sampling import SamplingParams
-from phalanx.worker.checkpointing import CheckpointCapture, _Capture, _Piece, _slots, batch_of, pick_store, stream_request_bytes
+from phalanx.worker.checkpointing import CheckpointCapture, _Capture, _Piece, _slots, batch_of, pick_store, stream_requests
 from phalanx.worker.config import EngineConfig
 from phalanx.worker.engine import Engine, EngineRequest
 from phalanx.worker.sequence import RequestSnapshot
@@ -189,16 +189,26 @@ def test_steps_coalesced_into_one_message_commit_what_one_message_per_step_commi
             segments["per_step"] += len(batch.segments)
         if len(pending) >= 4 or not engine.has_work():  # a message every 4 steps, or the last
             # What the streamer writes is the message protobuf would write, field for field.
-            message = checkpoint_pb2.StreamRequest.FromString(stream_request_bytes(pending, snapshot_to_proto))
-            assert message == checkpoint_pb2.StreamRequest(batch=batch_of(pending, snapshot_to_proto))
-            apply(coalesced, writer, message.batch)
-            segments["coalesced"] += len(message.batch.segments)
+            batch = parsed(stream_requests(pending, snapshot_to_proto))
+            assert batch == batch_of(pending, snapshot_to_proto)
+            apply(coalesced, writer, batch)
+            segments["coalesced"] += len(batch.segments)
             pending = []
             assert_same_commits(per_step, coalesced)
     assert segments["coalesced"] < segments["per_step"] / 2
     assert "r1" not in coalesced  # finished and released in the middle of a message
     per_step.close()
     coalesced.close()
+
+
+def parsed(messages: list[bytes]) -> checkpoint_pb2.Batch:
+    """The batches of written StreamRequests as one, in order: what the store applies."""
+    batch = checkpoint_pb2.Batch()
+    for message in messages:
+        request = checkpoint_pb2.StreamRequest.FromString(message)
+        assert request.WhichOneof("body") == "batch"
+        batch.MergeFrom(request.batch)
+    return batch
 
 
 def apply(store: CheckpointStore, writer: Writer, batch: checkpoint_pb2.Batch) -> None:
@@ -239,11 +249,16 @@ def test_written_message_matches_protobuf_for_strided_bfloat16_kv_states_and_rel
         _Capture(pieces=[_Piece("a", 8, 290, 290, None, None, [11], b"", 0), _Piece("b", 2, 3, 4, gathered[:, :, 253:254], None, [12], b"h", 5)]),
         _Capture(released=["y", "a"]),
     ]
-    expected = checkpoint_pb2.StreamRequest(batch=batch_of(captures, snapshot_to_proto))
-    assert checkpoint_pb2.StreamRequest.FromString(stream_request_bytes(captures, snapshot_to_proto)) == expected
-    assert [(s.request_id, s.seq, s.kv_start, s.kv_end) for s in expected.batch.segments] == [("a", 8, 40, 290), ("b", 2, 0, 4)]
-    assert expected.batch.segments[1].state.output_token_ids == [4, 12] and expected.batch.segments[1].generator_state == b"h"
-    assert expected.batch.segments[0].kv == gathered[:, :, :250].contiguous().view(torch.uint8).numpy().tobytes()
-    assert list(expected.batch.released_request_ids) == ["x", "y", "a"]
-    empty = checkpoint_pb2.StreamRequest.FromString(stream_request_bytes([], snapshot_to_proto))
-    assert empty.WhichOneof("body") == "batch" and not empty.batch.segments
+    expected = batch_of(captures, snapshot_to_proto)
+    assert parsed(stream_requests(captures, snapshot_to_proto)) == expected
+    assert [(s.request_id, s.seq, s.kv_start, s.kv_end) for s in expected.segments] == [("a", 8, 40, 290), ("b", 2, 0, 4)]
+    assert expected.segments[1].state.output_token_ids == [4, 12] and expected.segments[1].generator_state == b"h"
+    assert expected.segments[0].kv == gathered[:, :, :250].contiguous().view(torch.uint8).numpy().tobytes()
+    assert list(expected.released_request_ids) == ["x", "y", "a"]
+    assert len(stream_requests(captures, snapshot_to_proto)) == 1  # 32 KB of KV: one message
+    # Cut into small messages: each holds whole segments in order, the release list rides in the last.
+    small = stream_requests(captures, snapshot_to_proto, max_bytes=1000)
+    assert len(small) == 2 and parsed(small) == expected  # "a" (32 KB) alone, then "b" with the releases
+    assert [len(checkpoint_pb2.StreamRequest.FromString(m).batch.released_request_ids) for m in small] == [0, 3]
+    assert checkpoint_pb2.StreamRequest.FromString(small[1]).batch.segments[0].request_id == "b"
+    assert parsed(stream_requests([], snapshot_to_proto)) == checkpoint_pb2.Batch()

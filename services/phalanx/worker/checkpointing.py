@@ -40,6 +40,8 @@ from phalanx.worker.sequence import RequestSnapshot, Sequence
 
 log = logging.getLogger(__name__)
 
+# Checkpoint messages are cut at segment boundaries to about this size at most (see stream_requests).
+_MESSAGE_BYTES = 1 << 20
 # Ranges of at most this many positions get their cache slots from Python ints (see _slots).
 _SHORT_RANGE = 64
 # A piece with KV joins its request's piece before it in a message while both hold at most this many positions
@@ -263,7 +265,7 @@ class CheckpointStreamer:
             address, options=[("grpc.max_send_message_length", 256 << 20), ("grpc.max_receive_message_length", 64 << 20)]
         ) as channel:
             await asyncio.wait_for(channel.channel_ready(), timeout=2.0)
-            # Messages go out as bytes written here (see stream_request_bytes); the store reads plain StreamRequests.
+            # Messages go out as bytes written here (see stream_requests); the store reads plain StreamRequests.
             call = channel.stream_stream(
                 _STREAM_METHOD, request_serializer=_as_is, response_deserializer=checkpoint_pb2.StreamResponse.FromString
             )()
@@ -294,8 +296,9 @@ class CheckpointStreamer:
                 self.store_address = ""
 
     async def _send(self, call, items: list[_Capture]) -> None:
-        """Every queued capture in one message, in capture order (so each request's segments stay in order)."""
-        await call.write(stream_request_bytes(items, self._snapshot_to_proto))
+        """Every queued capture, in capture order (so each request's segments stay in order), in messages of ~1 MiB."""
+        for message in stream_requests(items, self._snapshot_to_proto):
+            await call.write(message)
         nbytes = sum(item.nbytes for item in items)  # not len(segment.kv): each read of a bytes field copies it
         self.bytes_sent += nbytes
         if self._sent_bytes is not None and nbytes:
@@ -324,7 +327,7 @@ def batch_of(captures: list[_Capture], snapshot_to_proto) -> checkpoint_pb2.Batc
 
     A request's steps join its segment before them in the message where they continue it (see `coalesced`): the
     store then applies about one segment per request and message, not one per step, and ends in the same state.
-    The streamer sends this message as `stream_request_bytes` writes it.
+    The streamer sends this message as `stream_requests` writes it.
     """
     batch = checkpoint_pb2.Batch()
     for capture in captures:
@@ -337,23 +340,39 @@ def batch_of(captures: list[_Capture], snapshot_to_proto) -> checkpoint_pb2.Batc
     return batch
 
 
-def stream_request_bytes(captures: list[_Capture], snapshot_to_proto) -> bytes:
-    """``StreamRequest(batch=batch_of(captures))`` serialized, with each segment's KV copied once, into the message.
+def stream_requests(captures: list[_Capture], snapshot_to_proto, *, max_bytes: int = _MESSAGE_BYTES) -> list[bytes]:
+    """``StreamRequest(batch=batch_of(captures))`` serialized, as messages of about ``max_bytes`` at most, in order.
 
-    Through protobuf the KV of a capture is copied three times more (to bytes, into the field, out to the wire), each
-    into freshly allocated memory: serializing was the largest part of a worker's checkpointing cost. Here every
-    segment but its KV is serialized by protobuf, and the KV field (bytes, the segment's last field on the wire,
-    where any order is valid) and the length prefixes of the enclosing messages are written around it.
+    Each segment's KV is copied once, into its message. Through protobuf it was copied three times more (to bytes,
+    into the field, out to the wire), each time into fresh memory: serializing was the largest part of a worker's
+    checkpointing cost. Here protobuf serializes every segment but its KV, and the KV field (bytes: on the wire it
+    may come last, as fields go in any order) and the length prefixes of the enclosing messages are written around
+    it. Segments go into messages of ``max_bytes`` or fewer (one larger segment goes alone), the release list into
+    the last: grpc writes a stream of 1 MiB messages several times faster than one large message (MEASURED.md), and
+    the store applies the messages' segments in the same order.
     """
-    released = checkpoint_pb2.Batch(released_request_ids=[r for capture in captures for r in capture.released])
+    messages: list[bytes] = []
     parts: list[bytes | memoryview] = []
+    size = 0
     for piece in coalesced(captures):
         body = _segment_without_kv(piece, snapshot_to_proto).SerializeToString()
         kv = _c_order_bytes(piece.kv) if piece.kv is not None else b""
         kv_field = [_KV_TAG, _varint(len(kv)), kv] if len(kv) else []
-        parts += [_SEGMENTS_TAG, _varint(len(body) + sum(len(p) for p in kv_field)), body, *kv_field]
-    parts.append(released.SerializeToString())
-    return b"".join([_BATCH_TAG, _varint(sum(len(p) for p in parts)), *parts])
+        segment = [_SEGMENTS_TAG, _varint(len(body) + sum(len(p) for p in kv_field)), body, *kv_field]
+        length = sum(len(p) for p in segment)
+        if parts and size + length > max_bytes:
+            messages.append(_batch_message(parts, size))
+            parts, size = [], 0
+        parts += segment
+        size += length
+    released = checkpoint_pb2.Batch(released_request_ids=[r for capture in captures for r in capture.released]).SerializeToString()
+    messages.append(_batch_message([*parts, released], size + len(released)))
+    return messages
+
+
+def _batch_message(parts: list[bytes | memoryview], size: int) -> bytes:
+    """A StreamRequest whose batch is ``parts`` (serialized fields of a Batch, ``size`` bytes in all)."""
+    return b"".join([_BATCH_TAG, _varint(size), *parts])
 
 
 def _segment_without_kv(piece: _Piece, snapshot_to_proto) -> checkpoint_pb2.Segment:
@@ -367,7 +386,7 @@ def _segment_without_kv(piece: _Piece, snapshot_to_proto) -> checkpoint_pb2.Segm
 
 
 # The wire keys (field number << 3 | 2, length-delimited) of StreamRequest.batch, Batch.segments and Segment.kv
-# (checkpoint.proto); a unit test checks that stream_request_bytes parses back into what protobuf writes.
+# (checkpoint.proto); a unit test checks that stream_requests parse back into what protobuf writes.
 _BATCH_TAG = bytes([2 << 3 | 2])
 _SEGMENTS_TAG = bytes([1 << 3 | 2])
 _KV_TAG = bytes([5 << 3 | 2])

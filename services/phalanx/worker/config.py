@@ -162,6 +162,11 @@ class WorkerConfig(BaseSettings):
     checkpoint_max_pending_bytes: int = Field(
         64 << 20, ge=1 << 20, description="KV queued for the store beyond which capture skips steps (coarser segments, never a stall)"
     )
+    prefault_kv_cache: bool = Field(
+        True,
+        description="Fault the (CPU) KV cache's pages in on a background thread once serving, so that restores and new "
+        "requests write warm memory; off: pages fault in on first use and stay out of resident memory until then",
+    )
     park_ttl_s: float = Field(10.0, gt=0, description="How long a handed-back request's KV waits here for a transfer")
     transfer_on_drain: bool = Field(
         True, description="A drain parks requests with their KV so that migration can transfer it instead of recomputing"

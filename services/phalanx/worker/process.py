@@ -155,7 +155,7 @@ class WorkerProcess:
             self.metrics.for_worker(self.metrics.serving).set(1)
             self.metrics.for_worker(self.metrics.batch_scale).set(1)
             log.info("worker %s serving %s (%s) on %s", self.worker_id, model.config.name, model.version, self.address)
-            if self.failover is None:  # a woken shadow restores at once: no competing with that for the CPU
+            if self.failover is None and self.config.prefault_kv_cache:  # a woken shadow restores at once: not now
                 _prefault_kv_cache(engine)
             async with asyncio.TaskGroup() as tasks:
                 loops = [

@@ -4,11 +4,13 @@ import pytest
 import torch
 
 import phalanx.model
+from phalanx._proto import checkpoint_pb2
 from phalanx.checkpoint_store.store import CheckpointStore, KvLayout, SegmentResult, Writer
 from phalanx.model.sampling import SamplingParams
-from phalanx.worker.checkpointing import CheckpointCapture, batch_of, pick_store
+from phalanx.worker.checkpointing import CheckpointCapture, _Capture, _Piece, batch_of, pick_store, stream_requests
 from phalanx.worker.config import EngineConfig
 from phalanx.worker.engine import Engine, EngineRequest
+from phalanx.worker.sequence import RequestSnapshot
 from phalanx.worker.server import snapshot_from_proto, snapshot_to_proto
 
 pytestmark = pytest.mark.unit
@@ -158,3 +160,105 @@ def test_a_worker_restored_from_the_store_continues_that_commit_without_resendin
     target.restore(request, store.read_kv("r", record.kv_tokens), record.kv_tokens)
     assert tokens_of(target, "r") == expected[len(record.state.output_token_ids) :]
     store.close()
+
+
+@pytest.mark.parametrize("interval", [1, INTERVAL])
+def test_steps_coalesced_into_one_message_commit_what_one_message_per_step_commits(moe, tmp_path, interval):
+    """A message carrying several steps merges each request's steps into one segment: the store ends in the same
+    commit (outputs, generator state, seq, KV bytes) as with a message per step, in fewer segments."""
+    engine = engine_of(moe)
+    cache = engine.cache.data
+    layout = KvLayout(num_layers=cache.shape[0], num_kv_heads=cache.shape[4], head_dim=cache.shape[5], dtype=cache.dtype)
+    writer = Writer("w", layout, "tiny@1")
+    per_step, coalesced = CheckpointStore(tmp_path / "a"), CheckpointStore(tmp_path / "b")
+    capture = CheckpointCapture(interval_tokens=interval)
+    capture.connected = True
+    for i, (text, max_tokens, temperature) in enumerate([("one", 30, 0.0), ("two tokens", 12, 0.9), ("three", 30, 0.7)]):
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=temperature, seed=i)
+        engine.add_request(EngineRequest(moe.tokenizer.encode(text * 5), params, f"r{i}"))
+    segments = {"per_step": 0, "coalesced": 0}
+    pending = []
+    while engine.has_work():
+        engine.step()
+        capture.capture(engine)
+        items = capture.take()
+        pending += items
+        for item in items:
+            batch = batch_of([item], snapshot_to_proto)
+            apply(per_step, writer, batch)
+            segments["per_step"] += len(batch.segments)
+        if len(pending) >= 4 or not engine.has_work():  # a message every 4 steps, or the last
+            # What the streamer writes is the message protobuf would write, field for field.
+            batch = parsed(stream_requests(pending, snapshot_to_proto))
+            assert batch == batch_of(pending, snapshot_to_proto)
+            apply(coalesced, writer, batch)
+            segments["coalesced"] += len(batch.segments)
+            pending = []
+            assert_same_commits(per_step, coalesced)
+    assert segments["coalesced"] < segments["per_step"] / 2
+    assert "r1" not in coalesced  # finished and released in the middle of a message
+    per_step.close()
+    coalesced.close()
+
+
+def parsed(messages: list[bytes]) -> checkpoint_pb2.Batch:
+    """The batches of written StreamRequests as one, in order: what the store applies."""
+    batch = checkpoint_pb2.Batch()
+    for message in messages:
+        request = checkpoint_pb2.StreamRequest.FromString(message)
+        assert request.WhichOneof("body") == "batch"
+        batch.MergeFrom(request.batch)
+    return batch
+
+
+def apply(store: CheckpointStore, writer: Writer, batch: checkpoint_pb2.Batch) -> None:
+    for segment in batch.segments:
+        assert store.apply(writer, segment).result is SegmentResult.APPLIED
+    for request_id in batch.released_request_ids:
+        store.release(request_id, worker_id=writer.worker_id)
+
+
+def assert_same_commits(expected: CheckpointStore, actual: CheckpointStore) -> None:
+    records = {r.request_id: r for r in expected.records()}
+    assert {r.request_id for r in actual.records()} == set(records)
+    for record in actual.records():
+        want = records[record.request_id]
+        want.updated_at = record.updated_at
+        assert record == want, record.request_id
+        assert torch.equal(actual.read_kv(record.request_id, record.kv_tokens), expected.read_kv(want.request_id, want.kv_tokens))
+
+
+def test_one_gather_index_covers_short_and_long_ranges_in_order(moe):
+    engine = engine_of(moe)
+    for i, length in enumerate([90, 20, 150]):
+        engine.add_request(EngineRequest([1 + i] * length, SamplingParams(max_tokens=4, ignore_eos=True), f"r{i}"))
+    engine.step()
+    ranges = [("r0", 0, 90), ("r1", 3, 19), ("r2", 17, 18), ("r0", 40, 41)]
+    expected = engine.cache.gather(torch.cat([engine.kv.slots(seq_id, start, end) for seq_id, start, end in ranges]))
+    assert torch.equal(engine.cache.gather_ranges(engine.kv, ranges), expected)
+
+
+def test_written_message_matches_protobuf_for_strided_bfloat16_kv_states_and_releases():
+    gathered = torch.randn(2, 2, 300, 2, 8).to(torch.bfloat16)  # one gather, pieces are strided views of it
+    prompt = RequestSnapshot("b", [1, 2, 3], [4], SamplingParams(max_tokens=9), seed=5, generator_state=b"g")
+    captures = [
+        _Capture(pieces=[
+            _Piece("a", 7, 40, 290, gathered[:, :, :250], None, [9, 10], b"", 0),  # > 16 KiB: multi-byte lengths
+            _Piece("b", 1, 0, 3, gathered[:, :, 250:253], prompt, [], b"g", 5),
+        ], released=["x"]),
+        _Capture(pieces=[_Piece("a", 8, 290, 290, None, None, [11], b"", 0), _Piece("b", 2, 3, 4, gathered[:, :, 253:254], None, [12], b"h", 5)]),
+        _Capture(released=["y", "a"]),
+    ]
+    expected = batch_of(captures, snapshot_to_proto)
+    assert parsed(stream_requests(captures, snapshot_to_proto)) == expected
+    assert [(s.request_id, s.seq, s.kv_start, s.kv_end) for s in expected.segments] == [("a", 8, 40, 290), ("b", 2, 0, 4)]
+    assert expected.segments[1].state.output_token_ids == [4, 12] and expected.segments[1].generator_state == b"h"
+    assert expected.segments[0].kv == gathered[:, :, :250].contiguous().view(torch.uint8).numpy().tobytes()
+    assert list(expected.released_request_ids) == ["x", "y", "a"]
+    assert len(stream_requests(captures, snapshot_to_proto)) == 1  # 32 KB of KV: one message
+    # Cut into small messages: each holds whole segments in order, the release list rides in the last.
+    small = stream_requests(captures, snapshot_to_proto, max_bytes=1000)
+    assert len(small) == 2 and parsed(small) == expected  # "a" (32 KB) alone, then "b" with the releases
+    assert [len(checkpoint_pb2.StreamRequest.FromString(m).batch.released_request_ids) for m in small] == [0, 3]
+    assert checkpoint_pb2.StreamRequest.FromString(small[1]).batch.segments[0].request_id == "b"
+    assert parsed(stream_requests([], snapshot_to_proto)) == checkpoint_pb2.Batch()

@@ -302,3 +302,36 @@ def test_read_kv_fills_a_given_tensor(store):
     assert store.read_kv("r1", 5, out) is out and torch.equal(out, kv_of(0, 5))
     with pytest.raises(ValueError):
         store.read_kv("r1", 4, out)
+
+
+def test_pooled_blocks_reused_by_another_request_never_alias_kv_read_before(tmp_path):
+    store = CheckpointStore(tmp_path, memory_limit_bytes=64 * 4 * LAYOUT.token_bytes)  # blocks of 4 positions
+    store.apply(W1, segment("r1", 1, 0, 10))
+    read_before = store.read_kv("r1", 10)
+    store.release("r1")
+    store.apply(W1, segment("r2", 1, 0, 10, salt=0.25))  # takes r1's blocks back from the pool and overwrites them
+    assert store.pooled_bytes == 0
+    assert torch.equal(read_before, kv_of(0, 10)) and torch.equal(store.read_kv("r2", 10), kv_of(0, 10, salt=0.25))
+
+
+def test_a_growing_request_takes_a_block_per_block_of_positions_and_reads_back_byte_exact(tmp_path):
+    store = CheckpointStore(tmp_path, memory_limit_bytes=64 * 4 * LAYOUT.token_bytes)  # blocks of 4 positions
+    block_bytes = 4 * LAYOUT.token_bytes
+    store.apply(W1, segment("r1", 1, 0, 3))
+    assert store.memory_bytes == block_bytes
+    for seq, position in enumerate(range(3, 23), start=2):  # one position a segment, as a decode step sends it
+        store.apply(W1, segment("r1", seq, position, position + 1))
+        assert store.memory_bytes == -(-(position + 1) // 4) * block_bytes
+    assert torch.equal(store.read_kv("r1", 23), kv_of(0, 23)) and store.committed_tokens == 23
+
+
+def test_token_only_segments_leave_kv_and_totals_as_they_are(store):
+    store.apply(W1, segment("r1", 1, 0, 6, outputs=[21]))
+    memory, committed = store.memory_bytes, store.committed_tokens
+    for seq in range(2, 6):
+        ack = store.apply(W1, segment("r1", seq, 6, 6, outputs=[20 + seq], generator_state=bytes([seq])))
+        assert (ack.result, ack.kv_tokens, ack.seq) == (SegmentResult.APPLIED, 6, seq)
+    record = store.get("r1")
+    assert list(record.state.output_token_ids) == [21, 22, 23, 24, 25] and record.last_index == 4 and record.seq == 5
+    assert record.state.generator_state == bytes([5]) and (store.memory_bytes, store.committed_tokens) == (memory, committed)
+    assert torch.equal(store.read_kv("r1", 6), kv_of(0, 6))

@@ -1,8 +1,11 @@
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
 from phalanx.common.block_hash import hash_block, prefix_block_hashes
-from phalanx.model.kv_cache import KvCacheManager, KvCacheTensors
+from phalanx.model.kv_cache import KvCacheManager, KvCacheTensors, prefault, zeroed
 
 pytestmark = pytest.mark.unit
 BS = 16
@@ -98,3 +101,22 @@ def test_export_import_moves_a_sequences_kv_between_caches():
     assert torch.equal(dst.data[:, :, 7], src.data[:, :, 1])
     with pytest.raises(ValueError, match="do not fit"):
         dst.import_blocks([0], blocks)
+
+
+def _resident_bytes() -> int:
+    fields = dict(line.split(":", 1) for line in Path("/proc/self/smaps_rollup").read_text().splitlines()[1:])
+    return int(fields["Rss"].split()[0]) * 1024
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="MADV_POPULATE_WRITE is Linux's")
+def test_prefault_makes_untouched_cache_memory_resident_and_keeps_what_was_written():
+    data = zeroed((4, 2, 64, 16, 2, 64), dtype=torch.float32, device="cpu")  # 16 MiB, untouched
+    data[1, 0, 3] = 7.0
+    before = _resident_bytes()
+    assert prefault(data, chunk_bytes=1 << 20)
+    assert _resident_bytes() - before > data.numel() * data.element_size() * 3 // 4
+    assert bool((data[1, 0, 3] == 7.0).all()) and float(data.abs().sum()) == 7.0 * 16 * 2 * 64
+
+
+def test_prefault_passes_over_memory_it_cannot_own():
+    assert not prefault(torch.zeros(1000)[1:])  # not a mapping of its own: nothing done, nothing lost

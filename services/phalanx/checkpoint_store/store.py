@@ -449,14 +449,15 @@ class CheckpointStore:
                 record.state.generator_state = segment.generator_state
             record.worker_id = writer.worker_id
             record.model_version = writer.model_version
+        record = entry.record
+        if kv.shape[2] == 0 and segment.kv_start == record.kv_tokens:
+            # Output tokens only, most segments: the KV and the totals stay as they are.
+            self._commit(record, segment)
+            return self._count(Ack(segment.request_id, segment.seq, segment.kv_end, SegmentResult.APPLIED, len(data)))
         with self._accounting(entry):
             entry.kv.truncate(segment.kv_start)
             entry.kv.append(kv)
-            record = entry.record
-            record.kv_tokens = segment.kv_end
-            record.seq = segment.seq
-            record.last_index = len(record.state.output_token_ids) - 1
-            record.updated_at = self._clock()
+            self._commit(record, segment)
         self._enforce_limit()
         return self._count(Ack(segment.request_id, segment.seq, segment.kv_end, SegmentResult.APPLIED, len(data)))
 
@@ -566,6 +567,12 @@ class CheckpointStore:
         track = _KvTrack(self._pool(writer.layout), self.spill_dir / f"{self._files:08d}.kv")
         entry = self._entries[segment.request_id] = _Entry(record, track)
         return entry
+
+    def _commit(self, record: checkpoint_pb2.CommitRecord, segment: checkpoint_pb2.Segment) -> None:
+        record.kv_tokens = segment.kv_end
+        record.seq = segment.seq
+        record.last_index = len(record.state.output_token_ids) - 1
+        record.updated_at = self._clock()
 
     def _pool(self, layout: KvLayout) -> _BlockPool:
         pool = self._pools.get(layout)

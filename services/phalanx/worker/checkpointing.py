@@ -4,10 +4,11 @@ Two halves. `CheckpointCapture` runs on the engine thread between steps: for
 every running request it takes the output tokens produced since the last
 capture (and a sampled request's generator state) and, once
 `interval_tokens` new KV positions are due, copies them too (one gather for
-all requests). `CheckpointStreamer` runs on the event loop: it sends each
-capture as one message over one gRPC stream to the store, reads the store's
-acks, and reconnects (re-sending every request from position 0) when the
-store restarts.
+all requests). `CheckpointStreamer` runs on the event loop: it sends the
+captures queued since its last message as one message over one gRPC stream to
+the store, each request's steps merged into one segment (`coalesced`), reads
+the store's acks, and reconnects (re-sending every request from position 0)
+when the store restarts.
 
 Tokens every step but KV every few tokens keeps the cost per step small (one
 message, a few KB) while a commit is never more than a step behind: a
@@ -25,23 +26,29 @@ import collections
 import logging
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import grpc
 import numpy as np
 
-from phalanx._proto import checkpoint_pb2, checkpoint_pb2_grpc
+from phalanx._proto import checkpoint_pb2
 from phalanx.common.config import EtcdConfig
 from phalanx.common.discovery import CheckpointStoreDirectory
 from phalanx.common.lease import Backoff
 from phalanx.worker.engine import Engine
-from phalanx.worker.sequence import Sequence
+from phalanx.worker.sequence import RequestSnapshot, Sequence
 
 if TYPE_CHECKING:
     import torch
 
 log = logging.getLogger(__name__)
+
+# Checkpoint messages are cut at segment boundaries to about this size at most (see stream_requests).
+_MESSAGE_BYTES = 1 << 20
+# A piece with KV joins its request's piece before it in a message while both hold at most this many positions
+# together: copying them into one is cheaper than a segment more (see coalesced).
+_MERGE_KV_TOKENS = 64
 
 
 @dataclass(slots=True)
@@ -54,7 +61,7 @@ class _Piece:
     kv_end: int
     # [layers, 2, kv_end - kv_start, heads, dim]; None when kv_end == kv_start. A numpy array from a simulated engine.
     kv: torch.Tensor | Any
-    state: object | None  # full RequestState when kv_start == 0, or when taking over a commit
+    state: RequestSnapshot | None  # the whole state when kv_start == 0, or when taking over a commit
     appended: list[int]
     generator_state: bytes
     seed: int
@@ -70,7 +77,7 @@ class _Capture:
 class CheckpointCapture:
     """The engine-thread half; `streamer` decides whether to capture and takes what is captured."""
 
-    def __init__(self, max_pending_bytes: int = 64 << 20, *, interval_tokens: int = 16) -> None:
+    def __init__(self, max_pending_bytes: int = 64 << 20, *, interval_tokens: int = 8) -> None:
         self.max_pending_bytes = max_pending_bytes
         self.interval_tokens = interval_tokens
         self._lock = threading.Lock()
@@ -238,8 +245,11 @@ class CheckpointStreamer:
             address, options=[("grpc.max_send_message_length", 256 << 20), ("grpc.max_receive_message_length", 64 << 20)]
         ) as channel:
             await asyncio.wait_for(channel.channel_ready(), timeout=2.0)
-            call = checkpoint_pb2_grpc.CheckpointStoreStub(channel).Stream()
-            await call.write(checkpoint_pb2.StreamRequest(hello=self.hello))
+            # Messages go out as bytes written here (see stream_requests); the store reads plain StreamRequests.
+            call = channel.stream_stream(
+                _STREAM_METHOD, request_serializer=_as_is, response_deserializer=checkpoint_pb2.StreamResponse.FromString
+            )()
+            await call.write(checkpoint_pb2.StreamRequest(hello=self.hello).SerializeToString())
             self.store_address = address
             self.capture.resync()
             self.capture.connected = True
@@ -266,9 +276,9 @@ class CheckpointStreamer:
                 self.store_address = ""
 
     async def _send(self, call, items: list[_Capture]) -> None:
-        """Every queued capture in one message, in capture order (so each request's segments stay in order)."""
-        batch = batch_of(items, self._snapshot_to_proto)
-        await call.write(checkpoint_pb2.StreamRequest(batch=batch))
+        """Every queued capture, in capture order (so each request's segments stay in order), in messages of ~1 MiB."""
+        for message in stream_requests(items, self._snapshot_to_proto):
+            await call.write(message)
         nbytes = sum(item.nbytes for item in items)  # not len(segment.kv): each read of a bytes field copies it
         self.bytes_sent += nbytes
         if self._sent_bytes is not None and nbytes:
@@ -293,20 +303,155 @@ def pick_store(addresses: list[str], failed: str) -> str | None:
 
 
 def batch_of(captures: list[_Capture], snapshot_to_proto) -> checkpoint_pb2.Batch:
-    """Captures, in order, as the one message that carries them to the store (each request's segments stay in order)."""
+    """Captures, in order, as the one message that carries them to the store (each request's segments stay in order).
+
+    A request's steps join its segment before them in the message where they continue it (see `coalesced`): the
+    store then applies about one segment per request and message, not one per step, and ends in the same state.
+    The streamer sends this message as `stream_requests` writes it.
+    """
     batch = checkpoint_pb2.Batch()
     for capture in captures:
         batch.released_request_ids.extend(capture.released)
-        for piece in capture.pieces:
-            segment = batch.segments.add(
-                request_id=piece.request_id, seq=piece.seq, kv_start=piece.kv_start, kv_end=piece.kv_end,
-                appended_output_ids=piece.appended, generator_state=piece.generator_state, seed=piece.seed,
-            )
-            if piece.kv is not None:
-                segment.kv = tensor_bytes(piece.kv)
-            if piece.state is not None:
-                segment.state.CopyFrom(snapshot_to_proto(piece.state))
+    for piece in coalesced(captures):
+        segment = batch.segments.add()
+        segment.CopyFrom(_segment_without_kv(piece, snapshot_to_proto))
+        if piece.kv is not None:
+            segment.kv = tensor_bytes(piece.kv)
     return batch
+
+
+def stream_requests(captures: list[_Capture], snapshot_to_proto, *, max_bytes: int = _MESSAGE_BYTES) -> list[bytes]:
+    """``StreamRequest(batch=batch_of(captures))`` serialized, as messages of about ``max_bytes`` at most, in order.
+
+    Each segment's KV is copied once, into its message. Through protobuf it was copied three times more (to bytes,
+    into the field, out to the wire), each time into fresh memory: serializing was the largest part of a worker's
+    checkpointing cost. Here protobuf serializes every segment but its KV, and the KV field (bytes: on the wire it
+    may come last, as fields go in any order) and the length prefixes of the enclosing messages are written around
+    it. Segments go into messages of ``max_bytes`` or fewer (one larger segment goes alone), the release list into
+    the last: grpc writes a stream of 1 MiB messages several times faster than one large message (MEASURED.md), and
+    the store applies the messages' segments in the same order.
+    """
+    messages: list[bytes] = []
+    parts: list[bytes | memoryview] = []
+    size = 0
+    for piece in coalesced(captures):
+        body = _segment_without_kv(piece, snapshot_to_proto).SerializeToString()
+        kv = _c_order_bytes(piece.kv) if piece.kv is not None else b""
+        kv_field = [_KV_TAG, _varint(len(kv)), kv] if len(kv) else []
+        segment = [_SEGMENTS_TAG, _varint(len(body) + sum(len(p) for p in kv_field)), body, *kv_field]
+        length = sum(len(p) for p in segment)
+        if parts and size + length > max_bytes:
+            messages.append(_batch_message(parts, size))
+            parts, size = [], 0
+        parts += segment
+        size += length
+    released = checkpoint_pb2.Batch(released_request_ids=[r for capture in captures for r in capture.released]).SerializeToString()
+    messages.append(_batch_message([*parts, released], size + len(released)))
+    return messages
+
+
+def _batch_message(parts: list[bytes | memoryview], size: int) -> bytes:
+    """A StreamRequest whose batch is ``parts`` (serialized fields of a Batch, ``size`` bytes in all)."""
+    return b"".join([_BATCH_TAG, _varint(size), *parts])
+
+
+def _segment_without_kv(piece: _Piece, snapshot_to_proto) -> checkpoint_pb2.Segment:
+    segment = checkpoint_pb2.Segment(
+        request_id=piece.request_id, seq=piece.seq, kv_start=piece.kv_start, kv_end=piece.kv_end,
+        appended_output_ids=piece.appended, generator_state=piece.generator_state, seed=piece.seed,
+    )
+    if piece.state is not None:
+        segment.state.CopyFrom(snapshot_to_proto(piece.state))
+    return segment
+
+
+# The wire keys (field number << 3 | 2, length-delimited) of StreamRequest.batch, Batch.segments and Segment.kv
+# (checkpoint.proto); a unit test checks that stream_requests parse back into what protobuf writes.
+_BATCH_TAG = bytes([2 << 3 | 2])
+_SEGMENTS_TAG = bytes([1 << 3 | 2])
+_KV_TAG = bytes([5 << 3 | 2])
+_STREAM_METHOD = "/phalanx.checkpoint.v1.CheckpointStore/Stream"
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while value > 0x7F:
+        out.append(value & 0x7F | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+def _as_is(message: bytes) -> bytes:
+    return message
+
+
+def _c_order_bytes(tensor: torch.Tensor | Any) -> memoryview:
+    """The tensor's raw C-order bytes: a view where it is contiguous, else of a contiguous copy (kept alive by the view).
+
+    A numpy array (a simulated engine's KV) the same; a GPU tensor (a CUDA worker's KV) comes to host memory first.
+    """
+    if isinstance(tensor, np.ndarray):
+        return np.ascontiguousarray(tensor).reshape(-1).view(np.uint8).data
+    import torch
+
+    if tensor.device.type != "cpu":
+        tensor = tensor.cpu()
+    if not tensor.is_contiguous():
+        tensor = tensor.contiguous()
+    return tensor.reshape(-1).view(torch.uint8).numpy().data
+
+
+def coalesced(captures: list[_Capture]) -> list[_Piece]:
+    """The captures' pieces, in order, each merged into its request's piece before it where it continues that one.
+
+    A merged piece spans both KV ranges, appends both pieces' outputs and takes the later one's seq and generator
+    state: what the store would hold after applying the two one after the other. A piece with a whole state starts a
+    new one, and so does one whose KV would make the merged piece's long (merging copies KV once more).
+    """
+    pieces: list[_Piece] = []
+    last: dict[str, int] = {}  # request id -> index in pieces of its latest piece
+    merged: set[int] = set()
+    for capture in captures:
+        for request_id in capture.released:  # ended before this capture: its id may come back as a new request
+            last.pop(request_id, None)
+        for piece in capture.pieces:
+            index = last.get(piece.request_id)
+            if index is None or not _joins(pieces[index], piece):
+                last[piece.request_id] = len(pieces)
+                pieces.append(piece)
+                continue
+            if index not in merged:  # a copy takes the merges: the captures' own pieces stay as they were
+                pieces[index] = replace(pieces[index])
+                merged.add(index)
+            head = pieces[index]
+            if piece.kv is not None:
+                head.kv = piece.kv if head.kv is None else _concat_positions(head.kv, piece.kv)
+                head.kv_end = piece.kv_end
+            if head.state is not None:  # a whole state: the outputs go into it, which the store takes as it is
+                head.state = replace(head.state, output_ids=[*head.state.output_ids, *piece.appended])
+            else:
+                head.appended = head.appended + piece.appended
+            head.seq = piece.seq
+            if piece.generator_state:
+                head.generator_state = piece.generator_state
+    return pieces
+
+
+def _concat_positions(first: torch.Tensor | Any, second: torch.Tensor | Any) -> torch.Tensor | Any:
+    """Two KV pieces [layers, 2, positions, heads, dim] one after the other along the positions (torch or numpy)."""
+    if isinstance(first, np.ndarray):
+        return np.concatenate([first, second], axis=2)
+    import torch
+
+    return torch.cat([first, second], dim=2)
+
+
+def _joins(head: _Piece, piece: _Piece) -> bool:
+    """Whether ``piece`` (the request's next) merges into ``head``: it continues it, and brings no state and little KV."""
+    if piece.state is not None or piece.kv_start != head.kv_end:
+        return False
+    return piece.kv is None or head.kv_end - head.kv_start + piece.kv_end - piece.kv_start <= _MERGE_KV_TOKENS
 
 
 def tensor_bytes(tensor: torch.Tensor | Any) -> bytes:

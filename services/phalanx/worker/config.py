@@ -150,9 +150,9 @@ class WorkerConfig(BaseSettings):
         True, description="Stream every running request's new KV to the checkpoint store (when one is registered in etcd)"
     )
     checkpoint_interval_tokens: int = Field(
-        16, ge=1,
+        8, ge=1,
         description="KV goes to the store once this many new positions are due (output tokens go every step; a restore "
-        "recomputes the positions in between)",
+        "recomputes the positions in between: with an MoE model each one more may run more experts in that first step)",
     )
     checkpoint_flush_interval_s: float = Field(
         0.05, ge=0, le=1.0,
@@ -161,6 +161,11 @@ class WorkerConfig(BaseSettings):
     )
     checkpoint_max_pending_bytes: int = Field(
         64 << 20, ge=1 << 20, description="KV queued for the store beyond which capture skips steps (coarser segments, never a stall)"
+    )
+    prefault_kv_cache: bool = Field(
+        True,
+        description="Fault the (CPU) KV cache's pages in on a background thread once serving, so that restores and new "
+        "requests write warm memory; off: pages fault in on first use and stay out of resident memory until then",
     )
     park_ttl_s: float = Field(10.0, gt=0, description="How long a handed-back request's KV waits here for a transfer")
     transfer_on_drain: bool = Field(

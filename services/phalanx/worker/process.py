@@ -20,6 +20,7 @@ import contextlib
 import logging
 import os
 import socket
+import threading
 import time
 from contextlib import aclosing
 from pathlib import Path
@@ -40,7 +41,7 @@ from phalanx.common.subjects import (
     worker_key,
 )
 from phalanx.common.telemetry import get_tracer
-from phalanx.model.kv_cache import BLOCK_SIZE, KvEvents
+from phalanx.model.kv_cache import BLOCK_SIZE, KvEvents, prefault
 from phalanx.worker.async_engine import AsyncEngine
 from phalanx.worker.chaos import ChaosServicer
 from phalanx.worker.checkpointing import CheckpointCapture, CheckpointStreamer
@@ -151,6 +152,9 @@ class WorkerProcess:
             self.metrics.for_worker(self.metrics.serving).set(1)
             self.metrics.for_worker(self.metrics.batch_scale).set(1)
             log.info("worker %s serving %s (%s) on %s", self.worker_id, model.config.name, model.version, self.address)
+            # A woken shadow restores at once: not now. A simulated engine's cache (numpy) holds no KV worth it.
+            if self.failover is None and self.config.prefault_kv_cache and self.engine_config.engine == "torch":
+                _prefault_kv_cache(engine)
             async with asyncio.TaskGroup() as tasks:
                 loops = [
                     tasks.create_task(self._publish_kv_events()),
@@ -588,3 +592,14 @@ class WorkerProcess:
                     m.for_worker(counter).inc(total - counted[counter])
                     counted[counter] = total
             await asyncio.sleep(self.config.load_interval_s)
+
+
+def _prefault_kv_cache(engine: AsyncEngine) -> None:
+    """Faults the KV cache's pages in on a background thread, so that restores and new requests write warm memory.
+
+    The cache is allocated untouched (a fast start, see ``zeroed``); without this a restore onto a fresh worker pays a
+    page fault per 4 KiB of KV it scatters.
+    """
+    data = getattr(getattr(engine.engine, "cache", None), "data", None)
+    if data is not None:
+        threading.Thread(target=prefault, args=(data,), name="kv-prefault", daemon=True).start()

@@ -219,6 +219,20 @@ async def _load_until_pressure(router_address: str, view, timeout: float):
     return published
 
 
+async def _load_until(router_address: str, stop: asyncio.Event) -> None:
+    """Bursts of 4 streams until ``stop`` is set (refusals are part of it)."""
+    from phalanx.client import Client, PhalanxClientError
+
+    async with await Client.connect(router_address) as client:
+        async def one(i: int) -> None:
+            with contextlib.suppress(PhalanxClientError):
+                async for _ in client.generate(f"load {i}", max_tokens=32, ignore_eos=True):
+                    pass
+
+        while not stop.is_set():
+            await asyncio.gather(*(one(i) for i in range(4)))
+
+
 def test_the_planners_capacity_view_feeds_healths_degradation_level(nats_server, etcd_config: EtcdConfig, tmp_path) -> None:
     """The same slow profile: under load the planner predicts more than the one serving worker can carry at the SLOs and
     publishes that pressure; the health service takes it as a criterion, and its published level and reason show it."""
@@ -262,8 +276,14 @@ def test_the_planners_capacity_view_feeds_healths_degradation_level(nats_server,
             assert published is not None and published.serving_workers == 1 and published.valid_for_s > 0
             assert published.pressure > 1 and published.needed_workers > 1, published
             assert planner.metric("phalanx_planner_capacity_pressure") > 1
-            # Health's own criteria read a fleet that just went idle; the planner's forecast is what keeps the level up.
-            state = await assert_eventually(level_from_planner, timeout=10, message="health never took the planner's view")
+            # The load goes on: the planner's demand is the arrivals, so an idle fleet would soon read as unpressed.
+            stop = asyncio.Event()
+            loading = asyncio.create_task(_load_until(router.address, stop))
+            try:
+                state = await assert_eventually(level_from_planner, timeout=10, message="health never took the planner's view")
+            finally:
+                stop.set()
+                await loading
             print(f"planner view {published.pressure:.2f}; health: level {state.level}, {state.reason}")
         finally:
             assert planner.terminate(timeout=20) == 0

@@ -291,3 +291,14 @@ def test_without_a_window_a_tick_scales_down_at_once() -> None:
     clock, planner = Clock(), machine(workers=6, interval_s=2.0)
     down = planner.tick(clock.now, READY, desired_workers=2)
     assert down is not None and down.targets.workers == 2
+
+
+def test_an_operators_target_is_not_held_by_the_scale_down_window() -> None:
+    clock, planner = Clock(), machine(workers=2, interval_s=2.0, scale_down_window_s=6.0)
+    up = planner.tick(clock.now, READY, desired_workers=4)
+    assert up is not None
+    planner.complete(up.id, clock.advance(0.5))
+    # An operator sets 1 right after: applied at the next tick, not after the window forgot the 4.
+    planner.decide_at_next_tick()
+    down = planner.tick(clock.advance(0.1), READY, desired_workers=1)
+    assert down is not None and down.targets.workers == 1

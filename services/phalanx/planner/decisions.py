@@ -162,8 +162,12 @@ class DecisionMachine:
         return self._next_tick_at
 
     def decide_at_next_tick(self) -> None:
-        """Let the next ready tick decide without waiting for the interval (an operator changed the target)."""
+        """Let the next ready tick decide without waiting for the interval, unheld (an operator changed the target).
+
+        The scale-down window forgets what earlier ticks wanted: an operator's count is applied as given.
+        """
         self._next_tick_at = None
+        self._wanted.clear()
 
     def tick_due(self, now: float) -> bool:
         """Whether a tick at `now` may decide (schedule and in-flight rules), so the caller can skip computing

@@ -18,11 +18,9 @@ import platform
 import statistics
 import time
 
-import cv2
-import numpy as np
 import torch
 
-from phalanx.bench.multimodal_ttft import run_ttft_benches
+from phalanx.bench.multimodal_ttft import random_png, run_ttft_benches
 from phalanx.encoder_pool.config import EncoderPoolConfig
 from phalanx.encoder_pool.cost import Modality
 from phalanx.encoder_pool.pool import EncodePool, MediaInput
@@ -36,11 +34,6 @@ GOALS = {
     # Joint routing's TTFT p90 under a skewed encoder load, as a fraction of round-robin's: below 1 (it beats it).
     "joint_vs_round_robin_ttft_p90_under_skew": 1.0,
 }
-
-
-def _png(seed: int, size: int) -> bytes:
-    pixels = np.random.default_rng(seed).integers(0, 256, (size, size + size // 4, 3), dtype=np.uint8)
-    return cv2.imencode(".png", pixels)[1].tobytes()
 
 
 async def _throughput(config: EncoderPoolConfig, images: list[bytes], rounds: int) -> tuple[float, dict[str, float]]:
@@ -98,7 +91,7 @@ def run_multimodal_bench(
     )
     probe = EncodePool(batched_config)
     assert probe.image is not None
-    images = [_png(seed, probe.image.tower.config.image_size) for seed in range(concurrency)]
+    images = [random_png(seed, probe.image.tower.config.image_size) for seed in range(concurrency)]
     batched, batched_costs = asyncio.run(_throughput(batched_config, images, rounds))
     single, single_costs = asyncio.run(_throughput(single_config, images, rounds))
     speedup = batched / single

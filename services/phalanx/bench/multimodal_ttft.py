@@ -63,7 +63,8 @@ _FIRST_TOKEN = SamplingParams(max_tokens=1, ignore_eos=True)
 _WORKER = "bench-worker"
 
 
-def _png(seed: int, size: int) -> bytes:
+def random_png(seed: int, size: int) -> bytes:
+    """A PNG of random pixels, size x 1.25 size (the encoders resize it): distinct per seed, so no cache hits."""
     pixels = np.random.default_rng(seed).integers(0, 256, (size, size + size // 4, 3), dtype=np.uint8)
     return cv2.imencode(".png", pixels)[1].tobytes()
 
@@ -152,9 +153,9 @@ async def _overlap(h: _Harness, pool: EncodePool, image_size: int, prefixes: dic
         encode, prefill = [], []
         for _ in range(rounds):
             for overlap in (False, True):
-                image = [MediaInput(Modality.IMAGE, _png(next(seeds), image_size))]
+                image = [MediaInput(Modality.IMAGE, random_png(next(seeds), image_size))]
                 times[overlap].append(await h.ttft(pool, image, tokens, overlap=overlap))
-            e, p = await h.parts(pool, _png(next(seeds), image_size), tokens)
+            e, p = await h.parts(pool, random_png(next(seeds), image_size), tokens)
             encode.append(e)
             prefill.append(p)
         sequential, overlapped = _median_ms(times[False]), _median_ms(times[True])
@@ -171,7 +172,7 @@ async def _overlap(h: _Harness, pool: EncodePool, image_size: int, prefixes: dic
 
 async def _skew(h: _Harness, image_size: int, requests: int, prefix_tokens: int) -> dict:
     busy = h.pools["busy"]
-    background = [_png(50_000 + i, image_size) for i in range(16)]
+    background = [random_png(50_000 + i, image_size) for i in range(16)]
 
     async def keep_busy() -> None:
         while True:
@@ -200,7 +201,7 @@ async def _skew(h: _Harness, image_size: int, requests: int, prefix_tokens: int)
             for mode in ("joint", "round_robin"):
                 name = joint_choice() if mode == "joint" else next(round_robin)
                 picked_busy[mode] += name == "busy"
-                image = [MediaInput(Modality.IMAGE, _png(next(seeds), image_size))]
+                image = [MediaInput(Modality.IMAGE, random_png(next(seeds), image_size))]
                 times[mode].append(await h.ttft(h.pools[name], image, prefix_tokens, overlap=True))
     finally:
         for task in loaders:
@@ -217,8 +218,8 @@ async def _skew(h: _Harness, image_size: int, requests: int, prefix_tokens: int)
 async def _by_modality(h: _Harness, pool: EncodePool, image_size: int, rounds: int, prefix_tokens: int) -> dict:
     seeds = itertools.count(3000)
     kinds = {
-        "image": lambda: [MediaInput(Modality.IMAGE, _png(next(seeds), image_size))],
-        "4_images": lambda: [MediaInput(Modality.IMAGE, _png(next(seeds), image_size)) for _ in range(4)],
+        "image": lambda: [MediaInput(Modality.IMAGE, random_png(next(seeds), image_size))],
+        "4_images": lambda: [MediaInput(Modality.IMAGE, random_png(next(seeds), image_size)) for _ in range(4)],
         "video_8_frames": lambda: [MediaInput(Modality.VIDEO, _video(24, next(seeds)))],
         "audio_10s": lambda: [MediaInput(Modality.AUDIO, _wav(10.0, next(seeds)))],
     }
@@ -248,7 +249,7 @@ async def _run(
         h = _Harness(engine, pools)
         for p in pools.values():  # warm-up: unit costs learned, kernels and caches warm
             for overlap in (False, True):
-                await h.ttft(p, [MediaInput(Modality.IMAGE, _png(1, size))], long_prefix, overlap=overlap)
+                await h.ttft(p, [MediaInput(Modality.IMAGE, random_png(1, size))], long_prefix, overlap=overlap)
         in_process = await _overlap(h, pool, size, {"short_prefix": short_prefix, "long_prefix": long_prefix}, rounds)
         skew = await _skew(h, size, skew_requests, short_prefix)
         modality = await _by_modality(h, pool, size, max(3, rounds // 2), short_prefix)
@@ -270,6 +271,6 @@ def run_ttft_benches(
     results = asyncio.run(_run(image_encoder, audio_encoder, model, rounds, skew_requests, short_prefix, long_prefix))
     results["overlap_through_services"] = asyncio.run(overlap_ttft_through_services(
         image_encoder=image_encoder, model=model, prefixes={"short_prefix": short_prefix, "long_prefix": long_prefix}, rounds=rounds,
-        png=_png, image_size=results.pop("image_size"),
+        png=random_png, image_size=results.pop("image_size"),
     ))
     return results

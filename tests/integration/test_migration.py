@@ -193,10 +193,10 @@ async def test_kill_during_prefill_and_two_kills_one_after_the_other(fleet):
         channel = grpc.aio.insecure_channel(first.address)
         stub = worker_pb2_grpc.WorkerServiceStub(channel)
         before = await stub.Stats(worker_pb2.StatsRequest(), timeout=5)
-        # Each of its steps holds its tokens back 0.3 s: the chunked prefill of these prompts lasts seconds, not a
-        # few ms that a loaded box's Stats polling could miss.
+        # Each of its steps is held 2 s: a prompt here is two 512-token chunks, so its first token comes 2 s after the
+        # first chunk, a window that a loaded box's Stats polling cannot miss (0.3 s was missed on a 2-core CI).
         await chaos_pb2_grpc.ChaosServiceStub(channel).InjectFault(
-            chaos_pb2.InjectFaultRequest(kind=chaos_pb2.FAULT_KIND_SLOW, slow_step_s=0.3),
+            chaos_pb2.InjectFaultRequest(kind=chaos_pb2.FAULT_KIND_SLOW, slow_step_s=2.0),
             metadata=[("authorization", f"Bearer {CHAOS_TOKEN}")], timeout=5,
         )
         killed_in_prefill = asyncio.Event()

@@ -118,6 +118,9 @@ class FleetMonitor:
         self._calibrate_wake = asyncio.Event()
         self._calibrating: set[str] = set()
         self._tasks: asyncio.TaskGroup | None = None
+        # False until this term has adopted every registered worker: a new leader's memory holds a part of the fleet
+        # before then, so ListWorkerHealth answers from etcd (the previous leader's records) meanwhile.
+        self.ready = False
 
     # -- the leader's life ----------------------------------------------------------
     async def run(self) -> None:
@@ -142,6 +145,7 @@ class FleetMonitor:
                 for worker_id, registration in registered.items():
                     await self._on_registered(worker_id, registration)
                 await self._bury_unregistered(set(registered))
+                self.ready = True
                 tasks.create_task(self._follow_workers(workers))
                 tasks.create_task(self._calibration_loop())
                 tasks.create_task(self._retention_loop())
@@ -150,6 +154,7 @@ class FleetMonitor:
                 if self.degradation_config.enabled:
                     tasks.create_task(self._degradation_loop(stored.level if stored else 0))
         finally:
+            self.ready = False
             for sub in subscriptions:
                 with contextlib.suppress(Exception):
                     await sub.unsubscribe()

@@ -31,7 +31,7 @@ class HealthServicer(health_pb2_grpc.HealthServiceServicer):
             holder = None
         if holder:
             response.leader_id = decode_json(holder, common_pb2.HealthLeader).instance_id
-        if monitor is not None:
+        if monitor is not None and monitor.ready:
             response.workers.extend(sorted(monitor.records(), key=lambda r: r.worker_id))
             if monitor.degradation is not None:
                 response.degradation.CopyFrom(monitor.degradation)

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import phalanx.model
-from phalanx._proto import chaos_pb2, chaos_pb2_grpc, common_pb2, encoder_pb2, router_pb2, router_pb2_grpc
+from phalanx._proto import chaos_pb2, chaos_pb2_grpc, common_pb2, encoder_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 from phalanx.client import Client, Media
 from phalanx.common.block_hash import MediaSpan, media_hash
 from phalanx.common.config import EtcdConfig
@@ -90,6 +90,16 @@ def _in_process(image: bytes, before: str, after: str, max_tokens: int = 10) -> 
     return tokens
 
 
+async def _token_totals(stack: Stack) -> tuple[int, int]:
+    """Prompt and generated tokens the workers counted, all together."""
+    prompt = generated = 0
+    for worker in stack.workers:
+        async with grpc.aio.insecure_channel(worker.address) as channel:
+            stats = await worker_pb2_grpc.WorkerServiceStub(channel).Stats(worker_pb2.StatsRequest(), timeout=10)
+        prompt, generated = prompt + stats.prompt_tokens_total, generated + stats.generated_tokens_total
+    return prompt, generated
+
+
 async def test_an_image_request_gives_the_in_process_encoder_and_engine_tokens(stack):
     image = _png(1)
     got = await _tokens(stack, _request("Look: <media> What is it?", image))
@@ -112,8 +122,12 @@ async def test_the_text_before_the_image_is_prefilled_while_it_is_encoded_with_t
     before = "Here is a long description of what the picture that follows may show, in many words. " * 4 + "Look: "
     router = stack.routers[0]
     prefilled = router.metric("phalanx_router_media_prefix_prefills_total", result="ok") or 0
+    counted = await _token_totals(stack)
     async with grpc.aio.insecure_channel(router.address) as channel:
         chunks = [c async for c in router_pb2_grpc.RouterServiceStub(channel).Generate(_request(before + "<media> What is it?", image))]
+    # The prefix prefill ran ahead of the request, and the workers count the request's tokens once.
+    prompt_total, generated_total = await _token_totals(stack)
+    assert (prompt_total - counted[0], generated_total - counted[1]) == (chunks[0].prompt_tokens, len(chunks))
     # The worker prefilled the prefix while the encoder ran: the request itself found its full blocks cached.
     prefix_tokens = len(phalanx.model.load(MODEL).tokenizer.encode(before))
     assert prefix_tokens >= 32 and chunks[0].cached_prompt_tokens == prefix_tokens // 16 * 16

@@ -217,7 +217,8 @@ class Engine:
         else:
             self.waiting.append(seq)
         self.by_id[request_id] = seq
-        self.prompt_tokens_total += len(seq.prompt_ids)
+        if not seq.prefix_only:  # a prefix prefill is counted once, with the request it runs ahead of
+            self.prompt_tokens_total += len(seq.prompt_ids)
         self.canaries_total += int(request.canary)
         return seq
 
@@ -424,7 +425,7 @@ class Engine:
             token, top, margin = sampled[row]  # the runner sampled every sequence whose slice reached its end
             row += 1
             event = seq.append_token(token, top, margin)
-            self.generated_tokens_total += 1
+            self.generated_tokens_total += int(not seq.prefix_only)  # its one token is dropped, never delivered
             events.append(event)
             if event.finish_reason is not FinishReason.NONE:
                 self.by_id.pop(seq.request_id, None)

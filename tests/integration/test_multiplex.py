@@ -10,9 +10,8 @@ import pytest
 from google.rpc import error_details_pb2, status_pb2
 
 from phalanx._proto import common_pb2, worker_pb2, worker_pb2_grpc
-from phalanx.common.config import EtcdConfig
-from phalanx.launch.services import start_worker
 from phalanx.router.multiplex import WorkerMultiplexer
+from phalanx.testing.workers import shared_worker, worker_stub
 
 pytestmark = pytest.mark.integration
 
@@ -21,17 +20,14 @@ DETACH_GRACE_S = 1.0
 
 @pytest.fixture(scope="module")
 def worker(nats_server, etcd_server):
-    config = EtcdConfig(endpoint=etcd_server.endpoint, lease_ttl_s=1)
-    env = {"PHALANX_WORKER_DETACH_GRACE_S": str(DETACH_GRACE_S)}
-    handle = asyncio.run(start_worker("w-multiplex", nats_server.url, config, "--deterministic", env=env, model="phalanx-tiny-moe"))
-    yield handle
-    assert handle.terminate() == 0
+    with shared_worker("w-multiplex", nats_server, etcd_server, env={"PHALANX_WORKER_DETACH_GRACE_S": str(DETACH_GRACE_S)}) as handle:
+        yield handle
 
 
 @pytest.fixture
 async def stub(worker):
-    async with grpc.aio.insecure_channel(worker.address) as channel:
-        yield worker_pb2_grpc.WorkerServiceStub(channel)
+    async with worker_stub(worker) as stub:
+        yield stub
 
 
 def generate(request_id: str, text: str, max_tokens: int, **sampling) -> worker_pb2.GenerateRequest:

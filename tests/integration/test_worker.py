@@ -12,30 +12,27 @@ from grpc_status import rpc_status
 
 from phalanx._proto import common_pb2, worker_pb2, worker_pb2_grpc
 from phalanx.common.block_hash import prefix_block_hashes
-from phalanx.common.config import EtcdConfig
 from phalanx.common.discovery import WorkerDirectory
 from phalanx.common.events import EventBus
 from phalanx.common.subjects import kv_events_subject, load_subject
 from phalanx.launch.services import start_worker
 from phalanx.model import ByteTokenizer
 from phalanx.testing.asserts import assert_eventually
+from phalanx.testing.workers import shared_worker, worker_stub
 
 pytestmark = pytest.mark.integration
 
 
 @pytest.fixture(scope="module")
 def worker(nats_server, etcd_server):
-    # One worker for the tests that do not kill it: a start costs about two seconds.
-    config = EtcdConfig(endpoint=etcd_server.endpoint, lease_ttl_s=1)
-    handle = asyncio.run(start_worker("w-main", nats_server.url, config, "--deterministic", model="phalanx-tiny-moe"))
-    yield handle
-    assert handle.terminate() == 0
+    with shared_worker("w-main", nats_server, etcd_server) as handle:
+        yield handle
 
 
 @pytest.fixture
 async def stub(worker):
-    async with grpc.aio.insecure_channel(worker.address) as channel:
-        yield worker_pb2_grpc.WorkerServiceStub(channel)
+    async with worker_stub(worker) as stub:
+        yield stub
 
 
 def request(text="Hello, Phalanx", max_tokens=8, **sampling):

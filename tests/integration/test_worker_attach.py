@@ -6,10 +6,10 @@ import grpc
 import pytest
 
 from phalanx._proto import common_pb2, worker_pb2, worker_pb2_grpc
-from phalanx.common.config import EtcdConfig
 from phalanx.launch.services import start_worker
 from phalanx.model import ByteTokenizer
 from phalanx.testing.asserts import assert_eventually
+from phalanx.testing.workers import shared_worker, worker_stub
 
 pytestmark = pytest.mark.integration
 
@@ -19,17 +19,14 @@ LONG = 1500  # tokens: several seconds of generation, far longer than the grace
 
 @pytest.fixture(scope="module")
 def worker(nats_server, etcd_server):
-    config = EtcdConfig(endpoint=etcd_server.endpoint, lease_ttl_s=1)
-    env = {"PHALANX_WORKER_DETACH_GRACE_S": str(DETACH_GRACE_S)}
-    handle = asyncio.run(start_worker("w-attach", nats_server.url, config, "--deterministic", env=env, model="phalanx-tiny-moe"))
-    yield handle
-    assert handle.terminate() == 0
+    with shared_worker("w-attach", nats_server, etcd_server, env={"PHALANX_WORKER_DETACH_GRACE_S": str(DETACH_GRACE_S)}) as handle:
+        yield handle
 
 
 @pytest.fixture
 async def stub(worker):
-    async with grpc.aio.insecure_channel(worker.address) as channel:
-        yield worker_pb2_grpc.WorkerServiceStub(channel)
+    async with worker_stub(worker) as stub:
+        yield stub
 
 
 def request(request_id: str, text: str = "Hello, Phalanx", max_tokens: int = 8) -> worker_pb2.GenerateRequest:

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import typer
 
+from phalanx.cli.certs import certs_app
 from phalanx.cli.chaos import chaos_app
 from phalanx.cli.planner import planner_app
 from phalanx.model.config import DEFAULT_MODEL
@@ -18,6 +19,7 @@ from phalanx.model.config import DEFAULT_MODEL
 app = typer.Typer(help="Phalanx: LLM inference that keeps serving through failures.", no_args_is_help=True)
 bench_app = typer.Typer(help="Benchmarks that print JSON and compare side by side in one run.", no_args_is_help=True)
 app.add_typer(bench_app, name="bench")
+app.add_typer(certs_app, name="certs")
 app.add_typer(chaos_app, name="chaos")
 app.add_typer(planner_app, name="planner")
 

@@ -31,6 +31,7 @@ from phalanx.common.discovery import (
     WorkerDirectory,
 )
 from phalanx.common.subjects import ROUTERS_PREFIX
+from phalanx.common.tls import open_channel
 from phalanx.launch.ports import free_port
 
 __all__ = [
@@ -159,7 +160,7 @@ class HealthHandle(ServiceHandle):
         return self.name
 
     async def list_health(self, timeout: float = 2.0) -> health_pb2.ListWorkerHealthResponse:
-        async with grpc.aio.insecure_channel(self.address) as channel:
+        async with open_channel(self.address) as channel:
             return await health_pb2_grpc.HealthServiceStub(channel).ListWorkerHealth(health_pb2.ListWorkerHealthRequest(), timeout=timeout)
 
 
@@ -317,7 +318,7 @@ class PlannerHandle(ServiceHandle):
     async def serving(self, timeout: float = 1.0) -> bool:
         from grpc_health.v1 import health_pb2 as grpc_health_pb2, health_pb2_grpc as grpc_health_pb2_grpc
 
-        async with grpc.aio.insecure_channel(self.address) as channel:
+        async with open_channel(self.address) as channel:
             reply = await grpc_health_pb2_grpc.HealthStub(channel).Check(grpc_health_pb2.HealthCheckRequest(), timeout=timeout)
         return reply.status == grpc_health_pb2.HealthCheckResponse.SERVING
 
@@ -374,11 +375,11 @@ class CheckpointStoreHandle(ServiceHandle):
         return self.advertisement.channel_endpoint
 
     async def stats(self, timeout: float = 2.0):
-        async with grpc.aio.insecure_channel(self.address) as channel:
+        async with open_channel(self.address) as channel:
             return await checkpoint_pb2_grpc.CheckpointStoreStub(channel).Stats(checkpoint_pb2.StatsRequest(), timeout=timeout)
 
     async def get_commit(self, request_id: str, timeout: float = 2.0):
-        async with grpc.aio.insecure_channel(self.address) as channel:
+        async with open_channel(self.address) as channel:
             stub = checkpoint_pb2_grpc.CheckpointStoreStub(channel)
             return (await stub.GetCommit(checkpoint_pb2.GetCommitRequest(request_id=request_id), timeout=timeout)).commit
 

@@ -9,15 +9,19 @@ import typer
 certs_app = typer.Typer(help="Certificates for mutual TLS between the services (docs/security.md).", no_args_is_help=True)
 
 
+_SERVICES_OPTION = typer.Option(
+    None, "--services", help="Identities to issue (repeatable or comma-separated); default: every service plus admin and client"
+)
+_HOSTS_OPTION = typer.Option(
+    None, "--host", help="More DNS names or IPs for the server certificates (repeatable); localhost and 127.0.0.1 are always in"
+)
+
+
 @certs_app.command("init")
 def certs_init(
     directory: str = typer.Option(..., "--dir", help="Where the CA (ca.crt, ca.key) and one <identity>/ directory per identity go"),
-    services: list[str] = typer.Option(
-        None, "--services", help="Identities to issue (repeatable); default: every service plus admin and client"
-    ),
-    hosts: list[str] = typer.Option(
-        None, "--host", help="More DNS names or IPs for the server certificates (repeatable); localhost and 127.0.0.1 are always in"
-    ),
+    services: list[str] = _SERVICES_OPTION,
+    hosts: list[str] = _HOSTS_OPTION,
     days: int = typer.Option(365, min=1, max=3650, help="Validity of the CA and the certificates"),
     force: bool = typer.Option(False, "--force", help="Reissue identities that already have a certificate (the CA is kept)"),
 ) -> None:
@@ -25,7 +29,8 @@ def certs_init(
     secret: point a service at its directory with PHALANX_TLS_DIR."""
     from phalanx.common.tls import CLIENT_IDENTITIES, SERVICE_IDENTITIES, init_certs
 
-    identities = list(services or (*SERVICE_IDENTITIES, *CLIENT_IDENTITIES))
+    identities = [name.strip() for given in services or () for name in given.split(",") if name.strip()]
+    identities = identities or [*SERVICE_IDENTITIES, *CLIENT_IDENTITIES]
     try:
         written = init_certs(directory, identities, hosts=list(hosts or ()), days=days, force=force)
     except ValueError as error:

@@ -55,6 +55,7 @@ __all__ = [
     "start_planner",
     "start_router",
     "start_worker",
+    "use_certs",
     "wait_registered",
 ]
 
@@ -164,7 +165,19 @@ class HealthHandle(ServiceHandle):
             return await health_pb2_grpc.HealthServiceStub(channel).ListWorkerHealth(health_pb2.ListWorkerHealthRequest(), timeout=timeout)
 
 
+_certs_root: Path | None = None
+
+
+def use_certs(root: str | os.PathLike[str] | None) -> None:
+    """Start every later service with mutual TLS: ``PHALANX_TLS_DIR=<root>/<command>`` (the layout of ``phalanx certs init``,
+    one identity per service command: worker, router, health ...), unless its env names one; None: as the environment says."""
+    global _certs_root
+    _certs_root = Path(root) if root is not None else None
+
+
 def _spawn(args: list[str], env: dict[str, str]) -> subprocess.Popen:
+    if _certs_root is not None and "PHALANX_TLS_DIR" not in env:
+        env = {**env, "PHALANX_TLS_DIR": str(_certs_root / args[0])}
     return subprocess.Popen(
         [sys.executable, "-m", "phalanx.cli", *args],
         env={**os.environ, **env},

@@ -38,11 +38,10 @@ def secured(nats_server, etcd_server, certs):
         return {"PHALANX_TLS_DIR": str(certs / name)}
 
     async def start():
-        await s.add_checkpoint_store(env=tls("checkpoint-store"))
-        await s.add_migration(env=tls("migration"))
-        await s.add_workers(1, env=tls("worker"))
-        await s.add_router(env=tls("router"))
-        await s.add_health(env=tls("health"))
+        await asyncio.gather(
+            s.add_checkpoint_store(env=tls("checkpoint-store")), s.add_migration(env=tls("migration")), s.add_workers(1, env=tls("worker"))
+        )
+        await asyncio.gather(s.add_router(env=tls("router")), s.add_health(env=tls("health")))
 
     set_process_tls(ServiceTls.from_dir(certs / "admin"))
     try:

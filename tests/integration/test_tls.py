@@ -14,11 +14,13 @@ from phalanx._proto import checkpoint_pb2, checkpoint_pb2_grpc, common_pb2, migr
 from phalanx.client import Client, TlsConfig, UnavailableError
 from phalanx.common.config import EtcdConfig
 from phalanx.common.tls import ServiceTls, init_certs, open_channel, set_process_tls
-from phalanx.launch.stack import Stack
+from phalanx.launch.services import start_checkpoint_store, start_migration
+from phalanx.launch.stack import Stack, unique_id
 from phalanx.testing.asserts import assert_eventually
 
 pytestmark = pytest.mark.integration
 
+START_TIMEOUT_S = 120
 PROMPT = "Mutual TLS keeps tenants out of the workers' internals."
 
 
@@ -38,9 +40,14 @@ def secured(nats_server, etcd_server, certs):
         return {"PHALANX_TLS_DIR": str(certs / name)}
 
     async def start():
-        await asyncio.gather(
-            s.add_checkpoint_store(env=tls("checkpoint-store")), s.add_migration(env=tls("migration")), s.add_workers(1, env=tls("worker"))
+        # Started side by side: each gets longer than the launchers' defaults, as they compete for a loaded box's CPUs.
+        store, migration, _ = await asyncio.gather(
+            start_checkpoint_store(unique_id("ckpt"), s.etcd_config, env=tls("checkpoint-store"), timeout=START_TIMEOUT_S),
+            start_migration(unique_id("mig"), s.nats_url, s.etcd_config, env=tls("migration"), timeout=START_TIMEOUT_S),
+            s.add_workers(1, env=tls("worker")),
         )
+        s.stores.append(store)
+        s.migrations.append(migration)
         await asyncio.gather(s.add_router(env=tls("router")), s.add_health(env=tls("health")))
 
     set_process_tls(ServiceTls.from_dir(certs / "admin"))

@@ -154,6 +154,51 @@ class ServiceTls:
             server_name_override=self.server_name or None,
         )
 
+    @functools.cached_property
+    def _signing_key(self) -> Any:
+        from cryptography.hazmat.primitives import serialization
+
+        return serialization.load_pem_private_key(self.private_key, None)
+
+    def sign(self, payload: bytes) -> bytes:
+        """``payload`` signed with this identity's private key (SHA-256; ECDSA, or RSA PKCS#1 v1.5)."""
+        from cryptography.hazmat.primitives import hashes
+        from cryptography.hazmat.primitives.asymmetric import ec, padding, rsa
+
+        key = self._signing_key
+        if isinstance(key, ec.EllipticCurvePrivateKey):
+            return key.sign(payload, ec.ECDSA(hashes.SHA256()))
+        if isinstance(key, rsa.RSAPrivateKey):
+            return key.sign(payload, padding.PKCS1v15(), hashes.SHA256())
+        raise ValueError(f"cannot sign with a {type(key).__name__}")
+
+    def verify_signed(self, payload: bytes, signature: bytes, certificate_pem: bytes) -> str:
+        """The identity of ``certificate_pem`` if the CA issued it, it is valid now and it signed ``payload``; ValueError if not."""
+        from cryptography import x509
+        from cryptography.exceptions import InvalidSignature
+        from cryptography.hazmat.primitives import hashes
+        from cryptography.hazmat.primitives.asymmetric import ec, padding, rsa
+
+        try:
+            certificate = x509.load_pem_x509_certificate(certificate_pem)
+            certificate.verify_directly_issued_by(x509.load_pem_x509_certificate(self.ca))
+            now = datetime.datetime.now(datetime.UTC)
+            if not certificate.not_valid_before_utc <= now <= certificate.not_valid_after_utc:
+                raise ValueError("the certificate is expired or not yet valid")
+            key = certificate.public_key()
+            if isinstance(key, ec.EllipticCurvePublicKey):
+                key.verify(signature, payload, ec.ECDSA(hashes.SHA256()))
+            elif isinstance(key, rsa.RSAPublicKey):
+                key.verify(signature, payload, padding.PKCS1v15(), hashes.SHA256())
+            else:
+                raise ValueError(f"cannot verify a {type(key).__name__} signature")
+        except (InvalidSignature, TypeError) as error:
+            raise ValueError(f"not signed by a certificate of this CA: {type(error).__name__}") from error
+        identity = identity_of_certificate(certificate_pem)
+        if identity is None:
+            raise ValueError("the certificate names no identity")
+        return identity
+
     def channel_options(self) -> list[tuple[str, Any]]:
         return [("grpc.ssl_target_name_override", self.server_name)] if self.server_name else []
 

@@ -11,7 +11,7 @@ import grpc
 import pytest
 
 from phalanx._proto import checkpoint_pb2, checkpoint_pb2_grpc, common_pb2, migration_pb2, migration_pb2_grpc, worker_pb2, worker_pb2_grpc
-from phalanx.client import Client, TlsConfig, UnavailableError
+from phalanx.client import Client, RetryPolicy, TlsConfig, UnavailableError
 from phalanx.common.config import EtcdConfig
 from phalanx.common.tls import ServiceTls, init_certs, open_channel, set_process_tls
 from phalanx.launch.services import start_checkpoint_store, start_migration
@@ -21,6 +21,11 @@ from phalanx.testing.asserts import assert_eventually
 pytestmark = pytest.mark.integration
 
 START_TIMEOUT_S = 120
+# Health is here for its calls over mTLS (canaries, Watch); a loaded box's slow canaries must not drain the one worker,
+# nor its capacity model raise the degradation level that refuses new requests.
+HEALTH_ENV = {
+    "PHALANX_DEGRADATION_ENABLED": "false", "PHALANX_HEALTH_CHECK_TIMEOUT_S": "30", "PHALANX_HEALTH_MIN_CHECK_TIMEOUT_S": "10",
+}
 PROMPT = "Mutual TLS keeps tenants out of the workers' internals."
 
 
@@ -48,7 +53,7 @@ def secured(nats_server, etcd_server, certs):
         )
         s.stores.append(store)
         s.migrations.append(migration)
-        await asyncio.gather(s.add_router(env=tls("router")), s.add_health(env=tls("health")))
+        await asyncio.gather(s.add_router(env=tls("router")), s.add_health(env={**tls("health"), **HEALTH_ENV}))
 
     set_process_tls(ServiceTls.from_dir(certs / "admin"))
     try:
@@ -82,7 +87,8 @@ async def test_a_caller_without_a_client_certificate_is_refused(secured, certs):
     router = secured.routers[0].address
     ca_only = TlsConfig(root_certificates=(certs / "ca.crt").read_bytes(), server_name_override="phalanx.internal")
     for tls in (ca_only, None):  # TLS without a client certificate, and plaintext
-        async with await Client.connect(router, tls=tls, timeout=3) as client:
+        # One attempt: the refusal is the handshake's, not a deadline spent on retries.
+        async with await Client.connect(router, tls=tls, timeout=30, retry=RetryPolicy(max_attempts=1)) as client:
             with pytest.raises(UnavailableError):
                 await client.list_workers()
 

@@ -121,3 +121,10 @@ def test_only_the_callers_a_service_needs_reach_its_internals():
     assert allowed("/phalanx.checkpoint.v1.CheckpointStore/Stream", "worker")
     assert not allowed("/phalanx.checkpoint.v1.CheckpointStore/Stream", "migration")
     assert all(allowed("/phalanx.worker.v1.WorkerService/Stats", name) for name in SERVICE_IDENTITIES)
+
+
+def test_the_private_key_stays_out_of_reprs(tmp_path):
+    init_certs(tmp_path, ["worker"])
+    tls = ServiceTls.from_dir(tmp_path / "worker")
+    assert b"PRIVATE KEY" in tls.private_key
+    assert "PRIVATE KEY" not in repr(tls)

@@ -28,7 +28,7 @@ import ipaddress
 import logging
 import os
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -116,7 +116,7 @@ class ServiceTls:
     """One identity's PEM certificate, key and CA, read once: server and channel credentials of a process."""
 
     certificate: bytes
-    private_key: bytes
+    private_key: bytes = field(repr=False)  # never in a log line or a traceback's locals
     ca: bytes
     server_name: str = DEFAULT_SERVER_NAME
 

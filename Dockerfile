@@ -54,8 +54,18 @@ port = os.environ.get("PHALANX_PROBE_PORT") or os.environ.get("PHALANX_WORKER_PO
 service = os.environ.get("PHALANX_PROBE_SERVICE", "")
 target = f"127.0.0.1:{port}"
 what = f"{target} {service}" if service else target
+tls_dir = os.environ.get("PHALANX_TLS_DIR", "")
 try:
-    with grpc.insecure_channel(target) as channel:
+    if tls_dir:  # mutual TLS: the container's own certificate is a client certificate too
+        def pem(name):
+            with open(os.path.join(tls_dir, name), "rb") as f:
+                return f.read()
+        credentials = grpc.ssl_channel_credentials(pem("ca.crt"), pem("tls.key"), pem("tls.crt"))
+        server_name = os.environ.get("PHALANX_TLS_SERVER_NAME", "phalanx.internal")
+        channel = grpc.secure_channel(target, credentials, options=[("grpc.ssl_target_name_override", server_name)])
+    else:
+        channel = grpc.insecure_channel(target)
+    with channel:
         reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service), timeout=2)
 except grpc.RpcError as err:
     sys.exit(f"{what}: health check failed: {err.code().name}")

@@ -45,6 +45,7 @@ import grpc
 from phalanx._proto import common_pb2, migration_pb2, worker_pb2, worker_pb2_grpc
 from phalanx.client import Client, PhalanxClientError
 from phalanx.common.config import EtcdConfig
+from phalanx.common.tls import open_channel
 from phalanx.launch.infra import EtcdServer, NatsServer
 from phalanx.launch.services import CheckpointStoreHandle, ServiceHandle, WorkerHandle
 from phalanx.launch.stack import Stack
@@ -336,7 +337,7 @@ async def _restore_times(fleet: Stack, client: Client, o: _Options, rng: random.
     store = fleet.stores[0]
     restore_s: dict[str, dict] = {}
     detail: dict[str, dict] = {}
-    async with grpc.aio.insecure_channel(source.address) as a, grpc.aio.insecure_channel(target.address, options=_BULK) as b:
+    async with open_channel(source.address) as a, open_channel(target.address, options=_BULK) as b:
         stubs = worker_pb2_grpc.WorkerServiceStub(a), worker_pb2_grpc.WorkerServiceStub(b)
         for n in (16, *o.restore_tokens):  # the first is a warm-up
             prompt = [rng.randrange(256) for _ in range(_RESTORE_PROMPT)]
@@ -459,7 +460,7 @@ async def _overhead(fleet: Stack, o: _Options, rng: random.Random) -> dict:
     store = fleet.stores[0]
     async with contextlib.AsyncExitStack() as channels:
         stubs = {
-            mode: worker_pb2_grpc.WorkerServiceStub(await channels.enter_async_context(grpc.aio.insecure_channel(w.address)))
+            mode: worker_pb2_grpc.WorkerServiceStub(await channels.enter_async_context(open_channel(w.address)))
             for mode, w in workers.items()
         }
         warm = _prompts(rng, o.streams, o.prompt_tokens)

@@ -19,12 +19,12 @@ import contextlib
 import statistics
 import time
 
-import grpc
 from prometheus_client.parser import text_string_to_metric_families
 
 from phalanx._proto import chaos_pb2, chaos_pb2_grpc, common_pb2, worker_pb2, worker_pb2_grpc
 from phalanx.client import Client, PhalanxClientError
 from phalanx.common.config import EtcdConfig
+from phalanx.common.tls import open_channel
 from phalanx.launch.infra import EtcdServer, NatsServer
 from phalanx.launch.stack import Stack
 
@@ -161,7 +161,7 @@ async def _canary_share(stack: Stack, window_s: float) -> float:
 async def _detect(stack: Stack, client: Client, name: str, fault: chaos_pb2.InjectFaultRequest) -> float:
     """Seconds from injecting ``fault`` into a worker to weight 0 for it in the router; restores the fleet after."""
     victim = _live(stack)[0]
-    async with grpc.aio.insecure_channel(victim.address) as channel:
+    async with open_channel(victim.address) as channel:
         chaos = chaos_pb2_grpc.ChaosServiceStub(channel)
         await chaos.InjectFault(fault, metadata=_AUTH, timeout=5)
         injected = time.monotonic()
@@ -202,7 +202,7 @@ async def _until_all_healthy(stack: Stack, timeout: float) -> None:
 
 
 async def _stats(address: str) -> worker_pb2.StatsResponse:
-    async with grpc.aio.insecure_channel(address) as channel:
+    async with open_channel(address) as channel:
         return await worker_pb2_grpc.WorkerServiceStub(channel).Stats(worker_pb2.StatsRequest(), timeout=5)
 
 

@@ -40,6 +40,7 @@ from phalanx._proto import common_pb2, migration_pb2, worker_pb2, worker_pb2_grp
 from phalanx.common.config import EtcdConfig, NatsConfig
 from phalanx.common.events import EventBus
 from phalanx.common.subjects import MIGRATION_EVENTS_SUBJECT
+from phalanx.common.tls import open_channel
 from phalanx.launch.infra import EtcdServer, NatsServer
 from phalanx.launch.services import ServiceHandle, WorkerHandle, start_expert_worker, start_worker
 from phalanx.launch.stack import Stack, unique_id
@@ -106,7 +107,7 @@ def _prompts(rng: random.Random, count: int) -> list[list[int]]:
 
 async def _wave(address: str, prompts: list[list[int]], tokens: int, on_token=None) -> list[_Stream]:
     streams = [_Stream() for _ in prompts]
-    async with grpc.aio.insecure_channel(address) as channel:
+    async with open_channel(address) as channel:
         stub = worker_pb2_grpc.WorkerServiceStub(channel)
 
         async def one(i: int) -> None:

@@ -17,12 +17,12 @@ import statistics
 import time
 from collections.abc import Callable
 
-import grpc
 import numpy as np
 
 import phalanx.model
 from phalanx._proto import common_pb2, router_pb2, router_pb2_grpc
 from phalanx.common.config import EtcdConfig
+from phalanx.common.tls import open_channel
 from phalanx.launch.infra import EtcdServer, NatsServer
 from phalanx.launch.services import start_encoder_pool, start_router, start_worker
 
@@ -94,7 +94,7 @@ async def overlap_ttft_through_services(
             router = await start_router(f"bench-mm-router-{int(overlap)}", nats.url, etcd_config, env=env)
             stack.callback(router.terminate)
             routers[overlap] = router
-        channels = {k: grpc.aio.insecure_channel(r.address) for k, r in routers.items()}
+        channels = {k: open_channel(r.address) for k, r in routers.items()}
         try:
             out = await _measure({k: router_pb2_grpc.RouterServiceStub(c) for k, c in channels.items()}, request, prefixes, rounds)
         finally:

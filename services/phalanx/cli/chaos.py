@@ -175,10 +175,12 @@ async def _call(method: str, request, worker: str | None, address: str | None, t
     import grpc
 
     from phalanx._proto import chaos_pb2_grpc
+    from phalanx.common.tls import open_channel
 
     if worker:
         address = await _resolve(worker, etcd_endpoint)
-    async with grpc.aio.insecure_channel(address) as channel:
+    assert address is not None, "a worker id or an address is required"
+    async with open_channel(address) as channel:
         call = getattr(chaos_pb2_grpc.ChaosServiceStub(channel), method)
         try:
             response = await call(request, metadata=(("authorization", f"Bearer {token}"),), timeout=_TIMEOUT_S)

@@ -8,6 +8,7 @@ from typing import TextIO
 
 from phalanx.client import Client, PhalanxClientError
 from phalanx.common.errors import InvalidRequestError
+from phalanx.common.tls import sdk_tls
 from phalanx.model.chat import ChatPrompts
 
 __all__ = ["run_chat"]
@@ -22,7 +23,7 @@ async def run_chat(
 ) -> int:
     """Read a user turn, stream the answer, repeat; the exit code."""
     try:
-        async with await Client.connect(target, api_key=api_key) as client:
+        async with await Client.connect(target, api_key=api_key, tls=sdk_tls()) as client:
             if not model:
                 workers = await client.list_workers(timeout=_LIST_WORKERS_TIMEOUT_S)
                 models = sorted({w.model for w in workers if w.model})

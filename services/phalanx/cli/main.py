@@ -11,6 +11,7 @@ from pathlib import Path
 
 import typer
 
+from phalanx.cli.certs import certs_app
 from phalanx.cli.chaos import chaos_app
 from phalanx.cli.planner import planner_app
 from phalanx.model.config import DEFAULT_MODEL
@@ -18,6 +19,7 @@ from phalanx.model.config import DEFAULT_MODEL
 app = typer.Typer(help="Phalanx: LLM inference that keeps serving through failures.", no_args_is_help=True)
 bench_app = typer.Typer(help="Benchmarks that print JSON and compare side by side in one run.", no_args_is_help=True)
 app.add_typer(bench_app, name="bench")
+app.add_typer(certs_app, name="certs")
 app.add_typer(chaos_app, name="chaos")
 app.add_typer(planner_app, name="planner")
 
@@ -372,6 +374,9 @@ def up(
     ),
     shadow_experts: int = typer.Option(1, min=0, max=15, help="With --expert-workers: extra copies of each expert, each on another expert worker"),
     encoders: int = typer.Option(0, min=0, max=8, help="Multimodal encoders (built-in seeded towers): requests may carry media"),
+    tls: bool = typer.Option(
+        False, "--tls", help="Mutual TLS between every process, with certificates made (if missing) beside the state file (docs/security.md)"
+    ),
 ) -> None:
     """Bring Phalanx up on this machine: NATS, etcd, workers, a router, an OpenAI-compatible gateway and the rest, supervised."""
     from dataclasses import replace
@@ -387,7 +392,7 @@ def up(
         nats_url=nats_url, etcd_endpoint=etcd_endpoint, log_file=Path(log_file) if log_file else None,
         planner=planner, min_workers=min_workers, max_workers=max_workers, failover=failover, hot_spares=hot_spares, engine=engine,
         profile=str(Path(profile).resolve()) if profile else "", expert_workers=expert_workers, shadow_experts=shadow_experts,
-        encoders=encoders,
+        encoders=encoders, tls=tls,
     )
     if hot_spares and not planner:
         raise typer.BadParameter("--hot-spares needs --planner (the planner promotes them)", param_hint="--hot-spares")
@@ -439,6 +444,7 @@ def generate(
     from phalanx.client import Media
 
     target = resolve_target(target, _state_file(state_file))
+    _tls_of_local_stack(_state_file(state_file))
     media = [Media.from_file(p, kind) for kind, paths in (("image", image), ("audio", audio), ("video", video)) for p in paths or ()]
     options = {
         "max_tokens": max_tokens, "temperature": temperature, "seed": seed, "tier": tier, "tenant": tenant, "media": media,
@@ -461,6 +467,7 @@ def chat(
     from phalanx.cli.state import resolve_target
 
     target = resolve_target(target, _state_file(state_file))
+    _tls_of_local_stack(_state_file(state_file))
     chatting = run_chat(target, model=model, system=system, api_key=api_key, max_tokens=max_tokens, temperature=temperature)
     raise typer.Exit(_run_client(chatting))
 
@@ -480,6 +487,7 @@ def status(
     supervisor = live_state(_state_file(state_file))
     if supervisor is not None and supervisor.router_address != resolved:
         supervisor = None  # some other router than the local stack's
+    _tls_of_local_stack(_state_file(state_file))
     raise typer.Exit(_run_client(show_status(resolved, as_json=as_json, api_key=api_key, supervisor=supervisor)))
 
 
@@ -489,6 +497,18 @@ def _run_client(call) -> int:
         return asyncio.run(call)
     except KeyboardInterrupt:
         return 130
+
+
+def _tls_of_local_stack(state_file: Path) -> None:
+    """Without PHALANX_TLS_*, a client command talks to a local `phalanx up --tls` with its admin certificate."""
+    from phalanx.cli.state import live_state
+    from phalanx.common.tls import ServiceTls, TlsSettings, set_process_tls
+
+    if TlsSettings().enabled:
+        return
+    state = live_state(state_file)
+    if state is not None and state.certs_dir:
+        set_process_tls(ServiceTls.from_dir(Path(state.certs_dir) / "admin"))
 
 
 def _state_file(given: str | None) -> Path:

@@ -99,6 +99,7 @@ class UpState:
     events: list[SupervisorEvent] = field(default_factory=list)
     # `phalanx up --planner`: the planner's bounds and targets, the decision followed (phalanx.cli.up planner_state).
     planner: dict[str, Any] | None = None
+    certs_dir: str = ""  # `phalanx up --tls`: the CA and one directory per identity (admin/, client/ ...); "" without TLS
 
     def pids(self) -> list[int]:
         """Every process of the stack that the supervisor started, supervisor included."""

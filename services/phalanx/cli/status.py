@@ -18,6 +18,7 @@ from rich.table import Table
 
 from phalanx.cli.state import UpState, WorkerEntry
 from phalanx.client import Client, PhalanxClientError, WorkerInfo
+from phalanx.common.tls import sdk_tls
 
 __all__ = ["show_status", "stream_generate", "workers_table"]
 
@@ -36,7 +37,7 @@ async def stream_generate(target: str, prompt: str, *, api_key: str | None, **op
     """Print the completion's text as it streams (stdout holds the text only); the exit code."""
     wrote = False
     try:
-        async with await Client.connect(target, api_key=api_key) as client:
+        async with await Client.connect(target, api_key=api_key, tls=sdk_tls()) as client:
             async for chunk in client.generate(prompt, **options):
                 sys.stdout.write(chunk.text)
                 sys.stdout.flush()
@@ -57,7 +58,7 @@ async def show_status(target: str, *, as_json: bool, api_key: str | None, superv
     follow the table (``"supervisor"`` in JSON).
     """
     try:
-        async with await Client.connect(target, api_key=api_key, timeout=_STATUS_TIMEOUT_S) as client:
+        async with await Client.connect(target, api_key=api_key, tls=sdk_tls(), timeout=_STATUS_TIMEOUT_S) as client:
             workers = await client.list_workers()
     except PhalanxClientError as error:
         return _report(error)

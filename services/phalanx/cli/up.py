@@ -136,6 +136,7 @@ class UpOptions:
     expert_workers: int = 0
     shadow_experts: int = 1  # extra copies of each expert, each on another expert worker
     encoders: int = 0  # multimodal encoder pool processes (built-in seeded towers, projecting into the model's hidden size)
+    tls: bool = False  # mutual TLS between every process, certificates in certs_dir (made if missing)
 
     def command(self) -> list[str]:
         """The `phalanx up` command line that runs this configuration in the foreground."""
@@ -162,7 +163,14 @@ class UpOptions:
             args += ["--expert-workers", str(self.expert_workers), "--shadow-experts", str(self.shadow_experts)]
         if self.encoders:
             args += ["--encoders", str(self.encoders)]
+        if self.tls:
+            args += ["--tls"]
         return args
+
+    @property
+    def certs_dir(self) -> Path:
+        """Where --tls keeps its development CA and the certificates: beside the state file."""
+        return self.state_file.parent / "certs"
 
     @property
     def worker_ceiling(self) -> int:
@@ -625,7 +633,7 @@ class _Stack:
             nats_url=self.nats_url, nats_pid=self.nats.pid if self.nats else None,
             etcd_endpoint=self.etcd_endpoint, etcd_pid=self.etcd.pid if self.etcd else None,
             log_file=supervisor.log_file, ready_at=supervisor.ready_at or time.time(), events=self.events[-MAX_EVENTS:],
-            gateway_url=self.gateway_url, planner=self.planner_state(),
+            gateway_url=self.gateway_url, planner=self.planner_state(), certs_dir=str(self.options.certs_dir) if self.options.tls else "",
         )
 
     def _worker_entry(self, worker: WorkerHandle) -> WorkerEntry:
@@ -1092,9 +1100,24 @@ def _print_ready(console: Console, state: UpState, state_file: Path, seconds: fl
     first = state.workers[0].worker_id if state.workers else "worker-0"
     console.print(f"           phalanx chaos kill {first}{state_flag}   (the supervisor replaces it; the rest keeps serving)", highlight=False)
     console.print(f"  stop     phalanx down{down}  (or Ctrl-C in the foreground)", highlight=False)
+    if state.certs_dir:
+        console.print(f"  tls      mutual TLS on: clients need a certificate of {state.certs_dir}/ca.crt, e.g.", highlight=False)
+        console.print(f"           PHALANX_TLS_DIR={state.certs_dir}/admin phalanx status{flags}", highlight=False)
+        console.print(f"           Client.connect(target, tls=TlsConfig.from_dir('{state.certs_dir}/client'))", highlight=False)
 
 
 # --- phalanx up (foreground supervisor) -------------------------------------------------------------
+
+
+def _use_tls(certs_dir: Path) -> None:
+    """Certificates made if missing; every process started from now on serves and calls with mutual TLS, and this
+    supervisor's own calls (readiness, health listings) present the admin identity."""
+    from phalanx.common.tls import ServiceTls, init_certs, set_process_tls
+    from phalanx.launch.services import use_certs
+
+    init_certs(certs_dir)
+    use_certs(certs_dir)
+    set_process_tls(ServiceTls.from_dir(certs_dir / "admin"))
 
 
 async def run_up(options: UpOptions, console: Console) -> int:
@@ -1115,6 +1138,8 @@ async def run_up(options: UpOptions, console: Console) -> int:
     if existing is not None:
         console.print(f"[red]error:[/] {_already_up_message(existing, options.state_file)}", highlight=False)
         return 1
+    if options.tls:
+        _use_tls(options.certs_dir)
 
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import random
 from dataclasses import dataclass
+from pathlib import Path
 
 __all__ = ["RetryPolicy", "TlsConfig"]
 
@@ -58,3 +60,17 @@ class TlsConfig:
     private_key: bytes | None = None
     certificate_chain: bytes | None = None
     server_name_override: str | None = None
+
+    @classmethod
+    def from_dir(cls, directory: str | os.PathLike[str], *, server_name_override: str | None = "phalanx.internal") -> TlsConfig:
+        """Mutual TLS with the files of ``phalanx certs init`` or a cert-manager secret: ``tls.crt``, ``tls.key``, ``ca.crt``.
+
+        Phalanx routers' certificates name ``phalanx.internal`` (pass None to check the target's host instead).
+        """
+        base = Path(directory)
+        return cls(
+            root_certificates=(base / "ca.crt").read_bytes(),
+            private_key=(base / "tls.key").read_bytes(),
+            certificate_chain=(base / "tls.crt").read_bytes(),
+            server_name_override=server_name_override,
+        )

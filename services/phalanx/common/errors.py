@@ -89,3 +89,15 @@ class RequestShedError(ResourceExhaustedError):
     """Refused by graceful degradation (its tier is shed at the current level); retry later."""
 
     reason = "REQUEST_SHED"
+
+
+class PermissionDeniedError(PhalanxError):
+    """The caller's identity (from its client certificate) may not make this call; see phalanx.common.authz."""
+
+    reason = "PERMISSION_DENIED"
+
+    def __init__(self, *, method: str, identity: str | None) -> None:
+        who = f"identity {identity!r}" if identity else "a caller without a Phalanx certificate identity"
+        super().__init__(f"{method} is not allowed for {who}: it is internal to Phalanx (services or an admin certificate only)")
+        self.method = method
+        self.identity = identity

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 import grpc
 
 from phalanx.common.telemetry import grpc_client_interceptors
+from phalanx.common.tls import open_channel
 
 # Calls still running on a discarded channel get this long to finish before it closes under them.
 _DISCARD_GRACE_S = 60.0
@@ -32,7 +33,7 @@ class GrpcChannels:
         channel = self._channels.get(address)
         if channel is None:
             interceptors = grpc_client_interceptors() if self._traced else None
-            channel = self._channels[address] = grpc.aio.insecure_channel(address, options=self._options, interceptors=interceptors)
+            channel = self._channels[address] = open_channel(address, options=self._options, interceptors=interceptors)
         return channel
 
     def discard(self, address: str) -> None:

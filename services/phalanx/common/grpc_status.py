@@ -23,6 +23,7 @@ from phalanx.common.errors import (
     FailedPreconditionError,
     InvalidRequestError,
     NotFoundError,
+    PermissionDeniedError,
     PhalanxError,
     ResourceExhaustedError,
     UnavailableError,
@@ -40,6 +41,7 @@ _CODES: list[tuple[type[PhalanxError], grpc.StatusCode]] = [
     (NotFoundError, grpc.StatusCode.NOT_FOUND),
     (FailedPreconditionError, grpc.StatusCode.FAILED_PRECONDITION),
     (AuthenticationError, grpc.StatusCode.UNAUTHENTICATED),
+    (PermissionDeniedError, grpc.StatusCode.PERMISSION_DENIED),
 ]
 
 

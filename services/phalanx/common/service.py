@@ -13,8 +13,11 @@ Stop: ``request_stop()`` (SIGTERM, see ``run_until_signalled``) wakes
 case the service left early), the pushed undos in reverse order (revoke the
 etcd lease, drain NATS, ...), the metrics server, telemetry.
 
-Every RPC runs under the telemetry interceptor and ``DomainErrorInterceptor``,
-so handlers raise ``PhalanxError`` and never abort by hand.
+Every RPC runs under the telemetry interceptor, ``DomainErrorInterceptor``
+(handlers raise ``PhalanxError`` and never abort by hand) and, with mutual TLS
+on (``PHALANX_TLS_DIR``, see ``phalanx.common.tls``), ``AuthorizationInterceptor``:
+the server then accepts only peers with a certificate of the Phalanx CA and
+each RPC only from the identities ``phalanx.common.authz.POLICY`` allows.
 
 A new service (a planner, an encoder pool) writes only its own wiring::
 
@@ -64,11 +67,13 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry, make_wsgi_app
 from prometheus_client.exposition import ThreadingWSGIServer, _get_best_family, _SilentHandler
 
+from phalanx.common.authz import AuthorizationInterceptor
 from phalanx.common.config import EtcdConfig, NatsConfig, TelemetryConfig
 from phalanx.common.events import EventBus
 from phalanx.common.grpc_status import DomainErrorInterceptor
 from phalanx.common.lease import LeasedKey
 from phalanx.common.telemetry import grpc_server_interceptors, setup_telemetry, shutdown_telemetry
+from phalanx.common.tls import ServiceTls, process_tls, warn_plaintext
 
 __all__ = ["ListenConfig", "Runnable", "ServerTls", "ServiceShell", "run_until_signalled"]
 
@@ -102,7 +107,10 @@ class ListenConfig(Protocol):
 
 @dataclass(frozen=True)
 class ServerTls:
-    """PEM files of a TLS-only gRPC port."""
+    """PEM files of a TLS-only gRPC port that asks no client certificate (a public router behind its own auth).
+
+    Mutual TLS (``PHALANX_TLS_DIR``), when set, takes its place.
+    """
 
     cert_file: str
     key_file: str
@@ -135,15 +143,20 @@ class ServiceShell:
     def __init__(
         self, name: str, listen: ListenConfig, telemetry: TelemetryConfig, *, registry: CollectorRegistry,
         options: Sequence[tuple[str, Any]] = (), tls: ServerTls | None = None, shutdown_grace_s: float = 1.0,
-        probes: Callable[[str], int] | None = None,
+        probes: Callable[[str], int] | None = None, mtls: ServiceTls | None | bool = True,
     ) -> None:
-        """``probes``: the HTTP status of probe "startup", "live" or "ready", served at /startup, /live, /ready beside /metrics."""
+        """``probes``: the HTTP status of probe "startup", "live" or "ready", served at /startup, /live, /ready beside /metrics.
+
+        ``mtls``: True for the process's mutual TLS (``phalanx.common.tls.process_tls()``, from ``PHALANX_TLS_*``), a
+        ServiceTls for that one, None or False for none.
+        """
         self.name = name
         self._listen = listen
         self._telemetry = telemetry
         self._registry = registry
         self._options = [*_BASE_OPTIONS, *options]
         self._tls = tls
+        self._mtls = process_tls() if mtls is True else (mtls or None)
         self._probes = probes
         self.shutdown_grace_s = shutdown_grace_s
         self.health = grpc_health.aio.HealthServicer()
@@ -187,12 +200,18 @@ class ServiceShell:
         setup_telemetry(self.name, self._telemetry)
         self._own.callback(shutdown_telemetry)
         try:
-            server = self._server = grpc.aio.server(
-                interceptors=[*grpc_server_interceptors(), DomainErrorInterceptor()], options=self._options
-            )
+            # Authorization runs inside the error mapping, so that a denial is a PermissionDeniedError like any other.
+            interceptors = [*grpc_server_interceptors(), DomainErrorInterceptor(), AuthorizationInterceptor(enforce=self._mtls is not None)]
+            server = self._server = grpc.aio.server(interceptors=interceptors, options=self._options)
             health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
             address = f"{self._listen.host}:{self._listen.port}"
-            port = server.add_secure_port(address, self._tls.credentials()) if self._tls else server.add_insecure_port(address)
+            if self._mtls is not None:
+                port = server.add_secure_port(address, self._mtls.server_credentials())
+            elif self._tls is not None:
+                port = server.add_secure_port(address, self._tls.credentials())
+            else:
+                warn_plaintext(self.name)
+                port = server.add_insecure_port(address)
             self.address = f"{self.advertised_host}:{port}"
         except BaseException:
             await self._own.aclose()

@@ -28,6 +28,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from phalanx.client import Chunk, Client, GenerateStream, PhalanxClientError, RetryPolicy
 from phalanx.common.telemetry import extract_context, get_tracer
+from phalanx.common.tls import sdk_tls
 from phalanx.gateway.auth import TIER_HEADER, Caller, KeyRing
 from phalanx.gateway.config import GatewayConfig
 from phalanx.gateway.errors import GatewayError, from_client_error
@@ -67,7 +68,9 @@ class RouterClients:
         if client is None:
             if self._closed:
                 raise GatewayError(503, "the gateway is shutting down", kind="server_error", code="shutting_down", retry_after_s=1.0)
-            made = await Client.connect(self._config.router, api_key=api_key, timeout=self._config.request_timeout_s, retry=self._retry)
+            made = await Client.connect(
+                self._config.router, api_key=api_key, tls=sdk_tls(), timeout=self._config.request_timeout_s, retry=self._retry
+            )
             client = self._clients.setdefault(api_key, made)
             if client is not made:
                 await made.close()

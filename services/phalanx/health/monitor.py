@@ -40,6 +40,7 @@ from phalanx.common.subjects import (
     health_events_subject,
     health_key,
 )
+from phalanx.common.tls import open_channel
 from phalanx.health.canary import CANDIDATE_PROMPTS, CanaryFact, CanaryRun, calibrate, canary_facts, judge
 from phalanx.health.config import DegradationConfig, HealthConfig
 from phalanx.health.degradation import DegradationDecision, DegradationPolicy, PlannerView, WorkerCapacity, latency_slo_factor
@@ -618,7 +619,7 @@ class FleetMonitor:
 
 
 def _channel(address: str) -> grpc.aio.Channel:
-    return grpc.aio.insecure_channel(
+    return open_channel(
         address,
         options=[
             # Notice a silent peer on the Watch stream, and reconnect fast once it is back.

@@ -31,6 +31,7 @@ from phalanx.common.discovery import (
     WorkerDirectory,
 )
 from phalanx.common.subjects import ROUTERS_PREFIX
+from phalanx.common.tls import open_channel
 from phalanx.launch.ports import free_port
 
 __all__ = [
@@ -54,6 +55,7 @@ __all__ = [
     "start_planner",
     "start_router",
     "start_worker",
+    "use_certs",
     "wait_registered",
 ]
 
@@ -159,11 +161,23 @@ class HealthHandle(ServiceHandle):
         return self.name
 
     async def list_health(self, timeout: float = 2.0) -> health_pb2.ListWorkerHealthResponse:
-        async with grpc.aio.insecure_channel(self.address) as channel:
+        async with open_channel(self.address) as channel:
             return await health_pb2_grpc.HealthServiceStub(channel).ListWorkerHealth(health_pb2.ListWorkerHealthRequest(), timeout=timeout)
 
 
+_certs_root: Path | None = None
+
+
+def use_certs(root: str | os.PathLike[str] | None) -> None:
+    """Start every later service with mutual TLS: ``PHALANX_TLS_DIR=<root>/<command>`` (the layout of ``phalanx certs init``,
+    one identity per service command: worker, router, health ...), unless its env names one; None: as the environment says."""
+    global _certs_root
+    _certs_root = Path(root) if root is not None else None
+
+
 def _spawn(args: list[str], env: dict[str, str]) -> subprocess.Popen:
+    if _certs_root is not None and "PHALANX_TLS_DIR" not in env:
+        env = {**env, "PHALANX_TLS_DIR": str(_certs_root / args[0])}
     return subprocess.Popen(
         [sys.executable, "-m", "phalanx.cli", *args],
         env={**os.environ, **env},
@@ -317,7 +331,7 @@ class PlannerHandle(ServiceHandle):
     async def serving(self, timeout: float = 1.0) -> bool:
         from grpc_health.v1 import health_pb2 as grpc_health_pb2, health_pb2_grpc as grpc_health_pb2_grpc
 
-        async with grpc.aio.insecure_channel(self.address) as channel:
+        async with open_channel(self.address) as channel:
             reply = await grpc_health_pb2_grpc.HealthStub(channel).Check(grpc_health_pb2.HealthCheckRequest(), timeout=timeout)
         return reply.status == grpc_health_pb2.HealthCheckResponse.SERVING
 
@@ -374,11 +388,11 @@ class CheckpointStoreHandle(ServiceHandle):
         return self.advertisement.channel_endpoint
 
     async def stats(self, timeout: float = 2.0):
-        async with grpc.aio.insecure_channel(self.address) as channel:
+        async with open_channel(self.address) as channel:
             return await checkpoint_pb2_grpc.CheckpointStoreStub(channel).Stats(checkpoint_pb2.StatsRequest(), timeout=timeout)
 
     async def get_commit(self, request_id: str, timeout: float = 2.0):
-        async with grpc.aio.insecure_channel(self.address) as channel:
+        async with open_channel(self.address) as channel:
             stub = checkpoint_pb2_grpc.CheckpointStoreStub(channel)
             return (await stub.GetCommit(checkpoint_pb2.GetCommitRequest(request_id=request_id), timeout=timeout)).commit
 

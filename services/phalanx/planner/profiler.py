@@ -25,9 +25,8 @@ import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-import grpc
-
 from phalanx._proto import common_pb2, worker_pb2, worker_pb2_grpc
+from phalanx.common.tls import open_channel
 from phalanx.planner.profile import DecodeSample, PerformanceProfile, PrefillSample, build_profile
 
 
@@ -77,7 +76,7 @@ async def sweep(
     rng = random.Random(seed)
     prefill: list[PrefillSample] = []
     decode: list[DecodeSample] = []
-    async with grpc.aio.insecure_channel(address) as channel:
+    async with open_channel(address) as channel:
         stub = worker_pb2_grpc.WorkerServiceStub(channel)
         await _stream_times(stub, _prompt(rng, 32), 4)  # warm-up: allocator, first batches
         for isl in plan.isls:

@@ -29,6 +29,7 @@ from phalanx.common.errors import InvalidRequestError, NotFoundError, PhalanxErr
 from phalanx.common.grpc_status import abort_with
 from phalanx.common.subjects import validate_request_id
 from phalanx.common.telemetry import get_tracer, grpc_client_interceptors
+from phalanx.common.tls import open_channel
 from phalanx.encoder_pool.tokens import expand_placeholders, visual_token_budget
 from phalanx.model.params import sampling_from_proto
 from phalanx.model.tokenizer import Tokenizer
@@ -100,7 +101,7 @@ class WorkerChannels:
             timer.cancel()  # in use again (re-registered, or a resume on it)
         entry = self._channels.get(address)
         if entry is None:
-            channel = grpc.aio.insecure_channel(address, options=self._options, interceptors=grpc_client_interceptors())
+            channel = open_channel(address, options=self._options, interceptors=grpc_client_interceptors())
             entry = self._channels[address] = (channel, worker_pb2_grpc.WorkerServiceStub(channel))
         return entry[1]
 

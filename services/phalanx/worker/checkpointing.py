@@ -36,6 +36,7 @@ from phalanx._proto import checkpoint_pb2
 from phalanx.common.config import EtcdConfig
 from phalanx.common.discovery import CheckpointStoreDirectory
 from phalanx.common.lease import Backoff
+from phalanx.common.tls import open_channel
 from phalanx.worker.engine import Engine
 from phalanx.worker.sequence import RequestSnapshot, Sequence
 
@@ -241,7 +242,7 @@ class CheckpointStreamer:
             await stores.close()
 
     async def _stream(self, address: str) -> None:
-        async with grpc.aio.insecure_channel(
+        async with open_channel(
             address, options=[("grpc.max_send_message_length", 256 << 20), ("grpc.max_receive_message_length", 64 << 20)]
         ) as channel:
             await asyncio.wait_for(channel.channel_ready(), timeout=2.0)

@@ -42,6 +42,7 @@ from phalanx.common.discovery import EtcdDirectory
 from phalanx.common.errors import UnavailableError
 from phalanx.common.subjects import ERT_KEY, MOE_PREFIX
 from phalanx.common.telemetry import get_tracer
+from phalanx.common.tls import open_channel
 from phalanx.model.expert_split import ExpertBatch
 from phalanx.worker.ert import ExpertRoutingTable
 from phalanx.worker.expert_wire import pack
@@ -305,7 +306,7 @@ class RemoteExperts:
 
     def _grpc_channel(self, address: str) -> grpc.aio.Channel:
         if address not in self._grpc:
-            self._grpc[address] = grpc.aio.insecure_channel(address)
+            self._grpc[address] = open_channel(address)
         return self._grpc[address]
 
     async def _on_failure(self, ew: str, error: BaseException) -> None:

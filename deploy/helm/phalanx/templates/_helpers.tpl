@@ -70,3 +70,40 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- printf "%s-router-api-keys" (include "phalanx.fullname" .) }}
 {{- end }}
 {{- end }}
+
+{{/*
+Mutual TLS (tls.enabled, docs/security.md): each component mounts the Secret of its identity at /etc/phalanx/tls
+(tls.crt, tls.key, ca.crt: what a cert-manager Certificate writes) and reads it through PHALANX_TLS_DIR.
+*/}}
+{{- define "phalanx.tls.secretName" -}}
+{{- $root := index . 0 }}{{- $identity := index . 1 }}
+{{- printf "%s-%s-tls" (include "phalanx.fullname" $root) $identity | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "phalanx.tls.env" -}}
+{{- if .Values.tls.enabled }}
+- name: PHALANX_TLS_DIR
+  value: /etc/phalanx/tls
+- name: PHALANX_TLS_SERVER_NAME
+  value: {{ .Values.tls.serverName | quote }}
+{{- end }}
+{{- end }}
+
+{{- define "phalanx.tls.volumeMount" -}}
+{{- if .Values.tls.enabled }}
+- name: phalanx-tls
+  mountPath: /etc/phalanx/tls
+  readOnly: true
+{{- end }}
+{{- end }}
+
+{{/* The pod volume of identity (list $ "router"). */}}
+{{- define "phalanx.tls.volume" -}}
+{{- $root := index . 0 }}
+{{- if $root.Values.tls.enabled }}
+- name: phalanx-tls
+  secret:
+    secretName: {{ include "phalanx.tls.secretName" . }}
+    defaultMode: 0440
+{{- end }}
+{{- end }}

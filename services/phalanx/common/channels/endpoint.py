@@ -39,6 +39,7 @@ from phalanx.common.config import EtcdConfig
 from phalanx.common.discovery import encode_json
 from phalanx.common.lease import TRANSIENT_ERRORS, LeasedKey, connect_etcd
 from phalanx.common.subjects import validate_worker_id
+from phalanx.common.tls import ServiceTls, process_tls
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +67,10 @@ class ChannelEndpoint:
         grpc_address: str = "",
         idle_channel_s: float = 60.0,
         max_idle_channels: int = 16,
+        tls: ServiceTls | None | bool = True,
     ) -> None:
+        """``tls``: True for the process's mutual-TLS identity (``phalanx.common.tls.process_tls()``), a ServiceTls for
+        that one, None or False for none; with one, openers sign their rendezvous claims and accepts check them."""
         if timeout_s <= 0:
             raise ValueError("timeout_s must be positive")
         if idle_channel_s <= 0 or max_idle_channels < 0:
@@ -78,7 +82,7 @@ class ChannelEndpoint:
         self._grpc_address = grpc_address
         self._pool = _DaemonPool(f"channels-{endpoint_id}")
         self._store: dist.TCPStore | None = None
-        self._rendezvous = _Rendezvous(self.endpoint_id, timeout_s)
+        self._rendezvous = _Rendezvous(self.endpoint_id, timeout_s, tls=process_tls() if tls is True else (tls or None))
         self._gloo_device: Any = None
         self._lease: LeasedKey | None = None
         self._etcd: aetcd.Client | None = None

@@ -19,6 +19,7 @@ import torch
 
 from phalanx._proto import channel_pb2, channel_pb2_grpc
 from phalanx.common.channels.channel import ChannelError, TensorChannel, _nbytes
+from phalanx.common.tls import open_channel
 
 if TYPE_CHECKING:
     from phalanx.common.channels.endpoint import ChannelEndpoint
@@ -124,7 +125,7 @@ class _Inboxes:
 
 async def _say_hello(endpoint_id: str, peer_grpc_address: str, channel_id: str, timeout: float) -> grpc.aio.Channel:
     """The connection of a new sending side, once the peer took its hello; ChannelError if it did not."""
-    grpc_channel = grpc.aio.insecure_channel(peer_grpc_address)
+    grpc_channel = open_channel(peer_grpc_address)
     hello = channel_pb2.PushRequest(
         channel_id=channel_id, message=_HELLO, total_bytes=len(endpoint_id.encode()), data=endpoint_id.encode()
     )

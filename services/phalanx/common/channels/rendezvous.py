@@ -10,11 +10,18 @@ says which backend both use: NCCL, or gloo staged through host memory when
 they share a GPU. The advertisement (a ChannelEndpointAdvertisement,
 proto3 JSON) lives under a lease (``/phalanx/v1/channels/<endpoint id>``),
 so a peer that dies disappears from discovery within the lease TTL.
+
+With mutual TLS on (``phalanx.common.tls``), the opener signs its claim
+(channel id, its endpoint id, the time) with its certificate's key and sends
+the certificate along; the acceptor forms the group only with an opener whose
+certificate the CA issued to a Phalanx service (or admin). The TCPStore and
+gloo/NCCL themselves stay unauthenticated and unencrypted (docs/security.md).
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import logging
 import socket
@@ -33,6 +40,7 @@ from phalanx.common.channels.channel import ChannelError, _describe
 from phalanx.common.discovery import decode_json
 from phalanx.common.lease import TRANSIENT_ERRORS
 from phalanx.common.subjects import CHANNELS_PREFIX, validate_worker_id
+from phalanx.common.tls import SERVICE_IDENTITIES, ServiceTls
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +50,11 @@ _OPENER_KEY = "opener"
 _READY_KEY = "ready"
 # Set by the acceptor of an NCCL channel: the backend both ends form the group with.
 _AGREED_KEY = "agreed"
+# How far an opener's signed claim may be from the acceptor's clock (hosts' clocks differ a little).
+_CLAIM_SKEW_S = 300.0
+# Who may open a channel when TLS is on: the services, and an operator's tools.
+_CHANNEL_PEERS = frozenset({*SERVICE_IDENTITIES, "admin"})
+
 # Rendezvous waits poll the store: fast at first (the peer is usually there), then every 5 ms.
 _POLL_FIRST_S = 0.0002
 _POLL_MAX_S = 0.005
@@ -165,12 +178,45 @@ async def _lookup(etcd: aetcd.Client, peer_endpoint_id: str, timeout: float) -> 
         raise ChannelError(f"the advertisement at {key} is unreadable: {error}", peer=peer_endpoint_id) from error
 
 
-class _Rendezvous:
-    """One endpoint's joins: as opener on a peer's store, as acceptor on its own (blocking: call them on a thread)."""
+def _claim_payload(channel_id: str, endpoint: str, at: float) -> bytes:
+    return f"phalanx-channel-rendezvous\n{channel_id}\n{endpoint}\n{at!r}".encode()
 
-    def __init__(self, endpoint_id: str, timeout_s: float) -> None:
+
+def sign_claim(tls: ServiceTls, claim: dict[str, Any], channel_id: str) -> dict[str, Any]:
+    """``claim`` with the time, this identity's certificate and its signature over (channel id, endpoint, time)."""
+    at = time.time()
+    signature = tls.sign(_claim_payload(channel_id, claim["endpoint"], at))
+    return {**claim, "at": at, "cert": tls.certificate.decode(), "sig": base64.b64encode(signature).decode()}
+
+
+def check_claim(tls: ServiceTls, claim: dict[str, Any], channel_id: str) -> str:
+    """The identity of the opener that signed ``claim`` for ``channel_id``; ChannelError if it cannot be trusted."""
+    endpoint = claim.get("endpoint", "?")
+    try:
+        if "sig" not in claim or "cert" not in claim:
+            raise ValueError("it presented no certificate (TLS is off on its side?)")
+        at = float(claim["at"])
+        if abs(time.time() - at) > _CLAIM_SKEW_S:
+            raise ValueError(f"its claim is {time.time() - at:+.0f} s old")
+        identity = tls.verify_signed(_claim_payload(channel_id, endpoint, at), base64.b64decode(claim["sig"]), claim["cert"].encode())
+    except (ValueError, TypeError, KeyError) as error:
+        raise ChannelError(f"refused the opener {endpoint!r} of channel {channel_id!r}: {error}", peer=str(endpoint)) from error
+    if identity not in _CHANNEL_PEERS:
+        raise ChannelError(f"refused the opener {endpoint!r} of channel {channel_id!r}: identity {identity!r} is not a Phalanx service",
+                           peer=str(endpoint))
+    return identity
+
+
+class _Rendezvous:
+    """One endpoint's joins: as opener on a peer's store, as acceptor on its own (blocking: call them on a thread).
+
+    With ``tls`` the opener signs its claim and the acceptor checks the claim it reads.
+    """
+
+    def __init__(self, endpoint_id: str, timeout_s: float, tls: ServiceTls | None = None) -> None:
         self._endpoint_id = endpoint_id
         self._timeout_s = timeout_s
+        self._tls = tls
         # One TCPStore client per peer store, shared by every channel opened to it.
         self._clients: dict[tuple[str, int], dist.TCPStore] = {}
         self._clients_lock = threading.Lock()
@@ -179,7 +225,8 @@ class _Rendezvous:
         self, address: tuple[str, int], channel_id: str, backend: str, deadline: float, form: FormGroup, gpu: str | None = None
     ) -> tuple[Any, dist.Store, str]:
         """Joins as rank 0; returns the group, its store and the backend the acceptor agreed to."""
-        opener = json.dumps({"endpoint": self._endpoint_id, "backend": backend, "gpu": gpu})
+        claim: dict[str, Any] = {"endpoint": self._endpoint_id, "backend": backend, "gpu": gpu}
+        opener = json.dumps(sign_claim(self._tls, claim, channel_id) if self._tls is not None else claim)
         client = self._client_for(address, deadline)
         try:
             client.set(f"{_store_prefix(channel_id)}/{_OPENER_KEY}", opener)
@@ -208,6 +255,8 @@ class _Rendezvous:
         try:
             store.wait([_OPENER_KEY])
             opener = json.loads(store.get(_OPENER_KEY))
+            if self._tls is not None:
+                check_claim(self._tls, opener, channel_id)
             if opener["backend"] != backend:
                 raise ChannelError(f"the peer {opener['endpoint']!r} opened it with {opener['backend']}, accepted with {backend}")
             if backend == "nccl":

@@ -1,0 +1,60 @@
+"""Mutual TLS in the deployments: every Phalanx pod and compose service gets its identity's certificate when TLS is on."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from phalanx.common.tls import CLIENT_IDENTITIES, SERVICE_IDENTITIES
+
+yaml = pytest.importorskip("yaml")
+
+DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
+TEMPLATES = DEPLOY / "helm" / "phalanx" / "templates"
+# Phalanx pods (not NATS, etcd): the chart template and the identities of its pods.
+PODS = {
+    "checkpoint-store-deployment.yaml": {"checkpoint-store"}, "encoder-deployment.yaml": {"encoder-pool"},
+    "gateway-deployment.yaml": {"gateway"}, "health-deployment.yaml": {"health"}, "migration-deployment.yaml": {"migration"},
+    "planner.yaml": {"planner"}, "moe.yaml": {"expert-worker", "ert-manager"}, "router-deployment.yaml": {"router"},
+    "worker-statefulset.yaml": {"worker"},
+}
+
+
+def test_tls_is_off_by_default_and_names_the_server_name_the_services_check() -> None:
+    values = yaml.safe_load((DEPLOY / "helm" / "phalanx" / "values.yaml").read_text())
+    assert values["tls"]["enabled"] is False
+    assert values["tls"]["serverName"] == "phalanx.internal"
+    assert values["tls"]["certManager"]["enabled"] is False
+
+
+@pytest.mark.parametrize("template", sorted(PODS))
+def test_every_phalanx_container_reads_its_identity_from_a_mounted_secret(template: str) -> None:
+    text = (TEMPLATES / template).read_text()
+    containers = len(re.findall(r"^\s+image: ", text, re.M))
+    assert text.count('include "phalanx.tls.env"') == containers
+    assert text.count('include "phalanx.tls.volumeMount"') == containers
+    assert set(re.findall(r'include "phalanx.tls.volume" \(list \. "([a-z-]+)"\)', text)) == PODS[template]
+
+
+def test_cert_manager_issues_every_identity_a_pod_mounts_plus_admin_and_client() -> None:
+    text = (TEMPLATES / "certificates.yaml").read_text()
+    servers = set(re.search(r"\$servers := list ((?:\"[a-z-]+\" ?)+)", text).group(1).replace('"', "").split())
+    assert set().union(*PODS.values()) <= servers <= set(SERVICE_IDENTITIES)
+    assert 'list "admin" "client"' in text and set(CLIENT_IDENTITIES) == {"admin", "client"}
+    assert "spiffe://phalanx/{{ $identity }}" in text
+
+
+def test_the_compose_tls_file_gives_every_phalanx_service_its_certificate_from_the_certs_one_shot() -> None:
+    base = yaml.safe_load((DEPLOY / "compose" / "docker-compose.yml").read_text())["services"]
+    tls = yaml.safe_load((DEPLOY / "compose" / "docker-compose.tls.yml").read_text())["services"]
+    phalanx = {name for name, service in base.items() if service.get("image") == "phalanx:dev" or "build" in service}
+    assert phalanx <= tls.keys()
+    for name in phalanx:
+        identity = Path(tls[name]["environment"]["PHALANX_TLS_DIR"]).name
+        command = base[name]["command"][0]
+        assert identity == {"memory-service": "memory-service"}.get(command, command), name
+        assert identity in SERVICE_IDENTITIES
+        assert tls[name]["depends_on"]["certs"]["condition"] == "service_completed_successfully"
+    assert "phalanx certs init --dir /certs" in tls["certs"]["command"][0]

@@ -24,3 +24,6 @@ class MigrationMetrics:
         self.worker_triggers = Counter(
             "phalanx_migration_worker_triggers", "Whole-worker migrations, by what triggered them", ["trigger"], registry=self.registry
         )
+        # Both triggers from the start, so that a dashboard shows zeros rather than no data before the first.
+        for trigger in ("dead", "rpc"):
+            self.worker_triggers.labels(trigger=trigger)

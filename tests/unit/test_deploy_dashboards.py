@@ -101,3 +101,13 @@ def test_variables_are_prometheus_queries_of_exported_metrics():
     for path in PATHS:
         for variable in json.loads(path.read_text())["templating"]["list"]:
             assert referenced_metrics(variable["definition"]) <= exported, (path.name, variable["name"])
+
+
+def test_migration_metrics_start_with_every_method_so_rate_sees_the_first_migration():
+    from phalanx.migration.core import METHOD_NAMES
+    from phalanx.migration.metrics import METHODS
+
+    assert set(METHODS) == set(METHOD_NAMES.values())
+    samples = {(s.name, s.labels.get("method")) for f in MigrationMetrics().registry.collect() for s in f.samples}
+    for method in METHODS:
+        assert ("phalanx_migration_total", method) in samples and ("phalanx_migration_duration_seconds_count", method) in samples

@@ -31,8 +31,10 @@ class CheckpointMetrics:
         )
         for result in ("applied", "duplicate", "gap"):
             self.segments.labels(result=result)
+        # Every label set from the start: a series that appears with its first event loses that event to rate().
         for transport in ("channel", "grpc"):
             self.restores.labels(transport=transport)
+            self.restore_seconds.labels(transport=transport)
 
     def observe_store(self, store: CheckpointStore) -> None:
         """Copy the store's gauges (cheap: running totals)."""

@@ -57,7 +57,7 @@ def resolve(expr: str, variables: Mapping[str, str] | None = None) -> str:
 def defined_metrics() -> set[str]:
     """Names of the samples the services export: every prometheus_client Counter/Gauge/Histogram defined under
     services/phalanx with a literal phalanx_* name, with the suffixes the exposition adds."""
-    names = set()
+    names: set[str] = set()
     for source in SERVICES.rglob("*.py"):
         for kind, name in _DEFINITION.findall(source.read_text()):
             names.update(name + suffix for suffix in _SUFFIXES[kind])

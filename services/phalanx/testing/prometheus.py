@@ -12,6 +12,7 @@ import urllib.parse
 import urllib.request
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import BinaryIO
 
 from phalanx.launch.ports import free_port
 
@@ -31,6 +32,7 @@ class PrometheusServer:
         self.port = 0
         self._directory: Path | None = None
         self._process: subprocess.Popen | None = None
+        self._log: BinaryIO | None = None
 
     @property
     def url(self) -> str:
@@ -47,10 +49,11 @@ class PrometheusServer:
         }
         (self._directory / "prometheus.yml").write_text(json.dumps(config))  # JSON is YAML
         self.port = free_port()
+        self._log = (self._directory / "prometheus.log").open("wb")
         self._process = subprocess.Popen(
             ["prometheus", f"--config.file={self._directory / 'prometheus.yml'}", f"--storage.tsdb.path={self._directory / 'tsdb'}",
              f"--web.listen-address=127.0.0.1:{self.port}"],
-            stdout=subprocess.DEVNULL, stderr=(self._directory / "prometheus.log").open("wb"),
+            stdout=subprocess.DEVNULL, stderr=self._log,
         )
         try:
             self._wait_ready(30.0)
@@ -67,6 +70,8 @@ class PrometheusServer:
             except subprocess.TimeoutExpired:
                 self._process.kill()
                 self._process.wait(5)
+        if self._log is not None:
+            self._log.close()
         if self._directory is not None:
             shutil.rmtree(self._directory, ignore_errors=True)
 

@@ -567,7 +567,7 @@ class WorkerProcess:
         subject = load_subject(self.worker_id)
         m = self.metrics
         e = engine.engine
-        counted = {m.computed_tokens: 0, m.canary_tokens: 0, m.canaries: 0}
+        counted = {m.computed_tokens: 0, m.canary_tokens: 0, m.canaries: 0, m.checkpoint_skipped: 0}
         while True:
             load = engine.load()
             if self._bus is not None:
@@ -587,8 +587,9 @@ class WorkerProcess:
             m.for_worker(m.waiting).set(load.queue_depth)
             m.for_worker(m.free_blocks).set(load.free_blocks)
             m.for_worker(m.preemptions).set(e.preemptions)
+            skipped = engine.checkpoints.captures_skipped if engine.checkpoints is not None else 0
             for counter, total in ((m.computed_tokens, e.tokens_computed), (m.canary_tokens, e.canary_tokens_computed),
-                                   (m.canaries, e.canaries_total)):
+                                   (m.canaries, e.canaries_total), (m.checkpoint_skipped, skipped)):
                 if total > counted[counter]:
                     m.for_worker(counter).inc(total - counted[counter])
                     counted[counter] = total

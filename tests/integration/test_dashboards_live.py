@@ -20,8 +20,8 @@ import urllib.request
 import pytest
 
 from phalanx.client import Client
-from phalanx.launch.services import start_gateway
-from phalanx.launch.stack import Stack
+from phalanx.launch.services import start_checkpoint_store, start_gateway, start_migration
+from phalanx.launch.stack import Stack, unique_id
 from phalanx.testing.asserts import assert_eventually
 from phalanx.testing.dashboards import DASHBOARDS, PanelQuery, panel_queries, resolve
 from phalanx.testing.prometheus import PrometheusServer, prometheus_installed
@@ -105,8 +105,11 @@ async def test_every_panel_of_the_failure_dashboards_returns_data_after_a_worker
     stack = Stack(nats_config.url, etcd_config, model=MODEL)
     gateway = None
     try:
-        store = await stack.add_checkpoint_store()
-        migration = await stack.add_migration()
+        # Started as Stack would, with more time: this test runs beside others on small CI machines.
+        store = await start_checkpoint_store(unique_id("ckpt"), etcd_config, timeout=90)
+        stack.stores.append(store)
+        migration = await start_migration(unique_id("mig"), nats_config.url, etcd_config, timeout=90)
+        stack.migrations.append(migration)
         await stack.add_workers(3)
         router = await stack.add_router()
         gateway = await start_gateway(router.address)

@@ -35,7 +35,8 @@ import numpy as np
 from phalanx.client import Client, PhalanxClientError
 from phalanx.common.config import EtcdConfig
 from phalanx.launch.infra import EtcdServer, NatsServer
-from phalanx.launch.stack import Stack
+from phalanx.launch.services import start_checkpoint_store, start_migration
+from phalanx.launch.stack import Stack, unique_id
 
 MODEL = "phalanx-tiny-moe"
 WORKERS = 3
@@ -43,6 +44,7 @@ WORKERS = 3
 # at this load; allocator noise over a few minutes stays under one.
 GOALS = {"rss_slope_mib_per_min": 2.0, "fds_slope_per_min": 0.5, "latency_p99_ratio": 1.5, "lost": 0, "repeated": 0, "changed": 0}
 _STREAM_TIMEOUT_S = 120.0
+_START_TIMEOUT_S = 120.0
 _PAGE_KIB = 1024
 
 
@@ -133,8 +135,9 @@ async def _run(o: _Options) -> dict:
         etcd = exits.enter_context(EtcdServer())
         fleet = Stack(nats.url, EtcdConfig(endpoint=etcd.endpoint, lease_ttl_s=1), model=MODEL)
         exits.callback(fleet.stop)
-        await fleet.add_checkpoint_store()
-        await fleet.add_migration()
+        # Generous start timeouts: a soak is run on busy machines too, and a slow start says nothing about leaks.
+        fleet.stores.append(await start_checkpoint_store(unique_id("ckpt"), fleet.etcd_config, timeout=_START_TIMEOUT_S))
+        fleet.migrations.append(await start_migration(unique_id("mig"), nats.url, fleet.etcd_config, timeout=_START_TIMEOUT_S))
         await fleet.add_workers(WORKERS)
         router = await fleet.add_router()
         async with await Client.connect(router.address, timeout=_STREAM_TIMEOUT_S) as client:

@@ -19,7 +19,8 @@ def test_soak_reports_per_minute_series_trends_and_loses_no_token_across_kills()
         capture_output=True, text=True, timeout=420, check=True, env={**os.environ, "GRPC_ENABLE_FORK_SUPPORT": "false"},
     )
     result = json.loads(out.stdout.strip().splitlines()[-1])
-    assert {"per_minute", "trend", "totals", "config", "goals", "met"} <= set(result)
+    assert {"per_minute", "trend", "totals", "fd_kinds", "config", "goals", "met"} <= set(result)
+    assert set(result["fd_kinds"]) == KINDS and result["fd_kinds"]["worker"]["last"].get("socket", 0) > 0
     totals = result["totals"]
     assert totals["kills"] >= 2 and totals["requests"] > 0, totals
     assert totals["lost"] == 0 and totals["repeated"] == 0 and totals["changed"] == 0 and totals["errors"] == 0, result["errors"]

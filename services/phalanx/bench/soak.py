@@ -8,7 +8,8 @@ its place (what a supervisor or a StatefulSet does); its requests migrate. Every
 open file descriptors of every process the bench started (and of the bench itself: its client) are read from /proc.
 
 Reported per minute: requests, end-to-end latency and TTFT p50/p99, tokens lost and repeated, outputs that differ
-from the first output of the same prompt, kills, and the mean RSS and fds per process kind. The trend is the least
+from the first output of the same prompt, kills, and the mean RSS and fds per process kind; `fd_kinds` says what
+each kind's fds point at (sockets, pipes, files) at the first and the last sample. The trend is the least
 squares slope of each kind's samples after the warm-up (workers: the mean over live workers; replaced ones start
 young, which is why their kind's slope is a mean). Goals: no kind's RSS grows by more than `rss_slope_mib_per_min`, no
 kind's fds by more than `fds_slope_per_min`, the last minute's p99 latency within `latency_p99_ratio` of the first
@@ -119,6 +120,8 @@ class _Ledger:
     kills: list[float] = field(default_factory=list)
     # kind -> [(t, mean rss MiB, mean fds, processes)]
     samples: dict[str, list[tuple[float, float, float, int]]] = field(default_factory=lambda: collections.defaultdict(list))
+    # kind -> what its open fds are (socket, pipe, anon_inode:[eventfd], a file ...), per process: first and last sample
+    fd_kinds: dict[str, list[dict[str, float]]] = field(default_factory=dict)
     first_output: dict[int, list[int]] = field(default_factory=dict)
     served: dict[int, str] = field(default_factory=dict)  # client -> worker of its current request
 
@@ -221,6 +224,8 @@ async def _sampler(fleet: Stack, nats: NatsServer, etcd: EtcdServer, o: _Options
             read = [r for r in (_process_usage(pid) for pid in pids) if r is not None]
             if read:
                 ledger.samples[kind].append((t, statistics.fmean(r[0] for r in read), statistics.fmean(r[1] for r in read), len(read)))
+                seen = ledger.fd_kinds.setdefault(kind, [])
+                seen[1:] = [_fd_kinds(pids)]
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(stop.wait(), o.sample_s)
             return
@@ -234,6 +239,18 @@ def _process_usage(pid: int) -> tuple[float, float] | None:
     except (OSError, StopIteration, ValueError):
         return None
     return rss_kib / _PAGE_KIB, float(fds)
+
+
+def _fd_kinds(pids: list[int]) -> dict[str, float]:
+    """What the processes' open fds point at, by kind (a file's path kept whole, sockets and pipes by type), per process."""
+    kinds: collections.Counter[str] = collections.Counter()
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                with contextlib.suppress(OSError):
+                    target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                    kinds[target.split(":[")[0] if ":[" in target else target] += 1
+    return {k: round(v / max(1, len(pids)), 2) for k, v in sorted(kinds.items())}
 
 
 def _report(o: _Options, ledger: _Ledger) -> dict:
@@ -273,6 +290,7 @@ def _report(o: _Options, ledger: _Ledger) -> dict:
         "per_minute": per_minute,
         "trend": trend,
         "totals": counts,
+        "fd_kinds": {kind: {"first": seen[0], "last": seen[-1]} for kind, seen in sorted(ledger.fd_kinds.items())},
         "errors": sorted({r[6] for r in ledger.requests if r[6]})[:10],
         "config": {
             "minutes": o.minutes, "kill_every_s": o.kill_every_s, "streams": o.streams, "max_tokens": o.max_tokens,

@@ -7,7 +7,7 @@ import pytest
 from phalanx.common.errors import EngineDeadError, InvalidRequestError
 from phalanx.testing.asserts import assert_eventually
 from phalanx.worker.sequence import FinishReason, RequestSnapshot, TokenEvent
-from phalanx.worker.streams import RequestLog, RequestStreams
+from phalanx.worker.streams import EVENT_BYTES, SNAPSHOT_TOKEN_BYTES, RequestLog, RequestStreams
 
 pytestmark = pytest.mark.unit
 
@@ -191,6 +191,43 @@ async def test_oldest_finished_request_is_forgotten_beyond_max_retained(streams)
         streams.start(name).put_nowait(token(0, FinishReason.STOP, name))
     assert streams.get("a") is None
     assert [streams.get(n) is not None for n in "bcd"] == [True, True, True]
+
+
+def finish(streams: RequestStreams, name: str, tokens: int, text: str = "x") -> RequestLog:
+    log = streams.start(name)
+    for i in range(tokens):
+        log.put_nowait(TokenEvent(name, 100 + i, text, i, FinishReason.LENGTH if i == tokens - 1 else FinishReason.NONE))
+    return log
+
+
+async def test_retained_logs_are_bounded_in_bytes_as_well_as_in_count(aborted):
+    """Long outputs: the count bound alone (10,000 by default) would let finished logs hold gigabytes."""
+    per_log = RequestLog("probe")
+    for i in range(100):
+        per_log.put_nowait(TokenEvent("probe", i, "word", i))
+    size = per_log.estimated_bytes()
+    assert size == 100 * (EVENT_BYTES + 4)
+    streams = RequestStreams(abort=aborted.append, retain_s=30.0, max_retained=1000, max_retained_bytes=int(2.5 * size), clock=FakeClock())
+    try:
+        for name in "abcd":
+            finish(streams, name, 100, "word")
+        assert [streams.get(n) is not None for n in "abcd"] == [False, False, True, True]
+        assert streams.num_retained == 2 and streams.retained_bytes == 2 * size
+        assert streams.cancel("c") and streams.retained_bytes == size  # a forgotten log gives its bytes back
+        finish(streams, "huge", 300, "word")  # alone over the bound: kept by nobody
+        assert streams.get("huge") is None and streams.retained_bytes <= streams.max_retained_bytes
+        streams._clock.now = 31.0
+        assert streams.num_retained == 0 and streams.retained_bytes == 0
+    finally:
+        streams.close()
+
+
+async def test_a_handed_back_log_counts_its_snapshot():
+    log = RequestLog("r")
+    log.put_nowait(token(0))
+    snapshot = RequestSnapshot("r", list(range(1000)), [100], None, 7, b"g" * 5000)
+    log.put_nowait(TokenEvent("r", -1, "", -1, FinishReason.HANDED_BACK, handoff=snapshot))
+    assert log.estimated_bytes() == 2 * EVENT_BYTES + len("t0") + SNAPSHOT_TOKEN_BYTES * 1001 + 5000
 
 
 async def test_request_failing_admission_is_not_retained_and_its_readers_get_the_error(streams):

@@ -19,6 +19,9 @@ class CheckpointMetrics:
         self.requests = Gauge("phalanx_checkpoint_requests", "Requests with a commit record", registry=r)
         self.memory_bytes = Gauge("phalanx_checkpoint_memory_bytes", "KV bytes held in memory", registry=r)
         self.spilled_bytes = Gauge("phalanx_checkpoint_spilled_bytes", "KV bytes spilled to disk", registry=r)
+        self.memory_limit_bytes = Gauge(
+            "phalanx_checkpoint_memory_limit_bytes", "KV bytes the store holds in memory before it spills (its setting)", registry=r
+        )
         self.committed_tokens = Gauge("phalanx_checkpoint_committed_tokens", "KV token positions committed, all requests", registry=r)
         self.connected_workers = Gauge("phalanx_checkpoint_connected_workers", "Workers with an open checkpoint stream", registry=r)
         self.restores = Counter("phalanx_checkpoint_restores", "Requests whose KV was restored, by transport", ["transport"], registry=r)
@@ -28,12 +31,15 @@ class CheckpointMetrics:
         )
         for result in ("applied", "duplicate", "gap"):
             self.segments.labels(result=result)
+        # Every label set from the start: a series that appears with its first event loses that event to rate().
         for transport in ("channel", "grpc"):
             self.restores.labels(transport=transport)
+            self.restore_seconds.labels(transport=transport)
 
     def observe_store(self, store: CheckpointStore) -> None:
         """Copy the store's gauges (cheap: running totals)."""
         self.requests.set(len(store))
         self.memory_bytes.set(store.memory_bytes)
         self.spilled_bytes.set(store.spilled_bytes)
+        self.memory_limit_bytes.set(store.memory_limit_bytes)
         self.committed_tokens.set(store.committed_tokens)

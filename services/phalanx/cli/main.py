@@ -745,6 +745,28 @@ def bench_planner(
     print(json.dumps(result, indent=None if as_json else 2))
 
 
+@bench_app.command("soak")
+def bench_soak(
+    minutes: float = typer.Option(30.0, min=0.5, help="Length of the run"),
+    kill_every: float = typer.Option(60.0, "--kill-every", min=5, help="Seconds between worker SIGKILLs (each replaced at once)"),
+    streams: int = typer.Option(6, min=1, help="Closed-loop clients streaming greedy requests"),
+    tokens: int = typer.Option(32, min=1, help="Tokens generated per request"),
+    sample: float = typer.Option(5.0, min=0.5, help="Seconds between RSS and fd samples"),
+    warmup: float = typer.Option(None, min=0, help="Minutes left out of the trend [default: 1, or a third of a shorter run]"),
+    seed: int = typer.Option(0, help="Seed of the prompts"),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON only"),
+) -> None:
+    """Steady load with a worker SIGKILLed every minute: RSS and open fds of every process, latency p99 and losses per
+    minute, and their trend after the warm-up."""
+    # It forks worker and service processes while its gRPC clients run: see run_up for why this is off.
+    os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
+    from phalanx.bench.soak import run_soak_bench
+
+    result = run_soak_bench(minutes=minutes, kill_every_s=kill_every, streams=streams, max_tokens=tokens, sample_s=sample,
+                            warmup_minutes=warmup, seed=seed)
+    print(json.dumps(result, indent=None if as_json else 2))
+
+
 def main() -> None:
     app()
 

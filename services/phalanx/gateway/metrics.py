@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from phalanx.gateway.responses import CHAT, COMPLETIONS
+
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
 
@@ -28,3 +30,7 @@ class GatewayMetrics:
             "phalanx_gateway_stream_resumes", "Broken router streams the SDK resumed without the HTTP client noticing", registry=r
         )
         self.active = Gauge("phalanx_gateway_active_requests", "Generation requests in flight", registry=r)
+        # Every endpoint's series from the start: a dashboard shows zeros, and rate() sees the first request.
+        for dialect in (COMPLETIONS, CHAT):
+            for metric in (self.latency, self.ttft, self.tokens):
+                metric.labels(endpoint=dialect.endpoint)

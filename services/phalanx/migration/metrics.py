@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
+# core.METHOD_NAMES' values (core imports this module).
+METHODS = ("transfer", "checkpoint", "reprefill", "sequential_replay")
 _BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
 
 
@@ -24,3 +26,10 @@ class MigrationMetrics:
         self.worker_triggers = Counter(
             "phalanx_migration_worker_triggers", "Whole-worker migrations, by what triggered them", ["trigger"], registry=self.registry
         )
+        # Every label set from the start: a dashboard shows zeros rather than no data, and a series that appeared with its
+        # first event would lose that event to rate().
+        for method in METHODS:
+            self.migrations.labels(method=method)
+            self.duration.labels(method=method)
+        for trigger in ("dead", "rpc"):
+            self.worker_triggers.labels(trigger=trigger)

@@ -146,6 +146,9 @@ class WorkerConfig(BaseSettings):
     )
     retain_s: float = Field(30.0, ge=0, description="How long a finished request's output is kept for a late Attach")
     max_retained: int = Field(10_000, ge=0, description="Most finished requests kept for Attach; the oldest go first")
+    max_retained_bytes: int = Field(
+        256 << 20, ge=0, description="Most memory (estimated) the finished requests kept for Attach may hold; the oldest go first"
+    )
     checkpointing: bool = Field(
         True, description="Stream every running request's new KV to the checkpoint store (when one is registered in etcd)"
     )

@@ -258,6 +258,7 @@ class WorkerProcess:
             self.worker_id, self.metrics, on_drain=self._drain, on_undrain=self._undrain, kv_sequence=lambda: self.kv_sequence,
             address=self.address, channels=channels, channel_timeout_s=c.channel_timeout_s, channel_min_bytes=c.channel_min_bytes,
             checkpointing_to=self._checkpointing_to, detach_grace_s=c.detach_grace_s, retain_s=c.retain_s, max_retained=c.max_retained,
+            max_retained_bytes=c.max_retained_bytes,
         )
         shell.push_async_callback(servicer.close)  # no detach timer outlives the loop; readers still waiting see ABORTED
         shell.add_service(SERVICE_NAME, worker_pb2_grpc.add_WorkerServiceServicer_to_server, servicer)
@@ -566,7 +567,7 @@ class WorkerProcess:
         subject = load_subject(self.worker_id)
         m = self.metrics
         e = engine.engine
-        counted = {m.computed_tokens: 0, m.canary_tokens: 0, m.canaries: 0}
+        counted = {m.computed_tokens: 0, m.canary_tokens: 0, m.canaries: 0, m.checkpoint_skipped: 0}
         while True:
             load = engine.load()
             if self._bus is not None:
@@ -586,8 +587,9 @@ class WorkerProcess:
             m.for_worker(m.waiting).set(load.queue_depth)
             m.for_worker(m.free_blocks).set(load.free_blocks)
             m.for_worker(m.preemptions).set(e.preemptions)
+            skipped = engine.checkpoints.captures_skipped if engine.checkpoints is not None else 0
             for counter, total in ((m.computed_tokens, e.tokens_computed), (m.canary_tokens, e.canary_tokens_computed),
-                                   (m.canaries, e.canaries_total)):
+                                   (m.canaries, e.canaries_total), (m.checkpoint_skipped, skipped)):
                 if total > counted[counter]:
                     m.for_worker(counter).inc(total - counted[counter])
                     counted[counter] = total

@@ -130,7 +130,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         self, worker_id: str, metrics: WorkerMetrics, *, on_drain, on_undrain, kv_sequence,
         address: str = "", channels: ChannelEndpoint | None = None, channel_timeout_s: float = 10.0,
         channel_min_bytes: int = 32 << 20, checkpointing_to: Callable[[], str] = lambda: "",
-        detach_grace_s: float = 15.0, retain_s: float = 30.0, max_retained: int = 10_000,
+        detach_grace_s: float = 15.0, retain_s: float = 30.0, max_retained: int = 10_000, max_retained_bytes: int = 256 << 20,
     ) -> None:
         self.worker_id = worker_id
         self._kv_sequence = kv_sequence
@@ -152,6 +152,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         self._prompt, self._cached_prompt = m.for_worker(m.prompt_tokens), m.for_worker(m.cached_prompt_tokens)
         self.streams = RequestStreams(
             abort=self._abort, detach_grace_s=detach_grace_s, retain_s=retain_s, max_retained=max_retained,
+            max_retained_bytes=max_retained_bytes,
             on_detach=m.for_worker(m.detached).inc, on_detach_timeout=m.for_worker(m.detach_timeouts).inc,
         )
 

@@ -4,8 +4,9 @@ A router relaying a stream may die mid-request, and the worker cannot tell
 that from a client giving up. So a request runs on when its last reader goes
 (for `detach_grace_s`, then it is aborted), and its events stay in a log
 that a new reader (Attach, or Generate retried with the same id) reads from
-any index. Finished logs are kept for `retain_s` (at most `max_retained`)
-so that a late reader still gets the tail. Plain asyncio, no gRPC and no
+any index. Finished logs are kept for `retain_s` (at most `max_retained`
+of them, and at most `max_retained_bytes` of them by estimate: a count alone
+lets long outputs hold gigabytes) so that a late reader still gets the tail. Plain asyncio, no gRPC and no
 engine: unit tests drive it with hand-made events.
 """
 
@@ -21,6 +22,11 @@ from phalanx.common.errors import InvalidRequestError
 from phalanx.worker.sequence import FinishReason, TokenEvent
 
 __all__ = ["LogCursor", "RequestLog", "RequestStreams"]
+
+# What one TokenEvent in a log costs in memory beside its text (measured with tracemalloc: the slotted instance, its
+# list slot and a short str object), and one token id of a hand-back snapshot (an int object and its list slot).
+EVENT_BYTES = 232
+SNAPSHOT_TOKEN_BYTES = 36
 
 
 class RequestLog:
@@ -48,6 +54,15 @@ class RequestLog:
     @property
     def finished(self) -> bool:
         return self.end is not None
+
+    def estimated_bytes(self) -> int:
+        """Memory its events hold, by estimate (EVENT_BYTES each plus their text; a hand-back's snapshot by its tokens)."""
+        events = [*self.tokens, self.end] if self.end is not None and self.end.index < 0 else self.tokens
+        total = sum(EVENT_BYTES + len(e.text) for e in events)
+        handoff = self.end.handoff if self.end is not None else None
+        if handoff is not None:
+            total += SNAPSHOT_TOKEN_BYTES * (len(handoff.prompt_ids) + len(handoff.output_ids)) + len(handoff.generator_state)
+        return total
 
     def put_nowait(self, event: TokenEvent) -> None:
         """Appends an event; events after the final one are dropped (it ended here first, e.g. cancelled)."""
@@ -167,6 +182,7 @@ class RequestStreams:
         detach_grace_s: float = 15.0,
         retain_s: float = 30.0,
         max_retained: int = 10_000,
+        max_retained_bytes: int = 256 << 20,
         on_detach: Callable[[], None] | None = None,
         on_detach_timeout: Callable[[], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
@@ -174,6 +190,7 @@ class RequestStreams:
         self.detach_grace_s = detach_grace_s
         self.retain_s = retain_s
         self.max_retained = max_retained
+        self.max_retained_bytes = max_retained_bytes
         self._abort = abort
         self._on_detach = on_detach
         self._on_detach_timeout = on_detach_timeout
@@ -181,6 +198,8 @@ class RequestStreams:
         self._running: dict[str, RequestLog] = {}
         # Finished logs in the order they ended, which is also the order they expire in.
         self._retained: OrderedDict[str, RequestLog] = OrderedDict()
+        self._retained_sizes: dict[str, int] = {}  # each retained log's estimated_bytes, taken when it ended
+        self._retained_bytes = 0
         self._timers: dict[str, asyncio.TimerHandle] = {}
         self._closed = False
 
@@ -192,6 +211,12 @@ class RequestStreams:
     def num_retained(self) -> int:
         self._expire()
         return len(self._retained)
+
+    @property
+    def retained_bytes(self) -> int:
+        """Estimated memory of the finished logs kept (at most max_retained_bytes)."""
+        self._expire()
+        return self._retained_bytes
 
     def get(self, request_id: str) -> RequestLog | None:
         """The log of a request running here or finished recently; None once forgotten."""
@@ -287,10 +312,17 @@ class RequestStreams:
             return  # forgotten already (cancelled, failed admission)
         del self._running[log.request_id]
         log.ended_at = self._clock()
+        size = log.estimated_bytes()
         self._retained[log.request_id] = log
-        while len(self._retained) > self.max_retained:
-            self._retained.popitem(last=False)
+        self._retained_sizes[log.request_id] = size
+        self._retained_bytes += size
+        while self._retained and (len(self._retained) > self.max_retained or self._retained_bytes > self.max_retained_bytes):
+            self._drop_oldest()
         self._expire()
+
+    def _drop_oldest(self) -> None:
+        request_id, _ = self._retained.popitem(last=False)
+        self._retained_bytes -= self._retained_sizes.pop(request_id)
 
     def _expire(self) -> None:
         retained = self._retained
@@ -301,7 +333,7 @@ class RequestStreams:
             oldest = next(iter(retained.values()))
             if oldest.ended_at > horizon:
                 break
-            retained.popitem(last=False)
+            self._drop_oldest()
 
     def _forget(self, log: RequestLog) -> None:
         log._on_end = None
@@ -312,3 +344,4 @@ class RequestStreams:
             del self._running[log.request_id]
         elif self._retained.get(log.request_id) is log:
             del self._retained[log.request_id]
+            self._retained_bytes -= self._retained_sizes.pop(log.request_id)

@@ -188,7 +188,7 @@ async def test_sigkilled_peer_fails_a_pending_recv_at_once_and_a_new_peer_works(
     killed_at = time.monotonic()
     with pytest.raises(ChannelError, match="died or closed") as failure:
         await asyncio.wait_for(pending, timeout=10)
-    assert time.monotonic() - killed_at < 2.0
+    assert time.monotonic() - killed_at < 10.0  # at the EOF, not at the 30 s timeout (loose: a loaded 2-core box)
     assert channel.broken and failure.value.peer == peer and failure.value.channel_id == "doomed"
     await process.wait()
     await channel.close()
@@ -197,6 +197,40 @@ async def test_sigkilled_peer_fails_a_pending_recv_at_once_and_a_new_peer_works(
     fresh = await endpoint.open(peer, "fresh")
     data = torch.randn(1 << 20)
     assert torch.equal(await _echo(fresh, data), data)
+
+
+def _connections_to(port: int) -> int:
+    """This box's TCP connections to ``port`` that are open or half-closed (CLOSE-WAIT: the peer went, the holder did not)."""
+    count = 0
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as lines:
+            next(lines)
+            for line in lines:
+                fields = line.split()
+                if int(fields[2].rsplit(":", 1)[1], 16) == port and fields[3] in ("01", "08"):  # ESTABLISHED, CLOSE_WAIT
+                    count += 1
+    return count
+
+
+async def test_the_connection_to_a_dead_peers_store_closes_with_the_last_channel_through_it(endpoint, spawn_peer):
+    """A checkpoint store restoring into a worker that died kept its rendezvous connection: one socket per dead worker."""
+    peer = _name("peer")
+    process = await spawn_peer(peer, "first", "second")
+    store_port = (await endpoint.lookup(peer)).port
+    first = await endpoint.open(peer, "first")
+    second = await endpoint.open(peer, "second")
+    os.kill(process.pid, signal.SIGKILL)
+    await process.wait()
+    await first.close()
+    assert _connections_to(store_port) >= 1  # the second channel came through that store too
+
+    await second.close()
+
+    def closed():
+        assert _connections_to(store_port) == 0
+        return True
+
+    await assert_eventually(closed, timeout=5, interval=0.05)
 
 
 async def test_sigstopped_peer_fails_a_recv_at_its_timeout_and_the_channel_stays_broken(endpoint, spawn_peer):
@@ -414,6 +448,6 @@ async def test_a_blocking_exchange_from_another_thread_pairs_with_the_peers_asyn
     killed_at = time.monotonic()
     with pytest.raises(ChannelError, match="died or closed|timed out"):
         await asyncio.to_thread(lambda: channel.post_exchange([], [torch.empty(3)]).wait(30))
-    assert time.monotonic() - killed_at < 2.0
+    assert time.monotonic() - killed_at < 10.0  # at the EOF, not at the 30 s timeout (loose: a loaded 2-core box)
     assert channel.broken
     await channel.close()

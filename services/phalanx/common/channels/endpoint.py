@@ -188,6 +188,11 @@ class ChannelEndpoint:
 
     def _forget(self, channel: TensorChannel) -> None:
         self._channels.discard(channel)
+        address = getattr(channel, "store_address", None)
+        if address is not None and not any(getattr(c, "store_address", None) == address for c in self._channels):
+            # The client's socket would outlive a dead peer (CLOSE-WAIT, one per worker a store ever restored into); the
+            # next open to that store connects again, a millisecond.
+            self._rendezvous.forget_client_at(address)
 
     # --- reuse between transfers ------------------------------------------------------------------
     def keep(self, key: str, channel: TensorChannel) -> None:
@@ -306,6 +311,7 @@ class ChannelEndpoint:
             _GroupChannel(
                 self, channel_id, peer_endpoint_id,
                 group=group, rank=0, backend=backend, device=torch.device(device), store=store, accepted=False,
+                store_address=address,
             )
         )
 

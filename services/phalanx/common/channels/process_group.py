@@ -80,13 +80,16 @@ class _GroupChannel(TensorChannel):
         device: torch.device,
         store: dist.Store,
         accepted: bool,
+        store_address: tuple[str, int] | None = None,
     ) -> None:
         super().__init__(endpoint, channel_id, peer)
+        # The opener's: the peer store it met the acceptor at (the endpoint drops its client there with the last such channel).
+        self.store_address = store_address
         self.backend = backend
         self._group = group
         self._rank = rank
         self._device = device
-        self._store = store  # the groups hold it anyway; kept for clarity
+        self._store: dist.Store | None = store  # the group holds it too; both let go of it in _drop_group
         self.accepted = accepted
         self._dropping: asyncio.Future[None] | None = None
 
@@ -172,7 +175,7 @@ class _GroupChannel(TensorChannel):
         Awaited, so that a process exiting after close() never tears down
         while a destructor runs (std::terminate).
         """
-        box, self._group = [self._group], None
+        box, self._group, self._store = [self._group, self._store], None, None
         with contextlib.suppress(RuntimeError):  # the pool is shut down: the endpoint is closing
             await _in_thread(self._endpoint._pool, box.clear)
 

@@ -275,6 +275,11 @@ class _Rendezvous:
         with self._clients_lock:
             self._clients.clear()
 
+    def forget_client_at(self, address: tuple[str, int]) -> None:
+        """Drop the client of the peer store at ``address`` (no channel opened there is left)."""
+        with self._clients_lock:
+            self._clients.pop(address, None)
+
     def _client_for(self, address: tuple[str, int], deadline: float) -> dist.TCPStore:
         with self._clients_lock:
             client = self._clients.get(address)

@@ -17,7 +17,7 @@ import pytest
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 
-from phalanx._proto import common_pb2, router_pb2, router_pb2_grpc
+from phalanx._proto import common_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 from phalanx.client import Client, InvalidArgumentError, OverloadedError
 from phalanx.common.config import EtcdConfig
 from phalanx.launch.services import GatewayHandle, RouterHandle, start_gateway
@@ -36,6 +36,7 @@ LIMITED_TENANTS = {
     "metered": {"tokens_per_minute": 60},
     "short": {"max_prompt_tokens": 32},
     "gw": {"max_streams": 1},
+    "solo": {"max_streams": 1},
 }
 GATEWAY_KEYS = {"sk-gw-tenant": "gw", "sk-default-tenant": "default"}
 FAIR_CAPACITY = 4
@@ -50,7 +51,8 @@ def _profile(path: Path) -> Path:
 
 
 class Deployment:
-    def __init__(self, limited: RouterHandle, fair: RouterHandle, gateway: GatewayHandle) -> None:
+    def __init__(self, stack: Stack, limited: RouterHandle, fair: RouterHandle, gateway: GatewayHandle) -> None:
+        self.stack = stack
         self.limited = limited
         self.fair = fair
         self.gateway = gateway
@@ -73,7 +75,7 @@ def deployment(nats_server, etcd_server, tmp_path_factory):
             "PHALANX_GATEWAY_TENANTS": json.dumps(LIMITED_TENANTS), "PHALANX_GATEWAY_API_KEYS": json.dumps(GATEWAY_KEYS),
         })
         gateways.append(gateway)
-        return Deployment(limited, fair, gateway)
+        return Deployment(stack, limited, fair, gateway)
 
     try:
         yield asyncio.run(start())
@@ -87,6 +89,14 @@ async def _first_chunk(stream):
     chunk = await anext(stream)
     assert chunk.index == 0
     return chunk
+
+
+async def _unless_refused(call):
+    """The call's result; a TENANT_LIMIT refusal as an AssertionError, for assert_eventually to try again."""
+    try:
+        return await call
+    except OverloadedError as error:
+        raise AssertionError(error.message) from None
 
 
 def _details(error: grpc.aio.AioRpcError):
@@ -128,16 +138,47 @@ async def test_a_tenant_over_its_streams_gets_resource_exhausted_with_a_retry_hi
             for stream in held:
                 await stream.aclose()
 
-        async def capped_again():
-            return await client.complete("after the others ended", max_tokens=4, ignore_eos=True, tenant="capped")
-
         # The held streams' ends free their slots (the router sees the cancels a moment later).
-        assert len((await assert_eventually(capped_again, timeout=10)).token_ids) == 4
+        again = await assert_eventually(
+            lambda: _unless_refused(client.complete("after the others ended", max_tokens=4, ignore_eos=True, tenant="capped")), timeout=10
+        )
+        assert len(again.token_ids) == 4
 
     def counted():
         return (router.metric("phalanx_router_tenant_rejections_total", tenant="capped", limit="max_streams") or 0) >= 2
 
     await assert_eventually(counted, timeout=5)
+
+
+async def test_a_stream_moved_to_another_worker_counts_once_and_is_released_once(deployment):
+    """A drained worker hands the stream back and the router continues it on the other worker: still one of the tenant's
+    streams (a second is refused, max_streams 1), and none once it ends (the tenant is served again)."""
+    workers = {w.worker_id: w for w in deployment.stack.workers}
+    async with await Client.connect(deployment.limited.address, timeout=60) as client:
+        stream = client.generate(list(range(200, 230)), max_tokens=60, ignore_eos=True, tenant="solo")
+        first = await _first_chunk(stream)
+        source = workers[first.worker_id]
+        try:
+            async with grpc.aio.insecure_channel(source.address) as channel:
+                drained = await worker_pb2_grpc.WorkerServiceStub(channel).Drain(worker_pb2.DrainRequest(grace_s=0, keep_running=True))
+            assert drained.handed_back == 1
+            chunks = [first]
+            async for chunk in stream:
+                chunks.append(chunk)
+                if chunk.worker_id and chunk.worker_id != source.worker_id:
+                    break  # the first token from the other worker: the stream moved
+            with pytest.raises(OverloadedError, match="max_streams 1"):
+                await client.complete("a second stream", max_tokens=2, tenant="solo")
+            chunks += [chunk async for chunk in stream]
+        finally:
+            async with grpc.aio.insecure_channel(source.address) as channel:
+                await worker_pb2_grpc.WorkerServiceStub(channel).Undrain(worker_pb2.UndrainRequest())
+    assert [c.index for c in chunks] == list(range(60))
+    assert {c.worker_id for c in chunks if c.worker_id} - {source.worker_id}, "the stream moved to the other worker"
+
+    async with await Client.connect(deployment.limited.address, timeout=60) as client:
+        again = await assert_eventually(lambda: _unless_refused(client.complete("after", max_tokens=3, ignore_eos=True, tenant="solo")), timeout=10)
+    assert len(again.token_ids) == 3
 
 
 async def test_a_tenant_over_its_tokens_per_minute_is_told_when_it_fits_again(deployment):

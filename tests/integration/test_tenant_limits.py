@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import uuid
 from pathlib import Path
 
 import grpc
@@ -270,3 +271,15 @@ async def test_a_greedy_tenant_flooding_a_full_router_cannot_keep_another_tenant
     assert not [r for r in results if isinstance(r, BaseException)], results
     print(f"greedy requests started while each polite request ran: {overtaken}; greedy started {greedy_done}")
     assert max(overtaken) <= 2 * FAIR_CAPACITY, overtaken
+
+
+async def test_another_tenant_cannot_read_a_stream_by_sending_its_request_id(deployment):
+    request_id = uuid.uuid4().hex
+    async with await Client.connect(deployment.limited.address, timeout=60) as client:
+        mine = await client.complete(list(range(150, 170)), max_tokens=5, ignore_eos=True, request_id=request_id)
+        with pytest.raises(InvalidArgumentError) as refused:
+            await client.complete(list(range(150, 170)), max_tokens=5, ignore_eos=True, request_id=request_id, tenant="capped")
+        assert refused.value.violations[0][0] == "request_id"
+        # Its own tenant's retry of the same request id still streams it again.
+        again = await client.complete(list(range(150, 170)), max_tokens=5, ignore_eos=True, request_id=request_id)
+    assert list(again.token_ids) == list(mine.token_ids)

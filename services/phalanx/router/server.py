@@ -271,6 +271,9 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
             prompt_ids, media, prefer = await self._encode_media(request_id, request, prompt_ids, params)
         flow, existing = await self._start(request_id, admitted, prompt_ids, media, prefer=prefer)
         if existing is not None:
+            if existing.tenant != admitted.tenant:
+                # Another tenant's request: its tokens are not this caller's to read (the id is taken, nothing more).
+                raise InvalidRequestError("request_id", "is taken by another request; send a new one (or none)")
             # A retry of a request that is already running: stream it from the start (not a new arrival).
             return _Flow(existing, Tier(existing.tier or Tier.STANDARD), prompt_ids, counts_output=False), True
         return flow, False

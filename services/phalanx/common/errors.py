@@ -43,6 +43,21 @@ class ResourceExhaustedError(PhalanxError):
         self.retry_after_s = retry_after_s
 
 
+class TenantLimitError(ResourceExhaustedError):
+    """A tenant is over one of its limits (streams in flight, tokens per minute), or waited too long for a full router.
+
+    ``limit`` names the setting (``max_streams``, ``tokens_per_minute``, ``queue``); both go into the status's ErrorInfo.
+    """
+
+    reason = "TENANT_LIMIT"
+
+    def __init__(self, message: str, *, tenant: str, limit: str, retry_after_s: float) -> None:
+        super().__init__(message, retry_after_s=retry_after_s)
+        self.tenant = tenant
+        self.limit = limit
+        self.metadata = {"tenant": tenant, "limit": limit}
+
+
 class UnavailableError(PhalanxError):
     """Temporarily unable to serve (draining, no worker); retry elsewhere or later."""
 

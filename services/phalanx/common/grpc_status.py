@@ -26,6 +26,7 @@ from phalanx.common.errors import (
     PermissionDeniedError,
     PhalanxError,
     ResourceExhaustedError,
+    TenantLimitError,
     UnavailableError,
 )
 
@@ -47,7 +48,7 @@ _CODES: list[tuple[type[PhalanxError], grpc.StatusCode]] = [
 
 def to_status(error: PhalanxError) -> grpc.Status:
     code = next((c for kind, c in _CODES if isinstance(error, kind)), grpc.StatusCode.INTERNAL)
-    metadata = error.metadata if isinstance(error, FailedPreconditionError) else None
+    metadata = error.metadata if isinstance(error, FailedPreconditionError | TenantLimitError) else None
     details: list[Any] = [error_details_pb2.ErrorInfo(reason=error.reason, domain=DOMAIN, metadata=metadata)]
     retry_after = getattr(error, "retry_after_s", None)
     if retry_after is not None:

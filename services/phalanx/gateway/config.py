@@ -16,7 +16,10 @@ class GatewayConfig(BaseSettings):
     the same values. The gateway checks a key itself and forwards it, so the router runs the request as that tenant.
     """
 
-    model_config = SettingsConfigDict(env_prefix="PHALANX_GATEWAY_", extra="forbid", frozen=True, protected_namespaces=())
+    # hide_input_in_errors: a refused setting's error would otherwise quote the whole input, API keys included.
+    model_config = SettingsConfigDict(
+        env_prefix="PHALANX_GATEWAY_", extra="forbid", frozen=True, protected_namespaces=(), hide_input_in_errors=True
+    )
 
     host: str = Field("127.0.0.1", description="Address the HTTP server binds")
     port: int = Field(8000, ge=0, le=65535, description="HTTP port; 0 picks a free one")

@@ -2,7 +2,8 @@
 
     {"error": {"message": "...", "type": "invalid_request_error", "param": "temperature", "code": "invalid_value"}}
 
-429 (shed under load) and 503 (no router or worker) carry ``Retry-After``
+429 (shed under load, or over the tenant's limits at the router: code
+``rate_limit_exceeded``) and 503 (no router or worker) carry ``Retry-After``
 (whole seconds) and ``retry-after-ms``, which OpenAI's own clients honour.
 """
 
@@ -21,6 +22,7 @@ from phalanx.client import (
     RequestCancelledError,
     UnavailableError,
 )
+from phalanx.common.errors import TenantLimitError
 
 __all__ = ["GatewayError", "bad_request", "from_client_error", "router_field_to_param"]
 
@@ -85,7 +87,9 @@ def from_client_error(error: PhalanxClientError, *, prompt_param: str = "prompt"
     if isinstance(error, AuthenticationError):
         return GatewayError(401, f"the router refused the API key: {error.message}", kind="authentication_error", code="invalid_api_key")
     if isinstance(error, OverloadedError):
-        return GatewayError(429, error.message, kind="rate_limit_error", code="overloaded", retry_after_s=error.retry_after_s or 1.0)
+        # The router names the limit in its message; TENANT_LIMIT is the caller's own quota, not the system's load.
+        code = "rate_limit_exceeded" if error.reason == TenantLimitError.reason else "overloaded"
+        return GatewayError(429, error.message, kind="rate_limit_error", code=code, retry_after_s=error.retry_after_s or 1.0)
     if isinstance(error, UnavailableError):
         return GatewayError(
             503, f"no router or worker can serve the request now: {error.message}", kind="server_error", code="unavailable",

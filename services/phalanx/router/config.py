@@ -17,10 +17,30 @@ class TenantPolicy(BaseSettings):
 
     default_tier: TierName = Field("standard", description="Tier of requests that name none")
     max_tier: TierName = Field("premium", description="Highest tier the tenant may request")
+    # Limits (docs/tenants.md); None: the router's tenant_limits default. 0: unlimited.
+    max_streams: int | None = Field(None, ge=0, description="Streams the tenant may have in flight at one router (queued included)")
+    tokens_per_minute: int | None = Field(
+        None, ge=0, description="Prompt + generated tokens per minute at one router (a token bucket holding one minute's worth)"
+    )
+    max_prompt_tokens: int | None = Field(None, ge=0, description="Longest prompt the tenant may send, in tokens")
+    weight: int = Field(1, ge=1, le=1000, description="Share of a full router's streams, relative to the other tenants waiting")
+
+
+class TenantLimitDefaults(BaseSettings):
+    """The limits of a tenant whose policy sets none (0: unlimited)."""
+
+    model_config = SettingsConfigDict(extra="forbid", frozen=True)
+
+    max_streams: int = Field(0, ge=0, description="Streams a tenant may have in flight at one router (queued included)")
+    tokens_per_minute: int = Field(0, ge=0, description="Prompt + generated tokens a tenant may use per minute at one router")
+    max_prompt_tokens: int = Field(0, ge=0, description="Longest prompt a tenant may send, in tokens (the router's max_prompt_tokens holds too)")
 
 
 class RouterConfig(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="PHALANX_ROUTER_", extra="forbid", frozen=True, protected_namespaces=())
+    # hide_input_in_errors: a refused setting's error would otherwise quote the whole input, API keys included.
+    model_config = SettingsConfigDict(
+        env_prefix="PHALANX_ROUTER_", extra="forbid", frozen=True, protected_namespaces=(), hide_input_in_errors=True
+    )
 
     router_id: str = Field("", description="Unique id; empty means router-<hostname>-<pid>")
     host: str = Field("127.0.0.1", description="Address the gRPC server binds")
@@ -39,6 +59,22 @@ class RouterConfig(BaseSettings):
     api_keys: dict[str, str] = Field(
         default_factory=dict,
         description="API key -> tenant as JSON; when set, every call needs `authorization: Bearer <key>` and runs as that tenant",
+    )
+    tenant_limits: TenantLimitDefaults = Field(
+        default_factory=TenantLimitDefaults,
+        description='Limits of every tenant whose policy in `tenants` sets none, as JSON: {"max_streams": 16, "tokens_per_minute": 60000}',
+    )
+    max_streams: int = Field(
+        0, ge=0,
+        description="Streams this router relays at once; past it new requests wait, and the next free slot goes to the waiting "
+        "tenant with the fewest streams per unit of weight; 0: no cap (the workers queue)",
+    )
+    queue_timeout_s: float = Field(
+        10.0, ge=0, description="Longest a new request waits for a slot of a full router (max_streams) before RESOURCE_EXHAUSTED; 0: no wait"
+    )
+    max_queued_per_tenant: int = Field(64, ge=1, description="Requests of one tenant that may wait for a full router's slots")
+    tenant_retry_after_s: float = Field(
+        1.0, gt=0, description="Retry hint of a request refused for its tenant's streams or a full router's queue"
     )
     tls_cert_file: str = Field("", description="PEM certificate chain; with tls_key_file the router serves TLS only")
     tls_key_file: str = Field("", description="PEM private key of tls_cert_file")

@@ -63,3 +63,18 @@ class RouterMetrics:
             "phalanx_router_unrecorded_requests", "Requests served without an etcd record (not resumable elsewhere)", registry=r
         )
         self.active = Gauge("phalanx_router_active_streams", "Streams being relayed", registry=r)
+        # Tenant labels are bounded: the configured tenants by name, any other as "other" (tenant_label).
+        self.tenant_rejections = Counter(
+            "phalanx_router_tenant_rejections",
+            "New requests refused by a tenant limit, by tenant and limit (max_streams, tokens_per_minute, max_prompt_tokens, "
+            "queue: waited too long for a full router)", ["tenant", "limit"], registry=r,
+        )
+        self.tenant_tokens = Counter(
+            "phalanx_router_tenant_tokens", "Tokens charged to tenants' tokens per minute (prompt + generated)", ["tenant"], registry=r
+        )
+        self.queued = Gauge("phalanx_router_queued_requests", "New requests waiting for a slot of a full router (max_streams)", registry=r)
+
+
+def tenant_label(tenant: str, configured: frozenset[str]) -> str:
+    """A tenant as a metric label: its name if configured, else "other" (labels stay few, whatever callers send)."""
+    return tenant if tenant in configured else "other"

@@ -42,7 +42,7 @@ from phalanx.common.subjects import (
 )
 from phalanx.model.config import is_builtin_model, model_tokenizer, served_model
 from phalanx.model.tokenizer import Tokenizer
-from phalanx.router.admission import Admission
+from phalanx.router.admission import Admission, QueueSettings
 from phalanx.router.config import RouterConfig
 from phalanx.router.media import EmbeddingCache, EncoderSet, MediaEncoder
 from phalanx.router.metrics import RouterMetrics
@@ -81,7 +81,12 @@ class RouterProcess:
         self.ready = self.shell.ready
         self.table = RoutingTable(load_stale_s=config.load_stale_s)
         self.admission = Admission(
-            config.tenants, config.api_keys, retry_after_s=config.no_worker_retry_after_s, premium_at_level_4=config.premium_at_level_4
+            config.tenants, config.api_keys, retry_after_s=config.no_worker_retry_after_s, premium_at_level_4=config.premium_at_level_4,
+            limit_defaults=config.tenant_limits,
+            queue=QueueSettings(
+                max_streams=config.max_streams, timeout_s=config.queue_timeout_s, max_per_tenant=config.max_queued_per_tenant,
+                retry_after_s=config.tenant_retry_after_s,
+            ),
         )
         self._resync_wanted: set[str] = set()
         self._resync_wake = asyncio.Event()

@@ -25,7 +25,14 @@ from grpc_status import rpc_status
 
 from phalanx._proto import common_pb2, migration_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 from phalanx.common.block_hash import MediaSpan
-from phalanx.common.errors import InvalidRequestError, NotFoundError, PhalanxError, RequestShedError, UnavailableError
+from phalanx.common.errors import (
+    InvalidRequestError,
+    NotFoundError,
+    PhalanxError,
+    RequestShedError,
+    TenantLimitError,
+    UnavailableError,
+)
 from phalanx.common.grpc_status import abort_with
 from phalanx.common.subjects import validate_request_id
 from phalanx.common.telemetry import get_tracer, grpc_client_interceptors
@@ -36,8 +43,9 @@ from phalanx.model.tokenizer import Tokenizer
 from phalanx.router.admission import Admission, Admitted, Tier
 from phalanx.router.config import RouterConfig
 from phalanx.router.joint import JointChoice, choose_joint
+from phalanx.router.limits import TenantPromptError
 from phalanx.router.media import MediaEncoder, split_on_markers
-from phalanx.router.metrics import RouterMetrics
+from phalanx.router.metrics import RouterMetrics, tenant_label
 from phalanx.router.multiplex import MultiplexedCall, WorkerMultiplexer
 from phalanx.router.records import RequestRecords
 from phalanx.router.relay import (
@@ -161,6 +169,8 @@ class _Flow:
     # Whether this stream's end counts the request's output length: a new request's or a Resume's (whose stream the
     # client lost), not a retry that streams a running or finished request again.
     counts_output: bool = True
+    # Whether this stream is counted in its tenant's streams (Admission.enter or hold): its end must leave().
+    counted: bool = False
 
 
 def _api_key(context: grpc.aio.ServicerContext) -> str | None:
@@ -211,6 +221,8 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
         self.health_records: dict[str, common_pb2.WorkerHealthRecord] = {}
         self._recent: OrderedDict[str, common_pb2.RequestRecord] = OrderedDict()
         self.slo = LatencySlo()  # the process sets the SLOs the health service publishes
+        self._tenant_names = admission.tenant_names
+        metrics.queued.set_function(lambda: len(admission.queue))
 
     # -- RPCs -----------------------------------------------------------------
     async def Generate(self, request: router_pb2.GenerateRequest, context):
@@ -227,17 +239,18 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
                     raise
                 flow = _Flow(existing, Tier(existing.tier or Tier.STANDARD), [], counts_output=False)
                 tier = flow.tier.label
+                self._hold(flow)
                 return flow, self._attach(flow)
             tier = admitted.tier.label
             request_id = request.request_id or uuid.uuid4().hex
-            media: list[common_pb2.MediaEmbedding] = []
-            prefer = None
-            if request.media:
-                prompt_ids, media, prefer = await self._encode_media(request_id, request, prompt_ids, params)
-            flow, existing = await self._start(request_id, admitted, prompt_ids, media, prefer=prefer)
-            if existing is not None:
-                # A retry of a request that is already running: stream it from the start (not a new arrival).
-                flow = _Flow(existing, Tier(existing.tier or Tier.STANDARD), prompt_ids, counts_output=False)
+            await self._enter(admitted, request_id, len(prompt_ids))
+            try:
+                flow, is_retry = await self._open_new(request_id, request, admitted, prompt_ids, params)
+            except BaseException:
+                self.admission.leave(request_id)
+                raise
+            flow.counted = True
+            if is_retry:
                 return flow, self._attach(flow)
             self.metrics.arrivals.labels(tier=tier).inc()
             self.metrics.input_tokens.observe(len(prompt_ids))
@@ -249,9 +262,46 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
         async for chunk in self._serve(context, open_flow, router_pb2.GenerateResponse, count):
             yield chunk
 
+    async def _open_new(
+        self, request_id: str, request: router_pb2.GenerateRequest, admitted: Admitted, prompt_ids: list[int], params
+    ) -> tuple[_Flow, bool]:
+        """Encodes the media, routes and claims the request; (flow, whether it is a retry of a request already running)."""
+        media: list[common_pb2.MediaEmbedding] = []
+        prefer = None
+        if request.media:
+            prompt_ids, media, prefer = await self._encode_media(request_id, request, prompt_ids, params)
+        flow, existing = await self._start(request_id, admitted, prompt_ids, media, prefer=prefer)
+        if existing is not None:
+            if existing.tenant != admitted.tenant:
+                # Another tenant's request: its tokens are not this caller's to read (the id is taken, nothing more).
+                raise InvalidRequestError("request_id", "is taken by another request; send a new one (or none)")
+            # A retry of a request that is already running: stream it from the start (not a new arrival).
+            return _Flow(existing, Tier(existing.tier or Tier.STANDARD), prompt_ids, counts_output=False), True
+        return flow, False
+
+    async def _enter(self, admitted: Admitted, request_id: str, prompt_tokens: int) -> None:
+        """Counts the new stream against its tenant's limits (waiting for a full router's slot); counts refusals."""
+        tenant = admitted.tenant
+        if request_id in self._recent:
+            # A retry of a request this router relays or relayed: not a new stream, nothing to charge.
+            self.admission.hold(tenant, request_id)
+            return
+        try:
+            await self.admission.enter(tenant, request_id, prompt_tokens)
+        except (TenantLimitError, TenantPromptError) as error:
+            self.metrics.tenant_rejections.labels(tenant=tenant_label(tenant, self._tenant_names), limit=str(error.limit)).inc()
+            raise
+        self.metrics.tenant_tokens.labels(tenant=tenant_label(tenant, self._tenant_names)).inc(prompt_tokens)
+
+    def _hold(self, flow: _Flow) -> None:
+        """Counts a stream of a request already running (a retry or a Resume) once in its tenant's streams."""
+        self.admission.hold(flow.record.tenant, flow.record.request_id, from_index=flow.next_index)
+        flow.counted = True
+
     async def Resume(self, request: router_pb2.ResumeRequest, context):
         async def open_flow():
             flow = await self._resumable(request, context)
+            self._hold(flow)
             return flow, self._attach(flow)
 
         def count(status: str) -> None:
@@ -263,6 +313,7 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
     async def _serve(self, context, open_flow, response_type, count) -> AsyncIterator:
         """Relays one stream and counts how it ended: ok, cancelled, or the error's reason."""
         status = "error"
+        flow = None
         try:
             flow, chunks = await open_flow()
             async for chunk in self._relay(flow, chunks, response_type):
@@ -279,6 +330,8 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
             raise
         finally:
             count(status)
+            if flow is not None and flow.counted:
+                self.admission.leave(flow.record.request_id)
 
     async def Cancel(self, request: router_pb2.CancelRequest, context):
         record = await self._record(self._request_id(request.request_id), context)
@@ -672,6 +725,7 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
         """Client responses from worker chunks: each index once, in order, with latency metrics."""
         tier = flow.tier.label
         ttft, itl, tokens = self.metrics.ttft.labels(tier=tier), self.metrics.itl.labels(tier=tier), self.metrics.tokens
+        tenant_tokens = self.metrics.tenant_tokens.labels(tenant=tenant_label(flow.record.tenant, self._tenant_names))
         request_id = flow.record.request_id
         last = time.perf_counter()
         finished = False
@@ -685,6 +739,8 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
                         raise UnavailableError(f"token {flow.next_index} of {request_id} is missing; resume from it", retry_after_s=0.1)
                     flow.next_index += 1
                     flow.output_ids.append(c.token_id)
+                    self.admission.charge(request_id, c.index)
+                    tenant_tokens.inc()
                     now = time.perf_counter()
                     if flow.migrations > flow.stalls_seen:
                         flow.stalls_seen = flow.migrations

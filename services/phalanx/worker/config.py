@@ -131,7 +131,8 @@ MIN_CHAOS_TOKEN_CHARS = 16
 
 
 class WorkerConfig(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="PHALANX_WORKER_")
+    # hide_input_in_errors: a refused setting's error would otherwise quote the whole input, the chaos token included.
+    model_config = SettingsConfigDict(env_prefix="PHALANX_WORKER_", hide_input_in_errors=True)
 
     worker_id: str = Field("", description="Unique id; empty means <hostname>-<pid>")
     host: str = Field("127.0.0.1", description="Address the gRPC server binds")

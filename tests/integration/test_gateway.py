@@ -402,6 +402,11 @@ async def test_a_configured_model_name_health_metrics_and_a_clean_exit_on_sigter
         assert await asyncio.to_thread(gateway.process.wait, 30) == 0
     finally:
         gateway.kill()
+    # The stopped gateway's metrics went with it: the module's long-lived one is read, after requests of its own
+    # (run alone, with -k, nothing else has called it).
+    async with async_client(deployment.open) as client:
+        await greedy_completion(client, model, "metrics", 2)
+        await client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
     text = await asyncio.to_thread(deployment.open.metrics)
     assert 'phalanx_gateway_requests_total{endpoint="completions",status="200"}' in text
     assert 'phalanx_gateway_request_seconds_bucket{endpoint="completions"' in text

@@ -44,14 +44,19 @@ def test_held_embeddings_drop_the_oldest_past_their_byte_bound():
         HeldEmbeddings(0, 1)
 
 
-def test_the_handle_cache_forgets_handles_at_half_their_hold_time():
+def test_the_handle_cache_forgets_handles_5_s_before_their_hold_time_ends():
     clock = _Clock()
     cache = HandleCache(2, clock=clock)
     embedding, source = encoder_pb2.Embedding(rows=16, key="k1"), common_pb2.MediaSource(encoder_address="e:1", key="k1")
     cache.put((1, b"a"), embedding, source, hold_s=10.0)
     assert cache.get((1, b"a")) == (embedding, source)
-    clock.now += 5.0
+    clock.now += 5.0  # a short hold: half of it
     assert cache.get((1, b"a")) is None and len(cache) == 0
+    cache.put((1, b"a"), embedding, source, hold_s=60.0)
+    clock.now += 54.9
+    assert cache.get((1, b"a")) is not None
+    clock.now += 0.2
+    assert cache.get((1, b"a")) is None
     for name in (b"a", b"b", b"c"):
         cache.put((1, name), embedding, source, hold_s=10.0)
     assert cache.get((1, b"a")) is None and cache.get((1, b"c")) is not None  # least recently used out

@@ -155,9 +155,12 @@ class Encoded:
         return media
 
 
+_HANDLE_MARGIN_S = 5.0
+
+
 class HandleCache:
     """Direct delivery's cache: recent images' and audio's handles (embedding without rows, and where they wait) by their
-    bytes' digest, until half their encoder's hold time is left, at most ``max_entries``. A repeated image skips the
+    bytes' digest, until 5 s (at most half) of their encoder's hold time is left, at most ``max_entries``. A repeated image skips the
     encoder as with ``EmbeddingCache``, and this router still holds no rows.
     """
 
@@ -182,7 +185,8 @@ class HandleCache:
     def put(self, key: tuple[int, bytes] | None, embedding: encoder_pb2.Embedding, source: common_pb2.MediaSource, hold_s: float) -> None:
         if key is None or self.max_entries < 1:
             return
-        self._entries[key] = (self._clock() + hold_s / 2, embedding, source)
+        # A margin for the request to reach its worker; a handle that still goes stale costs an inline encode, not tokens.
+        self._entries[key] = (self._clock() + max(hold_s / 2, hold_s - _HANDLE_MARGIN_S), embedding, source)
         self._entries.move_to_end(key)
         while len(self._entries) > self.max_entries:
             self._entries.popitem(last=False)

@@ -94,6 +94,11 @@ class FailedPreconditionError(PhalanxError):
         self.metadata = dict(metadata or {})
 
 
+# FailedPreconditionError subject of a worker that could not fetch a request's media embeddings from the encoder holding
+# them (direct delivery): the router encodes them again and resends the request.
+MEDIA_SOURCE_SUBJECT = "media.source"
+
+
 class AuthenticationError(PhalanxError):
     """Missing or unknown credentials."""
 

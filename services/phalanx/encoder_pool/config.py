@@ -48,3 +48,9 @@ class EncoderPoolConfig(BaseSettings):
     torch_threads: int = Field(2, ge=1, description="Threads of torch's CPU ops for encoding")
     load_publish_interval_s: float = Field(0.5, gt=0, description="How often the backlog in the etcd registration is refreshed")
     shutdown_grace_s: float = Field(2.0, ge=0, description="How long in-flight encodes may finish at shutdown")
+    hold_s: float = Field(
+        60.0, gt=0, description="How long an Encode with `deliver` keeps its embeddings for workers to fetch (then a resume re-encodes)"
+    )
+    max_held_bytes: int = Field(1 << 30, ge=1, description="Embeddings held for direct delivery past which the oldest are dropped")
+    channel_timeout_s: float = Field(10.0, gt=0, description="Timeout of tensor-channel setup and transfers to workers")
+    channels: bool = Field(True, description="Run a tensor-channel endpoint (advertised in etcd) for direct delivery; off: gRPC only")

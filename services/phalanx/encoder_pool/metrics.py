@@ -25,6 +25,14 @@ class EncoderMetrics:
         self.backlog_ms = Gauge("phalanx_encoder_backlog_ms", "Estimated time to encode everything queued", registry=r)
         self.request_seconds = Histogram("phalanx_encoder_request_seconds", "Encode RPC time from admission to the last unit",
                                          buckets=_BATCH_BUCKETS, registry=r)
+        self.held_results = Gauge("phalanx_encoder_held_results", "Embeddings held for workers to fetch (direct delivery)", registry=r)
+        self.held_bytes = Gauge("phalanx_encoder_held_bytes", "Bytes of the embeddings held for workers to fetch", registry=r)
+        self.sent_bytes = Counter("phalanx_encoder_sent_bytes", "Held embeddings sent to workers, by transport (channel, grpc)",
+                                  ["transport"], registry=r)
+        self.expired = Counter("phalanx_encoder_held_expired", "Held embeddings dropped unfetched-or-not at their hold time or "
+                               "past max_held_bytes", registry=r)
+        for transport in ("channel", "grpc"):
+            self.sent_bytes.labels(transport=transport)
         for m in Modality:
             for result in ("ok", "invalid", "overloaded", "error"):
                 self.items.labels(modality=m.value, result=result)

@@ -21,6 +21,7 @@ import time
 import torch
 
 from phalanx._proto import encoder_pb2, encoder_pb2_grpc
+from phalanx.common.channels import ChannelEndpoint
 from phalanx.common.config import EtcdConfig, TelemetryConfig
 from phalanx.common.discovery import encode_json
 from phalanx.common.lease import EtcdUnavailableError, LeasedKey
@@ -58,6 +59,7 @@ class EncoderPoolProcess:
         self.ready = self.shell.ready
         self.started_at = time.time()
         self.pool: EncodePool | None = None
+        self.servicer: EncoderServicer | None = None
 
     @property
     def address(self) -> str:
@@ -70,9 +72,18 @@ class EncoderPoolProcess:
         torch.set_num_threads(self.config.torch_threads)
         async with self.shell as shell:
             pool = self.pool = await asyncio.to_thread(EncodePool, self.config, on_batch=self.metrics.observe_batch)
-            shell.add_service(SERVICE_NAME, encoder_pb2_grpc.add_EncoderServiceServicer_to_server,
-                              EncoderServicer(pool, self.metrics, self.encoder_id))
+            channels = None
+            if self.config.channels:
+                # Direct delivery: workers take held embeddings over a tensor channel (peers find it in etcd).
+                channels = ChannelEndpoint(
+                    f"encoder-{self.encoder_id}", self.etcd_config, host=shell.advertised_host, timeout_s=self.config.channel_timeout_s
+                )
+                shell.push_async_callback(channels.close)
+            servicer = self.servicer = EncoderServicer(pool, self.metrics, self.encoder_id, channels=channels)
+            shell.add_service(SERVICE_NAME, encoder_pb2_grpc.add_EncoderServiceServicer_to_server, servicer)
             await shell.start()
+            if channels is not None:
+                await channels.start()
             self.metrics.observe_load(pool.admission)
             registration = await shell.register(self.etcd_config, encoder_key(self.encoder_id), self._registration(pool))
             await shell.set_serving(True)
@@ -99,6 +110,8 @@ class EncoderPoolProcess:
         while True:
             await asyncio.sleep(self.config.load_publish_interval_s)
             self.metrics.observe_load(pool.admission)
+            if self.servicer is not None:
+                self.servicer.observe_held()  # held embeddings expire even when no one asks for them
             value = self._registration(pool)
             if value != registration.value:
                 try:

@@ -3,18 +3,24 @@
 from __future__ import annotations
 
 import time
+from collections.abc import AsyncIterator, Sequence
+from typing import TYPE_CHECKING
 
 import grpc
 import torch
 
 from phalanx._proto import encoder_pb2, encoder_pb2_grpc
-from phalanx.common.errors import ResourceExhaustedError
+from phalanx.common.errors import NotFoundError, ResourceExhaustedError, UnavailableError
 from phalanx.common.telemetry import get_tracer
 from phalanx.encoder_pool.cost import Modality
 from phalanx.encoder_pool.errors import MediaError
+from phalanx.encoder_pool.held import HeldEmbeddings
 from phalanx.encoder_pool.metrics import EncoderMetrics
 from phalanx.encoder_pool.pool import EncodedItem, EncodePool, MediaInput, VideoRequest
 from phalanx.encoder_pool.video import SamplingStrategy
+
+if TYPE_CHECKING:
+    from phalanx.common.channels import ChannelEndpoint
 
 __all__ = ["EncoderServicer", "embedding_to_proto", "encoder_load", "modality_from_proto", "modality_to_proto"]
 
@@ -27,6 +33,7 @@ _SAMPLING = {
     encoder_pb2.FRAME_SAMPLING_KEYFRAME: SamplingStrategy.KEYFRAME, encoder_pb2.FRAME_SAMPLING_FPS: SamplingStrategy.FPS,
 }
 tracer = get_tracer(__name__)
+_CHUNK_BYTES = 1 << 20
 
 
 def modality_from_proto(value: encoder_pb2.Modality, field: str) -> Modality:
@@ -39,14 +46,21 @@ def modality_to_proto(modality: Modality) -> encoder_pb2.Modality:
     return _PROTO_MODALITIES[modality]
 
 
-def embedding_to_proto(item: EncodedItem, dtype: torch.dtype) -> encoder_pb2.Embedding:
-    """One item's rows in `dtype` (16-bit halves the bytes on the wire; the worker casts to its model's dtype)."""
+def embedding_to_proto(item: EncodedItem, dtype: torch.dtype, held: HeldEmbeddings | None = None) -> encoder_pb2.Embedding:
+    """One item's rows in `dtype` (16-bit halves the bytes on the wire; the worker casts to its model's dtype).
+
+    `held`: direct delivery, the rows stay there under the answered key instead of travelling in the answer.
+    """
     values = item.embeddings.to(dtype).contiguous()
-    return encoder_pb2.Embedding(
+    embedding = encoder_pb2.Embedding(
         modality=modality_to_proto(item.modality), rows=values.shape[0], hidden=values.shape[1],
-        dtype=str(dtype).removeprefix("torch."), data=values.view(torch.uint8).numpy().tobytes(),
-        media_hash=item.media_hash, units=item.units,
+        dtype=str(dtype).removeprefix("torch."), media_hash=item.media_hash, units=item.units,
     )
+    if held is None:
+        embedding.data = values.view(torch.uint8).numpy().tobytes()
+    else:
+        embedding.key = held.put(values)
+    return embedding
 
 
 def encoder_load(pool: EncodePool) -> encoder_pb2.EncoderLoad:
@@ -61,11 +75,15 @@ def encoder_load(pool: EncodePool) -> encoder_pb2.EncoderLoad:
 
 
 class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
-    def __init__(self, pool: EncodePool, metrics: EncoderMetrics, encoder_id: str) -> None:
+    def __init__(self, pool: EncodePool, metrics: EncoderMetrics, encoder_id: str, *, channels: ChannelEndpoint | None = None) -> None:
         self.pool = pool
         self.metrics = metrics
         self.encoder_id = encoder_id
         self.wire_dtype: torch.dtype = getattr(torch, pool.config.embedding_dtype)
+        self.held = HeldEmbeddings(pool.config.hold_s, pool.config.max_held_bytes)
+        self.channels = channels  # None: held embeddings go over gRPC only
+        self.channel_timeout_s = pool.config.channel_timeout_s
+        self._dropped_seen = 0
 
     async def Encode(self, request: encoder_pb2.EncodeRequest, context: grpc.aio.ServicerContext) -> encoder_pb2.EncodeResponse:
         items = [self._item(i, item) for i, item in enumerate(request.items)]
@@ -87,10 +105,61 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
                 self.metrics.observe_load(self.pool.admission)
         self._count(labels, "ok")
         self.metrics.request_seconds.observe(time.perf_counter() - started)
-        return encoder_pb2.EncodeResponse(
+        held = self.held if request.deliver else None
+        response = encoder_pb2.EncodeResponse(
             encoder_id=self.encoder_id, queue_ms=result.queue_ms, encode_ms=result.encode_ms,
-            embeddings=[embedding_to_proto(e, self.wire_dtype) for e in result.items],
+            embeddings=[embedding_to_proto(e, self.wire_dtype, held) for e in result.items],
         )
+        if request.deliver:
+            response.hold_s = self.held.hold_s
+            response.channel_endpoint = self.channels.endpoint_id if self.channels is not None else ""
+            self.observe_held()
+        return response
+
+    # -- direct delivery: a worker fetches what an Encode with `deliver` held --------------------------
+    async def SendEmbeddings(
+        self, request: encoder_pb2.SendEmbeddingsRequest, context: grpc.aio.ServicerContext
+    ) -> encoder_pb2.SendEmbeddingsResponse:
+        channels = self.channels
+        if channels is None:
+            raise UnavailableError("this encoder has no tensor-channel endpoint; use FetchEmbeddings", retry_after_s=0.1)
+        timeout = request.timeout_s or self.channel_timeout_s
+        start = time.perf_counter()
+        tensors = self._held_tensors(request.keys)
+        # Kept afterwards: the next request's media most likely go to the same few workers.
+        async with channels.opened(request.target_endpoint, request.channel_id, reuse=request.reuse_channel, timeout_s=timeout) as channel:
+            for tensor in tensors:
+                await channel.send(tensor, timeout_s=timeout)
+        nbytes = sum(t.numel() * t.element_size() for t in tensors)
+        self.metrics.sent_bytes.labels(transport="channel").inc(nbytes)
+        return encoder_pb2.SendEmbeddingsResponse(bytes=nbytes, seconds=time.perf_counter() - start)
+
+    async def FetchEmbeddings(
+        self, request: encoder_pb2.FetchEmbeddingsRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[encoder_pb2.FetchEmbeddingsResponse]:
+        sent = self.metrics.sent_bytes.labels(transport="grpc")
+        for index, tensor in enumerate(self._held_tensors(request.keys)):
+            data = tensor.view(-1).view(torch.uint8).numpy()
+            for offset in range(0, len(data), _CHUNK_BYTES):
+                piece = data[offset : offset + _CHUNK_BYTES].tobytes()
+                yield encoder_pb2.FetchEmbeddingsResponse(piece=index, data=piece)
+                sent.inc(len(piece))
+
+    def _held_tensors(self, keys: Sequence[str]) -> list[torch.Tensor]:
+        """The tensors held under `keys`, all or NOT_FOUND (held past their hold time, or by an encoder that restarted)."""
+        tensors = [self.held.get(key) for key in keys]
+        self.observe_held()
+        missing = [key for key, t in zip(keys, tensors, strict=True) if t is None]
+        if missing:
+            raise NotFoundError(f"encoder {self.encoder_id} no longer holds {len(missing)} of {len(keys)} embeddings; encode again")
+        return [t for t in tensors if t is not None]
+
+    def observe_held(self) -> None:
+        self.held.expire()
+        self.metrics.held_results.set(len(self.held))
+        self.metrics.held_bytes.set(self.held.nbytes)
+        self.metrics.expired.inc(self.held.dropped - self._dropped_seen)
+        self._dropped_seen = self.held.dropped
 
     async def GetLoad(self, request: encoder_pb2.GetLoadRequest, context: grpc.aio.ServicerContext) -> encoder_pb2.GetLoadResponse:
         return encoder_pb2.GetLoadResponse(load=encoder_load(self.pool))

@@ -104,6 +104,12 @@ class RouterConfig(BaseSettings):
     embedding_cache_bytes: int = Field(
         64 * 1024 * 1024, ge=0, description="Embeddings of recent images and audio kept by their bytes' digest (a repeat skips the encoder); 0: none"
     )
+    media_delivery: Literal["direct", "inline"] = Field(
+        "direct",
+        description="How media embeddings reach the worker: direct, the encoder keeps them and the worker fetches them over a "
+        "tensor channel (gRPC below a size), this router holding only keys and the media bytes; inline, inside the worker "
+        "request through this router (the embedding cache applies). A failed direct fetch falls back to inline",
+    )
     media_prefix_overlap: bool = Field(
         True,
         description="Prefill a media request's text before its first media marker on the chosen worker while the encoder runs "

@@ -13,18 +13,20 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 
-from phalanx._proto import encoder_pb2, encoder_pb2_grpc, router_pb2
+from phalanx._proto import common_pb2, encoder_pb2, encoder_pb2_grpc, router_pb2
+from phalanx.common.block_hash import MediaSpan
 from phalanx.common.errors import InvalidRequestError, UnavailableError
 from phalanx.common.grpc_channels import GrpcChannels
 from phalanx.router.joint import EncoderEstimate
 
-__all__ = ["EmbeddingCache", "EncoderSet", "MediaEncoder", "estimated_units", "split_on_markers"]
+__all__ = ["EmbeddingCache", "Encoded", "EncoderSet", "HandleCache", "MediaEncoder", "estimated_units", "split_on_markers"]
 
 log = logging.getLogger(__name__)
 
@@ -132,6 +134,64 @@ class EncoderSet:
         return sorted(choices, key=lambda c: (c.estimate_ms, c.encoder_id))
 
 
+@dataclass(frozen=True)
+class Encoded:
+    """What an encode gave: one embedding per item, with its rows, or (direct delivery) a key into the encoder that holds them."""
+
+    embeddings: list[encoder_pb2.Embedding]
+    # Direct delivery: where each item's rows wait (encoder address, channel endpoint, key); empty: the rows are inline.
+    sources: list[common_pb2.MediaSource] = field(default_factory=list)
+
+    def media(self, spans: Sequence[MediaSpan]) -> list[common_pb2.MediaEmbedding]:
+        """The worker request's media at `spans` (one per embedding): rows inline, or where the worker fetches them."""
+        media = []
+        for i, (span, e) in enumerate(zip(spans, self.embeddings, strict=True)):
+            item = common_pb2.MediaEmbedding(start=span.start, rows=e.rows, hidden=e.hidden, dtype=e.dtype, media_hash=e.media_hash)
+            if self.sources:
+                item.source.CopyFrom(self.sources[i])
+            else:
+                item.data = e.data
+            media.append(item)
+        return media
+
+
+_HANDLE_MARGIN_S = 5.0
+
+
+class HandleCache:
+    """Direct delivery's cache: recent images' and audio's handles (embedding without rows, and where they wait) by their
+    bytes' digest, until 5 s (at most half) of their encoder's hold time is left, at most ``max_entries``. A repeated image skips the
+    encoder as with ``EmbeddingCache``, and this router still holds no rows.
+    """
+
+    def __init__(self, max_entries: int = 4096, *, clock: Callable[[], float] = time.monotonic) -> None:
+        self.max_entries = max_entries
+        self._clock = clock
+        self._entries: OrderedDict[tuple[int, bytes], tuple[float, encoder_pb2.Embedding, common_pb2.MediaSource]] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get(self, key: tuple[int, bytes] | None) -> tuple[encoder_pb2.Embedding, common_pb2.MediaSource] | None:
+        entry = self._entries.get(key) if key is not None else None
+        if entry is None or key is None:
+            return None
+        if entry[0] <= self._clock():
+            del self._entries[key]
+            return None
+        self._entries.move_to_end(key)
+        return entry[1], entry[2]
+
+    def put(self, key: tuple[int, bytes] | None, embedding: encoder_pb2.Embedding, source: common_pb2.MediaSource, hold_s: float) -> None:
+        if key is None or self.max_entries < 1:
+            return
+        # A margin for the request to reach its worker; a handle that still goes stale costs an inline encode, not tokens.
+        self._entries[key] = (self._clock() + max(hold_s / 2, hold_s - _HANDLE_MARGIN_S), embedding, source)
+        self._entries.move_to_end(key)
+        while len(self._entries) > self.max_entries:
+            self._entries.popitem(last=False)
+
+
 class MediaEncoder:
     def __init__(
         self, encoders: EncoderSet, *, timeout_s: float, max_message_bytes: int, on_retry: Callable[[], None] | None = None,
@@ -139,6 +199,7 @@ class MediaEncoder:
     ) -> None:
         self.encoders = encoders
         self.cache = cache if cache is not None else EmbeddingCache(0)  # an empty cache is falsy (len 0)
+        self.handles = HandleCache(0 if cache is None or cache.max_bytes == 0 else 4096)
         self._on_cache_hit = on_cache_hit or (lambda: None)
         self._on_retry = on_retry or (lambda: None)
         self.timeout_s = timeout_s
@@ -150,7 +211,8 @@ class MediaEncoder:
 
     def all_cached(self, media: Sequence[router_pb2.MediaInput]) -> bool:
         """Every item's embeddings are in the cache: no encoder will run."""
-        return all(self.cache.get(self.cache.key(item)) is not None for item in media)
+        keys = [self.cache.key(item) for item in media]
+        return all(self.cache.get(key) is not None or self.handles.get(key) is not None for key in keys)
 
     def estimates(self, media: Sequence[router_pb2.MediaInput]) -> tuple[list[EncoderEstimate], int]:
         """The encoders that serve these media with their estimated encode time, cheapest first, and the prompt
@@ -165,23 +227,47 @@ class MediaEncoder:
 
     async def encode(
         self, request_id: str, media: Sequence[router_pb2.MediaInput], max_positions: int, *, first: str | None = None,
-    ) -> list[encoder_pb2.Embedding]:
+        deliver: bool = False, cached: bool = True,
+    ) -> Encoded:
         """One embedding per item, from the cache or the cheapest encoder that answers; InvalidRequestError for bad media.
 
         `first`: the encoder to try first (a joint (encoder, worker) choice); the others follow cheapest first.
+        `deliver`: direct delivery, the encoder keeps the rows for the worker to fetch and answers handles (no cache:
+        this router never holds them). `cached=False`: from an encoder, and not kept (a direct request's fallback).
         """
+        if deliver:
+            return await self._deliverable(request_id, media, max_positions, first)
+        if not cached:
+            return (await self._encode(request_id, media, max_positions, first))[0]
         keys = [self.cache.key(item) for item in media]
-        cached = [self.cache.get(key) for key in keys]
-        if all(e is not None for e in cached):
-            hits = [e for e in cached if e is not None]
-            if max_positions and sum(e.rows for e in hits) > max_positions:
+        hits = [self.cache.get(key) for key in keys]
+        if all(e is not None for e in hits):
+            found = [e for e in hits if e is not None]
+            if max_positions and sum(e.rows for e in found) > max_positions:
                 raise InvalidRequestError("media", f"media need more than the {max_positions} prompt positions the request allows")
             self._on_cache_hit()
-            return hits
-        embeddings = await self._encode(request_id, media, max_positions, first)
-        for key, embedding in zip(keys, embeddings, strict=True):
+            return Encoded(found)
+        encoded, _ = await self._encode(request_id, media, max_positions, first)
+        for key, embedding in zip(keys, encoded.embeddings, strict=True):
             self.cache.put(key, embedding)
-        return embeddings
+        return encoded
+
+    async def _deliverable(
+        self, request_id: str, media: Sequence[router_pb2.MediaInput], max_positions: int, first: str | None,
+    ) -> Encoded:
+        """Direct delivery: handles from the handle cache, or an Encode with `deliver`."""
+        keys = [self.cache.key(item) for item in media]
+        cached = [self.handles.get(key) for key in keys]
+        hits = [c for c in cached if c is not None]
+        if len(hits) == len(keys):
+            if max_positions and sum(e.rows for e, _ in hits) > max_positions:
+                raise InvalidRequestError("media", f"media need more than the {max_positions} prompt positions the request allows")
+            self._on_cache_hit()
+            return Encoded([e for e, _ in hits], [s for _, s in hits])
+        encoded, hold_s = await self._encode(request_id, media, max_positions, first, deliver=True)
+        for key, embedding, source in zip(keys, encoded.embeddings, encoded.sources, strict=True):
+            self.handles.put(key, embedding, source, hold_s)
+        return encoded
 
     @staticmethod
     def _items(media: Sequence[router_pb2.MediaInput]) -> tuple[list[encoder_pb2.MediaItem], dict[encoder_pb2.Modality, int]]:
@@ -199,8 +285,9 @@ class MediaEncoder:
         return items, units
 
     async def _encode(
-        self, request_id: str, media: Sequence[router_pb2.MediaInput], max_positions: int, first: str | None,
-    ) -> list[encoder_pb2.Embedding]:
+        self, request_id: str, media: Sequence[router_pb2.MediaInput], max_positions: int, first: str | None, *, deliver: bool = False,
+    ) -> tuple[Encoded, float]:
+        """The embeddings from the first encoder that answers, and (deliver) how long it holds them."""
         items, units = self._items(media)
         if not self.encoders.encoders:
             # As before the pool existed: a deployment without encoders refuses media as the caller's error.
@@ -210,7 +297,7 @@ class MediaEncoder:
             names = sorted(encoder_pb2.Modality.Name(m).removeprefix("MODALITY_").lower() for m in units)
             raise InvalidRequestError("media", f"no registered encoder serves {names}")
         choices.sort(key=lambda c: c.encoder_id != first)  # stable: the rest stay cheapest first
-        request = encoder_pb2.EncodeRequest(request_id=request_id, items=items, max_positions=max_positions)
+        request = encoder_pb2.EncodeRequest(request_id=request_id, items=items, max_positions=max_positions, deliver=deliver)
         last: grpc.aio.AioRpcError | None = None
         for choice in choices:
             stub = encoder_pb2_grpc.EncoderServiceStub(self._channels.get(choice.address))
@@ -227,5 +314,11 @@ class MediaEncoder:
                 last = error
                 self._on_retry()
                 continue
-            return list(reply.embeddings)
+            if not deliver:
+                return Encoded(list(reply.embeddings)), 0.0
+            sources = [
+                common_pb2.MediaSource(encoder_address=choice.address, channel_endpoint=reply.channel_endpoint, key=e.key)
+                for e in reply.embeddings
+            ]
+            return Encoded(list(reply.embeddings), sources), reply.hold_s
         raise UnavailableError(f"every encoder failed: {last.code().name if last else 'none'}", retry_after_s=1.0)

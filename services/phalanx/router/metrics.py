@@ -47,6 +47,16 @@ class RouterMetrics:
         self.embedding_cache_hits = Counter(
             "phalanx_router_embedding_cache_hits", "Media requests whose every item's embeddings came from the router's cache", registry=r
         )
+        self.media_reencodes = Counter(
+            "phalanx_router_media_reencodes", "Media encoded again inline for a directly delivered request, by cause (fetch_failed: a "
+            "worker could not fetch them, the encoder died or dropped them; migration: a migration carries the rows)", ["cause"], registry=r,
+        )
+        self.media_inline_bytes = Counter(
+            "phalanx_router_media_inline_bytes", "Embedding bytes this router received from encoders (inline delivery and fallbacks; "
+            "0 on the direct path)", registry=r,
+        )
+        for cause in ("fetch_failed", "migration"):
+            self.media_reencodes.labels(cause=cause)
         self.encode_retries = Counter(
             "phalanx_router_encode_retries", "Encode calls retried on another encoder (gone, overloaded or too slow)", registry=r
         )

@@ -20,12 +20,13 @@ from dataclasses import dataclass, field
 from typing import cast
 
 import grpc
-from google.rpc import status_pb2
+from google.rpc import error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
 from phalanx._proto import common_pb2, migration_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 from phalanx.common.block_hash import MediaSpan
 from phalanx.common.errors import (
+    MEDIA_SOURCE_SUBJECT,
     InvalidRequestError,
     NotFoundError,
     PhalanxError,
@@ -156,6 +157,9 @@ class _Flow:
     prompt_ids: list[int]
     # The prompt's media runs and their embeddings (the worker request carries them; routing hashes them).
     media: list[common_pb2.MediaEmbedding] = field(default_factory=list)
+    # Direct delivery: the media themselves and their budget, to encode again when a worker cannot fetch the rows.
+    media_inputs: Sequence[router_pb2.MediaInput] = ()
+    media_budget: int = 0
     next_index: int = 0
     first_sent: bool = False
     # The worker the client was last told produced its tokens (a migration changes it: the next chunk names the new one).
@@ -267,9 +271,9 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
     ) -> tuple[_Flow, bool]:
         """Encodes the media, routes and claims the request; (flow, whether it is a retry of a request already running)."""
         media: list[common_pb2.MediaEmbedding] = []
-        prefer = None
+        prefer, budget = None, 0
         if request.media:
-            prompt_ids, media, prefer = await self._encode_media(request_id, request, prompt_ids, params)
+            prompt_ids, media, prefer, budget = await self._encode_media(request_id, request, prompt_ids, params)
         flow, existing = await self._start(request_id, admitted, prompt_ids, media, prefer=prefer)
         if existing is not None:
             if existing.tenant != admitted.tenant:
@@ -277,6 +281,8 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
                 raise InvalidRequestError("request_id", "is taken by another request; send a new one (or none)")
             # A retry of a request that is already running: stream it from the start (not a new arrival).
             return _Flow(existing, Tier(existing.tier or Tier.STANDARD), prompt_ids, counts_output=False), True
+        if any(m.source.key for m in media):
+            flow.media_inputs, flow.media_budget = request.media, budget
         return flow, False
 
     async def _enter(self, admitted: Admitted, request_id: str, prompt_tokens: int) -> None:
@@ -421,11 +427,12 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
 
     async def _encode_media(
         self, request_id: str, request: router_pb2.GenerateRequest, prompt_ids: list[int], params
-    ) -> tuple[list[int], list[common_pb2.MediaEmbedding], str | None]:
+    ) -> tuple[list[int], list[common_pb2.MediaEmbedding], str | None, int]:
         """Encode the media, expand each placeholder to its rows; the visual token budget bounds them all.
 
         The encoder and the worker are chosen together (router/joint.py); the text before the first placeholder is
-        prefilled on that worker while the encoder runs. Returns the expanded prompt, its media and that worker.
+        prefilled on that worker while the encoder runs. Returns the expanded prompt, its media, that worker and the
+        budget. Direct delivery: the media carry where the worker fetches the rows, not the rows.
         """
         assert self.media_encoder is not None  # _validate refused media without one
         placeholder = self.config.media_placeholder_token_id
@@ -453,7 +460,10 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
             prefill = asyncio.create_task(self._prefill_prefix(request_id, choice.worker_id, prompt_ids[:first_media]))
         try:
             with tracer.start_as_current_span("router.encode", attributes={"request_id": request_id, "items": items}):
-                embeddings = await self.media_encoder.encode(request_id, request.media, budget, first=choice.encoder_id if choice else None)
+                encoded = await self.media_encoder.encode(
+                    request_id, request.media, budget, first=choice.encoder_id if choice else None,
+                    deliver=self.config.media_delivery == "direct",
+                )
             if prefill is not None:
                 # Its blocks must be cached before the request comes, or the worker computes them again; a worker that
                 # takes much longer than the encoder is slow or hung, and the request must not wait on it for long.
@@ -462,12 +472,27 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
             if prefill is not None and not prefill.done():
                 prefill.cancel()
                 self.metrics.prefix_prefills.labels(result="unfinished").inc()
+        embeddings = encoded.embeddings
+        self.metrics.media_inline_bytes.inc(sum(len(e.data) for e in embeddings))
         expanded, spans = expand_placeholders(prompt_ids, placeholder, [e.rows for e in embeddings], [e.media_hash for e in embeddings])
-        media = [
-            common_pb2.MediaEmbedding(start=span.start, rows=e.rows, hidden=e.hidden, dtype=e.dtype, data=e.data, media_hash=e.media_hash)
-            for span, e in zip(spans, embeddings, strict=True)
-        ]
-        return expanded, media, choice.worker_id if choice is not None else None
+        return expanded, encoded.media(spans), choice.worker_id if choice is not None else None, budget
+
+    async def _media_inline(self, flow: _Flow, cause: str) -> None:
+        """Encodes a directly delivered request's media again, rows inline this time (media are pure inputs: the same rows).
+
+        A worker could not fetch them (their encoder died, or held them past its hold time), or a migration is to carry
+        them. UnavailableError if no encoder can.
+        """
+        assert self.media_encoder is not None
+        self.metrics.media_reencodes.labels(cause=cause).inc()
+        with tracer.start_as_current_span("router.encode", attributes={"request_id": flow.record.request_id, "cause": cause}):
+            encoded = await self.media_encoder.encode(flow.record.request_id, flow.media_inputs, flow.media_budget, cached=False)
+        embeddings = encoded.embeddings
+        if [e.rows for e in embeddings] != [m.rows for m in flow.media]:
+            raise UnavailableError(f"encoding the media of {flow.record.request_id} again gave other rows", retry_after_s=1.0)
+        self.metrics.media_inline_bytes.inc(sum(len(e.data) for e in embeddings))
+        flow.media = encoded.media([MediaSpan(m.start, m.rows, m.media_hash) for m in flow.media])
+        flow.media_inputs = ()  # inline now: nothing left to fetch
 
     def _joint_choice(self, prompt_ids: list[int], media: Sequence[router_pb2.MediaInput], budget: int) -> JointChoice | None:
         """The (encoder, worker) pair with the lowest estimated TTFT; None when either is missing (encode decides the error)."""
@@ -576,11 +601,15 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
     # -- worker streams -----------------------------------------------------------
     def _generate(self, flow: _Flow, request: router_pb2.GenerateRequest, params) -> AsyncIterator:
         flow.sampling = request.sampling
-        worker_request = worker_pb2.GenerateRequest(
-            request_id=flow.record.request_id, tokens=common_pb2.PromptTokens(ids=flow.prompt_ids), sampling=request.sampling,
-            priority=int(flow.tier), media=flow.media,
-        )
-        return self._worker_stream(flow, lambda streams: streams.generate(worker_request), retry_elsewhere=True)
+
+        def generate(streams: WorkerMultiplexer):
+            # Built at each call: a failed media fetch replaces flow.media with the rows inline.
+            return streams.generate(worker_pb2.GenerateRequest(
+                request_id=flow.record.request_id, tokens=common_pb2.PromptTokens(ids=flow.prompt_ids), sampling=request.sampling,
+                priority=int(flow.tier), media=flow.media,
+            ))
+
+        return self._worker_stream(flow, generate, retry_elsewhere=True)
 
     def _attach(self, flow: _Flow) -> AsyncIterator:
         attach = worker_pb2.AttachRequest(request_id=flow.record.request_id, from_index=flow.next_index)
@@ -614,6 +643,11 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
                 broken = caught
             finally:
                 call.cancel()
+            if broken is not None and not got_any and flow.media_inputs and _media_fetch_failed(broken):
+                log.info("worker %s could not fetch the media of %s (%s); encoding them again", flow.record.worker_id,
+                         flow.record.request_id, broken.details())
+                await self._media_inline(flow, "fetch_failed")
+                continue  # the same worker: it submitted nothing
             worker_id = flow.record.worker_id
             if broken is not None:
                 event: StreamEnded | HandedBack | StreamBroke = StreamBroke(worker_id, broken.code(), got_chunks=got_any)
@@ -671,14 +705,22 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
             log.info("worker %s handed back %s; continuing on %s", flow.record.worker_id, flow.record.request_id, route.worker_id)
             self._move(flow, route)
             # The media ride along: a resumed prompt recomputes its KV, and its placeholders need the embeddings again.
-            resume = worker_pb2.GenerateRequest(request_id=flow.record.request_id, resume_from=handoff, media=flow.media)
-            return lambda streams: streams.generate(resume)
+            return lambda streams: streams.generate(
+                worker_pb2.GenerateRequest(request_id=flow.record.request_id, resume_from=handoff, media=flow.media)
+            )
         raise AssertionError(f"unexpected relay effect {decision!r}")
 
     async def _migrate_flow(self, flow: _Flow, move: Migrate, handoff_chunk: _HandoffChunk | None) -> migration_pb2.MigrateResponse | None:
         """Asks the migration service to move the request; None when it did not (the relay policy decides what then)."""
         if self._migrate is None:
             return None
+        if flow.media_inputs:
+            # A restore takes the rows with the request (RestoreItem.media), not a fetch: encode them again, inline.
+            try:
+                await self._media_inline(flow, "migration")
+            except PhalanxError as error:
+                log.warning("cannot migrate %s: its media could not be encoded again (%s)", flow.record.request_id, error)
+                return None
         request = migration_pb2.MigrateRequest(
             request_id=flow.record.request_id, worker_id=flow.record.worker_id, tokens_delivered=flow.next_index, seed=flow.seed,
             reason=move.reason, priority=int(flow.tier), media=flow.media,
@@ -776,6 +818,23 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
                 if flow.counts_output:
                     # The client has next_index tokens in all, whichever stream (Generate or a Resume) relayed the last.
                     self.metrics.output_tokens.observe(flow.next_index)
+
+
+def _media_fetch_failed(error: grpc.aio.AioRpcError) -> bool:
+    """A worker refused a request because it could not fetch its media from their encoder (worker/media_fetch.py)."""
+    if error.code() != grpc.StatusCode.FAILED_PRECONDITION:
+        return False
+    try:
+        status = rpc_status.from_call(error)
+    except (ValueError, TypeError, AttributeError):
+        return False
+    for detail in status.details if status is not None else ():
+        if detail.Is(error_details_pb2.PreconditionFailure.DESCRIPTOR):
+            failure = error_details_pb2.PreconditionFailure()
+            detail.Unpack(failure)
+            if any(v.subject == MEDIA_SOURCE_SUBJECT for v in failure.violations):
+                return True
+    return False
 
 
 def _cancelling() -> bool:

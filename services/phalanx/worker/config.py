@@ -184,6 +184,11 @@ class WorkerConfig(BaseSettings):
         "channel forms in the background for the next restore): right after a failure, forming one took ~300 ms, against "
         "~70 ms for 32 MiB over gRPC (0.45 GB/s; 3 ms to form and 2.8 GB/s on an idle host, `phalanx bench channel`)",
     )
+    media_channel_min_bytes: int = Field(
+        4 << 20, ge=0,
+        description="Media embeddings fetched from an encoder with no tensor channel kept to it go over gRPC below this size "
+        "(and a channel forms in the background for the next request); same trade-off as channel_min_bytes",
+    )
     failover_role: Literal["none", "primary", "shadow"] = Field(
         "none",
         description="An engine of a failover slot (issue 14): weights from the memory service, serves only while it holds the "

@@ -18,7 +18,7 @@ import asyncio
 import enum
 import logging
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, replace
 from functools import partial
 from typing import TYPE_CHECKING, Any
@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 
     from phalanx.common.channels import ChannelEndpoint, TensorChannel
 
-__all__ = ["KvFetch", "KvFetchDecision", "KvFetchPolicy", "KvFetchRoute", "KvFetcher"]
+__all__ = ["KvFetch", "KvFetchDecision", "KvFetchPolicy", "KvFetchRoute", "KvFetcher", "receive_while_sending"]
 
 logger = logging.getLogger(__name__)
 
@@ -199,7 +199,21 @@ async def _transfer_kv(
     *,
     keep: Callable[[TensorChannel], None],
 ) -> None:
-    """SendKv on the source while receiving its pieces here; the channel goes to `keep` if every piece arrived, else closed.
+    """SendKv on the source while receiving its pieces here (see ``receive_while_sending``)."""
+    send = stub.SendKv(request, timeout=timeout + 1.0)
+    await receive_while_sending(send, channel_ready, [buffers[p.request_id] for p in pieces], timeout, keep=keep)
+
+
+async def receive_while_sending(
+    send: Awaitable[Any],
+    channel_ready: asyncio.Future[TensorChannel],
+    buffers: Sequence[torch.Tensor],
+    timeout: float,
+    *,
+    keep: Callable[[TensorChannel], None],
+) -> None:
+    """The source's send call (SendKv, SendEmbeddings) while receiving into `buffers` in order here; the channel goes to
+    `keep` if every tensor arrived, else closed.
 
     A failure on either side ends the other at once (a channel the source never
     opened must not hold a receive until the timeout).
@@ -208,21 +222,21 @@ async def _transfer_kv(
     async def receive() -> None:
         channel = await channel_ready
         try:
-            for piece in pieces:
-                await channel.recv_into(buffers[piece.request_id], timeout_s=timeout)
+            for buffer in buffers:
+                await channel.recv_into(buffer, timeout_s=timeout)
         except BaseException:
             await channel.close()
             raise
         keep(channel)
 
-    send = asyncio.ensure_future(stub.SendKv(request, timeout=timeout + 1.0))
+    sending = asyncio.ensure_future(send)
     received = asyncio.ensure_future(receive())
     try:
-        await asyncio.gather(send, received)
+        await asyncio.gather(sending, received)
     except BaseException:
-        send.cancel()
+        sending.cancel()
         received.cancel()
-        await asyncio.gather(send, received, return_exceptions=True)
+        await asyncio.gather(sending, received, return_exceptions=True)
         raise
 
 

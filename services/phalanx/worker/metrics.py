@@ -63,6 +63,19 @@ class WorkerMetrics:
             "phalanx_checkpoint_skipped_captures", "Steps whose KV capture waited for the store (backpressure)", labels,
             registry=self.registry,
         )
+        self.media_fetch_seconds = Histogram(
+            "phalanx_worker_media_fetch_seconds", "Time to fetch one request's media embeddings from an encoder, by transport "
+            "(channel, grpc)", [*labels, "transport"], buckets=_LATENCY_BUCKETS, registry=self.registry,
+        )
+        self.media_fetch_bytes = Counter(
+            "phalanx_worker_media_fetch_bytes", "Media embedding bytes fetched from encoders, by transport (channel, grpc)",
+            [*labels, "transport"], registry=self.registry,
+        )
+        self.media_fetch_failures = Counter(
+            "phalanx_worker_media_fetch_failures", "Media fetches that failed (the router encodes again)", labels, registry=self.registry,
+        )
+        for transport in ("channel", "grpc"):
+            self.media_fetch_bytes.labels(worker=worker_id, transport=transport)
         self.worker_id = worker_id
         # This worker's series from the start: a dashboard shows zeros, and rate() sees the first event.
         for metric in (self.restores, self.checkpoint_bytes, self.checkpoint_skipped):

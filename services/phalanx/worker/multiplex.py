@@ -124,7 +124,8 @@ class MultiplexedStream:
         streams = servicer.streams
         try:
             if which == "generate":
-                log, engine_request = servicer.generate_log(request.generate)
+                fetched = await servicer.fetch_media(request.generate)
+                log, engine_request = servicer.generate_log(request.generate, fetched)
                 from_index = log.first_index
             else:
                 log, engine_request = servicer.attach_log(request.attach), None

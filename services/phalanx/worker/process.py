@@ -257,6 +257,7 @@ class WorkerProcess:
         servicer = WorkerServicer(
             self.worker_id, self.metrics, on_drain=self._drain, on_undrain=self._undrain, kv_sequence=lambda: self.kv_sequence,
             address=self.address, channels=channels, channel_timeout_s=c.channel_timeout_s, channel_min_bytes=c.channel_min_bytes,
+            media_channel_min_bytes=c.media_channel_min_bytes,
             checkpointing_to=self._checkpointing_to, detach_grace_s=c.detach_grace_s, retain_s=c.retain_s, max_retained=c.max_retained,
             max_retained_bytes=c.max_retained_bytes,
         )

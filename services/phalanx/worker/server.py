@@ -22,6 +22,7 @@ from phalanx.worker.async_engine import AsyncEngine
 from phalanx.worker.checkpointing import tensor_bytes
 from phalanx.worker.engine import EngineRequest
 from phalanx.worker.kv_fetch import KvFetcher, KvFetchPolicy
+from phalanx.worker.media_fetch import MediaFetcher, has_sourced_media
 from phalanx.worker.metrics import WorkerMetrics
 from phalanx.worker.multiplex import MultiplexedStream
 from phalanx.worker.sequence import FinishReason, MediaEmbedding, RequestSnapshot, TokenEvent
@@ -93,8 +94,9 @@ def fill_chunk(chunk, event: TokenEvent, handoff_source: str = "") -> None:
 _MEDIA_DTYPES = ("bfloat16", "float16", "float32")
 
 
-def media_from_proto(index: int, item: common_pb2.MediaEmbedding) -> MediaEmbedding:
-    """A request's media embeddings as a tensor; the engine checks they fit the prompt and the model."""
+def media_from_proto(index: int, item: common_pb2.MediaEmbedding, fetched: torch.Tensor | None = None) -> MediaEmbedding:
+    """A request's media embeddings as a tensor (`fetched`: its rows, from the encoder that held them); the engine checks
+    they fit the prompt and the model."""
     if item.dtype not in _MEDIA_DTYPES:
         raise InvalidRequestError(f"media[{index}].dtype", f"{item.dtype!r} is not one of {sorted(_MEDIA_DTYPES)}")
     import torch  # here, not at the top: a simulated worker that serves no media never imports it
@@ -102,6 +104,8 @@ def media_from_proto(index: int, item: common_pb2.MediaEmbedding) -> MediaEmbedd
     dtype = getattr(torch, item.dtype)
     if item.rows < 1 or item.hidden < 1 or item.start < 0:
         raise InvalidRequestError(f"media[{index}]", "start must be >= 0, rows and hidden >= 1")
+    if fetched is not None:
+        return MediaEmbedding(MediaSpan(item.start, item.rows, item.media_hash), fetched)
     expected = item.rows * item.hidden * torch.empty((), dtype=dtype).element_size()
     if len(item.data) != expected:
         raise InvalidRequestError(f"media[{index}].data", f"{len(item.data)} bytes for {item.rows} x {item.hidden} {item.dtype}")
@@ -129,7 +133,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
     def __init__(
         self, worker_id: str, metrics: WorkerMetrics, *, on_drain, on_undrain, kv_sequence,
         address: str = "", channels: ChannelEndpoint | None = None, channel_timeout_s: float = 10.0,
-        channel_min_bytes: int = 32 << 20, checkpointing_to: Callable[[], str] = lambda: "",
+        channel_min_bytes: int = 32 << 20, media_channel_min_bytes: int = 4 << 20, checkpointing_to: Callable[[], str] = lambda: "",
         detach_grace_s: float = 15.0, retain_s: float = 30.0, max_retained: int = 10_000, max_retained_bytes: int = 256 << 20,
     ) -> None:
         self.worker_id = worker_id
@@ -148,6 +152,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         self.channel_min_bytes = channel_min_bytes  # smaller KV from a source with no channel kept goes over gRPC
         self._warming: dict[str, asyncio.Task] = {}  # channels being formed ahead of the next transfer, by source key
         self.kv_buffers = BufferPool(_KV_BUFFER_KEEP_BYTES)  # what restores receive KV into
+        # Media embeddings an encoder holds for this worker's requests (the router's direct delivery).
+        self.media = MediaFetcher(channels, KvFetchPolicy(media_channel_min_bytes), metrics, timeout_s=channel_timeout_s)
         self._ttft, self._itl, self._generated = m.for_worker(m.ttft), m.for_worker(m.itl), m.for_worker(m.generated_tokens)
         self._prompt, self._cached_prompt = m.for_worker(m.prompt_tokens), m.for_worker(m.cached_prompt_tokens)
         self.streams = RequestStreams(
@@ -173,6 +179,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             task.cancel()
         await asyncio.gather(*warming, return_exceptions=True)
         await self.kv_sources.close()
+        await self.media.close()
 
     @property
     def engine(self) -> AsyncEngine:
@@ -194,17 +201,28 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             return list(request.tokens.ids)
         return []
 
-    def _engine_request(self, request: worker_pb2.GenerateRequest) -> EngineRequest:
+    def _engine_request(self, request: worker_pb2.GenerateRequest, fetched: dict[int, torch.Tensor]) -> EngineRequest:
         # The id is fixed here, not by the engine, so that a retry can find the request's log.
+        media = [media_from_proto(i, m, fetched.get(i)) for i, m in enumerate(request.media)]
         if request.HasField("resume_from"):
             snapshot = snapshot_from_proto(request.resume_from)
             request_id = request.request_id or snapshot.request_id or uuid.uuid4().hex
-            media = [media_from_proto(i, m) for i, m in enumerate(request.media)]
             return EngineRequest(snapshot.prompt_ids, snapshot.params, request_id, resume=snapshot, media=media)
         return EngineRequest(
             self._prompt_ids(request), sampling_from_proto(request.sampling), request.request_id or uuid.uuid4().hex, priority=request.priority,
-            media=[media_from_proto(i, m) for i, m in enumerate(request.media)],
+            media=media,
         )
+
+    async def fetch_media(self, request: worker_pb2.GenerateRequest) -> dict[int, torch.Tensor]:
+        """The rows of the request's media that an encoder holds (direct delivery), by index; none for a retry of a
+        request this worker has already. FAILED_PRECONDITION (subject media.source) if they cannot come."""
+        if not has_sourced_media(request.media) or (request.request_id and self.streams.get(request.request_id) is not None):
+            return {}
+        try:
+            return await self.media.fetch(request.media)
+        except PhalanxError as exc:
+            self._count(exc)
+            raise
 
     def _count(self, error: BaseException | None) -> None:
         status = "ok" if error is None else getattr(error, "reason", "internal").lower()
@@ -241,11 +259,15 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             self.streams.discard(log, exc)
             raise
 
-    def generate_log(self, request: worker_pb2.GenerateRequest) -> tuple[RequestLog, EngineRequest | None]:
-        """The log a Generate reads, and its request to submit (None: a retry of a request this worker has already)."""
+    def generate_log(
+        self, request: worker_pb2.GenerateRequest, fetched: dict[int, torch.Tensor] | None = None,
+    ) -> tuple[RequestLog, EngineRequest | None]:
+        """The log a Generate reads, and its request to submit (None: a retry of a request this worker has already).
+
+        `fetched`: the media rows ``fetch_media`` brought."""
         try:
             self.engine  # noqa: B018 - raises UNAVAILABLE while the model loads
-            engine_request = self._engine_request(request)
+            engine_request = self._engine_request(request, fetched or {})
         except PhalanxError as exc:
             self._count(exc)
             raise
@@ -269,7 +291,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         return log
 
     async def Generate(self, request, context):
-        log, engine_request = self.generate_log(request)
+        fetched = await self.fetch_media(request)
+        log, engine_request = self.generate_log(request, fetched)
         with self.streams.reader(log):
             if engine_request is not None:
                 await self.submit(self.engine, engine_request, log)

@@ -1,0 +1,76 @@
+"""Embeddings an encoder keeps for workers to fetch (direct delivery), each under a key for a short time.
+
+Pure bookkeeping with an injected clock: the servicer puts an Encode's
+results here and answers their keys; a worker fetches them over a tensor
+channel or gRPC before its request runs. An entry stays until its hold time
+ends, not until the first fetch: a request retried on another worker, or
+handed back and resumed, fetches it again. Past ``max_bytes`` the oldest go
+first. A key that is gone is the router's cue to encode again (media are
+pure inputs).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["HeldEmbeddings"]
+
+
+@dataclass(frozen=True)
+class _Held:
+    values: torch.Tensor
+    until: float
+
+
+class HeldEmbeddings:
+    def __init__(self, hold_s: float, max_bytes: int, *, clock: Callable[[], float] = time.monotonic) -> None:
+        if hold_s <= 0 or max_bytes < 1:
+            raise ValueError("hold_s must be positive and max_bytes at least 1")
+        self.hold_s = hold_s
+        self.max_bytes = max_bytes
+        self._clock = clock
+        self._held: OrderedDict[str, _Held] = OrderedDict()  # oldest first
+        self.nbytes = 0
+        self.dropped = 0  # expired or evicted, in all
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+    def put(self, values: torch.Tensor) -> str:
+        """Holds a contiguous CPU tensor for ``hold_s``; returns its key."""
+        key = uuid.uuid4().hex
+        self._held[key] = _Held(values.contiguous(), self._clock() + self.hold_s)
+        self.nbytes += _nbytes(values)
+        self.expire()
+        while self.nbytes > self.max_bytes and len(self._held) > 1:
+            self._drop(next(iter(self._held)))
+        return key
+
+    def get(self, key: str) -> torch.Tensor | None:
+        """The tensor held under ``key``; None once its hold time ended (or it never was)."""
+        self.expire()
+        held = self._held.get(key)
+        return None if held is None else held.values
+
+    def expire(self) -> None:
+        now = self._clock()
+        while self._held:
+            key, oldest = next(iter(self._held.items()))
+            if oldest.until > now:
+                return
+            self._drop(key)
+
+    def _drop(self, key: str) -> None:
+        held = self._held.pop(key)
+        self.nbytes -= _nbytes(held.values)
+        self.dropped += 1
+
+
+def _nbytes(values: torch.Tensor) -> int:
+    return values.numel() * values.element_size()

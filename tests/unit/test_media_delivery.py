@@ -1,0 +1,75 @@
+"""Direct media delivery's bookkeeping: what an encoder holds and for how long, the router's handle cache, and the
+worker request's media built from handles or rows."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from phalanx._proto import common_pb2, encoder_pb2
+from phalanx.common.block_hash import MediaSpan
+from phalanx.encoder_pool.held import HeldEmbeddings
+from phalanx.router.media import Encoded, HandleCache
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_held_embeddings_stay_for_their_hold_time_and_are_fetched_any_number_of_times():
+    clock = _Clock()
+    held = HeldEmbeddings(5.0, 1 << 20, clock=clock)
+    values = torch.arange(12, dtype=torch.float32).view(3, 4)
+    key = held.put(values)
+    assert held.get(key) is not None and held.get(key) is not None  # a retry elsewhere fetches again
+    assert torch.equal(held.get(key), values) and (len(held), held.nbytes) == (1, 48)
+    clock.now += 4.9
+    assert held.get(key) is not None
+    clock.now += 0.2
+    assert held.get(key) is None and (len(held), held.nbytes, held.dropped) == (0, 0, 1)
+    assert held.get("never") is None
+
+
+def test_held_embeddings_drop_the_oldest_past_their_byte_bound():
+    held = HeldEmbeddings(60.0, 100, clock=_Clock())
+    first = held.put(torch.zeros(10, dtype=torch.float32))  # 40 bytes
+    second = held.put(torch.zeros(10, dtype=torch.float32))
+    third = held.put(torch.zeros(10, dtype=torch.float32))  # 120 > 100: the first goes
+    assert held.get(first) is None and held.get(second) is not None and held.get(third) is not None
+    with pytest.raises(ValueError):
+        HeldEmbeddings(0, 1)
+
+
+def test_the_handle_cache_forgets_handles_5_s_before_their_hold_time_ends():
+    clock = _Clock()
+    cache = HandleCache(2, clock=clock)
+    embedding, source = encoder_pb2.Embedding(rows=16, key="k1"), common_pb2.MediaSource(encoder_address="e:1", key="k1")
+    cache.put((1, b"a"), embedding, source, hold_s=10.0)
+    assert cache.get((1, b"a")) == (embedding, source)
+    clock.now += 5.0  # a short hold: half of it
+    assert cache.get((1, b"a")) is None and len(cache) == 0
+    cache.put((1, b"a"), embedding, source, hold_s=60.0)
+    clock.now += 54.9
+    assert cache.get((1, b"a")) is not None
+    clock.now += 0.2
+    assert cache.get((1, b"a")) is None
+    for name in (b"a", b"b", b"c"):
+        cache.put((1, name), embedding, source, hold_s=10.0)
+    assert cache.get((1, b"a")) is None and cache.get((1, b"c")) is not None  # least recently used out
+    cache.put(None, embedding, source, hold_s=10.0)  # video: never cached
+    assert len(cache) == 2
+
+
+def test_a_worker_requests_media_carry_either_the_rows_or_where_they_wait():
+    spans = [MediaSpan(3, 16, 7)]
+    rows = encoder_pb2.Embedding(rows=16, hidden=4, dtype="float32", data=b"x" * 256, media_hash=7)
+    (inline,) = Encoded([rows]).media(spans)
+    assert (inline.start, inline.rows, inline.data, inline.HasField("source")) == (3, 16, b"x" * 256, False)
+    handle = encoder_pb2.Embedding(rows=16, hidden=4, dtype="float32", key="k", media_hash=7)
+    source = common_pb2.MediaSource(encoder_address="e:1", channel_endpoint="encoder-e", key="k")
+    (direct,) = Encoded([handle], [source]).media(spans)
+    assert (direct.start, direct.data, direct.source) == (3, b"", source)

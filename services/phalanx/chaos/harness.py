@@ -15,6 +15,7 @@ import contextlib
 import itertools
 import json
 import math
+import signal
 import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -24,15 +25,40 @@ from typing import Any
 import grpc
 import httpx
 
-from phalanx._proto import common_pb2
+from phalanx._proto import common_pb2, expert_pb2
 from phalanx.client import Client, PhalanxClientError
 from phalanx.common.config import EtcdConfig
-from phalanx.common.discovery import CheckpointStoreDirectory, EtcdDirectory, MigrationDirectory, WorkerDirectory
-from phalanx.common.subjects import ROUTERS_PREFIX
+from phalanx.common.discovery import (
+    CheckpointStoreDirectory,
+    EncoderDirectory,
+    EtcdDirectory,
+    ExpertWorkerDirectory,
+    MigrationDirectory,
+    WorkerDirectory,
+    decode_json,
+)
+from phalanx.common.lease import connect_etcd
+from phalanx.common.subjects import ERT_KEY, ROUTERS_PREFIX
 from phalanx.launch.infra import EtcdServer, NatsServer
 from phalanx.launch.ports import free_port
-from phalanx.launch.services import GatewayHandle, PlannerHandle, RouterHandle, ServiceHandle, WorkerHandle, start_gateway, start_planner
+from phalanx.launch.services import (
+    CheckpointStoreHandle,
+    GatewayHandle,
+    HealthHandle,
+    PlannerHandle,
+    RouterHandle,
+    ServiceHandle,
+    WorkerHandle,
+    start_checkpoint_store,
+    start_encoder_pool,
+    start_expert_worker,
+    start_gateway,
+    start_health,
+    start_migration,
+    start_planner,
+)
 from phalanx.launch.stack import Stack, unique_id
+from phalanx.worker.ert import ExpertRoutingTable
 
 __all__ = ["ChaosRun", "LoadOptions", "ScenarioResult", "StreamRecord", "Topology", "run_scenario"]
 
@@ -53,6 +79,8 @@ PLANNER_ENV = {"PHALANX_PLANNER_POLL_S": "0.2", "PHALANX_PLANNER_INTERVAL_S": "1
 STREAM_TIMEOUT_S = 180.0
 # How long the stack may take to get back to full health after the fault before the run says it did not.
 RECOVERY_TIMEOUT_S = 90.0
+# How long a service may take to start: a loaded 2-core box needs far more than the launchers' defaults.
+START_TIMEOUT_S = 120.0
 
 
 @dataclass(frozen=True)
@@ -66,6 +94,14 @@ class Topology:
     planner: bool = False
     store: bool = True
     migration: bool = True
+    encoders: int = 0
+    # Disaggregated MoE (docs/moe.md): this many expert workers (2 copies of each expert) and an ERT manager, and the
+    # workers run as attention workers.
+    expert_workers: int = 0
+
+    @property
+    def worker_flags(self) -> tuple[str, ...]:
+        return ("--role", "attention") if self.expert_workers else ()
 
 
 @dataclass(frozen=True)
@@ -141,6 +177,7 @@ class ChaosRun:
         self.stack: Stack | None = None
         self.gateway: GatewayHandle | None = None
         self.planners: list[PlannerHandle] = []
+        self.expert_slots: dict[str, int] = {}  # expert worker name -> its placement slot
         self.router_ports: list[int] = []
         self.progress: collections.Counter[int] = collections.Counter()
         self.served_by: dict[int, str] = {}
@@ -170,32 +207,96 @@ class ChaosRun:
         t = self.topology
         self.stack = Stack(self.nats.url, self.etcd_config, model=MODEL)
         if t.store:
-            await self.stack.add_checkpoint_store()
+            await self.add_store()
         if t.migration:
-            await self.stack.add_migration()
-        await self.stack.add_workers(t.workers)
+            await self.add_migration()
+        for _ in range(t.encoders):
+            await self.add_encoder()
+        if t.expert_workers:
+            await self.stack.add_ert_manager()
+            for index in range(t.expert_workers):
+                await self.add_expert_worker(index)
+            await self._wait_ert_complete()
+        await self.stack.add_workers(t.workers, *t.worker_flags)
         self.router_ports = [free_port() for _ in range(t.routers)]
         for i, port in enumerate(self.router_ports):
             await self.stack.add_router(port=port, router_id=f"r{i}-{unique_id('chaos')}")
         for _ in range(t.healths):
-            await self.stack.add_health(env=HEALTH_ENV)
+            await self.add_health()
         if t.planner:
             await self.add_planner()
         if t.gateway:
-            self.gateway = await start_gateway(self.router_target, name=unique_id("gateway"))
+            self.gateway = await start_gateway(self.router_target, name=unique_id("gateway"), timeout=START_TIMEOUT_S)
+
+    async def add_store(self) -> CheckpointStoreHandle:
+        store = await start_checkpoint_store(unique_id("ckpt"), self.etcd_config, timeout=START_TIMEOUT_S)
+        self.fleet.stores.append(store)
+        return store
+
+    async def add_migration(self) -> ServiceHandle:
+        migration = await start_migration(unique_id("mig"), self.nats.url, self.etcd_config, timeout=START_TIMEOUT_S)
+        self.fleet.migrations.append(migration)
+        return migration
+
+    async def add_health(self) -> HealthHandle:
+        health = await start_health(unique_id("h"), self.nats.url, self.etcd_config, env=HEALTH_ENV, timeout=START_TIMEOUT_S)
+        self.fleet.healths.append(health)
+        return health
+
+    async def add_encoder(self) -> ServiceHandle:
+        encoder = await start_encoder_pool(unique_id("enc"), self.etcd_config, timeout=START_TIMEOUT_S)
+        self.fleet.encoders.append(encoder)
+        return encoder
+
+    async def add_expert_worker(self, index: int) -> ServiceHandle:
+        """The expert worker of placement slot ``index`` (2 copies of each expert over the topology's EWs)."""
+        expert = await start_expert_worker(
+            unique_id(f"ew{index}"), self.etcd_config, model=MODEL, index=index, num_expert_workers=self.topology.expert_workers,
+            copies=2, timeout=START_TIMEOUT_S,
+        )
+        self.expert_slots[expert.name] = index
+        self.fleet.expert_workers.append(expert)
+        return expert
+
+    async def _ert_complete(self) -> bool:
+        """Whether the ERT in etcd lists exactly the live expert workers and covers every expert."""
+        client = connect_etcd(self.etcd_config)
+        try:
+            held = await client.get(ERT_KEY.encode())
+        finally:
+            await client.close()
+        if held is None:
+            return False
+        table = ExpertRoutingTable.from_proto(decode_json(held.value, expert_pb2.ExpertRoutingTable))
+        return table.complete and set(table.workers) == {e.name for e in self.fleet.expert_workers}
+
+    async def _wait_ert_complete(self) -> None:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not await self._ert_complete():
+            if time.monotonic() > deadline:
+                raise TimeoutError("the expert routing table never listed every expert worker")
+            await asyncio.sleep(0.1)
 
     async def add_planner(self) -> PlannerHandle:
-        planner = await start_planner(unique_id("planner"), self.etcd_config, env=PLANNER_ENV)
+        planner = await start_planner(unique_id("planner"), self.etcd_config, env=PLANNER_ENV, timeout=START_TIMEOUT_S)
         self.planners.append(planner)
         return planner
 
     async def stop(self) -> None:
+        """SIGTERM to every process at once (the verdict is in: nothing here is judged any more), then wait for each."""
         try:
-            for handle in [*self.planners, *([self.gateway] if self.gateway else [])]:
+            handles: list[ServiceHandle] = [*self.planners, *([self.gateway] if self.gateway else [])]
+            if self.stack is not None:
+                fleet = self.stack
+                handles += [*fleet.healths, *fleet.routers, *fleet.migrations, *fleet.workers, *fleet.stores, *fleet.ert_managers,
+                            *fleet.expert_workers, *fleet.encoders]
+            live = [h for h in handles if h.process.poll() is None]
+            for handle in live:
+                with contextlib.suppress(ProcessLookupError):
+                    handle.process.send_signal(signal.SIGTERM)
+            for handle in live:
                 with contextlib.suppress(Exception):
                     await asyncio.to_thread(handle.terminate, 20)
-            if self.stack is not None:
-                await asyncio.to_thread(self.stack.stop)
             await self.infra(self.etcd.close)
             await self.infra(self.nats.close)
         finally:
@@ -219,7 +320,7 @@ class ChaosRun:
     async def replace_worker(self, victim: WorkerHandle) -> WorkerHandle:
         """A new worker in place of ``victim`` (what a supervisor does after a crash)."""
         self.fleet.workers.remove(victim)
-        (replacement,) = await self.fleet.add_workers(1)
+        (replacement,) = await self.fleet.add_workers(1, *self.topology.worker_flags)
         return replacement
 
     async def replace(self, handles: list, victim: ServiceHandle, start: Callable[[], Awaitable[Any]]) -> Any:
@@ -236,7 +337,7 @@ class ChaosRun:
     async def restart_gateway(self) -> GatewayHandle:
         assert self.gateway is not None
         port = int(self.gateway.address.rsplit(":", 1)[1])
-        self.gateway = await start_gateway(self.router_target, name=unique_id("gateway"), port=port)
+        self.gateway = await start_gateway(self.router_target, name=unique_id("gateway"), port=port, timeout=START_TIMEOUT_S)
         return self.gateway
 
     async def health_leader(self) -> tuple[Any, list[str]]:
@@ -261,7 +362,8 @@ class ChaosRun:
         if not (self.nats.running and self.etcd.running):
             return "nats or etcd is down"
         t, fleet = self.topology, self.fleet
-        processes = [*fleet.workers, *fleet.routers, *fleet.healths, *fleet.stores, *fleet.migrations, *self.planners]
+        processes = [*fleet.workers, *fleet.routers, *fleet.healths, *fleet.stores, *fleet.migrations, *self.planners, *fleet.encoders,
+                     *fleet.expert_workers, *fleet.ert_managers]
         if dead := [h.name for h in processes if h.process.poll() is not None]:
             return f"dead processes still in the stack: {dead}"
         if len(fleet.workers) != t.workers or len(fleet.routers) != t.routers or len(fleet.healths) != t.healths:
@@ -272,6 +374,8 @@ class ChaosRun:
             ("routers", EtcdDirectory(config, prefix=ROUTERS_PREFIX, message_type=common_pb2.RouterRegistration), list(fleet.routers)),
             ("stores", CheckpointStoreDirectory(config), list(fleet.stores)),
             ("migration", MigrationDirectory(config), list(fleet.migrations)),
+            ("encoders", EncoderDirectory(config), list(fleet.encoders)),
+            ("expert workers", ExpertWorkerDirectory(config), list(fleet.expert_workers)),
         ]
         for name, directory, handles in directories:
             try:
@@ -281,6 +385,8 @@ class ChaosRun:
             missing = [h.name for h in handles if h.name not in entries or entries[h.name].pid != h.process.pid]
             if missing:
                 return f"{name} not registered: {missing}"
+        if t.expert_workers and not await self._ert_complete():
+            return "the expert routing table does not list every live expert worker"
         if self.gateway is not None and not await asyncio.to_thread(self.gateway.healthy):
             return "the gateway does not answer /health"
         if t.healths:
@@ -417,12 +523,17 @@ async def run_scenario(name: str, description: str, topology: Topology, fault: F
     load = load or LoadOptions()
     run = ChaosRun(topology, load)
     try:
+        phases: dict[str, float] = {}
+        run.notes["phases_s"] = phases
         await run.start()
+        phases["start"] = round(time.monotonic() - started, 1)
         async with await Client.connect(run.router_target, timeout=STREAM_TIMEOUT_S) as client:
             if await run.wait_full_health(RECOVERY_TIMEOUT_S) is None:
                 raise RuntimeError(f"the fresh stack never reached full health: {run.notes.get('not_healthy')}")
             run.fault_at = None
+            phases["healthy"] = round(time.monotonic() - started, 1)
             baseline = await run.wave(client, track=False)
+            phases["baseline"] = round(time.monotonic() - started, 1)
             if failed := [r.error for r in baseline if r.error]:
                 raise RuntimeError(f"the fault-free run failed: {failed[0]}")
 
@@ -442,7 +553,9 @@ async def run_scenario(name: str, description: str, topology: Topology, fault: F
                 injecting.cancel()
                 await asyncio.gather(injecting, return_exceptions=True)
                 run.notes["fault_not_injected"] = True
+            phases["faulted"] = round(time.monotonic() - started, 1)
             recovery_s = await run.wait_full_health(RECOVERY_TIMEOUT_S)
+            phases["recovered"] = round(time.monotonic() - started, 1)
         return _verdict(name, description, baseline, faulted, recovery_s, run, time.monotonic() - started)
     finally:
         await run.stop()

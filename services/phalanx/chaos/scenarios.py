@@ -8,7 +8,7 @@ import signal
 import time
 from dataclasses import dataclass, field
 
-from phalanx.chaos.harness import HEALTH_ENV, ChaosRun, Fault, LoadOptions, ScenarioResult, Topology, run_scenario
+from phalanx.chaos.harness import ChaosRun, Fault, LoadOptions, ScenarioResult, Topology, run_scenario
 from phalanx.common.discovery import WorkerDirectory
 
 __all__ = ["SCENARIOS", "Scenario", "run_named"]
@@ -54,21 +54,21 @@ async def _kill_health_leader(run: ChaosRun) -> None:
     run.notes["victim"] = victim.instance_id
     run.mark_fault()
     victim.kill()
-    await run.replace(run.fleet.healths, victim, lambda: run.fleet.add_health(env=HEALTH_ENV))
+    await run.replace(run.fleet.healths, victim, run.add_health)
 
 
 async def _kill_migration(run: ChaosRun) -> None:
     victim = run.fleet.migrations[0]
     run.mark_fault()
     victim.kill()
-    await run.replace(run.fleet.migrations, victim, run.fleet.add_migration)
+    await run.replace(run.fleet.migrations, victim, run.add_migration)
 
 
 async def _kill_store(run: ChaosRun) -> None:
     victim = run.fleet.stores[0]
     run.mark_fault()
     victim.kill()
-    await run.replace(run.fleet.stores, victim, run.fleet.add_checkpoint_store)
+    await run.replace(run.fleet.stores, victim, run.add_store)
 
 
 async def _kill_worker_and_store(run: ChaosRun) -> None:
@@ -78,7 +78,7 @@ async def _kill_worker_and_store(run: ChaosRun) -> None:
     run.mark_fault()
     store.kill()
     worker.kill()
-    await run.replace(run.fleet.stores, store, run.fleet.add_checkpoint_store)
+    await run.replace(run.fleet.stores, store, run.add_store)
     await run.replace_worker(worker)
 
 
@@ -87,6 +87,23 @@ async def _kill_planner(run: ChaosRun) -> None:
     run.mark_fault()
     victim.kill()
     await run.replace(run.planners, victim, run.add_planner)
+
+
+async def _kill_encoder(run: ChaosRun) -> None:
+    victim = run.fleet.encoders[0]
+    run.mark_fault()
+    victim.kill()
+    await run.replace(run.fleet.encoders, victim, run.add_encoder)
+
+
+async def _kill_expert_worker(run: ChaosRun) -> None:
+    """An expert worker: the attention workers replay its calls on the shadow copies; a new EW takes its slot."""
+    victim = run.fleet.expert_workers[0]
+    run.notes["victim"] = victim.name
+    run.mark_fault()
+    victim.kill()
+    slot = run.expert_slots.pop(victim.name)
+    await run.replace(run.fleet.expert_workers, victim, lambda: run.add_expert_worker(slot))
 
 
 async def _restart_nats(run: ChaosRun) -> None:
@@ -132,6 +149,10 @@ _ALL = [
     Scenario("worker-and-store-kill", "SIGKILL of the busiest worker and of the store holding its checkpoints at once",
              _kill_worker_and_store),
     Scenario("planner-kill", "SIGKILL of the planner; a new one starts", _kill_planner, Topology(planner=True)),
+    Scenario("encoder-kill", "SIGKILL of the encoder pool (text streams must not notice); a new one starts", _kill_encoder,
+             Topology(encoders=1)),
+    Scenario("expert-worker-kill", "Disaggregated MoE: SIGKILL of an expert worker (its calls replay on the shadow copies); "
+             "a new one takes its slot", _kill_expert_worker, Topology(expert_workers=2)),
     Scenario("nats-restart", "nats-server stopped and started again on its port", _restart_nats),
     Scenario("etcd-restart", "etcd stopped and started again on its port and data", _restart_etcd),
     Scenario("worker-sigstop", "SIGSTOP of the busiest worker until its lease lapsed (+2 s), then SIGCONT: fenced, no duplicate",

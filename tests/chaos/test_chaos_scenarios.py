@@ -53,3 +53,12 @@ def test_chaos_run_names_the_scenarios_when_given_an_unknown_one():
                           env=env, timeout=60, check=False)
     assert done.returncode == 1
     assert "unknown scenario 'no-such-fault'" in done.stderr and "worker-kill" in done.stderr
+
+
+def test_chaos_run_help_names_every_scenario():
+    import inspect
+
+    from phalanx.cli.chaos import run_scenario
+
+    listed = inspect.signature(run_scenario).parameters["scenario"].default.help
+    assert all(name in listed for name in SCENARIOS), listed

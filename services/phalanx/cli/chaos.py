@@ -93,8 +93,8 @@ def kill(
 @chaos_app.command("run")
 def run_scenario(
     scenario: str = typer.Argument(..., help="worker-kill, router-failover, router-restart, gateway-kill, health-leader-kill, "
-                                   "migration-kill, checkpoint-store-kill, worker-and-store-kill, planner-kill, nats-restart, "
-                                   "etcd-restart or worker-sigstop"),
+                                   "migration-kill, checkpoint-store-kill, worker-and-store-kill, planner-kill, encoder-kill, "
+                                   "expert-worker-kill, nats-restart, etcd-restart or worker-sigstop"),
     streams: int = typer.Option(8, min=1, help="Concurrent greedy SDK streams (one more goes through the gateway)"),
     tokens: int = typer.Option(96, min=16, help="Tokens generated per stream"),
     fault_after: int = typer.Option(8, min=1, help="Tokens every SDK stream has when the fault starts"),

@@ -2,7 +2,7 @@
 outputs identical to the fault-free run, the stack back to full health.
 
 Each scenario starts its own nats-server, etcd and services (a minute or two on a loaded 2-core box); the default run
-keeps two, the rest of the matrix is marked slow (`pytest -m slow tests/chaos`, or `phalanx bench chaos`). Stalls are
+keeps one, the rest of the matrix is marked slow (`pytest -m slow tests/chaos`, or `phalanx bench chaos`). Stalls are
 reported by the bench, not asserted here, except a loose bound that only a stream stuck for good would break.
 """
 
@@ -15,8 +15,9 @@ import pytest
 
 from phalanx.chaos import SCENARIOS, LoadOptions, run_named
 
-# Default run: two at once (a worker and the store holding its checkpoints) and a hung, then revived, worker.
-DEFAULT = ("worker-and-store-kill", "worker-sigstop")
+# Default run: a hung, then revived, worker (fencing; 2-3 min on a loaded 2-core box, mostly process starts). The
+# rest of the matrix, two at once (a worker and the store holding its checkpoints) included, is marked slow.
+DEFAULT = ("worker-sigstop",)
 # Shorter than the bench's load: enough streams to spread over the workers and outlive the fault.
 LOAD = LoadOptions(streams=6, max_tokens=64, fault_after=6)
 # A stream stuck for good, not a slow box: the only stall bound asserted.

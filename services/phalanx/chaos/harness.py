@@ -72,6 +72,8 @@ HEALTH_ENV = {
     "PHALANX_HEALTH_LEADER_TTL_S": "1",
     "PHALANX_HEALTH_LATENCY_FACTOR": "50",
     "PHALANX_HEALTH_CHECK_TIMEOUT_S": "10",
+    # Not tightened by the latency baseline: a canary queued behind a starved engine is not a fault here.
+    "PHALANX_HEALTH_MIN_CHECK_TIMEOUT_S": "10",
     "PHALANX_DEGRADATION_ENABLED": "false",
 }
 PLANNER_ENV = {"PHALANX_PLANNER_POLL_S": "0.2", "PHALANX_PLANNER_INTERVAL_S": "1"}

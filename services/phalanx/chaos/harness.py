@@ -414,7 +414,7 @@ class ChaosRun:
                 reason = await self.unhealthy_reason()
             if reason is None:
                 return round(time.monotonic() - (self.fault_at or time.monotonic()), 2)
-            await asyncio.sleep(0.2)
+            await asyncio.sleep(0.25)
         self.notes["not_healthy"] = reason
         return None
 
@@ -541,23 +541,26 @@ async def run_scenario(name: str, description: str, topology: Topology, fault: F
 
             fired = asyncio.Event()
 
-            async def inject() -> None:
+            async def inject() -> float | None:
+                """The fault, then the wait for full health, polled while the load still runs."""
                 await run.wait_progress(load.fault_after)
                 fired.set()
                 await fault(run)
                 run.mark_fault()
+                recovered = await run.wait_full_health(RECOVERY_TIMEOUT_S)
+                phases["recovered"] = round(time.monotonic() - started, 1)
+                return recovered
 
             injecting = asyncio.ensure_future(inject())
             faulted = await run.wave(client, track=True)
+            phases["faulted"] = round(time.monotonic() - started, 1)
+            recovery_s = None
             if fired.is_set():
-                await injecting
+                recovery_s = await injecting
             else:  # the streams ended before the fault was due: there is no fault to wait for
                 injecting.cancel()
                 await asyncio.gather(injecting, return_exceptions=True)
                 run.notes["fault_not_injected"] = True
-            phases["faulted"] = round(time.monotonic() - started, 1)
-            recovery_s = await run.wait_full_health(RECOVERY_TIMEOUT_S)
-            phases["recovered"] = round(time.monotonic() - started, 1)
         return _verdict(name, description, baseline, faulted, recovery_s, run, time.monotonic() - started)
     finally:
         await run.stop()

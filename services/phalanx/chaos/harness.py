@@ -81,6 +81,7 @@ PLANNER_ENV = {"PHALANX_PLANNER_POLL_S": "0.2", "PHALANX_PLANNER_INTERVAL_S": "1
 STREAM_TIMEOUT_S = 180.0
 # How long the stack may take to get back to full health after the fault before the run says it did not.
 RECOVERY_TIMEOUT_S = 90.0
+LEASE_TTL_S = 2
 # How long a service may take to start: a loaded 2-core box needs far more than the launchers' defaults.
 START_TIMEOUT_S = 120.0
 
@@ -192,7 +193,8 @@ class ChaosRun:
 
     @property
     def etcd_config(self) -> EtcdConfig:
-        return EtcdConfig(endpoint=self.etcd.endpoint, lease_ttl_s=1)
+        # The production default TTL: at 1 s, a loaded box's starved keepalives let live workers' leases lapse.
+        return EtcdConfig(endpoint=self.etcd.endpoint, lease_ttl_s=LEASE_TTL_S)
 
     @property
     def fleet(self) -> Stack:

@@ -26,7 +26,7 @@ import grpc
 import httpx
 
 from phalanx._proto import common_pb2, expert_pb2
-from phalanx.client import Client, PhalanxClientError
+from phalanx.client import Client, PhalanxClientError, RetryPolicy
 from phalanx.common.config import EtcdConfig
 from phalanx.common.discovery import (
     CheckpointStoreDirectory,
@@ -98,6 +98,8 @@ class Topology:
     store: bool = True
     migration: bool = True
     encoders: int = 0
+    # Calls the SDK makes in a row without a new token before it gives up (its default: 8, about 5 s of backoff).
+    sdk_max_attempts: int = 8
     # Disaggregated MoE (docs/moe.md): this many expert workers (2 copies of each expert) and an ERT manager, and the
     # workers run as attention workers.
     expert_workers: int = 0
@@ -531,7 +533,8 @@ async def run_scenario(name: str, description: str, topology: Topology, fault: F
         run.notes["phases_s"] = phases
         await run.start()
         phases["start"] = round(time.monotonic() - started, 1)
-        async with await Client.connect(run.router_target, timeout=STREAM_TIMEOUT_S) as client:
+        retry = RetryPolicy(max_attempts=topology.sdk_max_attempts)
+        async with await Client.connect(run.router_target, timeout=STREAM_TIMEOUT_S, retry=retry) as client:
             if await run.wait_full_health(RECOVERY_TIMEOUT_S) is None:
                 raise RuntimeError(f"the fresh stack never reached full health: {run.notes.get('not_healthy')}")
             run.fault_at = None

@@ -129,6 +129,7 @@ class StreamRecord:
     workers: list[str] = field(default_factory=list)
     error: str = ""
     retries: int = 0  # an HTTP client's retries from scratch (OpenAI streams cannot resume)
+    finished: bool = False  # an HTTP stream saw its finish_reason
 
     @property
     def max_gap_s(self) -> float:
@@ -443,7 +444,7 @@ class ChaosRun:
         for attempt in itertools.count():
             gateway = self.gateway
             assert gateway is not None
-            record.text, record.times = "", []
+            record.text, record.times, record.finished = "", [], False
             try:
                 async with httpx.AsyncClient(base_url=gateway.url, timeout=httpx.Timeout(60.0)) as http:
                     async with http.stream("POST", "/v1/completions", json=body) as reply:
@@ -451,9 +452,13 @@ class ChaosRun:
                         async for line in reply.aiter_lines():
                             if not line.startswith("data: ") or line == "data: [DONE]":
                                 continue
-                            for choice in json.loads(line[6:]).get("choices", []):
+                            data = json.loads(line[6:])
+                            if "error" in data:  # the gateway gave up mid-stream: the client got an error, not a completion
+                                raise _GatewayStreamError(str(data["error"])[:200])
+                            for choice in data.get("choices", []):
                                 record.text += choice.get("text", "")
                                 record.times.append(time.monotonic())
+                                record.finished = record.finished or bool(choice.get("finish_reason"))
                 return
             except (httpx.HTTPError, json.JSONDecodeError):
                 if attempt >= 20:
@@ -467,7 +472,7 @@ class ChaosRun:
         async def guarded(record: StreamRecord, work: Awaitable[None]) -> StreamRecord:
             try:
                 await asyncio.wait_for(work, STREAM_TIMEOUT_S)
-            except (PhalanxClientError, grpc.aio.AioRpcError, httpx.HTTPError, TimeoutError) as exc:
+            except (PhalanxClientError, grpc.aio.AioRpcError, httpx.HTTPError, TimeoutError, _GatewayStreamError) as exc:
                 record.error = f"{type(exc).__name__}: {exc}"[:300]
             return record
 
@@ -489,6 +494,10 @@ class ChaosRun:
 Fault = Callable[[ChaosRun], Awaitable[None]]
 
 
+class _GatewayStreamError(Exception):
+    """The gateway ended a streamed completion with an error event."""
+
+
 def _verdict(name: str, description: str, baseline: list[StreamRecord], faulted: list[StreamRecord], recovery_s: float | None,
              run: ChaosRun, wall_s: float) -> ScenarioResult:
     n = run.load.max_tokens
@@ -501,7 +510,7 @@ def _verdict(name: str, description: str, baseline: list[StreamRecord], faulted:
             complete = not after.error and sorted(counts) == list(range(n))
             same = after.tokens == before.tokens and after.indices == list(range(n))
         else:
-            complete = not after.error
+            complete = not after.error and after.finished
             same = complete and after.text == before.text
         lost += not complete
         identical += same

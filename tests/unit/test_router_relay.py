@@ -88,6 +88,13 @@ def test_a_migrated_request_is_attached_where_it_went_and_never_rerouted_again()
     assert relay.on(StreamBroke("w2", Code.UNAVAILABLE, got_chunks=False))[-1] == Migrate("w2", MoveCause.STREAM_BROKE, Code.UNAVAILABLE)
 
 
+def test_a_request_moved_under_its_relay_counts_a_move_and_is_never_rerouted_again():
+    relay = new_request()
+    relay.moved_under()  # fenced off a hung worker: it runs where the migration put it
+    assert relay.moves == 1 and not relay.retry_elsewhere
+    assert relay.on(StreamBroke("w2", Code.UNAVAILABLE, got_chunks=False))[-1] == Migrate("w2", MoveCause.STREAM_BROKE, Code.UNAVAILABLE)
+
+
 def test_a_broken_stream_that_nothing_moved_fails_with_that_worker_s_error():
     relay = running_request()
     relay.on(StreamBroke("w1", Code.UNAVAILABLE, got_chunks=True))

@@ -5,6 +5,7 @@
     phalanx chaos inject corrupt --address 127.0.0.1:50061 --target weights
     phalanx chaos list --worker w0 --json
     phalanx chaos clear --worker w0          # every fault; `clear hang` just one kind
+    phalanx chaos run worker-sigstop         # a game day on a fresh local stack (docs/chaos.md)
 """
 
 from __future__ import annotations
@@ -87,6 +88,46 @@ def kill(
     print(f"sent {result.signal} to {result.process} (pid {result.pid})")
     if result.replaced_by:
         print(f"the supervisor replaced it with {result.replaced_by} in {result.replaced_after_s:.1f} s; the rest kept serving")
+
+
+@chaos_app.command("run")
+def run_scenario(
+    scenario: str = typer.Argument(..., help="worker-kill, router-failover, router-restart, gateway-kill, health-leader-kill, "
+                                   "migration-kill, checkpoint-store-kill, worker-and-store-kill, planner-kill, encoder-kill, "
+                                   "expert-worker-kill, nats-restart, etcd-restart or worker-sigstop"),
+    streams: int = typer.Option(8, min=1, help="Concurrent greedy SDK streams (one more goes through the gateway)"),
+    tokens: int = typer.Option(96, min=16, help="Tokens generated per stream"),
+    fault_after: int = typer.Option(8, min=1, help="Tokens every SDK stream has when the fault starts"),
+    as_json: bool = _JSON,
+) -> None:
+    """A game day: start a fresh local stack, load it, inject the scenario's fault, and print what the clients saw
+    (exit 1 unless no request was lost, every token came once, outputs matched a fault-free run and health came back)."""
+    import os
+
+    # It forks service processes while its gRPC clients run: see run_up for why this is off.
+    os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
+    from phalanx.bench.chaos import GOALS, met
+    from phalanx.chaos import SCENARIOS, LoadOptions, run_named
+
+    if scenario not in SCENARIOS:
+        print(f"error: unknown scenario {scenario!r}; choose from {', '.join(SCENARIOS)}", file=sys.stderr)
+        raise typer.Exit(1)
+    if fault_after >= tokens:
+        print(f"error: --fault-after ({fault_after}) must be below --tokens ({tokens})", file=sys.stderr)
+        raise typer.Exit(1)
+    result = asyncio.run(run_named(scenario, LoadOptions(streams=streams, max_tokens=tokens, fault_after=fault_after)))
+    row = {**result.as_dict(), "goals": GOALS, "met": met(result)}
+    if as_json:
+        print(json.dumps(row, indent=2))
+    else:
+        recovery = "never" if result.recovery_s is None else f"{result.recovery_s:.1f} s"
+        print(f"{result.scenario}: {result.description}")
+        print(f"  requests {result.requests}, lost {result.lost}, tokens lost {result.tokens_lost}, repeated {result.tokens_repeated}, "
+              f"identical {result.identical_fraction:.3f}")
+        print(f"  stall p99 {result.stall_p99_s:.3f} s (fault-free {result.baseline_stall_p99_s:.3f} s), back to full health after "
+              f"{recovery}, HTTP retries {result.http_retries}")
+        print(f"  {'PASSED' if result.passed else 'FAILED'} {json.dumps(result.details)}")
+    raise typer.Exit(0 if result.passed else 1)
 
 
 @chaos_app.command()

@@ -697,6 +697,29 @@ def bench_failover(
     print(json.dumps(result, indent=None if as_json else 2))
 
 
+@bench_app.command("chaos")
+def bench_chaos(
+    scenarios: str = typer.Option("", help="Comma-separated scenarios [default: every one; `phalanx chaos run --help` lists them]"),
+    streams: int = typer.Option(8, min=1, help="Concurrent greedy SDK streams (one more goes through the gateway)"),
+    tokens: int = typer.Option(96, min=16, help="Tokens generated per stream"),
+    fault_after: int = typer.Option(8, min=1, help="Tokens every SDK stream has when the fault starts"),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON only"),
+) -> None:
+    """Every chaos scenario on a fresh local stack: requests, lost, tokens lost/repeated, identical fraction, stall p99,
+    time back to full health."""
+    # It forks service processes while its gRPC clients run: see run_up for why this is off.
+    os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
+    from phalanx.bench.chaos import run_chaos_bench
+    from phalanx.chaos import SCENARIOS
+
+    chosen = tuple(s.strip() for s in scenarios.split(",") if s.strip()) or tuple(SCENARIOS)
+    try:
+        result = run_chaos_bench(scenarios=chosen, streams=streams, max_tokens=tokens, fault_after=fault_after)
+    except ValueError as error:
+        raise typer.BadParameter(str(error)) from None
+    print(json.dumps(result, indent=None if as_json else 2))
+
+
 @bench_app.command("engine-failover")
 def bench_engine_failover(
     streams: int = typer.Option(8, min=1, help="Concurrent greedy streams"),

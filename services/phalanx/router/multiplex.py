@@ -187,13 +187,18 @@ class MultiplexedCall:
             wake.set_result(None)
 
     def cancel(self) -> None:
-        """Stops reading (the worker counts one reader less), as cancelling the call would."""
+        """Stops reading (the worker counts one reader less), as cancelling the call would: a reader waiting for
+        the next chunk gets CANCELLED at once, and chunks not read yet are dropped."""
         if self._fallback is not None:
             self._fallback.cancel()
         if not self._ended:
             self._ended = True
             assert self._stream is not None
             self._multiplexer._leave(self._stream, self._id)
+            self._chunks.clear()
+            if self._error is None:
+                self._error = _error(grpc.StatusCode.CANCELLED, "the call was cancelled locally")
+            self._wakeup()
 
     def __aiter__(self) -> AsyncIterator[worker_pb2.GenerateResponse]:
         return self._responses()

@@ -21,7 +21,7 @@ from contextlib import aclosing
 
 import grpc
 
-from phalanx._proto import common_pb2, router_pb2, router_pb2_grpc, worker_pb2
+from phalanx._proto import common_pb2, migration_pb2, router_pb2, router_pb2_grpc, worker_pb2
 from phalanx.common.config import EtcdConfig, NatsConfig, TelemetryConfig
 from phalanx.common.discovery import EncoderDirectory, EtcdDirectory, WorkerDirectory, encode_json
 from phalanx.common.errors import UnavailableError
@@ -35,6 +35,7 @@ from phalanx.common.subjects import (
     HEALTH_PREFIX,
     KV_EVENTS_ALL,
     LOAD_ALL,
+    MIGRATION_EVENTS_SUBJECT,
     SPARES_PREFIX,
     health_report_subject,
     router_key,
@@ -139,6 +140,8 @@ class RouterProcess:
             # Health changes arrive on NATS first (the etcd watch confirms them); versions keep the newest.
             await bus.subscribe(HEALTH_EVENTS_ALL, common_pb2.WorkerHealthRecord, self._on_health_event)
             await bus.subscribe(DEGRADATION_SUBJECT, common_pb2.DegradationState, self._on_degradation_event)
+            # A request moved off a worker its relay still reads (hung, lease lapsed): the relay follows it.
+            await bus.subscribe(MIGRATION_EVENTS_SUBJECT, migration_pb2.MigrationEvent, self._on_migration_event)
             self._bus = bus
             # Spares first: a spare's registration must never make it routable, not even for an instant.
             for worker_id, spare in (await spares.list()).items():
@@ -238,6 +241,9 @@ class RouterProcess:
 
     async def _on_health_event(self, record: common_pb2.WorkerHealthRecord, subject: str, context) -> None:
         self._on_health("put", record.worker_id, record)
+
+    async def _on_migration_event(self, event: migration_pb2.MigrationEvent, subject: str, context) -> None:
+        self._servicer.on_migrated(event)
 
     async def _on_degradation_event(self, state: common_pb2.DegradationState, subject: str, context) -> None:
         self._on_degradation("put", "global", state)

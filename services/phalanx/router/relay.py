@@ -182,6 +182,12 @@ class RelayPolicy:
             return (self._migrated(event),)
         raise TypeError(f"not a relay event: {event!r}")
 
+    def moved_under(self) -> None:
+        """A migration moved the request while its stream was still read (the relay was fenced off that worker):
+        it runs elsewhere now, and counts as a move."""
+        self.moves += 1
+        self.retry_elsewhere = False
+
     def _broke(self, event: StreamBroke) -> Effect:
         if self._may_retry_elsewhere(event):
             self.tried.add(event.worker_id)

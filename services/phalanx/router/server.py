@@ -11,13 +11,14 @@ worker through the request's etcd record and re-attaches from the next index.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import cast
+from typing import Any, cast
 
 import grpc
 from google.rpc import error_details_pb2, status_pb2
@@ -73,6 +74,8 @@ tracer = get_tracer(__name__)
 
 HANDED_BACK = common_pb2.FINISH_REASON_HANDED_BACK
 _RECENT_RECORDS = 10_000
+# How long a fenced worker has to act on the Cancel of a request that moved off it (a hung one, once it runs again).
+_FENCE_CANCEL_S = 10.0
 
 
 # Opens one worker stream of a request on the given worker (its multiplexed stream, or a call of its own).
@@ -227,6 +230,11 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
         self.slo = LatencySlo()  # the process sets the SLOs the health service publishes
         self._tenant_names = admission.tenant_names
         metrics.queued.set_function(lambda: len(admission.queue))
+        # Request id -> the worker its relay reads from now and that call; what a migration event fences.
+        self._reading: dict[str, tuple[str, Any]] = {}
+        # Request id -> (worker id, address) a migration moved it to while its relay still read the old worker.
+        self._moved_under: dict[str, tuple[str, str]] = {}
+        self._fence_tasks: set[asyncio.Task] = set()
 
     # -- RPCs -----------------------------------------------------------------
     async def Generate(self, request: router_pb2.GenerateRequest, context):
@@ -621,8 +629,10 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
         Which stream comes next is the RelayPolicy's decision; this executes it.
         """
         relay = RelayPolicy(retry_elsewhere=retry_elsewhere, can_migrate=self._migrate is not None)
+        request_id = flow.record.request_id
         while True:
             call = open_call(self.channels.streams(flow.record.worker_address))
+            self._reading[request_id] = (flow.record.worker_id, call)
             handoff_chunk = None
             got_any = False
             broken: grpc.aio.AioRpcError | None = None
@@ -643,12 +653,25 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
                 broken = caught
             finally:
                 call.cancel()
+                self._reading.pop(request_id, None)
             if broken is not None and not got_any and flow.media_inputs and _media_fetch_failed(broken):
                 log.info("worker %s could not fetch the media of %s (%s); encoding them again", flow.record.worker_id,
                          flow.record.request_id, broken.details())
                 await self._media_inline(flow, "fetch_failed")
                 continue  # the same worker: it submitted nothing
             worker_id = flow.record.worker_id
+            moved = self._moved_under.pop(request_id, None)
+            if moved is not None and handoff_chunk is None:
+                # Fenced: a migration moved the request while this relay still read the worker (hung, or its lease
+                # lapsed); nothing more from that worker reaches the client, the new owner continues from the next index.
+                flow.migrations += 1
+                self.metrics.migrations.inc()
+                log.warning("%s moved from %s to %s under its relay: fenced the old stream", request_id, worker_id, moved[0])
+                self._cancel_on(worker_id, request_id)
+                self._repoint(flow, *moved)
+                relay.moved_under()
+                open_call = self._attach_next(flow)
+                continue
             if broken is not None:
                 event: StreamEnded | HandedBack | StreamBroke = StreamBroke(worker_id, broken.code(), got_chunks=got_any)
             elif handoff_chunk is not None:
@@ -693,10 +716,7 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
             self._move(flow, self._route(flow.prompt_ids, decision.exclude, flow.media))
             return open_call
         if isinstance(decision, AttachMoved):
-            def attach(streams: WorkerMultiplexer):
-                return streams.attach(worker_pb2.AttachRequest(request_id=flow.record.request_id, from_index=flow.next_index))
-
-            return attach
+            return self._attach_next(flow)
         if isinstance(decision, ResumeElsewhere):
             assert handoff_chunk is not None  # only a handed-back stream resumes elsewhere
             handoff = handoff_chunk.handoff
@@ -709,6 +729,38 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
                 worker_pb2.GenerateRequest(request_id=flow.record.request_id, resume_from=handoff, media=flow.media)
             )
         raise AssertionError(f"unexpected relay effect {decision!r}")
+
+    @staticmethod
+    def _attach_next(flow: _Flow) -> _OpenCall:
+        """Attach to the request where it runs now, from the next index the client lacks."""
+
+        def attach(streams: WorkerMultiplexer):
+            return streams.attach(worker_pb2.AttachRequest(request_id=flow.record.request_id, from_index=flow.next_index))
+
+        return attach
+
+    def on_migrated(self, event: migration_pb2.MigrationEvent) -> None:
+        """A migration moved a request (its worker died or was declared dead): a relay still reading it from the
+        old worker stops and follows it, so that a hung worker that wakes up delivers nothing more (fencing)."""
+        reading = self._reading.get(event.request_id)
+        if reading is None or reading[0] != event.from_worker_id or event.worker_id == event.from_worker_id or not event.worker_id:
+            return  # not relayed here, or the relay already follows it (the router asked for this migration itself)
+        self._moved_under[event.request_id] = (event.worker_id, event.worker_address)
+        reading[1].cancel()
+
+    def _cancel_on(self, worker_id: str, request_id: str) -> None:
+        """Ask the old owner to drop its copy, in the background: a hung worker acts on it once it runs again."""
+        registration = self.registrations.get(worker_id)
+        if registration is None:
+            return
+
+        async def cancel() -> None:
+            with contextlib.suppress(grpc.aio.AioRpcError):
+                await self.channels.stub(registration.address).Cancel(worker_pb2.CancelRequest(request_id=request_id), timeout=_FENCE_CANCEL_S)
+
+        task = asyncio.get_running_loop().create_task(cancel())
+        self._fence_tasks.add(task)
+        task.add_done_callback(self._fence_tasks.discard)
 
     async def _migrate_flow(self, flow: _Flow, move: Migrate, handoff_chunk: _HandoffChunk | None) -> migration_pb2.MigrateResponse | None:
         """Asks the migration service to move the request; None when it did not (the relay policy decides what then)."""

@@ -1,0 +1,580 @@
+"""One chaos scenario run: a fresh local stack, a fault-free baseline, the same load with the fault, and the verdict.
+
+The stack runs on its own nats-server and etcd (a scenario may restart them). The load is `streams` greedy SDK
+streams of distinct prompts, plus one OpenAI streaming completion through the gateway when the topology has one.
+The fault starts once every SDK stream has `fault_after` tokens; like Kubernetes, the fault then starts a
+replacement for whatever it killed. What the clients saw is compared to the baseline run of the same prompts on the
+same stack before the fault: every token index exactly once, the same tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import itertools
+import json
+import math
+import signal
+import time
+from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+import httpx
+
+from phalanx._proto import common_pb2, expert_pb2
+from phalanx.client import Client, PhalanxClientError, RetryPolicy
+from phalanx.common.config import EtcdConfig
+from phalanx.common.discovery import (
+    CheckpointStoreDirectory,
+    EncoderDirectory,
+    EtcdDirectory,
+    ExpertWorkerDirectory,
+    MigrationDirectory,
+    WorkerDirectory,
+    decode_json,
+)
+from phalanx.common.lease import connect_etcd
+from phalanx.common.subjects import ERT_KEY, ROUTERS_PREFIX
+from phalanx.launch.infra import EtcdServer, NatsServer
+from phalanx.launch.ports import free_port
+from phalanx.launch.services import (
+    CheckpointStoreHandle,
+    GatewayHandle,
+    HealthHandle,
+    PlannerHandle,
+    RouterHandle,
+    ServiceHandle,
+    WorkerHandle,
+    start_checkpoint_store,
+    start_encoder_pool,
+    start_expert_worker,
+    start_gateway,
+    start_health,
+    start_migration,
+    start_planner,
+)
+from phalanx.launch.stack import Stack, unique_id
+from phalanx.worker.ert import ExpertRoutingTable
+
+__all__ = ["ChaosRun", "LoadOptions", "ScenarioResult", "StreamRecord", "Topology", "run_scenario"]
+
+MODEL = "phalanx-tiny-moe"
+# Health tuned for a test stack: quick canaries and leader handover; slowness is not what these scenarios break, so a
+# loaded box's slow canary must not count as a failure; degradation off, so that no stream is shed for capacity.
+HEALTH_ENV = {
+    "PHALANX_HEALTH_CHECK_INTERVAL_S": "1",
+    "PHALANX_HEALTH_FAILURE_RECHECK_S": "0.25",
+    "PHALANX_HEALTH_CIRCUIT_RECOVERY_S": "2",
+    "PHALANX_HEALTH_LEADER_TTL_S": "1",
+    "PHALANX_HEALTH_LATENCY_FACTOR": "50",
+    "PHALANX_HEALTH_CHECK_TIMEOUT_S": "10",
+    # Not tightened by the latency baseline: a canary queued behind a starved engine is not a fault here.
+    "PHALANX_HEALTH_MIN_CHECK_TIMEOUT_S": "10",
+    "PHALANX_DEGRADATION_ENABLED": "false",
+}
+PLANNER_ENV = {"PHALANX_PLANNER_POLL_S": "0.2", "PHALANX_PLANNER_INTERVAL_S": "1"}
+# Longest one stream may take, stalls and resumes included; a stream past it counts as lost.
+STREAM_TIMEOUT_S = 180.0
+# How long the stack may take to get back to full health after the fault before the run says it did not.
+RECOVERY_TIMEOUT_S = 90.0
+LEASE_TTL_S = 2
+# How long a service may take to start: a loaded 2-core box needs far more than the launchers' defaults.
+START_TIMEOUT_S = 120.0
+
+
+@dataclass(frozen=True)
+class Topology:
+    """What one scenario's stack runs."""
+
+    workers: int = 3
+    routers: int = 1
+    healths: int = 1
+    gateway: bool = True
+    planner: bool = False
+    store: bool = True
+    migration: bool = True
+    encoders: int = 0
+    # Calls the SDK makes in a row without a new token before it gives up (its default: 8, about 5 s of backoff).
+    sdk_max_attempts: int = 8
+    # Disaggregated MoE (docs/moe.md): this many expert workers (2 copies of each expert) and an ERT manager, and the
+    # workers run as attention workers.
+    expert_workers: int = 0
+
+    @property
+    def worker_flags(self) -> tuple[str, ...]:
+        return ("--role", "attention") if self.expert_workers else ()
+
+
+@dataclass(frozen=True)
+class LoadOptions:
+    streams: int = 8
+    max_tokens: int = 96
+    fault_after: int = 8
+    prompt_repeat: int = 3
+
+
+@dataclass
+class StreamRecord:
+    """What one client saw of one stream: each chunk's index, token and arrival time, and how it failed if it did."""
+
+    kind: str  # "sdk" or "http"
+    indices: list[int] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
+    text: str = ""
+    times: list[float] = field(default_factory=list)
+    workers: list[str] = field(default_factory=list)
+    error: str = ""
+    retries: int = 0  # an HTTP client's retries from scratch (OpenAI streams cannot resume)
+    finished: bool = False  # an HTTP stream saw its finish_reason
+
+    @property
+    def max_gap_s(self) -> float:
+        return max((b - a for a, b in itertools.pairwise(self.times)), default=0.0)
+
+
+@dataclass
+class ScenarioResult:
+    scenario: str
+    description: str
+    requests: int
+    lost: int
+    tokens_lost: int
+    tokens_repeated: int
+    identical_fraction: float
+    stall_p99_s: float
+    baseline_stall_p99_s: float
+    recovery_s: float | None
+    http_retries: int
+    details: dict[str, Any]
+    wall_s: float
+
+    def as_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+    @property
+    def passed(self) -> bool:
+        """No request lost, every index once, identical outputs, back to full health."""
+        return (self.lost == 0 and self.tokens_lost == 0 and self.tokens_repeated == 0 and self.identical_fraction == 1.0
+                and self.recovery_s is not None)
+
+
+def _p99(values: list[float]) -> float:
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    return round(ordered[min(len(ordered) - 1, math.ceil(0.99 * len(ordered)) - 1)], 3)
+
+
+class ChaosRun:
+    """A live stack and its load; what a scenario's fault acts on."""
+
+    def __init__(self, topology: Topology, load: LoadOptions) -> None:
+        self.topology = topology
+        self.load = load
+        # nats-server and etcd die with the thread that started them (PR_SET_PDEATHSIG): one long-lived thread starts,
+        # restarts and stops them, off the event loop that carries the streams.
+        self._infra_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="chaos-infra")
+        self.nats = NatsServer()
+        self.etcd = EtcdServer()
+        self.stack: Stack | None = None
+        self.gateway: GatewayHandle | None = None
+        self.planners: list[PlannerHandle] = []
+        self.expert_slots: dict[str, int] = {}  # expert worker name -> its placement slot
+        self.router_ports: list[int] = []
+        self.progress: collections.Counter[int] = collections.Counter()
+        self.served_by: dict[int, str] = {}
+        self.fault_at: float | None = None
+        self.notes: dict[str, Any] = {}
+
+    # -- infrastructure ---------------------------------------------------------------------------------------------
+    async def infra(self, fn: Callable[[], Any]) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self._infra_thread, fn)
+
+    @property
+    def etcd_config(self) -> EtcdConfig:
+        # The production default TTL: at 1 s, a loaded box's starved keepalives let live workers' leases lapse.
+        return EtcdConfig(endpoint=self.etcd.endpoint, lease_ttl_s=LEASE_TTL_S)
+
+    @property
+    def fleet(self) -> Stack:
+        assert self.stack is not None, "the stack is not started"
+        return self.stack
+
+    @property
+    def router_target(self) -> str:
+        return "ipv4:" + ",".join(f"127.0.0.1:{port}" for port in self.router_ports)
+
+    async def start(self) -> None:
+        await self.infra(self.nats.start)
+        await self.infra(self.etcd.start)
+        t = self.topology
+        self.stack = Stack(self.nats.url, self.etcd_config, model=MODEL)
+        if t.store:
+            await self.add_store()
+        if t.migration:
+            await self.add_migration()
+        for _ in range(t.encoders):
+            await self.add_encoder()
+        if t.expert_workers:
+            await self.stack.add_ert_manager()
+            for index in range(t.expert_workers):
+                await self.add_expert_worker(index)
+            await self._wait_ert_complete()
+        await self.stack.add_workers(t.workers, *t.worker_flags)
+        self.router_ports = [free_port() for _ in range(t.routers)]
+        for i, port in enumerate(self.router_ports):
+            await self.stack.add_router(port=port, router_id=f"r{i}-{unique_id('chaos')}")
+        for _ in range(t.healths):
+            await self.add_health()
+        if t.planner:
+            await self.add_planner()
+        if t.gateway:
+            self.gateway = await start_gateway(self.router_target, name=unique_id("gateway"), timeout=START_TIMEOUT_S)
+
+    async def add_store(self) -> CheckpointStoreHandle:
+        store = await start_checkpoint_store(unique_id("ckpt"), self.etcd_config, timeout=START_TIMEOUT_S)
+        self.fleet.stores.append(store)
+        return store
+
+    async def add_migration(self) -> ServiceHandle:
+        migration = await start_migration(unique_id("mig"), self.nats.url, self.etcd_config, timeout=START_TIMEOUT_S)
+        self.fleet.migrations.append(migration)
+        return migration
+
+    async def add_health(self) -> HealthHandle:
+        health = await start_health(unique_id("h"), self.nats.url, self.etcd_config, env=HEALTH_ENV, timeout=START_TIMEOUT_S)
+        self.fleet.healths.append(health)
+        return health
+
+    async def add_encoder(self) -> ServiceHandle:
+        encoder = await start_encoder_pool(unique_id("enc"), self.etcd_config, timeout=START_TIMEOUT_S)
+        self.fleet.encoders.append(encoder)
+        return encoder
+
+    async def add_expert_worker(self, index: int) -> ServiceHandle:
+        """The expert worker of placement slot ``index`` (2 copies of each expert over the topology's EWs)."""
+        expert = await start_expert_worker(
+            unique_id(f"ew{index}"), self.etcd_config, model=MODEL, index=index, num_expert_workers=self.topology.expert_workers,
+            copies=2, timeout=START_TIMEOUT_S,
+        )
+        self.expert_slots[expert.name] = index
+        self.fleet.expert_workers.append(expert)
+        return expert
+
+    async def _ert_complete(self) -> bool:
+        """Whether the ERT in etcd lists exactly the live expert workers and covers every expert."""
+        client = connect_etcd(self.etcd_config)
+        try:
+            held = await client.get(ERT_KEY.encode())
+        finally:
+            await client.close()
+        if held is None:
+            return False
+        table = ExpertRoutingTable.from_proto(decode_json(held.value, expert_pb2.ExpertRoutingTable))
+        return table.complete and set(table.workers) == {e.name for e in self.fleet.expert_workers}
+
+    async def _wait_ert_complete(self) -> None:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not await self._ert_complete():
+            if time.monotonic() > deadline:
+                raise TimeoutError("the expert routing table never listed every expert worker")
+            await asyncio.sleep(0.1)
+
+    async def add_planner(self) -> PlannerHandle:
+        planner = await start_planner(unique_id("planner"), self.etcd_config, env=PLANNER_ENV, timeout=START_TIMEOUT_S)
+        self.planners.append(planner)
+        return planner
+
+    async def stop(self) -> None:
+        """SIGTERM to every process at once (the verdict is in: nothing here is judged any more), then wait for each."""
+        try:
+            handles: list[ServiceHandle] = [*self.planners, *([self.gateway] if self.gateway else [])]
+            if self.stack is not None:
+                fleet = self.stack
+                handles += [*fleet.healths, *fleet.routers, *fleet.migrations, *fleet.workers, *fleet.stores, *fleet.ert_managers,
+                            *fleet.expert_workers, *fleet.encoders]
+            live = [h for h in handles if h.process.poll() is None]
+            for handle in live:
+                with contextlib.suppress(ProcessLookupError):
+                    handle.process.send_signal(signal.SIGTERM)
+            for handle in live:
+                with contextlib.suppress(Exception):
+                    await asyncio.to_thread(handle.terminate, 20)
+            await self.infra(self.etcd.close)
+            await self.infra(self.nats.close)
+        finally:
+            self._infra_thread.shutdown(wait=True)
+
+    # -- what faults use --------------------------------------------------------------------------------------------
+    def mark_fault(self) -> None:
+        if self.fault_at is None:
+            self.fault_at = time.monotonic()
+
+    def busiest_worker(self) -> WorkerHandle:
+        """The live worker serving the most unfinished SDK streams (the first worker if none is known)."""
+        unfinished = [w for i, w in self.served_by.items() if self.progress[i] < self.load.max_tokens - 4]
+        live = [w for w in self.fleet.workers if w.process.poll() is None]
+        counts = collections.Counter(w for w in unfinished if any(h.worker_id == w for h in live))
+        if counts:
+            busiest = counts.most_common(1)[0][0]
+            return next(w for w in live if w.worker_id == busiest)
+        return live[0]
+
+    async def replace_worker(self, victim: WorkerHandle) -> WorkerHandle:
+        """A new worker in place of ``victim`` (what a supervisor does after a crash)."""
+        self.fleet.workers.remove(victim)
+        (replacement,) = await self.fleet.add_workers(1, *self.topology.worker_flags)
+        return replacement
+
+    async def replace(self, handles: list, victim: ServiceHandle, start: Callable[[], Awaitable[Any]]) -> Any:
+        """Drop ``victim`` from ``handles`` and start its replacement with ``start`` (which adds it to the stack)."""
+        handles.remove(victim)
+        return await start()
+
+    async def restart_router(self, router: RouterHandle) -> RouterHandle:
+        """``router`` again on its port (its address is what clients hold), under its id."""
+        port = int(router.address.rsplit(":", 1)[1])
+        self.fleet.routers.remove(router)
+        return await self.fleet.add_router(port=port, router_id=router.router_id)
+
+    async def restart_gateway(self) -> GatewayHandle:
+        assert self.gateway is not None
+        port = int(self.gateway.address.rsplit(":", 1)[1])
+        self.gateway = await start_gateway(self.router_target, name=unique_id("gateway"), port=port, timeout=START_TIMEOUT_S)
+        return self.gateway
+
+    async def health_leader(self) -> tuple[Any, list[str]]:
+        """The health instance that leads, and every instance's idea of the leader (two leaders: split brain)."""
+        leaders, views = None, []
+        for handle in self.fleet.healths:
+            if handle.process.poll() is not None:
+                continue
+            with contextlib.suppress(grpc.aio.AioRpcError):
+                reply = await handle.list_health(timeout=2.0)
+                views.append(reply.leader_id)
+                if reply.leader:
+                    if leaders is not None:
+                        raise AssertionError("split brain: two health instances say they lead")
+                    leaders = reply
+        return leaders, views
+
+    # -- full health ------------------------------------------------------------------------------------------------
+    async def unhealthy_reason(self) -> str | None:
+        """Why the stack is not at full health yet; None once it is (every process up and registered, every worker
+        HEALTHY with weight 1 at the one health leader)."""
+        if not (self.nats.running and self.etcd.running):
+            return "nats or etcd is down"
+        t, fleet = self.topology, self.fleet
+        processes = [*fleet.workers, *fleet.routers, *fleet.healths, *fleet.stores, *fleet.migrations, *self.planners, *fleet.encoders,
+                     *fleet.expert_workers, *fleet.ert_managers]
+        if dead := [h.name for h in processes if h.process.poll() is not None]:
+            return f"dead processes still in the stack: {dead}"
+        if len(fleet.workers) != t.workers or len(fleet.routers) != t.routers or len(fleet.healths) != t.healths:
+            return "a replacement is still starting"
+        config = self.etcd_config
+        directories: list[tuple[str, EtcdDirectory, list[ServiceHandle]]] = [
+            ("workers", WorkerDirectory(config), list(fleet.workers)),
+            ("routers", EtcdDirectory(config, prefix=ROUTERS_PREFIX, message_type=common_pb2.RouterRegistration), list(fleet.routers)),
+            ("stores", CheckpointStoreDirectory(config), list(fleet.stores)),
+            ("migration", MigrationDirectory(config), list(fleet.migrations)),
+            ("encoders", EncoderDirectory(config), list(fleet.encoders)),
+            ("expert workers", ExpertWorkerDirectory(config), list(fleet.expert_workers)),
+        ]
+        for name, directory, handles in directories:
+            try:
+                entries = await directory.list()
+            finally:
+                await directory.close()
+            missing = [h.name for h in handles if h.name not in entries or entries[h.name].pid != h.process.pid]
+            if missing:
+                return f"{name} not registered: {missing}"
+        if t.expert_workers and not await self._ert_complete():
+            return "the expert routing table does not list every live expert worker"
+        if self.gateway is not None and not await asyncio.to_thread(self.gateway.healthy):
+            return "the gateway does not answer /health"
+        if t.healths:
+            leader, views = await self.health_leader()
+            if leader is None:
+                return "no health leader"
+            if len(set(views)) > 1:
+                return f"health instances disagree on the leader: {views}"
+            records = {r.worker_id: r for r in leader.workers}
+            for worker in fleet.workers:
+                record = records.get(worker.worker_id)
+                if record is None or record.health != common_pb2.WORKER_HEALTH_HEALTHY or record.routing_weight != 1.0:
+                    state = "unknown" if record is None else common_pb2.WorkerHealth.Name(record.health)
+                    return f"worker {worker.worker_id} is {state} at the health leader"
+        return None
+
+    async def wait_full_health(self, timeout: float) -> float | None:
+        """Seconds from the fault to full health (None if not within ``timeout``)."""
+        deadline = time.monotonic() + timeout
+        reason: str | None = "not checked"
+        while time.monotonic() < deadline:
+            with contextlib.suppress(Exception):
+                reason = await self.unhealthy_reason()
+            if reason is None:
+                return round(time.monotonic() - (self.fault_at or time.monotonic()), 2)
+            await asyncio.sleep(0.25)
+        self.notes["not_healthy"] = reason
+        return None
+
+    # -- load -------------------------------------------------------------------------------------------------------
+    def prompts(self) -> list[str]:
+        line = "Stream {i} of the chaos run: tell the long story of the keeper of lighthouse {i} through the winter storm. "
+        return [line.format(i=i) * self.load.prompt_repeat for i in range(self.load.streams)]
+
+    async def _sdk_stream(self, client: Client, i: int, prompt: str, record: StreamRecord, track: bool) -> None:
+        async for chunk in client.generate(prompt, max_tokens=self.load.max_tokens, ignore_eos=True):
+            record.times.append(time.monotonic())
+            record.indices.append(chunk.index)
+            record.tokens.append(chunk.token_id)
+            record.workers.append(chunk.worker_id)
+            if track:
+                self.served_by[i] = chunk.worker_id
+                self.progress[i] += 1
+
+    async def _http_stream(self, prompt: str, record: StreamRecord) -> None:
+        """One OpenAI streaming completion; a broken connection is retried from scratch, as an OpenAI client does."""
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": self.load.max_tokens, "temperature": 0, "stream": True, "ignore_eos": True}
+        for attempt in itertools.count():
+            gateway = self.gateway
+            assert gateway is not None
+            record.text, record.times, record.finished = "", [], False
+            try:
+                async with httpx.AsyncClient(base_url=gateway.url, timeout=httpx.Timeout(60.0)) as http:
+                    async with http.stream("POST", "/v1/completions", json=body) as reply:
+                        reply.raise_for_status()
+                        async for line in reply.aiter_lines():
+                            if not line.startswith("data: ") or line == "data: [DONE]":
+                                continue
+                            data = json.loads(line[6:])
+                            if "error" in data:  # the gateway gave up mid-stream: the client got an error, not a completion
+                                raise _GatewayStreamError(str(data["error"])[:200])
+                            for choice in data.get("choices", []):
+                                record.text += choice.get("text", "")
+                                record.times.append(time.monotonic())
+                                record.finished = record.finished or bool(choice.get("finish_reason"))
+                return
+            except (httpx.HTTPError, json.JSONDecodeError):
+                if attempt >= 20:
+                    raise
+                record.retries += 1
+                await asyncio.sleep(0.5)
+
+    async def wave(self, client: Client, *, track: bool) -> list[StreamRecord]:
+        """Every prompt as an SDK stream, and prompt 0 through the gateway too; errors are kept, not raised."""
+
+        async def guarded(record: StreamRecord, work: Awaitable[None]) -> StreamRecord:
+            try:
+                await asyncio.wait_for(work, STREAM_TIMEOUT_S)
+            except (PhalanxClientError, grpc.aio.AioRpcError, httpx.HTTPError, TimeoutError, _GatewayStreamError) as exc:
+                record.error = f"{type(exc).__name__}: {exc}"[:300]
+            return record
+
+        prompts = self.prompts()
+        records = [StreamRecord("sdk") for _ in prompts]
+        tasks = [guarded(r, self._sdk_stream(client, i, p, r, track)) for i, (p, r) in enumerate(zip(prompts, records, strict=True))]
+        if self.gateway is not None:
+            http = StreamRecord("http")
+            records.append(http)
+            tasks.append(guarded(http, self._http_stream(prompts[0], http)))
+        return list(await asyncio.gather(*tasks))
+
+    async def wait_progress(self, tokens: int) -> None:
+        """Until every SDK stream has ``tokens`` tokens."""
+        while min((self.progress[i] for i in range(self.load.streams)), default=0) < tokens:
+            await asyncio.sleep(0.01)
+
+
+Fault = Callable[[ChaosRun], Awaitable[None]]
+
+
+class _GatewayStreamError(Exception):
+    """The gateway ended a streamed completion with an error event."""
+
+
+def _verdict(name: str, description: str, baseline: list[StreamRecord], faulted: list[StreamRecord], recovery_s: float | None,
+             run: ChaosRun, wall_s: float) -> ScenarioResult:
+    n = run.load.max_tokens
+    lost = tokens_lost = repeated = identical = 0
+    for before, after in zip(baseline, faulted, strict=True):
+        counts = collections.Counter(after.indices)
+        if after.kind == "sdk":
+            tokens_lost += sum(1 for index in range(n) if counts[index] == 0)
+            repeated += sum(c - 1 for c in counts.values() if c > 1)
+            complete = not after.error and sorted(counts) == list(range(n))
+            same = after.tokens == before.tokens and after.indices == list(range(n))
+        else:
+            complete = not after.error and after.finished
+            same = complete and after.text == before.text
+        lost += not complete
+        identical += same
+    moved = sum(1 for r in faulted if r.kind == "sdk" and len(set(r.workers)) > 1)
+    fence = run.notes.pop("fenced_from", None)
+    if fence is not None:
+        # Tokens a fenced worker (its requests moved while it hung) delivered after it ran again: must be none.
+        victim, resumed_at = fence
+        run.notes["tokens_after_fence"] = sum(
+            1 for r in faulted if r.kind == "sdk" for worker, at in zip(r.workers, r.times, strict=True) if worker == victim and at >= resumed_at
+        )
+    return ScenarioResult(
+        scenario=name, description=description, requests=len(faulted), lost=lost, tokens_lost=tokens_lost, tokens_repeated=repeated,
+        identical_fraction=round(identical / len(faulted), 3), stall_p99_s=_p99([r.max_gap_s for r in faulted]),
+        baseline_stall_p99_s=_p99([r.max_gap_s for r in baseline]), recovery_s=recovery_s,
+        http_retries=sum(r.retries for r in faulted),
+        details={"streams_moved": moved, "errors": [r.error for r in faulted if r.error][:5], **run.notes},
+        wall_s=round(wall_s, 1),
+    )
+
+
+async def run_scenario(name: str, description: str, topology: Topology, fault: Fault, load: LoadOptions | None = None) -> ScenarioResult:
+    """Start the stack, run the baseline, run the load with ``fault``, wait for full health, stop everything."""
+    started = time.monotonic()
+    load = load or LoadOptions()
+    run = ChaosRun(topology, load)
+    try:
+        phases: dict[str, float] = {}
+        run.notes["phases_s"] = phases
+        await run.start()
+        phases["start"] = round(time.monotonic() - started, 1)
+        retry = RetryPolicy(max_attempts=topology.sdk_max_attempts)
+        async with await Client.connect(run.router_target, timeout=STREAM_TIMEOUT_S, retry=retry) as client:
+            if await run.wait_full_health(RECOVERY_TIMEOUT_S) is None:
+                raise RuntimeError(f"the fresh stack never reached full health: {run.notes.get('not_healthy')}")
+            run.fault_at = None
+            phases["healthy"] = round(time.monotonic() - started, 1)
+            baseline = await run.wave(client, track=False)
+            phases["baseline"] = round(time.monotonic() - started, 1)
+            if failed := [r.error for r in baseline if r.error]:
+                raise RuntimeError(f"the fault-free run failed: {failed[0]}")
+
+            fired = asyncio.Event()
+
+            async def inject() -> float | None:
+                """The fault, then the wait for full health, polled while the load still runs."""
+                await run.wait_progress(load.fault_after)
+                fired.set()
+                await fault(run)
+                run.mark_fault()
+                recovered = await run.wait_full_health(RECOVERY_TIMEOUT_S)
+                phases["recovered"] = round(time.monotonic() - started, 1)
+                return recovered
+
+            injecting = asyncio.ensure_future(inject())
+            faulted = await run.wave(client, track=True)
+            phases["faulted"] = round(time.monotonic() - started, 1)
+            recovery_s = None
+            if fired.is_set():
+                recovery_s = await injecting
+            else:  # the streams ended before the fault was due: there is no fault to wait for
+                injecting.cancel()
+                await asyncio.gather(injecting, return_exceptions=True)
+                run.notes["fault_not_injected"] = True
+        return _verdict(name, description, baseline, faulted, recovery_s, run, time.monotonic() - started)
+    finally:
+        await run.stop()

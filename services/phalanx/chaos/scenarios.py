@@ -1,0 +1,173 @@
+"""The chaos scenarios: which stack each one runs and what it breaks (then replaces, as a supervisor would)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from dataclasses import dataclass, field
+
+from phalanx.chaos.harness import ChaosRun, Fault, LoadOptions, ScenarioResult, Topology, run_scenario
+from phalanx.common.discovery import WorkerDirectory
+
+__all__ = ["SCENARIOS", "Scenario", "run_named"]
+
+# How long a SIGSTOPped worker stays stopped after its lease lapsed (its streams move meanwhile).
+STOPPED_AFTER_LAPSE_S = 2.0
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    description: str
+    fault: Fault
+    topology: Topology = field(default_factory=Topology)
+
+
+async def _kill_worker(run: ChaosRun) -> None:
+    victim = run.busiest_worker()
+    run.notes["victim"] = victim.worker_id
+    run.mark_fault()
+    victim.kill()
+    await run.replace_worker(victim)
+
+
+async def _kill_router(run: ChaosRun) -> None:
+    router = run.fleet.routers[0]
+    run.mark_fault()
+    router.kill()
+    await run.restart_router(router)
+
+
+async def _kill_gateway(run: ChaosRun) -> None:
+    assert run.gateway is not None
+    run.mark_fault()
+    run.gateway.kill()
+    await run.restart_gateway()
+
+
+async def _kill_health_leader(run: ChaosRun) -> None:
+    leader, _ = await run.health_leader()
+    assert leader is not None, "no health leader to kill"
+    victim = next(h for h in run.fleet.healths if h.instance_id == leader.instance_id)
+    run.notes["victim"] = victim.instance_id
+    run.mark_fault()
+    victim.kill()
+    await run.replace(run.fleet.healths, victim, run.add_health)
+
+
+async def _kill_migration(run: ChaosRun) -> None:
+    victim = run.fleet.migrations[0]
+    run.mark_fault()
+    victim.kill()
+    await run.replace(run.fleet.migrations, victim, run.add_migration)
+
+
+async def _kill_store(run: ChaosRun) -> None:
+    victim = run.fleet.stores[0]
+    run.mark_fault()
+    victim.kill()
+    await run.replace(run.fleet.stores, victim, run.add_store)
+
+
+async def _kill_worker_and_store(run: ChaosRun) -> None:
+    """The worker and the store that holds its checkpoints at once: its requests must re-prefill elsewhere."""
+    worker, store = run.busiest_worker(), run.fleet.stores[0]
+    run.notes["victim"] = worker.worker_id
+    run.mark_fault()
+    store.kill()
+    worker.kill()
+    await run.replace(run.fleet.stores, store, run.add_store)
+    await run.replace_worker(worker)
+
+
+async def _kill_planner(run: ChaosRun) -> None:
+    victim = run.planners[0]
+    run.mark_fault()
+    victim.kill()
+    await run.replace(run.planners, victim, run.add_planner)
+
+
+async def _kill_encoder(run: ChaosRun) -> None:
+    victim = run.fleet.encoders[0]
+    run.mark_fault()
+    victim.kill()
+    await run.replace(run.fleet.encoders, victim, run.add_encoder)
+
+
+async def _kill_expert_worker(run: ChaosRun) -> None:
+    """An expert worker: the attention workers replay its calls on the shadow copies; a new EW takes its slot."""
+    victim = run.fleet.expert_workers[0]
+    run.notes["victim"] = victim.name
+    run.mark_fault()
+    victim.kill()
+    slot = run.expert_slots.pop(victim.name)
+    await run.replace(run.fleet.expert_workers, victim, lambda: run.add_expert_worker(slot))
+
+
+async def _restart_nats(run: ChaosRun) -> None:
+    run.mark_fault()
+    await run.infra(run.nats.restart)
+
+
+async def _restart_etcd(run: ChaosRun) -> None:
+    run.mark_fault()
+    await run.infra(run.etcd.restart)
+
+
+async def _stop_worker(run: ChaosRun) -> None:
+    """SIGSTOP (a hung process: its sockets stay open) until its lease lapsed and a while after, then SIGCONT: its
+    streams must have moved, and nothing it computed while fenced may reach a client."""
+    victim = run.busiest_worker()
+    run.notes["victim"] = victim.worker_id
+    directory = WorkerDirectory(run.etcd_config)
+    run.mark_fault()
+    os.kill(victim.process.pid, signal.SIGSTOP)
+    try:
+        deadline = time.monotonic() + 30
+        while victim.worker_id in await directory.list() and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        run.notes["lease_lapsed_s"] = round(time.monotonic() - (run.fault_at or 0.0), 2)
+        await asyncio.sleep(STOPPED_AFTER_LAPSE_S)
+    finally:
+        os.kill(victim.process.pid, signal.SIGCONT)
+        run.notes["fenced_from"] = (victim.worker_id, time.monotonic())
+        await directory.close()
+
+
+_ALL = [
+    Scenario("worker-kill", "SIGKILL of the worker serving the most streams; a new worker replaces it", _kill_worker),
+    Scenario("router-failover", "SIGKILL of one of 2 router replicas (the SDK fails over to the other); it restarts",
+             _kill_router, Topology(routers=2)),
+    # With one router, the client's resume budget must outlast a router restart: the SDK's default (8 calls, ~5 s)
+    # does not on a loaded box, where a router takes 5-10 s to start and rebuild its index (docs/chaos.md).
+    Scenario("router-restart", "SIGKILL of the only router, restarted on its port (the SDK resumes there; 24 attempts)",
+             _kill_router, Topology(sdk_max_attempts=24)),
+    Scenario("gateway-kill", "SIGKILL of the OpenAI gateway, restarted on its port (its HTTP client retries)", _kill_gateway),
+    Scenario("health-leader-kill", "SIGKILL of the leading one of 2 health instances; the standby leads, a new standby starts",
+             _kill_health_leader, Topology(healths=2)),
+    Scenario("migration-kill", "SIGKILL of the migration service; a new one starts", _kill_migration),
+    Scenario("checkpoint-store-kill", "SIGKILL of the checkpoint store; a new one starts and the workers re-sync", _kill_store),
+    Scenario("worker-and-store-kill", "SIGKILL of the busiest worker and of the store holding its checkpoints at once",
+             _kill_worker_and_store),
+    Scenario("planner-kill", "SIGKILL of the planner; a new one starts", _kill_planner, Topology(planner=True)),
+    Scenario("encoder-kill", "SIGKILL of the encoder pool (text streams must not notice); a new one starts", _kill_encoder,
+             Topology(encoders=1)),
+    Scenario("expert-worker-kill", "Disaggregated MoE: SIGKILL of an expert worker (its calls replay on the shadow copies); "
+             "a new one takes its slot", _kill_expert_worker, Topology(expert_workers=2)),
+    Scenario("nats-restart", "nats-server stopped and started again on its port", _restart_nats),
+    Scenario("etcd-restart", "etcd stopped and started again on its port and data", _restart_etcd),
+    Scenario("worker-sigstop", "SIGSTOP of the busiest worker until its lease lapsed (+2 s), then SIGCONT: fenced, no duplicate",
+             _stop_worker),
+]
+SCENARIOS: dict[str, Scenario] = {s.name: s for s in _ALL}
+
+
+async def run_named(name: str, load: LoadOptions | None = None) -> ScenarioResult:
+    """Run scenario ``name`` against a freshly started local stack."""
+    try:
+        scenario = SCENARIOS[name]
+    except KeyError:
+        raise ValueError(f"unknown scenario {name!r}; choose from {', '.join(SCENARIOS)}") from None
+    return await run_scenario(scenario.name, scenario.description, scenario.topology, scenario.fault, load)

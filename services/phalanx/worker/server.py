@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 import uuid
 from collections.abc import Callable
@@ -463,8 +464,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         )
 
     async def Drain(self, request, context):
-        if request.grace_s < 0:
-            raise InvalidRequestError("grace_s", "must be >= 0")
+        if not math.isfinite(request.grace_s) or request.grace_s < 0:
+            raise InvalidRequestError("grace_s", "must be a finite number of seconds >= 0")
         finished, handed_back = await self._on_drain(self.engine, request.grace_s, request.keep_running)
         return worker_pb2.DrainResponse(finished=finished, handed_back=handed_back)
 

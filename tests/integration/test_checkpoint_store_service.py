@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import signal
 import time
+import zlib
 
 import grpc
 import pytest
@@ -81,12 +82,18 @@ class FakeWorker:
         await self._grpc.close()
 
     async def segment(self, request_id: str, kv: torch.Tensor, start: int, end: int, *, outputs=(), seq: int | None = None,
-                      prompt=(1, 2, 3)) -> checkpoint_pb2.SegmentAck:
+                      prompt=(1, 2, 3), checksum: bool = False, flip_bit: int | None = None) -> checkpoint_pb2.SegmentAck:
         """Send KV positions [start, end) of ``kv`` and wait for the ack."""
         self.seq[request_id] = seq if seq is not None else self.seq.get(request_id, 0) + 1
         message = checkpoint_pb2.Segment(
             request_id=request_id, seq=self.seq[request_id], kv_start=start, kv_end=end, kv=raw(kv[:, :, start:end])
         )
+        if checksum:
+            message.kv_crc32 = zlib.crc32(message.kv)
+        if flip_bit is not None:  # after the checksum: the bytes went bad on the way
+            data = bytearray(message.kv)
+            data[flip_bit // 8] ^= 1 << (flip_bit % 8)
+            message.kv = bytes(data)
         if start == 0:
             message.state.CopyFrom(common_pb2.RequestState(prompt_token_ids=prompt, output_token_ids=list(outputs),
                                                            sampling=common_pb2.SamplingParams(max_tokens=64)))
@@ -346,6 +353,21 @@ async def test_send_kv_keeps_its_channel_for_the_next_restore_into_that_target(s
             await restore(asyncio.ensure_future(endpoint.accept(fresh_id)), reuse=False, channel=fresh_id)
     finally:
         await endpoint.close()
+
+
+async def test_a_segment_with_a_flipped_bit_is_refused_counted_and_never_applied(store):
+    kv = random_kv(F32, 16, seed=5)
+    corrupt_before = await asyncio.to_thread(store.metric, "phalanx_checkpoint_segments_total", result="corrupt")
+    async with FakeWorker(store, "w-crc", F32) as worker:
+        ack = await worker.segment("req-crc", kv, 0, 8, checksum=True)
+        assert (ack.kv_tokens, ack.resync) == (8, False)
+        ack = await worker.segment("req-crc", kv, 8, 16, checksum=True, flip_bit=1234, outputs=[7])
+        assert (ack.kv_tokens, ack.resync) == (8, True)  # not applied: send it again from position 0
+        record = await store.get_commit("req-crc")
+        assert record.kv_tokens == 8 and list(record.state.output_token_ids) == []
+        assert (await fetch(store, [("req-crc", 8)]))[0] == raw(kv[:, :, :8])
+    corrupt_after = await asyncio.to_thread(store.metric, "phalanx_checkpoint_segments_total", result="corrupt")
+    assert corrupt_after == (corrupt_before or 0) + 1
 
 
 async def test_sigterm_exits_cleanly_and_revokes_the_advertisement(store, etcd_config):

@@ -1,5 +1,7 @@
 """Checkpoint capture on a real engine into the store's logic: tokens every step, KV every interval, exact restores."""
 
+import zlib
+
 import pytest
 import torch
 
@@ -255,6 +257,8 @@ def test_written_message_matches_protobuf_for_strided_bfloat16_kv_states_and_rel
     assert expected.segments[1].state.output_token_ids == [4, 12] and expected.segments[1].generator_state == b"h"
     assert expected.segments[0].kv == gathered[:, :, :250].contiguous().view(torch.uint8).numpy().tobytes()
     assert list(expected.released_request_ids) == ["x", "y", "a"]
+    # Every segment with KV carries its checksum, which the store verifies (test_checkpoint_checksums.py).
+    assert [s.kv_crc32 == zlib.crc32(s.kv) for s in expected.segments if s.HasField("kv_crc32")] == [True, True]
     assert len(stream_requests(captures, snapshot_to_proto)) == 1  # 32 KB of KV: one message
     # Cut into small messages: each holds whole segments in order, the release list rides in the last.
     small = stream_requests(captures, snapshot_to_proto, max_bytes=1000)

@@ -99,7 +99,7 @@ def test_duplicate_segment_changes_nothing_and_acks_the_current_commit(store):
     assert ack.result is SegmentResult.DUPLICATE
     assert list(store.get("r1").state.output_token_ids) == [21, 22]
     assert torch.equal(store.read_kv("r1", 6), kv_of(0, 6))
-    assert store.stats().segments_total == {SegmentResult.APPLIED: 2, SegmentResult.DUPLICATE: 2, SegmentResult.GAP: 0}
+    assert store.stats().segments_total == {SegmentResult.APPLIED: 2, SegmentResult.DUPLICATE: 2, SegmentResult.GAP: 0, SegmentResult.CORRUPT: 0}
 
 
 def test_gap_is_not_applied_and_asks_for_a_resync(store):

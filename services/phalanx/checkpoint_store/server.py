@@ -13,7 +13,7 @@ import torch
 
 from phalanx._proto import checkpoint_pb2, checkpoint_pb2_grpc, migration_pb2, migration_pb2_grpc
 from phalanx.checkpoint_store.metrics import CheckpointMetrics
-from phalanx.checkpoint_store.store import CheckpointStore, InvalidCheckpointError, SegmentResult, Writer, byte_view
+from phalanx.checkpoint_store.store import CheckpointStore, CorruptCheckpointError, InvalidCheckpointError, SegmentResult, Writer, byte_view
 from phalanx.common.buffers import BufferPool
 from phalanx.common.errors import InvalidRequestError, UnavailableError
 from phalanx.common.subjects import validate_request_id
@@ -70,9 +70,11 @@ class CheckpointStoreServicer(checkpoint_pb2_grpc.CheckpointStoreServicer, migra
         response = checkpoint_pb2.StreamResponse()
         for segment in batch.segments:
             ack = self.store.apply(writer, segment)
+            if ack.result is SegmentResult.APPLIED and ack.kv_bytes and not segment.HasField("kv_crc32"):
+                self.metrics.unchecked_segments.inc()
             self.metrics.bytes_received.inc(ack.kv_bytes)
             self.metrics.segments.labels(result=ack.result.value).inc()
-            if ack.resync:
+            if ack.result is SegmentResult.GAP:
                 log.info("request %s from %s: gap at KV %d (store has %d); resync",
                          ack.request_id, writer.worker_id, segment.kv_start, ack.kv_tokens)
             response.acks.append(ack.to_proto())
@@ -152,7 +154,12 @@ class CheckpointStoreServicer(checkpoint_pb2_grpc.CheckpointStoreServicer, migra
         """The piece's KV in a staging buffer: give it back once sent (not after a failed send, which may still read it)."""
         layout = self.store.check(piece.request_id, piece.kv_tokens)
         out = self.staging.take(layout.shape(piece.kv_tokens), layout.dtype)
-        return self.store.read_kv(piece.request_id, piece.kv_tokens, out)
+        try:
+            return self.store.read_kv(piece.request_id, piece.kv_tokens, out)
+        except CorruptCheckpointError:
+            self.staging.give(out)
+            self.metrics.corrupt_restores.inc()
+            raise
 
     def _check_pieces(self, pieces, *, required: bool = True) -> list[migration_pb2.KvPiece]:
         """Every piece committed (so that nothing is sent when one would fail), else the error for the first that is not."""

@@ -13,7 +13,18 @@ and the KV of positions ``[0, kv_tokens)``:
   over without sending its KV again);
 - an old ``seq`` from the owner is a duplicate and changes nothing;
 - anything that would leave a hole is a gap: nothing is applied and the ack
-  asks the worker to resync (send the request again from position 0).
+  asks the worker to resync (send the request again from position 0);
+- a segment whose KV does not match its ``kv_crc32`` is corrupt: nothing of it
+  is applied, it is counted, and the ack asks for a resync as for a gap. A
+  segment without a checksum (a writer from before checksums) is applied and
+  counted as unchecked.
+
+The checksum of every range of KV written is kept with the request, and the
+KV a restore reads is checked against them before it leaves the store (a bit
+flipped in memory or in a spill file since): a mismatch drops the request's
+KV (its commit record stays, for a re-prefill) and the restore fails with
+``CorruptCheckpointError``, so migration recomputes instead of restoring
+wrong KV.
 
 KV lives in memory up to ``memory_limit_bytes``; beyond it the least recently
 updated requests' KV is appended to one spill file per request and read back
@@ -31,8 +42,9 @@ import logging
 import os
 import time
 import warnings
+import zlib
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -45,6 +57,7 @@ __all__ = [
     "Ack",
     "CheckpointStore",
     "CheckpointStoreError",
+    "CorruptCheckpointError",
     "InvalidCheckpointError",
     "KvLayout",
     "NotCommittedError",
@@ -102,6 +115,20 @@ class NotCommittedError(CheckpointStoreError, FailedPreconditionError):
         self.request_id = request_id
         self.wanted = wanted
         self.committed = committed
+
+
+class CorruptCheckpointError(CheckpointStoreError, FailedPreconditionError):
+    """KV held for a request no longer matches the checksums it was written with; it was dropped (re-prefill instead)."""
+
+    reason = "CHECKPOINT_CORRUPT"
+
+    def __init__(self, request_id: str, start: int, end: int) -> None:
+        super().__init__(
+            f"request {request_id!r}: the KV of positions [{start}, {end}) held in the checkpoint store fails its checksum; "
+            "it was dropped: restore by re-prefill",
+            subject=request_id, metadata={"request_id": request_id, "kv_start": str(start), "kv_end": str(end)},
+        )
+        self.request_id = request_id
 
 
 @dataclass(frozen=True)
@@ -163,6 +190,7 @@ class SegmentResult(enum.Enum):
     APPLIED = "applied"
     DUPLICATE = "duplicate"
     GAP = "gap"
+    CORRUPT = "corrupt"  # its KV fails its checksum: not applied, resync
 
 
 @dataclass(frozen=True)
@@ -177,8 +205,8 @@ class Ack:
 
     @property
     def resync(self) -> bool:
-        """True for a gap: the worker must send the request again from KV position 0."""
-        return self.result is SegmentResult.GAP
+        """True for a gap or a corrupt segment: the worker must send the request again from KV position 0."""
+        return self.result in (SegmentResult.GAP, SegmentResult.CORRUPT)
 
     def to_proto(self) -> checkpoint_pb2.SegmentAck:
         return checkpoint_pb2.SegmentAck(request_id=self.request_id, seq=self.seq, kv_tokens=self.kv_tokens, resync=self.resync)
@@ -192,6 +220,8 @@ class StoreStats:
     committed_tokens: int
     bytes_received_total: int
     segments_total: dict[SegmentResult, int]
+    unchecked_segments_total: int = 0  # applied without a checksum (a writer from before checksums)
+    corrupt_restores_total: int = 0  # restores refused: held KV failed its checksum
 
 
 @dataclass
@@ -396,6 +426,8 @@ class _KvTrack:
 class _Entry:
     record: checkpoint_pb2.CommitRecord
     kv: _KvTrack
+    # (start, end, crc32) of each range of KV written with a checksum, in position order, within [0, kv_tokens).
+    checksums: list[tuple[int, int, int]] = field(default_factory=list)
 
 
 class CheckpointStore:
@@ -424,6 +456,8 @@ class CheckpointStore:
         self._committed_tokens = 0
         self._bytes_received = 0
         self._segments = dict.fromkeys(SegmentResult, 0)
+        self._unchecked = 0
+        self._corrupt_restores = 0
 
     # -- writes ---------------------------------------------------------------------------------
 
@@ -433,6 +467,11 @@ class CheckpointStore:
         kv = _segment_tensor(writer.layout, segment, data)
         self._bytes_received += len(data)
         entry = self._entries.get(segment.request_id)
+        if data and segment.HasField("kv_crc32") and zlib.crc32(data) != segment.kv_crc32:
+            kv_tokens = 0 if entry is None else entry.record.kv_tokens
+            log.warning("request %s from %s: KV [%d, %d) fails its checksum; not applied, resync",
+                        segment.request_id, writer.worker_id, segment.kv_start, segment.kv_end)
+            return self._count(Ack(segment.request_id, segment.seq, kv_tokens, SegmentResult.CORRUPT, len(data)))
         if entry is not None and entry.record.worker_id == writer.worker_id and segment.seq <= entry.record.seq:
             return self._count(Ack(segment.request_id, entry.record.seq, entry.record.kv_tokens, SegmentResult.DUPLICATE, len(data)))
         if segment.kv_start == 0:
@@ -458,6 +497,12 @@ class CheckpointStore:
             entry.kv.truncate(segment.kv_start)
             entry.kv.append(kv)
             self._commit(record, segment)
+        # A range cut by the truncation loses its checksum (the part kept is unverified from then on).
+        entry.checksums = [c for c in entry.checksums if c[1] <= segment.kv_start]
+        if segment.HasField("kv_crc32"):
+            entry.checksums.append((segment.kv_start, segment.kv_end, segment.kv_crc32))
+        else:
+            self._unchecked += 1
         self._enforce_limit()
         return self._count(Ack(segment.request_id, segment.seq, segment.kv_end, SegmentResult.APPLIED, len(data)))
 
@@ -513,7 +558,20 @@ class CheckpointStore:
         A new one, or ``out`` filled (a reused buffer: a new one costs page faults).
         """
         self.check(request_id, kv_tokens)
-        return self._entries[request_id].kv.read(kv_tokens, out)
+        entry = self._entries[request_id]
+        kv = entry.kv.read(kv_tokens, out)
+        for start, end, crc in entry.checksums:
+            if end > kv_tokens:
+                break
+            if zlib.crc32(byte_view(kv[:, :, start:end].contiguous())) != crc:
+                self._corrupt_restores += 1
+                log.warning("request %s: held KV [%d, %d) fails its checksum; dropped", request_id, start, end)
+                with self._accounting(entry):
+                    entry.kv.truncate(0)
+                    entry.record.kv_tokens = 0
+                entry.checksums.clear()
+                raise CorruptCheckpointError(request_id, start, end)
+        return kv
 
     def __contains__(self, request_id: object) -> bool:
         return request_id in self._entries
@@ -542,6 +600,7 @@ class CheckpointStore:
         return StoreStats(
             requests=len(self._entries), memory_bytes=self._memory, spilled_bytes=self._disk,
             committed_tokens=self._committed_tokens, bytes_received_total=self._bytes_received, segments_total=dict(self._segments),
+            unchecked_segments_total=self._unchecked, corrupt_restores_total=self._corrupt_restores,
         )
 
     # -- internals ------------------------------------------------------------------------------

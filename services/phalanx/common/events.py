@@ -11,7 +11,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import random
+from collections import Counter
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -23,10 +25,11 @@ from nats.aio.subscription import Subscription
 from opentelemetry.context import Context
 
 from phalanx.common.config import NatsConfig
-from phalanx.common.errors import PhalanxError
+from phalanx.common.errors import InvalidRequestError, PhalanxError
+from phalanx.common.subjects import subject_kind, worker_id_from_subject
 from phalanx.common.telemetry import extract_context, inject_headers
 
-__all__ = ["EventBus", "EventBusError", "Handler", "MessageTooLargeError"]
+__all__ = ["EventBus", "EventBusError", "Handler", "MessageTooLargeError", "check_kv_event", "check_load_report"]
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +62,7 @@ class EventBus:
         self._nc = nc
         self._config = config
         self._dropped = 0
+        self._rejected: Counter[str] = Counter()
         self._closing: asyncio.Task[None] | None = None
 
     @classmethod
@@ -118,6 +122,11 @@ class EventBus:
         return self._dropped
 
     @property
+    def rejected(self) -> dict[str, int]:
+        """Messages received and refused (undecodable, or failing their checks), by subject kind (``subject_kind``)."""
+        return dict(self._rejected)
+
+    @property
     def max_payload(self) -> int:
         """The server's limit for one message, headers included."""
         return self._nc.max_payload
@@ -159,25 +168,50 @@ class EventBus:
         subject: str,
         message_type: type[M],
         handler: Callable[[M, str, Context], Awaitable[None]],
+        *,
+        check: Callable[[M], None] | None = None,
+        on_rejected: Callable[[str], None] | None = None,
     ) -> Subscription:
         """Call ``await handler(message, subject, context)`` for each message on ``subject``.
 
         ``subject`` may hold wildcards. ``context`` is the publisher's trace
         context: start spans with ``tracer.start_as_current_span(..., context=context)``.
-        Messages of one subscription are handled one at a time, in order. A
-        message that does not parse, or a handler that raises, is logged and
-        skipped. Returns the nats-py subscription (``await sub.unsubscribe()``).
+        Messages of one subscription are handled one at a time, in order.
+
+        A message is rejected, never handed to ``handler``, when it does not
+        parse, when on a per-worker subject (``phalanx.kv.<id>`` …) its
+        ``worker_id`` is not that worker's, or when ``check`` raises
+        InvalidRequestError for it (a handler may raise it too); rejections
+        are counted in ``rejected`` and passed to ``on_rejected`` (the subject
+        kind), for the service's metric. A handler that raises anything else
+        is logged and the message skipped. Returns the nats-py subscription
+        (``await sub.unsubscribe()``).
         """
+
+        def reject(msg: Msg, why: str) -> None:
+            kind = subject_kind(msg.subject)
+            self._rejected[kind] += 1
+            if on_rejected is not None:
+                on_rejected(kind)
+            log.warning("rejected a %s on %s (%d bytes): %s", message_type.__name__, msg.subject, len(msg.data), why)
 
         async def on_message(msg: Msg) -> None:
             message = message_type()
             try:
                 message.ParseFromString(msg.data)
+                _check_sender(message, msg.subject)
+                if check is not None:
+                    check(message)
             except DecodeError:
-                log.warning("undecodable %s on %s (%d bytes)", message_type.__name__, msg.subject, len(msg.data))
+                reject(msg, "does not parse")
+                return
+            except InvalidRequestError as error:
+                reject(msg, str(error))
                 return
             try:
                 await handler(message, msg.subject, extract_context(msg.headers))
+            except InvalidRequestError as error:
+                reject(msg, str(error))
             except Exception:
                 # One bad message must not stop the subscription; nats-py would
                 # only pass the error to error_cb, which logs at debug level.
@@ -215,6 +249,39 @@ class EventBus:
 
     async def __aexit__(self, *exc_info: object) -> None:
         await self.close()
+
+
+def _check_sender(message: Message, subject: str) -> None:
+    """A message on a per-worker subject speaks for that worker: its ``worker_id``, where it has one, must be the subject's."""
+    if "worker_id" not in message.DESCRIPTOR.fields_by_name:
+        return
+    try:
+        expected = worker_id_from_subject(subject)
+    except ValueError:
+        return  # not a per-worker subject
+    claimed = getattr(message, "worker_id")  # noqa: B009 - a field found by name in the descriptor, of any message type
+    if claimed != expected:
+        raise InvalidRequestError("worker_id", f"{claimed[:64]!r} on the subject of worker {expected!r}")
+
+
+def check_load_report(report: Any) -> None:
+    """A LoadReport's numbers are counts and rates: none negative, none NaN or infinite, free blocks within the total."""
+    for name in ("queue_depth", "running_seqs", "free_blocks", "total_blocks"):
+        if getattr(report, name) < 0:
+            raise InvalidRequestError(name, f"{getattr(report, name)} is negative")
+    if report.total_blocks and report.free_blocks > report.total_blocks:
+        raise InvalidRequestError("free_blocks", f"{report.free_blocks} free of {report.total_blocks} blocks")
+    for name in ("step_time_ms", "prefill_tokens_per_s", "decode_tokens_per_s"):
+        value = getattr(report, name)
+        if not math.isfinite(value) or value < 0:
+            raise InvalidRequestError(name, f"{value} is not a finite number >= 0")
+
+
+def check_kv_event(event: Any) -> None:
+    """A KvEvent's stored blocks hold 1 token at least (a block's worth at most is the index's business)."""
+    for i, block in enumerate(event.stored):
+        if block.num_tokens < 1:
+            raise InvalidRequestError(f"stored[{i}].num_tokens", f"{block.num_tokens} is not a token count")
 
 
 def _backoff_handler(config: NatsConfig) -> Callable[..., tuple[Any, float]]:

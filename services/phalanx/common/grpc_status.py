@@ -71,10 +71,19 @@ def to_status(error: PhalanxError) -> grpc.Status:
                 ]
             )
         )
-    status = status_pb2.Status(code=getattr(code_pb2, code.name), message=str(error))
+    status = status_pb2.Status(code=getattr(code_pb2, code.name), message=_clamped(str(error)))
     for detail in details:
         status.details.add().Pack(detail)
     return rpc_status.to_status(status)
+
+
+# Status messages travel in a trailer (grpc-message), and metadata beyond 8 KiB fails the whole call on the client: a
+# message that quotes a client's oversized value is cut, whatever raised it.
+_MESSAGE_LIMIT = 1024
+
+
+def _clamped(message: str) -> str:
+    return message if len(message) <= _MESSAGE_LIMIT else f"{message[: _MESSAGE_LIMIT - 40]}… ({len(message)} characters, cut)"
 
 
 async def abort_with(context: grpc.aio.ServicerContext, error: PhalanxError) -> None:
@@ -101,7 +110,43 @@ class DomainErrorInterceptor(grpc.aio.ServerInterceptor):
         if handler is None:
             return None
         behavior_name, make_handler = _HANDLER_KINDS[handler.request_streaming, handler.response_streaming]
-        return make_handler(_guarded(getattr(handler, behavior_name)), handler.request_deserializer, handler.response_serializer)
+        behavior = getattr(handler, behavior_name)
+        guarded = _guarded(behavior, request_streaming=handler.request_streaming)
+        if guarded is behavior:  # a sync handler: left as it is, undecodable requests included
+            return handler
+        return make_handler(guarded, _lenient(handler.request_deserializer), handler.response_serializer)
+
+
+class _Undecodable:
+    """A request whose bytes did not parse: the handler never sees it, the caller gets INVALID_ARGUMENT.
+
+    gRPC itself would answer such a request INTERNAL ("Exception deserializing request!") and log a
+    traceback: a malformed request is the caller's fault, and says so.
+    """
+
+    def __init__(self, error: Exception) -> None:
+        self.error = InvalidRequestError("request", f"does not parse as this method's protobuf message ({error})")
+
+
+def _lenient(deserializer: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] | None:
+    if deserializer is None:
+        return None
+
+    def parse(data: bytes) -> Any:
+        try:
+            return deserializer(data)
+        except Exception as error:  # noqa: BLE001 - any parse failure (DecodeError, a UnicodeDecodeError …) is the request's
+            return _Undecodable(error)
+
+    return parse
+
+
+async def _decoded(requests: AsyncIterator[Any]) -> AsyncIterator[Any]:
+    """A request stream that raises (into the handler's loop) at its first undecodable message."""
+    async for request in requests:
+        if isinstance(request, _Undecodable):
+            raise request.error
+        yield request
 
 
 # (request_streaming, response_streaming) -> the RpcMethodHandler attribute holding the behavior, and its constructor.
@@ -113,12 +158,21 @@ _HANDLER_KINDS: dict[tuple[bool, bool], tuple[str, Callable[..., grpc.RpcMethodH
 }
 
 
-def _guarded(behavior: Callable[..., Any]) -> Callable[..., Any]:
+def _guarded(behavior: Callable[..., Any], *, request_streaming: bool) -> Callable[..., Any]:
     """`behavior` with its PhalanxErrors turned into status; of the same kind, as gRPC picks how to run it by its kind."""
+
+    def checked(request: Any) -> Any:
+        if request_streaming:
+            return _decoded(request)
+        if isinstance(request, _Undecodable):
+            raise request.error
+        return request
+
     if inspect.isasyncgenfunction(behavior):
 
         async def stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
             try:
+                request = checked(request)
                 # aclosing: a client that leaves mid-stream closes the handler's generator now, not at its collection.
                 async with aclosing(behavior(request, context)) as responses:
                     async for response in responses:
@@ -131,7 +185,7 @@ def _guarded(behavior: Callable[..., Any]) -> Callable[..., Any]:
 
         async def call(request: Any, context: grpc.aio.ServicerContext) -> Any:
             try:
-                return await behavior(request, context)
+                return await behavior(checked(request), context)
             except PhalanxError as error:
                 await abort_with(context, error)
 

@@ -39,6 +39,7 @@ __all__ = [
     "health_report_subject",
     "load_subject",
     "request_key",
+    "subject_kind",
     "router_key",
     "spare_key",
     "validate_request_id",
@@ -174,6 +175,14 @@ def spare_key(worker_id: str) -> str:
 def request_key(request_id: str) -> str:
     """etcd key of a request's routing record: ``/phalanx/v1/requests/<request_id>``."""
     return REQUESTS_PREFIX + validate_request_id(request_id)
+
+
+def subject_kind(subject: str) -> str:
+    """A metric label for a subject: ``kv``, ``load``, ``health``, ``health_report``, or the subject with no worker id."""
+    for prefix in (KV_EVENTS_PREFIX, LOAD_PREFIX, HEALTH_EVENTS_PREFIX, HEALTH_REPORTS_PREFIX):
+        if subject.startswith(prefix):
+            return prefix[len("phalanx.") : -1]
+    return subject if subject in (DEGRADATION_SUBJECT, MIGRATION_EVENTS_SUBJECT) else "other"
 
 
 def worker_id_from_subject(subject: str) -> str:

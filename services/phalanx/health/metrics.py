@@ -32,6 +32,10 @@ class HealthMetrics:
             "for degradation levels 1 to 4",
             registry=r,
         )
+        self.bus_rejected = Counter(
+            "phalanx_bus_rejected_messages", "NATS messages refused (undecodable, not from the subject's worker, or failing their checks)",
+            ["subject_kind"], registry=r,
+        )
         self.canary_failures = Counter("phalanx_canary_failures", "Failed canary checks by reason", ["worker", "reason"], registry=r)
         self.checks = Counter("phalanx_health_checks", "Canary checks by result (pass, fail, inconclusive)", ["result"], registry=r)
         self.latency_rechecks = Counter(

@@ -24,7 +24,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from phalanx._proto import common_pb2, worker_pb2, worker_pb2_grpc
 from phalanx.common.config import EtcdConfig
 from phalanx.common.discovery import EtcdDirectory, WorkerDirectory, encode_json
-from phalanx.common.events import EventBus
+from phalanx.common.events import EventBus, check_load_report
 from phalanx.common.lease import Backoff
 from phalanx.common.subjects import (
     CANARY_PREFIX,
@@ -139,7 +139,10 @@ class FleetMonitor:
             self.degradation = stored
             registered = await workers.list()
             self._planner_view = (await planner_views.list()).get(PLANNER_CAPACITY_KEY.rsplit("/", 1)[1])
-            subscriptions.append(await self.bus.subscribe(LOAD_ALL, common_pb2.LoadReport, self._on_load))
+            subscriptions.append(await self.bus.subscribe(
+                LOAD_ALL, common_pb2.LoadReport, self._on_load, check=check_load_report,
+                on_rejected=lambda kind: self.metrics.bus_rejected.labels(subject_kind=kind).inc(),
+            ))
             subscriptions.append(await self.bus.subscribe(HEALTH_REPORTS_ALL, common_pb2.WorkerStreamBroken, self._on_report))
             async with asyncio.TaskGroup() as tasks:
                 self._tasks = tasks

@@ -8,7 +8,7 @@ import time
 
 from phalanx._proto import common_pb2, health_pb2, health_pb2_grpc
 from phalanx.common.discovery import EtcdDirectory, decode_json
-from phalanx.common.errors import UnavailableError
+from phalanx.common.errors import NotFoundError, UnavailableError
 from phalanx.common.lease import TRANSIENT_ERRORS
 from phalanx.common.subjects import CANARY_PREFIX, DEGRADATION_KEY, DEGRADATION_PREFIX, HEALTH_PREFIX
 
@@ -48,6 +48,10 @@ class HealthServicer(health_pb2_grpc.HealthServiceServicer):
         monitor = self._process.monitor
         if monitor is None:
             raise UnavailableError("this health instance is a standby; call the leader (see ListWorkerHealth.leader_id)", retry_after_s=1.0)
+        served = {w.registration.model_version for w in monitor.workers.values()}
+        if request.model_version and request.model_version not in served:
+            # Nothing could ever calibrate it: waiting out the timeout would only hold the caller.
+            raise NotFoundError(f"no registered worker serves model version {request.model_version!r}; serving: {sorted(served)}")
         monitor.recalibrate(request.model_version)
         deadline = time.monotonic() + _RECALIBRATE_TIMEOUT_S
         wanted = {request.model_version} if request.model_version else {w.registration.model_version for w in monitor.workers.values()}

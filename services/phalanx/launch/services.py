@@ -208,7 +208,8 @@ async def _registration(process: subprocess.Popen, directory: EtcdDirectory, nam
 
 
 async def start_worker(
-    worker_id: str, nats_url: str, etcd_config: EtcdConfig, *extra: str, model: str, env: dict | None = None, tensor_parallel_size: int = 1
+    worker_id: str, nats_url: str, etcd_config: EtcdConfig, *extra: str, model: str, env: dict | None = None, tensor_parallel_size: int = 1,
+    timeout: float = 60.0,
 ) -> WorkerHandle:
     """A worker process of ``model``, returned once it registered (model loaded, serving; with its follower ranks, if tensor-parallel).
 
@@ -220,7 +221,7 @@ async def start_worker(
          *(("--tensor-parallel-size", str(tensor_parallel_size)) if tensor_parallel_size != 1 else ()), *extra],
         {"PHALANX_ETCD_LEASE_TTL_S": str(etcd_config.lease_ttl_s), **(env or {})},
     )
-    registration = await _registration(process, WorkerDirectory(etcd_config), worker_id, 60)
+    registration = await _registration(process, WorkerDirectory(etcd_config), worker_id, timeout)
     return WorkerHandle(worker_id, process, registration.address, registration.metrics_address)
 
 

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 from phalanx._proto import common_pb2, migration_pb2, migration_pb2_grpc
 from phalanx.common.config import EtcdConfig, NatsConfig, TelemetryConfig
 from phalanx.common.discovery import encode_json
+from phalanx.common.events import check_load_report
 from phalanx.common.service import ServiceShell
 from phalanx.common.subjects import HEALTH_EVENTS_ALL, LOAD_ALL, MIGRATIONS_PREFIX, validate_worker_id
 from phalanx.migration.config import MigrationConfig
@@ -70,7 +71,7 @@ class MigrationProcess:
             await shell.start()
             registration = migration_registration(self.instance_id, address=self.address, strategy=self.config.strategy)
             await shell.register(self.etcd_config, MIGRATIONS_PREFIX + self.instance_id, encode_json(registration))
-            loads = await bus.subscribe(LOAD_ALL, common_pb2.LoadReport, migrator.on_load)
+            loads = await bus.subscribe(LOAD_ALL, common_pb2.LoadReport, migrator.on_load, check=check_load_report)
             shell.push_async_callback(loads.unsubscribe)
             if self.config.trigger_on_dead:
                 deaths = await bus.subscribe(HEALTH_EVENTS_ALL, common_pb2.WorkerHealthRecord, self._on_health(migrator))

@@ -35,6 +35,10 @@ class RouterMetrics:
             ["kind"], registry=r,
         )
         self.routing = Histogram("phalanx_router_routing_seconds", "Time to pick a worker", buckets=_ROUTING_BUCKETS, registry=r)
+        self.bus_rejected = Counter(
+            "phalanx_bus_rejected_messages", "NATS messages refused (undecodable, not from the subject's worker, or failing their checks)",
+            ["subject_kind"], registry=r,
+        )
         self.tokens = Counter("phalanx_router_tokens", "Tokens relayed to clients", registry=r)
         self.cached_tokens = Counter("phalanx_router_routed_cached_tokens", "Prompt tokens the chosen worker held already", registry=r)
         self.resumes = Counter("phalanx_router_resumes", "Resume calls by outcome", ["status"], registry=r)

@@ -25,7 +25,7 @@ from phalanx._proto import common_pb2, migration_pb2, router_pb2, router_pb2_grp
 from phalanx.common.config import EtcdConfig, NatsConfig, TelemetryConfig
 from phalanx.common.discovery import EncoderDirectory, EtcdDirectory, WorkerDirectory, encode_json
 from phalanx.common.errors import UnavailableError
-from phalanx.common.events import EventBus
+from phalanx.common.events import EventBus, check_kv_event, check_load_report
 from phalanx.common.lease import Backoff
 from phalanx.common.service import ServerTls, ServiceShell
 from phalanx.common.subjects import (
@@ -135,8 +135,9 @@ class RouterProcess:
             for directory in (workers, healths, degradation, spares, encoder_directory):
                 shell.push_async_callback(directory.close)
             bus = await shell.connect_nats(self.nats_config, name=f"router-{self.router_id}")
-            await bus.subscribe(KV_EVENTS_ALL, common_pb2.KvEvent, self._on_kv_event)
-            await bus.subscribe(LOAD_ALL, common_pb2.LoadReport, self._on_load)
+            rejected = self._bus_rejected
+            await bus.subscribe(KV_EVENTS_ALL, common_pb2.KvEvent, self._on_kv_event, check=check_kv_event, on_rejected=rejected)
+            await bus.subscribe(LOAD_ALL, common_pb2.LoadReport, self._on_load, check=check_load_report, on_rejected=rejected)
             # Health changes arrive on NATS first (the etcd watch confirms them); versions keep the newest.
             await bus.subscribe(HEALTH_EVENTS_ALL, common_pb2.WorkerHealthRecord, self._on_health_event)
             await bus.subscribe(DEGRADATION_SUBJECT, common_pb2.DegradationState, self._on_degradation_event)
@@ -272,6 +273,9 @@ class RouterProcess:
                 apply(kind, name, message)
 
     # -- KV index and load ---------------------------------------------------------
+    def _bus_rejected(self, subject_kind: str) -> None:
+        self.metrics.bus_rejected.labels(subject_kind=subject_kind).inc()
+
     async def _on_kv_event(self, event: common_pb2.KvEvent, subject: str, context) -> None:
         if self.table.on_kv_event(event):
             self._want_resync(event.worker_id)

@@ -25,6 +25,7 @@ import asyncio
 import collections
 import logging
 import threading
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
@@ -318,6 +319,8 @@ def batch_of(captures: list[_Capture], snapshot_to_proto) -> checkpoint_pb2.Batc
         segment.CopyFrom(_segment_without_kv(piece, snapshot_to_proto))
         if piece.kv is not None:
             segment.kv = tensor_bytes(piece.kv)
+            if segment.kv:
+                segment.kv_crc32 = zlib.crc32(segment.kv)
     return batch
 
 
@@ -336,8 +339,11 @@ def stream_requests(captures: list[_Capture], snapshot_to_proto, *, max_bytes: i
     parts: list[bytes | memoryview] = []
     size = 0
     for piece in coalesced(captures):
-        body = _segment_without_kv(piece, snapshot_to_proto).SerializeToString()
         kv = _c_order_bytes(piece.kv) if piece.kv is not None else b""
+        segment_fields = _segment_without_kv(piece, snapshot_to_proto)
+        if len(kv):
+            segment_fields.kv_crc32 = zlib.crc32(kv)  # the store checks the KV against it, on write and before a restore
+        body = segment_fields.SerializeToString()
         kv_field = [_KV_TAG, _varint(len(kv)), kv] if len(kv) else []
         segment = [_SEGMENTS_TAG, _varint(len(body) + sum(len(p) for p in kv_field)), body, *kv_field]
         length = sum(len(p) for p in segment)

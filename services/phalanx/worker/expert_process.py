@@ -34,7 +34,7 @@ from phalanx._proto import expert_pb2, expert_pb2_grpc
 from phalanx.common.channels import ChannelEndpoint, ChannelError, TensorChannel
 from phalanx.common.config import EtcdConfig, TelemetryConfig
 from phalanx.common.discovery import encode_json
-from phalanx.common.errors import UnavailableError
+from phalanx.common.errors import InvalidRequestError, UnavailableError
 from phalanx.common.service import ServiceShell
 from phalanx.common.subjects import expert_worker_key, validate_worker_id
 from phalanx.model import load
@@ -196,7 +196,10 @@ class ExpertServicer(expert_pb2_grpc.ExpertServiceServicer):
     async def Connect(self, request: expert_pb2.ConnectRequest, context) -> expert_pb2.ConnectResponse:
         if self.endpoint is None or self.loaded is None:
             raise UnavailableError(f"expert worker {self.worker_id} is still starting")
-        validate_worker_id(request.attention_worker_id)
+        try:
+            validate_worker_id(request.attention_worker_id)
+        except ValueError as error:
+            raise InvalidRequestError("attention_worker_id", str(error)) from None
         task = asyncio.create_task(self._accept_and_serve(request.attention_worker_id, request.channel_id))
         self.serving.add(task)
         task.add_done_callback(self.serving.discard)

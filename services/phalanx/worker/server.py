@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 import uuid
 from collections.abc import Callable
@@ -16,6 +17,7 @@ from phalanx.common.block_hash import MediaSpan
 from phalanx.common.buffers import BufferPool
 from phalanx.common.errors import InvalidRequestError, NotFoundError, PhalanxError, ResourceExhaustedError, UnavailableError
 from phalanx.common.grpc_channels import GrpcChannels
+from phalanx.common.subjects import validate_request_id
 from phalanx.model.kv_cache import BLOCK_SIZE
 from phalanx.model.params import SamplingParams, sampling_from_proto
 from phalanx.worker.async_engine import AsyncEngine
@@ -487,8 +489,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         )
 
     async def Drain(self, request, context):
-        if request.grace_s < 0:
-            raise InvalidRequestError("grace_s", "must be >= 0")
+        if not math.isfinite(request.grace_s) or request.grace_s < 0:
+            raise InvalidRequestError("grace_s", "must be a finite number of seconds >= 0")
         finished, handed_back = await self._on_drain(self.engine, request.grace_s, request.keep_running)
         return worker_pb2.DrainResponse(finished=finished, handed_back=handed_back)
 
@@ -537,6 +539,14 @@ class KvSourceServicer(migration_pb2_grpc.KvSourceServicer):
         channels = self.worker.channels
         if channels is None:
             raise UnavailableError("this worker has no tensor-channel endpoint; use FetchKv", retry_after_s=0.1)
+        if not request.target_endpoint:
+            raise InvalidRequestError("target_endpoint", "required: the tensor-channel endpoint id of the target")
+        try:
+            validate_request_id(request.channel_id)  # the same alphabet as channel ids
+        except ValueError:
+            raise InvalidRequestError("channel_id", "need 1-128 characters of [A-Za-z0-9_.:-]") from None
+        if not math.isfinite(request.timeout_s) or request.timeout_s < 0:
+            raise InvalidRequestError("timeout_s", "must be a finite number of seconds >= 0 (0: the worker's default)")
         timeout = request.timeout_s or self.worker.channel_timeout_s
         start = time.perf_counter()
         tensors = [await engine.export_kv(p.request_id, p.kv_tokens) for p in request.pieces]

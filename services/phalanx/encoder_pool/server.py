@@ -10,6 +10,7 @@ import grpc
 import torch
 
 from phalanx._proto import encoder_pb2, encoder_pb2_grpc
+from phalanx.common.channels.endpoint import check_send_request
 from phalanx.common.errors import NotFoundError, ResourceExhaustedError, UnavailableError
 from phalanx.common.telemetry import get_tracer
 from phalanx.encoder_pool.cost import Modality
@@ -123,6 +124,7 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
         channels = self.channels
         if channels is None:
             raise UnavailableError("this encoder has no tensor-channel endpoint; use FetchEmbeddings", retry_after_s=0.1)
+        check_send_request(request.target_endpoint, request.channel_id, request.timeout_s)
         timeout = request.timeout_s or self.channel_timeout_s
         start = time.perf_counter()
         tensors = self._held_tensors(request.keys)

@@ -15,9 +15,9 @@ import grpc
 from phalanx._proto import common_pb2, migration_pb2, migration_pb2_grpc, worker_pb2, worker_pb2_grpc
 from phalanx.common.block_hash import MediaSpan
 from phalanx.common.buffers import BufferPool
+from phalanx.common.channels.endpoint import check_send_request
 from phalanx.common.errors import InvalidRequestError, NotFoundError, PhalanxError, ResourceExhaustedError, UnavailableError
 from phalanx.common.grpc_channels import GrpcChannels
-from phalanx.common.subjects import validate_request_id
 from phalanx.model.kv_cache import BLOCK_SIZE
 from phalanx.model.params import SamplingParams, sampling_from_proto
 from phalanx.worker.async_engine import AsyncEngine
@@ -539,14 +539,7 @@ class KvSourceServicer(migration_pb2_grpc.KvSourceServicer):
         channels = self.worker.channels
         if channels is None:
             raise UnavailableError("this worker has no tensor-channel endpoint; use FetchKv", retry_after_s=0.1)
-        if not request.target_endpoint:
-            raise InvalidRequestError("target_endpoint", "required: the tensor-channel endpoint id of the target")
-        try:
-            validate_request_id(request.channel_id)  # the same alphabet as channel ids
-        except ValueError:
-            raise InvalidRequestError("channel_id", "need 1-128 characters of [A-Za-z0-9_.:-]") from None
-        if not math.isfinite(request.timeout_s) or request.timeout_s < 0:
-            raise InvalidRequestError("timeout_s", "must be a finite number of seconds >= 0 (0: the worker's default)")
+        check_send_request(request.target_endpoint, request.channel_id, request.timeout_s)
         timeout = request.timeout_s or self.worker.channel_timeout_s
         start = time.perf_counter()
         tensors = [await engine.export_kv(p.request_id, p.kv_tokens) for p in request.pieces]

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import tempfile
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from fuzzing import CHAOS_TOKEN, MODEL, FuzzStack
@@ -30,8 +31,25 @@ from phalanx.launch.stack import unique_id
 START_TIMEOUT_S = 180.0
 
 
-@pytest.fixture(scope="package")
+# A directory without __init__.py is no package to pytest: a "package" fixture here would live to the end of the whole
+# run, a dozen idle processes (health canaries included) beside every later test. The stack is closed after this
+# directory's last test instead (pytest_runtest_teardown below).
+_running = contextlib.ExitStack()
+
+
+@pytest.fixture(scope="session")
 def fuzz_stack() -> Iterator[FuzzStack]:
+    yield _running.enter_context(_stack())
+    _running.close()
+
+
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
+    if nextitem is None or Path(__file__).parent not in Path(nextitem.path).parents:
+        _running.close()
+
+
+@contextlib.contextmanager
+def _stack() -> Iterator[FuzzStack]:
     """Every service once, on a NATS and an etcd of the fuzz suite's own (nothing it breaks reaches other tests)."""
     with NatsServer() as nats, EtcdServer() as etcd, tempfile.TemporaryDirectory(prefix="phalanx-fuzz-", dir="/dev/shm") as tmp:
         etcd_config = EtcdConfig(endpoint=etcd.endpoint, lease_ttl_s=1)

@@ -201,4 +201,6 @@ async def _backoff_or_raise(client: Client, state: _State, failure: grpc.aio.Aio
     if deadline is not None and time.monotonic() + delay >= deadline:
         raise error from failure
     await asyncio.sleep(delay)
+    if deadline is not None and time.monotonic() >= deadline:
+        raise error from failure  # the sleep overran the deadline: the failure says more than "the timeout ran out"
     state.resumes += 1

@@ -76,6 +76,8 @@ POLICY: dict[str, frozenset[str]] = {
     }),
     **_rows("phalanx.health.v1.HealthService", {"ListWorkerHealth": INTERNAL, "Recalibrate": _only("planner")}),
     **_rows("phalanx.encoder.v1.EncoderService", dict.fromkeys(("Encode", "GetLoad"), _only("router", "gateway", "worker"))),
+    # Held embeddings go to the worker that serves their request (direct delivery), and to no one else.
+    **_rows("phalanx.encoder.v1.EncoderService", dict.fromkeys(("SendEmbeddings", "FetchEmbeddings"), _only("worker"))),
     **_rows("phalanx.expert.v1.ExpertService", dict.fromkeys(("Connect", "Probe"), _only("worker"))),
     **_rows("phalanx.channel.v1.TensorStream", {"Push": INTERNAL}),
     # Fault injection: operators (and the chaos tooling they run) only.

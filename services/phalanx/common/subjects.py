@@ -8,7 +8,10 @@ or ``>`` would turn a publish into a wildcard, and ``/`` would nest keys.
 from __future__ import annotations
 
 import hashlib
+import math
 import re
+
+from phalanx.common.errors import InvalidRequestError
 
 __all__ = [
     "CANARY_PREFIX",
@@ -119,6 +122,18 @@ def validate_request_id(request_id: str) -> str:
     if not isinstance(request_id, str) or not _REQUEST_ID.fullmatch(request_id):
         raise ValueError(f"invalid request id {request_id!r}: need 1-128 characters of [A-Za-z0-9_.:-]")
     return request_id
+
+
+def check_send_request(target_endpoint: str, channel_id: str, timeout_s: float) -> None:
+    """A peer's ask to be sent tensors over a channel (KvSource.SendKv, SendEmbeddings): InvalidRequestError if malformed."""
+    if not target_endpoint:
+        raise InvalidRequestError("target_endpoint", "required: the tensor-channel endpoint id of the target")
+    try:
+        validate_request_id(channel_id)  # channel ids share the request ids' alphabet
+    except ValueError:
+        raise InvalidRequestError("channel_id", "need 1-128 characters of [A-Za-z0-9_.:-]") from None
+    if not math.isfinite(timeout_s) or timeout_s < 0:
+        raise InvalidRequestError("timeout_s", "must be a finite number of seconds >= 0 (0: the sender's default)")
 
 
 def kv_events_subject(worker_id: str) -> str:

@@ -10,8 +10,8 @@ import grpc
 import torch
 
 from phalanx._proto import encoder_pb2, encoder_pb2_grpc
-from phalanx.common.channels.endpoint import check_send_request
 from phalanx.common.errors import NotFoundError, ResourceExhaustedError, UnavailableError
+from phalanx.common.subjects import check_send_request
 from phalanx.common.telemetry import get_tracer
 from phalanx.encoder_pool.cost import Modality
 from phalanx.encoder_pool.errors import MediaError

@@ -15,9 +15,9 @@ import grpc
 from phalanx._proto import common_pb2, migration_pb2, migration_pb2_grpc, worker_pb2, worker_pb2_grpc
 from phalanx.common.block_hash import MediaSpan
 from phalanx.common.buffers import BufferPool
-from phalanx.common.channels.endpoint import check_send_request
 from phalanx.common.errors import InvalidRequestError, NotFoundError, PhalanxError, ResourceExhaustedError, UnavailableError
 from phalanx.common.grpc_channels import GrpcChannels
+from phalanx.common.subjects import check_send_request
 from phalanx.model.kv_cache import BLOCK_SIZE
 from phalanx.model.params import SamplingParams, sampling_from_proto
 from phalanx.worker.async_engine import AsyncEngine

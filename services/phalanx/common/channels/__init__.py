@@ -23,7 +23,7 @@ Blocking torch calls run on daemon threads, never on the event loop
 """
 
 from phalanx.common.channels.channel import ChannelError, ChannelNotKeptError, TensorChannel
-from phalanx.common.channels.endpoint import ChannelEndpoint, check_send_request
+from phalanx.common.channels.endpoint import ChannelEndpoint
 from phalanx.common.channels.grpc_stream import CHUNK_BYTES, TensorStreamServicer
 from phalanx.common.channels.rendezvous import channel_key
 
@@ -35,5 +35,4 @@ __all__ = [
     "TensorChannel",
     "TensorStreamServicer",
     "channel_key",
-    "check_send_request",
 ]

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
 import os
 import time
 from collections.abc import AsyncIterator
@@ -38,7 +37,6 @@ from phalanx.common.channels.rendezvous import _host_store, _lookup, _Rendezvous
 from phalanx.common.channels.threads import _DaemonPool, _in_thread
 from phalanx.common.config import EtcdConfig
 from phalanx.common.discovery import encode_json
-from phalanx.common.errors import InvalidRequestError
 from phalanx.common.lease import TRANSIENT_ERRORS, LeasedKey, connect_etcd
 from phalanx.common.subjects import validate_worker_id
 from phalanx.common.tls import ServiceTls, process_tls
@@ -381,14 +379,3 @@ class ChannelEndpoint:
             return grpc.StatusCode.UNAVAILABLE, f"endpoint {self.endpoint_id!r} is closed"
         return await self._inboxes.deliver(channel_id, message, pushed)
 
-
-def check_send_request(target_endpoint: str, channel_id: str, timeout_s: float) -> None:
-    """A peer's ask to send it tensors over a channel (KvSource.SendKv, SendEmbeddings): InvalidRequestError if malformed."""
-    if not target_endpoint:
-        raise InvalidRequestError("target_endpoint", "required: the tensor-channel endpoint id of the target")
-    try:
-        _check_channel_id(channel_id)
-    except ValueError:
-        raise InvalidRequestError("channel_id", "need 1-128 characters of [A-Za-z0-9_.:-]") from None
-    if not math.isfinite(timeout_s) or timeout_s < 0:
-        raise InvalidRequestError("timeout_s", "must be a finite number of seconds >= 0 (0: the sender's default)")

@@ -79,6 +79,8 @@ class TensorChannel:
     """
 
     backend: str = ""
+    # The peer store an opened process-group channel met its acceptor at; None for accepted and gRPC channels.
+    store_address: tuple[str, int] | None = None
     _directions: frozenset[str] = frozenset({"send", "recv"})
 
     def __init__(self, endpoint: ChannelEndpoint, channel_id: str, peer: str) -> None:

@@ -188,8 +188,8 @@ class ChannelEndpoint:
 
     def _forget(self, channel: TensorChannel) -> None:
         self._channels.discard(channel)
-        address = getattr(channel, "store_address", None)
-        if address is not None and not any(getattr(c, "store_address", None) == address for c in self._channels):
+        address = channel.store_address
+        if address is not None and not any(c.store_address == address for c in self._channels):
             # The client's socket would outlive a dead peer (CLOSE-WAIT, one per worker a store ever restored into); the
             # next open to that store connects again, a millisecond.
             self._rendezvous.forget_client_at(address)

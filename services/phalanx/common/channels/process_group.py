@@ -83,8 +83,7 @@ class _GroupChannel(TensorChannel):
         store_address: tuple[str, int] | None = None,
     ) -> None:
         super().__init__(endpoint, channel_id, peer)
-        # The opener's: the peer store it met the acceptor at (the endpoint drops its client there with the last such channel).
-        self.store_address = store_address
+        self.store_address = store_address  # the endpoint drops its client there with the last such channel
         self.backend = backend
         self._group = group
         self._rank = rank

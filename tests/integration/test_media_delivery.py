@@ -8,29 +8,19 @@ from __future__ import annotations
 import asyncio
 import time
 
-import cv2
 import grpc
-import numpy as np
 import pytest
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 
-import phalanx.model
 from phalanx._proto import common_pb2, encoder_pb2, encoder_pb2_grpc, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
-from phalanx.common.block_hash import MediaSpan, media_hash
 from phalanx.common.config import EtcdConfig
 from phalanx.common.errors import MEDIA_SOURCE_SUBJECT
-from phalanx.encoder_pool.models import load_image_encoder
 from phalanx.launch.stack import Stack
-from phalanx.model.sampling import SamplingParams
-from phalanx.worker.config import EngineConfig
-from phalanx.worker.engine import Engine, EngineRequest
-from phalanx.worker.sequence import MediaEmbedding
+from phalanx.testing.multimodal import MODEL, image_request as _request, in_process_tokens as _in_process, png
 
 pytestmark = pytest.mark.integration
 
-MODEL = "phalanx-tiny-dense"
-PLACEHOLDER = 0  # RouterConfig.media_placeholder_token_id
 
 ROWS_BYTES = 16 * 256 * 4  # one tiny-clip image: 16 rows x hidden 256, float32
 HOLD_S = 2.0  # the short-hold encoder of the last test
@@ -52,31 +42,10 @@ def stack(nats_server, etcd_server):
         s.stop()
 
 
-def _png(seed: int) -> bytes:
-    return cv2.imencode(".png", np.random.default_rng(1000 + seed).integers(0, 256, (40, 40, 3), dtype=np.uint8))[1].tobytes()
 
 
-def _request(text: str, image: bytes, max_tokens: int = 10) -> router_pb2.GenerateRequest:
-    return router_pb2.GenerateRequest(
-        text=text, media=[router_pb2.MediaInput(kind=router_pb2.MEDIA_KIND_IMAGE, data=image)],
-        sampling=common_pb2.SamplingParams(max_tokens=max_tokens, ignore_eos=True),
-    )
 
 
-def _in_process(image: bytes, before: str, after: str, max_tokens: int = 10) -> list[int]:
-    """What the request must produce: the same encoder and engine, no services in between (as test_multimodal's)."""
-    model = phalanx.model.load(MODEL)
-    encoder = load_image_encoder("tiny-clip", model.config.hidden_size)
-    rows = encoder.encode(encoder.preprocess(cv2.imdecode(np.frombuffer(image, np.uint8), cv2.IMREAD_COLOR)[:, :, ::-1])[None])[0]
-    prefix = model.tokenizer.encode(before)
-    prompt = prefix + [PLACEHOLDER] * rows.shape[0] + model.tokenizer.encode(after, add_bos=False)
-    media = [MediaEmbedding(MediaSpan(len(prefix), rows.shape[0], media_hash(image)), rows)]
-    engine = Engine(model, EngineConfig(deterministic=True))
-    seq = engine.add_request(EngineRequest(prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True), media=media))
-    tokens = []
-    while engine.has_work():
-        tokens += [e.token_id for e in engine.step() if e.request_id == seq.request_id and e.index >= 0]
-    return tokens
 
 
 async def _tokens(address: str, request: router_pb2.GenerateRequest) -> list[int]:
@@ -199,3 +168,7 @@ async def test_held_embeddings_expire_and_a_late_request_is_encoded_again(stack)
     failure = error_details_pb2.PreconditionFailure()
     assert status is not None and any(d.Unpack(failure) for d in status.details if d.Is(failure.DESCRIPTOR))
     assert [v.subject for v in failure.violations] == [MEDIA_SOURCE_SUBJECT]
+
+
+def _png(seed: int) -> bytes:
+    return png(1000 + seed)

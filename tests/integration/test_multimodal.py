@@ -7,30 +7,21 @@ from __future__ import annotations
 import asyncio
 import base64
 
-import cv2
 import grpc
-import numpy as np
 import pytest
 
 import phalanx.model
-from phalanx._proto import chaos_pb2, chaos_pb2_grpc, common_pb2, encoder_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
+from phalanx._proto import chaos_pb2, chaos_pb2_grpc, encoder_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 from phalanx.client import Client, Media
-from phalanx.common.block_hash import MediaSpan, media_hash
 from phalanx.common.config import EtcdConfig
 from phalanx.common.discovery import EncoderDirectory
-from phalanx.encoder_pool.models import load_image_encoder
 from phalanx.launch.services import start_gateway
 from phalanx.launch.stack import Stack
-from phalanx.model.sampling import SamplingParams
 from phalanx.router.media import EncoderSet
-from phalanx.worker.config import EngineConfig
-from phalanx.worker.engine import Engine, EngineRequest
-from phalanx.worker.sequence import MediaEmbedding
+from phalanx.testing.multimodal import MODEL, image_request as _request, in_process_tokens as _in_process, png
 
 pytestmark = pytest.mark.integration
 
-MODEL = "phalanx-tiny-dense"
-PLACEHOLDER = 0  # RouterConfig.media_placeholder_token_id
 DRAIN_AT_ONCE = {"PHALANX_WORKER_DRAIN_GRACE_S": "0"}
 CHAOS_TOKEN = "test-chaos-token-multimodal-0123456789"
 # Chaos on (behind a token): the slow-worker test holds the workers' steps back.
@@ -58,15 +49,8 @@ def stack(nats_server, etcd_server):
         s.stop()
 
 
-def _png(seed: int) -> bytes:
-    return cv2.imencode(".png", np.random.default_rng(seed).integers(0, 256, (40, 40, 3), dtype=np.uint8))[1].tobytes()
 
 
-def _request(text: str, image: bytes, max_tokens: int = 10) -> router_pb2.GenerateRequest:
-    return router_pb2.GenerateRequest(
-        text=text, media=[router_pb2.MediaInput(kind=router_pb2.MEDIA_KIND_IMAGE, data=image)],
-        sampling=common_pb2.SamplingParams(max_tokens=max_tokens, ignore_eos=True),
-    )
 
 
 async def _tokens(stack: Stack, request: router_pb2.GenerateRequest) -> list[int]:
@@ -74,20 +58,6 @@ async def _tokens(stack: Stack, request: router_pb2.GenerateRequest) -> list[int
         return [c.token_id async for c in router_pb2_grpc.RouterServiceStub(channel).Generate(request)]
 
 
-def _in_process(image: bytes, before: str, after: str, max_tokens: int = 10) -> list[int]:
-    """What the request must produce: the same encoder and engine, no services in between."""
-    model = phalanx.model.load(MODEL)
-    encoder = load_image_encoder("tiny-clip", model.config.hidden_size)
-    rows = encoder.encode(encoder.preprocess(cv2.imdecode(np.frombuffer(image, np.uint8), cv2.IMREAD_COLOR)[:, :, ::-1])[None])[0]
-    prefix = model.tokenizer.encode(before)
-    prompt = prefix + [PLACEHOLDER] * rows.shape[0] + model.tokenizer.encode(after, add_bos=False)
-    media = [MediaEmbedding(MediaSpan(len(prefix), rows.shape[0], media_hash(image)), rows)]
-    engine = Engine(model, EngineConfig(deterministic=True))
-    seq = engine.add_request(EngineRequest(prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True), media=media))
-    tokens = []
-    while engine.has_work():
-        tokens += [e.token_id for e in engine.step() if e.request_id == seq.request_id and e.index >= 0]
-    return tokens
 
 
 async def _token_totals(stack: Stack) -> tuple[int, int]:
@@ -242,3 +212,7 @@ async def test_a_draining_worker_hands_a_media_request_on_with_its_embeddings(st
     assert [c.index for c in seen] == list(range(LONG))
     assert [c.token_id for c in seen] == expected
     assert router.metric("phalanx_router_migrations_total") + router.metric("phalanx_router_handoffs_total") == moves + 1
+
+
+def _png(seed: int) -> bytes:
+    return png(seed)

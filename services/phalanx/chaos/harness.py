@@ -17,7 +17,7 @@ import json
 import math
 import signal
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,6 +26,7 @@ import grpc
 import httpx
 
 from phalanx._proto import common_pb2, expert_pb2
+from phalanx.chaos.link import DelayLink
 from phalanx.client import Client, PhalanxClientError, RetryPolicy
 from phalanx.common.config import EtcdConfig
 from phalanx.common.discovery import (
@@ -39,7 +40,7 @@ from phalanx.common.discovery import (
 )
 from phalanx.common.lease import connect_etcd
 from phalanx.common.subjects import ERT_KEY, ROUTERS_PREFIX
-from phalanx.launch.infra import EtcdServer, NatsServer
+from phalanx.launch.infra import EtcdCluster, EtcdServer, NatsServer
 from phalanx.launch.ports import free_port
 from phalanx.launch.services import (
     CheckpointStoreHandle,
@@ -103,6 +104,10 @@ class Topology:
     # Disaggregated MoE (docs/moe.md): this many expert workers (2 copies of each expert) and an ERT manager, and the
     # workers run as attention workers.
     expert_workers: int = 0
+    # etcd members: 1 (one etcd process) or a cluster (every client is given every member's endpoint).
+    etcd_members: int = 1
+    # Every client reaches etcd through a DelayLink (phalanx.chaos.link) whose latency the fault raises.
+    etcd_link: bool = False
 
     @property
     def worker_flags(self) -> tuple[str, ...]:
@@ -179,7 +184,8 @@ class ChaosRun:
         # restarts and stops them, off the event loop that carries the streams.
         self._infra_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="chaos-infra")
         self.nats = NatsServer()
-        self.etcd = EtcdServer()
+        self.etcd: EtcdServer | EtcdCluster = EtcdCluster(topology.etcd_members) if topology.etcd_members > 1 else EtcdServer()
+        self.link: DelayLink | None = None
         self.stack: Stack | None = None
         self.gateway: GatewayHandle | None = None
         self.planners: list[PlannerHandle] = []
@@ -196,7 +202,14 @@ class ChaosRun:
 
     @property
     def etcd_config(self) -> EtcdConfig:
+        """What every service (and the harness) uses: through the link where there is one."""
         # The production default TTL: at 1 s, a loaded box's starved keepalives let live workers' leases lapse.
+        endpoint = self.link.endpoint if self.link is not None else self.etcd.endpoint
+        return EtcdConfig(endpoint=endpoint, lease_ttl_s=LEASE_TTL_S)
+
+    @property
+    def observer_etcd_config(self) -> EtcdConfig:
+        """etcd itself, past any link: what the harness reads to see what etcd holds while the link is slow."""
         return EtcdConfig(endpoint=self.etcd.endpoint, lease_ttl_s=LEASE_TTL_S)
 
     @property
@@ -212,6 +225,9 @@ class ChaosRun:
         await self.infra(self.nats.start)
         await self.infra(self.etcd.start)
         t = self.topology
+        if t.etcd_link:
+            assert isinstance(self.etcd, EtcdServer), "a delay link fronts a single etcd member"
+            self.link = DelayLink("127.0.0.1", self.etcd.port).start()
         self.stack = Stack(self.nats.url, self.etcd_config, model=MODEL)
         if t.store:
             await self.add_store()
@@ -307,7 +323,11 @@ class ChaosRun:
             await self.infra(self.etcd.close)
             await self.infra(self.nats.close)
         finally:
-            self._infra_thread.shutdown(wait=True)
+            try:
+                if self.link is not None:
+                    self.link.close()
+            finally:
+                self._infra_thread.shutdown(wait=True)
 
     # -- what faults use --------------------------------------------------------------------------------------------
     def mark_fault(self) -> None:
@@ -362,12 +382,60 @@ class ChaosRun:
                     leaders = reply
         return leaders, views
 
+    @contextlib.asynccontextmanager
+    async def false_verdict_watch(self) -> AsyncIterator[None]:
+        """While inside: which live workers' keys vanished from etcd, and which the health leader held as anything but
+        HEALTHY (``workers_lapsed``, ``workers_not_healthy`` in the notes). For faults that kill no worker (etcd slow,
+        an etcd member lost), both must stay empty: a healthy worker must not be declared dead because etcd is slow.
+        etcd is read past any link, so that the watch sees what etcd holds, not the slowness it is judging."""
+        stop = asyncio.Event()
+        lapsed: set[str] = set()
+        not_healthy: set[str] = set()
+        leaders: list[str] = []  # each health leader seen, in order (a change: a new leader was elected)
+
+        async def poll() -> None:
+            directory = WorkerDirectory(self.observer_etcd_config)
+            try:
+                while not stop.is_set():
+                    live = {w.worker_id for w in self.fleet.workers if w.process.poll() is None}
+                    with contextlib.suppress(Exception):
+                        listed = await directory.list()
+                        lapsed.update(live - set(listed))
+                    try:
+                        leader, _ = await self.health_leader()
+                    except AssertionError:
+                        self.notes["split_brain_seen"] = True
+                        leader = None
+                    except Exception:  # noqa: BLE001 - an instance that does not answer this round is looked at next round
+                        leader = None
+                    if leader is not None and (not leaders or leaders[-1] != leader.leader_id):
+                        leaders.append(leader.leader_id)
+                    for record in leader.workers if leader is not None else ():
+                        if record.worker_id in live and record.health != common_pb2.WORKER_HEALTH_HEALTHY:
+                            not_healthy.add(f"{record.worker_id}:{common_pb2.WorkerHealth.Name(record.health)}")
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(stop.wait(), 0.25)
+            finally:
+                await directory.close()
+
+        task = asyncio.create_task(poll())
+        try:
+            yield
+        finally:
+            stop.set()
+            await task
+            self.notes["workers_lapsed"] = sorted(lapsed)
+            self.notes["workers_not_healthy"] = sorted(not_healthy)
+            self.notes["health_leader_changes"] = max(0, len(leaders) - 1)
+
     # -- full health ------------------------------------------------------------------------------------------------
     async def unhealthy_reason(self) -> str | None:
         """Why the stack is not at full health yet; None once it is (every process up and registered, every worker
         HEALTHY with weight 1 at the one health leader)."""
         if not (self.nats.running and self.etcd.running):
-            return "nats or etcd is down"
+            return "nats or etcd (a member of it) is down"
+        if self.link is not None and self.link.delay_s > 0:
+            return "the etcd link is still slow"
         t, fleet = self.topology, self.fleet
         processes = [*fleet.workers, *fleet.routers, *fleet.healths, *fleet.stores, *fleet.migrations, *self.planners, *fleet.encoders,
                      *fleet.expert_workers, *fleet.ert_managers]

@@ -10,11 +10,19 @@ from dataclasses import dataclass, field
 
 from phalanx.chaos.harness import ChaosRun, Fault, LoadOptions, ScenarioResult, Topology, run_scenario
 from phalanx.common.discovery import WorkerDirectory
+from phalanx.common.lease import connect_etcd
+from phalanx.launch.infra import EtcdCluster
 
 __all__ = ["SCENARIOS", "Scenario", "run_named"]
 
 # How long a SIGSTOPped worker stays stopped after its lease lapsed (its streams move meanwhile).
 STOPPED_AFTER_LAPSE_S = 2.0
+# How long a killed etcd leader stays down after the others elected a new one: longer than a lease TTL, so that every
+# lease must be kept alive through the remaining members.
+ETCD_MEMBER_DOWN_S = 3.0
+# etcd-slow: latency added to every etcd round trip, and for how long.
+ETCD_SLOW_DELAY_S = 0.3
+ETCD_SLOW_FOR_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -116,6 +124,51 @@ async def _restart_etcd(run: ChaosRun) -> None:
     await run.infra(run.etcd.restart)
 
 
+async def _kill_etcd_leader(run: ChaosRun) -> None:
+    """SIGKILL of the member that leads a 3-member etcd (by etcd's maintenance status); the other two elect a new
+    leader and every client goes on through them; after a while the member starts again and rejoins with its data."""
+    cluster = run.etcd
+    assert isinstance(cluster, EtcdCluster), "etcd-leader-kill needs an etcd cluster"
+    leader = await run.infra(cluster.leader)
+    assert leader is not None, "the etcd cluster has no leader"
+    run.notes["victim"] = leader.member_name
+    async with run.false_verdict_watch():
+        run.mark_fault()
+        await run.infra(leader.kill)
+        elected = await run.infra(lambda: cluster.leader(timeout=30))
+        run.notes["new_leader"] = None if elected is None else elected.member_name
+        run.notes["election_s"] = round(time.monotonic() - (run.fault_at or 0.0), 2)
+        await asyncio.sleep(ETCD_MEMBER_DOWN_S)
+        await run.infra(leader.start)
+        run.notes["rejoined_s"] = round(time.monotonic() - (run.fault_at or 0.0), 2)
+
+
+async def _slow_etcd(run: ChaosRun) -> None:
+    """Every etcd round trip ETCD_SLOW_DELAY_S slower for ETCD_SLOW_FOR_S: leases (TTL 2 s) must hold, since their
+    keepalives are late, not lost; no worker may be declared dead, no stream moved."""
+    link = run.link
+    assert link is not None, "etcd-slow needs the etcd link"
+    probe = connect_etcd(run.etcd_config)
+    try:
+        await probe.get(b"/chaos/probe")  # connected before the delay: the probe times requests, not a handshake
+        async with run.false_verdict_watch():
+            run.mark_fault()
+            link.delay_s = ETCD_SLOW_DELAY_S
+            try:
+                started = time.monotonic()
+                await probe.get(b"/chaos/probe")
+                run.notes["etcd_get_slow_s"] = round(time.monotonic() - started, 3)
+                await asyncio.sleep(max(0.0, ETCD_SLOW_FOR_S - (time.monotonic() - (run.fault_at or 0.0))))
+            finally:
+                link.delay_s = 0.0
+        started = time.monotonic()
+        await probe.get(b"/chaos/probe")
+        run.notes["etcd_get_after_s"] = round(time.monotonic() - started, 3)
+    finally:
+        await probe.close()
+    run.notes["slow_chunks"] = link.chunks_delayed
+
+
 async def _stop_worker(run: ChaosRun) -> None:
     """SIGSTOP (a hung process: its sockets stay open) until its lease lapsed and a while after, then SIGCONT: its
     streams must have moved, and nothing it computed while fenced may reach a client."""
@@ -158,6 +211,10 @@ _ALL = [
              "a new one takes its slot", _kill_expert_worker, Topology(expert_workers=2)),
     Scenario("nats-restart", "nats-server stopped and started again on its port", _restart_nats),
     Scenario("etcd-restart", "etcd stopped and started again on its port and data", _restart_etcd),
+    Scenario("etcd-leader-kill", "3-member etcd: SIGKILL of its leader; the others elect a new one, it rejoins 3 s later",
+             _kill_etcd_leader, Topology(etcd_members=3)),
+    Scenario("etcd-slow", f"every etcd round trip {ETCD_SLOW_DELAY_S * 1000:.0f} ms slower for {ETCD_SLOW_FOR_S:.0f} s "
+             "(a delay link); leases hold, nobody declared dead", _slow_etcd, Topology(etcd_link=True)),
     Scenario("worker-sigstop", "SIGSTOP of the busiest worker until its lease lapsed (+2 s), then SIGCONT: fenced, no duplicate",
              _stop_worker),
 ]

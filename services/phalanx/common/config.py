@@ -71,7 +71,13 @@ class EtcdConfig(BaseSettings):
 
     model_config = SettingsConfigDict(env_prefix="PHALANX_ETCD_", extra="forbid", frozen=True)
 
-    endpoint: str = Field("127.0.0.1:2379", description="etcd client endpoint as host:port.")
+    endpoint: str = Field(
+        "127.0.0.1:2379",
+        description=(
+            "etcd client endpoint as host:port, or the members of a cluster as host:port,host:port,... "
+            "(requests spread over the members that answer; a member that dies is skipped)."
+        ),
+    )
     lease_ttl_s: int = Field(
         2,
         ge=1,
@@ -97,9 +103,10 @@ class EtcdConfig(BaseSettings):
     @field_validator("endpoint")
     @classmethod
     def _check_endpoint(cls, value: str) -> str:
-        match = _HOST_PORT.match(value)
-        if match is None or not 0 < int(match.group(1)) < 65536:
-            raise ValueError(f"etcd endpoint must be host:port, got {value!r}")
+        for part in value.split(","):
+            match = _HOST_PORT.match(part.strip())
+            if match is None or not 0 < int(match.group(1)) < 65536:
+                raise ValueError(f"etcd endpoint must be host:port or host:port,host:port,..., got {value!r}")
         return value
 
     @model_validator(mode="after")
@@ -110,14 +117,20 @@ class EtcdConfig(BaseSettings):
         return self
 
     @property
+    def endpoints(self) -> list[tuple[str, int]]:
+        """Every member's (host, port), in the order given."""
+        pairs = (part.strip().rsplit(":", 1) for part in self.endpoint.split(","))
+        return [(host.strip("[]"), int(port)) for host, port in pairs]
+
+    @property
     def host(self) -> str:
-        """Host part of ``endpoint``."""
-        return self.endpoint.rsplit(":", 1)[0].strip("[]")
+        """Host part of the first endpoint."""
+        return self.endpoints[0][0]
 
     @property
     def port(self) -> int:
-        """Port part of ``endpoint``."""
-        return int(self.endpoint.rsplit(":", 1)[1])
+        """Port part of the first endpoint."""
+        return self.endpoints[0][1]
 
     @property
     def effective_keepalive_interval_s(self) -> float:

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import logging
 import random
+import socket
 from collections.abc import Callable
 
 import aetcd
@@ -23,7 +25,7 @@ from aetcd import rpc
 from phalanx.common.config import EtcdConfig
 from phalanx.common.errors import PhalanxError
 
-__all__ = ["EtcdUnavailableError", "LeaseError", "LeasedKey", "connect_etcd"]
+__all__ = ["EtcdUnavailableError", "LeaseError", "LeasedKey", "connect_etcd", "etcd_target"]
 
 log = logging.getLogger(__name__)
 
@@ -46,22 +48,61 @@ class EtcdUnavailableError(LeaseError, ConnectionError):
 
 
 def connect_etcd(config: EtcdConfig) -> aetcd.Client:
-    """An aetcd client whose gRPC channel retries a lost etcd quickly.
+    """An aetcd client whose gRPC channel retries a lost etcd quickly and spreads over every member given.
 
     gRPC's default reconnect backoff grows to 120 s; after a long etcd outage
     that would keep every call failing for minutes after etcd is back.
+    With several endpoints (a cluster) the channel balances round robin over
+    the members it is connected to: a member that dies drops out of the
+    picker as soon as its connection breaks, so new calls go to the others at
+    once, and it is dialled again (same backoff) until it is back.
     """
     cap_ms = int(config.max_retry_wait_s * 1000)
-    return aetcd.Client(
-        host=config.host,
-        port=config.port,
-        timeout=config.request_timeout_s,
-        options={
-            "grpc.initial_reconnect_backoff_ms": min(100, cap_ms),
-            "grpc.min_reconnect_backoff_ms": min(100, cap_ms),
-            "grpc.max_reconnect_backoff_ms": cap_ms,
-        },
-    )
+    options: dict[str, object] = {
+        "grpc.initial_reconnect_backoff_ms": min(100, cap_ms),
+        "grpc.min_reconnect_backoff_ms": min(100, cap_ms),
+        "grpc.max_reconnect_backoff_ms": cap_ms,
+    }
+    target = etcd_target(config)
+    if len(config.endpoints) > 1:
+        options["grpc.lb_policy_name"] = "round_robin"
+    # aetcd dials f"{host}:{port}"; splitting the target at its last ':' gives back exactly this target.
+    host, port = target.rsplit(":", 1)
+    return aetcd.Client(host=host, port=int(port), timeout=config.request_timeout_s, options=options)
+
+
+def etcd_target(config: EtcdConfig) -> str:
+    """The gRPC target for ``config``'s endpoints: ``host:port`` for one, ``ipv4:a:p,b:p`` (or ipv6) for a cluster.
+
+    gRPC's static multi-address schemes take IP literals only, so a cluster's
+    host names are resolved here, once, when the client is made (IPv4
+    addresses preferred where a name has both).
+    """
+    endpoints = config.endpoints
+    if len(endpoints) == 1:
+        host, port = endpoints[0]
+        return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    v4: list[str] = []
+    v6: list[str] = []
+    for host, port in endpoints:
+        for address in _addresses(host, port):
+            if address.version == 4:
+                v4.append(f"{address}:{port}")
+            else:
+                v6.append(f"[{address}]:{port}")
+    if v4:
+        return "ipv4:" + ",".join(dict.fromkeys(v4))
+    return "ipv6:" + ",".join(dict.fromkeys(v6))
+
+
+def _addresses(host: str, port: int) -> list[ipaddress.IPv4Address | ipaddress.IPv6Address]:
+    with contextlib.suppress(ValueError):
+        return [ipaddress.ip_address(host)]
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as error:
+        raise EtcdUnavailableError(f"cannot resolve etcd member {host}: {error}") from error
+    return [ipaddress.ip_address(info[4][0]) for info in infos]
 
 
 class Backoff:

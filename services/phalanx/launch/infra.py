@@ -13,6 +13,7 @@ instead, but only when a Docker engine answers; otherwise the binaries.
 from __future__ import annotations
 
 import importlib.util
+import json
 import logging
 import os
 import shutil
@@ -30,6 +31,7 @@ from phalanx.common.children import pdeathsig_preexec
 from phalanx.launch.ports import free_port
 
 __all__ = [
+    "EtcdCluster",
     "EtcdServer",
     "InfraError",
     "NatsServer",
@@ -293,7 +295,11 @@ class NatsServer(_ServerProcess):
 
 
 class EtcdServer(_ServerProcess):
-    """A single-member etcd on loopback tuned for 1 s leases; ``endpoint`` is host:port."""
+    """A single-member etcd on loopback tuned for 1 s leases; ``endpoint`` is host:port.
+
+    As a member of an :class:`EtcdCluster` it is given its ``member_name`` and
+    the cluster's ``initial_cluster`` (``name=peer-url,...``) and ``cluster_token``.
+    """
 
     name = "etcd"
 
@@ -307,10 +313,16 @@ class EtcdServer(_ServerProcess):
         docker: bool = False,
         binary: str | None = None,
         startup_timeout: float = 15.0,
+        member_name: str = "phalanx",
+        initial_cluster: str | None = None,
+        cluster_token: str | None = None,
     ) -> None:
         super().__init__(docker=docker, startup_timeout=startup_timeout)
         self.port = port or free_port()
         self.peer_port = peer_port or free_port()
+        self.member_name = member_name
+        self._initial_cluster = initial_cluster
+        self._cluster_token = cluster_token
         self._election_timeout_ms = election_timeout_ms
         self._heartbeat_interval_ms = heartbeat_interval_ms
         self._binary = binary
@@ -327,14 +339,18 @@ class EtcdServer(_ServerProcess):
 
     def _flags(self, *, listen: str, advertise: str, client_port: int, peer_port: int, data_dir: str) -> list[str]:
         peer_url = f"http://{advertise}:{peer_port}"
+        cluster = ["--initial-cluster", self._initial_cluster or f"{self.member_name}={peer_url}"]
+        if self._cluster_token is not None:
+            # A unique token per cluster: a member never joins another run's cluster on a reused port.
+            cluster += ["--initial-cluster-token", self._cluster_token]
         return [
-            "--name", "phalanx",
+            "--name", self.member_name,
             "--data-dir", data_dir,
             "--listen-client-urls", f"http://{listen}:{client_port}",
             "--advertise-client-urls", f"http://{advertise}:{client_port}",
             "--listen-peer-urls", f"http://{listen}:{peer_port}",
             "--initial-advertise-peer-urls", peer_url,
-            "--initial-cluster", f"phalanx={peer_url}",
+            *cluster,
             # Default timing (1000/100 ms) rounds any lease below 2 s up to 2 s.
             "--election-timeout", str(self._election_timeout_ms),
             "--heartbeat-interval", str(self._heartbeat_interval_ms),
@@ -355,6 +371,16 @@ class EtcdServer(_ServerProcess):
         body = _http_ok(f"{self.url}/health")
         return body is not None and b'"health":"true"' in body
 
+    def status(self, timeout: float = 1.0) -> dict[str, Any] | None:
+        """etcd's maintenance status of this member (its ``header.member_id``, the ``leader`` it follows, ...) through
+        etcd's JSON gateway (``POST /v3/maintenance/status``); None if it does not answer."""
+        request = urllib.request.Request(f"{self.url}/v3/maintenance/status", data=b"{}", method="POST")  # noqa: S310 - loopback http only
+        try:
+            with urllib.request.urlopen(request, timeout=timeout) as response:  # noqa: S310 - loopback only
+                return dict(json.loads(response.read()))
+        except (urllib.error.URLError, OSError, ValueError):
+            return None
+
     def _start_container(self) -> Any:
         from testcontainers.core.container import DockerContainer
 
@@ -372,3 +398,81 @@ class EtcdServer(_ServerProcess):
             .with_bind_ports(2380, self.peer_port)
         )
         return container.start()
+
+
+class EtcdCluster:
+    """``size`` etcd members on loopback forming one cluster; ``endpoint`` lists every member (host:port,host:port,...).
+
+    Each member keeps its own data directory, so a member that was killed and
+    started again rejoins the cluster with its data (etcd ignores the initial
+    cluster flags once a data directory exists).
+    """
+
+    def __init__(self, size: int = 3, *, startup_timeout: float = 30.0, binary: str | None = None) -> None:
+        if size < 1:
+            raise ValueError("an etcd cluster needs at least one member")
+        token = f"phalanx-{os.getpid()}-{time.monotonic_ns()}"
+        names = [f"phalanx-{i}" for i in range(size)]
+        peers = [free_port() for _ in names]
+        initial = ",".join(f"{name}=http://127.0.0.1:{peer}" for name, peer in zip(names, peers, strict=True))
+        self.members = [
+            EtcdServer(peer_port=peer, member_name=name, initial_cluster=initial, cluster_token=token, binary=binary,
+                       startup_timeout=startup_timeout)
+            for name, peer in zip(names, peers, strict=True)
+        ]
+        self._startup_timeout = startup_timeout
+
+    @property
+    def endpoint(self) -> str:
+        """Every member's client endpoint, comma-separated (what EtcdConfig.endpoint takes)."""
+        return ",".join(member.endpoint for member in self.members)
+
+    @property
+    def running(self) -> bool:
+        """True while every member runs."""
+        return all(member.running for member in self.members)
+
+    def start(self) -> Self:
+        """Start every member that is not running and wait until each serves (a member is healthy only once the
+        cluster has a leader, so all are spawned before any is waited for)."""
+        stopped = [member for member in self.members if not member.running]
+        for member in stopped:
+            member._spawn()
+        for member in stopped:
+            member._wait_ready()
+        return self
+
+    def leader(self, timeout: float | None = None) -> EtcdServer | None:
+        """The member that leads now, by etcd's maintenance status (the member whose id is the leader its peers
+        report); waits up to ``timeout`` seconds (default: the startup timeout) for an election to settle."""
+        deadline = time.monotonic() + (self._startup_timeout if timeout is None else timeout)
+        while True:
+            statuses = {id(m): m.status() for m in self.members if m.running}
+            for member in self.members:
+                status = statuses.get(id(member))
+                if status is not None and status.get("leader") and status["leader"] == status.get("header", {}).get("member_id"):
+                    return member
+            if time.monotonic() > deadline:
+                return None
+            time.sleep(0.05)
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Stop every member (data kept); idempotent."""
+        for member in self.members:
+            member.stop(timeout)
+
+    def restart(self) -> None:
+        """Stop and start every member again on the same ports and data."""
+        self.stop()
+        self.start()
+
+    def close(self) -> None:
+        """Stop every member and delete their data; idempotent."""
+        for member in self.members:
+            member.close()
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()

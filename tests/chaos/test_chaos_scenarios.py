@@ -42,6 +42,10 @@ async def test_scenario_loses_and_repeats_nothing_and_the_stack_recovers(name):
     assert result.recovery_s is not None, summary
     assert result.stall_p99_s < STUCK_S, summary
     assert result.details.get("tokens_after_fence", 0) == 0, summary  # a hung worker woken up delivers nothing more
+    # etcd faults kill no worker: none may lapse or be held anything but HEALTHY, and no stream may move.
+    if result.false_verdicts is not None:
+        assert result.false_verdicts == 0, summary
+        assert result.details["streams_moved"] == 0, summary
 
 
 def test_every_default_scenario_exists():

@@ -161,10 +161,18 @@ class ScenarioResult:
         return dict(self.__dict__)
 
     @property
+    def false_verdicts(self) -> int | None:
+        """Live workers whose lease lapsed or that health held as anything but HEALTHY while a fault that kills no
+        worker ran (None where the run did not watch for them)."""
+        if "workers_lapsed" not in self.details:
+            return None
+        return len(self.details["workers_lapsed"]) + len(self.details.get("workers_not_healthy", []))
+
+    @property
     def passed(self) -> bool:
-        """No request lost, every index once, identical outputs, back to full health."""
+        """No request lost, every index once, identical outputs, back to full health, no healthy worker declared dead."""
         return (self.lost == 0 and self.tokens_lost == 0 and self.tokens_repeated == 0 and self.identical_fraction == 1.0
-                and self.recovery_s is not None)
+                and self.recovery_s is not None and not self.false_verdicts)
 
 
 def _p99(values: list[float]) -> float:

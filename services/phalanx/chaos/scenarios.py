@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import signal
 import time
@@ -23,6 +24,8 @@ ETCD_MEMBER_DOWN_S = 3.0
 # etcd-slow: latency added to every etcd round trip, and for how long.
 ETCD_SLOW_DELAY_S = 0.3
 ETCD_SLOW_FOR_S = 10.0
+# Long enough streams that the load outlasts the slowness on a loaded 2-core box (~10-15 tokens/s per stream).
+ETCD_SLOW_MIN_TOKENS = 224
 
 
 @dataclass(frozen=True)
@@ -31,6 +34,8 @@ class Scenario:
     description: str
     fault: Fault
     topology: Topology = field(default_factory=Topology)
+    # Tokens per stream at least, whatever the load asks: a fault that lasts (etcd-slow) must be under load throughout.
+    min_tokens: int = 0
 
 
 async def _kill_worker(run: ChaosRun) -> None:
@@ -161,6 +166,9 @@ async def _slow_etcd(run: ChaosRun) -> None:
                 await asyncio.sleep(max(0.0, ETCD_SLOW_FOR_S - (time.monotonic() - (run.fault_at or 0.0))))
             finally:
                 link.delay_s = 0.0
+                # Streams still running when etcd got fast again: > 0 means the load lasted through the whole slowness.
+                run.notes["streams_live_when_fast_again"] = sum(
+                    1 for i in range(run.load.streams) if run.progress[i] < run.load.max_tokens)
         started = time.monotonic()
         await probe.get(b"/chaos/probe")
         run.notes["etcd_get_after_s"] = round(time.monotonic() - started, 3)
@@ -214,7 +222,7 @@ _ALL = [
     Scenario("etcd-leader-kill", "3-member etcd: SIGKILL of its leader; the others elect a new one, it rejoins 3 s later",
              _kill_etcd_leader, Topology(etcd_members=3)),
     Scenario("etcd-slow", f"every etcd round trip {ETCD_SLOW_DELAY_S * 1000:.0f} ms slower for {ETCD_SLOW_FOR_S:.0f} s "
-             "(a delay link); leases hold, nobody declared dead", _slow_etcd, Topology(etcd_link=True)),
+             "(a delay link); leases hold, nobody declared dead", _slow_etcd, Topology(etcd_link=True), min_tokens=ETCD_SLOW_MIN_TOKENS),
     Scenario("worker-sigstop", "SIGSTOP of the busiest worker until its lease lapsed (+2 s), then SIGCONT: fenced, no duplicate",
              _stop_worker),
 ]
@@ -227,4 +235,7 @@ async def run_named(name: str, load: LoadOptions | None = None) -> ScenarioResul
         scenario = SCENARIOS[name]
     except KeyError:
         raise ValueError(f"unknown scenario {name!r}; choose from {', '.join(SCENARIOS)}") from None
+    load = load or LoadOptions()
+    if load.max_tokens < scenario.min_tokens:
+        load = dataclasses.replace(load, max_tokens=scenario.min_tokens)
     return await run_scenario(scenario.name, scenario.description, scenario.topology, scenario.fault, load)

@@ -43,7 +43,7 @@ def worker(
         None, help="monolithic (default) or attention: MoE experts on expert workers through the ERT (docs/moe.md) [env PHALANX_ENGINE_ROLE]"
     ),
     nats_url: str = typer.Option(None, help="NATS URL [env PHALANX_NATS_URL]"),
-    etcd_endpoint: str = typer.Option(None, help="etcd host:port [env PHALANX_ETCD_ENDPOINT]"),
+    etcd_endpoint: str = typer.Option(None, help="etcd host:port, or a cluster's members as host:port,host:port,... [env PHALANX_ETCD_ENDPOINT]"),
     chaos_token: str = typer.Option(
         None, help="Admin token of fault injection, which PHALANX_WORKER_CHAOS_ENABLED=true turns on [env PHALANX_WORKER_CHAOS_TOKEN]"
     ),
@@ -100,7 +100,7 @@ def expert_worker(
     replicas: bool = typer.Option(
         None, "--replicas/--shadows", help="Copies are active replicas, not 1 primary + idle shadows [env PHALANX_EXPERT_REPLICAS]"
     ),
-    etcd_endpoint: str = typer.Option(None, help="etcd host:port [env PHALANX_ETCD_ENDPOINT]"),
+    etcd_endpoint: str = typer.Option(None, help="etcd host:port, or a cluster's members as host:port,host:port,... [env PHALANX_ETCD_ENDPOINT]"),
     log_level: str = typer.Option("INFO"),
 ) -> None:
     """Run an expert worker: hosts a slot of the MoE experts and computes them for attention workers (docs/moe.md)."""
@@ -123,7 +123,7 @@ def ert_manager(
     instance_id: str = typer.Option("", help="Unique id (default: ert-<hostname>-<pid>)"),
     port: int = typer.Option(None, help="gRPC port (health), 0 for any [env PHALANX_ERT_PORT]"),
     model: str = typer.Option(None, help="The MoE model the table places [env PHALANX_ERT_MODEL]"),
-    etcd_endpoint: str = typer.Option(None, help="etcd host:port [env PHALANX_ETCD_ENDPOINT]"),
+    etcd_endpoint: str = typer.Option(None, help="etcd host:port, or a cluster's members as host:port,host:port,... [env PHALANX_ETCD_ENDPOINT]"),
     log_level: str = typer.Option("INFO"),
 ) -> None:
     """Run an ERT manager: the elected one keeps the expert routing table in etcd in step with the expert workers."""
@@ -167,7 +167,7 @@ def router(
     port: int = typer.Option(None, help="gRPC port, 0 for any [env PHALANX_ROUTER_PORT]"),
     model: str = typer.Option(None, help=".gguf file or checkpoint directory for the tokenizer (default: the workers' built-in model)"),
     nats_url: str = typer.Option(None, help="NATS URL [env PHALANX_NATS_URL]"),
-    etcd_endpoint: str = typer.Option(None, help="etcd host:port [env PHALANX_ETCD_ENDPOINT]"),
+    etcd_endpoint: str = typer.Option(None, help="etcd host:port, or a cluster's members as host:port,host:port,... [env PHALANX_ETCD_ENDPOINT]"),
     log_level: str = typer.Option("INFO"),
 ) -> None:
     """Run a router: the public RouterService with KV-aware routing and resumable streams."""
@@ -192,7 +192,7 @@ def health_service(
     port: int = typer.Option(None, help="gRPC port, 0 for any [env PHALANX_HEALTH_PORT]"),
     check_interval_s: float = typer.Option(None, help="Canary period per worker [env PHALANX_HEALTH_CHECK_INTERVAL_S]"),
     nats_url: str = typer.Option(None, help="NATS URL [env PHALANX_NATS_URL]"),
-    etcd_endpoint: str = typer.Option(None, help="etcd host:port [env PHALANX_ETCD_ENDPOINT]"),
+    etcd_endpoint: str = typer.Option(None, help="etcd host:port, or a cluster's members as host:port,host:port,... [env PHALANX_ETCD_ENDPOINT]"),
     log_level: str = typer.Option("INFO"),
 ) -> None:
     """Run a health service instance: canaries, circuit breakers, liveness, degradation (one leads, others stand by)."""
@@ -218,7 +218,7 @@ def checkpoint_store(
     port: int = typer.Option(None, help="gRPC port, 0 for any [env PHALANX_CHECKPOINT_PORT]"),
     memory_limit_bytes: int = typer.Option(None, help="KV kept in memory before spilling [env PHALANX_CHECKPOINT_MEMORY_LIMIT_BYTES]"),
     spill_dir: str = typer.Option(None, help="Where spilled KV goes [env PHALANX_CHECKPOINT_SPILL_DIR]"),
-    etcd_endpoint: str = typer.Option(None, help="etcd host:port [env PHALANX_ETCD_ENDPOINT]"),
+    etcd_endpoint: str = typer.Option(None, help="etcd host:port, or a cluster's members as host:port,host:port,... [env PHALANX_ETCD_ENDPOINT]"),
     log_level: str = typer.Option("INFO"),
 ) -> None:
     """Run a KV checkpoint store: workers stream in-flight requests' KV to it; it restores them into other workers."""
@@ -246,7 +246,7 @@ def encoder_pool(
     llm_hidden_size: int = typer.Option(None, help="Hidden size of the LLM fed [env PHALANX_ENCODER_LLM_HIDDEN_SIZE]"),
     max_batch: int = typer.Option(None, help="Units per batch [env PHALANX_ENCODER_MAX_BATCH]"),
     max_backlog_ms: float = typer.Option(None, help="Backlog past which requests are refused [env PHALANX_ENCODER_MAX_BACKLOG_MS]"),
-    etcd_endpoint: str = typer.Option(None, help="etcd host:port [env PHALANX_ETCD_ENDPOINT]"),
+    etcd_endpoint: str = typer.Option(None, help="etcd host:port, or a cluster's members as host:port,host:port,... [env PHALANX_ETCD_ENDPOINT]"),
     log_level: str = typer.Option("INFO"),
 ) -> None:
     """Run a multimodal encoder: images, video frames and audio into embeddings of the LLM's hidden size, batched per modality."""
@@ -292,7 +292,7 @@ def migration_service(
     ),
     transport: str = typer.Option(None, help="channel | grpc [env PHALANX_MIGRATION_TRANSPORT]"),
     nats_url: str = typer.Option(None, help="NATS URL [env PHALANX_NATS_URL]"),
-    etcd_endpoint: str = typer.Option(None, help="etcd host:port [env PHALANX_ETCD_ENDPOINT]"),
+    etcd_endpoint: str = typer.Option(None, help="etcd host:port, or a cluster's members as host:port,host:port,... [env PHALANX_ETCD_ENDPOINT]"),
     log_level: str = typer.Option("INFO"),
 ) -> None:
     """Run a migration service: moves in-flight requests off failed or drained workers (KV transfer, checkpoint, re-prefill)."""
@@ -351,7 +351,7 @@ def up(
     port: int = typer.Option(50051, min=0, max=65535, help="Router gRPC port; 0 for any free one"),
     gateway_port: int = typer.Option(8000, min=0, max=65535, help="OpenAI-compatible HTTP gateway port; 0 for any free one"),
     nats_url: str = typer.Option(None, envvar="PHALANX_NATS_URL", help="External NATS (default: start one)"),
-    etcd_endpoint: str = typer.Option(None, envvar="PHALANX_ETCD_ENDPOINT", help="External etcd host:port (default: start one)"),
+    etcd_endpoint: str = typer.Option(None, envvar="PHALANX_ETCD_ENDPOINT", help="External etcd host:port[,host:port...] (default: start one)"),
     state_file: str = typer.Option(None, envvar="PHALANX_STATE_FILE", help="State file [default: ~/.phalanx/up.json]"),
     detach: bool = typer.Option(False, "--detach", help="Run in the background; stop it with `phalanx down`"),
     log_file: str = typer.Option(None, hidden=True, help="Set by --detach: where this supervisor's output goes"),

@@ -9,9 +9,11 @@ import signal
 import time
 from dataclasses import dataclass, field
 
+import aetcd
+
 from phalanx.chaos.harness import ChaosRun, Fault, LoadOptions, ScenarioResult, Topology, run_scenario
 from phalanx.common.discovery import WorkerDirectory
-from phalanx.common.lease import connect_etcd
+from phalanx.common.lease import TRANSIENT_ERRORS, connect_etcd
 from phalanx.launch.infra import EtcdCluster
 
 __all__ = ["SCENARIOS", "Scenario", "run_named"]
@@ -25,7 +27,7 @@ ETCD_MEMBER_DOWN_S = 3.0
 ETCD_SLOW_DELAY_S = 0.3
 ETCD_SLOW_FOR_S = 10.0
 # Long enough streams that the load outlasts the slowness on a loaded 2-core box (~10-15 tokens/s per stream).
-ETCD_SLOW_MIN_TOKENS = 224
+ETCD_SLOW_MIN_TOKENS = 192
 
 
 @dataclass(frozen=True)
@@ -148,6 +150,16 @@ async def _kill_etcd_leader(run: ChaosRun) -> None:
         run.notes["rejoined_s"] = round(time.monotonic() - (run.fault_at or 0.0), 2)
 
 
+async def _timed_get(client: aetcd.Client) -> float | None:
+    """Seconds one etcd get takes (None: it failed, e.g. slower than the request timeout)."""
+    started = time.monotonic()
+    try:
+        await client.get(b"/chaos/probe")
+    except TRANSIENT_ERRORS:
+        return None
+    return round(time.monotonic() - started, 3)
+
+
 async def _slow_etcd(run: ChaosRun) -> None:
     """Every etcd round trip ETCD_SLOW_DELAY_S slower for ETCD_SLOW_FOR_S: leases (TTL 2 s) must hold, since their
     keepalives are late, not lost; no worker may be declared dead, no stream moved."""
@@ -160,18 +172,14 @@ async def _slow_etcd(run: ChaosRun) -> None:
             run.mark_fault()
             link.delay_s = ETCD_SLOW_DELAY_S
             try:
-                started = time.monotonic()
-                await probe.get(b"/chaos/probe")
-                run.notes["etcd_get_slow_s"] = round(time.monotonic() - started, 3)
+                run.notes["etcd_get_slow_s"] = await _timed_get(probe)
                 await asyncio.sleep(max(0.0, ETCD_SLOW_FOR_S - (time.monotonic() - (run.fault_at or 0.0))))
             finally:
                 link.delay_s = 0.0
                 # Streams still running when etcd got fast again: > 0 means the load lasted through the whole slowness.
                 run.notes["streams_live_when_fast_again"] = sum(
                     1 for i in range(run.load.streams) if run.progress[i] < run.load.max_tokens)
-        started = time.monotonic()
-        await probe.get(b"/chaos/probe")
-        run.notes["etcd_get_after_s"] = round(time.monotonic() - started, 3)
+        run.notes["etcd_get_after_s"] = await _timed_get(probe)
     finally:
         await probe.close()
     run.notes["slow_chunks"] = link.chunks_delayed

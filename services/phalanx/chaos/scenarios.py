@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import time
 from dataclasses import dataclass, field
+
+import grpc
 
 from phalanx.chaos.harness import ChaosRun, Fault, LoadOptions, ScenarioResult, Topology, run_scenario
 from phalanx.common.discovery import WorkerDirectory
@@ -15,6 +18,12 @@ __all__ = ["SCENARIOS", "Scenario", "run_named"]
 
 # How long a SIGSTOPped worker stays stopped after its lease lapsed (its streams move meanwhile).
 STOPPED_AFTER_LAPSE_S = 2.0
+# How long a partitioned worker stays cut off after its lease lapsed, computing on (its streams move meanwhile).
+PARTITIONED_AFTER_LAPSE_S = 2.0
+# Longest wait for a worker to lose its lease, or to register again once its link is back.
+LEASE_WAIT_S = 30.0
+# How long after its return the checkpoint stores are watched for the returned worker's claims on requests it lost.
+OWNERSHIP_WATCH_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -136,6 +145,60 @@ async def _stop_worker(run: ChaosRun) -> None:
         await directory.close()
 
 
+async def _partition_worker(run: ChaosRun) -> None:
+    """Cut the namespaced worker's link (its process runs on, its sockets stay open) until its lease lapsed and a while
+    after, then restore it: its streams must have moved, nothing it computed while cut off may reach a client, it must
+    register again, and no checkpoint store may take its word for a request it lost (one owner per request)."""
+    victim, netns = run.netns_worker, run.netns
+    assert netns is not None
+    moved = {run.request_ids[i] for i, w in run.served_by.items() if w == victim.worker_id and run.progress[i] < run.load.max_tokens}
+    run.notes["victim"] = victim.worker_id
+    run.notes["victim_streams"] = len(moved)
+    directory = WorkerDirectory(run.etcd_config)
+    try:
+        run.mark_fault()
+        await asyncio.to_thread(netns.cut)
+        try:
+            deadline = time.monotonic() + LEASE_WAIT_S
+            while victim.worker_id in await directory.list() and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            run.notes["lease_lapsed_s"] = round(time.monotonic() - (run.fault_at or 0.0), 2)
+            await asyncio.sleep(PARTITIONED_AFTER_LAPSE_S)
+            run.notes["alive_while_cut"] = victim.process.poll() is None
+        finally:
+            await asyncio.to_thread(netns.restore)
+            restored = time.monotonic()
+            run.notes["fenced_from"] = (victim.worker_id, restored)
+        deadline = restored + LEASE_WAIT_S
+        while time.monotonic() < deadline:
+            entry = (await directory.list()).get(victim.worker_id)
+            if entry is not None and entry.pid == victim.process.pid:
+                run.notes["rejoined_s"] = round(time.monotonic() - restored, 2)
+                break
+            await asyncio.sleep(0.05)
+        run.notes["stale_commits"] = await _stale_commits(run, victim.worker_id, moved)
+        # What the stores refused of the returned worker's old copies (informative: it depends on how soon the
+        # router cancelled them after the link came back).
+        refused = [await asyncio.to_thread(store.metric, "phalanx_checkpoint_segments_total", result="superseded") for store in run.fleet.stores]
+        run.notes["segments_superseded"] = int(sum(value or 0 for value in refused))
+    finally:
+        await directory.close()
+
+
+async def _stale_commits(run: ChaosRun, worker_id: str, lost: set[str]) -> int:
+    """Requests of ``lost`` (moved off ``worker_id``) whose commit record some store hands to ``worker_id`` again, seen
+    while they run on elsewhere (or for OWNERSHIP_WATCH_S): each is a second owner of one request."""
+    stale: set[str] = set()
+    deadline = time.monotonic() + OWNERSHIP_WATCH_S
+    running = {i for i, request_id in run.request_ids.items() if request_id in lost}
+    while time.monotonic() < deadline and any(run.progress[i] < run.load.max_tokens for i in running):
+        for store in list(run.fleet.stores):
+            with contextlib.suppress(grpc.aio.AioRpcError):
+                stale |= {c.request_id for c in await store.list_commits(worker_id) if c.request_id in lost}
+        await asyncio.sleep(0.1)
+    return len(stale)
+
+
 _ALL = [
     Scenario("worker-kill", "SIGKILL of the worker serving the most streams; a new worker replaces it", _kill_worker),
     Scenario("router-failover", "SIGKILL of one of 2 router replicas (the SDK fails over to the other); it restarts",
@@ -160,6 +223,8 @@ _ALL = [
     Scenario("etcd-restart", "etcd stopped and started again on its port and data", _restart_etcd),
     Scenario("worker-sigstop", "SIGSTOP of the busiest worker until its lease lapsed (+2 s), then SIGCONT: fenced, no duplicate",
              _stop_worker),
+    Scenario("worker-partition", "The link of a worker in its own network namespace cut (the process runs on) until its lease "
+             "lapsed (+2 s), then restored: fenced, rejoins, one owner per request", _partition_worker, Topology(netns_worker=True)),
 ]
 SCENARIOS: dict[str, Scenario] = {s.name: s for s in _ALL}
 

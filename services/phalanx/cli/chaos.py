@@ -94,7 +94,7 @@ def kill(
 def run_scenario(
     scenario: str = typer.Argument(..., help="worker-kill, router-failover, router-restart, gateway-kill, health-leader-kill, "
                                    "migration-kill, checkpoint-store-kill, worker-and-store-kill, planner-kill, encoder-kill, "
-                                   "expert-worker-kill, nats-restart, etcd-restart or worker-sigstop"),
+                                   "expert-worker-kill, nats-restart, etcd-restart, worker-sigstop or worker-partition"),
     streams: int = typer.Option(8, min=1, help="Concurrent greedy SDK streams (one more goes through the gateway)"),
     tokens: int = typer.Option(96, min=16, help="Tokens generated per stream"),
     fault_after: int = typer.Option(8, min=1, help="Tokens every SDK stream has when the fault starts"),

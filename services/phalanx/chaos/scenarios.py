@@ -11,10 +11,11 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from phalanx.chaos import netns
 from phalanx.chaos.harness import ChaosRun, Fault, LoadOptions, ScenarioResult, Topology, run_scenario
 from phalanx.common.discovery import WorkerDirectory
 
-__all__ = ["SCENARIOS", "Scenario", "run_named"]
+__all__ = ["SCENARIOS", "Scenario", "ScenarioUnsupportedError", "run_named", "unsupported_reason"]
 
 # How long a SIGSTOPped worker stays stopped after its lease lapsed (its streams move meanwhile).
 STOPPED_AFTER_LAPSE_S = 2.0
@@ -229,10 +230,21 @@ _ALL = [
 SCENARIOS: dict[str, Scenario] = {s.name: s for s in _ALL}
 
 
+class ScenarioUnsupportedError(RuntimeError):
+    """The scenario cannot run on this machine (network namespaces need root, for one)."""
+
+
+def unsupported_reason(name: str) -> str | None:
+    """Why scenario ``name`` cannot run here; None if it can."""
+    return netns.unsupported_reason() if SCENARIOS[name].topology.netns_worker else None
+
+
 async def run_named(name: str, load: LoadOptions | None = None) -> ScenarioResult:
-    """Run scenario ``name`` against a freshly started local stack."""
+    """Run scenario ``name`` against a freshly started local stack (ScenarioUnsupportedError if it cannot run here)."""
     try:
         scenario = SCENARIOS[name]
     except KeyError:
         raise ValueError(f"unknown scenario {name!r}; choose from {', '.join(SCENARIOS)}") from None
+    if reason := await asyncio.to_thread(unsupported_reason, name):
+        raise ScenarioUnsupportedError(f"{name} cannot run here: {reason}")
     return await run_scenario(scenario.name, scenario.description, scenario.topology, scenario.fault, load)

@@ -107,10 +107,13 @@ def run_scenario(
     # It forks service processes while its gRPC clients run: see run_up for why this is off.
     os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
     from phalanx.bench.chaos import GOALS, met
-    from phalanx.chaos import SCENARIOS, LoadOptions, run_named
+    from phalanx.chaos import SCENARIOS, LoadOptions, run_named, unsupported_reason
 
     if scenario not in SCENARIOS:
         print(f"error: unknown scenario {scenario!r}; choose from {', '.join(SCENARIOS)}", file=sys.stderr)
+        raise typer.Exit(1)
+    if reason := unsupported_reason(scenario):
+        print(f"error: {scenario} cannot run here: {reason}", file=sys.stderr)
         raise typer.Exit(1)
     if fault_after >= tokens:
         print(f"error: --fault-after ({fault_after}) must be below --tokens ({tokens})", file=sys.stderr)

@@ -198,6 +198,7 @@ class ChaosRun:
         self.request_ids: dict[int, str] = {}
         self.fault_at: float | None = None
         self.notes: dict[str, Any] = {}
+        self._watches: list[asyncio.Future[None]] = []
 
     # -- infrastructure ---------------------------------------------------------------------------------------------
     async def infra(self, fn: Callable[[], Any]) -> Any:
@@ -334,6 +335,9 @@ class ChaosRun:
 
     async def stop(self) -> None:
         """SIGTERM to every process at once (the verdict is in: nothing here is judged any more), then wait for each."""
+        for watch in self._watches:
+            watch.cancel()
+        await asyncio.gather(*self._watches, return_exceptions=True)
         try:
             handles: list[ServiceHandle] = [*self.planners, *([self.gateway] if self.gateway else [])]
             if self.stack is not None:
@@ -355,6 +359,14 @@ class ChaosRun:
                 await asyncio.to_thread(self.netns.close)
 
     # -- what faults use --------------------------------------------------------------------------------------------
+    def watch(self, check: Awaitable[None]) -> None:
+        """Run ``check`` (an observation of the fault's aftermath, which writes its findings to ``notes``) beside the load
+        and the wait for full health, so that it delays neither; the verdict waits for it."""
+        self._watches.append(asyncio.ensure_future(check))
+
+    async def watches_done(self) -> None:
+        await asyncio.gather(*self._watches)
+
     def mark_fault(self) -> None:
         if self.fault_at is None:
             self.fault_at = time.monotonic()
@@ -620,6 +632,7 @@ async def run_scenario(name: str, description: str, topology: Topology, fault: F
             recovery_s = None
             if fired.is_set():
                 recovery_s = await injecting
+                await run.watches_done()
             else:  # the streams ended before the fault was due: there is no fault to wait for
                 injecting.cancel()
                 await asyncio.gather(injecting, return_exceptions=True)

@@ -14,6 +14,7 @@ import grpc
 from phalanx.chaos import netns
 from phalanx.chaos.harness import ChaosRun, Fault, LoadOptions, ScenarioResult, Topology, run_scenario
 from phalanx.common.discovery import WorkerDirectory
+from phalanx.launch.services import WorkerHandle
 
 __all__ = ["SCENARIOS", "Scenario", "ScenarioUnsupportedError", "run_named", "unsupported_reason"]
 
@@ -23,8 +24,10 @@ STOPPED_AFTER_LAPSE_S = 2.0
 PARTITIONED_AFTER_LAPSE_S = 2.0
 # Longest wait for a worker to lose its lease, or to register again once its link is back.
 LEASE_WAIT_S = 30.0
-# How long after its return the checkpoint stores are watched for the returned worker's claims on requests it lost.
-OWNERSHIP_WATCH_S = 30.0
+# How long after its return the checkpoint stores are watched for the returned worker's claims on requests it lost:
+# while those requests run on, at least the first figure (its checkpoint stream resumes or reconnects within a
+# second or two), at most the second.
+OWNERSHIP_WATCH_S = (5.0, 30.0)
 
 
 @dataclass(frozen=True)
@@ -149,7 +152,8 @@ async def _stop_worker(run: ChaosRun) -> None:
 async def _partition_worker(run: ChaosRun) -> None:
     """Cut the namespaced worker's link (its process runs on, its sockets stay open) until its lease lapsed and a while
     after, then restore it: its streams must have moved, nothing it computed while cut off may reach a client, it must
-    register again, and no checkpoint store may take its word for a request it lost (one owner per request)."""
+    register again (watched), and no checkpoint store may take its word for a request it lost (one owner per request;
+    watched)."""
     victim, netns = run.netns_worker, run.netns
     assert netns is not None
     moved = {run.request_ids[i] for i, w in run.served_by.items() if w == victim.worker_id and run.progress[i] < run.load.max_tokens}
@@ -170,29 +174,40 @@ async def _partition_worker(run: ChaosRun) -> None:
             await asyncio.to_thread(netns.restore)
             restored = time.monotonic()
             run.notes["fenced_from"] = (victim.worker_id, restored)
-        deadline = restored + LEASE_WAIT_S
-        while time.monotonic() < deadline:
+    finally:
+        await directory.close()
+    run.watch(_after_partition(run, victim, moved, restored))
+
+
+async def _after_partition(run: ChaosRun, victim: WorkerHandle, moved: set[str], restored: float) -> None:
+    """When the worker registered again, and whether a store handed it back a request it lost."""
+    directory = WorkerDirectory(run.etcd_config)
+    try:
+        while time.monotonic() < restored + LEASE_WAIT_S:
             entry = (await directory.list()).get(victim.worker_id)
             if entry is not None and entry.pid == victim.process.pid:
                 run.notes["rejoined_s"] = round(time.monotonic() - restored, 2)
                 break
             await asyncio.sleep(0.05)
-        run.notes["stale_commits"] = await _stale_commits(run, victim.worker_id, moved)
-        # What the stores refused of the returned worker's old copies (informative: it depends on how soon the
-        # router cancelled them after the link came back).
-        refused = [await asyncio.to_thread(store.metric, "phalanx_checkpoint_segments_total", result="superseded") for store in run.fleet.stores]
-        run.notes["segments_superseded"] = int(sum(value or 0 for value in refused))
     finally:
         await directory.close()
+    run.notes["stale_commits"] = await _stale_commits(run, victim.worker_id, moved, restored)
+    # What the stores refused of the returned worker's old copies (informative: it depends on how soon the router
+    # cancelled them after the link came back).
+    refused = 0
+    for store in list(run.fleet.stores):
+        with contextlib.suppress(OSError):
+            refused += int(await asyncio.to_thread(store.metric, "phalanx_checkpoint_segments_total", result="superseded") or 0)
+    run.notes["segments_superseded"] = refused
 
 
-async def _stale_commits(run: ChaosRun, worker_id: str, lost: set[str]) -> int:
+async def _stale_commits(run: ChaosRun, worker_id: str, lost: set[str], restored: float) -> int:
     """Requests of ``lost`` (moved off ``worker_id``) whose commit record some store hands to ``worker_id`` again, seen
-    while they run on elsewhere (or for OWNERSHIP_WATCH_S): each is a second owner of one request."""
+    after its link came back (``restored``; see OWNERSHIP_WATCH_S): each is a second owner of one request."""
     stale: set[str] = set()
-    deadline = time.monotonic() + OWNERSHIP_WATCH_S
+    least, most = (restored + s for s in OWNERSHIP_WATCH_S)
     running = {i for i, request_id in run.request_ids.items() if request_id in lost}
-    while time.monotonic() < deadline and any(run.progress[i] < run.load.max_tokens for i in running):
+    while (now := time.monotonic()) < most and (now < least or any(run.progress[i] < run.load.max_tokens for i in running)):
         for store in list(run.fleet.stores):
             with contextlib.suppress(grpc.aio.AioRpcError):
                 stale |= {c.request_id for c in await store.list_commits(worker_id) if c.request_id in lost}

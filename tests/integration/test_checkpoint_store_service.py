@@ -82,11 +82,11 @@ class FakeWorker:
         await self._grpc.close()
 
     async def segment(self, request_id: str, kv: torch.Tensor, start: int, end: int, *, outputs=(), seq: int | None = None,
-                      prompt=(1, 2, 3), checksum: bool = False, flip_bit: int | None = None) -> checkpoint_pb2.SegmentAck:
+                      prompt=(1, 2, 3), checksum: bool = False, flip_bit: int | None = None, copy_id: int = 0) -> checkpoint_pb2.SegmentAck:
         """Send KV positions [start, end) of ``kv`` and wait for the ack."""
         self.seq[request_id] = seq if seq is not None else self.seq.get(request_id, 0) + 1
         message = checkpoint_pb2.Segment(
-            request_id=request_id, seq=self.seq[request_id], kv_start=start, kv_end=end, kv=raw(kv[:, :, start:end])
+            request_id=request_id, seq=self.seq[request_id], kv_start=start, kv_end=end, kv=raw(kv[:, :, start:end]), copy_id=copy_id
         )
         if checksum:
             message.kv_crc32 = zlib.crc32(message.kv)
@@ -368,6 +368,23 @@ async def test_a_segment_with_a_flipped_bit_is_refused_counted_and_never_applied
         assert (await fetch(store, [("req-crc", 8)]))[0] == raw(kv[:, :, :8])
     corrupt_after = await asyncio.to_thread(store.metric, "phalanx_checkpoint_segments_total", result="corrupt")
     assert corrupt_after == (corrupt_before or 0) + 1
+
+
+async def test_a_worker_back_from_a_partition_cannot_take_a_moved_request_s_commit_back(store):
+    kv = random_kv(BF16, 12, seed=5)
+    async with FakeWorker(store, "w-cut-off", BF16) as old, FakeWorker(store, "w-took-over", BF16) as new:
+        assert not (await old.segment("moved", kv, 0, 6, outputs=[1], copy_id=100)).superseded
+        assert not (await new.segment("moved", kv, 6, 8, outputs=[2], seq=1, copy_id=200)).superseded  # migrated: takes it over
+        before = await asyncio.to_thread(store.metric, "phalanx_checkpoint_segments_total", result="superseded")
+        for start, end in ((8, 12), (0, 12)):  # what it queued while cut off, then its re-sync from position 0
+            ack = await old.segment("moved", kv, start, end, outputs=[9], copy_id=100)
+            assert ack.superseded and not ack.resync and ack.copy_id == 100 and ack.kv_tokens == 8
+        record = await store.get_commit("moved")
+        assert record.worker_id == "w-took-over" and record.kv_tokens == 8 and list(record.state.output_token_ids) == [1, 2]
+        assert "moved" not in await list_commits(store, "w-cut-off")
+        after = await asyncio.to_thread(store.metric, "phalanx_checkpoint_segments_total", result="superseded")
+        assert after - before == 2
+        await new.release("moved")
 
 
 async def test_sigterm_exits_cleanly_and_revokes_the_advertisement(store, etcd_config):

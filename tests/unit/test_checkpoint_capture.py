@@ -99,6 +99,41 @@ def test_over_budget_capture_sends_tokens_and_holds_kv_back(moe):
     assert piece.kv_end - piece.kv_start == 4 and isinstance(piece.kv, torch.Tensor)
 
 
+def test_a_copy_the_store_refused_as_superseded_is_not_sent_again_while_other_requests_are(moe, tmp_path):
+    """A worker back from a partition: the store refuses its copy of a request that moved on (superseded); capture
+    stops sending that copy and goes on with the rest."""
+    engine = engine_of(moe)
+    cache = engine.cache.data
+    layout = KvLayout(num_layers=cache.shape[0], num_kv_heads=cache.shape[4], head_dim=cache.shape[5], dtype=cache.dtype)
+    store = CheckpointStore(tmp_path)
+    capture = CheckpointCapture(interval_tokens=1)
+    capture.connected = True
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    for request_id in ("moved", "kept"):
+        engine.add_request(EngineRequest(moe.tokenizer.encode(f"partition {request_id}"), params, request_id))
+    engine.step()
+    capture.capture(engine)
+    segments = [s for item in capture.take() for s in batch_of([item], snapshot_to_proto).segments]
+    assert {s.request_id for s in segments} == {"moved", "kept"} and all(s.copy_id > 0 for s in segments)
+    for segment in segments:
+        store.apply(Writer("w1", layout, "tiny@1"), segment)
+    # "moved" went on elsewhere: a copy on w2 took its commit over.
+    taken = store.get("moved")
+    store.apply(Writer("w2", layout, "tiny@1"), checkpoint_pb2.Segment(
+        request_id="moved", seq=1, kv_start=taken.kv_tokens, kv_end=taken.kv_tokens, state=taken.state, copy_id=segments[0].copy_id + 1))
+    engine.step()
+    capture.capture(engine)
+    w1 = Writer("w1", layout, "tiny@1")
+    acks = [store.apply(w1, s).to_proto() for item in capture.take() for s in batch_of([item], snapshot_to_proto).segments]
+    (refused,) = [a for a in acks if a.superseded]
+    assert refused.request_id == "moved" and not refused.resync and store.get("moved").worker_id == "w2"
+    capture.superseded(refused.request_id, refused.copy_id)
+    engine.step()
+    capture.capture(engine)
+    assert {p.request_id for item in capture.take() for p in item.pieces} == {"kept"}
+    store.close()
+
+
 def test_a_worker_whose_store_stream_broke_prefers_another_advertised_store():
     assert pick_store(["a:1", "b:2"], failed="") == "a:1"
     assert pick_store(["a:1", "b:2"], failed="a:1") == "b:2"  # a crashed store lingers in etcd until its lease lapses

@@ -99,7 +99,9 @@ def test_duplicate_segment_changes_nothing_and_acks_the_current_commit(store):
     assert ack.result is SegmentResult.DUPLICATE
     assert list(store.get("r1").state.output_token_ids) == [21, 22]
     assert torch.equal(store.read_kv("r1", 6), kv_of(0, 6))
-    assert store.stats().segments_total == {SegmentResult.APPLIED: 2, SegmentResult.DUPLICATE: 2, SegmentResult.GAP: 0, SegmentResult.CORRUPT: 0}
+    assert store.stats().segments_total == {
+        SegmentResult.APPLIED: 2, SegmentResult.DUPLICATE: 2, SegmentResult.GAP: 0, SegmentResult.CORRUPT: 0, SegmentResult.SUPERSEDED: 0
+    }
 
 
 def test_gap_is_not_applied_and_asks_for_a_resync(store):
@@ -158,6 +160,57 @@ def test_release_drops_the_request_only_for_its_owner(store):
     with pytest.raises(UnknownRequestError):
         store.read_kv("r1", 1)
     assert not store.release("r1")
+
+
+def test_a_cut_off_former_owner_cannot_take_the_commit_back(store):
+    """A partitioned worker's copy runs on while its request moved: once it reaches the store again, its segments (an
+    append, a resync from position 0) must not make it the owner again, nor change the new owner's commit."""
+    store.apply(W1, segment("r1", 1, 0, 4, outputs=[21], copy_id=100))
+    store.apply(W2, segment("r1", 1, 4, 6, outputs=[22], copy_id=200, salt=0.25))  # restored on w2: it takes the commit over
+    for stale in (segment("r1", 2, 4, 8, outputs=[22, 23], copy_id=100, salt=0.5), segment("r1", 9, 0, 8, outputs=[21, 22, 23], copy_id=100)):
+        ack = store.apply(W1, stale)
+        assert (ack.result, ack.resync, ack.kv_tokens, ack.copy_id) == (SegmentResult.SUPERSEDED, False, 6, 100)
+        assert ack.to_proto().superseded and not ack.to_proto().resync
+    record = store.get("r1")
+    assert record.worker_id == "w2" and record.kv_tokens == 6 and list(record.state.output_token_ids) == [21, 22]
+    assert store.records("w1") == [] and [r.request_id for r in store.records("w2")] == ["r1"]
+    kv = store.read_kv("r1", 6)
+    assert torch.equal(kv[:, :, :4], kv_of(0, 4)) and torch.equal(kv[:, :, 4:], kv_of(4, 6, salt=0.25))
+    assert store.stats().segments_total[SegmentResult.SUPERSEDED] == 2
+    assert store.apply(W2, segment("r1", 2, 6, 7, outputs=[23], copy_id=200)).result is SegmentResult.APPLIED  # the owner goes on
+
+
+def test_a_newer_copy_of_a_former_owner_takes_the_commit_over_and_supersedes_the_rest(store):
+    store.apply(W1, segment("r1", 1, 0, 4, copy_id=100))
+    store.apply(W2, segment("r1", 1, 0, 4, copy_id=200))
+    ack = store.apply(W1, segment("r1", 1, 0, 5, outputs=[21], copy_id=300))  # migrated back to w1: a new copy there
+    assert ack.result is SegmentResult.APPLIED and store.get("r1").worker_id == "w1"
+    assert store.apply(W2, segment("r1", 2, 4, 6, copy_id=200)).result is SegmentResult.SUPERSEDED
+    assert store.apply(W1, segment("r1", 5, 5, 6, copy_id=100)).result is SegmentResult.SUPERSEDED  # w1's first copy, still running
+    assert store.get("r1").kv_tokens == 5
+
+
+def test_an_older_copy_of_the_owner_is_superseded_by_its_newer_one(store):
+    store.apply(W1, segment("r1", 1, 0, 4, copy_id=100))
+    assert store.apply(W1, segment("r1", 1, 0, 4, copy_id=200)).result is SegmentResult.APPLIED
+    assert store.apply(W1, segment("r1", 2, 4, 6, copy_id=100)).result is SegmentResult.SUPERSEDED
+    assert store.get("r1").kv_tokens == 4
+
+
+def test_an_old_copy_cannot_start_a_released_request_again(store):
+    store.apply(W1, segment("r1", 1, 0, 4, copy_id=100))
+    store.apply(W2, segment("r1", 1, 4, 5, copy_id=200))
+    assert store.release("r1", worker_id="w2")  # finished on w2
+    ack = store.apply(W1, segment("r1", 9, 0, 8, copy_id=100))  # w1 back from its partition, re-sending everything
+    assert ack.result is SegmentResult.SUPERSEDED and "r1" not in store
+    assert store.apply(W2, segment("r1", 3, 0, 8, copy_id=200)).result is SegmentResult.SUPERSEDED  # nor the finished copy
+    assert store.apply(W1, segment("r1", 1, 0, 4, copy_id=300)).result is SegmentResult.APPLIED  # a new copy may
+
+
+def test_writers_without_copy_ids_keep_the_old_rules(store):
+    store.apply(W1, segment("r1", 1, 0, 4))
+    store.apply(W2, segment("r1", 1, 4, 6))
+    assert store.apply(W1, segment("r1", 2, 6, 7)).result is SegmentResult.APPLIED and store.get("r1").worker_id == "w1"
 
 
 def test_invalid_segments_are_refused(store):

@@ -27,6 +27,7 @@ import httpx
 
 from phalanx._proto import common_pb2, expert_pb2
 from phalanx.chaos.link import DelayLink
+from phalanx.chaos.netns import VethNamespace
 from phalanx.client import Client, PhalanxClientError, RetryPolicy
 from phalanx.common.config import EtcdConfig
 from phalanx.common.discovery import (
@@ -57,6 +58,7 @@ from phalanx.launch.services import (
     start_health,
     start_migration,
     start_planner,
+    start_worker,
 )
 from phalanx.launch.stack import Stack, unique_id
 from phalanx.worker.ert import ExpertRoutingTable
@@ -108,6 +110,9 @@ class Topology:
     etcd_members: int = 1
     # Every client reaches etcd through a DelayLink (phalanx.chaos.link) whose latency the fault raises.
     etcd_link: bool = False
+    # One of the workers runs in a network namespace of its own, joined to the rest by a veth pair (chaos.netns) that
+    # a fault may cut; NATS, etcd, the stores, migration and the other workers then listen on the pair's root end.
+    netns_worker: bool = False
 
     @property
     def worker_flags(self) -> tuple[str, ...]:
@@ -127,6 +132,7 @@ class StreamRecord:
     """What one client saw of one stream: each chunk's index, token and arrival time, and how it failed if it did."""
 
     kind: str  # "sdk" or "http"
+    request_id: str = ""  # an SDK stream's
     indices: list[int] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)
     text: str = ""
@@ -191,8 +197,12 @@ class ChaosRun:
         # nats-server and etcd die with the thread that started them (PR_SET_PDEATHSIG): one long-lived thread starts,
         # restarts and stops them, off the event loop that carries the streams.
         self._infra_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="chaos-infra")
-        self.nats = NatsServer()
-        self.etcd: EtcdServer | EtcdCluster = EtcdCluster(topology.etcd_members) if topology.etcd_members > 1 else EtcdServer()
+        self.netns = VethNamespace() if topology.netns_worker else None
+        self.namespaced: WorkerHandle | None = None
+        self.nats = NatsServer(host=self.host)
+        self.etcd: EtcdServer | EtcdCluster = (
+            EtcdCluster(topology.etcd_members) if topology.etcd_members > 1 else EtcdServer(host=self.host)
+        )
         self.link: DelayLink | None = None
         self.stack: Stack | None = None
         self.gateway: GatewayHandle | None = None
@@ -201,12 +211,29 @@ class ChaosRun:
         self.router_ports: list[int] = []
         self.progress: collections.Counter[int] = collections.Counter()
         self.served_by: dict[int, str] = {}
+        self.request_ids: dict[int, str] = {}
         self.fault_at: float | None = None
         self.notes: dict[str, Any] = {}
+        self._watches: list[asyncio.Future[None]] = []
 
     # -- infrastructure ---------------------------------------------------------------------------------------------
     async def infra(self, fn: Callable[[], Any]) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._infra_thread, fn)
+
+    @property
+    def host(self) -> str:
+        """Where the root namespace's services listen: loopback, or the root end of the veth pair."""
+        return self.netns.root_address if self.netns is not None else "127.0.0.1"
+
+    def _listen_env(self, variable: str) -> dict[str, str] | None:
+        """``{variable: host}`` when services must be reachable from the namespaced worker; None (the default) otherwise."""
+        return {variable: self.host} if self.netns is not None else None
+
+    @property
+    def netns_worker(self) -> WorkerHandle:
+        """The worker in the network namespace (topology ``netns_worker``)."""
+        assert self.namespaced is not None, "the topology has no namespaced worker"
+        return self.namespaced
 
     @property
     def etcd_config(self) -> EtcdConfig:
@@ -230,6 +257,8 @@ class ChaosRun:
         return "ipv4:" + ",".join(f"127.0.0.1:{port}" for port in self.router_ports)
 
     async def start(self) -> None:
+        if self.netns is not None:
+            await asyncio.to_thread(self.netns.create)
         await self.infra(self.nats.start)
         await self.infra(self.etcd.start)
         t = self.topology
@@ -248,7 +277,7 @@ class ChaosRun:
             for index in range(t.expert_workers):
                 await self.add_expert_worker(index)
             await self._wait_ert_complete()
-        await self.stack.add_workers(t.workers, *t.worker_flags)
+        await self.add_workers(t.workers)
         self.router_ports = [free_port() for _ in range(t.routers)]
         for i, port in enumerate(self.router_ports):
             await self.stack.add_router(port=port, router_id=f"r{i}-{unique_id('chaos')}")
@@ -259,13 +288,30 @@ class ChaosRun:
         if t.gateway:
             self.gateway = await start_gateway(self.router_target, name=unique_id("gateway"), timeout=START_TIMEOUT_S)
 
+    async def add_workers(self, count: int) -> list[WorkerHandle]:
+        """``count`` workers; with a namespaced worker in the topology, the first runs in the namespace unless one does."""
+        fleet = self.fleet
+        if self.netns is None or count < 1 or self.namespaced in fleet.workers:
+            return await fleet.add_workers(count, *self.topology.worker_flags, env=self._listen_env("PHALANX_WORKER_HOST"))
+        namespaced = start_worker(
+            unique_id("w-netns"), fleet.nats_url, fleet.etcd_config, "--deterministic", *self.topology.worker_flags, model=fleet.model,
+            env={"PHALANX_WORKER_HOST": self.netns.namespace_address}, prefix=self.netns.exec_prefix, timeout=START_TIMEOUT_S,
+        )
+        others = fleet.add_workers(count - 1, *self.topology.worker_flags, env=self._listen_env("PHALANX_WORKER_HOST"))
+        worker, rest = await asyncio.gather(namespaced, others)
+        fleet.workers.append(worker)
+        self.namespaced = worker
+        return [worker, *rest]
+
     async def add_store(self) -> CheckpointStoreHandle:
-        store = await start_checkpoint_store(unique_id("ckpt"), self.etcd_config, timeout=START_TIMEOUT_S)
+        store = await start_checkpoint_store(unique_id("ckpt"), self.etcd_config, env=self._listen_env("PHALANX_CHECKPOINT_HOST"),
+                                             timeout=START_TIMEOUT_S)
         self.fleet.stores.append(store)
         return store
 
     async def add_migration(self) -> ServiceHandle:
-        migration = await start_migration(unique_id("mig"), self.nats.url, self.etcd_config, timeout=START_TIMEOUT_S)
+        migration = await start_migration(unique_id("mig"), self.nats.url, self.etcd_config, env=self._listen_env("PHALANX_MIGRATION_HOST"),
+                                          timeout=START_TIMEOUT_S)
         self.fleet.migrations.append(migration)
         return migration
 
@@ -315,6 +361,9 @@ class ChaosRun:
 
     async def stop(self) -> None:
         """SIGTERM to every process at once (the verdict is in: nothing here is judged any more), then wait for each."""
+        for watch in self._watches:
+            watch.cancel()
+        await asyncio.gather(*self._watches, return_exceptions=True)
         try:
             handles: list[ServiceHandle] = [*self.planners, *([self.gateway] if self.gateway else [])]
             if self.stack is not None:
@@ -336,8 +385,18 @@ class ChaosRun:
                     self.link.close()
             finally:
                 self._infra_thread.shutdown(wait=True)
+            if self.netns is not None:  # after the processes that used it: never left behind, whatever failed
+                await asyncio.to_thread(self.netns.close)
 
     # -- what faults use --------------------------------------------------------------------------------------------
+    def watch(self, check: Awaitable[None]) -> None:
+        """Run ``check`` (an observation of the fault's aftermath, which writes its findings to ``notes``) beside the load
+        and the wait for full health, so that it delays neither; the verdict waits for it."""
+        self._watches.append(asyncio.ensure_future(check))
+
+    async def watches_done(self) -> None:
+        await asyncio.gather(*self._watches)
+
     def mark_fault(self) -> None:
         if self.fault_at is None:
             self.fault_at = time.monotonic()
@@ -355,7 +414,7 @@ class ChaosRun:
     async def replace_worker(self, victim: WorkerHandle) -> WorkerHandle:
         """A new worker in place of ``victim`` (what a supervisor does after a crash)."""
         self.fleet.workers.remove(victim)
-        (replacement,) = await self.fleet.add_workers(1, *self.topology.worker_flags)
+        (replacement,) = await self.add_workers(1)
         return replacement
 
     async def replace(self, handles: list, victim: ServiceHandle, start: Callable[[], Awaitable[Any]]) -> Any:
@@ -505,7 +564,11 @@ class ChaosRun:
         return [line.format(i=i) * self.load.prompt_repeat for i in range(self.load.streams)]
 
     async def _sdk_stream(self, client: Client, i: int, prompt: str, record: StreamRecord, track: bool) -> None:
-        async for chunk in client.generate(prompt, max_tokens=self.load.max_tokens, ignore_eos=True):
+        stream = client.generate(prompt, max_tokens=self.load.max_tokens, ignore_eos=True)
+        record.request_id = stream.request_id
+        if track:
+            self.request_ids[i] = stream.request_id
+        async for chunk in stream:
             record.times.append(time.monotonic())
             record.indices.append(chunk.index)
             record.tokens.append(chunk.token_id)
@@ -647,6 +710,7 @@ async def run_scenario(name: str, description: str, topology: Topology, fault: F
             recovery_s = None
             if fired.is_set():
                 recovery_s = await injecting
+                await run.watches_done()
             else:  # the streams ended before the fault was due: there is no fault to wait for
                 injecting.cancel()
                 await asyncio.gather(injecting, return_exceptions=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import os
 import signal
@@ -10,13 +11,16 @@ import time
 from dataclasses import dataclass, field
 
 import aetcd
+import grpc
 
+from phalanx.chaos import netns
 from phalanx.chaos.harness import ChaosRun, Fault, LoadOptions, ScenarioResult, Topology, run_scenario
 from phalanx.common.discovery import WorkerDirectory
 from phalanx.common.lease import TRANSIENT_ERRORS, connect_etcd
 from phalanx.launch.infra import EtcdCluster
+from phalanx.launch.services import WorkerHandle
 
-__all__ = ["SCENARIOS", "Scenario", "run_named"]
+__all__ = ["SCENARIOS", "Scenario", "ScenarioUnsupportedError", "run_named", "unsupported_reason"]
 
 # How long a SIGSTOPped worker stays stopped after its lease lapsed (its streams move meanwhile).
 STOPPED_AFTER_LAPSE_S = 2.0
@@ -28,6 +32,14 @@ ETCD_SLOW_DELAY_S = 0.3
 ETCD_SLOW_FOR_S = 10.0
 # Long enough streams that the load outlasts the slowness on a loaded 2-core box (~10-15 tokens/s per stream).
 ETCD_SLOW_MIN_TOKENS = 192
+# How long a partitioned worker stays cut off after its lease lapsed, computing on (its streams move meanwhile).
+PARTITIONED_AFTER_LAPSE_S = 2.0
+# Longest wait for a worker to lose its lease, or to register again once its link is back.
+LEASE_WAIT_S = 30.0
+# How long after its return the checkpoint stores are watched for the returned worker's claims on requests it lost:
+# while those requests run on, at least the first figure (its checkpoint stream resumes or reconnects within a
+# second or two), at most the second.
+OWNERSHIP_WATCH_S = (5.0, 30.0)
 
 
 @dataclass(frozen=True)
@@ -205,6 +217,72 @@ async def _stop_worker(run: ChaosRun) -> None:
         await directory.close()
 
 
+async def _partition_worker(run: ChaosRun) -> None:
+    """Cut the namespaced worker's link (its process runs on, its sockets stay open) until its lease lapsed and a while
+    after, then restore it: its streams must have moved, nothing it computed while cut off may reach a client, it must
+    register again (watched), and no checkpoint store may take its word for a request it lost (one owner per request;
+    watched)."""
+    victim, netns = run.netns_worker, run.netns
+    assert netns is not None
+    moved = {run.request_ids[i] for i, w in run.served_by.items() if w == victim.worker_id and run.progress[i] < run.load.max_tokens}
+    run.notes["victim"] = victim.worker_id
+    run.notes["victim_streams"] = len(moved)
+    directory = WorkerDirectory(run.etcd_config)
+    try:
+        run.mark_fault()
+        await asyncio.to_thread(netns.cut)
+        try:
+            deadline = time.monotonic() + LEASE_WAIT_S
+            while victim.worker_id in await directory.list() and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            run.notes["lease_lapsed_s"] = round(time.monotonic() - (run.fault_at or 0.0), 2)
+            await asyncio.sleep(PARTITIONED_AFTER_LAPSE_S)
+            run.notes["alive_while_cut"] = victim.process.poll() is None
+        finally:
+            await asyncio.to_thread(netns.restore)
+            restored = time.monotonic()
+            run.notes["fenced_from"] = (victim.worker_id, restored)
+    finally:
+        await directory.close()
+    run.watch(_after_partition(run, victim, moved, restored))
+
+
+async def _after_partition(run: ChaosRun, victim: WorkerHandle, moved: set[str], restored: float) -> None:
+    """When the worker registered again, and whether a store handed it back a request it lost."""
+    directory = WorkerDirectory(run.etcd_config)
+    try:
+        while time.monotonic() < restored + LEASE_WAIT_S:
+            entry = (await directory.list()).get(victim.worker_id)
+            if entry is not None and entry.pid == victim.process.pid:
+                run.notes["rejoined_s"] = round(time.monotonic() - restored, 2)
+                break
+            await asyncio.sleep(0.05)
+    finally:
+        await directory.close()
+    run.notes["stale_commits"] = await _stale_commits(run, victim.worker_id, moved, restored)
+    # What the stores refused of the returned worker's old copies (informative: it depends on how soon the router
+    # cancelled them after the link came back).
+    refused = 0
+    for store in list(run.fleet.stores):
+        with contextlib.suppress(OSError):
+            refused += int(await asyncio.to_thread(store.metric, "phalanx_checkpoint_segments_total", result="superseded") or 0)
+    run.notes["segments_superseded"] = refused
+
+
+async def _stale_commits(run: ChaosRun, worker_id: str, lost: set[str], restored: float) -> int:
+    """Requests of ``lost`` (moved off ``worker_id``) whose commit record some store hands to ``worker_id`` again, seen
+    after its link came back (``restored``; see OWNERSHIP_WATCH_S): each is a second owner of one request."""
+    stale: set[str] = set()
+    least, most = (restored + s for s in OWNERSHIP_WATCH_S)
+    running = {i for i, request_id in run.request_ids.items() if request_id in lost}
+    while (now := time.monotonic()) < most and (now < least or any(run.progress[i] < run.load.max_tokens for i in running)):
+        for store in list(run.fleet.stores):
+            with contextlib.suppress(grpc.aio.AioRpcError):
+                stale |= {c.request_id for c in await store.list_commits(worker_id) if c.request_id in lost}
+        await asyncio.sleep(0.1)
+    return len(stale)
+
+
 _ALL = [
     Scenario("worker-kill", "SIGKILL of the worker serving the most streams; a new worker replaces it", _kill_worker),
     Scenario("router-failover", "SIGKILL of one of 2 router replicas (the SDK fails over to the other); it restarts",
@@ -233,12 +311,23 @@ _ALL = [
              "(a delay link); leases hold, nobody declared dead", _slow_etcd, Topology(etcd_link=True), min_tokens=ETCD_SLOW_MIN_TOKENS),
     Scenario("worker-sigstop", "SIGSTOP of the busiest worker until its lease lapsed (+2 s), then SIGCONT: fenced, no duplicate",
              _stop_worker),
+    Scenario("worker-partition", "The link of a worker in its own network namespace cut (the process runs on) until its lease "
+             "lapsed (+2 s), then restored: fenced, rejoins, one owner per request", _partition_worker, Topology(netns_worker=True)),
 ]
 SCENARIOS: dict[str, Scenario] = {s.name: s for s in _ALL}
 
 
+class ScenarioUnsupportedError(RuntimeError):
+    """The scenario cannot run on this machine (network namespaces need root, for one)."""
+
+
+def unsupported_reason(name: str) -> str | None:
+    """Why scenario ``name`` cannot run here; None if it can."""
+    return netns.unsupported_reason() if SCENARIOS[name].topology.netns_worker else None
+
+
 async def run_named(name: str, load: LoadOptions | None = None) -> ScenarioResult:
-    """Run scenario ``name`` against a freshly started local stack."""
+    """Run scenario ``name`` against a freshly started local stack (ScenarioUnsupportedError if it cannot run here)."""
     try:
         scenario = SCENARIOS[name]
     except KeyError:
@@ -246,4 +335,6 @@ async def run_named(name: str, load: LoadOptions | None = None) -> ScenarioResul
     load = load or LoadOptions()
     if load.max_tokens < scenario.min_tokens:
         load = dataclasses.replace(load, max_tokens=scenario.min_tokens)
+    if reason := await asyncio.to_thread(unsupported_reason, name):
+        raise ScenarioUnsupportedError(f"{name} cannot run here: {reason}")
     return await run_scenario(scenario.name, scenario.description, scenario.topology, scenario.fault, load)

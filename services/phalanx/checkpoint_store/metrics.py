@@ -14,7 +14,7 @@ class CheckpointMetrics:
         self.registry = r = registry or CollectorRegistry()
         self.bytes_received = Counter("phalanx_checkpoint_bytes_received", "KV bytes received in segments", registry=r)
         self.segments = Counter(
-            "phalanx_checkpoint_segments", "Segments received by outcome (applied, duplicate, gap, corrupt)", ["result"], registry=r
+            "phalanx_checkpoint_segments", "Segments received by outcome (applied, duplicate, gap, corrupt, superseded)", ["result"], registry=r
         )
         self.unchecked_segments = Counter(
             "phalanx_checkpoint_unchecked_segments", "Segments with KV applied without a checksum (a writer from before checksums)", registry=r
@@ -35,7 +35,7 @@ class CheckpointMetrics:
             "phalanx_checkpoint_restore_seconds", "Duration of one restore call (all its requests), by transport", ["transport"],
             buckets=_RESTORE_BUCKETS, registry=r,
         )
-        for result in ("applied", "duplicate", "gap", "corrupt"):
+        for result in ("applied", "duplicate", "gap", "corrupt", "superseded"):
             self.segments.labels(result=result)
         # Every label set from the start: a series that appears with its first event loses that event to rate().
         for transport in ("channel", "grpc"):

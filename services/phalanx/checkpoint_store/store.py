@@ -11,13 +11,24 @@ and the KV of positions ``[0, kv_tokens)``:
   ``kv_start`` and appends; one that carries a full state replaces the
   commit's (a worker that restored the request from this commit takes it
   over without sending its KV again);
-- an old ``seq`` from the owner is a duplicate and changes nothing;
+- an old ``seq`` from the owner (its copy of the request) is a duplicate and changes nothing;
 - anything that would leave a hole is a gap: nothing is applied and the ack
   asks the worker to resync (send the request again from position 0);
 - a segment whose KV does not match its ``kv_crc32`` is corrupt: nothing of it
   is applied, it is counted, and the ack asks for a resync as for a gap. A
   segment without a checksum (a writer from before checksums) is applied and
-  counted as unchecked.
+  counted as unchecked;
+- a segment of a superseded copy changes nothing (ack ``superseded``, no
+  resync): each segment names its writer's copy of the request (``copy_id``,
+  when that worker admitted or restored it). When another writer takes the
+  commit over, the copy it took it from is superseded, and so is any copy of
+  that writer no newer than it, and any copy of the owner older than the
+  owner's: a worker cut off by a partition, or hung, runs its copy on while
+  the request moves elsewhere, and must not take the commit back once it is
+  reachable again (two owners of one request). A newer copy of a former owner
+  (the request migrated back to it) takes the commit over as any writer does.
+  Released requests keep what they superseded for a while (``_TOMBSTONES``),
+  so that an old copy cannot start them again from position 0.
 
 The checksum of every range of KV written is kept with the request, and the
 KV a restore reads is checked against them before it leaves the store (a bit
@@ -36,6 +47,7 @@ theirs back to, so that appending mostly copies into memory in use before.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import enum
 import logging
@@ -78,6 +90,8 @@ _BLOCK_TOKENS = 64
 # ... fewer where the memory limit would hold fewer than this many blocks: a request holds at most one block it has
 # not filled, and a small limit must not be taken up by such slack.
 _MIN_BLOCKS_IN_LIMIT = 64
+# Released requests whose superseded copies are remembered (an old copy must not start one again from position 0).
+_TOMBSTONES = 16384
 
 
 class CheckpointStoreError(PhalanxError):
@@ -191,6 +205,7 @@ class SegmentResult(enum.Enum):
     DUPLICATE = "duplicate"
     GAP = "gap"
     CORRUPT = "corrupt"  # its KV fails its checksum: not applied, resync
+    SUPERSEDED = "superseded"  # of a copy the commit moved away from: not applied, no resync
 
 
 @dataclass(frozen=True)
@@ -202,6 +217,7 @@ class Ack:
     kv_tokens: int
     result: SegmentResult
     kv_bytes: int = 0  # of KV the segment carried, whatever became of it
+    copy_id: int = 0  # the segment's (Segment.copy_id)
 
     @property
     def resync(self) -> bool:
@@ -209,7 +225,8 @@ class Ack:
         return self.result in (SegmentResult.GAP, SegmentResult.CORRUPT)
 
     def to_proto(self) -> checkpoint_pb2.SegmentAck:
-        return checkpoint_pb2.SegmentAck(request_id=self.request_id, seq=self.seq, kv_tokens=self.kv_tokens, resync=self.resync)
+        return checkpoint_pb2.SegmentAck(request_id=self.request_id, seq=self.seq, kv_tokens=self.kv_tokens, resync=self.resync,
+                                         superseded=self.result is SegmentResult.SUPERSEDED, copy_id=self.copy_id)
 
 
 @dataclass(frozen=True)
@@ -428,6 +445,9 @@ class _Entry:
     kv: _KvTrack
     # (start, end, crc32) of each range of KV written with a checksum, in position order, within [0, kv_tokens).
     checksums: list[tuple[int, int, int]] = field(default_factory=list)
+    copy_id: int = 0  # the owner's copy (Segment.copy_id); 0: unknown
+    # Former owners -> their newest copy that lost the commit: segments of those copies (or older ones) are superseded.
+    superseded: dict[str, int] = field(default_factory=dict)
 
 
 class CheckpointStore:
@@ -458,6 +478,8 @@ class CheckpointStore:
         self._segments = dict.fromkeys(SegmentResult, 0)
         self._unchecked = 0
         self._corrupt_restores = 0
+        # Released requests -> the copies they superseded, their last owner's included (oldest first, bounded).
+        self._tombstones: collections.OrderedDict[str, dict[str, int]] = collections.OrderedDict()
 
     # -- writes ---------------------------------------------------------------------------------
 
@@ -472,10 +494,16 @@ class CheckpointStore:
             log.warning("request %s from %s: KV [%d, %d) fails its checksum; not applied, resync",
                         segment.request_id, writer.worker_id, segment.kv_start, segment.kv_end)
             return self._count(Ack(segment.request_id, segment.seq, kv_tokens, SegmentResult.CORRUPT, len(data)))
-        if entry is not None and entry.record.worker_id == writer.worker_id and segment.seq <= entry.record.seq:
+        if self._superseded(entry, writer.worker_id, segment):
+            kv_tokens = 0 if entry is None else entry.record.kv_tokens
+            log.info("request %s: segment of %s's copy %d refused, the commit belongs to %s now", segment.request_id, writer.worker_id,
+                     segment.copy_id, "nobody (released)" if entry is None else entry.record.worker_id)
+            return self._count(Ack(segment.request_id, segment.seq, kv_tokens, SegmentResult.SUPERSEDED, len(data), segment.copy_id))
+        if (entry is not None and entry.record.worker_id == writer.worker_id and segment.copy_id == entry.copy_id
+                and segment.seq <= entry.record.seq):
             return self._count(Ack(segment.request_id, entry.record.seq, entry.record.kv_tokens, SegmentResult.DUPLICATE, len(data)))
         if segment.kv_start == 0:
-            entry = self._restart(writer, segment)
+            entry = self._restart(writer, segment, entry)
         elif entry is None or segment.kv_start > entry.record.kv_tokens or entry.kv.layout != writer.layout:
             kv_tokens = 0 if entry is None else entry.record.kv_tokens
             return self._count(Ack(segment.request_id, segment.seq, kv_tokens, SegmentResult.GAP, len(data)))
@@ -486,6 +514,7 @@ class CheckpointStore:
             record.state.output_token_ids.extend(segment.appended_output_ids)
             if segment.generator_state:
                 record.state.generator_state = segment.generator_state
+            self._take_over(entry, writer.worker_id, segment.copy_id)
             record.worker_id = writer.worker_id
             record.model_version = writer.model_version
         record = entry.record
@@ -516,6 +545,13 @@ class CheckpointStore:
         if entry is None or (worker_id is not None and entry.record.worker_id != worker_id):
             return False
         self._drop(request_id)
+        superseded = dict(entry.superseded)
+        if entry.copy_id:
+            superseded[entry.record.worker_id] = max(entry.copy_id, superseded.get(entry.record.worker_id, 0))
+        if superseded:
+            self._tombstones[request_id] = superseded
+            while len(self._tombstones) > _TOMBSTONES:
+                self._tombstones.popitem(last=False)
         return True
 
     def expire(self) -> list[str]:
@@ -611,9 +647,33 @@ class CheckpointStore:
             raise UnknownRequestError(request_id)
         return entry
 
-    def _restart(self, writer: Writer, segment: checkpoint_pb2.Segment) -> _Entry:
-        if segment.request_id in self._entries:
+    def _superseded(self, entry: _Entry | None, worker_id: str, segment: checkpoint_pb2.Segment) -> bool:
+        """Whether ``segment`` comes from a copy of the request that lost its commit (see the module docstring)."""
+        copy = segment.copy_id
+        if not copy:
+            return False
+        if entry is None:
+            lost = self._tombstones.get(segment.request_id, {})
+            return copy <= lost.get(worker_id, 0)
+        if entry.record.worker_id == worker_id:
+            return copy < entry.copy_id
+        return copy <= entry.superseded.get(worker_id, 0)
+
+    @staticmethod
+    def _take_over(entry: _Entry, worker_id: str, copy: int) -> None:
+        """``worker_id``'s copy ``copy`` owns the commit from now on; the copy it had before is superseded."""
+        owner = entry.record.worker_id
+        if entry.copy_id and (owner, entry.copy_id) != (worker_id, copy):
+            entry.superseded[owner] = max(entry.copy_id, entry.superseded.get(owner, 0))
+        entry.copy_id = copy
+
+    def _restart(self, writer: Writer, segment: checkpoint_pb2.Segment, previous: _Entry | None) -> _Entry:
+        if previous is not None:
+            self._take_over(previous, writer.worker_id, segment.copy_id)
+            superseded = previous.superseded
             self._drop(segment.request_id)
+        else:
+            superseded = self._tombstones.pop(segment.request_id, {})
         record = checkpoint_pb2.CommitRecord(
             request_id=segment.request_id, worker_id=writer.worker_id, seed=segment.seed, model_version=writer.model_version,
             layout=writer.layout.to_proto(), last_index=-1,
@@ -624,7 +684,7 @@ class CheckpointStore:
             record.state.generator_state = segment.generator_state
         self._files += 1
         track = _KvTrack(self._pool(writer.layout), self.spill_dir / f"{self._files:08d}.kv")
-        entry = self._entries[segment.request_id] = _Entry(record, track)
+        entry = self._entries[segment.request_id] = _Entry(record, track, copy_id=segment.copy_id, superseded=superseded)
         return entry
 
     def _commit(self, record: checkpoint_pb2.CommitRecord, segment: checkpoint_pb2.Segment) -> None:

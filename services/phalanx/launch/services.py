@@ -14,6 +14,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Sequence
 from pathlib import Path
 
 import grpc
@@ -175,11 +176,13 @@ def use_certs(root: str | os.PathLike[str] | None) -> None:
     _certs_root = Path(root) if root is not None else None
 
 
-def _spawn(args: list[str], env: dict[str, str]) -> subprocess.Popen:
+def _spawn(args: list[str], env: dict[str, str], prefix: Sequence[str] = ()) -> subprocess.Popen:
+    """``python -m phalanx.cli ARGS``, run through ``prefix`` if given (a command that execs the rest, e.g. ``ip netns
+    exec NS``, so that the PID is the service's own)."""
     if _certs_root is not None and "PHALANX_TLS_DIR" not in env:
         env = {**env, "PHALANX_TLS_DIR": str(_certs_root / args[0])}
     return subprocess.Popen(
-        [sys.executable, "-m", "phalanx.cli", *args],
+        [*prefix, sys.executable, "-m", "phalanx.cli", *args],
         env={**os.environ, **env},
         start_new_session=True,
         preexec_fn=pdeathsig_preexec(),  # noqa: PLW1509 - only prctl; dies with us: no orphans if we are SIGKILLed
@@ -209,17 +212,19 @@ async def _registration(process: subprocess.Popen, directory: EtcdDirectory, nam
 
 async def start_worker(
     worker_id: str, nats_url: str, etcd_config: EtcdConfig, *extra: str, model: str, env: dict | None = None, tensor_parallel_size: int = 1,
-    timeout: float = 60.0,
+    timeout: float = 60.0, prefix: Sequence[str] = (),
 ) -> WorkerHandle:
     """A worker process of ``model``, returned once it registered (model loaded, serving; with its follower ranks, if tensor-parallel).
 
-    The model is named on every start: the worker's own default is a real model that takes seconds to load.
+    The model is named on every start: the worker's own default is a real model that takes seconds to load. ``prefix``
+    runs it through a command that execs it (``ip netns exec NS``: a worker in a network namespace, docs/chaos.md).
     """
     process = _spawn(
         ["worker", "--worker-id", worker_id, "--nats-url", nats_url, "--etcd-endpoint", etcd_config.endpoint, "--port", "0",
          "--model", model, "--log-level", "WARNING",
          *(("--tensor-parallel-size", str(tensor_parallel_size)) if tensor_parallel_size != 1 else ()), *extra],
         {"PHALANX_ETCD_LEASE_TTL_S": str(etcd_config.lease_ttl_s), **(env or {})},
+        prefix,
     )
     registration = await _registration(process, WorkerDirectory(etcd_config), worker_id, timeout)
     return WorkerHandle(worker_id, process, registration.address, registration.metrics_address)
@@ -391,6 +396,12 @@ class CheckpointStoreHandle(ServiceHandle):
     async def stats(self, timeout: float = 2.0):
         async with open_channel(self.address) as channel:
             return await checkpoint_pb2_grpc.CheckpointStoreStub(channel).Stats(checkpoint_pb2.StatsRequest(), timeout=timeout)
+
+    async def list_commits(self, worker_id: str = "", timeout: float = 2.0):
+        """The commit records the store holds for ``worker_id`` (every one if empty)."""
+        async with open_channel(self.address) as channel:
+            stub = checkpoint_pb2_grpc.CheckpointStoreStub(channel)
+            return list((await stub.ListCommits(checkpoint_pb2.ListCommitsRequest(worker_id=worker_id), timeout=timeout)).commits)
 
     async def get_commit(self, request_id: str, timeout: float = 2.0):
         async with open_channel(self.address) as channel:

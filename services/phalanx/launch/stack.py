@@ -7,6 +7,7 @@ import contextlib
 import shutil
 import tempfile
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -80,13 +81,16 @@ class Stack:
         self.ert_managers: list[ServiceHandle] = []
         self.encoders: list[ServiceHandle] = []
 
-    async def add_workers(self, count: int, *extra: str, env: dict | None = None, tensor_parallel_size: int = 1) -> list[WorkerHandle]:
+    async def add_workers(
+        self, count: int, *extra: str, env: dict | None = None, tensor_parallel_size: int = 1, prefix: Sequence[str] = (),
+        timeout: float = 60.0,
+    ) -> list[WorkerHandle]:
         """``count`` workers started in parallel (deterministic numerics unless ``extra`` says --fast); each one a group
-        of ``tensor_parallel_size`` processes."""
+        of ``tensor_parallel_size`` processes, run through ``prefix`` if given (see ``start_worker``)."""
         flags = extra if "--fast" in extra else ("--deterministic", *extra)
         started = await asyncio.gather(
             *(start_worker(unique_id(f"w{i}"), self.nats_url, self.etcd_config, *flags, model=self.model, env=env,
-                           tensor_parallel_size=tensor_parallel_size)
+                           tensor_parallel_size=tensor_parallel_size, prefix=prefix, timeout=timeout)
               for i in range(count))
         )
         self.workers.extend(started)

@@ -67,6 +67,7 @@ class _Piece:
     appended: list[int]
     generator_state: bytes
     seed: int
+    copy_id: int = 0  # the request's copy on this worker (Sequence.copy_id)
 
 
 @dataclass
@@ -89,6 +90,8 @@ class CheckpointCapture:
         # Set from the event loop: re-send these requests (or all) from position 0.
         self._resync_all = False
         self._resync: set[str] = set()
+        # Copies (request id, copy id) whose commit the store says moved to another copy: not sent any more.
+        self._superseded: set[tuple[str, int]] = set()
         self._notify: Callable[[], object] | None = None  # called (thread-safe) when something was queued
         self.lag_tokens = 0
         self.captures_skipped = 0
@@ -102,6 +105,11 @@ class CheckpointCapture:
                 self._pending_bytes = 0
             else:
                 self._resync.add(request_id)
+
+    def superseded(self, request_id: str, copy_id: int) -> None:
+        """The store refused this copy of the request (it runs elsewhere now): stop sending it."""
+        with self._lock:
+            self._superseded.add((request_id, copy_id))
 
     def take(self) -> list[_Capture]:
         with self._lock:
@@ -122,10 +130,14 @@ class CheckpointCapture:
             resync_all, self._resync_all = self._resync_all, False
             resync, self._resync = self._resync, set()
             over_budget = self._pending_bytes > self.max_pending_bytes
+            if released and self._superseded:
+                gone = set(released)
+                self._superseded = {copy for copy in self._superseded if copy[0] not in gone}
+            superseded = set(self._superseded)
         lag = 0
         todo: list[tuple[Sequence, int, int]] = []  # (seq, kv_start, kv_end); kv_start == kv_end: tokens only
         for seq in engine.running:
-            if seq.canary or seq.prefix_only:
+            if seq.canary or seq.prefix_only or (seq.request_id, seq.copy_id) in superseded:
                 continue
             if resync_all or seq.request_id in resync:
                 seq.ckpt_kv = seq.ckpt_outputs = 0
@@ -167,7 +179,9 @@ class CheckpointCapture:
             else:
                 state, appended = None, seq.output_ids[seq.ckpt_outputs :]
             generator_state = b"" if seq.params.greedy else seq.sampler.state()
-            capture.pieces.append(_Piece(seq.request_id, seq.ckpt_seq, start, end, piece_kv, state, appended, generator_state, seq.sampler.seed))
+            capture.pieces.append(
+                _Piece(seq.request_id, seq.ckpt_seq, start, end, piece_kv, state, appended, generator_state, seq.sampler.seed, seq.copy_id)
+            )
             seq.ckpt_kv = end
             seq.ckpt_outputs = len(seq.output_ids)
         with self._lock:
@@ -293,6 +307,9 @@ class CheckpointStreamer:
             for ack in response.acks:
                 if ack.resync:
                     self.capture.resync(ack.request_id)
+                elif ack.superseded:
+                    log.info("checkpoint of %s refused: the request runs elsewhere now; not sending it any more", ack.request_id)
+                    self.capture.superseded(ack.request_id, ack.copy_id)
 
 
 def pick_store(addresses: list[str], failed: str) -> str | None:
@@ -365,7 +382,7 @@ def _batch_message(parts: list[bytes | memoryview], size: int) -> bytes:
 def _segment_without_kv(piece: _Piece, snapshot_to_proto) -> checkpoint_pb2.Segment:
     segment = checkpoint_pb2.Segment(
         request_id=piece.request_id, seq=piece.seq, kv_start=piece.kv_start, kv_end=piece.kv_end,
-        appended_output_ids=piece.appended, generator_state=piece.generator_state, seed=piece.seed,
+        appended_output_ids=piece.appended, generator_state=piece.generator_state, seed=piece.seed, copy_id=piece.copy_id,
     )
     if piece.state is not None:
         segment.state.CopyFrom(snapshot_to_proto(piece.state))
@@ -456,7 +473,7 @@ def _concat_positions(first: torch.Tensor | Any, second: torch.Tensor | Any) -> 
 
 def _joins(head: _Piece, piece: _Piece) -> bool:
     """Whether ``piece`` (the request's next) merges into ``head``: it continues it, and brings no state and little KV."""
-    if piece.state is not None or piece.kv_start != head.kv_end:
+    if piece.state is not None or piece.kv_start != head.kv_end or piece.copy_id != head.copy_id:
         return False
     return piece.kv is None or head.kv_end - head.kv_start + piece.kv_end - piece.kv_start <= _MERGE_KV_TOKENS
 

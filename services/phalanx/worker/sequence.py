@@ -106,6 +106,9 @@ class Sequence:
     # Events of the output tokens a migrated request arrived with (its log starts with them).
     replayed: list[TokenEvent] = field(default_factory=list)
     arrival: float = field(default_factory=time.monotonic)
+    # This copy of the request on this worker (wall-clock ns when it came here): its checkpoint segments carry it, so
+    # that a store refuses them once the request moved on while this worker was cut off (checkpoint Segment.copy_id).
+    copy_id: int = field(default_factory=time.time_ns)
     status: SeqStatus = SeqStatus.WAITING
     num_computed: int = 0
     cached_prompt_tokens: int = 0

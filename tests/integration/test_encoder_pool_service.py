@@ -90,6 +90,8 @@ async def test_encoder_registers_what_it_serves(encoder: ServiceHandle, etcd):
     assert list(registration.modalities) == [encoder_pb2.MODALITY_IMAGE, encoder_pb2.MODALITY_VIDEO, encoder_pb2.MODALITY_AUDIO]
     assert (registration.llm_hidden_size, registration.image_positions, registration.audio_chunk_positions) == (HIDDEN, 16, 375)
     assert {c.modality for c in registration.load.costs} == set(registration.modalities)
+    assert registration.embedding_dtype == "float32"  # with llm_hidden_size: the bytes a router prices moving
+    assert registration.load.delivery_bytes_per_s == 0  # nothing sent to a worker yet
 
 
 async def test_image_embeddings_over_grpc_equal_an_in_process_encoder(encoder: ServiceHandle):
@@ -191,6 +193,26 @@ async def test_an_encoder_past_its_backlog_refuses_with_a_retry_hint(etcd):
         assert busy.metric("phalanx_encoder_items_total", modality="image", result="overloaded") == 1
     finally:
         busy.kill()
+
+
+async def test_the_encoder_advertises_the_bandwidth_of_its_sends_to_workers(encoder: ServiceHandle, etcd):
+    # 16 images x 16 rows x 64 values x 4 bytes = 64 KiB, the least one send must move to measure a link.
+    images = [_image(_png(100 + i)) for i in range(16)]
+    async with grpc.aio.insecure_channel(encoder.address) as channel:
+        stub = encoder_pb2_grpc.EncoderServiceStub(channel)
+        reply = await stub.Encode(encoder_pb2.EncodeRequest(request_id="sent", items=images, deliver=True), timeout=60)
+        keys = [e.key for e in reply.embeddings]
+        received = b"".join([c.data async for c in stub.FetchEmbeddings(encoder_pb2.FetchEmbeddingsRequest(keys=keys), timeout=30)])
+        assert len(received) == 16 * 16 * HIDDEN * 4
+        measured = (await stub.GetLoad(encoder_pb2.GetLoadRequest(), timeout=10)).load.delivery_bytes_per_s
+    assert measured > 0
+
+    async def advertised() -> float:
+        async with EncoderDirectory(etcd) as directory:
+            return (await directory.list())[encoder.name].load.delivery_bytes_per_s
+
+    await assert_eventually(advertised, timeout=10, interval=0.2)
+    assert await advertised() == pytest.approx(measured)
 
 
 async def test_sigterm_stops_the_encoder_and_removes_its_registration(encoder: ServiceHandle, etcd):

@@ -191,14 +191,36 @@ async def _stream_and_stop_the_worker(stack: Stack, image: bytes, max_tokens: in
     return seen
 
 
+def _inline(stack: Stack) -> tuple[float, float]:
+    """Embedding bytes the router received from encoders, and its inline re-encodes for migrations."""
+    router = stack.routers[0]
+    return (router.metric("phalanx_router_media_inline_bytes_total") or 0.0,
+            router.metric("phalanx_router_media_reencodes_total", cause="migration") or 0.0)
+
+
+def _fetched(stack: Stack) -> dict[str, float]:
+    """Media bytes each live worker fetched from encoders (direct delivery)."""
+    return {
+        w.worker_id: sum(w.metric("phalanx_worker_media_fetch_bytes_total", transport=t) or 0.0 for t in ("grpc", "channel"))
+        for w in stack.workers if w.process.poll() is None
+    }
+
+
 async def test_a_worker_killed_mid_media_request_is_migrated_with_its_embeddings(stack):
     image = _png(5)
     expected = _in_process(image, "Look: ", " What is it?", max_tokens=LONG)
     migrations = stack.routers[0].metric("phalanx_router_migrations_total") or 0
+    inline, fetched = _inline(stack), _fetched(stack)
     seen = await _stream_and_stop_the_worker(stack, image, LONG, lambda worker: worker.kill())
     assert [c.index for c in seen] == list(range(LONG))
     assert [c.token_id for c in seen] == expected
     assert stack.routers[0].metric("phalanx_router_migrations_total") == migrations + 1
+    # The target fetched the media from the encoder that still holds them: the router encoded nothing again and
+    # received no row (direct delivery end to end, the migration included).
+    assert _inline(stack) == inline
+    grew = [w for w, n in _fetched(stack).items() if n > fetched.get(w, 0.0)]
+    target = [c.worker_id for c in seen if c.worker_id][-1]  # a chunk names its worker when it changes
+    assert target != seen[0].worker_id and grew == [target]  # the target, which restored the request, fetched its media
 
 
 async def test_a_draining_worker_hands_a_media_request_on_with_its_embeddings(stack):
@@ -212,6 +234,29 @@ async def test_a_draining_worker_hands_a_media_request_on_with_its_embeddings(st
     assert [c.index for c in seen] == list(range(LONG))
     assert [c.token_id for c in seen] == expected
     assert router.metric("phalanx_router_migrations_total") + router.metric("phalanx_router_handoffs_total") == moves + 1
+
+
+async def test_a_migration_whose_encoder_died_too_encodes_the_media_again(stack):
+    await asyncio.gather(stack.add_workers(1, env=DRAIN_AT_ONCE), stack.add_encoder())  # a target, and an encoder to survive
+    image = _png(6)
+    expected = _in_process(image, "Look: ", " What is it?", max_tokens=LONG)
+    encoders = [e for e in stack.encoders if e.process.poll() is None]
+    assert len(encoders) >= 2
+    encoded = {e.name: e.metric("phalanx_encoder_items_total", modality="image", result="ok") or 0 for e in encoders}
+    inline_bytes, reencodes = _inline(stack)
+
+    def stop(worker) -> None:
+        # The encoder holding the media dies with the worker: the target cannot fetch them, and says so; the router
+        # encodes them again on the other encoder and asks the migration service once more, rows inline.
+        (holder,) = [e for e in encoders if (e.metric("phalanx_encoder_items_total", modality="image", result="ok") or 0) > encoded[e.name]]
+        holder.kill()
+        worker.kill()
+
+    seen = await _stream_and_stop_the_worker(stack, image, LONG, stop)
+    assert [c.index for c in seen] == list(range(LONG))
+    assert [c.token_id for c in seen] == expected
+    now_bytes, now_reencodes = _inline(stack)
+    assert now_reencodes == reencodes + 1 and now_bytes > inline_bytes
 
 
 def _png(seed: int) -> bytes:

@@ -313,7 +313,7 @@ class ScriptedStub:
         return router_pb2.CancelResponse(cancelled=True)
 
 
-def scripted_client(*calls, retry=RetryPolicy(initial_backoff_s=0.001, max_backoff_s=0.001)):  # noqa: B008
+def scripted_client(*calls, retry=RetryPolicy(initial_backoff_s=0.001, max_backoff_s=0.001)):  # noqa: B008 - RetryPolicy is frozen, so one shared default is safe
     return Client(None, ScriptedStub(*calls), api_key="k", timeout=None, retry=retry)
 
 

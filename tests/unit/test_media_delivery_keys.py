@@ -8,8 +8,8 @@ import torch
 
 from phalanx._proto import common_pb2, encoder_pb2
 from phalanx.common.block_hash import MediaSpan
-from phalanx.encoder_pool.held import HeldEmbeddings
-from phalanx.router.media import Encoded, HandleCache
+from phalanx.encoder_pool.held import DeliveryRate, HeldEmbeddings
+from phalanx.router.media import Encoded, HandleCache, usable_for
 
 
 class _Clock:
@@ -73,3 +73,29 @@ def test_a_worker_requests_media_carry_either_the_rows_or_where_they_wait():
     source = common_pb2.MediaSource(encoder_address="e:1", channel_endpoint="encoder-e", key="k")
     (direct,) = Encoded([handle], [source]).media(spans)
     assert (direct.start, direct.data, direct.source) == (3, b"", source)
+
+
+def test_an_encoders_delivery_rate_averages_sends_large_enough_to_measure_a_link():
+    rate = DeliveryRate(min_bytes=1000, alpha=0.5)
+    assert rate.bytes_per_s == 0.0
+    rate.observe(999, 1e-6)  # too small: latency, not bandwidth
+    rate.observe(10_000, 0.0)
+    assert rate.bytes_per_s == 0.0
+    rate.observe(4_000, 0.001)
+    assert rate.bytes_per_s == pytest.approx(4e6)  # the first measurement as it is
+    rate.observe(2_000, 0.001)
+    assert rate.bytes_per_s == pytest.approx(3e6)  # then a moving average
+    with pytest.raises(ValueError):
+        DeliveryRate(alpha=0.0)
+
+
+def test_handles_are_used_until_5_s_or_half_of_the_hold_before_it_ends_and_the_cache_says_until_when():
+    # The router passes a direct request's handles on to a migration only until then (after it, it encodes again).
+    assert (usable_for(60.0), usable_for(10.0), usable_for(4.0)) == (55.0, 5.0, 2.0)
+    clock = _Clock()
+    cache = HandleCache(4, clock=clock)
+    embedding, source = encoder_pb2.Embedding(rows=16, key="k"), common_pb2.MediaSource(encoder_address="e:1", key="k")
+    assert cache.until((1, b"a")) == 0.0
+    cache.put((1, b"a"), embedding, source, hold_s=60.0)
+    assert cache.until((1, b"a")) == clock.now + 55.0
+    assert cache.until(None) == 0.0

@@ -2,7 +2,7 @@
 
 import pytest
 
-from phalanx.router.joint import EncoderEstimate, choose_joint, pair_ttft_s
+from phalanx.router.joint import EncoderEstimate, choose_joint, embedding_bytes, embedding_transfer_s, pair_ttft_s
 from phalanx.router.routing import WorkerEstimate
 
 pytestmark = pytest.mark.unit
@@ -72,3 +72,31 @@ def test_overlap_pays_only_when_its_saving_beats_the_prefixs_own_step():
     cached = WorkerEstimate("w", 0.0, 0.25 * MS, 1024, step_s=20 * MS)
     held = choose_joint([encoder], [cached], prefix_tokens=1024, rest_tokens=60, overlap=True)
     assert held is not None and held.overlap_gain_s == 0 and not held.overlap_pays(0.0)
+
+
+def test_embedding_bytes_and_transfer_time():
+    assert embedding_bytes(576, 4096, "float32") == 576 * 4096 * 4
+    assert embedding_bytes(576, 4096, "bfloat16") == embedding_bytes(576, 4096, "float16") == 576 * 4096 * 2
+    assert embedding_bytes(10, 8, "") == 10 * 8 * 4  # an encoder that does not say: float32, its default
+    nbytes = 9_437_184  # a LLaVA-sized image: 576 x 4096 float32
+    assert embedding_transfer_s(nbytes, measured_bytes_per_s=0.0, link_bytes_per_s=1e9, through_router=False) == pytest.approx(0.009437184)
+    assert embedding_transfer_s(nbytes, measured_bytes_per_s=4e9, link_bytes_per_s=1e9, through_router=False) == pytest.approx(0.002359296)
+    assert embedding_transfer_s(nbytes, measured_bytes_per_s=4e9, link_bytes_per_s=1e9, through_router=True) == pytest.approx(0.018874368)
+    assert embedding_transfer_s(0, measured_bytes_per_s=0.0, link_bytes_per_s=1e9, through_router=True) == 0.0
+
+
+def test_the_encoders_transfer_estimate_counts_in_the_pair_and_can_turn_the_choice():
+    worker = WorkerEstimate("w", 0.0, 0.1 * MS, 0)
+    # "fast" encodes 10 ms sooner but its link moves the rows 30 ms slower.
+    fast = EncoderEstimate("fast", 20 * MS, transfer_s=35 * MS)
+    slow = EncoderEstimate("slow", 30 * MS, transfer_s=5 * MS)
+    assert pair_ttft_s(fast, worker, prefix_tokens=0, rest_tokens=10, overlap=True) == pytest.approx(0.055 + 0.001)
+    choice = choose_joint([fast, slow], [worker], prefix_tokens=0, rest_tokens=10, overlap=True)
+    assert choice is not None and choice.encoder_id == "slow" and choice.ttft_s == pytest.approx(0.035 + 0.001)
+    # The per-pair hook adds to it.
+    choice = choose_joint([fast, slow], [worker], prefix_tokens=0, rest_tokens=10, overlap=True, transfer_s=lambda e, w: 40 * MS * (e == "slow"))
+    assert choice is not None and choice.encoder_id == "fast"
+    # With overlap a transfer hides behind a longer prefix prefill, like the encode: 500 prefix tokens take 50 ms.
+    assert pair_ttft_s(slow, worker, prefix_tokens=500, rest_tokens=10, overlap=True) == pytest.approx(0.050 + 0.001)
+    long = choose_joint([slow], [worker], prefix_tokens=500, rest_tokens=10, overlap=True)
+    assert long is not None and long.overlap_gain_s == pytest.approx(0.035)  # encode + transfer, the shorter side

@@ -59,3 +59,34 @@ def test_embedding_cache_keeps_recent_images_and_audio_within_its_bytes():
     cache.put(cache.key(_item(router_pb2.MEDIA_KIND_IMAGE, b"big")), encoder_pb2.Embedding(data=b"b" * 251))
     assert len(cache) == 2  # larger than the whole cache: not kept
     assert EmbeddingCache(0).get(EmbeddingCache.key(image)) is None
+
+
+def test_estimates_price_moving_each_encoders_embeddings_by_its_measured_or_the_configured_bandwidth():
+    from phalanx.router.media import MediaEncoder
+
+    encoders = EncoderSet()
+    # 576 positions per image x 1,024 values: float32 2.36 MB, bfloat16 half that.
+    measured = _registration("a", 0.0, image=5.0)
+    measured.CopyFrom(encoder_pb2.EncoderRegistration(
+        address="a", llm_hidden_size=1024, image_positions=576, embedding_dtype="float32",
+        load=encoder_pb2.EncoderLoad(costs=measured.load.costs, delivery_bytes_per_s=2.0e9),
+    ))
+    unmeasured = encoder_pb2.EncoderRegistration(
+        address="b", llm_hidden_size=1024, image_positions=576, embedding_dtype="bfloat16",
+        load=encoder_pb2.EncoderLoad(costs=measured.load.costs),
+    )
+    encoders.update("put", "measured", measured)
+    encoders.update("put", "unmeasured", unmeasured)
+    media = [router_pb2.MediaInput(kind=router_pb2.MEDIA_KIND_IMAGE, data=b"png")]
+    encoder = MediaEncoder(encoders, timeout_s=1.0, max_message_bytes=1 << 20)
+    direct, rows = encoder.estimates(media, link_bytes_per_s=1.0e9)
+    assert rows == 576
+    by_id = {e.encoder_id: e for e in direct}
+    assert by_id["measured"].transfer_s == pytest.approx(576 * 1024 * 4 / 2.0e9)  # its own measurement
+    assert by_id["unmeasured"].transfer_s == pytest.approx(576 * 1024 * 2 / 1.0e9)  # the configured link, 16-bit rows
+    inline, _ = encoder.estimates(media, link_bytes_per_s=1.0e9, through_router=True)
+    # Through the router: two hops at the configured bandwidth, whatever the encoder measured on its own sends.
+    assert {e.encoder_id: e.transfer_s for e in inline} == pytest.approx(
+        {"measured": 2 * 576 * 1024 * 4 / 1.0e9, "unmeasured": 2 * 576 * 1024 * 2 / 1.0e9}
+    )
+    assert all(e.transfer_s == 0 for e in encoder.estimates(media)[0])  # no link given: no term

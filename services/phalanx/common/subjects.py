@@ -83,9 +83,9 @@ ENCODERS_PREFIX = "/phalanx/v1/encoders/"
 MIGRATIONS_PREFIX = "/phalanx/v1/migration/"
 # A request moved to another worker (MigrationEvent): routers relaying it re-attach there.
 MIGRATION_EVENTS_SUBJECT = "phalanx.migrated"
-# The planner (docs/planner.md, "Service"): its leadership key, the decision it asks an orchestrator to carry
-# out (JSON, planner.connectors.DecisionRecord), the orchestrator's acknowledgement (JSON AckRecord) and an
-# operator's target (JSON {"workers": N}, `phalanx planner set-target`).
+# The planner (docs/planner.md, "Service"): its leadership key (JSON PlannerLeader), the decision it asks an
+# orchestrator to carry out (JSON PlannerDecision, planner.connectors.DecisionRecord), the orchestrator's
+# acknowledgement (JSON PlannerAck) and an operator's target (JSON PlannerTarget, `phalanx planner set-target`).
 PLANNER_PREFIX = "/phalanx/v1/planner/"
 PLANNER_LEADER_KEY = PLANNER_PREFIX + "leader"
 PLANNER_DECISION_KEY = PLANNER_PREFIX + "decision"

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["HeldEmbeddings"]
+__all__ = ["DeliveryRate", "HeldEmbeddings"]
 
 
 @dataclass(frozen=True)
@@ -74,3 +74,21 @@ class HeldEmbeddings:
 
 def _nbytes(values: torch.Tensor) -> int:
     return values.numel() * values.element_size()
+
+
+class DeliveryRate:
+    """The bandwidth of an encoder's sends of held embeddings to workers: a moving average over sends of at least
+    ``min_bytes`` (smaller ones measure setup and latency more than the link). 0 until one was measured."""
+
+    def __init__(self, *, min_bytes: int = 64 << 10, alpha: float = 0.2) -> None:
+        if min_bytes < 1 or not 0 < alpha <= 1:
+            raise ValueError("min_bytes must be at least 1 and alpha in (0, 1]")
+        self.min_bytes = min_bytes
+        self.alpha = alpha
+        self.bytes_per_s = 0.0
+
+    def observe(self, nbytes: int, seconds: float) -> None:
+        if nbytes < self.min_bytes or seconds <= 0:
+            return
+        rate = nbytes / seconds
+        self.bytes_per_s = rate if self.bytes_per_s <= 0 else (1 - self.alpha) * self.bytes_per_s + self.alpha * rate

@@ -101,9 +101,9 @@ class EncoderPoolProcess:
         return encode_json(encoder_pb2.EncoderRegistration(
             encoder_id=self.encoder_id, address=self.address, metrics_address=self.shell.metrics_address, pid=os.getpid(),
             started_at=self.started_at, modalities=[modality_to_proto(m) for m in pool.modalities],
-            llm_hidden_size=self.config.llm_hidden_size,
+            llm_hidden_size=self.config.llm_hidden_size, embedding_dtype=self.config.embedding_dtype,
             image_positions=pool.image.tokens_per_image if pool.image else 0, audio_chunk_positions=pool.audio_chunk_positions,
-            load=encoder_load(pool),
+            load=encoder_load(pool, self.servicer.delivery_bytes_per_s if self.servicer is not None else 0.0),
         ))
 
     async def _publish_load_forever(self, pool: EncodePool, registration: LeasedKey) -> None:

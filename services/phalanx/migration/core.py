@@ -35,7 +35,7 @@ import grpc
 from phalanx._proto import checkpoint_pb2, checkpoint_pb2_grpc, common_pb2, migration_pb2, worker_pb2, worker_pb2_grpc
 from phalanx.common.config import EtcdConfig
 from phalanx.common.discovery import CheckpointStoreDirectory, WorkerDirectory
-from phalanx.common.errors import InvalidRequestError, UnavailableError
+from phalanx.common.errors import MEDIA_SOURCE_SUBJECT, FailedPreconditionError, InvalidRequestError, UnavailableError
 from phalanx.common.events import EventBus
 from phalanx.common.grpc_channels import GrpcChannels
 from phalanx.common.subjects import MIGRATION_EVENTS_SUBJECT
@@ -373,6 +373,12 @@ class Migrator:
             last_error = f"{target.worker_id}: {result.code}: {result.message}"
             if result.code == "INVALID_ARGUMENT":
                 raise InvalidRequestError("request", last_error)
+            if result.subject == MEDIA_SOURCE_SUBJECT:
+                # The encoder holding its media (direct delivery) died or dropped them: another target would not fetch
+                # them either. The caller (the router) encodes them again and asks once more, rows inline.
+                raise FailedPreconditionError(
+                    f"request {request.request_id} could not be migrated: {last_error}", subject=MEDIA_SOURCE_SUBJECT,
+                )
         self.metrics.failures.inc()
         raise UnavailableError(f"request {request.request_id} could not be migrated ({last_error})", retry_after_s=0.5)
 

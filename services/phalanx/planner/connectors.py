@@ -5,26 +5,31 @@ earlier ones) and reports the orchestrator's `acknowledged` progress; the planne
 to the DecisionMachine, whose deadlines time out decisions nobody carries out. Scaling is non-blocking:
 publish returns at once.
 
-- `virtual`: the decision is a JSON `DecisionRecord` at PLANNER_DECISION_KEY (/phalanx/v1/planner/decision),
-  written fenced by the planner's leadership (a deposed planner cannot overwrite its successor). An
-  orchestrator carries it out and writes a JSON `AckRecord` at PLANNER_ACK_KEY (/phalanx/v1/planner/ack)
-  once the fleet matches the targets; an ack of id N acknowledges every decision up to N. `phalanx up
-  --planner` is such an orchestrator (the `local` connector, in phalanx.cli.up).
+- `virtual`: the decision (a `DecisionRecord`, stored as the protobuf JSON of `PlannerDecision`) is at
+  PLANNER_DECISION_KEY (/phalanx/v1/planner/decision), written fenced by the planner's leadership (a
+  deposed planner cannot overwrite its successor). An orchestrator carries it out and writes an `AckRecord`
+  (`PlannerAck`) at PLANNER_ACK_KEY (/phalanx/v1/planner/ack) once the fleet matches the targets; an ack of
+  id N acknowledges every decision up to N. `phalanx up --planner` is such an orchestrator (the `local`
+  connector, in phalanx.cli.up).
 - `kubernetes`: patches the worker StatefulSet's scale subresource (kubernetes_connector.py).
 
-`phalanx planner set-target N` writes an operator's target (PLANNER_TARGET_KEY, JSON {"workers": N}); the
+`phalanx planner set-target N` writes an operator's target (PLANNER_TARGET_KEY, `PlannerTarget`); the
 planner turns it into a decision at its next ready tick, clamped to its bounds.
+
+Every value goes through discovery's `encode_json`/`decode_json` like the rest of etcd; the dataclasses stay
+the planner's domain objects (the DecisionMachine, the connectors and `phalanx planner show` use them).
 """
 
 from __future__ import annotations
 
-import json
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import aetcd
 
+from phalanx._proto import common_pb2
+from phalanx.common.discovery import decode_json, encode_json
 from phalanx.common.subjects import PLANNER_ACK_KEY, PLANNER_DECISION_KEY, PLANNER_TARGET_KEY
 from phalanx.health.leader import LeaderElection
 from phalanx.planner.decisions import Decision
@@ -59,12 +64,19 @@ class DecisionRecord:
         )
 
     def to_json(self) -> bytes:
-        return json.dumps(asdict(self), separators=(",", ":")).encode()
+        """The etcd value."""
+        return encode_json(common_pb2.PlannerDecision(
+            id=self.id, workers=self.workers, spares=self.spares, reason=self.reason, issued_at=self.issued_at, deadline=self.deadline,
+            replaces=self.replaces, promote=self.promote,
+        ))
 
     @classmethod
     def from_json(cls, data: bytes) -> DecisionRecord:
-        raw = json.loads(data)
-        return cls(**{k: raw[k] for k in cls.__dataclass_fields__ if k in raw})
+        m = decode_json(data, common_pb2.PlannerDecision)
+        return cls(
+            id=m.id, workers=m.workers, spares=m.spares, reason=m.reason, issued_at=m.issued_at, deadline=m.deadline,
+            replaces=list(m.replaces), promote=m.promote,
+        )
 
 
 @dataclass(frozen=True)
@@ -77,12 +89,13 @@ class AckRecord:
     orchestrator: str = ""
 
     def to_json(self) -> bytes:
-        return json.dumps(asdict(self), separators=(",", ":")).encode()
+        """The etcd value."""
+        return encode_json(common_pb2.PlannerAck(id=self.id, workers=self.workers, at=self.at, orchestrator=self.orchestrator))
 
     @classmethod
     def from_json(cls, data: bytes) -> AckRecord:
-        raw = json.loads(data)
-        return cls(**{k: raw[k] for k in cls.__dataclass_fields__ if k in raw})
+        m = decode_json(data, common_pb2.PlannerAck)
+        return cls(id=m.id, workers=m.workers, at=m.at, orchestrator=m.orchestrator)
 
 
 class Connector(Protocol):
@@ -139,13 +152,13 @@ async def write_ack(client: aetcd.Client, ack: AckRecord) -> None:
 
 async def read_target(client: aetcd.Client) -> int | None:
     value = await _read(client, PLANNER_TARGET_KEY)
-    return None if value is None else int(json.loads(value)["workers"])
+    return None if value is None else decode_json(value, common_pb2.PlannerTarget).workers
 
 
 async def write_target(client: aetcd.Client, workers: int) -> None:
     if workers < 0:
         raise ValueError(f"a target of {workers} workers: need >= 0")
-    await client.put(PLANNER_TARGET_KEY.encode(), json.dumps({"workers": workers, "at": time.time()}).encode())
+    await client.put(PLANNER_TARGET_KEY.encode(), encode_json(common_pb2.PlannerTarget(workers=workers, at=time.time())))
 
 
 async def clear_target(client: aetcd.Client) -> None:

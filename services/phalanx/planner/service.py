@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import os
 import socket
@@ -565,8 +564,8 @@ class PlannerProcess:
     async def _lead_forever(self, client: aetcd.Client) -> None:
         backoff = Backoff(initial=0.2, cap=5.0)
         while True:
-            value = json.dumps({"instance_id": self.instance_id, "address": self.address, "pid": os.getpid(), "elected_at": time.time()})
-            await self.election.campaign(value.encode())
+            leader = common_pb2.PlannerLeader(instance_id=self.instance_id, address=self.address, pid=os.getpid(), elected_at=time.time())
+            await self.election.campaign(encode_json(leader))
             log.info("planner %s leads", self.instance_id)
             connector = self._connector(client)
             self.planner = Planner(self.config, client, self.etcd_config, self.election, connector, self.metrics, self.profile)

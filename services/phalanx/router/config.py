@@ -110,6 +110,11 @@ class RouterConfig(BaseSettings):
         "tensor channel (gRPC below a size), this router holding only keys and the media bytes; inline, inside the worker "
         "request through this router (the embedding cache applies). A failed direct fetch falls back to inline",
     )
+    media_link_bytes_per_s: float = Field(
+        1.0e9, gt=0,
+        description="Bandwidth joint routing assumes for moving embeddings to a worker: an encoder's measured delivery bandwidth "
+        "(advertised in its registration) replaces it for direct delivery; inline delivery pays it twice (encoder to router to worker)",
+    )
     media_prefix_overlap: bool = Field(
         True,
         description="Prefill a media request's text before its first media marker on the chosen worker while the encoder runs "

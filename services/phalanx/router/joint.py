@@ -10,7 +10,11 @@ embeddings. Per pair, in seconds:
     overlap:     max(encode_e + transfer_e,w, wait_w + uncached_prefix_w x s_w) + rest x s_w
     sequential:  encode_e + transfer_e,w + wait_w + uncached_prefix_w x s_w + rest x s_w
 
-where ``wait_w`` and ``s_w`` (seconds per prompt token) are the routing
+where ``transfer_e,w`` is moving the embeddings (``EncoderEstimate.transfer_s``,
+``embedding_transfer_s``: their bytes over the encoder's measured delivery
+bandwidth, or a configured link bandwidth before one is measured, twice
+when they pass through the router; plus an optional per-pair term),
+``wait_w`` and ``s_w`` (seconds per prompt token) are the routing
 table's terms for that worker (queue, load since its last report, health
 weight, staleness) and ``rest`` counts the estimated media rows and the
 text after the first placeholder. The max couples the two choices: while a
@@ -33,13 +37,36 @@ from dataclasses import dataclass
 
 from phalanx.router.routing import WorkerEstimate
 
-__all__ = ["EncoderEstimate", "JointChoice", "choose_joint"]
+__all__ = ["EMBEDDING_DTYPE_BYTES", "EncoderEstimate", "JointChoice", "choose_joint", "embedding_bytes", "embedding_transfer_s"]
+
+# Bytes per value of the dtypes embeddings leave an encoder in (encoder_pool.config.embedding_dtype).
+EMBEDDING_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 
 @dataclass(frozen=True, slots=True)
 class EncoderEstimate:
     encoder_id: str
     encode_s: float  # backlog + this request's units x unit cost
+    transfer_s: float = 0.0  # moving this request's embeddings from the encoder to a worker
+
+
+def embedding_bytes(rows: int, hidden: int, dtype: str) -> int:
+    """Bytes of `rows` embeddings of `hidden` values in `dtype` (an unknown or unset dtype counts as float32, the encoders'
+    default: an estimate too high rather than one that ignores the transfer)."""
+    return max(0, rows) * max(0, hidden) * EMBEDDING_DTYPE_BYTES.get(dtype, 4)
+
+
+def embedding_transfer_s(nbytes: int, *, measured_bytes_per_s: float, link_bytes_per_s: float, through_router: bool) -> float:
+    """Seconds to move `nbytes` of embeddings to a worker.
+
+    Direct delivery: one hop, at the encoder's measured delivery bandwidth (its sends to workers), else at the
+    configured link bandwidth. Inline: two hops (encoder -> router -> worker, both gRPC), at the configured one.
+    """
+    if nbytes <= 0 or link_bytes_per_s <= 0:
+        return 0.0
+    if through_router:
+        return 2 * nbytes / link_bytes_per_s
+    return nbytes / (measured_bytes_per_s if measured_bytes_per_s > 0 else link_bytes_per_s)
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,7 +87,8 @@ class JointChoice:
 def pair_ttft_s(
     encoder: EncoderEstimate, worker: WorkerEstimate, *, prefix_tokens: int, rest_tokens: int, overlap: bool, transfer_s: float = 0.0,
 ) -> float:
-    ready = encoder.encode_s + transfer_s
+    """Estimated TTFT of one pair; `transfer_s` is a per-pair term on top of the encoder's own ``transfer_s``."""
+    ready = encoder.encode_s + encoder.transfer_s + transfer_s
     prefix = worker.wait_s + max(0, prefix_tokens - worker.cached_tokens) * worker.s_per_token
     rest = rest_tokens * worker.s_per_token
     return (max(ready, prefix) if overlap else ready + prefix) + rest
@@ -74,12 +102,12 @@ def choose_joint(
     best: JointChoice | None = None
     for encoder in encoders:
         for worker in workers:
-            extra = transfer_s(encoder.encoder_id, worker.worker_id) if transfer_s is not None else 0.0
-            ttft = pair_ttft_s(encoder, worker, prefix_tokens=prefix_tokens, rest_tokens=rest_tokens, overlap=overlap, transfer_s=extra)
+            pair = transfer_s(encoder.encoder_id, worker.worker_id) if transfer_s is not None else 0.0
+            ttft = pair_ttft_s(encoder, worker, prefix_tokens=prefix_tokens, rest_tokens=rest_tokens, overlap=overlap, transfer_s=pair)
             if best is None or ttft < best.ttft_s:
                 prefill_s = max(0, prefix_tokens - worker.cached_tokens) * worker.s_per_token
                 best = JointChoice(
                     encoder.encoder_id, worker.worker_id, ttft, min(worker.cached_tokens, prefix_tokens),
-                    overlap_gain_s=min(encoder.encode_s + extra, prefill_s), worker_step_s=worker.step_s,
+                    overlap_gain_s=min(encoder.encode_s + encoder.transfer_s + pair, prefill_s), worker_step_s=worker.step_s,
                 )
     return best

@@ -16,17 +16,22 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import grpc
+from google.rpc import error_details_pb2
+from grpc_status import rpc_status
 
 from phalanx._proto import common_pb2, encoder_pb2, encoder_pb2_grpc, router_pb2
 from phalanx.common.block_hash import MediaSpan
-from phalanx.common.errors import InvalidRequestError, UnavailableError
+from phalanx.common.errors import MEDIA_SOURCE_SUBJECT, InvalidRequestError, UnavailableError
 from phalanx.common.grpc_channels import GrpcChannels
-from phalanx.router.joint import EncoderEstimate
+from phalanx.router.joint import EncoderEstimate, embedding_bytes, embedding_transfer_s
 
-__all__ = ["EmbeddingCache", "Encoded", "EncoderSet", "HandleCache", "MediaEncoder", "estimated_units", "split_on_markers"]
+__all__ = [
+    "EmbeddingCache", "Encoded", "EncoderSet", "HandleCache", "MediaEncoder", "estimated_units", "media_fetch_failed", "split_on_markers",
+    "usable_for",
+]
 
 log = logging.getLogger(__name__)
 
@@ -141,6 +146,8 @@ class Encoded:
     embeddings: list[encoder_pb2.Embedding]
     # Direct delivery: where each item's rows wait (encoder address, channel endpoint, key); empty: the rows are inline.
     sources: list[common_pb2.MediaSource] = field(default_factory=list)
+    # Direct delivery: until when (time.monotonic) the sources are worth fetching, a margin before their hold time ends.
+    usable_until: float = 0.0
 
     def media(self, spans: Sequence[MediaSpan]) -> list[common_pb2.MediaEmbedding]:
         """The worker request's media at `spans` (one per embedding): rows inline, or where the worker fetches them."""
@@ -156,6 +163,12 @@ class Encoded:
 
 
 _HANDLE_MARGIN_S = 5.0
+
+
+def usable_for(hold_s: float) -> float:
+    """How long after an encode its held rows are worth fetching: 5 s (at most half) short of the hold time, a margin for
+    the request to reach its worker; a handle that still goes stale costs an inline encode, not tokens."""
+    return max(hold_s / 2, hold_s - _HANDLE_MARGIN_S)
 
 
 class HandleCache:
@@ -182,11 +195,15 @@ class HandleCache:
         self._entries.move_to_end(key)
         return entry[1], entry[2]
 
+    def until(self, key: tuple[int, bytes] | None) -> float:
+        """Until when (the cache's clock) the handle under `key` is kept; 0 for none."""
+        entry = self._entries.get(key) if key is not None else None
+        return entry[0] if entry is not None else 0.0
+
     def put(self, key: tuple[int, bytes] | None, embedding: encoder_pb2.Embedding, source: common_pb2.MediaSource, hold_s: float) -> None:
         if key is None or self.max_entries < 1:
             return
-        # A margin for the request to reach its worker; a handle that still goes stale costs an inline encode, not tokens.
-        self._entries[key] = (self._clock() + max(hold_s / 2, hold_s - _HANDLE_MARGIN_S), embedding, source)
+        self._entries[key] = (self._clock() + usable_for(hold_s), embedding, source)
         self._entries.move_to_end(key)
         while len(self._entries) > self.max_entries:
             self._entries.popitem(last=False)
@@ -214,16 +231,33 @@ class MediaEncoder:
         keys = [self.cache.key(item) for item in media]
         return all(self.cache.get(key) is not None or self.handles.get(key) is not None for key in keys)
 
-    def estimates(self, media: Sequence[router_pb2.MediaInput]) -> tuple[list[EncoderEstimate], int]:
+    def estimates(
+        self, media: Sequence[router_pb2.MediaInput], *, link_bytes_per_s: float = 0.0, through_router: bool = False,
+    ) -> tuple[list[EncoderEstimate], int]:
         """The encoders that serve these media with their estimated encode time, cheapest first, and the prompt
-        positions the media will take by the cheapest one's registration (0 when none serves them)."""
+        positions the media will take by the cheapest one's registration (0 when none serves them).
+
+        Each estimate's ``transfer_s`` prices moving the embeddings to a worker (``embedding_transfer_s``: its measured
+        delivery bandwidth, else `link_bytes_per_s`; `through_router`: inline delivery, two hops); 0 without a link.
+        """
         _, units = self._items(media)
         choices = self.encoders.ranked(units)
         if not choices:
             return [], 0
+        estimates = []
+        for c in choices:
+            registration = self.encoders.encoders[c.encoder_id]
+            nbytes = embedding_bytes(
+                sum(estimated_rows(item, registration) for item in media), registration.llm_hidden_size, registration.embedding_dtype,
+            )
+            transfer = embedding_transfer_s(
+                nbytes, measured_bytes_per_s=registration.load.delivery_bytes_per_s, link_bytes_per_s=link_bytes_per_s,
+                through_router=through_router,
+            )
+            estimates.append(EncoderEstimate(c.encoder_id, c.estimate_ms / 1e3, transfer))
         registration = self.encoders.encoders[choices[0].encoder_id]
         rows = sum(estimated_rows(item, registration) for item in media)
-        return [EncoderEstimate(c.encoder_id, c.estimate_ms / 1e3) for c in choices], rows
+        return estimates, rows
 
     async def encode(
         self, request_id: str, media: Sequence[router_pb2.MediaInput], max_positions: int, *, first: str | None = None,
@@ -263,11 +297,11 @@ class MediaEncoder:
             if max_positions and sum(e.rows for e, _ in hits) > max_positions:
                 raise InvalidRequestError("media", f"media need more than the {max_positions} prompt positions the request allows")
             self._on_cache_hit()
-            return Encoded([e for e, _ in hits], [s for _, s in hits])
+            return Encoded([e for e, _ in hits], [s for _, s in hits], usable_until=min(self.handles.until(k) for k in keys))
         encoded, hold_s = await self._encode(request_id, media, max_positions, first, deliver=True)
         for key, embedding, source in zip(keys, encoded.embeddings, encoded.sources, strict=True):
             self.handles.put(key, embedding, source, hold_s)
-        return encoded
+        return replace(encoded, usable_until=time.monotonic() + usable_for(hold_s))
 
     @staticmethod
     def _items(media: Sequence[router_pb2.MediaInput]) -> tuple[list[encoder_pb2.MediaItem], dict[encoder_pb2.Modality, int]]:
@@ -322,3 +356,21 @@ class MediaEncoder:
             ]
             return Encoded(list(reply.embeddings), sources), reply.hold_s
         raise UnavailableError(f"every encoder failed: {last.code().name if last else 'none'}", retry_after_s=1.0)
+
+
+def media_fetch_failed(error: grpc.aio.AioRpcError) -> bool:
+    """A worker refused a request (or a restore of it) because it could not fetch its media from their encoder
+    (worker/media_fetch.py); the migration service passes a target's refusal on as the same status."""
+    if error.code() != grpc.StatusCode.FAILED_PRECONDITION:
+        return False
+    try:
+        status = rpc_status.from_call(error)
+    except (ValueError, TypeError, AttributeError):
+        return False
+    for detail in status.details if status is not None else ():
+        if detail.Is(error_details_pb2.PreconditionFailure.DESCRIPTOR):
+            failure = error_details_pb2.PreconditionFailure()
+            detail.Unpack(failure)
+            if any(v.subject == MEDIA_SOURCE_SUBJECT for v in failure.violations):
+                return True
+    return False

@@ -9,9 +9,10 @@ import grpc
 from phalanx._proto import migration_pb2, migration_pb2_grpc
 from phalanx.common.config import EtcdConfig
 from phalanx.common.discovery import MigrationDirectory
-from phalanx.common.errors import UnavailableError
+from phalanx.common.errors import MEDIA_SOURCE_SUBJECT, FailedPreconditionError, UnavailableError
 from phalanx.common.grpc_channels import GrpcChannels
 from phalanx.common.lease import TRANSIENT_ERRORS
+from phalanx.router.media import media_fetch_failed
 
 log = logging.getLogger(__name__)
 
@@ -58,4 +59,7 @@ class MigrationClient:
             self._preferred = address
             return response
         assert last is not None
+        if media_fetch_failed(last):
+            # The target could not fetch the request's media from their encoder: the caller encodes them again.
+            raise FailedPreconditionError(f"migration of {request.request_id}: {last.details()}", subject=MEDIA_SOURCE_SUBJECT)
         raise UnavailableError(f"migration of {request.request_id} failed: {last.code().name}: {last.details()}", retry_after_s=0.5)

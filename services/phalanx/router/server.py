@@ -21,13 +21,14 @@ from dataclasses import dataclass, field
 from typing import Any, cast
 
 import grpc
-from google.rpc import error_details_pb2, status_pb2
+from google.rpc import status_pb2
 from grpc_status import rpc_status
 
 from phalanx._proto import common_pb2, migration_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 from phalanx.common.block_hash import MediaSpan
 from phalanx.common.errors import (
     MEDIA_SOURCE_SUBJECT,
+    FailedPreconditionError,
     InvalidRequestError,
     NotFoundError,
     PhalanxError,
@@ -46,7 +47,7 @@ from phalanx.router.admission import Admission, Admitted, Tier
 from phalanx.router.config import RouterConfig
 from phalanx.router.joint import JointChoice, choose_joint
 from phalanx.router.limits import TenantPromptError
-from phalanx.router.media import MediaEncoder, split_on_markers
+from phalanx.router.media import MediaEncoder, media_fetch_failed, split_on_markers
 from phalanx.router.metrics import RouterMetrics, tenant_label
 from phalanx.router.multiplex import MultiplexedCall, WorkerMultiplexer
 from phalanx.router.records import RequestRecords
@@ -163,6 +164,8 @@ class _Flow:
     # Direct delivery: the media themselves and their budget, to encode again when a worker cannot fetch the rows.
     media_inputs: Sequence[router_pb2.MediaInput] = ()
     media_budget: int = 0
+    # Until when (time.monotonic) the encoder holding them is expected to still hold the rows (a margin short of its hold).
+    media_usable_until: float = 0.0
     next_index: int = 0
     first_sent: bool = False
     # The worker the client was last told produced its tokens (a migration changes it: the next chunk names the new one).
@@ -279,9 +282,9 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
     ) -> tuple[_Flow, bool]:
         """Encodes the media, routes and claims the request; (flow, whether it is a retry of a request already running)."""
         media: list[common_pb2.MediaEmbedding] = []
-        prefer, budget = None, 0
+        prefer, budget, usable_until = None, 0, 0.0
         if request.media:
-            prompt_ids, media, prefer, budget = await self._encode_media(request_id, request, prompt_ids, params)
+            prompt_ids, media, prefer, budget, usable_until = await self._encode_media(request_id, request, prompt_ids, params)
         flow, existing = await self._start(request_id, admitted, prompt_ids, media, prefer=prefer)
         if existing is not None:
             if existing.tenant != admitted.tenant:
@@ -290,7 +293,7 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
             # A retry of a request that is already running: stream it from the start (not a new arrival).
             return _Flow(existing, Tier(existing.tier or Tier.STANDARD), prompt_ids, counts_output=False), True
         if any(m.source.key for m in media):
-            flow.media_inputs, flow.media_budget = request.media, budget
+            flow.media_inputs, flow.media_budget, flow.media_usable_until = request.media, budget, usable_until
         return flow, False
 
     async def _enter(self, admitted: Admitted, request_id: str, prompt_tokens: int) -> None:
@@ -435,12 +438,13 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
 
     async def _encode_media(
         self, request_id: str, request: router_pb2.GenerateRequest, prompt_ids: list[int], params
-    ) -> tuple[list[int], list[common_pb2.MediaEmbedding], str | None, int]:
+    ) -> tuple[list[int], list[common_pb2.MediaEmbedding], str | None, int, float]:
         """Encode the media, expand each placeholder to its rows; the visual token budget bounds them all.
 
         The encoder and the worker are chosen together (router/joint.py); the text before the first placeholder is
-        prefilled on that worker while the encoder runs. Returns the expanded prompt, its media, that worker and the
-        budget. Direct delivery: the media carry where the worker fetches the rows, not the rows.
+        prefilled on that worker while the encoder runs. Returns the expanded prompt, its media, that worker, the
+        budget and (direct delivery) until when the rows are worth fetching. Direct delivery: the media carry where the
+        worker fetches the rows, not the rows.
         """
         assert self.media_encoder is not None  # _validate refused media without one
         placeholder = self.config.media_placeholder_token_id
@@ -483,13 +487,13 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
         embeddings = encoded.embeddings
         self.metrics.media_inline_bytes.inc(sum(len(e.data) for e in embeddings))
         expanded, spans = expand_placeholders(prompt_ids, placeholder, [e.rows for e in embeddings], [e.media_hash for e in embeddings])
-        return expanded, encoded.media(spans), choice.worker_id if choice is not None else None, budget
+        return expanded, encoded.media(spans), choice.worker_id if choice is not None else None, budget, encoded.usable_until
 
     async def _media_inline(self, flow: _Flow, cause: str) -> None:
         """Encodes a directly delivered request's media again, rows inline this time (media are pure inputs: the same rows).
 
         A worker could not fetch them (their encoder died, or held them past its hold time), or a migration is to carry
-        them. UnavailableError if no encoder can.
+        them and their encoder no longer holds them. UnavailableError if no encoder can.
         """
         assert self.media_encoder is not None
         self.metrics.media_reencodes.labels(cause=cause).inc()
@@ -506,7 +510,9 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
         """The (encoder, worker) pair with the lowest estimated TTFT; None when either is missing (encode decides the error)."""
         assert self.media_encoder is not None
         try:
-            encoders, rows = self.media_encoder.estimates(media)
+            encoders, rows = self.media_encoder.estimates(
+                media, link_bytes_per_s=self.config.media_link_bytes_per_s, through_router=self.config.media_delivery == "inline",
+            )
         except InvalidRequestError:
             return None  # encode() raises it again, with the same message
         first_media = prompt_ids.index(self.config.media_placeholder_token_id)
@@ -654,7 +660,7 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
             finally:
                 call.cancel()
                 self._reading.pop(request_id, None)
-            if broken is not None and not got_any and flow.media_inputs and _media_fetch_failed(broken):
+            if broken is not None and not got_any and flow.media_inputs and media_fetch_failed(broken):
                 log.info("worker %s could not fetch the media of %s (%s); encoding them again", flow.record.worker_id,
                          flow.record.request_id, broken.details())
                 await self._media_inline(flow, "fetch_failed")
@@ -766,13 +772,44 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
         """Asks the migration service to move the request; None when it did not (the relay policy decides what then)."""
         if self._migrate is None:
             return None
-        if flow.media_inputs:
-            # A restore takes the rows with the request (RestoreItem.media), not a fetch: encode them again, inline.
+        # Direct delivery: the target fetches the media from the encoder that holds them (Restore does as Generate does),
+        # so this router holds no rows; past their hold time, or when the target could not fetch them, they are
+        # encoded again and go inline.
+        if flow.media_inputs and time.monotonic() >= flow.media_usable_until and not await self._media_inline_to_migrate(flow):
+            return None
+        with tracer.start_as_current_span("router.migrate") as span:
+            span.set_attribute("phalanx.request_id", flow.record.request_id)
+            request = self._migrate_request(flow, move, handoff_chunk)
             try:
-                await self._media_inline(flow, "migration")
-            except PhalanxError as error:
-                log.warning("cannot migrate %s: its media could not be encoded again (%s)", flow.record.request_id, error)
+                moved = await self._migrate(request)
+            except FailedPreconditionError as error:
+                if error.subject != MEDIA_SOURCE_SUBJECT or not flow.media_inputs:
+                    raise
+                log.info("the target of %s could not fetch its media (%s); encoding them again", flow.record.request_id, error)
+                if not await self._media_inline_to_migrate(flow):
+                    return None
+                request = self._migrate_request(flow, move, handoff_chunk)
+                moved = await self._migrate(request)
+            if moved is None:
                 return None
+            span.set_attribute("phalanx.worker_id", moved.worker_id)
+        flow.migrations += 1
+        self.metrics.migrations.inc()
+        log.info("%s moved from %s to %s (%s)", flow.record.request_id, flow.record.worker_id, moved.worker_id, request.reason)
+        self._repoint(flow, moved.worker_id, moved.worker_address)
+        return moved
+
+    async def _media_inline_to_migrate(self, flow: _Flow) -> bool:
+        """The media encoded again, rows inline, for a migration; False (logged) if no encoder could."""
+        try:
+            await self._media_inline(flow, "migration")
+        except PhalanxError as error:
+            log.warning("cannot migrate %s: its media could not be encoded again (%s)", flow.record.request_id, error)
+            return False
+        return True
+
+    @staticmethod
+    def _migrate_request(flow: _Flow, move: Migrate, handoff_chunk: _HandoffChunk | None) -> migration_pb2.MigrateRequest:
         request = migration_pb2.MigrateRequest(
             request_id=flow.record.request_id, worker_id=flow.record.worker_id, tokens_delivered=flow.next_index, seed=flow.seed,
             reason=move.reason, priority=int(flow.tier), media=flow.media,
@@ -790,17 +827,7 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
             request.handoff.CopyFrom(handoff_chunk.handoff)
             request.handoff_kv_tokens = handoff_chunk.handoff_kv_tokens
             request.handoff_source_address = handoff_chunk.handoff_source
-        with tracer.start_as_current_span("router.migrate") as span:
-            span.set_attribute("phalanx.request_id", flow.record.request_id)
-            moved = await self._migrate(request)
-            if moved is None:
-                return None
-            span.set_attribute("phalanx.worker_id", moved.worker_id)
-        flow.migrations += 1
-        self.metrics.migrations.inc()
-        log.info("%s moved from %s to %s (%s)", flow.record.request_id, flow.record.worker_id, moved.worker_id, request.reason)
-        self._repoint(flow, moved.worker_id, moved.worker_address)
-        return moved
+        return request
 
     def _move(self, flow: _Flow, decision) -> None:
         self._repoint(flow, decision.worker_id, self._address(decision.worker_id))
@@ -870,23 +897,6 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
                 if flow.counts_output:
                     # The client has next_index tokens in all, whichever stream (Generate or a Resume) relayed the last.
                     self.metrics.output_tokens.observe(flow.next_index)
-
-
-def _media_fetch_failed(error: grpc.aio.AioRpcError) -> bool:
-    """A worker refused a request because it could not fetch its media from their encoder (worker/media_fetch.py)."""
-    if error.code() != grpc.StatusCode.FAILED_PRECONDITION:
-        return False
-    try:
-        status = rpc_status.from_call(error)
-    except (ValueError, TypeError, AttributeError):
-        return False
-    for detail in status.details if status is not None else ():
-        if detail.Is(error_details_pb2.PreconditionFailure.DESCRIPTOR):
-            failure = error_details_pb2.PreconditionFailure()
-            detail.Unpack(failure)
-            if any(v.subject == MEDIA_SOURCE_SUBJECT for v in failure.violations):
-                return True
-    return False
 
 
 def _cancelling() -> bool:

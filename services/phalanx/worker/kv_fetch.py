@@ -9,7 +9,10 @@ for the next transfer from that source (4 MB: 7 ms over a kept channel,
 14 ms over gRPC).
 
 ``KvFetchPolicy`` makes that choice from facts alone (no I/O); ``KvFetcher``
-carries it out.
+carries it out. ``ChannelFetcher`` is what it shares with the worker's media
+fetch (``media_fetch.py``, which pulls embeddings from an encoder the same
+way): the kept channel by key, a new channel accepted while the source
+sends, and the background formation of one.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ if TYPE_CHECKING:
 
     from phalanx.common.channels import ChannelEndpoint, TensorChannel
 
-__all__ = ["KvFetch", "KvFetchDecision", "KvFetchPolicy", "KvFetchRoute", "KvFetcher", "receive_while_sending"]
+__all__ = ["ChannelFetcher", "KvFetch", "KvFetchDecision", "KvFetchPolicy", "KvFetchRoute", "KvFetcher", "receive_while_sending"]
 
 logger = logging.getLogger(__name__)
 
@@ -92,8 +95,10 @@ class KvFetchPolicy:
         return self.decide(replace(fetch, channel_kept=False))
 
 
-class KvFetcher:
-    """Receives KV pieces from a KvSource the way ``KvFetchPolicy`` decides.
+class ChannelFetcher:
+    """What a fetch over tensor channels needs whatever it fetches (KV from a KvSource, embeddings from an encoder):
+    the channel kept to a source under its key, a new channel formed with a source that sends into it, and such a
+    formation in the background for the next fetch.
 
     ``warming`` holds the background channel formations by source key, one at
     a time per source; its owner cancels them when it closes.
@@ -103,6 +108,51 @@ class KvFetcher:
         self._channels = channels
         self._policy = policy
         self._warming = warming
+
+    def _endpoint(self) -> ChannelEndpoint:
+        assert self._channels is not None, "the policy routes over a channel only with an endpoint"
+        return self._channels
+
+    def _kept(self, key: str) -> TensorChannel | None:
+        """The channel kept under `key`, handed over (no longer kept until it is kept again); None if none is."""
+        from phalanx.common.channels import ChannelNotKeptError
+
+        try:
+            return self._endpoint().reuse(key)
+        except ChannelNotKeptError:
+            return None
+
+    async def _receive_over_new_channel(
+        self, key: str, send: Callable[[str], Awaitable[Any]], buffers: Sequence[torch.Tensor], timeout: float
+    ) -> None:
+        """Forms a channel with the source (kept under `key` if it ends well): `send(channel_id)` is the source's send
+        call into it, received into `buffers` here; none: only forms it."""
+        channels = self._endpoint()
+        channel_id = uuid.uuid4().hex
+        accepted = asyncio.ensure_future(channels.accept(channel_id, timeout_s=timeout))
+        try:
+            await receive_while_sending(send(channel_id), accepted, buffers, timeout, keep=partial(channels.keep, key))
+        finally:
+            accepted.cancel()
+
+    def _warm(self, key: str, form: Callable[[], Awaitable[None]]) -> None:
+        """Runs `form` (a channel formation with nothing to send) in the background; one at a time per key."""
+        if key in self._warming or self._channels is None:
+            return
+
+        async def warm() -> None:
+            try:
+                await form()
+            except (grpc.aio.AioRpcError, PhalanxError) as error:
+                logger.info("could not form a tensor channel for %s ahead of time: %s", key, error)
+
+        warming = self._warming
+        task = warming[key] = asyncio.ensure_future(warm())
+        task.add_done_callback(lambda _t: warming.pop(key, None))
+
+
+class KvFetcher(ChannelFetcher):
+    """Receives KV pieces from a KvSource the way ``KvFetchPolicy`` decides."""
 
     async def fetch(
         self,
@@ -139,18 +189,6 @@ class KvFetcher:
             await self._over_new_channel(stub, key, pieces, buffers, timeout)
         return decision.route
 
-    def _endpoint(self) -> ChannelEndpoint:
-        assert self._channels is not None, "the policy routes over a channel only with an endpoint"
-        return self._channels
-
-    def _kept(self, key: str) -> TensorChannel | None:
-        from phalanx.common.channels import ChannelNotKeptError
-
-        try:
-            return self._endpoint().reuse(key)
-        except ChannelNotKeptError:
-            return None
-
     async def _over_kept_channel(
         self, stub: migration_pb2_grpc.KvSourceStub, key: str, kept: TensorChannel, pieces: Pieces, buffers: dict[str, torch.Tensor], timeout: float
     ) -> None:
@@ -164,29 +202,17 @@ class KvFetcher:
         self, stub: migration_pb2_grpc.KvSourceStub, key: str, pieces: Pieces, buffers: dict[str, torch.Tensor], timeout: float
     ) -> None:
         """Forms a channel with the source (kept under `key` if it ends well) and receives the pieces over it; none: only forms it."""
-        channels = self._endpoint()
-        channel_id = uuid.uuid4().hex
-        accepted = asyncio.ensure_future(channels.accept(channel_id, timeout_s=timeout))
-        request = migration_pb2.SendKvRequest(pieces=pieces, target_endpoint=channels.endpoint_id, channel_id=channel_id, timeout_s=timeout)
-        try:
-            await _transfer_kv(stub, request, accepted, pieces, buffers, timeout, keep=partial(channels.keep, key))
-        finally:
-            accepted.cancel()
+        target = self._endpoint().endpoint_id
+
+        def send(channel_id: str) -> Awaitable[Any]:
+            request = migration_pb2.SendKvRequest(pieces=pieces, target_endpoint=target, channel_id=channel_id, timeout_s=timeout)
+            return stub.SendKv(request, timeout=timeout + 1.0)
+
+        await self._receive_over_new_channel(key, send, [buffers[p.request_id] for p in pieces], timeout)
 
     def _warm_channel(self, stub: migration_pb2_grpc.KvSourceStub, key: str, timeout: float) -> None:
         """Forms a channel to a KV source in the background (an empty SendKv) and keeps it; one at a time per source."""
-        if key in self._warming or self._channels is None:
-            return
-
-        async def warm() -> None:
-            try:
-                await self._over_new_channel(stub, key, [], {}, timeout)
-            except (grpc.aio.AioRpcError, PhalanxError) as error:
-                logger.info("could not form a tensor channel for %s ahead of time: %s", key, error)
-
-        warming = self._warming
-        task = warming[key] = asyncio.ensure_future(warm())
-        task.add_done_callback(lambda _t: warming.pop(key, None))
+        self._warm(key, lambda: self._over_new_channel(stub, key, [], {}, timeout))
 
 
 async def _transfer_kv(

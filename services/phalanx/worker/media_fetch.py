@@ -19,8 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-import uuid
-from collections.abc import Sequence
+from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass, replace
 from functools import partial
 from typing import TYPE_CHECKING
@@ -30,12 +29,12 @@ import grpc
 from phalanx._proto import common_pb2, encoder_pb2, encoder_pb2_grpc
 from phalanx.common.errors import MEDIA_SOURCE_SUBJECT, FailedPreconditionError, PhalanxError
 from phalanx.common.grpc_channels import GrpcChannels
-from phalanx.worker.kv_fetch import KvFetch, KvFetchPolicy, KvFetchRoute, _ready, receive_while_sending
+from phalanx.worker.kv_fetch import ChannelFetcher, KvFetch, KvFetchPolicy, KvFetchRoute, _ready, receive_while_sending
 
 if TYPE_CHECKING:
     import torch
 
-    from phalanx.common.channels import ChannelEndpoint, TensorChannel
+    from phalanx.common.channels import ChannelEndpoint
     from phalanx.worker.metrics import WorkerMetrics
 
 __all__ = ["MediaFetcher", "has_sourced_media"]
@@ -57,16 +56,14 @@ class _Source:
     endpoint: str
 
 
-class MediaFetcher:
+class MediaFetcher(ChannelFetcher):
     """Pulls media embeddings from encoders; owns its gRPC channels to them and the background channel formations."""
 
     def __init__(self, channels: ChannelEndpoint | None, policy: KvFetchPolicy, metrics: WorkerMetrics, *, timeout_s: float) -> None:
-        self._channels = channels
-        self._policy = policy
+        super().__init__(channels, policy, warming={})
         self._metrics = metrics
         self._timeout_s = timeout_s
         self._encoders = GrpcChannels(_BULK_OPTIONS)
-        self._warming: dict[str, asyncio.Task] = {}
 
     async def close(self) -> None:
         for task in list(self._warming.values()):
@@ -134,18 +131,6 @@ class MediaFetcher:
             self._warm_channel(stub, key)
         return KvFetchRoute.GRPC
 
-    def _endpoint(self) -> ChannelEndpoint:
-        assert self._channels is not None, "the policy routes over a channel only with an endpoint"
-        return self._channels
-
-    def _kept(self, key: str) -> TensorChannel | None:
-        from phalanx.common.channels import ChannelNotKeptError
-
-        try:
-            return self._endpoint().reuse(key)
-        except ChannelNotKeptError:
-            return None
-
     def _send_request(self, keys: list[str], channel_id: str, *, reuse: bool) -> encoder_pb2.SendEmbeddingsRequest:
         return encoder_pb2.SendEmbeddingsRequest(
             keys=keys, target_endpoint=self._endpoint().endpoint_id, channel_id=channel_id, timeout_s=self._timeout_s, reuse_channel=reuse
@@ -153,29 +138,15 @@ class MediaFetcher:
 
     async def _over_new_channel(self, stub: encoder_pb2_grpc.EncoderServiceStub, key: str, keys: list[str], buffers: list[torch.Tensor]) -> None:
         """Forms a channel with the encoder (kept under `key` if it ends well) and receives the rows over it; none: only forms it."""
-        channels = self._endpoint()
-        channel_id = uuid.uuid4().hex
-        accepted = asyncio.ensure_future(channels.accept(channel_id, timeout_s=self._timeout_s))
-        send = stub.SendEmbeddings(self._send_request(keys, channel_id, reuse=False), timeout=self._timeout_s + 1.0)
-        try:
-            await receive_while_sending(send, accepted, buffers, self._timeout_s, keep=partial(channels.keep, key))
-        finally:
-            accepted.cancel()
+
+        def send(channel_id: str) -> Awaitable[encoder_pb2.SendEmbeddingsResponse]:
+            return stub.SendEmbeddings(self._send_request(keys, channel_id, reuse=False), timeout=self._timeout_s + 1.0)
+
+        await self._receive_over_new_channel(key, send, buffers, self._timeout_s)
 
     def _warm_channel(self, stub: encoder_pb2_grpc.EncoderServiceStub, key: str) -> None:
         """Forms a channel to an encoder in the background (an empty SendEmbeddings) and keeps it; one at a time per encoder."""
-        if key in self._warming or self._channels is None:
-            return
-
-        async def warm() -> None:
-            try:
-                await self._over_new_channel(stub, key, [], [])
-            except (grpc.aio.AioRpcError, PhalanxError) as error:
-                log.info("could not form a tensor channel for %s ahead of time: %s", key, error)
-
-        warming = self._warming
-        task = warming[key] = asyncio.ensure_future(warm())
-        task.add_done_callback(lambda _t: warming.pop(key, None))
+        self._warm(key, lambda: self._over_new_channel(stub, key, [], []))
 
 
 async def _fetch_embeddings(stub: encoder_pb2_grpc.EncoderServiceStub, keys: list[str], buffers: list[torch.Tensor], timeout: float) -> None:

@@ -326,9 +326,17 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         timeout = request.timeout_s or self.channel_timeout_s
         prepared, results = [], {}
         continues_commits = bool(request.kv_source_address) and request.kv_source_address == self.checkpointing_to()
-        for item in request.items:
+        # Direct delivery: a request's media may come as handles into the encoder that holds them, fetched here the way
+        # Generate fetches them (the router then holds no rows for a migration either).
+        fetched = await asyncio.gather(*(self._restore_media(item) for item in request.items), return_exceptions=True)
+        for item, media in zip(request.items, fetched, strict=True):
+            if isinstance(media, PhalanxError):
+                results[item.state.request_id] = _failed(item.state.request_id, media)
+                continue
+            if isinstance(media, BaseException):
+                raise media
             try:
-                engine_request = self._restore_request(item, engine)
+                engine_request = self._restore_request(item, engine, media)
                 engine_request.continues_commit = continues_commits and item.method == migration_pb2.MIGRATION_METHOD_CHECKPOINT
                 prepared.append((item, engine_request))
             except PhalanxError as exc:
@@ -373,7 +381,14 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             kv_bytes=kv_bytes, transfer_s=transfer_s,
         )
 
-    def _restore_request(self, item, engine: AsyncEngine) -> EngineRequest:
+    async def _restore_media(self, item: migration_pb2.RestoreItem) -> dict[int, torch.Tensor]:
+        """The rows of a restored request's media that an encoder holds, by index; FAILED_PRECONDITION (subject
+        media.source) if they cannot come."""
+        if not has_sourced_media(item.media):
+            return {}
+        return await self.media.fetch(item.media)
+
+    def _restore_request(self, item, engine: AsyncEngine, fetched: dict[int, torch.Tensor] | None = None) -> EngineRequest:
         state = common_pb2.RequestState()
         state.CopyFrom(item.state)
         if not state.sampling.HasField("seed"):
@@ -384,7 +399,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         request = EngineRequest(
             snapshot.prompt_ids, snapshot.params, snapshot.request_id, resume=snapshot, migrated=True,
             sequential_replay=item.method == migration_pb2.MIGRATION_METHOD_SEQUENTIAL_REPLAY,
-            media=[media_from_proto(i, m) for i, m in enumerate(item.media)],
+            media=[media_from_proto(i, m, (fetched or {}).get(i)) for i, m in enumerate(item.media)],
         )
         engine.engine.validate(request)
         total = len(snapshot.prompt_ids) + len(snapshot.output_ids) + 1
@@ -519,7 +534,7 @@ def _parked(event: TokenEvent) -> worker_pb2.ParkedRequest:
 
 
 def _failed(request_id: str, exc: PhalanxError) -> worker_pb2.RestoreResult:
-    return worker_pb2.RestoreResult(request_id=request_id, ok=False, code=exc.reason, message=str(exc))
+    return worker_pb2.RestoreResult(request_id=request_id, ok=False, code=exc.reason, message=str(exc), subject=getattr(exc, "subject", ""))
 
 
 # Receive buffers kept for the next restore (see BufferPool).

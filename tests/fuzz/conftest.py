@@ -32,20 +32,24 @@ START_TIMEOUT_S = 180.0
 
 
 # A directory without __init__.py is no package to pytest: a "package" fixture here would live to the end of the whole
-# run, a dozen idle processes (health canaries included) beside every later test. The stack is closed after this
-# directory's last test instead (pytest_runtest_teardown below).
+# run, a dozen idle processes (health canaries included) beside every later test. The stack is closed after each stretch
+# of this directory's tests instead (pytest_runtest_teardown below), and started again by the next fuzz test: under
+# pytest-xdist other files may run between this directory's.
 _running = contextlib.ExitStack()
+_started: list[FuzzStack] = []  # the running stack, if any
 
 
-@pytest.fixture(scope="session")
-def fuzz_stack() -> Iterator[FuzzStack]:
-    yield _running.enter_context(_stack())
-    _running.close()
+@pytest.fixture
+def fuzz_stack() -> FuzzStack:
+    if not _started:
+        _started.append(_running.enter_context(_stack()))
+    return _started[0]
 
 
 def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
     if nextitem is None or Path(__file__).parent not in Path(nextitem.path).parents:
         _running.close()
+        _started.clear()
 
 
 @contextlib.contextmanager

@@ -16,7 +16,8 @@ import pytest
 from phalanx.chaos import SCENARIOS, LoadOptions, ScenarioSkipped, run_named
 
 # Default run: a hung, then revived, worker (fencing; 2-3 min on a loaded 2-core box, mostly process starts). The
-# rest of the matrix, two at once (a worker and the store holding its checkpoints) included, is marked slow.
+# rest of the matrix, two at once (a worker and the store holding its checkpoints) included, is marked slow, as are
+# store-disk-full and memory-service-kill (1-3 min each on the loaded 2-core box: over the ~60 s a default test may take).
 DEFAULT = ("worker-sigstop",)
 # Shorter than the bench's load: enough streams to spread over the workers and outlive the fault.
 LOAD = LoadOptions(streams=6, max_tokens=64, fault_after=6)
@@ -52,6 +53,11 @@ async def test_scenario_loses_and_repeats_nothing_and_the_stack_recovers(name):
         assert details["spill_failed_after_s"] is not None and details["spill_failures"] >= 1, summary
         assert details["kv_dropped"] >= 1 and details["store_pid_unchanged"], summary
         assert details["spill_resumed_after_s"] is not None, summary
+    if name == "memory-service-kill":
+        details = result.details
+        # The engines kept their mapped weights and PIDs and re-attached; a later standby mapped through the new service.
+        assert details["engines_survived"] and details["reattached_after_s"] is not None, summary
+        assert details["engine_states"].get(details["new_standby"]) == "standby", summary
 
 
 def test_every_default_scenario_exists():

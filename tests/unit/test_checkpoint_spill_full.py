@@ -4,12 +4,7 @@ stay, for a re-prefill), say so once, and spill again once space returns."""
 
 from __future__ import annotations
 
-import contextlib
-import errno
 import logging
-import os
-import subprocess
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,6 +12,7 @@ import pytest
 import torch
 
 from phalanx._proto import checkpoint_pb2, common_pb2
+from phalanx.chaos.disk import ScenarioSkipped, SmallDisk
 from phalanx.checkpoint_store.metrics import CheckpointMetrics
 from phalanx.checkpoint_store.store import CheckpointStore, KvLayout, NotCommittedError, SegmentResult, Writer
 
@@ -47,51 +43,30 @@ def segment(request_id: str, seq: int, start: int, end: int, *, outputs=(), salt
     return message
 
 
-@contextlib.contextmanager
-def tiny_tmpfs(size_bytes: int) -> Iterator[Path]:
-    """A tmpfs of ``size_bytes`` mounted on a fresh directory (needs root, or CAP_SYS_ADMIN), unmounted at the end."""
-    mountpoint = Path(tempfile.mkdtemp(prefix="phalanx-tiny-fs-"))
+@pytest.fixture
+def small_disk() -> Iterator[SmallDisk]:
+    disk = SmallDisk(FS_BYTES)
     try:
-        mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_bytes}", "tmpfs", str(mountpoint)],
-                                 capture_output=True, text=True, check=False)
-        if mounted.returncode != 0:
-            pytest.skip(f"cannot mount a small tmpfs here: {mounted.stderr.strip() or mounted.returncode}")
-        try:
-            yield mountpoint
-        finally:
-            subprocess.run(["umount", "-l", str(mountpoint)], check=False)
+        disk.mount()
+    except ScenarioSkipped as why:  # not root
+        pytest.skip(str(why))
+    try:
+        yield disk
     finally:
-        with contextlib.suppress(OSError):
-            mountpoint.rmdir()
-
-
-def fill(path: Path, *, leave: int = 0) -> None:
-    """Append to ``path`` until the filesystem is full (but for ``leave`` bytes)."""
-    with open(path, "ab", buffering=0) as ballast:
-        chunk = b"\xa5" * 4096
-        while True:
-            if leave:
-                info = os.statvfs(path)
-                if info.f_bavail * info.f_frsize <= leave:
-                    return
-            try:
-                ballast.write(chunk)
-            except OSError as error:
-                assert error.errno == errno.ENOSPC, error
-                return
+        disk.unmount()
 
 
 @pytest.fixture
-def disk() -> Iterator[Path]:
-    with tiny_tmpfs(FS_BYTES) as mountpoint:
-        yield mountpoint
+def disk(small_disk: SmallDisk) -> Path:
+    assert small_disk.path is not None
+    return small_disk.path
 
 
 def files_bytes(directory: Path) -> int:
     return sum(p.stat().st_size for p in directory.iterdir()) if directory.exists() else 0
 
 
-def test_a_full_disk_drops_only_the_kv_that_cannot_spill_and_spilling_resumes_when_space_returns(disk, caplog):
+def test_a_full_disk_drops_only_the_kv_that_cannot_spill_and_spilling_resumes_when_space_returns(small_disk, disk, caplog):
     now = [1000.0]
     spill = disk / "spill"
     limit = 16 * LAYOUT.token_bytes  # 128 KiB of memory against a 4 MiB disk
@@ -132,7 +107,7 @@ def test_a_full_disk_drops_only_the_kv_that_cannot_spill_and_spilling_resumes_wh
     rounds = 20
     for _ in range(rounds):
         # Topped up each round: the files of dropped KV free space, which someone else's writes take again.
-        fill(disk / "ballast")
+        small_disk.fill()
         for request_id in requests:
             assert step(request_id) in (SegmentResult.APPLIED, SegmentResult.GAP)
             if store.get(request_id).kv_tokens == 0 and ends[request_id] and seqs[request_id] and not store.spill_failing:
@@ -166,7 +141,7 @@ def test_a_full_disk_drops_only_the_kv_that_cannot_spill_and_spilling_resumes_wh
         assert torch.equal(store.read_kv(request_id, tokens), kv_of(0, tokens, salt=requests.index(request_id) / 8))
 
     # Space returns. From the next retry on, the requests that lost their KV resync, and spilling works again.
-    os.unlink(disk / "ballast")
+    small_disk.free()
     now[0] += 10
     for request_id in requests:
         if step(request_id) is SegmentResult.GAP:
@@ -187,7 +162,7 @@ def test_a_full_disk_drops_only_the_kv_that_cannot_spill_and_spilling_resumes_wh
     assert files_bytes(spill) == 0
 
 
-def test_a_spill_that_fails_part_way_leaves_no_partial_chunk(disk):
+def test_a_spill_that_fails_part_way_leaves_no_partial_chunk(small_disk, disk):
     """ENOSPC in the middle of a request's spill (some of its blocks written): the file is cut back, nothing of it is
     counted as spilled, and the other requests' KV is untouched."""
     spill = disk / "spill"
@@ -195,7 +170,7 @@ def test_a_spill_that_fails_part_way_leaves_no_partial_chunk(disk):
     store.apply(W1, segment("r", 1, 0, 10))  # over the limit: spilled whole
     assert store.spilled_bytes == 10 * LAYOUT.token_bytes == files_bytes(spill)
     store.apply(W1, segment("other", 1, 0, 2))  # stays in memory
-    fill(disk / "ballast", leave=3 * LAYOUT.token_bytes)
+    small_disk.fill(leave=3 * LAYOUT.token_bytes)
     store.apply(W1, segment("r", 2, 10, 30))  # 20 positions to spill, room for 3
     # "other", updated earlier, spilled first into the room; then "r" failed part way and lost its KV.
     assert store.stats().spill_failures_total == 1 and store.get("r").kv_tokens == 0 and store.get("other").spilled

@@ -48,12 +48,15 @@ class SmallDisk:
         self.path = mountpoint
         return mountpoint
 
-    def fill(self) -> int:
-        """Write the ballast until the filesystem is full; the bytes it holds."""
+    def fill(self, *, leave: int = 0) -> int:
+        """Add to the ballast until the filesystem is full (but for ``leave`` bytes, in whole pages); the bytes it holds."""
         with open(self.ballast, "ab", buffering=0) as ballast:
             while True:
+                room = self.free_bytes() - leave
+                if leave and room <= 0:
+                    break
                 try:
-                    ballast.write(_CHUNK)
+                    ballast.write(_CHUNK[: max(room, 1)] if leave else _CHUNK)
                 except OSError as error:
                     if error.errno != errno.ENOSPC:
                         raise

@@ -222,13 +222,21 @@ async def _kill_memory_service(run: ChaosRun) -> None:
     slot.memory = await start_memory_service(slot.socket, slot.segments, name=unique_id(f"{slot.name}-memory"), timeout=START_TIMEOUT_S)
     memory = slot.memory
 
+    def since_fault() -> float:
+        return round(time.monotonic() - (run.fault_at or 0.0), 2)
+
+    notes["memory_restarted_after_s"] = since_fault()
+
     async def readers(count: int) -> bool:
         return (await asyncio.to_thread(memory.metric, "phalanx_memory_readers") or 0) >= count
 
-    notes["reattached_after_s"] = await _wait_for(lambda: readers(len(engines)), MEMORY_WAIT_S)
+    if await _wait_for(lambda: readers(len(engines)), MEMORY_WAIT_S) is not None:
+        notes["reattached_after_s"] = since_fault()
+    else:
+        notes["reattached_after_s"] = None
     standby = await run.fleet.add_failover_engine(slot, "shadow")  # returns once standing by: its weights mapped
     notes["new_standby"] = standby.worker_id
-    notes["new_standby_mapped_after_s"] = round(time.monotonic() - (run.fault_at or 0.0), 2)
+    notes["new_standby_mapped_after_s"] = since_fault()
     notes["engines_survived"] = all(e.process.poll() is None for e in engines)
     notes["readers_after"] = await asyncio.to_thread(memory.metric, "phalanx_memory_readers")
     notes["engine_states"] = {e.worker_id: await asyncio.to_thread(e.failover_state) for e in slot.engines}

@@ -365,7 +365,7 @@ class MemoryServiceClient:
             try:
                 self._reader, self._writer = await asyncio.open_unix_connection(self.socket_path, limit=MAX_LINE)
                 reply = await self._ask(request)
-            except (OSError, MemoryServiceUnavailableError) as error:  # not restarted yet
+            except (OSError, MemoryServiceUnavailableError, ValueError) as error:  # not restarted yet (or cut off mid-reply)
                 log.debug("memory service at %s not back yet: %s", self.socket_path, error)
                 await asyncio.sleep(delay * random.uniform(0.5, 1.0))
                 delay = min(delay * 2, _REATTACH_MAX_S)

@@ -286,7 +286,10 @@ class ChannelEndpoint:
     async def _sweep_forever(self) -> None:
         while True:
             await asyncio.sleep(self._sweep_s)
-            await self.sweep()
+            try:
+                await self.sweep()
+            except Exception:  # one failed sweep must not end the sweeping: the next tries again
+                log.warning("endpoint %s: sweeping its idle channels failed", self.endpoint_id, exc_info=True)
 
     def _close_stale(self) -> None:
         oldest = time.monotonic() - self._idle_channel_s

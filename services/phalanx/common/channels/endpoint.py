@@ -45,7 +45,8 @@ log = logging.getLogger(__name__)
 
 # How long past its deadline open() waits for a rendezvous thread before giving up on it.
 _OPEN_GRACE_S = 0.5
-# How often an endpoint with etcd closes its idle kept channels whose peer is gone or that idled too long (see sweep).
+# How often an endpoint with etcd closes its idle kept channels whose peer is gone or that idled too long (see sweep):
+# a dead peer's within two sweeps of its lease lapsing.
 _SWEEP_S = 5.0
 _SWEEP_ERRORS: tuple[type[BaseException], ...] = (*TRANSIENT_ERRORS, TimeoutError)
 
@@ -101,6 +102,7 @@ class ChannelEndpoint:
         self._closing_idle: set[asyncio.Future[None]] = set()
         self._sweep_s = sweep_s
         self._sweeper: asyncio.Task[None] | None = None
+        self._unadvertised: set[str] = set()  # kept channels' peers missing from etcd at the last sweep
 
     def __repr__(self) -> str:
         return f"<ChannelEndpoint {self.endpoint_id!r} store={self._store_address_or_none()}>"
@@ -256,8 +258,8 @@ class ChannelEndpoint:
         self.keep(key, channel)
 
     async def sweep(self) -> int:
-        """Close the kept channels idle past ``idle_channel_s`` and those whose peer is no longer advertised in etcd
-        (it died: its lease lapsed); the number closed.
+        """Close the kept channels idle past ``idle_channel_s`` and those whose peer was not advertised in etcd at
+        this sweep and the last (it died: its lease lapsed); the number closed.
 
         Without it a kept channel to a dead peer lived until the next keep or reuse here, which a quiet endpoint may
         never make: each held its sockets (gloo's pair, the rendezvous client) in CLOSE-WAIT, one set per peer that
@@ -276,7 +278,10 @@ class ChannelEndpoint:
                 log.debug("endpoint %s: cannot list the channel endpoints to sweep: %s", self.endpoint_id, error)
             else:
                 advertised = {kv.key.decode().removeprefix(CHANNELS_PREFIX) for kv in listed.kvs}
-                for key in [k for k, (_, c) in self._idle.items() if isinstance(c, _GroupChannel) and c.peer not in advertised]:
+                # Gone at two sweeps in a row: a peer re-registering after an etcd restart is missing only briefly.
+                gone = (kept_peers - advertised) & self._unadvertised
+                self._unadvertised = kept_peers - advertised
+                for key in [k for k, (_, c) in self._idle.items() if isinstance(c, _GroupChannel) and c.peer in gone]:
                     self._close_idle(self._idle.pop(key)[1])
         closed = before - len(self._idle)
         if closed:

@@ -275,6 +275,7 @@ class MemoryServiceClient:
         # The mapped weights cannot be trusted any more (see the module docstring): the engine must exit.
         self.broken = asyncio.Event()
         self.reattached = 0  # times this client took its read grant again from a successor of its service
+        self.attached = False  # holds a grant now (False between a service's death and its successor's grant)
         self._regrant: dict[str, object] | None = None  # what to ask a successor for; None: the weights died with the service
         self._reader: asyncio.StreamReader | None = None
         self._writer: asyncio.StreamWriter | None = None
@@ -324,6 +325,7 @@ class MemoryServiceClient:
             if torch.device(device).type != "cpu":
                 log.warning("the memory service keeps no weights on %s: this engine copies them there (not shared)", device)
                 tensors = await asyncio.to_thread(lambda: {k: v.to(device) for k, v in tensors.items()})
+        self.attached = True
         self._watch = asyncio.create_task(self._watch_connection(), name="memory-service-watch")
         return tensors
 
@@ -345,6 +347,7 @@ class MemoryServiceClient:
             assert self._reader is not None
             with contextlib.suppress(OSError):
                 await self._reader.read()  # the service never sends after the grant: any return is EOF
+            self.attached = False
             if self._regrant is None:
                 log.error("the memory service at %s went away, and the weights on the GPU with it", self.socket_path)
                 self.broken.set()
@@ -372,6 +375,7 @@ class MemoryServiceClient:
                 continue
             if reply.get("granted") == "read":
                 self.reattached += 1
+                self.attached = True
                 log.warning("re-attached to the memory service at %s", self.socket_path)
                 return True
             log.error("the memory service at %s refused to grant this engine's weights again: %s", self.socket_path, reply)

@@ -19,7 +19,7 @@ from phalanx.testing.asserts import assert_eventually
 
 pytestmark = pytest.mark.integration
 
-KILLS = 3
+KILLS = 2
 TOKENS = 16
 # Every restore over a tensor channel, which the store then keeps: the path whose sockets leaked.
 CHANNELS_ALWAYS = {"PHALANX_WORKER_CHANNEL_MIN_BYTES": "0"}

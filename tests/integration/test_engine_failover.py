@@ -2,8 +2,8 @@
 
 Probes per state, no registration before the takeover, streams that survive
 the primary's SIGKILL on the shadow with identical tokens, a standing-by
-shadow that dies and is replaced unnoticed, and engines that exit non-zero
-when their memory service dies.
+shadow that dies and is replaced unnoticed, and engines that keep their
+mapped weights when their memory service dies and re-attach to its successor.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import pytest
 from phalanx._proto import chaos_pb2, chaos_pb2_grpc
 from phalanx.client import Client
 from phalanx.common.discovery import WorkerDirectory
-from phalanx.launch.services import FailoverEngineHandle, wait_registered
+from phalanx.launch.services import FailoverEngineHandle, start_memory_service, wait_registered
 from phalanx.launch.stack import Stack
 from phalanx.testing.asserts import assert_eventually
 
@@ -154,12 +154,30 @@ async def test_a_shadow_that_dies_standing_by_is_replaced_and_the_primary_never_
     assert replacement.worker_id not in await registered(etcd_config)
 
 
-async def test_engines_exit_non_zero_when_their_memory_service_dies(stack):
+async def test_engines_keep_their_weights_when_the_memory_service_dies_and_reattach_to_its_successor(stack, etcd_config):
     slot = await stack.add_failover_slot()
+    primary, shadow = slot.engines
     slot.memory.kill()
-    for engine in slot.engines:
-        code = await asyncio.to_thread(engine.process.wait, 30)
-        assert code == 1, f"{engine.worker_id} exited with {code}"
+    # Its successor, in place (the slot's socket and segments), as a supervisor starts it.
+    slot.memory = await start_memory_service(slot.socket, slot.segments, name=f"{slot.name}-memory-2")
+
+    def readers(count: int):
+        async def held() -> bool:
+            try:
+                return (await asyncio.to_thread(slot.memory.metric, "phalanx_memory_readers") or 0) == count
+            except OSError:  # its /metrics not up yet
+                return False
+        return held
+
+    # Both engines mapped the weights from the segment files, which outlive the service: they re-attach, not exit.
+    await assert_eventually(readers(2), timeout=30)
+    assert primary.process.poll() is None and shadow.process.poll() is None
+    assert await state(primary) == STATES["active"] and await state(shadow) == STATES["standby"]
+    assert (await registered(etcd_config))[primary.worker_id].pid == primary.process.pid
+    # A standby started now gets the weights from the successor.
+    late = await stack.add_failover_engine(slot, "shadow")
+    assert await state(late) == STATES["standby"]
+    await assert_eventually(readers(3), timeout=30)
 
 
 async def test_a_wake_past_its_watchdog_exits_the_engine(stack, etcd_config):

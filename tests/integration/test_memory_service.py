@@ -1,4 +1,5 @@
-"""``phalanx memory-service`` as a real process: grants by connection, one writer or many readers, a broken socket noticed."""
+"""``phalanx memory-service`` as a real process: grants by connection, one writer or many readers, a dead service noticed
+and its successor re-attached to."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from phalanx.failover.memory_service import MemoryServiceClient, MemoryServiceUn
 from phalanx.failover.weights import StaleLayoutError, WeightRole, WeightsNotReadyError, layout_of
 from phalanx.model import builtin_config, load
 from phalanx.model.transformer import Transformer
+from phalanx.testing.asserts import assert_eventually
 
 pytestmark = pytest.mark.integration
 
@@ -44,9 +46,10 @@ def shm_root() -> Iterator[Path]:
 
 
 class Service:
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, segments: Path | None = None) -> None:
         self.socket = root / "memory.sock"
-        command = ["memory-service", "--socket-path", str(self.socket), "--root", str(root / "segments"), "--port", "0"]
+        self.socket.unlink(missing_ok=True)  # a dead predecessor's: ready() waits for this one's
+        command = ["memory-service", "--socket-path", str(self.socket), "--root", str(segments or root / "segments"), "--port", "0"]
         self.log = root / "memory-service.log"
         with self.log.open("w") as log:
             self.process = subprocess.Popen([sys.executable, "-m", "phalanx.cli", *command], stdout=log, stderr=subprocess.STDOUT)
@@ -115,15 +118,41 @@ async def test_reader_waits_for_a_writer_that_holds_its_grant(service: Service, 
     await second_writer.close()
 
 
-async def test_broken_socket_is_noticed_while_serving(service: Service, tiny_moe: Transformer) -> None:
+async def test_a_client_keeps_its_weights_when_the_service_dies_and_reattaches_to_its_successor(
+    service: Service, shm_root: Path, tiny_moe: Transformer
+) -> None:
     client = MemoryServiceClient(service.socket)
     tensors = await client.obtain(WeightRole.RW_OR_RO, layout(), tiny_moe.state_dict, name=NAME)
-    await asyncio.sleep(0.2)
-    assert not client.broken.is_set()
+    assert client.attached
     service.process.send_signal(signal.SIGKILL)
-    await asyncio.wait_for(client.broken.wait(), 5.0)
+    await assert_eventually(lambda: not client.attached, timeout=5)  # noticed
     assert torch.equal(tensors["norm"], tiny_moe.state_dict()["norm"])  # the mapped pages outlive the service
-    await client.close()
+    successor = Service(shm_root)  # in place: the same socket and segments
+    try:
+        await successor.ready()
+        await assert_eventually(lambda: client.attached and client.reattached == 1, timeout=30)
+        assert not client.broken.is_set()
+        # The successor found the committed weights: a new reader maps them, nobody loads them again.
+        newcomer = MemoryServiceClient(successor.socket)
+        mapped = await newcomer.obtain(WeightRole.RO, layout(), tiny_moe.state_dict, name=NAME, timeout_s=5)
+        assert torch.equal(mapped["norm"], tiny_moe.state_dict()["norm"])
+        await newcomer.close()
+    finally:
+        await client.close()
+        await asyncio.to_thread(successor.stop)
+
+
+async def test_a_successor_without_the_weights_breaks_the_client(service: Service, shm_root: Path, tiny_moe: Transformer) -> None:
+    client = MemoryServiceClient(service.socket)
+    await client.obtain(WeightRole.RW_OR_RO, layout(), tiny_moe.state_dict, name=NAME, timeout_s=1.0)
+    service.process.send_signal(signal.SIGKILL)
+    successor = Service(shm_root, segments=shm_root / "other-segments")  # nothing committed there
+    try:
+        await successor.ready()
+        await asyncio.wait_for(client.broken.wait(), 30)  # refused (not ready): the engine must exit
+    finally:
+        await client.close()
+        await asyncio.to_thread(successor.stop)
 
 
 async def test_sigterm_exits_cleanly_and_readers_notice(service: Service, tiny_moe: Transformer) -> None:
@@ -131,7 +160,7 @@ async def test_sigterm_exits_cleanly_and_readers_notice(service: Service, tiny_m
     await client.obtain(WeightRole.RW_OR_RO, layout(), tiny_moe.state_dict, name=NAME)
     service.process.send_signal(signal.SIGTERM)
     assert await asyncio.to_thread(service.process.wait, 30) == 0
-    await asyncio.wait_for(client.broken.wait(), 5.0)
+    await assert_eventually(lambda: not client.attached, timeout=5)
     assert not service.socket.exists()
     await client.close()
 

@@ -291,13 +291,20 @@ def test_restart_from_zero_deletes_the_spill_file(tmp_path):
     assert torch.equal(store.read_kv("r1", 2), kv_of(0, 2, salt=0.5))
 
 
-def test_failed_spill_keeps_the_kv_in_memory(tmp_path):
+def test_failed_spill_drops_the_kv_but_keeps_the_commit_for_a_reprefill(tmp_path):
+    """Memory stays within its limit when the disk refuses the spill (here: no directory; tests/unit/
+    test_checkpoint_spill_full.py fills a real tmpfs)."""
     blocker = tmp_path / "not-a-dir"
     blocker.write_bytes(b"")
     store = CheckpointStore(blocker / "spill", memory_limit_bytes=LAYOUT.token_bytes * 8)
-    store.apply(W1, segment("r1", 1, 0, 20))
-    assert not store.get("r1").spilled and store.memory_bytes >= 20 * LAYOUT.token_bytes
-    assert torch.equal(store.read_kv("r1", 20), kv_of(0, 20))
+    store.apply(W1, segment("r1", 1, 0, 20, outputs=[5]))
+    assert store.memory_bytes <= store.memory_limit_bytes and store.stats().spill_failures_total == 1
+    record = store.get("r1")
+    assert record.kv_tokens == 0 and list(record.state.output_token_ids) == [5] and not record.spilled
+    # Later segments keep the commit's tokens current, without KV, until the disk is tried again.
+    ack = store.apply(W1, segment("r1", 2, 20, 21, outputs=[6]))
+    assert ack.result is SegmentResult.APPLIED and ack.kv_tokens == 0
+    assert list(store.get("r1").state.output_token_ids) == [5, 6]
 
 
 def test_requests_idle_past_retention_are_dropped(tmp_path):

@@ -15,6 +15,7 @@ import contextlib
 import itertools
 import json
 import math
+import shutil
 import signal
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -26,6 +27,7 @@ import grpc
 import httpx
 
 from phalanx._proto import common_pb2, expert_pb2
+from phalanx.chaos.disk import ScenarioSkipped, SmallDisk
 from phalanx.chaos.link import DelayLink
 from phalanx.chaos.netns import VethNamespace
 from phalanx.client import Client, PhalanxClientError, RetryPolicy
@@ -45,6 +47,7 @@ from phalanx.launch.infra import EtcdCluster, EtcdServer, NatsServer
 from phalanx.launch.ports import free_port
 from phalanx.launch.services import (
     CheckpointStoreHandle,
+    FailoverEngineHandle,
     GatewayHandle,
     HealthHandle,
     PlannerHandle,
@@ -63,7 +66,7 @@ from phalanx.launch.services import (
 from phalanx.launch.stack import Stack, unique_id
 from phalanx.worker.ert import ExpertRoutingTable
 
-__all__ = ["ChaosRun", "LoadOptions", "ScenarioResult", "StreamRecord", "Topology", "run_scenario"]
+__all__ = ["ChaosRun", "LoadOptions", "ScenarioResult", "ScenarioSkipped", "StreamRecord", "Topology", "run_scenario"]
 
 MODEL = "phalanx-tiny-moe"
 # Health tuned for a test stack: quick canaries and leader handover; slowness is not what these scenarios break, so a
@@ -113,6 +116,13 @@ class Topology:
     # One of the workers runs in a network namespace of its own, joined to the rest by a veth pair (chaos.netns) that
     # a fault may cut; NATS, etcd, the stores, migration and the other workers then listen on the pair's root end.
     netns_worker: bool = False
+    # The checkpoint store's settings (PHALANX_CHECKPOINT_*), e.g. a small memory limit so that it spills.
+    store_env: tuple[tuple[str, str], ...] = ()
+    # > 0: the store spills into a tmpfs of this many bytes, mounted for the run (ChaosRun.spill_disk; needs root).
+    store_spill_disk_bytes: int = 0
+    # Engine-failover slots (docs/failover.md), beside the workers: each a memory service sharing the weights, a primary
+    # engine that serves and a shadow standing by.
+    failover_slots: int = 0
 
     @property
     def worker_flags(self) -> tuple[str, ...]:
@@ -215,6 +225,7 @@ class ChaosRun:
         self.fault_at: float | None = None
         self.notes: dict[str, Any] = {}
         self._watches: list[asyncio.Future[None]] = []
+        self.spill_disk: SmallDisk | None = None
 
     # -- infrastructure ---------------------------------------------------------------------------------------------
     async def infra(self, fn: Callable[[], Any]) -> Any:
@@ -259,6 +270,10 @@ class ChaosRun:
     async def start(self) -> None:
         if self.netns is not None:
             await asyncio.to_thread(self.netns.create)
+        if self.topology.store_spill_disk_bytes:
+            disk = SmallDisk(self.topology.store_spill_disk_bytes)
+            await asyncio.to_thread(disk.mount)
+            self.spill_disk = disk
         await self.infra(self.nats.start)
         await self.infra(self.etcd.start)
         t = self.topology
@@ -278,6 +293,8 @@ class ChaosRun:
                 await self.add_expert_worker(index)
             await self._wait_ert_complete()
         await self.add_workers(t.workers)
+        for _ in range(t.failover_slots):
+            await self.stack.add_failover_slot()
         self.router_ports = [free_port() for _ in range(t.routers)]
         for i, port in enumerate(self.router_ports):
             await self.stack.add_router(port=port, router_id=f"r{i}-{unique_id('chaos')}")
@@ -304,8 +321,11 @@ class ChaosRun:
         return [worker, *rest]
 
     async def add_store(self) -> CheckpointStoreHandle:
-        store = await start_checkpoint_store(unique_id("ckpt"), self.etcd_config, env=self._listen_env("PHALANX_CHECKPOINT_HOST"),
-                                             timeout=START_TIMEOUT_S)
+        env = dict(self.topology.store_env)
+        if self.spill_disk is not None:
+            env["PHALANX_CHECKPOINT_SPILL_DIR"] = str(self.spill_disk.path)
+        env.update(self._listen_env("PHALANX_CHECKPOINT_HOST") or {})
+        store = await start_checkpoint_store(unique_id("ckpt"), self.etcd_config, env=env, timeout=START_TIMEOUT_S)
         self.fleet.stores.append(store)
         return store
 
@@ -368,8 +388,8 @@ class ChaosRun:
             handles: list[ServiceHandle] = [*self.planners, *([self.gateway] if self.gateway else [])]
             if self.stack is not None:
                 fleet = self.stack
-                handles += [*fleet.healths, *fleet.routers, *fleet.migrations, *fleet.workers, *fleet.stores, *fleet.ert_managers,
-                            *fleet.expert_workers, *fleet.encoders]
+                handles += [*fleet.healths, *fleet.routers, *fleet.migrations, *fleet.workers, *self.slot_engines, *fleet.stores,
+                            *(slot.memory for slot in fleet.slots), *fleet.ert_managers, *fleet.expert_workers, *fleet.encoders]
             live = [h for h in handles if h.process.poll() is None]
             for handle in live:
                 with contextlib.suppress(ProcessLookupError):
@@ -385,8 +405,16 @@ class ChaosRun:
                     self.link.close()
             finally:
                 self._infra_thread.shutdown(wait=True)
+            for slot in self.stack.slots if self.stack is not None else ():
+                shutil.rmtree(slot.directory, ignore_errors=True)
             if self.netns is not None:  # after the processes that used it: never left behind, whatever failed
                 await asyncio.to_thread(self.netns.close)
+            if self.spill_disk is not None:
+                await asyncio.to_thread(self.spill_disk.unmount)
+
+    @property
+    def slot_engines(self) -> list[FailoverEngineHandle]:
+        return [engine for slot in self.fleet.slots for engine in slot.engines] if self.stack is not None else []
 
     # -- what faults use --------------------------------------------------------------------------------------------
     def watch(self, check: Awaitable[None]) -> None:
@@ -505,7 +533,7 @@ class ChaosRun:
             return "the etcd link is still slow"
         t, fleet = self.topology, self.fleet
         processes = [*fleet.workers, *fleet.routers, *fleet.healths, *fleet.stores, *fleet.migrations, *self.planners, *fleet.encoders,
-                     *fleet.expert_workers, *fleet.ert_managers]
+                     *fleet.expert_workers, *fleet.ert_managers, *(slot.memory for slot in fleet.slots), *self.slot_engines]
         if dead := [h.name for h in processes if h.process.poll() is not None]:
             return f"dead processes still in the stack: {dead}"
         if len(fleet.workers) != t.workers or len(fleet.routers) != t.routers or len(fleet.healths) != t.healths:
@@ -527,6 +555,20 @@ class ChaosRun:
             missing = [h.name for h in handles if h.name not in entries or entries[h.name].pid != h.process.pid]
             if missing:
                 return f"{name} not registered: {missing}"
+        active: list[WorkerHandle] = []
+        for slot in fleet.slots:
+            states = {e.worker_id: await asyncio.to_thread(e.failover_state) for e in slot.engines}
+            serving = [e for e in slot.engines if states[e.worker_id] == "active"]
+            if len(serving) != 1 or "standby" not in states.values():
+                return f"failover slot {slot.name} is not one active engine and a standby: {states}"
+            active += serving
+        directory = WorkerDirectory(config)
+        try:
+            entries = await directory.list()
+        finally:
+            await directory.close()
+        if missing := [e.worker_id for e in active if e.worker_id not in entries or entries[e.worker_id].pid != e.process.pid]:
+            return f"active failover engines not registered: {missing}"
         if t.expert_workers and not await self._ert_complete():
             return "the expert routing table does not list every live expert worker"
         if self.gateway is not None and not await asyncio.to_thread(self.gateway.healthy):
@@ -538,7 +580,7 @@ class ChaosRun:
             if len(set(views)) > 1:
                 return f"health instances disagree on the leader: {views}"
             records = {r.worker_id: r for r in leader.workers}
-            for worker in fleet.workers:
+            for worker in [*fleet.workers, *active]:
                 record = records.get(worker.worker_id)
                 if record is None or record.health != common_pb2.WORKER_HEALTH_HEALTHY or record.routing_weight != 1.0:
                     state = "unknown" if record is None else common_pb2.WorkerHealth.Name(record.health)

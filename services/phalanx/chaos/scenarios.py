@@ -8,19 +8,21 @@ import dataclasses
 import os
 import signal
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import aetcd
 import grpc
 
 from phalanx.chaos import netns
-from phalanx.chaos.harness import ChaosRun, Fault, LoadOptions, ScenarioResult, Topology, run_scenario
+from phalanx.chaos.harness import START_TIMEOUT_S, ChaosRun, Fault, LoadOptions, ScenarioResult, ScenarioSkipped, Topology, run_scenario
 from phalanx.common.discovery import WorkerDirectory
 from phalanx.common.lease import TRANSIENT_ERRORS, connect_etcd
 from phalanx.launch.infra import EtcdCluster
-from phalanx.launch.services import WorkerHandle
+from phalanx.launch.services import WorkerHandle, start_memory_service
+from phalanx.launch.stack import unique_id
 
-__all__ = ["SCENARIOS", "Scenario", "ScenarioUnsupportedError", "run_named", "unsupported_reason"]
+__all__ = ["SCENARIOS", "Scenario", "run_named", "unsupported_reason"]
 
 # How long a SIGSTOPped worker stays stopped after its lease lapsed (its streams move meanwhile).
 STOPPED_AFTER_LAPSE_S = 2.0
@@ -40,6 +42,14 @@ LEASE_WAIT_S = 30.0
 # while those requests run on, at least the first figure (its checkpoint stream resumes or reconnects within a
 # second or two), at most the second.
 OWNERSHIP_WATCH_S = (5.0, 30.0)
+# store-disk-full: a store that spills past 2 MiB of KV (the tiny MoE's is 4 KiB a token: a stream of the chaos load
+# holds 1.3-1.7 MiB) into a 16 MiB tmpfs, which the fault fills; the disk is tried again every second.
+SMALL_STORE_ENV = (("PHALANX_CHECKPOINT_MEMORY_LIMIT_BYTES", str(2 << 20)), ("PHALANX_CHECKPOINT_SPILL_RETRY_S", "1"))
+SPILL_DISK_BYTES = 16 << 20
+# How long the store may take to hit the full disk, and to spill again once it has room.
+SPILL_WAIT_S = 60.0
+# How long the engines of a failover slot may take to re-attach to a restarted memory service.
+MEMORY_WAIT_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -281,6 +291,98 @@ async def _stale_commits(run: ChaosRun, worker_id: str, lost: set[str], restored
                 stale |= {c.request_id for c in await store.list_commits(worker_id) if c.request_id in lost}
         await asyncio.sleep(0.1)
     return len(stale)
+async def _store_metric(run: ChaosRun, name: str) -> float:
+    store = run.fleet.stores[0]
+    return await asyncio.to_thread(store.metric, name) or 0.0
+
+
+async def _wait_store_metric(run: ChaosRun, name: str, ok: Callable[[float], bool], timeout: float) -> float | None:
+    """Seconds until the store's metric ``name`` satisfies ``ok`` (None: not within ``timeout``)."""
+    started = time.monotonic()
+    while time.monotonic() - started < timeout:
+        if ok(await _store_metric(run, name)):
+            return round(time.monotonic() - started, 2)
+        await asyncio.sleep(0.1)
+    return None
+
+
+async def _fill_store_disk(run: ChaosRun) -> None:
+    """The store's spill disk fills up (another writer takes every free byte) while it spills under load; then the
+    busiest worker dies, so that requests whose KV could not spill are restored without it (re-prefill); then the
+    space returns and the store must spill again."""
+    disk = run.spill_disk
+    assert disk is not None, "store-disk-full needs Topology.store_spill_disk_bytes"
+    notes = run.notes
+    notes["spilled_bytes_before"] = await _store_metric(run, "phalanx_checkpoint_spilled_bytes")
+    run.mark_fault()
+    notes["ballast_bytes"] = await asyncio.to_thread(disk.fill)
+    notes["spill_failed_after_s"] = await _wait_store_metric(run, "phalanx_checkpoint_spill_failures_total", lambda v: v >= 1, SPILL_WAIT_S)
+    notes["kv_dropped_at_kill"] = await _store_metric(run, "phalanx_checkpoint_kv_dropped_requests_total")
+    victim = run.busiest_worker()
+    notes["victim"] = victim.worker_id
+    victim.kill()
+    # The dead worker's commits are what they were at the kill: those without KV stay so, whatever the disk does next.
+    await asyncio.to_thread(disk.free)
+    freed_at = time.monotonic()
+
+    async def resumed() -> None:
+        notes["spill_resumed_after_s"] = await _wait_store_metric(run, "phalanx_checkpoint_spill_failing", lambda v: v == 0, SPILL_WAIT_S)
+        notes["spilled_bytes_after"] = await _store_metric(run, "phalanx_checkpoint_spilled_bytes")
+
+    await asyncio.gather(run.replace_worker(victim), resumed())
+    notes["spill_failures"] = await _store_metric(run, "phalanx_checkpoint_spill_failures_total")
+    notes["kv_dropped"] = await _store_metric(run, "phalanx_checkpoint_kv_dropped_requests_total")
+    notes["store_pid_unchanged"] = run.fleet.stores[0].process.poll() is None
+    migration = run.fleet.migrations[0]
+    notes["migrations"] = {
+        method: await asyncio.to_thread(migration.metric, "phalanx_migration_total", method=method) or 0
+        for method in ("checkpoint", "reprefill", "transfer")
+    }
+    notes["free_s"] = round(time.monotonic() - freed_at, 1)
+
+
+async def _wait_for(check: Callable[[], Awaitable[bool]], timeout: float) -> float | None:
+    """Seconds until ``check()`` is true (None: not within ``timeout``)."""
+    started = time.monotonic()
+    while time.monotonic() - started < timeout:
+        with contextlib.suppress(OSError):
+            if await check():
+                return round(time.monotonic() - started, 2)
+        await asyncio.sleep(0.1)
+    return None
+
+
+async def _kill_memory_service(run: ChaosRun) -> None:
+    """SIGKILL of a failover slot's memory service; a new one starts in place (its socket and segments). The engines
+    that mapped the weights keep serving and standing by, and re-attach to it; a standby started afterwards maps its
+    weights through the new service."""
+    slot = run.fleet.slots[0]
+    engines = list(slot.engines)
+    notes = run.notes
+    notes["victim"] = slot.memory.name
+    run.mark_fault()
+    slot.memory.kill()
+    slot.memory = await start_memory_service(slot.socket, slot.segments, name=unique_id(f"{slot.name}-memory"), timeout=START_TIMEOUT_S)
+    memory = slot.memory
+
+    def since_fault() -> float:
+        return round(time.monotonic() - (run.fault_at or 0.0), 2)
+
+    notes["memory_restarted_after_s"] = since_fault()
+
+    async def readers(count: int) -> bool:
+        return (await asyncio.to_thread(memory.metric, "phalanx_memory_readers") or 0) >= count
+
+    if await _wait_for(lambda: readers(len(engines)), MEMORY_WAIT_S) is not None:
+        notes["reattached_after_s"] = since_fault()
+    else:
+        notes["reattached_after_s"] = None
+    standby = await run.fleet.add_failover_engine(slot, "shadow")  # returns once standing by: its weights mapped
+    notes["new_standby"] = standby.worker_id
+    notes["new_standby_mapped_after_s"] = since_fault()
+    notes["engines_survived"] = all(e.process.poll() is None for e in engines)
+    notes["readers_after"] = await asyncio.to_thread(memory.metric, "phalanx_memory_readers")
+    notes["engine_states"] = {e.worker_id: await asyncio.to_thread(e.failover_state) for e in slot.engines}
 
 
 _ALL = [
@@ -309,6 +411,12 @@ _ALL = [
              _kill_etcd_leader, Topology(etcd_members=3)),
     Scenario("etcd-slow", f"every etcd round trip {ETCD_SLOW_DELAY_S * 1000:.0f} ms slower for {ETCD_SLOW_FOR_S:.0f} s "
              "(a delay link); leases hold, nobody declared dead", _slow_etcd, Topology(etcd_link=True), min_tokens=ETCD_SLOW_MIN_TOKENS),
+    Scenario("store-disk-full", "The checkpoint store's spill disk (a 16 MiB tmpfs) fills under load; the busiest worker is "
+             "SIGKILLed meanwhile (KV that could not spill: re-prefill), then the space returns and spilling resumes",
+             _fill_store_disk, Topology(store_env=SMALL_STORE_ENV, store_spill_disk_bytes=SPILL_DISK_BYTES)),
+    Scenario("memory-service-kill", "Engine failover: SIGKILL of a slot's memory service under load, a new one in its place; the "
+             "primary keeps serving on its mapped weights, both engines re-attach, a new standby maps through the new service",
+             _kill_memory_service, Topology(workers=2, failover_slots=1)),
     Scenario("worker-sigstop", "SIGSTOP of the busiest worker until its lease lapsed (+2 s), then SIGCONT: fenced, no duplicate",
              _stop_worker),
     Scenario("worker-partition", "The link of a worker in its own network namespace cut (the process runs on) until its lease "
@@ -317,17 +425,13 @@ _ALL = [
 SCENARIOS: dict[str, Scenario] = {s.name: s for s in _ALL}
 
 
-class ScenarioUnsupportedError(RuntimeError):
-    """The scenario cannot run on this machine (network namespaces need root, for one)."""
-
-
 def unsupported_reason(name: str) -> str | None:
     """Why scenario ``name`` cannot run here; None if it can."""
     return netns.unsupported_reason() if SCENARIOS[name].topology.netns_worker else None
 
 
 async def run_named(name: str, load: LoadOptions | None = None) -> ScenarioResult:
-    """Run scenario ``name`` against a freshly started local stack (ScenarioUnsupportedError if it cannot run here)."""
+    """Run scenario ``name`` against a freshly started local stack (ScenarioSkipped if it cannot run here)."""
     try:
         scenario = SCENARIOS[name]
     except KeyError:
@@ -336,5 +440,5 @@ async def run_named(name: str, load: LoadOptions | None = None) -> ScenarioResul
     if load.max_tokens < scenario.min_tokens:
         load = dataclasses.replace(load, max_tokens=scenario.min_tokens)
     if reason := await asyncio.to_thread(unsupported_reason, name):
-        raise ScenarioUnsupportedError(f"{name} cannot run here: {reason}")
+        raise ScenarioSkipped(f"{name} cannot run here: {reason}")
     return await run_scenario(scenario.name, scenario.description, scenario.topology, scenario.fault, load)

@@ -19,6 +19,10 @@ class CheckpointStoreConfig(BaseSettings):
         1 << 30, ge=1, description="KV held in memory; beyond it the least recently updated requests' KV spills to spill_dir"
     )
     spill_dir: str = Field("", description="Directory for spilled KV (a private subdirectory is made); empty: the system temp dir")
+    spill_retry_s: float = Field(
+        5.0, gt=0,
+        description="After a failed spill (disk full), how long the store drops what would spill before it tries the disk again",
+    )
     retention_s: float = Field(
         600.0, gt=0, description="A request with no segment for this long is dropped (its worker died and nobody restored it)"
     )

@@ -22,6 +22,16 @@ class CheckpointMetrics:
         self.corrupt_restores = Counter(
             "phalanx_checkpoint_corrupt_restores", "Restores refused because held KV failed its checksum (the KV is dropped)", registry=r
         )
+        self.spill_failures = Counter(
+            "phalanx_checkpoint_spill_failures", "Spills of KV to disk that failed (disk full, I/O error); that KV was dropped", registry=r
+        )
+        self.kv_dropped = Counter(
+            "phalanx_checkpoint_kv_dropped_requests",
+            "Requests whose KV the store dropped because it could not spill it (their restores re-prefill)", registry=r,
+        )
+        self.spill_failing = Gauge("phalanx_checkpoint_spill_failing", "1 while spilling fails (since the last failed spill)", registry=r)
+        # The store keeps these totals; the counters follow them (see observe_store).
+        self._seen_spill_failures = self._seen_kv_dropped = 0
         self.requests = Gauge("phalanx_checkpoint_requests", "Requests with a commit record", registry=r)
         self.memory_bytes = Gauge("phalanx_checkpoint_memory_bytes", "KV bytes held in memory", registry=r)
         self.spilled_bytes = Gauge("phalanx_checkpoint_spilled_bytes", "KV bytes spilled to disk", registry=r)
@@ -49,3 +59,7 @@ class CheckpointMetrics:
         self.spilled_bytes.set(store.spilled_bytes)
         self.memory_limit_bytes.set(store.memory_limit_bytes)
         self.committed_tokens.set(store.committed_tokens)
+        self.spill_failures.inc(store.spill_failures_total - self._seen_spill_failures)
+        self.kv_dropped.inc(store.kv_dropped_total - self._seen_kv_dropped)
+        self._seen_spill_failures, self._seen_kv_dropped = store.spill_failures_total, store.kv_dropped_total
+        self.spill_failing.set(1 if store.spill_failing else 0)

@@ -66,7 +66,8 @@ class CheckpointStoreProcess:
         self.ready = self.shell.ready
         # Made by the store at its first spill, deleted at exit.
         self.spill_dir = Path(config.spill_dir or tempfile.gettempdir()) / f"phalanx-ckpt-{self.store_id}-{os.getpid()}"
-        self.store = CheckpointStore(self.spill_dir, memory_limit_bytes=config.memory_limit_bytes, retention_s=config.retention_s)
+        self.store = CheckpointStore(self.spill_dir, memory_limit_bytes=config.memory_limit_bytes, retention_s=config.retention_s,
+                                     spill_retry_s=config.spill_retry_s)
         self.servicer = CheckpointStoreServicer(self.store, self.metrics, channel_timeout_s=config.channel_timeout_s)
 
     @property

@@ -39,8 +39,16 @@ wrong KV.
 
 KV lives in memory up to ``memory_limit_bytes``; beyond it the least recently
 updated requests' KV is appended to one spill file per request and read back
-from there (file part + memory tail) on restore. A failed spill keeps the KV
-in memory: a committed byte is never lost to spilling. In memory a request's
+from there (file part + memory tail) on restore. A spill that fails (ENOSPC:
+the disk is full, or any other OSError) leaves no partial chunk behind; the
+memory limit still holds, so the KV that could not spill is dropped, the
+request's commit record staying (``kv_tokens`` 0: a restore re-prefills from
+it). Its later segments update the commit without KV. The store logs the
+failure once per outage and counts it; it tries the disk again
+``spill_retry_s`` later (meanwhile what would spill is dropped at once), and
+from then on the requests whose KV was dropped are asked to resync (their
+next segment gets a resync ack), so that they are checkpointed in full again
+once there is room. In memory a request's
 KV is a list of fixed-size blocks from a pool that finished requests give
 theirs back to, so that appending mostly copies into memory in use before.
 """
@@ -239,6 +247,9 @@ class StoreStats:
     segments_total: dict[SegmentResult, int]
     unchecked_segments_total: int = 0  # applied without a checksum (a writer from before checksums)
     corrupt_restores_total: int = 0  # restores refused: held KV failed its checksum
+    spill_failures_total: int = 0  # spills that failed (disk full, I/O error): their KV was dropped
+    kv_dropped_total: int = 0  # requests' KV dropped because it could not spill (their restores re-prefill)
+    spill_failing: bool = False  # the last spill failed and spilling has not worked since
 
 
 @dataclass
@@ -341,7 +352,10 @@ class _KvTrack:
             self._tail += n
 
     def spill(self) -> int:
-        """Move the memory tail to the end of the spill file; the bytes written (0 if the write failed: the KV stays)."""
+        """Move the memory tail to the end of the spill file; the bytes written.
+
+        OSError if a write fails (the disk is full): the file is cut back to what it held and the KV stays in memory.
+        """
         if self._tail == 0:
             self._give_blocks(0)
             return 0
@@ -359,12 +373,13 @@ class _KvTrack:
                     offset += data.nbytes
             finally:
                 os.close(fd)
-        except OSError as error:
-            log.warning("cannot spill %d bytes of KV to %s (kept in memory): %s", self._tail * self.layout.token_bytes, self.path, error)
+        except OSError:
             with contextlib.suppress(OSError):
-                if self.path.exists():
+                if start:
                     os.truncate(self.path, start)
-            return 0
+                else:
+                    self.path.unlink(missing_ok=True)
+            raise
         self._chunks += chunks
         self._spilled_tokens += self._tail
         self._tail = 0
@@ -448,6 +463,8 @@ class _Entry:
     copy_id: int = 0  # the owner's copy (Segment.copy_id); 0: unknown
     # Former owners -> their newest copy that lost the commit: segments of those copies (or older ones) are superseded.
     superseded: dict[str, int] = field(default_factory=dict)
+    # Its KV was dropped because it could not spill: segments update the commit only, until a resync.
+    kv_dropped: bool = False
 
 
 class CheckpointStore:
@@ -462,11 +479,17 @@ class CheckpointStore:
         *,
         memory_limit_bytes: int = 1 << 30,
         retention_s: float = 600.0,
+        spill_retry_s: float = 5.0,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.spill_dir = Path(spill_dir)
         self.memory_limit_bytes = memory_limit_bytes
         self.retention_s = retention_s
+        self.spill_retry_s = spill_retry_s
+        self._spill_failures = 0
+        self._kv_dropped = 0
+        # Set while spilling fails: the clock time of the next try (before it, what would spill is dropped at once).
+        self._spill_retry_at: float | None = None
         self._clock = clock
         self._entries: dict[str, _Entry] = {}
         self._pools: dict[KvLayout, _BlockPool] = {}
@@ -504,19 +527,14 @@ class CheckpointStore:
             return self._count(Ack(segment.request_id, entry.record.seq, entry.record.kv_tokens, SegmentResult.DUPLICATE, len(data)))
         if segment.kv_start == 0:
             entry = self._restart(writer, segment, entry)
+        elif entry is not None and entry.kv_dropped:
+            return self._count(self._apply_without_kv(writer, entry, segment, len(data)))
         elif entry is None or segment.kv_start > entry.record.kv_tokens or entry.kv.layout != writer.layout:
             kv_tokens = 0 if entry is None else entry.record.kv_tokens
             return self._count(Ack(segment.request_id, segment.seq, kv_tokens, SegmentResult.GAP, len(data)))
         else:
-            record = entry.record
-            if segment.HasField("state"):  # a new owner takes the commit over (restored from it): its whole state
-                record.state.CopyFrom(segment.state)
-            record.state.output_token_ids.extend(segment.appended_output_ids)
-            if segment.generator_state:
-                record.state.generator_state = segment.generator_state
-            self._take_over(entry, writer.worker_id, segment.copy_id)
-            record.worker_id = writer.worker_id
-            record.model_version = writer.model_version
+            self._take_over(entry, writer.worker_id, segment.copy_id)  # before the state names the writer as the owner
+            _take_state(entry.record, writer, segment)
         record = entry.record
         if kv.shape[2] == 0 and segment.kv_start == record.kv_tokens:
             # Output tokens only, most segments: the KV and the totals stay as they are.
@@ -534,6 +552,19 @@ class CheckpointStore:
             self._unchecked += 1
         self._enforce_limit()
         return self._count(Ack(segment.request_id, segment.seq, segment.kv_end, SegmentResult.APPLIED, len(data)))
+
+    def _apply_without_kv(self, writer: Writer, entry: _Entry, segment: checkpoint_pb2.Segment, nbytes: int) -> Ack:
+        """A segment of a request whose KV was dropped: its tokens and state go into the commit (a re-prefill needs
+        them), its KV nowhere. From the next try of the disk on, a resync instead: the whole request comes again, KV
+        included (held in memory while there is room; dropped again if it must spill and the disk is still full)."""
+        if self._spill_retry_at is None or self._clock() >= self._spill_retry_at:
+            return Ack(segment.request_id, segment.seq, 0, SegmentResult.GAP, nbytes)
+        record = entry.record
+        self._take_over(entry, writer.worker_id, segment.copy_id)
+        _take_state(record, writer, segment)
+        self._commit(record, segment)
+        record.kv_tokens = 0
+        return Ack(segment.request_id, segment.seq, 0, SegmentResult.APPLIED, nbytes)
 
     def release(self, request_id: str, *, worker_id: str | None = None) -> bool:
         """Drop a request's commit and KV; with ``worker_id``, only if that worker owns it. True if dropped.
@@ -637,7 +668,21 @@ class CheckpointStore:
             requests=len(self._entries), memory_bytes=self._memory, spilled_bytes=self._disk,
             committed_tokens=self._committed_tokens, bytes_received_total=self._bytes_received, segments_total=dict(self._segments),
             unchecked_segments_total=self._unchecked, corrupt_restores_total=self._corrupt_restores,
+            spill_failures_total=self._spill_failures, kv_dropped_total=self._kv_dropped, spill_failing=self.spill_failing,
         )
+
+    @property
+    def spill_failures_total(self) -> int:
+        return self._spill_failures
+
+    @property
+    def kv_dropped_total(self) -> int:
+        return self._kv_dropped
+
+    @property
+    def spill_failing(self) -> bool:
+        """Whether the last spill failed (and none worked since)."""
+        return self._spill_retry_at is not None
 
     # -- internals ------------------------------------------------------------------------------
 
@@ -731,8 +776,41 @@ class CheckpointStore:
             if self._memory <= target:
                 break
             with self._accounting(entry):
-                entry.kv.spill()
+                if self._spill_retry_at is not None and self._clock() < self._spill_retry_at:
+                    self._drop_kv(entry)
+                    continue
+                try:
+                    entry.kv.spill()
+                except OSError as error:
+                    self._spill_failed(entry, error)
+                else:
+                    self._spill_worked()
         self._trim_pools()
+
+    def _spill_failed(self, entry: _Entry, error: OSError) -> None:
+        self._spill_failures += 1
+        if self._spill_retry_at is None:  # once per outage: on a full disk every segment past the limit would log
+            log.warning(
+                "cannot spill KV to %s (%s): requests whose KV does not fit in memory lose it (their restores re-prefill); "
+                "trying again every %.0f s", self.spill_dir, error.strerror or error, self.spill_retry_s,
+            )
+        self._spill_retry_at = self._clock() + self.spill_retry_s
+        self._drop_kv(entry)
+
+    def _spill_worked(self) -> None:
+        if self._spill_retry_at is not None:
+            log.warning("spilling KV to %s works again (%d spills failed meanwhile, %d requests' KV dropped in all); "
+                        "the requests that lost it resync", self.spill_dir, self._spill_failures, self._kv_dropped)
+            self._spill_retry_at = None
+
+    def _drop_kv(self, entry: _Entry) -> None:
+        """The KV that cannot spill goes; the commit record stays (kv_tokens 0), for a re-prefill. Within _accounting."""
+        entry.kv.drop()
+        entry.record.kv_tokens = 0
+        entry.checksums.clear()
+        if not entry.kv_dropped:
+            entry.kv_dropped = True
+            self._kv_dropped += 1
 
     def _trim_pools(self) -> None:
         """Frees pooled blocks beyond the memory limit: KV held plus blocks kept for reuse stay within it."""
@@ -745,6 +823,17 @@ class CheckpointStore:
     def _count(self, ack: Ack) -> Ack:
         self._segments[ack.result] += 1
         return ack
+
+
+def _take_state(record: checkpoint_pb2.CommitRecord, writer: Writer, segment: checkpoint_pb2.Segment) -> None:
+    """A segment's tokens and sampling state into the commit (not its KV)."""
+    if segment.HasField("state"):  # a new owner takes the commit over (restored from it): its whole state
+        record.state.CopyFrom(segment.state)
+    record.state.output_token_ids.extend(segment.appended_output_ids)
+    if segment.generator_state:
+        record.state.generator_state = segment.generator_state
+    record.worker_id = writer.worker_id
+    record.model_version = writer.model_version
 
 
 def _segment_tensor(layout: KvLayout, segment: checkpoint_pb2.Segment, data: bytes) -> torch.Tensor:

@@ -94,8 +94,8 @@ def kill(
 def run_scenario(
     scenario: str = typer.Argument(..., help="worker-kill, router-failover, router-restart, gateway-kill, health-leader-kill, "
                                    "migration-kill, checkpoint-store-kill, worker-and-store-kill, planner-kill, encoder-kill, "
-                                   "expert-worker-kill, nats-restart, etcd-restart, etcd-leader-kill, etcd-slow, worker-sigstop "
-                                   "or worker-partition"),
+                                   "expert-worker-kill, nats-restart, etcd-restart, etcd-leader-kill, etcd-slow, store-disk-full, "
+                                   "memory-service-kill, worker-sigstop or worker-partition"),
     streams: int = typer.Option(8, min=1, help="Concurrent greedy SDK streams (one more goes through the gateway)"),
     tokens: int = typer.Option(96, min=16, help="Tokens generated per stream"),
     fault_after: int = typer.Option(8, min=1, help="Tokens every SDK stream has when the fault starts"),
@@ -108,7 +108,7 @@ def run_scenario(
     # It forks service processes while its gRPC clients run: see run_up for why this is off.
     os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
     from phalanx.bench.chaos import GOALS, met
-    from phalanx.chaos import SCENARIOS, LoadOptions, run_named, unsupported_reason
+    from phalanx.chaos import SCENARIOS, LoadOptions, ScenarioSkipped, run_named, unsupported_reason
 
     if scenario not in SCENARIOS:
         print(f"error: unknown scenario {scenario!r}; choose from {', '.join(SCENARIOS)}", file=sys.stderr)
@@ -119,7 +119,11 @@ def run_scenario(
     if fault_after >= tokens:
         print(f"error: --fault-after ({fault_after}) must be below --tokens ({tokens})", file=sys.stderr)
         raise typer.Exit(1)
-    result = asyncio.run(run_named(scenario, LoadOptions(streams=streams, max_tokens=tokens, fault_after=fault_after)))
+    try:
+        result = asyncio.run(run_named(scenario, LoadOptions(streams=streams, max_tokens=tokens, fault_after=fault_after)))
+    except ScenarioSkipped as why:
+        print(json.dumps({"scenario": scenario, "skipped": str(why)}) if as_json else f"{scenario}: cannot run here: {why}")
+        raise typer.Exit(1) from None
     row = {**result.as_dict(), "goals": GOALS, "met": met(result)}
     if as_json:
         print(json.dumps(row, indent=2))

@@ -19,9 +19,15 @@ map the same device memory instead of holding a copy each.
 
 A writer that disconnects before committing frees the write grant (its
 staging directories are removed), so the next engine 0 writes. The client
-keeps reading its connection while it serves: EOF means the service died,
-and ``broken`` is set (the engine should exit non-zero; its mapped pages stay
-valid, but nobody guards the segment any more).
+keeps reading its connection while it serves: EOF means the service died.
+Weights mapped from the segment files (CPU) stay valid without it: the
+client keeps them and re-attaches, asking the service's successor (restarted
+on the same socket and root, as a supervisor does) for a read grant again,
+with capped backoff, so an engine serving or standing by goes on unharmed
+and engines started later get their weights from the successor. Only where
+that cannot hold is ``broken`` set (the engine should exit non-zero): the
+weights were the dead service's GPU memory (CUDA IPC memory dies with its
+owner), or the successor holds other weights under the name.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ import contextlib
 import json
 import logging
 import os
+import random
 import shutil
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -62,6 +69,9 @@ __all__ = ["MemoryServiceClient", "MemoryServiceConfig", "MemoryServiceProcess",
 
 log = logging.getLogger(__name__)
 MAX_LINE = 64 * 1024
+# Re-attaching to a successor: the first retry after this many seconds, doubling up to the cap (with jitter).
+_REATTACH_FIRST_S = 0.1
+_REATTACH_MAX_S = 2.0
 
 
 class MemoryServiceUnavailableError(WeightsError, ConnectionError):
@@ -262,7 +272,11 @@ class MemoryServiceClient:
 
     def __init__(self, socket_path: str | os.PathLike[str]) -> None:
         self.socket_path = os.fspath(socket_path)
+        # The mapped weights cannot be trusted any more (see the module docstring): the engine must exit.
         self.broken = asyncio.Event()
+        self.reattached = 0  # times this client took its read grant again from a successor of its service
+        self.attached = False  # holds a grant now (False between a service's death and its successor's grant)
+        self._regrant: dict[str, object] | None = None  # what to ask a successor for; None: the weights died with the service
         self._reader: asyncio.StreamReader | None = None
         self._writer: asyncio.StreamWriter | None = None
         self._watch: asyncio.Task[None] | None = None
@@ -306,10 +320,12 @@ class MemoryServiceClient:
         if isinstance(shared_gpu, dict):
             tensors = await asyncio.to_thread(map_gpu_segment, shared_gpu, expected)
         else:
+            self._regrant = {"role": "read", "name": name, "layout": expected.hash, "timeout_s": timeout_s, "device": "cpu"}
             tensors = map_state_dict(expected, name=name, root=root, timeout_s=1.0)
             if torch.device(device).type != "cpu":
                 log.warning("the memory service keeps no weights on %s: this engine copies them there (not shared)", device)
                 tensors = await asyncio.to_thread(lambda: {k: v.to(device) for k, v in tensors.items()})
+        self.attached = True
         self._watch = asyncio.create_task(self._watch_connection(), name="memory-service-watch")
         return tensors
 
@@ -327,11 +343,43 @@ class MemoryServiceClient:
         return reply
 
     async def _watch_connection(self) -> None:
-        assert self._reader is not None
-        with contextlib.suppress(OSError):
-            await self._reader.read()  # the service never sends after the grant: any return is EOF
-        log.error("the memory service at %s went away while serving", self.socket_path)
-        self.broken.set()
+        while True:
+            assert self._reader is not None
+            with contextlib.suppress(OSError):
+                await self._reader.read()  # the service never sends after the grant: any return is EOF
+            self.attached = False
+            if self._regrant is None:
+                log.error("the memory service at %s went away, and the weights on the GPU with it", self.socket_path)
+                self.broken.set()
+                return
+            log.warning("the memory service at %s went away; the mapped weights stay valid: re-attaching to its successor",
+                        self.socket_path)
+            if not await self._reattach(self._regrant):
+                self.broken.set()
+                return
+
+    async def _reattach(self, request: Mapping[str, object]) -> bool:
+        """A read grant again from a service on our socket, retried until one answers; False if it refuses for good."""
+        delay = _REATTACH_FIRST_S
+        while True:
+            writer, self._writer = self._writer, None
+            if writer is not None:
+                writer.close()
+            try:
+                self._reader, self._writer = await asyncio.open_unix_connection(self.socket_path, limit=MAX_LINE)
+                reply = await self._ask(request)
+            except (OSError, MemoryServiceUnavailableError, ValueError) as error:  # not restarted yet (or cut off mid-reply)
+                log.debug("memory service at %s not back yet: %s", self.socket_path, error)
+                await asyncio.sleep(delay * random.uniform(0.5, 1.0))
+                delay = min(delay * 2, _REATTACH_MAX_S)
+                continue
+            if reply.get("granted") == "read":
+                self.reattached += 1
+                self.attached = True
+                log.warning("re-attached to the memory service at %s", self.socket_path)
+                return True
+            log.error("the memory service at %s refused to grant this engine's weights again: %s", self.socket_path, reply)
+            return False
 
     async def close(self) -> None:
         """Give the grant back; idempotent."""

@@ -231,8 +231,14 @@ async def start_worker(
 
 
 async def start_memory_service(socket_path: str, root: str, *, name: str = "memory", timeout: float = 30.0) -> ServiceHandle:
-    """A weight memory service (``phalanx memory-service``), returned once its socket is open; ``address`` is the socket."""
-    process = _spawn(["memory-service", "--socket-path", socket_path, "--root", root, "--port", "0", "--log-level", "WARNING"], {})
+    """A weight memory service (``phalanx memory-service``), returned once its socket is open; ``address`` is the socket,
+    ``metrics_address`` its /metrics (grant counts)."""
+    metrics_port = free_port()
+    # A SIGKILLed predecessor leaves its socket file behind: it must not pass for this one's.
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(socket_path)
+    process = _spawn(["memory-service", "--socket-path", socket_path, "--root", root, "--port", "0", "--log-level", "WARNING"],
+                     {"PHALANX_MEMORY_METRICS_PORT": str(metrics_port)})
     deadline = time.monotonic() + timeout
     while not await asyncio.to_thread(os.path.exists, socket_path):
         if process.poll() is not None:
@@ -241,7 +247,7 @@ async def start_memory_service(socket_path: str, root: str, *, name: str = "memo
             process.kill()
             raise TimeoutError(f"{name} did not open {socket_path} within {timeout:.0f} s")
         await asyncio.sleep(0.02)
-    return ServiceHandle(name, process, socket_path)
+    return ServiceHandle(name, process, socket_path, f"127.0.0.1:{metrics_port}")
 
 
 async def start_failover_engine(

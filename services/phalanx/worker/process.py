@@ -9,8 +9,10 @@ running canaries until Undrain (SERVING again) or a stop.
 A failover engine (``--failover-role``, phalanx.worker.failover) maps the
 slot's shared weights instead of loading them and stands by, unregistered,
 until it holds the slot's lock; only then does it allocate its KV cache,
-start the engine and register (under a watchdog). A broken memory service or
-a lost lock ends it with exit status 1.
+start the engine and register (under a watchdog). A memory service lost for
+good (its successor refuses the weights, or they were its GPU memory) or a
+lost lock ends it with exit status 1; a restarted memory service does not
+(the client re-attaches).
 """
 
 from __future__ import annotations

@@ -38,13 +38,17 @@ from phalanx.common.channels.threads import _DaemonPool, _in_thread
 from phalanx.common.config import EtcdConfig
 from phalanx.common.discovery import encode_json
 from phalanx.common.lease import TRANSIENT_ERRORS, LeasedKey, connect_etcd
-from phalanx.common.subjects import validate_worker_id
+from phalanx.common.subjects import CHANNELS_PREFIX, validate_worker_id
 from phalanx.common.tls import ServiceTls, process_tls
 
 log = logging.getLogger(__name__)
 
 # How long past its deadline open() waits for a rendezvous thread before giving up on it.
 _OPEN_GRACE_S = 0.5
+# How often an endpoint with etcd closes its idle kept channels whose peer is gone or that idled too long (see sweep):
+# a dead peer's within two sweeps of its lease lapsing.
+_SWEEP_S = 5.0
+_SWEEP_ERRORS: tuple[type[BaseException], ...] = (*TRANSIENT_ERRORS, TimeoutError)
 
 
 class ChannelEndpoint:
@@ -68,13 +72,14 @@ class ChannelEndpoint:
         idle_channel_s: float = 60.0,
         max_idle_channels: int = 16,
         tls: ServiceTls | None | bool = True,
+        sweep_s: float = _SWEEP_S,
     ) -> None:
         """``tls``: True for the process's mutual-TLS identity (``phalanx.common.tls.process_tls()``), a ServiceTls for
         that one, None or False for none; with one, openers sign their rendezvous claims and accepts check them."""
         if timeout_s <= 0:
             raise ValueError("timeout_s must be positive")
-        if idle_channel_s <= 0 or max_idle_channels < 0:
-            raise ValueError("idle_channel_s must be positive and max_idle_channels at least 0")
+        if idle_channel_s <= 0 or max_idle_channels < 0 or sweep_s <= 0:
+            raise ValueError("idle_channel_s and sweep_s must be positive and max_idle_channels at least 0")
         self.endpoint_id = validate_worker_id(endpoint_id)
         self._etcd_config = etcd_config
         self._host = host
@@ -95,6 +100,9 @@ class ChannelEndpoint:
         self._idle_channel_s = idle_channel_s
         self._max_idle_channels = max_idle_channels
         self._closing_idle: set[asyncio.Future[None]] = set()
+        self._sweep_s = sweep_s
+        self._sweeper: asyncio.Task[None] | None = None
+        self._unadvertised: set[str] = set()  # kept channels' peers missing from etcd at the last sweep
 
     def __repr__(self) -> str:
         return f"<ChannelEndpoint {self.endpoint_id!r} store={self._store_address_or_none()}>"
@@ -115,6 +123,7 @@ class ChannelEndpoint:
             except BaseException:
                 await self.close()
                 raise
+            self._sweeper = asyncio.create_task(self._sweep_forever(), name=f"channels-{self.endpoint_id}-sweep")
         log.info("channel endpoint %s serves its store at %s:%d", self.endpoint_id, *self.store_address)
 
     async def close(self) -> None:
@@ -124,6 +133,10 @@ class ChannelEndpoint:
         await asyncio.shield(self._closing)
 
     async def _close(self) -> None:
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._sweeper
         self._idle.clear()  # each is in _channels too
         channels, self._channels = list(self._channels), set()
         await asyncio.gather(*(channel.close() for channel in channels), return_exceptions=True)
@@ -243,6 +256,45 @@ class ChannelEndpoint:
             await channel.close()
             raise
         self.keep(key, channel)
+
+    async def sweep(self) -> int:
+        """Close the kept channels idle past ``idle_channel_s`` and those whose peer was not advertised in etcd at
+        this sweep and the last (it died: its lease lapsed); the number closed.
+
+        Without it a kept channel to a dead peer lived until the next keep or reuse here, which a quiet endpoint may
+        never make: each held its sockets (gloo's pair, the rendezvous client) in CLOSE-WAIT, one set per peer that
+        died (a checkpoint store after each worker it had restored into was killed).
+        """
+        before = len(self._idle)
+        self._close_stale()
+        kept_peers = {channel.peer for _, channel in self._idle.values() if isinstance(channel, _GroupChannel)}
+        if kept_peers and self._etcd_config is not None:
+            if self._etcd is None:
+                self._etcd = connect_etcd(self._etcd_config)
+            try:
+                async with asyncio.timeout(self._timeout_s):
+                    listed = await self._etcd.get_prefix(CHANNELS_PREFIX.encode())
+            except _SWEEP_ERRORS as error:
+                log.debug("endpoint %s: cannot list the channel endpoints to sweep: %s", self.endpoint_id, error)
+            else:
+                advertised = {kv.key.decode().removeprefix(CHANNELS_PREFIX) for kv in listed.kvs}
+                # Gone at two sweeps in a row: a peer re-registering after an etcd restart is missing only briefly.
+                gone = (kept_peers - advertised) & self._unadvertised
+                self._unadvertised = kept_peers - advertised
+                for key in [k for k, (_, c) in self._idle.items() if isinstance(c, _GroupChannel) and c.peer in gone]:
+                    self._close_idle(self._idle.pop(key)[1])
+        closed = before - len(self._idle)
+        if closed:
+            log.debug("endpoint %s closed %d idle channels (stale, or their peer is gone)", self.endpoint_id, closed)
+        return closed
+
+    async def _sweep_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self._sweep_s)
+            try:
+                await self.sweep()
+            except Exception:  # one failed sweep must not end the sweeping: the next tries again
+                log.warning("endpoint %s: sweeping its idle channels failed", self.endpoint_id, exc_info=True)
 
     def _close_stale(self) -> None:
         oldest = time.monotonic() - self._idle_channel_s

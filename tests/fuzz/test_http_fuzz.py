@@ -78,14 +78,39 @@ def _body(required: dict, optional: dict) -> st.SearchStrategy[dict]:
     return st.fixed_dictionaries(required, optional={**_COMMON, **optional})
 
 
+_DROP = object()  # a near-valid body's field removed
+_numbers = st.sampled_from([-1, 0, 1, 2**31 - 1, 2**31, 2**32, 2**63 - 1, 2**63, 2**64, 10**30, -(2**63) - 1,
+                            math.nan, math.inf, -math.inf, 1e308, 0.5, 2.5, True, "1"])
+_NUMERIC = ["max_tokens", "max_completion_tokens", "top_k", "temperature", "top_p", "seed", "n", "best_of", "presence_penalty",
+            "frequency_penalty", "logprobs", "top_logprobs"]
+
+
+def _near_valid(valid: dict, fields: dict[str, st.SearchStrategy]) -> st.SearchStrategy[dict]:
+    """``valid`` with 1-3 fields set to a hostile value (or removed): every other check passes, so the one broken field
+    reaches as far into the gateway (and the SDK, and the router) as it can."""
+    return st.lists(st.sampled_from(sorted(fields)), min_size=1, max_size=3, unique=True).flatmap(
+        lambda names: st.fixed_dictionaries({name: fields[name] | st.just(_DROP) for name in names})
+    ).map(lambda changed: {k: v for k, v in {**valid, **changed}.items() if v is not _DROP})
+
+
+def _fields(own: dict[str, st.SearchStrategy]) -> dict[str, st.SearchStrategy]:
+    fields = {**_COMMON, **own}
+    return {name: (_numbers | strategy) if name in _NUMERIC else strategy for name, strategy in fields.items()}
+
+
+_COMPLETION_FIELDS = {"model": _models, "prompt": _prompts, "max_tokens": _max_tokens, "stream": _stream,
+                      "best_of": _hostile, "echo": _hostile, "suffix": _hostile}
+_CHAT_FIELDS = {"model": _models, "messages": _messages, "max_tokens": _max_tokens, "stream": _stream, "max_completion_tokens": _hostile,
+                "top_logprobs": _hostile, "tools": _hostile, "tool_choice": _hostile}
 _completion_bodies = _body(
-    {"model": _models, "prompt": _prompts, "max_tokens": _max_tokens, "stream": _stream},
-    {"best_of": _hostile, "echo": _hostile, "suffix": _hostile},
-)
+    {k: _COMPLETION_FIELDS[k] for k in ("model", "prompt", "max_tokens", "stream")},
+    {k: v for k, v in _COMPLETION_FIELDS.items() if k not in ("model", "prompt", "max_tokens", "stream")},
+) | _near_valid({"model": MODEL, "prompt": "hello", "max_tokens": 2, "temperature": 0}, _fields(_COMPLETION_FIELDS))
 _chat_bodies = _body(
-    {"model": _models, "messages": _messages, "max_tokens": _max_tokens, "stream": _stream},
-    {"max_completion_tokens": _hostile, "top_logprobs": _hostile, "tools": _hostile, "tool_choice": _hostile},
-)
+    {k: _CHAT_FIELDS[k] for k in ("model", "messages", "max_tokens", "stream")},
+    {k: v for k, v in _CHAT_FIELDS.items() if k not in ("model", "messages", "max_tokens", "stream")},
+) | _near_valid({"model": MODEL, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 2, "temperature": 0},
+                _fields(_CHAT_FIELDS))
 _content_types = st.sampled_from([
     "application/json", "application/json", "text/plain", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x",
     "application/json; charset=latin-1", "", None,
@@ -184,6 +209,30 @@ def test_hostile_json_bodies_get_documented_statuses(gateway: httpx.Client, stil
         _send(gateway, "POST", path, _encoded(body), _headers(content_type, tier))
 
     one()
+    still_serving()
+
+
+_EDGES = [-1, 0, 2**31 - 1, 2**31, 2**32, 2**63 - 1, 2**63, 2**64, 10**30, math.nan, math.inf, -math.inf, 1e308]
+_VALID = {
+    "/v1/completions": {"model": MODEL, "prompt": "hello", "max_tokens": 2, "temperature": 0},
+    "/v1/chat/completions": {"model": MODEL, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 2, "temperature": 0},
+}
+
+
+@pytest.mark.parametrize("path", sorted(_VALID), ids=["chat", "completions"])
+def test_every_number_at_its_edges_in_an_otherwise_valid_request(gateway: httpx.Client, still_serving, path):
+    """Not drawn but swept: each numeric parameter (and the token ids of a prompt) at each edge of int32, int64, float,
+    alone in a valid request, so that it gets past every other check to the SDK's protobuf and the router."""
+    fields = [f for f in _NUMERIC if not (path == "/v1/completions" and f in ("max_completion_tokens", "top_logprobs"))
+              and not (path == "/v1/chat/completions" and f == "best_of")]
+    for field in fields:
+        for value in _EDGES:
+            _send(gateway, "POST", path, _encoded({**_VALID[path], field: value}), {"content-type": "application/json"})
+    if path == "/v1/completions":
+        for value in _EDGES:
+            if isinstance(value, int):
+                _send(gateway, "POST", path, _encoded({**_VALID[path], "prompt": [1, value]}))
+                _send(gateway, "POST", path, _encoded({**_VALID[path], "prompt": [[value]]}))
     still_serving()
 
 

@@ -12,6 +12,13 @@ object per line.
     writer  -> {"commit": true}  after publish_state_dict;  service -> {"committed": true, "cuda": ...?}, and the
                connection becomes a read grant
 
+A request the service cannot take (not one JSON object on a line of at most
+``MAX_LINE`` bytes, a role other than write or read, a layout that is not a
+hash, a name that is not a segment name, a timeout that is not a number of
+seconds from 0 to ``MAX_TIMEOUT_S``) gets ``bad_request`` and the connection
+is closed; so is a writer's line that is not its commit (the grant is freed).
+Bytes a reader sends while it holds its grant are discarded.
+
 A service started with a CUDA ``device`` owns the weights' GPU copy
 (phalanx.failover.cuda_weights): a read grant to an engine that asked for a
 CUDA device carries the IPC descriptor of that copy, so engines on the GPU
@@ -36,12 +43,15 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import os
 import random
+import re
 import shutil
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 from prometheus_client import CollectorRegistry, Gauge
@@ -68,10 +78,64 @@ from phalanx.failover.weights import (
 __all__ = ["MemoryServiceClient", "MemoryServiceConfig", "MemoryServiceProcess", "MemoryServiceUnavailableError"]
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 MAX_LINE = 64 * 1024
 # Re-attaching to a successor: the first retry after this many seconds, doubling up to the cap (with jitter).
 _REATTACH_FIRST_S = 0.1
 _REATTACH_MAX_S = 2.0
+# The longest a request may wait for a grant: a waiting connection is not read, so its client's leaving goes unseen
+# until then.
+MAX_TIMEOUT_S = 3600.0
+# A layout hash (WeightLayout.hash: hex) and a segment name (phalanx.worker.failover.segment_name): both end up in file
+# names and glob patterns, so nothing else is taken.
+_LAYOUT = re.compile(r"[0-9a-f]{8,64}")
+_NAME = re.compile(r"[A-Za-z0-9._@=-]{0,200}")
+_QUOTED = 200  # characters of a bad request quoted back in its error message
+_DISCARD_CHUNK = 64 * 1024
+
+
+class _BadRequest(Exception):
+    """A request the protocol does not allow: answered ``bad_request`` with this message, then the connection closes."""
+
+
+def _check_request(request: object) -> tuple[str, str, str, float, str]:
+    """(role, layout, name, timeout_s, device) of a grant request; _BadRequest naming what is wrong otherwise."""
+    if not isinstance(request, dict):
+        raise _BadRequest(f"expected a JSON object with role, name and layout; got {_quote(request)}")
+    role, layout, name = request.get("role"), request.get("layout"), request.get("name", "")
+    if role not in ("write", "read"):
+        raise _BadRequest(f"role: expected write or read; got {_quote(role)}")
+    if not isinstance(layout, str) or not _LAYOUT.fullmatch(layout):
+        raise _BadRequest(f"layout: expected a layout hash (8-64 hex digits); got {_quote(layout)}")
+    if not isinstance(name, str) or not _NAME.fullmatch(name):
+        raise _BadRequest(f"name: expected a segment name (at most 200 of A-Z a-z 0-9 . _ @ = -); got {_quote(name)}")
+    timeout_s = request.get("timeout_s", 30.0)
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, int | float) or not 0 <= timeout_s <= MAX_TIMEOUT_S:
+        raise _BadRequest(f"timeout_s: expected seconds from 0 to {MAX_TIMEOUT_S:g}; got {_quote(timeout_s)}")
+    device = request.get("device", "cpu")
+    if not isinstance(device, str) or len(device) > 32:
+        raise _BadRequest(f"device: expected cpu or cuda[:n]; got {_quote(device)}")
+    return role, layout, name, float(timeout_s), device
+
+
+def _quote(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= _QUOTED else f"{text[:_QUOTED]}... ({len(text)} characters)"
+
+
+async def _read_message(reader: asyncio.StreamReader) -> object:
+    """The next line's JSON value (None at EOF); _BadRequest if it is too long or not JSON."""
+    try:
+        line = await reader.readline()
+    except ValueError:  # asyncio's LimitOverrunError, as readline raises it
+        raise _BadRequest(f"a line exceeds {MAX_LINE} bytes") from None
+    if not line:
+        return None
+    try:
+        # JSON's NaN and Infinity are not numbers a request may hold (json.loads takes them; the checks refuse them).
+        return json.loads(line, parse_constant=lambda token: math.nan)
+    except (ValueError, RecursionError) as error:  # not UTF-8, not JSON, or nested past the parser's depth
+        raise _BadRequest(f"not one JSON value per line: {type(error).__name__}: {_quote(str(error))}") from None
 
 
 class MemoryServiceUnavailableError(WeightsError, ConnectionError):
@@ -100,6 +164,7 @@ class _Segment:
     writer: object | None = None
     readers: set[object] = field(default_factory=set)
     changed: asyncio.Condition = field(default_factory=asyncio.Condition)
+    connections: int = 0  # that named it, holding or awaiting a grant: at 0 it is forgotten
 
 
 class MemoryServiceServer:
@@ -152,29 +217,38 @@ class MemoryServiceServer:
             self._handlers.add(handler)
             handler.add_done_callback(self._handlers.discard)
         try:
-            request = json.loads(await reader.readline() or b"null")
-            if not isinstance(request, dict) or request.get("role") not in ("write", "read") or not request.get("layout"):
-                await _send(writer, {"error": "bad_request", "message": f"expected role write|read, name and layout; got {request!r}"})
-                return
-            layout_hash, name = str(request["layout"]), str(request.get("name", ""))
+            role, layout_hash, name, timeout_s, device = _check_request(await _read_message(reader))
             segment = self._segments.setdefault(layout_hash, _Segment())
-            granted = await self._grant(segment, me, request["role"], layout_hash, name, float(request.get("timeout_s", 30.0)))
+            segment.connections += 1
+            granted = await _unless_gone(reader, self._grant(segment, me, role, layout_hash, name, timeout_s))
+            if granted is None:  # the client left while it waited
+                return
             if "error" in granted:
                 await _send(writer, granted)
                 return
-            wants_gpu = str(request.get("device", "cpu")).startswith("cuda")
+            wants_gpu = device.startswith("cuda")
             if granted["granted"] == "read" and wants_gpu:
                 granted = {**granted, **await self._gpu_share(layout_hash)}
             await _send(writer, granted)
             if granted["granted"] == "write":
                 if not await self._await_commit(reader, writer, segment, me, layout_hash, wants_gpu):
                     return
-            await reader.read()  # hold the read grant until the engine disconnects (EOF)
-        except (ConnectionError, json.JSONDecodeError, ValueError) as error:
+            # Hold the read grant until the engine disconnects (EOF); what it sends meanwhile is dropped, not kept.
+            while await reader.read(_DISCARD_CHUNK):
+                pass
+        except _BadRequest as error:
+            log.info("memory-service bad request: %s", error)
+            with contextlib.suppress(ConnectionError):
+                await _send(writer, {"error": "bad_request", "message": str(error)})
+        except ConnectionError as error:
             log.info("memory-service connection ended: %s", error)
         finally:
             if segment is not None:
                 await self._drop(segment, me)
+                segment.connections -= 1
+                if segment.connections == 0 and self._segments.get(layout_hash) is segment:
+                    # Nobody holds or awaits it: forget it (a client naming ever new layouts would grow the table).
+                    del self._segments[layout_hash]
             self._connections.discard(writer)
             writer.close()
 
@@ -230,10 +304,12 @@ class MemoryServiceServer:
         self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, segment: _Segment, me: object, layout_hash: str,
         wants_gpu: bool = False,
     ) -> bool:
-        line = await reader.readline()
-        message = json.loads(line) if line else None
+        try:
+            message = await _read_message(reader)
+        except _BadRequest:
+            message = None
         directory = segment_dir_for(self.root, layout_hash)
-        if not (isinstance(message, dict) and message.get("commit") and is_committed(directory)):
+        if not (isinstance(message, dict) and message.get("commit") is True and is_committed(directory)):
             log.warning("writer of layout %s left without committing; freeing the write grant", layout_hash)
             for staging in self.root.glob(f"{directory.name}.staging-*"):
                 shutil.rmtree(staging, ignore_errors=True)
@@ -256,6 +332,26 @@ class MemoryServiceServer:
                 segment.readers.discard(me)
                 self._readers.dec()
             segment.changed.notify_all()
+
+
+async def _unless_gone(reader: asyncio.StreamReader, work: Awaitable[T]) -> T | None:
+    """``work``'s result, or None (``work`` cancelled) if the client closes its side first.
+
+    Until the reply nothing may come from the client, so what does is read and dropped while watching for EOF."""
+
+    async def gone() -> None:
+        while await reader.read(_DISCARD_CHUNK):
+            pass
+
+    task, watcher = asyncio.ensure_future(work), asyncio.ensure_future(gone())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        return task.result() if task.done() else None
+    finally:
+        for waiting in (task, watcher):
+            waiting.cancel()
+        # Awaited, not only cancelled: the stream takes one reader at a time, and the caller reads next.
+        await asyncio.gather(task, watcher, return_exceptions=True)
 
 
 def segment_dir_for(root: Path, layout_hash: str) -> Path:

@@ -38,6 +38,7 @@ _ROUTER_FIELDS = {
     "tier": "x-phalanx-tier",
 }
 _UNAVAILABLE_RETRY_AFTER_S = 1.0
+MAX_MESSAGE_CHARS = 1024
 
 
 class GatewayError(Exception):
@@ -56,13 +57,20 @@ class GatewayError(Exception):
         self.retry_after_s = retry_after_s
 
     def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+        return {"error": {"message": _bounded(self.message), "type": self.kind, "param": _bounded(self.param), "code": self.code}}
 
     def headers(self) -> dict[str, str]:
         if self.retry_after_s is None:
             return {}
         # Retry-After takes whole seconds: round up, so that a client never comes back too early.
         return {"Retry-After": str(max(1, math.ceil(self.retry_after_s))), "retry-after-ms": str(max(1, round(self.retry_after_s * 1000)))}
+
+
+def _bounded(text: str | None) -> str | None:
+    """A message or param quoting a client's value (a model name of a megabyte) cut to MAX_MESSAGE_CHARS."""
+    if text is None or len(text) <= MAX_MESSAGE_CHARS:
+        return text
+    return f"{text[:MAX_MESSAGE_CHARS]}... ({len(text)} characters)"
 
 
 def bad_request(param: str | None, description: str, *, code: str = "invalid_value") -> GatewayError:

@@ -35,6 +35,8 @@ __all__ = [
 ]
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+# The router's SamplingParams and token ids are int32: a larger number could not even be sent to it.
+INT32_MAX = 2**31 - 1
 LOGPROBS_UNSUPPORTED = "logprobs are not supported: the engine does not expose token log-probabilities"
 
 
@@ -50,7 +52,7 @@ class _Common(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
 
     model: str = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
     seed: int | None = Field(None, ge=0, lt=2**63)
@@ -64,7 +66,7 @@ class _Common(BaseModel):
     user: str | None = None
     metadata: dict[str, str] | None = None
     # Extensions, as vLLM's.
-    top_k: int | None = Field(None, ge=0)
+    top_k: int | None = Field(None, ge=0, le=INT32_MAX)
     ignore_eos: bool = False
 
     def _refuse_unsupported(self) -> None:
@@ -141,11 +143,18 @@ class CompletionRequest(_Common):
         if not prompt:
             raise bad_request("prompt", "must not be empty")
         if all(isinstance(p, int) for p in prompt):
-            return list(cast(list[int], prompt))  # token ids (pydantic made the list all of one kind)
+            return _token_ids(cast(list[int], prompt))  # token ids (pydantic made the list all of one kind)
         if len(prompt) != 1:
             raise bad_request("prompt", f"one prompt per request, got {len(prompt)} (batched prompts are not supported)")
         only = prompt[0]
-        return only if isinstance(only, str) else list(cast(list[int], only))
+        return only if isinstance(only, str) else _token_ids(cast(list[int], only))
+
+
+def _token_ids(ids: list[int]) -> list[int]:
+    """Token ids the router can be sent (int32; whether the vocabulary has them is the router's to say)."""
+    if not all(0 <= i <= INT32_MAX for i in ids):
+        raise bad_request("prompt", f"token ids must be from 0 to {INT32_MAX}")
+    return list(ids)
 
 
 class ChatMessage(BaseModel):
@@ -160,7 +169,7 @@ class ChatCompletionRequest(_Common):
     """POST /v1/chat/completions."""
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
     logprobs: bool | None = None
     top_logprobs: int | None = None
     tools: list[dict[str, Any]] | None = None

@@ -31,7 +31,7 @@ from phalanx.common.telemetry import extract_context, get_tracer
 from phalanx.common.tls import sdk_tls
 from phalanx.gateway.auth import TIER_HEADER, Caller, KeyRing
 from phalanx.gateway.config import GatewayConfig
-from phalanx.gateway.errors import GatewayError, from_client_error
+from phalanx.gateway.errors import GatewayError, bad_request, from_client_error
 from phalanx.gateway.metrics import GatewayMetrics
 from phalanx.gateway.responses import CHAT, COMPLETIONS, Dialect, finish_reason
 from phalanx.gateway.schema import ChatCompletionRequest, CompletionRequest, GenerateArgs, chat_text, parse_body
@@ -231,6 +231,8 @@ class GatewayServer:
             return client.generate(args.prompt, **args.kwargs(), tier=tier, tenant=caller.tenant, request_id=request_id)
         except PhalanxClientError as error:  # the SDK checks a few arguments itself
             raise from_client_error(error) from None
+        except ValueError as error:  # a number the router's protobuf cannot hold (the schema bounds those it knows of)
+            raise bad_request(None, f"a parameter is out of range for the router: {error}") from None
 
     def _count(self, dialect: Dialect, status: str, arrived: float) -> None:
         self.metrics.requests.labels(endpoint=dialect.endpoint, status=status).inc()

@@ -17,6 +17,7 @@ from phalanx.common.tls import ServiceTls, init_certs, open_channel, set_process
 from phalanx.launch.services import start_checkpoint_store, start_migration
 from phalanx.launch.stack import Stack, unique_id
 from phalanx.testing.asserts import assert_eventually
+from phalanx.testing.cleanup import forget_health_state
 
 pytestmark = pytest.mark.integration
 
@@ -61,6 +62,7 @@ def secured(nats_server, etcd_server, certs):
         yield s
     finally:
         s.stop()
+        asyncio.run(forget_health_state(s.etcd_config))  # its health records and calibration would mislead a later module's
         set_process_tls(None)
 
 

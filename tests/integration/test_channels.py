@@ -219,11 +219,13 @@ async def test_the_connection_to_a_dead_peers_store_closes_with_the_last_channel
     store_port = (await endpoint.lookup(peer)).port
     first = await endpoint.open(peer, "first")
     second = await endpoint.open(peer, "second")
+    assert _connections_to(store_port) >= 1  # both channels came through that store
     os.kill(process.pid, signal.SIGKILL)
     await process.wait()
+    # Not asserted here that the connection outlives `first`: the dead peer's kernel answers with a FIN (our side then
+    # sits in CLOSE_WAIT until we close it: the leak this test is about) or, had it unread bytes of ours, with a reset
+    # that closes our side at once.
     await first.close()
-    assert _connections_to(store_port) >= 1  # the second channel came through that store too
-
     await second.close()
 
     def closed():

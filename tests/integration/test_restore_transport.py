@@ -7,9 +7,9 @@ import uuid
 import grpc
 import pytest
 
-from phalanx._proto import common_pb2, migration_pb2, worker_pb2, worker_pb2_grpc
+from phalanx._proto import migration_pb2, worker_pb2, worker_pb2_grpc
 from phalanx.launch.stack import Stack
-from phalanx.testing.asserts import assert_eventually
+from phalanx.testing.workers import parked_commit
 
 pytestmark = pytest.mark.integration
 
@@ -27,30 +27,6 @@ async def fleet(nats_config, etcd_config):
         await asyncio.to_thread(s.stop)
 
 
-async def parked_commit(store, source, request_id: str):
-    """A request generated on `source` to TOKENS tokens and parked there, and the store's commit of it."""
-    call = source.Generate(worker_pb2.GenerateRequest(
-        request_id=request_id, tokens=common_pb2.PromptTokens(ids=list(range(40, 90))),
-        sampling=common_pb2.SamplingParams(max_tokens=TOKENS + 200, ignore_eos=True),
-    ), timeout=60)
-    async for chunk in call:
-        if chunk.index >= TOKENS - 1:
-            break
-    call.cancel()  # the request runs on while its commit catches up
-
-    async def committed():
-        try:
-            return (await store.get_commit(request_id)).last_index >= TOKENS - 1
-        except grpc.aio.AioRpcError as error:
-            if error.code() != grpc.StatusCode.NOT_FOUND:
-                raise
-            return False
-
-    await assert_eventually(committed, timeout=20)
-    assert (await source.Park(worker_pb2.ParkRequest(request_ids=[request_id], ttl_s=30), timeout=10)).parked
-    return await store.get_commit(request_id)
-
-
 async def test_small_kv_comes_over_grpc_first_and_over_the_channel_formed_meanwhile_next(fleet):
     store = fleet.stores[0]
     transports = []
@@ -58,7 +34,7 @@ async def test_small_kv_comes_over_grpc_first_and_over_the_channel_formed_meanwh
         source, target = worker_pb2_grpc.WorkerServiceStub(a), worker_pb2_grpc.WorkerServiceStub(b)
         for _ in range(2):
             request_id = f"restore-{uuid.uuid4().hex[:8]}"
-            commit = await parked_commit(store, source, request_id)
+            commit = await parked_commit(store, source, request_id, TOKENS, commit_timeout_s=20)
             item = migration_pb2.RestoreItem(
                 state=commit.state, seed=commit.seed, method=migration_pb2.MIGRATION_METHOD_CHECKPOINT, kv_tokens=commit.kv_tokens
             )

@@ -13,9 +13,10 @@ import uuid
 import grpc
 import pytest
 
-from phalanx._proto import common_pb2, migration_pb2, worker_pb2, worker_pb2_grpc
+from phalanx._proto import migration_pb2, worker_pb2, worker_pb2_grpc
 from phalanx.launch.stack import Stack
 from phalanx.testing.asserts import assert_eventually
+from phalanx.testing.workers import parked_commit
 
 pytestmark = pytest.mark.integration
 
@@ -48,26 +49,7 @@ async def fleet(nats_config, etcd_config):
 
 async def restore_into(store, source, target, request_id: str) -> None:
     """A request generated on ``source``, committed in the store, parked, and restored into ``target`` from the store."""
-    call = source.Generate(worker_pb2.GenerateRequest(
-        request_id=request_id, tokens=common_pb2.PromptTokens(ids=list(range(40, 90))),
-        sampling=common_pb2.SamplingParams(max_tokens=TOKENS + 200, ignore_eos=True),
-    ), timeout=60)
-    async for chunk in call:
-        if chunk.index >= TOKENS - 1:
-            break
-    call.cancel()
-
-    async def committed():
-        try:
-            return (await store.get_commit(request_id)).last_index >= TOKENS - 1
-        except grpc.aio.AioRpcError as error:
-            if error.code() != grpc.StatusCode.NOT_FOUND:
-                raise
-            return False
-
-    await assert_eventually(committed, timeout=30)
-    assert (await source.Park(worker_pb2.ParkRequest(request_ids=[request_id], ttl_s=30), timeout=10)).parked
-    commit = await store.get_commit(request_id)
+    commit = await parked_commit(store, source, request_id, TOKENS, commit_timeout_s=30)
     item = migration_pb2.RestoreItem(state=commit.state, seed=commit.seed, method=migration_pb2.MIGRATION_METHOD_CHECKPOINT,
                                      kv_tokens=commit.kv_tokens)
     item.state.request_id = request_id

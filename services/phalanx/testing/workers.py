@@ -8,10 +8,11 @@ from collections.abc import AsyncIterator, Iterator
 
 import grpc
 
-from phalanx._proto import worker_pb2_grpc
+from phalanx._proto import checkpoint_pb2, common_pb2, worker_pb2, worker_pb2_grpc
 from phalanx.common.config import EtcdConfig
 from phalanx.launch.infra import EtcdServer, NatsServer
-from phalanx.launch.services import WorkerHandle, start_worker
+from phalanx.launch.services import CheckpointStoreHandle, WorkerHandle, start_worker
+from phalanx.testing.asserts import assert_eventually
 
 
 @contextlib.contextmanager
@@ -27,3 +28,29 @@ def shared_worker(worker_id: str, nats_server: NatsServer, etcd_server: EtcdServ
 async def worker_stub(worker: WorkerHandle) -> AsyncIterator[worker_pb2_grpc.WorkerServiceStub]:
     async with grpc.aio.insecure_channel(worker.address) as channel:
         yield worker_pb2_grpc.WorkerServiceStub(channel)
+
+
+async def parked_commit(
+    store: CheckpointStoreHandle, source: worker_pb2_grpc.WorkerServiceStub, request_id: str, tokens: int, *, commit_timeout_s: float,
+) -> checkpoint_pb2.CommitRecord:
+    """A request generated on ``source`` to ``tokens`` tokens and parked there, and the store's commit of it."""
+    call = source.Generate(worker_pb2.GenerateRequest(
+        request_id=request_id, tokens=common_pb2.PromptTokens(ids=list(range(40, 90))),
+        sampling=common_pb2.SamplingParams(max_tokens=tokens + 200, ignore_eos=True),
+    ), timeout=60)
+    async for chunk in call:
+        if chunk.index >= tokens - 1:
+            break
+    call.cancel()  # the request runs on while its commit catches up
+
+    async def committed() -> bool:
+        try:
+            return (await store.get_commit(request_id)).last_index >= tokens - 1
+        except grpc.aio.AioRpcError as error:
+            if error.code() != grpc.StatusCode.NOT_FOUND:
+                raise
+            return False
+
+    await assert_eventually(committed, timeout=commit_timeout_s)
+    assert (await source.Park(worker_pb2.ParkRequest(request_ids=[request_id], ttl_s=30), timeout=10)).parked
+    return await store.get_commit(request_id)

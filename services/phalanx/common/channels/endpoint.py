@@ -269,11 +269,9 @@ class ChannelEndpoint:
         self._close_stale()
         kept_peers = {channel.peer for _, channel in self._idle.values() if isinstance(channel, _GroupChannel)}
         if kept_peers and self._etcd_config is not None:
-            if self._etcd is None:
-                self._etcd = connect_etcd(self._etcd_config)
             try:
                 async with asyncio.timeout(self._timeout_s):
-                    listed = await self._etcd.get_prefix(CHANNELS_PREFIX.encode())
+                    listed = await self._etcd_client(self._etcd_config).get_prefix(CHANNELS_PREFIX.encode())
             except _SWEEP_ERRORS as error:
                 log.debug("endpoint %s: cannot list the channel endpoints to sweep: %s", self.endpoint_id, error)
             else:
@@ -311,9 +309,13 @@ class ChannelEndpoint:
         """The advertisement of ``peer_endpoint_id`` from etcd; ChannelError if it is absent or etcd is away."""
         if self._etcd_config is None:
             raise ChannelError(f"cannot look up {peer_endpoint_id!r}: this endpoint has no etcd config", peer=peer_endpoint_id)
+        return await _lookup(self._etcd_client(self._etcd_config), peer_endpoint_id, self._op_timeout(timeout_s))
+
+    def _etcd_client(self, config: EtcdConfig) -> aetcd.Client:
+        """The endpoint's etcd client, made on first use (lookups and sweeps share it)."""
         if self._etcd is None:
-            self._etcd = connect_etcd(self._etcd_config)
-        return await _lookup(self._etcd, peer_endpoint_id, self._op_timeout(timeout_s))
+            self._etcd = connect_etcd(config)
+        return self._etcd
 
     # --- process-group channels -------------------------------------------------------------------
     async def open(

@@ -291,6 +291,8 @@ async def _stale_commits(run: ChaosRun, worker_id: str, lost: set[str], restored
                 stale |= {c.request_id for c in await store.list_commits(worker_id) if c.request_id in lost}
         await asyncio.sleep(0.1)
     return len(stale)
+
+
 async def _store_metric(run: ChaosRun, name: str) -> float:
     store = run.fleet.stores[0]
     return await asyncio.to_thread(store.metric, name) or 0.0
@@ -298,12 +300,11 @@ async def _store_metric(run: ChaosRun, name: str) -> float:
 
 async def _wait_store_metric(run: ChaosRun, name: str, ok: Callable[[float], bool], timeout: float) -> float | None:
     """Seconds until the store's metric ``name`` satisfies ``ok`` (None: not within ``timeout``)."""
-    started = time.monotonic()
-    while time.monotonic() - started < timeout:
-        if ok(await _store_metric(run, name)):
-            return round(time.monotonic() - started, 2)
-        await asyncio.sleep(0.1)
-    return None
+
+    async def reached() -> bool:
+        return ok(await _store_metric(run, name))
+
+    return await _wait_for(reached, timeout)
 
 
 async def _fill_store_disk(run: ChaosRun) -> None:

@@ -45,7 +45,6 @@ import json
 import logging
 import math
 import os
-import random
 import re
 import shutil
 from collections.abc import Awaitable, Callable, Mapping
@@ -59,6 +58,7 @@ from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from phalanx.common.config import TelemetryConfig
+from phalanx.common.lease import Backoff
 from phalanx.common.service import ServiceShell
 from phalanx.failover.cuda_weights import GpuSegment, map_gpu_segment
 from phalanx.failover.weights import (
@@ -456,7 +456,7 @@ class MemoryServiceClient:
 
     async def _reattach(self, request: Mapping[str, object]) -> bool:
         """A read grant again from a service on our socket, retried until one answers; False if it refuses for good."""
-        delay = _REATTACH_FIRST_S
+        backoff = Backoff(_REATTACH_FIRST_S, _REATTACH_MAX_S)
         while True:
             writer, self._writer = self._writer, None
             if writer is not None:
@@ -466,8 +466,7 @@ class MemoryServiceClient:
                 reply = await self._ask(request)
             except (OSError, MemoryServiceUnavailableError, ValueError) as error:  # not restarted yet (or cut off mid-reply)
                 log.debug("memory service at %s not back yet: %s", self.socket_path, error)
-                await asyncio.sleep(delay * random.uniform(0.5, 1.0))
-                delay = min(delay * 2, _REATTACH_MAX_S)
+                await asyncio.sleep(backoff.next())
                 continue
             if reply.get("granted") == "read":
                 self.reattached += 1

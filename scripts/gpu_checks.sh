@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU paths, on a machine with a CUDA device (a lent device machine; CI has none):
-# tests/gpu (bf16 engine, determinism, KV moves, CUDA tensor channels, CUDA IPC weights), `phalanx bench engine` on
-# the GPU, and the migration and engine-failover suites with CUDA workers.
+# tests/gpu (bf16 engine, determinism, KV moves, CUDA tensor channels, CUDA IPC weights, encoders), `phalanx bench engine`
+# and `phalanx bench multimodal` on the GPU, and the migration and engine-failover suites with CUDA workers.
 # Needs torch with CUDA and the services' packages importable (PYTHONPATH=services plus what the machine lacks).
 # Usage: scripts/gpu_checks.sh [OUT_DIR]
 set -uo pipefail
@@ -15,6 +15,10 @@ for model in phalanx-tiny-moe phalanx-tiny-dense; do
   python3 -m phalanx.cli bench engine --model "$model" --device cuda --batches 1,8,32,128 --repeats 3 --json \
     2>&1 | tee "$out/bench_engine_${model}.json"
 done
+# Media TTFT and encoder batching: encoders on the LLM's GPU, then on their own device (the CPU).
+python3 -m phalanx.cli bench multimodal --device cuda --json 2>&1 | tee "$out/bench_multimodal_cuda.json"
+python3 -m phalanx.cli bench multimodal --device cuda --encoder-device cpu --torch-threads 8 --json \
+  2>&1 | tee "$out/bench_multimodal_cuda_cpu_encoder.json"
 # The integration suites with every worker on the GPU (and the failover slots' weights there, over CUDA IPC).
 PHALANX_ENGINE_DEVICE=cuda python3 -m pytest tests/integration/test_migration.py -p no:cacheprovider -o filterwarnings= -q -rfE \
   2>&1 | tee "$out/migration_cuda.log"

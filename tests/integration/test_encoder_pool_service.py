@@ -171,7 +171,9 @@ async def test_over_the_visual_token_budget_is_invalid_argument(encoder: Service
 
 
 async def test_an_encoder_past_its_backlog_refuses_with_a_retry_hint(etcd):
-    busy = await start_encoder_pool(unique_id("enc-busy"), etcd, "--llm-hidden-size", "8", "--max-backlog-ms", "1")
+    # One unit per batch: the audio below takes four batches in turn, so the encoder is still busy when the image comes
+    # (a single batch of four, on a warm encoder, could finish between seeing the backlog and sending the image).
+    busy = await start_encoder_pool(unique_id("enc-busy"), etcd, "--llm-hidden-size", "8", "--max-backlog-ms", "1", "--max-batch", "1")
     try:
         async with grpc.aio.insecure_channel(busy.address) as channel:
             stub = encoder_pb2_grpc.EncoderServiceStub(channel)

@@ -89,7 +89,7 @@ def test_helm_encoder_values_are_valid_settings_and_match_the_served_models_hidd
     EncoderPoolConfig(
         image_encoder=encoder["imageEncoder"], audio_encoder=encoder["audioEncoder"], llm_hidden_size=encoder["llmHiddenSize"],
         max_batch=encoder["maxBatch"], max_backlog_ms=encoder["maxBacklogMs"], torch_threads=encoder["torchThreads"],
-        port=encoder["grpcPort"], metrics_port=encoder["metricsPort"],
+        device=encoder["device"], port=encoder["grpcPort"], metrics_port=encoder["metricsPort"],
     )
     assert encoder["llmHiddenSize"] == model_hidden_size(values["engine"]["model"])
     ports = {v["metricsPort"] for k, v in values.items() if isinstance(v, dict) and "metricsPort" in v and k not in ("encoder", "planner")}

@@ -124,6 +124,13 @@ async def test_pool_encodes_each_modality_to_llm_embeddings(config, tmp_path):
     assert result.encode_ms >= result.queue_ms >= 0
 
 
+def test_a_new_pool_keeps_its_priors_through_the_warm_up_forward(config):
+    pool = EncodePool(config)
+    # The warm-up forward (cold kernels, allocator growth) is not a measurement: the priors stand until real batches.
+    assert not any(pool.cost.measured(m) for m in Modality)
+    assert pool.cost.unit_ms(IMAGE) == PRIOR_UNIT_MS[IMAGE]
+
+
 async def test_batched_and_alone_encodings_are_the_same_numbers(config):
     pool, task = await _running(config)
     try:

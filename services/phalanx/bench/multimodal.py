@@ -79,13 +79,13 @@ def _direct(pool: EncodePool, repeats: int) -> dict[str, float]:
 def run_multimodal_bench(
     *, image_encoder: str = "small-clip", audio_encoder: str = "tiny-whisper", llm_hidden_size: int = 256, concurrency: int = 16,
     rounds: int = 4, repeats: int = 8, torch_threads: int = 2, ttft_rounds: int = 6, skew_requests: int = 20, long_prefix: int = 1024,
-    ttft: bool = True,
+    ttft: bool = True, model: str = "phalanx-tiny-dense", device: str = "cpu", encoder_device: str = "cpu",
 ) -> dict:
     torch.set_num_threads(torch_threads)
     batched_config, single_config = (
         EncoderPoolConfig(
             image_encoder=image_encoder, audio_encoder=audio_encoder, llm_hidden_size=llm_hidden_size, max_batch=batch,
-            max_backlog_ms=1e9,
+            max_backlog_ms=1e9, device=encoder_device,
         )
         for batch in (16, 1)
     )
@@ -100,7 +100,7 @@ def run_multimodal_bench(
     if ttft:
         ttft_results = run_ttft_benches(
             image_encoder=image_encoder, audio_encoder=audio_encoder, rounds=ttft_rounds, skew_requests=skew_requests,
-            long_prefix=long_prefix,
+            long_prefix=long_prefix, model=model, device=device, encoder_device=encoder_device,
         )
         reduction = ttft_results["overlap_through_services"]["long_prefix"]["reduction"]
         skew = ttft_results["joint_routing_under_skew"]
@@ -117,6 +117,9 @@ def run_multimodal_bench(
         "learned_unit_ms": {"batched_max_16": batched_costs, "one_at_a_time": single_costs},
         "encoder_ms": _direct(probe, repeats),
         "torch_threads": torch_threads,
+        "device": device,
+        "encoder_device": encoder_device,
+        **({"gpu": torch.cuda.get_device_name(torch.device(device))} if device.startswith("cuda") else {}),
         "python": platform.python_version(),
         "torch": torch.__version__,
         "goals": {k: v for k, v in GOALS.items() if k in met},

@@ -63,6 +63,7 @@ async def _measure(stubs: dict[bool, router_pb2_grpc.RouterServiceStub], request
 
 async def overlap_ttft_through_services(
     *, image_encoder: str, model: str, prefixes: dict[str, int], rounds: int, png: Callable[[int, int], bytes], image_size: int,
+    device: str = "cpu", encoder_device: str = "cpu",
 ) -> dict:
     hidden = phalanx.model.load(model).config.hidden_size
     rng = np.random.default_rng(7)
@@ -81,10 +82,10 @@ async def overlap_ttft_through_services(
         etcd = stack.enter_context(EtcdServer())
         etcd_config = EtcdConfig(endpoint=etcd.endpoint, lease_ttl_s=1)
         encoder = await start_encoder_pool(
-            "bench-encoder", etcd_config, "--image-encoder", image_encoder, "--llm-hidden-size", str(hidden),
+            "bench-encoder", etcd_config, "--image-encoder", image_encoder, "--llm-hidden-size", str(hidden), "--device", encoder_device,
         )
         stack.callback(encoder.terminate)
-        worker = await start_worker("bench-mm-worker", nats.url, etcd_config, "--fast", model=model)
+        worker = await start_worker("bench-mm-worker", nats.url, etcd_config, "--fast", model=model, env={"PHALANX_ENGINE_DEVICE": device})
         stack.callback(worker.terminate)
         routers = {}
         for overlap in (True, False):

@@ -232,14 +232,16 @@ async def _by_modality(h: _Harness, pool: EncodePool, image_size: int, rounds: i
 
 async def _run(
     image_encoder: str, audio_encoder: str, model: str, rounds: int, skew_requests: int, short_prefix: int, long_prefix: int,
+    device: str, encoder_device: str,
 ) -> dict:
-    llm = phalanx.model.load(model)
+    engine_config = EngineConfig(max_model_len=max(2048, long_prefix + 1024), device=device)
+    llm = phalanx.model.load(model, device=engine_config.device, dtype=engine_config.torch_dtype())
     config = EncoderPoolConfig(
         image_encoder=image_encoder, audio_encoder=audio_encoder, llm_hidden_size=llm.config.hidden_size, max_backlog_ms=1e9,
-        max_queued_units=100_000,
+        max_queued_units=100_000, device=encoder_device,
     )
     pools = {name: EncodePool(config) for name in ("idle", "busy")}
-    engine = AsyncEngine(Engine(llm, EngineConfig(max_model_len=max(2048, long_prefix + 1024))))
+    engine = AsyncEngine(Engine(llm, engine_config))
     await engine.start()
     runners = [asyncio.get_running_loop().create_task(pool.run()) for pool in pools.values()]
     try:
@@ -266,11 +268,13 @@ async def _run(
 
 def run_ttft_benches(
     *, image_encoder: str, audio_encoder: str, model: str = "phalanx-tiny-dense", rounds: int = 6, skew_requests: int = 20,
-    short_prefix: int = 32, long_prefix: int = 1024,
+    short_prefix: int = 32, long_prefix: int = 1024, device: str = "cpu", encoder_device: str = "cpu",
 ) -> dict:
-    results = asyncio.run(_run(image_encoder, audio_encoder, model, rounds, skew_requests, short_prefix, long_prefix))
+    results = asyncio.run(
+        _run(image_encoder, audio_encoder, model, rounds, skew_requests, short_prefix, long_prefix, device, encoder_device)
+    )
     results["overlap_through_services"] = asyncio.run(overlap_ttft_through_services(
         image_encoder=image_encoder, model=model, prefixes={"short_prefix": short_prefix, "long_prefix": long_prefix}, rounds=rounds,
-        png=random_png, image_size=results.pop("image_size"),
+        png=random_png, image_size=results.pop("image_size"), device=device, encoder_device=encoder_device,
     ))
     return results

@@ -246,6 +246,7 @@ def encoder_pool(
     llm_hidden_size: int = typer.Option(None, help="Hidden size of the LLM fed [env PHALANX_ENCODER_LLM_HIDDEN_SIZE]"),
     max_batch: int = typer.Option(None, help="Units per batch [env PHALANX_ENCODER_MAX_BATCH]"),
     max_backlog_ms: float = typer.Option(None, help="Backlog past which requests are refused [env PHALANX_ENCODER_MAX_BACKLOG_MS]"),
+    device: str = typer.Option(None, help="torch device of the encoders: cpu, cuda, cuda:1 … [env PHALANX_ENCODER_DEVICE]"),
     etcd_endpoint: str = typer.Option(None, help="etcd host:port, or a cluster's members as host:port,host:port,... [env PHALANX_ETCD_ENDPOINT]"),
     log_level: str = typer.Option("INFO"),
 ) -> None:
@@ -257,7 +258,7 @@ def encoder_pool(
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # An empty encoder name is meaningful (no such modality), so those two are passed through when given at all.
     given = _given(encoder_id=encoder_id, host=host, port=port, llm_hidden_size=llm_hidden_size, max_batch=max_batch,
-                   max_backlog_ms=max_backlog_ms)
+                   max_backlog_ms=max_backlog_ms, device=device)
     given.update({k: v for k, v in {"image_encoder": image_encoder, "audio_encoder": audio_encoder}.items() if v is not None})
     config = EncoderPoolConfig(**given)
     _run_until_signalled(EncoderPoolProcess(config, EtcdConfig(**_given(endpoint=etcd_endpoint)), TelemetryConfig()))
@@ -563,6 +564,9 @@ def bench_multimodal(
     skew_requests: int = typer.Option(20, min=2, help="Requests per mode (joint, round-robin) under skewed encoder load"),
     long_prefix: int = typer.Option(1024, min=16, help="Tokens of text before the image in the long-prefix runs"),
     ttft: bool = typer.Option(True, help="Also measure TTFT (overlap, joint routing under skew, by modality)"),
+    model: str = typer.Option("phalanx-tiny-dense", help="LLM of the TTFT runs"),
+    device: str = typer.Option("cpu", help="torch device of the LLM (engine and worker) and, unless --encoder-device, the encoders"),
+    encoder_device: str = typer.Option("", help="torch device of the encoders (default: --device)"),
     as_json: bool = typer.Option(False, "--json", help="Print JSON only"),
 ) -> None:
     """Encoder batching throughput and encode time per unit; media TTFT: text prefix overlapped with encoding vs
@@ -571,7 +575,8 @@ def bench_multimodal(
 
     result = run_multimodal_bench(
         image_encoder=image_encoder, concurrency=concurrency, rounds=rounds, torch_threads=torch_threads, ttft_rounds=ttft_rounds,
-        skew_requests=skew_requests, long_prefix=long_prefix, ttft=ttft,
+        skew_requests=skew_requests, long_prefix=long_prefix, ttft=ttft, model=model, device=device,
+        encoder_device=encoder_device or device,
     )
     typer.echo(json.dumps(result, indent=None if as_json else 2))
 

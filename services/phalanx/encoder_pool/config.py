@@ -46,6 +46,9 @@ class EncoderPoolConfig(BaseSettings):
     max_audio_seconds: float = Field(600.0, gt=0, description="Longest audio accepted")
 
     torch_threads: int = Field(2, ge=1, description="Threads of torch's CPU ops for encoding")
+    device: str = Field(
+        "cpu", description="torch device the encoders run on: cpu, cuda, cuda:1 …; the embeddings leave on the CPU either way"
+    )
     load_publish_interval_s: float = Field(0.5, gt=0, description="How often the backlog in the etcd registration is refreshed")
     shutdown_grace_s: float = Field(2.0, ge=0, description="How long in-flight encodes may finish at shutdown")
     hold_s: float = Field(

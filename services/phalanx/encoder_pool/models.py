@@ -55,6 +55,16 @@ def _seeded_init(module: nn.Module, seed: int) -> None:
                 param.copy_(torch.randn(param.shape, generator=generator) * 0.02)
 
 
+def _device_of(module: nn.Module) -> torch.device:
+    return next(module.parameters()).device
+
+
+def _to_host(embeddings: torch.Tensor) -> torch.Tensor:
+    # Embeddings leave over gRPC bytes or a CPU tensor channel, so a GPU encoder's come back to the host here, once per
+    # batch (which also waits for the batch's kernels: the pool's measured batch time is the real encode time).
+    return embeddings.cpu()
+
+
 @dataclass
 class ImageEncoder:
     """Pixels -> LLM embeddings: ``preprocess`` one RGB image, ``encode`` a batch."""
@@ -73,8 +83,8 @@ class ImageEncoder:
 
     @torch.inference_mode()
     def encode(self, pixels: torch.Tensor) -> torch.Tensor:
-        """(batch, 3, S, S) -> (batch, tokens_per_image, llm_hidden)."""
-        return self.projector(self.tower(pixels).features)
+        """(batch, 3, S, S) -> (batch, tokens_per_image, llm_hidden), on the CPU whatever the encoder's device."""
+        return _to_host(self.projector(self.tower(pixels.to(_device_of(self.projector))).features))
 
 
 @dataclass
@@ -94,12 +104,13 @@ class AudioEncoder:
 
     @torch.inference_mode()
     def encode(self, features: torch.Tensor) -> torch.Tensor:
-        """(batch, n_mels, frames) -> (batch, tokens_for_frames(frames), llm_hidden)."""
-        return self.projector(self.encoder(features))
+        """(batch, n_mels, frames) -> (batch, tokens_for_frames(frames), llm_hidden), on the CPU whatever the encoder's
+        device."""
+        return _to_host(self.projector(self.encoder(features.to(_device_of(self.projector)))))
 
 
-def load_image_encoder(name_or_path: str, llm_hidden_size: int, *, seed: int = 0) -> ImageEncoder:
-    """A built-in name (seeded weights) or a Hugging Face CLIP directory."""
+def load_image_encoder(name_or_path: str, llm_hidden_size: int, *, seed: int = 0, device: str = "cpu") -> ImageEncoder:
+    """A built-in name (seeded weights) or a Hugging Face CLIP directory, on ``device``."""
     if name_or_path in BUILTIN_VISION:
         tower = ClipVisionTower(BUILTIN_VISION[name_or_path])
         _seeded_init(tower, seed)
@@ -110,11 +121,11 @@ def load_image_encoder(name_or_path: str, llm_hidden_size: int, *, seed: int = 0
     projector = Projector(tower.config.hidden_size, llm_hidden_size)
     _seeded_init(projector, seed + 1)
     size = tower.config.image_size
-    return ImageEncoder(name_or_path, tower.eval(), projector.eval(), ImageProcessing(size=size, crop=size))
+    return ImageEncoder(name_or_path, tower.to(device).eval(), projector.to(device).eval(), ImageProcessing(size=size, crop=size))
 
 
-def load_audio_encoder(name_or_path: str, llm_hidden_size: int, *, seed: int = 0) -> AudioEncoder:
-    """A built-in name (seeded weights) or a Hugging Face Whisper directory."""
+def load_audio_encoder(name_or_path: str, llm_hidden_size: int, *, seed: int = 0, device: str = "cpu") -> AudioEncoder:
+    """A built-in name (seeded weights) or a Hugging Face Whisper directory, on ``device``."""
     if name_or_path in BUILTIN_AUDIO:
         encoder = WhisperAudioEncoder(BUILTIN_AUDIO[name_or_path])
         _seeded_init(encoder, seed)
@@ -124,4 +135,4 @@ def load_audio_encoder(name_or_path: str, llm_hidden_size: int, *, seed: int = 0
         raise ValueError(f"unknown audio encoder {name_or_path!r}: a directory or one of {sorted(BUILTIN_AUDIO)}")
     projector = Projector(encoder.config.d_model, llm_hidden_size, stack=AUDIO_STACK)
     _seeded_init(projector, seed + 1)
-    return AudioEncoder(name_or_path, encoder.eval(), projector.eval())
+    return AudioEncoder(name_or_path, encoder.to(device).eval(), projector.to(device).eval())

@@ -473,6 +473,13 @@ class Migrator:
             for commit in listing.commits:
                 held.setdefault(commit.request_id, commit)
         response = M.MigrateWorkerResponse()
+        # A request with media cannot be moved from here: its commit records where the embeddings go, not the rows, and
+        # every target would refuse it (FAILED_PRECONDITION); a router asking meanwhile would share that failure. The
+        # router relaying it holds them, and moves its requests off a worker declared DEAD itself.
+        for commit in [c for c in held.values() if c.state.media]:
+            del held[commit.request_id]
+            response.left_to_router.append(commit.request_id)
+            self.metrics.left_to_router.inc()
 
         async def one(commit: checkpoint_pb2.CommitRecord) -> None:
             request = M.MigrateRequest(request_id=commit.request_id, worker_id=worker_id, reason=reason, priority=commit.state.priority)

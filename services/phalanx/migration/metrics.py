@@ -18,6 +18,11 @@ class MigrationMetrics:
             buckets=_BUCKETS, registry=self.registry,
         )
         self.failures = Counter("phalanx_migration_failures", "Requests no target could take", registry=self.registry)
+        self.left_to_router = Counter(
+            "phalanx_migration_left_to_router",
+            "Requests of a dead worker left to the router relaying them: their media embeddings are only there",
+            registry=self.registry,
+        )
         self.kv_bytes = Counter("phalanx_migration_kv_bytes", "KV bytes moved into targets", registry=self.registry)
         self.restore_calls = Histogram(
             "phalanx_migration_restore_batch_size", "Requests per Restore call to a target", buckets=(1, 2, 4, 8, 16, 32, 64),

@@ -99,8 +99,11 @@ class MigrationProcess:
     async def _migrate_worker(self, migrator: Migrator, worker: DeadWorker) -> None:
         try:
             result = await migrator.migrate_worker(worker.worker_id, "dead")
-            if result.migrated or result.failed:
-                log.warning("worker %s died: %d requests migrated, %d failed", worker.worker_id, len(result.migrated), len(result.failed))
+            if result.migrated or result.failed or result.left_to_router:
+                log.warning(
+                    "worker %s died: %d requests migrated, %d failed, %d with media left to their routers", worker.worker_id,
+                    len(result.migrated), len(result.failed), len(result.left_to_router),
+                )
         except Exception:
             log.exception("migrating the requests of %s failed", worker.worker_id)
         finally:

@@ -239,6 +239,8 @@ class RouterProcess:
             return  # an older state arriving late (NATS and the etcd watch interleave)
         records[worker_id] = record
         self.table.set_weight(worker_id, min(1.0, max(0.0, record.routing_weight)), health=record.health)
+        if record.health == common_pb2.WORKER_HEALTH_DEAD and self.servicer is not None:
+            self._servicer.on_worker_dead(worker_id, record.worker_started_at)
 
     async def _on_health_event(self, record: common_pb2.WorkerHealthRecord, subject: str, context) -> None:
         self._on_health("put", record.worker_id, record)

@@ -754,6 +754,22 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
         self._moved_under[event.request_id] = (event.worker_id, event.worker_address)
         reading[1].cancel()
 
+    def on_worker_dead(self, worker_id: str, started_at: float) -> None:
+        """Health declared a worker DEAD: relays still reading it stop, as if its stream broke, and migrate.
+
+        A hung worker's streams never break by themselves, and the migration service's DEAD trigger moves only what
+        the checkpoint store holds for it: not a request it has no commit of yet, nor one whose media embeddings only
+        this router has. A request that trigger is moving already is shared by this router's call (one migration).
+        A record of another incarnation (a stable id, as compose and Helm give, restarted) leaves this one alone.
+        """
+        registration = self.registrations.get(worker_id)
+        if registration is not None and started_at and registration.started_at != started_at:
+            return
+        for request_id, (reading_from, call) in list(self._reading.items()):
+            if reading_from == worker_id and request_id not in self._moved_under:
+                log.warning("worker %s was declared dead while relaying %s: moving it", worker_id, request_id)
+                call.cancel()
+
     def _cancel_on(self, worker_id: str, request_id: str) -> None:
         """Ask the old owner to drop its copy, in the background: a hung worker acts on it once it runs again."""
         registration = self.registrations.get(worker_id)

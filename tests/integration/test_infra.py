@@ -20,7 +20,7 @@ from phalanx._proto import common_pb2
 from phalanx.common.config import EtcdConfig, NatsConfig, TelemetryConfig
 from phalanx.common.discovery import WorkerDirectory, decode_registration, encode_registration
 from phalanx.common.events import EventBus, MessageTooLargeError
-from phalanx.common.lease import LeasedKey
+from phalanx.common.lease import EtcdUnavailableError, LeasedKey
 from phalanx.common.subjects import LOAD_ALL, load_subject, worker_key
 from phalanx.common.telemetry import (
     get_tracer,
@@ -29,6 +29,7 @@ from phalanx.common.telemetry import (
     setup_telemetry,
 )
 from phalanx.launch.infra import EtcdServer, NatsServer
+from phalanx.launch.ports import free_port
 from phalanx.testing.asserts import assert_eventually
 
 pytestmark = pytest.mark.integration
@@ -63,6 +64,26 @@ async def test_leased_key_is_visible_and_vanishes_at_once_on_close(etcd_config):
     assert await _etcd_value(etcd_config, key) is None
     await leased.close()  # idempotent
     assert leased.lease_id is None
+
+
+async def test_a_starting_service_waits_for_an_etcd_that_comes_up_late_and_gives_up_on_one_that_never_does():
+    late = EtcdServer()  # its port chosen, the server not started yet
+    config = EtcdConfig(endpoint=late.endpoint, lease_ttl_s=1, request_timeout_s=0.5, startup_timeout_s=30)
+    leased = LeasedKey(config, worker_key(_worker_id()), b"patient")
+    starting = asyncio.ensure_future(leased.start())
+    try:
+        await asyncio.sleep(1.0)
+        assert not starting.done()  # still trying, not exited
+        await asyncio.to_thread(late.start)
+        await asyncio.wait_for(starting, timeout=20)
+        assert leased.lease_id is not None
+    finally:
+        starting.cancel()
+        await leased.close()
+        late.stop()
+    never = EtcdConfig(endpoint=f"127.0.0.1:{free_port()}", request_timeout_s=0.2, startup_timeout_s=1)
+    with pytest.raises(EtcdUnavailableError):
+        await asyncio.wait_for(LeasedKey(never, worker_key(_worker_id()), b"x").start(), timeout=10)
 
 
 async def test_leased_key_outlives_one_ttl_while_its_owner_lives(etcd_config):

@@ -8,12 +8,13 @@ import torch
 import phalanx.model
 from phalanx._proto import checkpoint_pb2
 from phalanx.checkpoint_store.store import CheckpointStore, KvLayout, SegmentResult, Writer
+from phalanx.encoder_pool.tokens import expand_placeholders
 from phalanx.model.sampling import SamplingParams
 from phalanx.worker.checkpointing import CheckpointCapture, _Capture, _Piece, batch_of, pick_store, stream_requests
 from phalanx.worker.config import EngineConfig
 from phalanx.worker.engine import Engine, EngineRequest
-from phalanx.worker.sequence import RequestSnapshot
-from phalanx.worker.server import snapshot_from_proto, snapshot_to_proto
+from phalanx.worker.sequence import MediaEmbedding, RequestSnapshot
+from phalanx.worker.server import media_from_proto, snapshot_from_proto, snapshot_to_proto
 
 pytestmark = pytest.mark.unit
 
@@ -72,6 +73,47 @@ def test_a_commit_after_any_step_restores_to_the_same_continuation(moe, tmp_path
             target.restore(EngineRequest(snapshot.prompt_ids, snapshot.params, "r", resume=snapshot, migrated=True), kv, record.kv_tokens)
             assert tokens_of(target, "r") == expected[outputs:], outputs
     assert kv_segments == 1 + (N - 5) // INTERVAL  # the prompt's, then one per interval
+    store.close()
+
+
+def test_a_media_request_restores_from_the_store_alone_embeddings_included(moe, tmp_path):
+    # The store keeps the media embeddings that came with the whole state: a restore needs no router's copy of them.
+    text = moe.tokenizer.encode("Describe this picture in a few words:")
+    prompt, (span,) = expand_placeholders([*text[:3], 0, *text[3:]], 0, [6], [99])
+    rows = torch.randn(6, moe.config.hidden_size, generator=torch.Generator().manual_seed(3))
+    media = [MediaEmbedding(span, rows)]
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    reference = engine_of(moe)
+    reference.add_request(EngineRequest(prompt, params, "r", media=media))
+    expected = tokens_of(reference, "r")
+
+    source = engine_of(moe)
+    cache = source.cache.data
+    layout = KvLayout(num_layers=cache.shape[0], num_kv_heads=cache.shape[4], head_dim=cache.shape[5], dtype=cache.dtype)
+    store = CheckpointStore(tmp_path)
+    writer = Writer("w", layout, "tiny@1")
+    capture = CheckpointCapture(interval_tokens=INTERVAL)
+    capture.connected = True
+    source.add_request(EngineRequest(prompt, params, "r", media=media))
+    for _ in range(6):
+        source.step()
+        capture.capture(source)
+        for item in capture.take():
+            for segment in batch_of([item], snapshot_to_proto).segments:
+                assert store.apply(writer, segment).result is SegmentResult.APPLIED
+    record = store.get("r")
+    assert record.media_held == 1 and len(store.media("r")) == 1
+    target = engine_of(moe)
+    snapshot = snapshot_from_proto(record.state)
+    stored = [media_from_proto(i, m) for i, m in enumerate(store.media("r"))]
+    assert torch.equal(stored[0].embeddings, rows) and stored[0].span == span
+    # Only positions past the KV are recomputed, but those may include media rows: a restore from position 0 shows that
+    # the stored embeddings are the ones the prompt was computed with.
+    for kv_tokens in (record.kv_tokens, 0):
+        request = EngineRequest(snapshot.prompt_ids, snapshot.params, "r", resume=snapshot, migrated=True, media=stored)
+        target = engine_of(moe)
+        target.restore(request, store.read_kv("r", kv_tokens) if kv_tokens else None, kv_tokens)
+        assert tokens_of(target, "r") == expected[len(snapshot.output_ids):], kv_tokens
     store.close()
 
 

@@ -150,6 +150,53 @@ def test_restart_from_zero_by_another_worker_replaces_the_request(store):
     assert store.committed_tokens == 2
 
 
+def _with_media(message: checkpoint_pb2.Segment, *items: common_pb2.MediaEmbedding, spans=None) -> checkpoint_pb2.Segment:
+    """``message`` whose state places ``spans`` (default: the items' own) and which brings ``items``' embeddings."""
+    for item in items if spans is None else spans:
+        message.state.media.add(start=item.start, rows=item.rows, media_hash=item.media_hash)
+    message.media.extend(items)
+    return message
+
+
+def _embedding(start: int, rows: int, media_hash: int, *, hidden: int = 4, dtype: str = "float32") -> common_pb2.MediaEmbedding:
+    values = torch.arange(rows * hidden, dtype=getattr(torch, dtype)) + media_hash
+    return common_pb2.MediaEmbedding(
+        start=start, rows=rows, hidden=hidden, dtype=dtype, data=values.view(torch.uint8).numpy().tobytes(), media_hash=media_hash
+    )
+
+
+def test_a_whole_state_keeps_its_media_embeddings_for_restores_and_counts_their_memory(store):
+    image, audio = _embedding(1, 2, 77), _embedding(3, 1, 78, dtype="bfloat16")
+    store.apply(W1, segment("r0", 1, 0, 4))
+    kv_memory = store.memory_bytes  # what the same KV without media takes (whole blocks)
+    store.apply(W1, _with_media(segment("r1", 1, 0, 4), image, audio))
+    assert store.get("r1").media_held == 2 and store.media("r1") == [image, audio]
+    assert store.memory_bytes == 2 * kv_memory + len(image.data) + len(audio.data)
+    # Later segments carry no media: the embeddings stay. A new owner restoring from the commit takes over with a whole
+    # state and no media (it has them): they stay too.
+    store.apply(W1, segment("r1", 2, 4, 6, outputs=[21]))
+    takeover = segment("r1", 1, 6, 6, outputs=[22])
+    takeover.state.CopyFrom(store.get("r1").state)
+    store.apply(W2, takeover)
+    assert store.get("r1").worker_id == "w2" and store.media("r1") == [image, audio]
+    # Restarted from position 0 (a resync) without them: kept, as the state names the same media.
+    store.apply(W2, _with_media(segment("r1", 2, 0, 2), spans=[image, audio]))
+    assert store.get("r1").media_held == 2
+    assert store.release("r1") and store.release("r0")
+    assert store.memory_bytes == 0
+
+
+def test_media_embeddings_that_do_not_fit_the_state_are_not_kept(store):
+    good = _embedding(1, 2, 77)
+    short = _embedding(3, 2, 78)
+    short.data = short.data[:-4]
+    stranger = _embedding(5, 1, 79)  # no span of the state's
+    odd = _embedding(6, 1, 80, dtype="int8")
+    message = _with_media(segment("r1", 1, 0, 4), good, short, stranger, odd, spans=[good, short, odd])
+    assert store.apply(W1, message).result is SegmentResult.APPLIED  # the commit stands, for a caller that brings them
+    assert store.media("r1") == [good] and store.get("r1").media_held == 1 and len(store.get("r1").state.media) == 3
+
+
 def test_release_drops_the_request_only_for_its_owner(store):
     store.apply(W1, segment("r1", 1, 0, 4))
     assert not store.release("r1", worker_id="w2")  # a former owner's release must not drop the new owner's commit

@@ -84,7 +84,7 @@ class CheckpointStoreServicer(checkpoint_pb2_grpc.CheckpointStoreServicer, migra
         return response
 
     async def GetCommit(self, request, context) -> checkpoint_pb2.GetCommitResponse:
-        return checkpoint_pb2.GetCommitResponse(commit=self.store.get(request.request_id))
+        return checkpoint_pb2.GetCommitResponse(commit=self.store.get(request.request_id), media=self.store.media(request.request_id))
 
     async def ListCommits(self, request, context) -> checkpoint_pb2.ListCommitsResponse:
         return checkpoint_pb2.ListCommitsResponse(commits=self.store.records(request.worker_id))

@@ -30,6 +30,13 @@ and the KV of positions ``[0, kv_tokens)``:
   Released requests keep what they superseded for a while (``_TOMBSTONES``),
   so that an old copy cannot start them again from position 0.
 
+A whole state may bring the embeddings of the request's media
+(``Segment.media``): kept in memory with the commit (never spilled; counted
+in ``memory_bytes``) for restores that have no other copy of them, and kept
+across a restart of the request whose state names the same media. An item
+that does not fit its state (unknown span, wrong byte count or dtype) is left
+out, not the segment: the commit stays good for a caller that brings them.
+
 The checksum of every range of KV written is kept with the request, and the
 KV a restore reads is checked against them before it leaves the store (a bit
 flipped in memory or in a spill file since): a mismatch drops the request's
@@ -69,7 +76,7 @@ from pathlib import Path
 
 import torch
 
-from phalanx._proto import checkpoint_pb2
+from phalanx._proto import checkpoint_pb2, common_pb2
 from phalanx.common.errors import FailedPreconditionError, InvalidRequestError, NotFoundError, PhalanxError
 from phalanx.common.subjects import validate_request_id, validate_worker_id
 
@@ -100,6 +107,8 @@ _BLOCK_TOKENS = 64
 _MIN_BLOCKS_IN_LIMIT = 64
 # Released requests whose superseded copies are remembered (an old copy must not start one again from position 0).
 _TOMBSTONES = 16384
+# Bytes per value of the dtypes media embeddings travel in (MediaEmbedding.dtype).
+_MEDIA_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 class CheckpointStoreError(PhalanxError):
@@ -465,6 +474,12 @@ class _Entry:
     superseded: dict[str, int] = field(default_factory=dict)
     # Its KV was dropped because it could not spill: segments update the commit only, until a resync.
     kv_dropped: bool = False
+    # Embeddings of the media in record.state.media (Segment.media), in memory.
+    media: list[common_pb2.MediaEmbedding] = field(default_factory=list)
+
+    @property
+    def media_bytes(self) -> int:
+        return sum(len(m.data) for m in self.media)
 
 
 class CheckpointStore:
@@ -534,7 +549,7 @@ class CheckpointStore:
             return self._count(Ack(segment.request_id, segment.seq, kv_tokens, SegmentResult.GAP, len(data)))
         else:
             self._take_over(entry, writer.worker_id, segment.copy_id)  # before the state names the writer as the owner
-            _take_state(entry.record, writer, segment)
+            self._take_state(entry, writer, segment)
         record = entry.record
         if kv.shape[2] == 0 and segment.kv_start == record.kv_tokens:
             # Output tokens only, most segments: the KV and the totals stay as they are.
@@ -561,7 +576,7 @@ class CheckpointStore:
             return Ack(segment.request_id, segment.seq, 0, SegmentResult.GAP, nbytes)
         record = entry.record
         self._take_over(entry, writer.worker_id, segment.copy_id)
-        _take_state(record, writer, segment)
+        self._take_state(entry, writer, segment)
         self._commit(record, segment)
         record.kv_tokens = 0
         return Ack(segment.request_id, segment.seq, 0, SegmentResult.APPLIED, nbytes)
@@ -606,6 +621,10 @@ class CheckpointStore:
         record = checkpoint_pb2.CommitRecord()
         record.CopyFrom(entry.record)
         return record
+
+    def media(self, request_id: str) -> list[common_pb2.MediaEmbedding]:
+        """The embeddings of the request's media that the store holds (``CommitRecord.media_held`` of them)."""
+        return list(self._entry(request_id).media)
 
     def records(self, worker_id: str = "") -> list[checkpoint_pb2.CommitRecord]:
         """Copies of the commit records owned by ``worker_id`` (every record if empty), by request id."""
@@ -713,9 +732,10 @@ class CheckpointStore:
         entry.copy_id = copy
 
     def _restart(self, writer: Writer, segment: checkpoint_pb2.Segment, previous: _Entry | None) -> _Entry:
+        media: list[common_pb2.MediaEmbedding] = []
         if previous is not None:
             self._take_over(previous, writer.worker_id, segment.copy_id)
-            superseded = previous.superseded
+            superseded, media = previous.superseded, previous.media
             self._drop(segment.request_id)
         else:
             superseded = self._tombstones.pop(segment.request_id, {})
@@ -730,7 +750,31 @@ class CheckpointStore:
         self._files += 1
         track = _KvTrack(self._pool(writer.layout), self.spill_dir / f"{self._files:08d}.kv")
         entry = self._entries[segment.request_id] = _Entry(record, track, copy_id=segment.copy_id, superseded=superseded)
+        self._keep_media(entry, list(segment.media) or media)
         return entry
+
+    def _take_state(self, entry: _Entry, writer: Writer, segment: checkpoint_pb2.Segment) -> None:
+        """A segment's tokens and sampling state into the commit (not its KV); a whole state's media too."""
+        _take_state(entry.record, writer, segment)
+        if segment.HasField("state"):
+            self._keep_media(entry, list(segment.media) or entry.media)
+
+    def _keep_media(self, entry: _Entry, media: list[common_pb2.MediaEmbedding]) -> None:
+        """Of ``media``, the embeddings that fit the state's media spans, one per span, into the entry's memory."""
+        spans = {(m.start, m.rows, m.media_hash) for m in entry.record.state.media}
+        kept: dict[tuple[int, int, int], common_pb2.MediaEmbedding] = {}
+        for item in media:
+            key = (item.start, item.rows, item.media_hash)
+            size = _MEDIA_DTYPE_BYTES.get(item.dtype, 0)
+            if key not in spans or not size or item.hidden < 1 or len(item.data) != item.rows * item.hidden * size:
+                log.warning("request %s: media embeddings at %d (%d rows x %d %s, %d bytes) do not fit its state; not kept",
+                            entry.record.request_id, item.start, item.rows, item.hidden, item.dtype, len(item.data))
+                continue
+            kept[key] = item
+        self._memory -= entry.media_bytes
+        entry.media = list(kept.values())
+        self._memory += entry.media_bytes
+        entry.record.media_held = len(entry.media)
 
     def _commit(self, record: checkpoint_pb2.CommitRecord, segment: checkpoint_pb2.Segment) -> None:
         record.kv_tokens = segment.kv_end
@@ -747,6 +791,7 @@ class CheckpointStore:
 
     def _drop(self, request_id: str) -> None:
         entry = self._entries.pop(request_id)
+        self._memory -= entry.media_bytes
         with self._accounting(entry):
             entry.kv.drop()
             entry.record.kv_tokens = 0

@@ -99,6 +99,15 @@ class EtcdConfig(BaseSettings):
     max_retry_wait_s: float = Field(
         1.0, gt=0, le=60, description="Cap of the backoff between attempts to re-register a lost lease."
     )
+    startup_timeout_s: float = Field(
+        15.0,
+        ge=0,
+        le=600,
+        description=(
+            "How long a starting service keeps trying to register in etcd (an etcd still starting, or too busy to "
+            "answer in time); past it, an unreachable etcd is taken for a wrong endpoint and the service exits."
+        ),
+    )
 
     @field_validator("endpoint")
     @classmethod

@@ -15,6 +15,7 @@ import ipaddress
 import logging
 import random
 import socket
+import time
 from collections.abc import Callable
 
 import aetcd
@@ -177,17 +178,27 @@ class LeasedKey:
     async def start(self) -> None:
         """Grant a lease, put the key under it, and start the keepalive stream.
 
-        Raises EtcdUnavailableError if etcd does not answer; the caller decides
-        whether to retry (at startup a missing etcd is usually a config error).
+        Transient failures are retried for ``startup_timeout_s`` (an etcd that is
+        still starting, or too busy to answer within a request's deadline);
+        then EtcdUnavailableError: an etcd that never answers is usually a
+        wrong endpoint, and the caller decides what that means.
         """
         if self._task is not None:
             return
         if self._closing is not None:
             raise LeaseError("LeasedKey was closed")
-        try:
-            await self._register()
-        except TRANSIENT_ERRORS as error:
-            raise EtcdUnavailableError(f"cannot register {self.key} at {self._config.endpoint}: {error}") from error
+        deadline = time.monotonic() + self._config.startup_timeout_s
+        backoff = Backoff(initial=0.1, cap=self._config.max_retry_wait_s)
+        while True:
+            try:
+                await self._register()
+                break
+            except TRANSIENT_ERRORS as error:
+                delay = backoff.next()
+                if time.monotonic() + delay > deadline:
+                    raise EtcdUnavailableError(f"cannot register {self.key} at {self._config.endpoint}: {error}") from error
+                log.warning("cannot register %s at %s yet (%s); retrying", self.key, self._config.endpoint, error)
+                await asyncio.sleep(delay)
         self._task = asyncio.create_task(self._keepalive_forever(), name=f"lease-keepalive {self.key}")
 
     async def update(self, value: bytes) -> None:

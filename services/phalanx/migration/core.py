@@ -26,7 +26,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -214,7 +214,7 @@ class Migrator:
         with tracer.start_as_current_span("migration.migrate") as span:
             span.set_attribute("phalanx.request_id", request.request_id)
             span.set_attribute("phalanx.from_worker", request.worker_id)
-            store_address, commit = await self._commit(request)
+            store_address, commit, stored_media = await self._commit(request)
             handoff = known = None
             if request.HasField("handoff") and request.handoff.prompt_token_ids:
                 handoff = Plan(request.handoff, request.handoff.sampling.seed, M.MIGRATION_METHOD_TRANSFER,
@@ -246,7 +246,10 @@ class Migrator:
             )
             if plan.method == M.MIGRATION_METHOD_CHECKPOINT:
                 plan.kv_source = store_address
-            response = await self._restore(request, plan, registrations, first=target[0] if target else None)
+            # The caller's embeddings if it sent them (a router), else the store's: a request moved by health's DEAD
+            # trigger, or by a router other than the one that encoded its media, has no other copy.
+            media = request.media or stored_media
+            response = await self._restore(request, plan, registrations, media, first=target[0] if target else None)
             response.seconds = time.perf_counter() - start
             method = METHOD_NAMES[response.method]
             span.set_attribute("phalanx.method", method)
@@ -296,30 +299,32 @@ class Migrator:
                 return None
             await asyncio.sleep(0.01)
 
-    async def _commit(self, request: M.MigrateRequest) -> tuple[str, tuple[Plan, int] | None]:
-        """The address of the store holding the request's commit record, and that record as a plan (with KV bytes
-        per token); ("", None) without one.
+    async def _commit(
+        self, request: M.MigrateRequest
+    ) -> tuple[str, tuple[Plan, int] | None, Sequence[common_pb2.MediaEmbedding]]:
+        """The address of the store holding the request's commit record, that record as a plan (with KV bytes per
+        token) and the embeddings of its media the store holds; ("", None, ()) without one.
 
         Every advertised store is asked in turn: while a crashed store's advertisement lingers for its lease TTL,
         the workers already stream to its replacement.
         """
         if self.config.strategy not in ("checkpoint",):
-            return "", None
-        record = None
+            return "", None, ()
+        reply = None
         for store in await self.store_addresses():
             try:
-                record = (await checkpoint_pb2_grpc.CheckpointStoreStub(self._channel(store)).GetCommit(
+                reply = await checkpoint_pb2_grpc.CheckpointStoreStub(self._channel(store)).GetCommit(
                     checkpoint_pb2.GetCommitRequest(request_id=request.request_id), timeout=1.0
-                )).commit
+                )
                 break
             except grpc.aio.AioRpcError as error:
                 if error.code() != grpc.StatusCode.NOT_FOUND:
                     log.warning("checkpoint store %s: %s", store, error.details())
-        if record is None:
-            return "", None
-        layout = record.layout
+        if reply is None:
+            return "", None, ()
+        record, layout = reply.commit, reply.commit.layout
         per_token = kv_bytes_per_token(layout.num_layers, layout.num_kv_heads, layout.head_dim, layout.dtype)
-        return store, (Plan(record.state, record.seed, M.MIGRATION_METHOD_CHECKPOINT, record.kv_tokens), per_token)
+        return store, (Plan(record.state, record.seed, M.MIGRATION_METHOD_CHECKPOINT, record.kv_tokens), per_token), reply.media
 
     async def _replacements(self, failed_worker: str) -> dict:
         failed_at = self._failed_at.setdefault(failed_worker, time.time())
@@ -337,7 +342,8 @@ class Migrator:
         return await self._reads.get("stores", self.stores.addresses)
 
     async def _restore(
-        self, request: M.MigrateRequest, plan: Plan, registrations: Registrations, first: common_pb2.WorkerRegistration | None = None
+        self, request: M.MigrateRequest, plan: Plan, registrations: Registrations, media: Sequence[common_pb2.MediaEmbedding],
+        first: common_pb2.WorkerRegistration | None = None,
     ) -> M.MigrateResponse:
         tried: set[str] = {request.worker_id}
         last_error = "no worker can take it"
@@ -354,7 +360,7 @@ class Migrator:
             state.CopyFrom(plan.state)
             state.request_id = request.request_id
             state.sampling.seed = plan.seed
-            item = M.RestoreItem(state=state, seed=plan.seed, method=plan.method, kv_tokens=plan.kv_tokens, media=request.media)
+            item = M.RestoreItem(state=state, seed=plan.seed, method=plan.method, kv_tokens=plan.kv_tokens, media=media)
             try:
                 with self._reserved.hold(target.worker_id, blocks_for(plan.num_tokens, target.block_size)):
                     result = await self._batcher.submit((target.address, plan.kv_source), item)
@@ -473,10 +479,11 @@ class Migrator:
             for commit in listing.commits:
                 held.setdefault(commit.request_id, commit)
         response = M.MigrateWorkerResponse()
-        # A request with media cannot be moved from here: its commit records where the embeddings go, not the rows, and
-        # every target would refuse it (FAILED_PRECONDITION); a router asking meanwhile would share that failure. The
-        # router relaying it holds them, and moves its requests off a worker declared DEAD itself.
-        for commit in [c for c in held.values() if c.state.media]:
+        # A request whose media embeddings the store does not all hold (a writer from before it kept them, or items that
+        # did not fit) cannot be moved from here: every target would refuse it (FAILED_PRECONDITION), and a router
+        # asking meanwhile would share that failure. The router relaying it holds them, and moves its requests off a
+        # worker declared DEAD itself.
+        for commit in [c for c in held.values() if c.media_held < len(c.state.media)]:
             del held[commit.request_id]
             response.left_to_router.append(commit.request_id)
             self.metrics.left_to_router.inc()

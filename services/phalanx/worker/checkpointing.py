@@ -33,13 +33,13 @@ from typing import TYPE_CHECKING, Any
 import grpc
 import numpy as np
 
-from phalanx._proto import checkpoint_pb2
+from phalanx._proto import checkpoint_pb2, common_pb2
 from phalanx.common.config import EtcdConfig
 from phalanx.common.discovery import CheckpointStoreDirectory
 from phalanx.common.lease import Backoff
 from phalanx.common.tls import open_channel
 from phalanx.worker.engine import Engine
-from phalanx.worker.sequence import RequestSnapshot, Sequence
+from phalanx.worker.sequence import MediaEmbedding, RequestSnapshot, Sequence
 
 if TYPE_CHECKING:
     import torch
@@ -68,6 +68,7 @@ class _Piece:
     generator_state: bytes
     seed: int
     copy_id: int = 0  # the request's copy on this worker (Sequence.copy_id)
+    media: tuple[MediaEmbedding, ...] = ()  # with a whole state: the prompt's media embeddings, for restores anywhere
 
 
 @dataclass
@@ -173,15 +174,17 @@ class CheckpointCapture:
                 offset += end - start
                 capture.nbytes += piece_kv.nbytes
             seq.ckpt_seq += 1
+            media: tuple[MediaEmbedding, ...] = ()
             if start == 0 or seq.ckpt_adopt:  # the whole state: a new commit, or one this worker takes over
-                state, appended = seq.snapshot(), []
+                state, appended, media = seq.snapshot(), [], tuple(seq.media)
                 seq.ckpt_adopt = False
             else:
                 state, appended = None, seq.output_ids[seq.ckpt_outputs :]
             generator_state = b"" if seq.params.greedy else seq.sampler.state()
-            capture.pieces.append(
-                _Piece(seq.request_id, seq.ckpt_seq, start, end, piece_kv, state, appended, generator_state, seq.sampler.seed, seq.copy_id)
-            )
+            capture.pieces.append(_Piece(
+                seq.request_id, seq.ckpt_seq, start, end, piece_kv, state, appended, generator_state, seq.sampler.seed, seq.copy_id,
+                media,
+            ))
             seq.ckpt_kv = end
             seq.ckpt_outputs = len(seq.output_ids)
         with self._lock:
@@ -386,7 +389,17 @@ def _segment_without_kv(piece: _Piece, snapshot_to_proto) -> checkpoint_pb2.Segm
     )
     if piece.state is not None:
         segment.state.CopyFrom(snapshot_to_proto(piece.state))
+        segment.media.extend(media_to_proto(item) for item in piece.media)
     return segment
+
+
+def media_to_proto(item: MediaEmbedding) -> common_pb2.MediaEmbedding:
+    """One media item's embeddings as they travel (common.proto's MediaEmbedding), in their dtype, from host memory."""
+    rows = item.embeddings
+    return common_pb2.MediaEmbedding(
+        start=item.span.start, rows=item.span.length, hidden=rows.shape[-1], dtype=str(rows.dtype).removeprefix("torch."),
+        data=tensor_bytes(rows), media_hash=item.span.media_hash,
+    )
 
 
 # The wire keys (field number << 3 | 2, length-delimited) of StreamRequest.batch, Batch.segments and Segment.kv

@@ -180,6 +180,7 @@ class RequestResult:
     mean_itl_s: float | None = None
     tokens: int = 0
     error: str = ""
+    workers: int = 0  # how many workers delivered its tokens: more than one, it was moved (a rebalance or a drain)
 
     def within_slo(self) -> bool:
         return (not self.error and self.tokens == OSL and self.ttft_s is not None and self.ttft_s <= TTFT_SLO_S
@@ -242,8 +243,10 @@ async def _one_request(client: Client, i: int, sent_at: float, start: float) -> 
     begin = time.monotonic()
     last = begin
     gaps: list[float] = []
+    served_by: set[str] = set()
     try:
-        async for _chunk in client.generate(f"{i} {words}", max_tokens=OSL, ignore_eos=True):
+        async for chunk in client.generate(f"{i} {words}", max_tokens=OSL, ignore_eos=True):
+            served_by.add(chunk.worker_id)
             now = time.monotonic()
             if result.ttft_s is None:
                 result.ttft_s = now - begin
@@ -254,6 +257,7 @@ async def _one_request(client: Client, i: int, sent_at: float, start: float) -> 
     except PhalanxClientError as error:
         result.error = type(error).__name__
     result.mean_itl_s = statistics.fmean(gaps) if gaps else None
+    result.workers = len(served_by)
     return result
 
 
@@ -396,6 +400,8 @@ def summarize(run: LiveRun, duration_s: float, *, mode: str) -> dict[str, Any]:
         "ttft_p50_s": _q(ttfts, 0.5), "ttft_p99_s": _q(ttfts, 0.99),
         "mean_itl_p50_s": _q(itls, 0.5), "mean_itl_p99_s": _q(itls, 0.99), "worker_seconds": round(worker_seconds, 1),
         "mean_workers": round(worker_seconds / duration_s, 2), "max_processes": max((s.processes for s in run.samples), default=0),
+        "moved_requests": sum(1 for r in run.requests if r.workers > 1),
+        "moved_within_slo": sum(1 for r in run.requests if r.workers > 1 and r.within_slo()),
     }
 
 
@@ -584,8 +590,9 @@ def write_timeline(path: Path, runs: dict[str, LiveRun]) -> Path:
     path.write_text(json.dumps({
         name: {
             "samples": [[round(s.at, 2), s.routable, s.processes, s.target] for s in run.samples],
-            "requests": [[round(r.sent_at, 2), _r(r.ttft_s), _r(r.mean_itl_s), r.tokens, r.error] for r in run.requests],
-            "fields": {"samples": ["at_s", "routable", "processes", "target"], "requests": ["sent_at_s", "ttft_s", "mean_itl_s", "tokens", "error"]},
+            "requests": [[round(r.sent_at, 2), _r(r.ttft_s), _r(r.mean_itl_s), r.tokens, r.error, r.workers] for r in run.requests],
+            "fields": {"samples": ["at_s", "routable", "processes", "target"],
+                       "requests": ["sent_at_s", "ttft_s", "mean_itl_s", "tokens", "error", "workers"]},
         } for name, run in runs.items()
     }))
     return path

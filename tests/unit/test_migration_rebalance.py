@@ -6,14 +6,13 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
+from test_simulated_engine import sim_engine
 
 from phalanx.migration.rebalance import Move, RebalancePolicy, RebalanceSettings, WorkerLoad
 from phalanx.model.sampling import SamplingParams
-from phalanx.planner.profile import DecodeSample, PrefillSample, build_profile, save_profile
-from phalanx.worker.config import EngineConfig
-from phalanx.worker.engine import Engine, EngineRequest, ParkPick
+from phalanx.worker.engine import EngineRequest, ParkPick
 from phalanx.worker.sequence import FinishReason
-from phalanx.worker.simulated import load_simulated
+from phalanx.worker.simulated import default_profile_path
 
 pytestmark = pytest.mark.unit
 
@@ -116,23 +115,8 @@ def test_settings_are_checked() -> None:
 
 
 # -- which requests the worker parks ------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def profile_path(tmp_path_factory):
-    path = tmp_path_factory.mktemp("profile") / "p.npz"
-    prefill = [PrefillSample(isl=float(n), ttft_s=0.0001) for n in (16, 256)]
-    decode = [DecodeSample(context=float(c), concurrency=float(k), itl_s=0.0001) for c in (64, 1024) for k in (1, 8)]
-    save_profile(build_profile(prefill, decode, model="phalanx-tiny-moe"), path)
-    return path
-
-
-def sim_engine(profile_path, **config) -> Engine:
-    engine_config = EngineConfig(engine="sim", profile=str(profile_path), **config)
-    model, runner = load_simulated(engine_config)
-    return Engine(model, engine_config, runner=runner)
-
-
-def test_a_rebalance_parks_queued_requests_first_then_the_longest_to_go_never_excluded_or_nearly_done(profile_path) -> None:
-    engine = sim_engine(profile_path, max_num_seqs=3)
+def test_a_rebalance_parks_queued_requests_first_then_the_longest_to_go_never_excluded_or_nearly_done() -> None:
+    engine = sim_engine(default_profile_path(), max_num_seqs=3)
     lengths = {"short": 6, "long": 40, "mid": 20}
     for request_id, n in lengths.items():
         engine.add_request(EngineRequest(list(range(30, 60)), SamplingParams(max_tokens=n, ignore_eos=True), request_id))

@@ -50,6 +50,7 @@ from typing import Any
 import numpy as np
 
 from phalanx.client import Client, PhalanxClientError
+from phalanx.launch.services import metric_value, scrape
 from phalanx.planner.dryrun import replay
 from phalanx.planner.predictors import PredictorKind, TraceInterval
 from phalanx.planner.profile import PerformanceProfile, save_profile
@@ -179,6 +180,7 @@ class RequestResult:
     mean_itl_s: float | None = None
     tokens: int = 0
     error: str = ""
+    workers: int = 0  # how many workers delivered its tokens: more than one, it was moved (a rebalance or a drain)
 
     def within_slo(self) -> bool:
         return (not self.error and self.tokens == OSL and self.ttft_s is not None and self.ttft_s <= TTFT_SLO_S
@@ -200,6 +202,7 @@ class LiveRun:
     samples: list[Sample] = field(default_factory=list)
     restore_s: float | None = None
     restore_note: str = ""
+    moves: dict[str, float | None] = field(default_factory=dict)
 
 
 class Stack:
@@ -240,8 +243,10 @@ async def _one_request(client: Client, i: int, sent_at: float, start: float) -> 
     begin = time.monotonic()
     last = begin
     gaps: list[float] = []
+    served_by: set[str] = set()
     try:
-        async for _chunk in client.generate(f"{i} {words}", max_tokens=OSL, ignore_eos=True):
+        async for chunk in client.generate(f"{i} {words}", max_tokens=OSL, ignore_eos=True):
+            served_by.add(chunk.worker_id)
             now = time.monotonic()
             if result.ttft_s is None:
                 result.ttft_s = now - begin
@@ -252,6 +257,7 @@ async def _one_request(client: Client, i: int, sent_at: float, start: float) -> 
     except PhalanxClientError as error:
         result.error = type(error).__name__
     result.mean_itl_s = statistics.fmean(gaps) if gaps else None
+    result.workers = len(served_by)
     return result
 
 
@@ -341,9 +347,30 @@ def _live(name: str, directory: Path, args: list[str], env: dict[str, str], time
         settle(stack)
         router = stack.state()["router_address"]
         asyncio.run(_replay(router, times, run, stack))
+        run.moves = _moves(stack.state())
         if kill:
             run.restore_s, run.restore_note = asyncio.run(_restore_after_kill(router, stack))
     return run
+
+
+def _moves(state: dict) -> dict[str, float | None]:
+    """Requests moved during the replay: by a rebalance (the migration service's count) and in all (the router's:
+    drains of scaled-down workers too). None: not scraped."""
+    migration = next((s.get("metrics_address") for s in state.get("services", []) if s["name"].startswith("migration")), None)
+    return {
+        "rebalanced": _scrape(migration, "phalanx_migration_rebalanced_total"),
+        "rebalanced_to_planned_target": _scrape(migration, "phalanx_migration_rebalance_placed_total", target="planned"),
+        "router_migrations": _scrape(state.get("router_metrics_address"), "phalanx_router_migrations_total"),
+    }
+
+
+def _scrape(address: str | None, name: str, **labels: str) -> float | None:
+    if not address:
+        return None
+    try:
+        return metric_value(scrape(address), name, **labels)
+    except OSError:
+        return None
 
 
 def _wait_for(predicate: Callable[[], bool], timeout: float) -> None:
@@ -373,6 +400,8 @@ def summarize(run: LiveRun, duration_s: float, *, mode: str) -> dict[str, Any]:
         "ttft_p50_s": _q(ttfts, 0.5), "ttft_p99_s": _q(ttfts, 0.99),
         "mean_itl_p50_s": _q(itls, 0.5), "mean_itl_p99_s": _q(itls, 0.99), "worker_seconds": round(worker_seconds, 1),
         "mean_workers": round(worker_seconds / duration_s, 2), "max_processes": max((s.processes for s in run.samples), default=0),
+        "moved_requests": sum(1 for r in run.requests if r.workers > 1),
+        "moved_within_slo": sum(1 for r in run.requests if r.workers > 1 and r.within_slo()),
     }
 
 
@@ -439,7 +468,7 @@ def plot(path: Path, duration_s: float, peak_rps: float, runs: dict[str, LiveRun
 
 
 def run_planner_bench(*, minutes: float = 1.5, peak_rps: float | None = None, seed: int = 13, out: Path | None = None,
-                      hot_spares: int = 1, scale_down_window_s: float | None = None) -> dict[str, Any]:
+                      hot_spares: int = 1, scale_down_window_s: float | None = None, compare_rebalance: bool = False) -> dict[str, Any]:
     duration = minutes * 60
     profile = bench_profile()
     isl = float(ISL_WORDS * 2)  # what the tiny tokenizer makes of the prompts, roughly
@@ -471,6 +500,8 @@ def run_planner_bench(*, minutes: float = 1.5, peak_rps: float | None = None, se
         "PHALANX_DEGRADATION_RAISE_AFTER_S": "1", "PHALANX_DEGRADATION_LOWER_AFTER_S": "2",
         # A scaled-down worker drains fast: the trace is compressed, so is its grace.
         "PHALANX_WORKER_DRAIN_GRACE_S": "1",
+        # The migration service moves running requests off workers over the planner's ITL aim onto new workers.
+        "PHALANX_MIGRATION_REBALANCE_ITL_TARGET_S": str(ITL_SLO_S * SLO_HEADROOM),
     }
     if scale_down_window_s is not None:
         env["PHALANX_PLANNER_SCALE_DOWN_WINDOW_S"] = str(scale_down_window_s)
@@ -491,11 +522,12 @@ def run_planner_bench(*, minutes: float = 1.5, peak_rps: float | None = None, se
         _wait_for(lambda: len((stack.state().get("planner") or {}).get("spares") or []) >= hot_spares, 60)
 
     planner_name = f"planner_{best}"
-    runs[planner_name] = _live(
-        planner_name, directory,
-        ["--workers", "1", "--planner", "--min-workers", "1", "--max-workers", str(static_max), "--hot-spares", str(hot_spares), *common],
-        env, times, kill=True, settle=planner_settle,
-    )
+    planner_args = ["--workers", "1", "--planner", "--min-workers", "1", "--max-workers", str(static_max), "--hot-spares", str(hot_spares),
+                    *common]
+    runs[planner_name] = _live(planner_name, directory, planner_args, env, times, kill=True, settle=planner_settle)
+    if compare_rebalance:
+        runs[f"{planner_name}_no_rebalance"] = _live(f"{planner_name}_no_rebalance", directory, planner_args,
+                                                     env | {"PHALANX_MIGRATION_REBALANCE": "false"}, times, kill=False, settle=planner_settle)
     live = {
         "static_min": summarize(runs["static_min"], duration, mode="live: 1 sim worker, no planner"),
         "static_max": summarize(runs["static_max"], duration, mode=f"live: {static_max} sim workers, no planner"),
@@ -503,6 +535,13 @@ def run_planner_bench(*, minutes: float = 1.5, peak_rps: float | None = None, se
                                 mode=f"live: planner ({best}, the best predictor offline) with {hot_spares} hot spare(s), 1..{static_max} workers"),
     }
     live[planner_name]["burst_reactions"] = reactions(runs[planner_name], duration)
+    if compare_rebalance:
+        name = f"{planner_name}_no_rebalance"
+        live[name] = summarize(runs[name], duration, mode=f"live: as {planner_name}, rebalancing off (PHALANX_MIGRATION_REBALANCE=false)")
+        live[name]["burst_reactions"] = reactions(runs[name], duration)
+        live[name]["worker_seconds_vs_static_max"] = round(live[name]["worker_seconds"] / max(live["static_max"]["worker_seconds"], 1e-9), 3)
+    for name, run in runs.items():
+        live[name]["moves"] = run.moves
     ratio = live[planner_name]["worker_seconds"] / max(live["static_max"]["worker_seconds"], 1e-9)
     # The hot spare is there for restoration (the goal below), not for the load: the same ratio without its worker-seconds.
     serving_ratio = (live[planner_name]["worker_seconds"] - hot_spares * duration) / max(live["static_max"]["worker_seconds"], 1e-9)
@@ -529,7 +568,7 @@ def run_planner_bench(*, minutes: float = 1.5, peak_rps: float | None = None, se
         "slo": {"ttft_s": TTFT_SLO_S, "mean_itl_s": ITL_SLO_S},
         "profile": "synthetic (bench_profile): ITL 150 ms + 75 ms x concurrency, simulated workers (--engine sim)",
         "planner_settings": {"slo_headroom": SLO_HEADROOM, "scale_down_window_s": scale_down_window_s or 3 * TRACE_INTERVAL_S,
-                             "hot_spares": hot_spares},
+                             "hot_spares": hot_spares, "rebalance_itl_target_s": ITL_SLO_S * SLO_HEADROOM},
         "best_predictor": best, "offline": offline, "live": live,
         "worker_seconds_vs_static_max": round(ratio, 3),
         "worker_seconds_vs_static_max_without_spares": round(serving_ratio, 3),
@@ -551,8 +590,9 @@ def write_timeline(path: Path, runs: dict[str, LiveRun]) -> Path:
     path.write_text(json.dumps({
         name: {
             "samples": [[round(s.at, 2), s.routable, s.processes, s.target] for s in run.samples],
-            "requests": [[round(r.sent_at, 2), _r(r.ttft_s), _r(r.mean_itl_s), r.tokens, r.error] for r in run.requests],
-            "fields": {"samples": ["at_s", "routable", "processes", "target"], "requests": ["sent_at_s", "ttft_s", "mean_itl_s", "tokens", "error"]},
+            "requests": [[round(r.sent_at, 2), _r(r.ttft_s), _r(r.mean_itl_s), r.tokens, r.error, r.workers] for r in run.requests],
+            "fields": {"samples": ["at_s", "routable", "processes", "target"],
+                       "requests": ["sent_at_s", "ttft_s", "mean_itl_s", "tokens", "error", "workers"]},
         } for name, run in runs.items()
     }))
     return path

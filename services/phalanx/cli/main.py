@@ -760,6 +760,9 @@ def bench_planner(
         None, min=0, help="The planner's scale-down window in seconds [default: the planner's, three intervals: 6 s]"
     ),
     out: str = typer.Option(None, help="JSON result path (the plot goes beside it as .png) [default: a temporary directory]"),
+    compare_rebalance: bool = typer.Option(
+        False, "--compare-rebalance", help="Also replay the planner's run with the migration service's rebalancing off, side by side"
+    ),
     as_json: bool = typer.Option(False, "--json", help="Print JSON only"),
 ) -> None:
     """The planner against static-min and static-max fleets of simulated workers on a bursty trace: SLO attainment, worker-seconds,
@@ -769,7 +772,7 @@ def bench_planner(
     from phalanx.bench.planner import run_planner_bench
 
     result = run_planner_bench(minutes=minutes, peak_rps=peak_rps, seed=seed, out=Path(out).resolve() if out else None, hot_spares=hot_spares,
-                               scale_down_window_s=scale_down_window)
+                               scale_down_window_s=scale_down_window, compare_rebalance=compare_rebalance)
     print(json.dumps(result, indent=None if as_json else 2))
 
 

@@ -59,6 +59,7 @@ class ProcessEntry:
     name: str
     address: str
     pid: int
+    metrics_address: str = ""  # its Prometheus /metrics (host:port), where it has one
 
 
 @dataclass

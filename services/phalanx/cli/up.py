@@ -620,7 +620,7 @@ class _Stack:
         """``supervisor`` filled in with every process, marked ready."""
         assert self.router_address, "called before start()"
         services = [
-            ProcessEntry(h.name, h.address, h.process.pid)
+            ProcessEntry(h.name, h.address, h.process.pid, metrics_address=h.metrics_address)
             for h in (self.gateway, self.health, self.store, self.migration, self.planner, self.ert_manager, *self.expert_workers.values(),
                       *self.memories.values(), *self.encoders.values())
             if h is not None

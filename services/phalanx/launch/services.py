@@ -44,6 +44,8 @@ __all__ = [
     "RouterHandle",
     "ServiceHandle",
     "WorkerHandle",
+    "metric_value",
+    "scrape",
     "start_checkpoint_store",
     "start_failover_engine",
     "start_ert_manager",
@@ -61,6 +63,23 @@ __all__ = [
 ]
 
 
+def scrape(metrics_address: str) -> str:
+    """The Prometheus exposition text at ``metrics_address`` (host:port)."""
+    with urllib.request.urlopen(f"http://{metrics_address}/metrics", timeout=5) as reply:
+        return reply.read().decode()
+
+
+def metric_value(text: str, name: str, **labels: str) -> float | None:
+    """Sum of the samples of exposition ``text`` called ``name`` whose labels include ``labels``; None if there is none."""
+    values = [
+        sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == name and labels.items() <= sample.labels.items()
+    ]
+    return sum(values) if values else None
+
+
 class ServiceHandle:
     """A service process we started, stopped by its PID only."""
 
@@ -72,18 +91,11 @@ class ServiceHandle:
 
     def metrics(self) -> str:
         """The process's Prometheus exposition text."""
-        with urllib.request.urlopen(f"http://{self.metrics_address}/metrics", timeout=5) as reply:
-            return reply.read().decode()
+        return scrape(self.metrics_address)
 
     def metric(self, name: str, **labels: str) -> float | None:
         """Sum of the samples called ``name`` (e.g. ``x_total``) whose labels include ``labels``; None if there is none."""
-        values = [
-            sample.value
-            for family in text_string_to_metric_families(self.metrics())
-            for sample in family.samples
-            if sample.name == name and labels.items() <= sample.labels.items()
-        ]
-        return sum(values) if values else None
+        return metric_value(self.metrics(), name, **labels)
 
     def kill(self) -> None:
         if self.process.poll() is None:

@@ -53,3 +53,27 @@ class MigrationConfig(BaseSettings):
     remember_s: float = Field(120.0, gt=0, description="How long a finished migration answers repeated calls for the same request")
     parallel: int = Field(16, ge=1, le=256, description="Migrations run at once; the rest wait, lower RequestState.priority (premium) first")
     trigger_on_dead: bool = Field(True, description="Migrate a worker's requests when the health service marks it DEAD")
+    # Rebalancing (docs/migration.md, "Rebalancing onto new capacity"; phalanx.migration.rebalance).
+    rebalance: bool = Field(
+        True, description="Move running requests off loaded workers onto new capacity (a worker registered or a spare promoted)"
+    )
+    rebalance_interval_s: float = Field(0.5, gt=0, le=60.0, description="How often the load reports are checked for a rebalance")
+    rebalance_itl_target_s: float = Field(
+        0.25, gt=0, description="A worker whose step time is over this (or with requests queued) is loaded; health's "
+        "PHALANX_DEGRADATION_SLO_TPOT_S is the natural value",
+    )
+    rebalance_new_capacity_s: float = Field(
+        15.0, ge=0, description="Targets are workers routable for at most this long (registered, or promoted from spare); 0: any worker",
+    )
+    rebalance_target_load: float = Field(
+        0.8, gt=0, le=1.0, description="A target's step time must be within this fraction of rebalance_itl_target_s",
+    )
+    rebalance_max_moves_per_worker: int = Field(4, ge=1, le=64, description="Requests that leave one worker, or reach one, per round")
+    rebalance_cooldown_s: float = Field(
+        3.0, ge=0, description="A worker that was the source or target of a move is neither again for this long",
+    )
+    rebalance_request_memory_s: float = Field(30.0, ge=0, description="A request moved by a rebalance is not moved again for this long")
+    rebalance_min_remaining_tokens: int = Field(
+        4, ge=0, description="Requests with fewer output tokens than this still to generate stay where they are",
+    )
+    rebalance_park_ttl_s: float = Field(10.0, gt=0, description="How long a rebalanced request's KV waits on its source for the transfer")

@@ -28,7 +28,7 @@ import logging
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import grpc
 
@@ -139,6 +139,11 @@ def _with_fresher_tokens(commit: Plan, known: Plan | None) -> Plan:
     return Plan(known.state, commit.seed, commit.method, commit.kv_tokens, commit.kv_source)
 
 
+class Placement(Protocol):
+    async def target_for(self, request_id: str, source: str) -> str | None:
+        """The worker `request_id`, handed back by `source`, was parked for (a rebalance's); None if none."""
+
+
 class Migrator:
     def __init__(self, config: MigrationConfig, etcd_config: EtcdConfig, bus: EventBus | None, metrics: MigrationMetrics) -> None:
         self.config = config
@@ -170,6 +175,8 @@ class Migrator:
         self._heirs: SharedCalls = SharedCalls(reuse_s=1.0)
         # Measured as transfers happen (EMA), starting from the configured guess.
         self.link_bytes_per_s = config.link_bytes_per_s
+        # Where rebalanced requests go (the service's Rebalancer; None: no rebalancing).
+        self.placement: Placement | None = None
 
     async def close(self) -> None:
         await self._channels.close()
@@ -177,6 +184,11 @@ class Migrator:
 
     def _channel(self, address: str) -> grpc.aio.Channel:
         return self._channels.get(address)
+
+    @property
+    def loads(self) -> Mapping[str, tuple[common_pb2.LoadReport, float]]:
+        """Each worker's latest NATS load report and the monotonic time it came."""
+        return self._loads
 
     async def on_load(self, report: common_pb2.LoadReport, subject: str = "", context: Context | None = None) -> None:
         self._loads[report.worker_id] = (report, time.monotonic())
@@ -232,6 +244,11 @@ class Migrator:
             largest = max((p for p in (handoff, commit[0] if commit else None, known) if p is not None), key=lambda p: p.num_tokens, default=None)
             # The likely target's own measured rates price recomputing; the link's measured bandwidth prices moving KV.
             target = await self._heir(request.worker_id, source) if self.config.strategy != "restart" else None
+            planned = await self._planned(request) if target is None and handoff is not None else None
+            if planned is not None and largest is not None:
+                # A rebalance parked it for that worker; the usual choice if it cannot take it (gone, full, draining).
+                subset = {w: r for w, r in registrations.items() if w in (planned, request.worker_id)}
+                target = await self._pick_target(largest, subset, {request.worker_id})
             if target is None and largest is not None:
                 target = await self._pick_target(largest, registrations, {request.worker_id})
             stats = target[1] if target is not None else None
@@ -251,6 +268,8 @@ class Migrator:
             media = request.media or stored_media
             response = await self._restore(request, plan, registrations, media, first=target[0] if target else None)
             response.seconds = time.perf_counter() - start
+            if planned is not None:
+                self.metrics.rebalance_placed.labels(target="planned" if response.worker_id == planned else "other").inc()
             method = METHOD_NAMES[response.method]
             span.set_attribute("phalanx.method", method)
             span.set_attribute("phalanx.to_worker", response.worker_id)
@@ -263,6 +282,10 @@ class Migrator:
                 worker_address=response.worker_address, method=response.method, at=time.time(),
             ))
         return response
+
+    async def _planned(self, request: M.MigrateRequest) -> str | None:
+        """The worker a rebalance parked this handed-back request for (None: no rebalance's, or none runs)."""
+        return await self.placement.target_for(request.request_id, request.worker_id) if self.placement is not None else None
 
     async def _heir(
         self, failed_worker: str, source: common_pb2.WorkerRegistration | None

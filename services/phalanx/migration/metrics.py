@@ -31,6 +31,18 @@ class MigrationMetrics:
         self.worker_triggers = Counter(
             "phalanx_migration_worker_triggers", "Whole-worker migrations, by what triggered them", ["trigger"], registry=self.registry
         )
+        self.rebalanced = Counter(
+            "phalanx_migration_rebalanced", "Requests parked on a loaded worker to move onto new capacity (a rebalance)",
+            registry=self.registry,
+        )
+        self.rebalance_placed = Counter(
+            "phalanx_migration_rebalance_placed", "Rebalanced requests restored, by whether the planned target took them",
+            ["target"], registry=self.registry,
+        )
+        self.rebalance_failures = Counter(
+            "phalanx_migration_rebalance_failures", "Rebalance moves whose source did not park (unreachable, refused)",
+            registry=self.registry,
+        )
         # Every label set from the start: a dashboard shows zeros rather than no data, and a series that appeared with its
         # first event would lose that event to rate().
         for method in METHODS:
@@ -38,3 +50,5 @@ class MigrationMetrics:
             self.duration.labels(method=method)
         for trigger in ("dead", "rpc"):
             self.worker_triggers.labels(trigger=trigger)
+        for target in ("planned", "other"):
+            self.rebalance_placed.labels(target=target)

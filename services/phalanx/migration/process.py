@@ -28,6 +28,7 @@ from phalanx.common.subjects import HEALTH_EVENTS_ALL, LOAD_ALL, MIGRATIONS_PREF
 from phalanx.migration.config import MigrationConfig
 from phalanx.migration.core import Migrator
 from phalanx.migration.metrics import MigrationMetrics
+from phalanx.migration.rebalancer import Rebalancer
 from phalanx.migration.registration import migration_registration
 from phalanx.migration.server import MigrationServicer
 from phalanx.migration.triggers import DeadWorker, TriggerMemory
@@ -73,6 +74,11 @@ class MigrationProcess:
             await shell.register(self.etcd_config, MIGRATIONS_PREFIX + self.instance_id, encode_json(registration))
             loads = await bus.subscribe(LOAD_ALL, common_pb2.LoadReport, migrator.on_load, check=check_load_report)
             shell.push_async_callback(loads.unsubscribe)
+            if self.config.rebalance:
+                rebalancer = Rebalancer(self.config, self.etcd_config, self.metrics, self.instance_id, lambda: migrator.loads)
+                await rebalancer.start()
+                shell.push_async_callback(rebalancer.close)
+                migrator.placement = rebalancer
             if self.config.trigger_on_dead:
                 deaths = await bus.subscribe(HEALTH_EVENTS_ALL, common_pb2.WorkerHealthRecord, self._on_health(migrator))
                 shell.push_async_callback(deaths.unsubscribe)

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Protocol, assert_never
 from phalanx.common.errors import EngineDeadError, UnavailableError
 from phalanx.model.kv_cache import KvEvents
 from phalanx.worker.checkpointing import CheckpointCapture
-from phalanx.worker.engine import Engine, EngineRequest, StepStats
+from phalanx.worker.engine import Engine, EngineRequest, ParkPick, StepStats
 from phalanx.worker.sequence import FinishReason, TokenEvent
 
 if TYPE_CHECKING:
@@ -86,6 +86,7 @@ class Park:
     done: asyncio.Future
     request_ids: list[str] | None
     ttl_s: float
+    pick: ParkPick | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -222,9 +223,9 @@ class AsyncEngine:
             raise UnavailableError("worker is draining; restore the request on another worker", retry_after_s=0.1)
         return await self._call(Restore(_future(), request, kv, kv_tokens, sink))
 
-    async def park(self, request_ids: list[str] | None, ttl_s: float) -> list[TokenEvent]:
+    async def park(self, request_ids: list[str] | None, ttl_s: float, pick: ParkPick | None = None) -> list[TokenEvent]:
         """Stops requests keeping their KV (see Engine.park); their logs end with HANDED_BACK."""
-        return await self._call(Park(_future(), request_ids, ttl_s))
+        return await self._call(Park(_future(), request_ids, ttl_s, pick))
 
     async def export_kv(self, request_id: str, kv_tokens: int) -> torch.Tensor:
         return await self._call(ExportKv(_future(), request_id, kv_tokens))
@@ -328,8 +329,8 @@ class AsyncEngine:
                     result: Any = seq.replayed
                     # Before any event of its next step: the log must start with the tokens it brought.
                     self._started_loop.call_soon_threadsafe(self._register_restored, seq.request_id, sink, seq.replayed)
-                case Park(request_ids=request_ids, ttl_s=ttl_s):
-                    events = result = self.engine.park(request_ids, ttl_s)
+                case Park(request_ids=request_ids, ttl_s=ttl_s, pick=pick):
+                    events = result = self.engine.park(request_ids, ttl_s, pick)
                 case ExportKv(request_id=request_id, kv_tokens=kv_tokens):
                     result = self.engine.export_kv(request_id, kv_tokens)
                 case Unpark(request_id=request_id):

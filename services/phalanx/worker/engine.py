@@ -13,6 +13,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -64,6 +65,31 @@ class StepStats:
     decode_tokens: int = 0
     num_seqs: int = 0
     seconds: float = 0.0
+
+
+@dataclass(frozen=True)
+class ParkPick:
+    """Which requests a rebalance parks when it names none (ParkRequest.limit): at most `limit` of them."""
+
+    limit: int
+    exclude: frozenset[str] = frozenset()
+    min_remaining_tokens: int = 0
+
+
+def pick_to_park(seqs: Iterable[Sequence], pick: ParkPick) -> list[str]:
+    """The requests a rebalance moves off this worker: queued ones first (they wait for a slot here and cost nothing to
+    move), then those with the most tokens still to generate (the longest to profit from a lighter worker); never a
+    canary, a prefix prefill, an excluded one (moved recently) or one about to finish."""
+
+    def remaining(seq: Sequence) -> int:
+        return seq.params.max_tokens - len(seq.output_ids)
+
+    candidates = [
+        s for s in seqs
+        if not (s.canary or s.prefix_only) and s.request_id not in pick.exclude and remaining(s) >= pick.min_remaining_tokens
+    ]
+    candidates.sort(key=lambda s: (s.status is not SeqStatus.WAITING, -remaining(s), s.arrival))
+    return [s.request_id for s in candidates[: max(0, pick.limit)]]
 
 
 class Engine:
@@ -276,11 +302,14 @@ class Engine:
         self.prefix_hit_tokens += cached
         return seq
 
-    def park(self, request_ids: list[str] | None, ttl_s: float) -> list[TokenEvent]:
-        """Stops requests (all but canaries and prefix prefills when None) and keeps their KV for `ttl_s` for a transfer.
+    def park(self, request_ids: list[str] | None, ttl_s: float, pick: ParkPick | None = None) -> list[TokenEvent]:
+        """Stops requests (all but canaries and prefix prefills when None, or those `pick` picks) and keeps their KV for
+        `ttl_s` for a transfer.
 
         Returns each one's HANDED_BACK event, with its state and how many KV positions stay here.
         """
+        if request_ids is None and pick is not None:
+            request_ids = pick_to_park(self.by_id.values(), pick)
         events = []
         expiry = time.monotonic() + ttl_s
         for request_id in list(self.by_id) if request_ids is None else request_ids:

@@ -22,7 +22,7 @@ from phalanx.model.kv_cache import BLOCK_SIZE
 from phalanx.model.params import SamplingParams, sampling_from_proto
 from phalanx.worker.async_engine import AsyncEngine
 from phalanx.worker.checkpointing import tensor_bytes
-from phalanx.worker.engine import EngineRequest
+from phalanx.worker.engine import EngineRequest, ParkPick
 from phalanx.worker.kv_fetch import KvFetcher, KvFetchPolicy
 from phalanx.worker.media_fetch import MediaFetcher, has_sourced_media
 from phalanx.worker.metrics import WorkerMetrics
@@ -432,7 +432,12 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
 
     async def Park(self, request, context):
         ttl = request.ttl_s or 10.0
-        events = await self.engine.park(list(request.request_ids) or None, ttl)
+        if request.limit < 0 or request.min_remaining_tokens < 0:
+            raise InvalidRequestError("limit", "limit and min_remaining_tokens must be >= 0")
+        pick = None
+        if request.limit and not request.request_ids:
+            pick = ParkPick(request.limit, frozenset(request.exclude_request_ids), request.min_remaining_tokens)
+        events = await self.engine.park(list(request.request_ids) or None, ttl, pick)
         return worker_pb2.ParkResponse(
             parked=[_parked(e) for e in events],
             channel_endpoint=self.channels.endpoint_id if self.channels is not None else "",

@@ -26,6 +26,7 @@ pytestmark = pytest.mark.integration
 MODEL = "phalanx-tiny-moe"
 STREAMS, MAX_TOKENS = 12, 48
 REBALANCE_ENV = {
+    "PHALANX_MIGRATION_REBALANCE": "true",  # off by default; `phalanx up --planner` turns it on
     # Six sequences step in ~0.3 s (the profile below): loaded. An idle new worker steps in 0 s.
     "PHALANX_MIGRATION_REBALANCE_ITL_TARGET_S": "0.15",
     "PHALANX_MIGRATION_REBALANCE_INTERVAL_S": "0.2",

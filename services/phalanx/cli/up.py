@@ -505,7 +505,11 @@ class _Stack:
     async def _start_migration(self) -> ServiceHandle:
         from phalanx.launch.services import start_migration
 
-        return await start_migration(MIGRATION_ID, self.nats_url, self._etcd_config)
+        # With a planner, capacity comes while workers are loaded (a burst): running requests rebalance onto it, unless
+        # the environment says otherwise.
+        rebalance = self.options.planner and "PHALANX_MIGRATION_REBALANCE" not in os.environ
+        env = {"PHALANX_MIGRATION_REBALANCE": "true"} if rebalance else None
+        return await start_migration(MIGRATION_ID, self.nats_url, self._etcd_config, env=env)
 
     async def _start_encoder(self, encoder_id: str) -> ServiceHandle:
         from phalanx.launch.services import start_encoder_pool

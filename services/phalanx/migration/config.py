@@ -55,7 +55,9 @@ class MigrationConfig(BaseSettings):
     trigger_on_dead: bool = Field(True, description="Migrate a worker's requests when the health service marks it DEAD")
     # Rebalancing (docs/migration.md, "Rebalancing onto new capacity"; phalanx.migration.rebalance).
     rebalance: bool = Field(
-        True, description="Move running requests off loaded workers onto new capacity (a worker registered or a spare promoted)"
+        False,
+        description="Move running requests off loaded workers onto new capacity (a worker registered or a spare promoted); "
+        "`phalanx up --planner` turns it on",
     )
     rebalance_interval_s: float = Field(0.5, gt=0, le=60.0, description="How often the load reports are checked for a rebalance")
     rebalance_itl_target_s: float = Field(

@@ -17,10 +17,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from opentelemetry import trace
 
 from phalanx._proto import common_pb2
+from phalanx.chaos.link import DelayLink
 from phalanx.common.config import EtcdConfig, NatsConfig, TelemetryConfig
 from phalanx.common.discovery import WorkerDirectory, decode_registration, encode_registration
 from phalanx.common.events import EventBus, MessageTooLargeError
-from phalanx.common.lease import EtcdUnavailableError, LeasedKey
+from phalanx.common.lease import EtcdUnavailableError, LeasedKey, connect_etcd
 from phalanx.common.subjects import LOAD_ALL, load_subject, worker_key
 from phalanx.common.telemetry import (
     get_tracer,
@@ -80,10 +81,23 @@ async def test_a_starting_service_waits_for_an_etcd_that_comes_up_late_and_gives
     finally:
         starting.cancel()
         await leased.close()
-        late.stop()
+        late.close()
     never = EtcdConfig(endpoint=f"127.0.0.1:{free_port()}", request_timeout_s=0.2, startup_timeout_s=1)
     with pytest.raises(EtcdUnavailableError):
         await asyncio.wait_for(LeasedKey(never, worker_key(_worker_id()), b"x").start(), timeout=10)
+
+
+async def test_an_etcd_client_waits_out_a_slow_handshake_instead_of_failing(etcd_config):
+    # Every byte 0.3 s late, as on a busy host: the HTTP/2 handshake takes longer than gRPC's reconnect backoff, which
+    # must not cut it short (it did when the channel's minimum connect timeout was set to 100 ms).
+    host, port = etcd_config.endpoint.rsplit(":", 1)
+    with DelayLink(host, int(port)) as link:
+        link.delay_s = 0.3
+        client = connect_etcd(etcd_config.model_copy(update={"endpoint": link.endpoint, "request_timeout_s": 5.0}))
+        try:
+            await client.get(b"/phalanx/v1/any")
+        finally:
+            await client.close()
 
 
 async def test_leased_key_outlives_one_ttl_while_its_owner_lives(etcd_config):

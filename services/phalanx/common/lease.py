@@ -59,9 +59,11 @@ def connect_etcd(config: EtcdConfig) -> aetcd.Client:
     once, and it is dialled again (same backoff) until it is back.
     """
     cap_ms = int(config.max_retry_wait_s * 1000)
+    # Not grpc.min_reconnect_backoff_ms: gRPC core takes it as the minimum *connect timeout* (default 20 s), and at
+    # 100 ms every connection attempt whose handshake took longer (a busy host, a slow link) was abandoned ("tcp
+    # handshaker shutdown"), failing etcd calls with UNAVAILABLE while etcd was fine.
     options: dict[str, object] = {
         "grpc.initial_reconnect_backoff_ms": min(100, cap_ms),
-        "grpc.min_reconnect_backoff_ms": min(100, cap_ms),
         "grpc.max_reconnect_backoff_ms": cap_ms,
     }
     target = etcd_target(config)

@@ -119,6 +119,22 @@ def test_zero_rates_in_a_report_read_as_unknown():
     assert table.route(PROMPT).cost_s == pytest.approx(320 / 4000 + 0.02)
 
 
+def test_a_worker_that_measured_nothing_is_priced_at_the_fleets_median_rates():
+    table = make_table("slow", "slower", "slowest")
+    for worker_id, rate, step_ms in (("slow", 400.0, 200.0), ("slower", 200.0, 300.0), ("slowest", 100.0, 500.0)):
+        table.update_load(load(worker_id, prefill_tokens_per_s=rate, step_time_ms=step_ms))
+    table.upsert_worker("new", "new:50051", pid=1)
+    table.load_kv_snapshot("new", 0, [])
+    measured = {"slow", "slower", "slowest"}
+    assert table.route(PROMPT, exclude=measured).cost_s == pytest.approx(320 / 200.0 + 0.3)
+    # A holder of most of the prompt beats it, as it would beat any of its measured peers.
+    hold(table, "slower", PROMPT[:304])
+    assert table.route(PROMPT).worker_id == "slower"
+    # The median follows the fleet: the slowest gone, the newcomer is priced at the other two's.
+    table.remove_worker("slowest")
+    assert table.route(PROMPT, exclude=measured).cost_s == pytest.approx(320 / 300.0 + 0.25)
+
+
 # -- health, draining, exclusion ------------------------------------------------------------
 def test_weight_zero_takes_a_worker_out_of_routing_and_back():
     table = make_table("a", "b")

@@ -31,8 +31,10 @@ Per routable worker (lower is better), in seconds:
   estimate counts double). Weight 0, a draining report, or health DRAINING /
   DEAD take a worker out of routing.
 
-A worker that never reported uses the defaults (prefill_rate 0 or step_time
-0 also read as "unknown" -> default); its registration time counts as its
+A worker that has not measured a rate (never reported, or reported 0:
+"unknown") is priced at the median of the rates the other workers measured,
+or at the configured defaults while none has: a newcomer is as fast as its
+peers, not as fast as the defaults say. Its registration time counts as its
 last report, so it is fresh for load_stale_s and penalised afterwards.
 
 Ties (equal cost: identical idle workers) go to the fewest routed since the
@@ -48,6 +50,7 @@ prefix matching works the same way).
 from __future__ import annotations
 
 import math
+import statistics
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -173,6 +176,11 @@ class RoutingTable:
         self._spares: set[str] = set()
         # (worker, 1 / weight) of routable workers, sorted by id; rebuilt when routability changes.
         self._routable: list[tuple[_Worker, float]] = []
+        # The medians of the rates the workers measured (None: nobody has): what a worker that has measured nothing yet
+        # is priced at, rather than the configured defaults, which on a slow box make it look far faster than the
+        # measured workers (an idle newcomer would beat a prefix holder however much the holder's cache saves).
+        self._fleet_prefill_tokens_per_s: float | None = None
+        self._fleet_step_time_s: float | None = None
         self._turn = 0
 
     # -- membership -------------------------------------------------------------
@@ -202,6 +210,7 @@ class RoutingTable:
         if self._workers.pop(worker_id, None) is not None:
             self.index.remove_worker(worker_id)
             self._rebuild_routable()
+            self._update_fleet_rates()
 
     def set_weight(self, worker_id: str, weight: float, *, health: int = common_pb2.WORKER_HEALTH_UNSPECIFIED) -> None:
         """Routing weight in [0, 1] from the health service (default 1.0; 0 takes the worker out of
@@ -245,6 +254,7 @@ class RoutingTable:
         w.routed = 0
         w.routed_tokens = 0
         self._refresh(w)
+        self._update_fleet_rates()
         if report.draining != w.draining:
             w.draining = report.draining
             self._rebuild_routable()
@@ -317,7 +327,7 @@ class RoutingTable:
             if w.worker_id in exclude:
                 continue
             wait = w.base_s + (self.stale_penalty_s if w.report_at < stale_before else 0.0)
-            step = w.step_time_ms / 1e3 if w.step_time_ms > 0 else self.default_step_time_s
+            step = self._step_s(w)
             out.append(WorkerEstimate(
                 w.worker_id, wait * inv_weight, w.inv_rate * inv_weight, matched.get(w.slot, 0) * self.block_size, step * inv_weight,
             ))
@@ -359,10 +369,25 @@ class RoutingTable:
 
     # -- internals ---------------------------------------------------------------------
     def _refresh(self, w: _Worker) -> None:
-        rate = w.prefill_tokens_per_s if w.prefill_tokens_per_s > 0 else self.default_prefill_tokens_per_s
-        step = w.step_time_ms / 1e3 if w.step_time_ms > 0 else self.default_step_time_s
+        rate = w.prefill_tokens_per_s if w.prefill_tokens_per_s > 0 else self._fleet_prefill_tokens_per_s or self.default_prefill_tokens_per_s
+        step = self._step_s(w)
         w.inv_rate = 1.0 / rate
         w.base_s = w.routed_tokens / rate + (1 + w.queue_depth + w.routed) * step + RUNNING_SEQ_STEPS * w.running_seqs * step
+
+    def _step_s(self, w: _Worker) -> float:
+        return w.step_time_ms / 1e3 if w.step_time_ms > 0 else self._fleet_step_time_s or self.default_step_time_s
+
+    def _update_fleet_rates(self) -> None:
+        """The fleet's median measured rates; the workers that measured none are priced again when they change."""
+        prefill = _median([w.prefill_tokens_per_s for w in self._workers.values() if w.prefill_tokens_per_s > 0])
+        step_ms = _median([w.step_time_ms for w in self._workers.values() if w.step_time_ms > 0])
+        step = step_ms / 1e3 if step_ms is not None else None
+        if (prefill, step) == (self._fleet_prefill_tokens_per_s, self._fleet_step_time_s):
+            return
+        self._fleet_prefill_tokens_per_s, self._fleet_step_time_s = prefill, step
+        for w in self._workers.values():
+            if w.prefill_tokens_per_s <= 0 or w.step_time_ms <= 0:
+                self._refresh(w)
 
     def _rebuild_routable(self) -> None:
         routable = []
@@ -382,3 +407,7 @@ class RoutingTable:
         if weight == 0:
             return common_pb2.WORKER_HEALTH_UNHEALTHY
         return common_pb2.WORKER_HEALTH_SUSPICIOUS if weight < 1 else common_pb2.WORKER_HEALTH_HEALTHY
+
+
+def _median(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None

@@ -34,7 +34,7 @@ import grpc
 
 from phalanx._proto import checkpoint_pb2, checkpoint_pb2_grpc, common_pb2, migration_pb2, worker_pb2, worker_pb2_grpc
 from phalanx.common.config import EtcdConfig
-from phalanx.common.discovery import CheckpointStoreDirectory, WorkerDirectory
+from phalanx.common.discovery import CheckpointStoreDirectory, DirectoryView, WorkerDirectory
 from phalanx.common.errors import MEDIA_SOURCE_SUBJECT, FailedPreconditionError, InvalidRequestError, UnavailableError
 from phalanx.common.events import EventBus
 from phalanx.common.grpc_channels import GrpcChannels
@@ -145,8 +145,9 @@ class Migrator:
         self.etcd_config = etcd_config
         self.bus = bus
         self.metrics = metrics
-        self.workers = WorkerDirectory(etcd_config)
-        self.stores = CheckpointStoreDirectory(etcd_config)
+        # Kept current by their watches (`follow`): a migration reads them without an etcd round trip.
+        self.workers = DirectoryView(WorkerDirectory(etcd_config))
+        self.stores = DirectoryView(CheckpointStoreDirectory(etcd_config))
         self._inflight: dict[str, asyncio.Future] = {}
         # Migrations at once; the rest wait, premium first, whoever asked (health's DEAD event or a router).
         self._gate = PriorityGate(config.parallel)
@@ -174,6 +175,13 @@ class Migrator:
     async def close(self) -> None:
         await self._channels.close()
         await self.stores.close()
+        await self.workers.close()
+
+    async def follow(self) -> None:
+        """Keeps the workers and stores views current; run as a task for the Migrator's life."""
+        async with asyncio.TaskGroup() as tasks:
+            tasks.create_task(self.workers.follow())
+            tasks.create_task(self.stores.follow())
 
     def _channel(self, address: str) -> grpc.aio.Channel:
         return self._channels.get(address)
@@ -221,7 +229,7 @@ class Migrator:
                                request.handoff_kv_tokens, request.handoff_source_address)
             if request.HasField("known_state") and request.known_state.prompt_token_ids:
                 known = Plan(request.known_state, request.seed or request.known_state.sampling.seed, M.MIGRATION_METHOD_REPREFILL)
-            registrations = await self._reads.get("workers", self.workers.list)
+            registrations = await self._reads.get("workers", self.workers.get)
             if self.config.strategy == "restart":
                 # The coarse baseline: nothing is moved to the survivors; the request waits for a restarted worker
                 # (one that registered after the failure) and is replayed there from scratch.
@@ -280,7 +288,7 @@ class Migrator:
         started = time.monotonic()
         deadline = started + self.config.failover_wait_s
         while True:
-            registrations = await self.workers.list()
+            registrations = await self.workers.get()
             for worker_id, registration in registrations.items():
                 if registration.failover_slot:
                     self._slots[worker_id] = registration.failover_slot
@@ -325,7 +333,7 @@ class Migrator:
         failed_at = self._failed_at.setdefault(failed_worker, time.time())
         deadline = time.monotonic() + 6 * self.config.restore_timeout_s
         while time.monotonic() < deadline:
-            fresh = {w: r for w, r in (await self.workers.list()).items() if r.started_at > failed_at}
+            fresh = {w: r for w, r in (await self.workers.get()).items() if r.started_at > failed_at}
             if fresh:
                 return fresh
             await asyncio.sleep(0.05)
@@ -334,7 +342,9 @@ class Migrator:
         )
 
     async def store_addresses(self) -> list[str]:
-        return await self._reads.get("stores", self.stores.addresses)
+        """Each advertised store's address, in key order."""
+        stores = await self._reads.get("stores", self.stores.get)
+        return [store.address for _, store in sorted(stores.items())]
 
     async def _restore(
         self, request: M.MigrateRequest, plan: Plan, registrations: Registrations, first: common_pb2.WorkerRegistration | None = None

@@ -66,6 +66,9 @@ _DEFAULT_BLOCK_SIZE = 16
 # only orders the methods, and recompute and transfer differ by orders of magnitude.
 _UNKNOWN_BYTES_PER_TOKEN = 4096
 _DTYPE_BYTES = {"float32": 4, "float64": 8, "bfloat16": 2, "float16": 2}
+# A worker's commits listed for a burst serve its migrations that come this much later too (a dead worker writes no
+# more; a live one's later tokens come with the router's known state, see _with_fresher_tokens).
+_LISTING_REUSE_S = 0.1
 
 
 @dataclass
@@ -157,6 +160,9 @@ class Migrator:
         )
         # A failed worker's requests arrive together: they share their etcd reads and the targets' Stats.
         self._reads: SharedCalls = SharedCalls()
+        # (store, failed worker) -> its commits by request id: the rest of a burst reads them in one ListCommits.
+        self._listings: SharedCalls = SharedCalls(reuse_s=_LISTING_REUSE_S)
+        self._commit_reads: dict[str, int] = {}  # failed worker -> its migrations reading their commit now
         self._target_stats: SharedCalls = SharedCalls(reuse_s=config.target_stats_reuse_s)
         self._reserved = Reservations()
         # Each worker's latest NATS load report and when it came: targets are priced without a Stats call.
@@ -314,20 +320,41 @@ class Migrator:
         if self.config.strategy not in ("checkpoint",):
             return "", None
         record = None
-        for store in await self.store_addresses():
-            try:
-                record = (await checkpoint_pb2_grpc.CheckpointStoreStub(self._channel(store)).GetCommit(
-                    checkpoint_pb2.GetCommitRequest(request_id=request.request_id), timeout=1.0
-                )).commit
-                break
-            except grpc.aio.AioRpcError as error:
-                if error.code() != grpc.StatusCode.NOT_FOUND:
-                    log.warning("checkpoint store %s: %s", store, error.details())
+        stores = await self.store_addresses()
+        burst = self._commit_reads.get(request.worker_id, 0) > 0
+        self._commit_reads[request.worker_id] = self._commit_reads.get(request.worker_id, 0) + 1
+        try:
+            for store in stores:
+                try:
+                    record = await self._commit_in(store, request, burst=burst)
+                    break
+                except grpc.aio.AioRpcError as error:
+                    if error.code() != grpc.StatusCode.NOT_FOUND:
+                        log.warning("checkpoint store %s: %s", store, error.details())
+        finally:
+            self._commit_reads[request.worker_id] -= 1
+            if not self._commit_reads[request.worker_id]:
+                del self._commit_reads[request.worker_id]
         if record is None:
             return "", None
         layout = record.layout
         per_token = kv_bytes_per_token(layout.num_layers, layout.num_kv_heads, layout.head_dim, layout.dtype)
         return store, (Plan(record.state, record.seed, M.MIGRATION_METHOD_CHECKPOINT, record.kv_tokens), per_token)
+
+    async def _commit_in(self, store: str, request: M.MigrateRequest, *, burst: bool) -> checkpoint_pb2.CommitRecord:
+        """The request's commit record in `store`; NOT_FOUND (AioRpcError) if it holds none.
+
+        A migration that finds another of its worker's still reading its commit is part of a burst (the worker died
+        with all of its streams): those read the worker's commits in one shared ListCommits rather than one GetCommit
+        each. The first asks alone, so that one broken stream of a live worker does not list all of its requests.
+        """
+        stub = checkpoint_pb2_grpc.CheckpointStoreStub(self._channel(store))
+        if burst and request.worker_id:
+            held = await self._listings.get((store, request.worker_id), lambda: _commits_of(stub, request.worker_id))
+            record = held.get(request.request_id)
+            if record is not None:
+                return record
+        return (await stub.GetCommit(checkpoint_pb2.GetCommitRequest(request_id=request.request_id), timeout=1.0)).commit
 
     async def _replacements(self, failed_worker: str) -> dict:
         failed_at = self._failed_at.setdefault(failed_worker, time.time())
@@ -496,6 +523,11 @@ class Migrator:
         commits = sorted(held.values(), key=lambda c: effective_priority(c.state.priority))
         await asyncio.gather(*(one(c) for c in commits))
         return response
+
+
+async def _commits_of(stub: checkpoint_pb2_grpc.CheckpointStoreStub, worker_id: str) -> dict[str, checkpoint_pb2.CommitRecord]:
+    listing = await stub.ListCommits(checkpoint_pb2.ListCommitsRequest(worker_id=worker_id), timeout=1.0)
+    return {commit.request_id: commit for commit in listing.commits}
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:

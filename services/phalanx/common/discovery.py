@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Mapping
 from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Generic, Literal, TypeVar
@@ -43,7 +43,7 @@ from phalanx.common.subjects import (
 __all__ = [
     "CheckpointStoreDirectory", "DirectoryView", "EncoderDirectory", "EtcdDirectory", "ExpertWorkerDirectory", "MigrationDirectory",
     "WatchEvent", "WorkerDirectory",
-    "decode_json", "decode_registration", "encode_json", "encode_registration",
+    "addresses_of", "decode_json", "decode_registration", "encode_json", "encode_registration",
 ]
 
 log = logging.getLogger(__name__)
@@ -264,6 +264,11 @@ class DirectoryView(Generic[M]):
         await self.directory.close()
 
 
+def addresses_of(instances: Mapping[str, checkpoint_pb2.CheckpointStoreRegistration | migration_pb2.MigrationRegistration]) -> list[str]:
+    """Each instance's gRPC address, in name (key) order."""
+    return [instance.address for _, instance in sorted(instances.items())]
+
+
 class WorkerDirectory(EtcdDirectory[common_pb2.WorkerRegistration]):
     """Read side of worker membership: ``list()`` and ``watch()`` over the workers prefix."""
 
@@ -279,7 +284,7 @@ class CheckpointStoreDirectory(EtcdDirectory[checkpoint_pb2.CheckpointStoreRegis
 
     async def addresses(self) -> list[str]:
         """Each store's gRPC address, in key order."""
-        return [store.address for store in (await self.list()).values()]
+        return addresses_of(await self.list())
 
 
 class MigrationDirectory(EtcdDirectory[migration_pb2.MigrationRegistration]):
@@ -290,7 +295,7 @@ class MigrationDirectory(EtcdDirectory[migration_pb2.MigrationRegistration]):
 
     async def addresses(self) -> list[str]:
         """Each instance's gRPC address, in key order."""
-        return [instance.address for instance in (await self.list()).values()]
+        return addresses_of(await self.list())
 
 
 class ExpertWorkerDirectory(EtcdDirectory[expert_pb2.ExpertWorkerRegistration]):

@@ -34,7 +34,7 @@ import grpc
 
 from phalanx._proto import checkpoint_pb2, checkpoint_pb2_grpc, common_pb2, migration_pb2, worker_pb2, worker_pb2_grpc
 from phalanx.common.config import EtcdConfig
-from phalanx.common.discovery import CheckpointStoreDirectory, DirectoryView, WorkerDirectory
+from phalanx.common.discovery import CheckpointStoreDirectory, DirectoryView, WorkerDirectory, addresses_of
 from phalanx.common.errors import MEDIA_SOURCE_SUBJECT, FailedPreconditionError, InvalidRequestError, UnavailableError
 from phalanx.common.events import EventBus
 from phalanx.common.grpc_channels import GrpcChannels
@@ -370,8 +370,7 @@ class Migrator:
 
     async def store_addresses(self) -> list[str]:
         """Each advertised store's address, in key order."""
-        stores = await self._reads.get("stores", self.stores.get)
-        return [store.address for _, store in sorted(stores.items())]
+        return addresses_of(await self._reads.get("stores", self.stores.get))
 
     async def _restore(
         self, request: M.MigrateRequest, plan: Plan, registrations: Registrations, first: common_pb2.WorkerRegistration | None = None

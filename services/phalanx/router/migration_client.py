@@ -8,7 +8,7 @@ import grpc
 
 from phalanx._proto import migration_pb2, migration_pb2_grpc
 from phalanx.common.config import EtcdConfig
-from phalanx.common.discovery import DirectoryView, MigrationDirectory
+from phalanx.common.discovery import DirectoryView, MigrationDirectory, addresses_of
 from phalanx.common.errors import MEDIA_SOURCE_SUBJECT, FailedPreconditionError, UnavailableError
 from phalanx.common.grpc_channels import GrpcChannels
 from phalanx.common.lease import TRANSIENT_ERRORS
@@ -37,7 +37,7 @@ class MigrationClient:
 
     async def _addresses(self) -> list[str]:
         try:
-            addresses = [instance.address for _, instance in sorted((await self._instances.get()).items())]
+            addresses = addresses_of(await self._instances.get())
         except TRANSIENT_ERRORS as exc:
             log.warning("cannot look up the migration service: %r", exc)
             return [self._preferred] if self._preferred else []

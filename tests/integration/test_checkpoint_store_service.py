@@ -387,6 +387,35 @@ async def test_a_worker_back_from_a_partition_cannot_take_a_moved_request_s_comm
         await new.release("moved")
 
 
+async def test_a_burst_of_migrations_reads_its_worker_s_commits_in_one_listing(store, etcd_config):
+    from phalanx.migration.config import MigrationConfig
+    from phalanx.migration.core import Migrator
+    from phalanx.migration.metrics import MigrationMetrics
+
+    worker_id, other_id = unique_id("burst"), unique_id("other")
+    ids = [f"{worker_id}-r{i}" for i in range(4)]
+    async with FakeWorker(store, worker_id, F32) as worker, FakeWorker(store, other_id, F32) as other:
+        for i, request_id in enumerate(ids):
+            await worker.segment(request_id, random_kv(F32, 8, i), 0, 8, outputs=[10 + i])
+        await other.segment(f"{other_id}-moved", random_kv(F32, 8, 9), 0, 8, outputs=[99])
+        migrator = Migrator(MigrationConfig(), etcd_config, None, MigrationMetrics())
+        try:
+            def ask(request_id: str, owner: str = worker_id):
+                return migrator._commit(migration_pb2.MigrateRequest(request_id=request_id, worker_id=owner))
+
+            # The worker died with its four streams: the first reads its commit alone, the other three share a listing.
+            found = await asyncio.gather(*(ask(r) for r in ids))
+            assert [plan.state.output_token_ids[:] for _, (plan, _) in found] == [[10 + i] for i in range(4)]
+            assert {address for address, _ in found} == {store.address}
+            assert migrator._listings.calls == 1
+            # A request the listing does not hold (another worker owns its commit now) is still found, alone.
+            (_, (moved, _)), (_, (first, _)) = await asyncio.gather(ask(f"{other_id}-moved"), ask(ids[0]))
+            assert moved.state.output_token_ids[:] == [99] and first.state.output_token_ids[:] == [10]
+            assert await ask("nobody-knows-it") == ("", None)
+        finally:
+            await migrator.close()
+
+
 async def test_sigterm_exits_cleanly_and_revokes_the_advertisement(store, etcd_config):
     async with FakeWorker(store, "w-last", F32) as worker:
         await worker.segment("last", random_kv(F32, 4, seed=5), 0, 4)  # a worker stream is open at SIGTERM

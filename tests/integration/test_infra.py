@@ -19,7 +19,7 @@ from opentelemetry import trace
 from phalanx._proto import common_pb2
 from phalanx.chaos.link import DelayLink
 from phalanx.common.config import EtcdConfig, NatsConfig, TelemetryConfig
-from phalanx.common.discovery import WorkerDirectory, decode_registration, encode_registration
+from phalanx.common.discovery import DirectoryView, WorkerDirectory, decode_registration, encode_registration
 from phalanx.common.events import EventBus, MessageTooLargeError
 from phalanx.common.lease import EtcdUnavailableError, LeasedKey, connect_etcd
 from phalanx.common.subjects import LOAD_ALL, load_subject, worker_key
@@ -215,6 +215,40 @@ async def test_worker_directory_lists_then_watches_put_update_and_delete(etcd_co
         finally:
             await leased.close()
         assert worker_id not in await directory.list()
+
+
+async def test_directory_view_follows_the_watch_and_reads_without_etcd(etcd_config, etcd_server):
+    worker_id = _worker_id()
+    view = DirectoryView(WorkerDirectory(etcd_config))
+    leased = LeasedKey(etcd_config, worker_key(worker_id), encode_registration(_registration(worker_id)))
+    following: asyncio.Task | None = None
+    try:
+        await leased.start()
+        assert (await view.get())[worker_id] == _registration(worker_id)  # not following yet: one read of etcd
+        following = asyncio.create_task(view.follow())
+        updated = _registration(worker_id, model="tiny", total_blocks=64)
+        await leased.update(encode_registration(updated))
+
+        async def view_has(value) -> bool:
+            return (await view.get()).get(worker_id) == value
+
+        await assert_eventually(lambda: view_has(updated))
+        await leased.close()
+        await assert_eventually(lambda: view_has(None))
+        leased = LeasedKey(etcd_config, worker_key(worker_id), encode_registration(_registration(worker_id)))
+        await leased.start()
+        await assert_eventually(lambda: view_has(_registration(worker_id)))
+        # What a migration reads comes from the view, not from etcd: it answers with etcd down.
+        etcd_server.stop()
+        async with asyncio.timeout(1):
+            assert (await view.get())[worker_id] == _registration(worker_id)
+    finally:
+        if following is not None:
+            following.cancel()
+            await asyncio.gather(following, return_exceptions=True)
+        etcd_server.start()
+        await leased.close()
+        await view.close()
 
 
 def test_registration_round_trips_through_json():

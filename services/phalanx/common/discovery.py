@@ -8,13 +8,16 @@ resumes from the revision after it, so no change falls between the two.
 messages (health records, degradation state); ``WorkerDirectory`` is the
 one for workers, ``CheckpointStoreDirectory``, ``MigrationDirectory`` and
 ``EncoderDirectory`` the ones for the instances of those services.
+``DirectoryView`` keeps one directory's entries current by its watch, for
+readers on a latency-critical path (a migration) that cannot afford an etcd
+round trip per read.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Mapping
 from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Generic, Literal, TypeVar
@@ -38,8 +41,9 @@ from phalanx.common.subjects import (
 )
 
 __all__ = [
-    "CheckpointStoreDirectory", "EncoderDirectory", "EtcdDirectory", "ExpertWorkerDirectory", "MigrationDirectory", "WatchEvent", "WorkerDirectory",
-    "decode_json", "decode_registration", "encode_json", "encode_registration",
+    "CheckpointStoreDirectory", "DirectoryView", "EncoderDirectory", "EtcdDirectory", "ExpertWorkerDirectory", "MigrationDirectory",
+    "WatchEvent", "WorkerDirectory",
+    "addresses_of", "decode_json", "decode_registration", "encode_json", "encode_registration",
 ]
 
 log = logging.getLogger(__name__)
@@ -214,6 +218,57 @@ class EtcdDirectory(Generic[M]):
             return None
 
 
+class DirectoryView(Generic[M]):
+    """A directory's entries as its watch last left them: ``get()`` reads them without an etcd round trip.
+
+    Run ``follow()`` as a task for as long as the view is read; until its
+    first list (and after it ended) ``get()`` reads etcd itself. A failure
+    burst reads the same membership once per request otherwise: measured on
+    the loaded 2-core dev box (load 8, 2026-11-26) such a read took 1-34 ms
+    on the path from a worker's death to its streams' next token. A watch
+    lags etcd by milliseconds; while etcd is unreachable the view keeps what
+    it last saw (a lookup would fail then).
+    """
+
+    def __init__(self, directory: EtcdDirectory[M]) -> None:
+        self.directory = directory  # its own: a list() elsewhere would move the watch's resync baseline
+        self._entries: dict[str, M] | None = None
+
+    async def follow(self) -> None:
+        backoff = Backoff(initial=0.05, cap=self.directory._config.max_retry_wait_s)
+        while True:
+            try:
+                entries = await self.directory.list()
+                break
+            except TRANSIENT_ERRORS as error:
+                log.warning("cannot list %s (%r); retrying", self.directory._prefix.decode(), error)
+                await asyncio.sleep(backoff.next())
+        try:
+            self._entries = entries
+            async with aclosing(self.directory.watch()) as events:
+                async for kind, name, message in events:
+                    if kind == "put" and message is not None:
+                        entries[name] = message
+                    else:
+                        entries.pop(name, None)
+        finally:
+            self._entries = None
+
+    async def get(self) -> dict[str, M]:
+        """Every entry by name (a copy)."""
+        if self._entries is not None:
+            return dict(self._entries)
+        return await self.directory.list()
+
+    async def close(self) -> None:
+        await self.directory.close()
+
+
+def addresses_of(instances: Mapping[str, checkpoint_pb2.CheckpointStoreRegistration | migration_pb2.MigrationRegistration]) -> list[str]:
+    """Each instance's gRPC address, in name (key) order."""
+    return [instance.address for _, instance in sorted(instances.items())]
+
+
 class WorkerDirectory(EtcdDirectory[common_pb2.WorkerRegistration]):
     """Read side of worker membership: ``list()`` and ``watch()`` over the workers prefix."""
 
@@ -229,7 +284,7 @@ class CheckpointStoreDirectory(EtcdDirectory[checkpoint_pb2.CheckpointStoreRegis
 
     async def addresses(self) -> list[str]:
         """Each store's gRPC address, in key order."""
-        return [store.address for store in (await self.list()).values()]
+        return addresses_of(await self.list())
 
 
 class MigrationDirectory(EtcdDirectory[migration_pb2.MigrationRegistration]):
@@ -240,7 +295,7 @@ class MigrationDirectory(EtcdDirectory[migration_pb2.MigrationRegistration]):
 
     async def addresses(self) -> list[str]:
         """Each instance's gRPC address, in key order."""
-        return [instance.address for instance in (await self.list()).values()]
+        return addresses_of(await self.list())
 
 
 class ExpertWorkerDirectory(EtcdDirectory[expert_pb2.ExpertWorkerRegistration]):

@@ -34,7 +34,7 @@ import grpc
 
 from phalanx._proto import checkpoint_pb2, checkpoint_pb2_grpc, common_pb2, migration_pb2, worker_pb2, worker_pb2_grpc
 from phalanx.common.config import EtcdConfig
-from phalanx.common.discovery import CheckpointStoreDirectory, WorkerDirectory
+from phalanx.common.discovery import CheckpointStoreDirectory, DirectoryView, WorkerDirectory, addresses_of
 from phalanx.common.errors import MEDIA_SOURCE_SUBJECT, FailedPreconditionError, InvalidRequestError, UnavailableError
 from phalanx.common.events import EventBus
 from phalanx.common.grpc_channels import GrpcChannels
@@ -66,6 +66,9 @@ _DEFAULT_BLOCK_SIZE = 16
 # only orders the methods, and recompute and transfer differ by orders of magnitude.
 _UNKNOWN_BYTES_PER_TOKEN = 4096
 _DTYPE_BYTES = {"float32": 4, "float64": 8, "bfloat16": 2, "float16": 2}
+# A worker's commits listed for a burst serve its migrations that come this much later too (a dead worker writes no
+# more; a live one's later tokens come with the router's known state, see _with_fresher_tokens).
+_LISTING_REUSE_S = 0.1
 
 
 @dataclass
@@ -150,8 +153,9 @@ class Migrator:
         self.etcd_config = etcd_config
         self.bus = bus
         self.metrics = metrics
-        self.workers = WorkerDirectory(etcd_config)
-        self.stores = CheckpointStoreDirectory(etcd_config)
+        # Kept current by their watches (`follow`): a migration reads them without an etcd round trip.
+        self.workers = DirectoryView(WorkerDirectory(etcd_config))
+        self.stores = DirectoryView(CheckpointStoreDirectory(etcd_config))
         self._inflight: dict[str, asyncio.Future] = {}
         # Migrations at once; the rest wait, premium first, whoever asked (health's DEAD event or a router).
         self._gate = PriorityGate(config.parallel)
@@ -161,6 +165,9 @@ class Migrator:
         )
         # A failed worker's requests arrive together: they share their etcd reads and the targets' Stats.
         self._reads: SharedCalls = SharedCalls()
+        # (store, failed worker) -> its commits by request id: the rest of a burst reads them in one ListCommits.
+        self._listings: SharedCalls = SharedCalls(reuse_s=_LISTING_REUSE_S)
+        self._commit_reads: dict[str, int] = {}  # failed worker -> its migrations reading their commit now
         self._target_stats: SharedCalls = SharedCalls(reuse_s=config.target_stats_reuse_s)
         self._reserved = Reservations()
         # Each worker's latest NATS load report and when it came: targets are priced without a Stats call.
@@ -181,6 +188,13 @@ class Migrator:
     async def close(self) -> None:
         await self._channels.close()
         await self.stores.close()
+        await self.workers.close()
+
+    async def follow(self) -> None:
+        """Keeps the workers and stores views current; run as a task for the Migrator's life."""
+        async with asyncio.TaskGroup() as tasks:
+            tasks.create_task(self.workers.follow())
+            tasks.create_task(self.stores.follow())
 
     def _channel(self, address: str) -> grpc.aio.Channel:
         return self._channels.get(address)
@@ -233,7 +247,7 @@ class Migrator:
                                request.handoff_kv_tokens, request.handoff_source_address)
             if request.HasField("known_state") and request.known_state.prompt_token_ids:
                 known = Plan(request.known_state, request.seed or request.known_state.sampling.seed, M.MIGRATION_METHOD_REPREFILL)
-            registrations = await self._reads.get("workers", self.workers.list)
+            registrations = await self._reads.get("workers", self.workers.get)
             if self.config.strategy == "restart":
                 # The coarse baseline: nothing is moved to the survivors; the request waits for a restarted worker
                 # (one that registered after the failure) and is replayed there from scratch.
@@ -306,7 +320,7 @@ class Migrator:
         started = time.monotonic()
         deadline = started + self.config.failover_wait_s
         while True:
-            registrations = await self.workers.list()
+            registrations = await self.workers.get()
             for worker_id, registration in registrations.items():
                 if registration.failover_slot:
                     self._slots[worker_id] = registration.failover_slot
@@ -334,26 +348,49 @@ class Migrator:
         if self.config.strategy not in ("checkpoint",):
             return "", None, ()
         reply = None
-        for store in await self.store_addresses():
-            try:
-                reply = await checkpoint_pb2_grpc.CheckpointStoreStub(self._channel(store)).GetCommit(
-                    checkpoint_pb2.GetCommitRequest(request_id=request.request_id), timeout=1.0
-                )
-                break
-            except grpc.aio.AioRpcError as error:
-                if error.code() != grpc.StatusCode.NOT_FOUND:
-                    log.warning("checkpoint store %s: %s", store, error.details())
+        stores = await self.store_addresses()
+        burst = self._commit_reads.get(request.worker_id, 0) > 0
+        self._commit_reads[request.worker_id] = self._commit_reads.get(request.worker_id, 0) + 1
+        try:
+            for store in stores:
+                try:
+                    reply = await self._commit_in(store, request, burst=burst)
+                    break
+                except grpc.aio.AioRpcError as error:
+                    if error.code() != grpc.StatusCode.NOT_FOUND:
+                        log.warning("checkpoint store %s: %s", store, error.details())
+        finally:
+            self._commit_reads[request.worker_id] -= 1
+            if not self._commit_reads[request.worker_id]:
+                del self._commit_reads[request.worker_id]
         if reply is None:
             return "", None, ()
         record, layout = reply.commit, reply.commit.layout
         per_token = kv_bytes_per_token(layout.num_layers, layout.num_kv_heads, layout.head_dim, layout.dtype)
         return store, (Plan(record.state, record.seed, M.MIGRATION_METHOD_CHECKPOINT, record.kv_tokens), per_token), reply.media
 
+    async def _commit_in(self, store: str, request: M.MigrateRequest, *, burst: bool) -> checkpoint_pb2.GetCommitResponse:
+        """The request's commit record in `store`, with the media embeddings the store holds for it where the caller
+        brought none; NOT_FOUND (AioRpcError) if it holds none.
+
+        A migration that finds another of its worker's still reading its commit is part of a burst (the worker died
+        with all of its streams): those read the worker's commits in one shared ListCommits rather than one GetCommit
+        each. The first asks alone, so that one broken stream of a live worker does not list all of its requests. A
+        listing carries no embeddings: a listed request that needs the store's asks for them alone.
+        """
+        stub = checkpoint_pb2_grpc.CheckpointStoreStub(self._channel(store))
+        if burst and request.worker_id:
+            held = await self._listings.get((store, request.worker_id), lambda: _commits_of(stub, request.worker_id))
+            record = held.get(request.request_id)
+            if record is not None and (not record.media_held or request.media):
+                return checkpoint_pb2.GetCommitResponse(commit=record)
+        return await stub.GetCommit(checkpoint_pb2.GetCommitRequest(request_id=request.request_id), timeout=1.0)
+
     async def _replacements(self, failed_worker: str) -> dict:
         failed_at = self._failed_at.setdefault(failed_worker, time.time())
         deadline = time.monotonic() + 6 * self.config.restore_timeout_s
         while time.monotonic() < deadline:
-            fresh = {w: r for w, r in (await self.workers.list()).items() if r.started_at > failed_at}
+            fresh = {w: r for w, r in (await self.workers.get()).items() if r.started_at > failed_at}
             if fresh:
                 return fresh
             await asyncio.sleep(0.05)
@@ -362,7 +399,8 @@ class Migrator:
         )
 
     async def store_addresses(self) -> list[str]:
-        return await self._reads.get("stores", self.stores.addresses)
+        """Each advertised store's address, in key order."""
+        return addresses_of(await self._reads.get("stores", self.stores.get))
 
     async def _restore(
         self, request: M.MigrateRequest, plan: Plan, registrations: Registrations, media: Sequence[common_pb2.MediaEmbedding],
@@ -523,6 +561,11 @@ class Migrator:
         commits = sorted(held.values(), key=lambda c: effective_priority(c.state.priority))
         await asyncio.gather(*(one(c) for c in commits))
         return response
+
+
+async def _commits_of(stub: checkpoint_pb2_grpc.CheckpointStoreStub, worker_id: str) -> dict[str, checkpoint_pb2.CommitRecord]:
+    listing = await stub.ListCommits(checkpoint_pb2.ListCommitsRequest(worker_id=worker_id), timeout=1.0)
+    return {commit.request_id: commit for commit in listing.commits}
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:

@@ -84,8 +84,11 @@ class MigrationProcess:
                 shell.push_async_callback(deaths.unsubscribe)
             await shell.set_serving(True)
             log.info("migration %s on %s (strategy %s)", self.instance_id, self.address, self.config.strategy)
-            await shell.wait_for_stop()
-            await shell.stop_server()
+            async with asyncio.TaskGroup() as tasks:
+                following = tasks.create_task(migrator.follow())
+                await shell.wait_for_stop()
+                await shell.stop_server()
+                following.cancel()
 
     def _on_health(self, migrator: Migrator) -> Callable[[common_pb2.WorkerHealthRecord, str, Context], Awaitable[None]]:
         async def on_record(record: common_pb2.WorkerHealthRecord, subject: str, context: Context) -> None:

@@ -1,4 +1,4 @@
-"""The router's way to the migration service: found in etcd, called when a worker stream ends early."""
+"""The router's way to the migration service: found in etcd (a watched view), called when a worker stream ends early."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import grpc
 
 from phalanx._proto import migration_pb2, migration_pb2_grpc
 from phalanx.common.config import EtcdConfig
-from phalanx.common.discovery import MigrationDirectory
+from phalanx.common.discovery import DirectoryView, MigrationDirectory, addresses_of
 from phalanx.common.errors import MEDIA_SOURCE_SUBJECT, FailedPreconditionError, UnavailableError
 from phalanx.common.grpc_channels import GrpcChannels
 from phalanx.common.lease import TRANSIENT_ERRORS
@@ -22,7 +22,7 @@ class MigrationClient:
     a call in flight), and the address that answered last is tried first."""
 
     def __init__(self, config: EtcdConfig, *, timeout_s: float = 15.0) -> None:
-        self._instances = MigrationDirectory(config)
+        self._instances = DirectoryView(MigrationDirectory(config))
         self.timeout_s = timeout_s
         self._preferred = ""
         self._channels = GrpcChannels()
@@ -31,9 +31,13 @@ class MigrationClient:
         await self._channels.close()
         await self._instances.close()
 
+    async def follow(self) -> None:
+        """Keeps the instances' addresses current (run as a task): a migration then starts without an etcd read."""
+        await self._instances.follow()
+
     async def _addresses(self) -> list[str]:
         try:
-            addresses = await self._instances.addresses()
+            addresses = addresses_of(await self._instances.get())
         except TRANSIENT_ERRORS as exc:
             log.warning("cannot look up the migration service: %r", exc)
             return [self._preferred] if self._preferred else []

@@ -168,6 +168,7 @@ class RouterProcess:
                     tasks.create_task(self._follow(degradation, self._on_degradation)),
                     tasks.create_task(self._follow(spares, self._on_spare)),
                     tasks.create_task(self._follow(encoder_directory, encoders.update)),
+                    tasks.create_task(migration.follow()),
                     tasks.create_task(self._resync_loop(channels)),
                     tasks.create_task(self._gauges_loop()),
                 ]

@@ -23,6 +23,7 @@ def test_soak_reports_per_minute_series_trends_and_loses_no_token_across_kills()
     assert set(result["fd_kinds"]) == KINDS and result["fd_kinds"]["worker"]["last"].get("socket", 0) > 0
     totals = result["totals"]
     assert totals["kills"] >= 2 and totals["requests"] > 0, totals
+    assert totals["start_failures"] == 0, result["start_failures"]  # every killed worker was replaced
     assert totals["lost"] == 0 and totals["repeated"] == 0 and totals["changed"] == 0 and totals["errors"] == 0, result["errors"]
     assert [row["minute"] for row in result["per_minute"]] == [0, 1]
     first = result["per_minute"][0]

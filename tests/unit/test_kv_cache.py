@@ -74,6 +74,23 @@ def test_unreferenced_cached_blocks_are_evicted_lru_with_removed_events():
     assert kv.num_cached_blocks == 0
 
 
+def test_a_steady_load_reuses_the_blocks_it_freed_instead_of_touching_new_ones():
+    # A CPU cache's pages fault in on first write (zeroed): blocks handed out in rotation would make all of it resident
+    # under any load (a soak's worker RSS rose until the whole cache was touched). Freed blocks are reused first.
+    kv = KvCacheManager(256, BS)
+    prompts = [tokens(40, 1000 * p) for p in range(4)]
+    touched: set[int] = set()
+    for n in range(100):
+        prompt = prompts[n % 4]
+        assert kv.allocate(f"r{n}", prompt, reserve_tokens=32) is not None
+        kv.commit(f"r{n}", prompt, len(prompt))
+        touched.update(kv.block_table(f"r{n}"))
+        kv.free(f"r{n}")
+    # Each prompt's 2 full blocks stay cached; the 3 blocks of its partial tail and its output are the same 3 each time.
+    assert kv.num_cached_blocks == 8
+    assert len(touched) == 8 + 3
+
+
 def test_cached_blocks_lists_hash_and_parent():
     kv = KvCacheManager(8, BS)
     prompt = tokens(48)

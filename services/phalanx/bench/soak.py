@@ -118,6 +118,7 @@ class _Ledger:
     # (finished at, latency s, ttft s, lost, repeated, changed, error)
     requests: list[tuple[float, float, float, int, int, int, str]] = field(default_factory=list)
     kills: list[float] = field(default_factory=list)
+    start_failures: list[str] = field(default_factory=list)  # replacements that did not start (the next kill retries)
     # kind -> [(t, mean rss MiB, mean fds, processes)]
     samples: dict[str, list[tuple[float, float, float, int]]] = field(default_factory=lambda: collections.defaultdict(list))
     # kind -> what its open fds are (socket, pipe, anon_inode:[eventfd], a file ...), per process: first and last sample
@@ -141,7 +142,7 @@ async def _run(o: _Options) -> dict:
         # Generous start timeouts: a soak is run on busy machines too, and a slow start says nothing about leaks.
         fleet.stores.append(await start_checkpoint_store(unique_id("ckpt"), fleet.etcd_config, timeout=_START_TIMEOUT_S))
         fleet.migrations.append(await start_migration(unique_id("mig"), nats.url, fleet.etcd_config, timeout=_START_TIMEOUT_S))
-        await fleet.add_workers(WORKERS)
+        await fleet.add_workers(WORKERS, timeout=_START_TIMEOUT_S)
         router = await fleet.add_router()
         async with await Client.connect(router.address, timeout=_STREAM_TIMEOUT_S) as client:
             ledger.started = time.monotonic()
@@ -192,7 +193,8 @@ async def _client_loop(client: Client, i: int, prompts: list[list[int]], o: _Opt
 
 
 async def _killer(fleet: Stack, o: _Options, ledger: _Ledger, stop: asyncio.Event) -> None:
-    """At every multiple of kill_every_s: SIGKILL the worker serving the most client streams, then start its replacement."""
+    """At every multiple of kill_every_s: SIGKILL the worker serving the most client streams, then start its replacement
+    (and one for any earlier replacement that failed to start: the fleet is topped up to WORKERS)."""
     kills = 0
     while not stop.is_set():
         kills += 1
@@ -200,15 +202,20 @@ async def _killer(fleet: Stack, o: _Options, ledger: _Ledger, stop: asyncio.Even
             await asyncio.wait_for(stop.wait(), max(0.0, kills * o.kill_every_s - ledger.now()))
             return
         live = [w for w in fleet.workers if w.process.poll() is None]
-        if not live:
-            continue
-        busiest = collections.Counter(ledger.served.values()).most_common(1)
-        victim = next((w for w in live if busiest and w.worker_id == busiest[0][0]), live[0])
-        await asyncio.to_thread(victim.kill)
-        ledger.kills.append(ledger.now())
-        fleet.workers.remove(victim)
-        with contextlib.suppress(RuntimeError, TimeoutError):  # a replacement that fails to start is retried next time
-            await fleet.add_workers(1)
+        if live:
+            busiest = collections.Counter(ledger.served.values()).most_common(1)
+            victim = next((w for w in live if busiest and w.worker_id == busiest[0][0]), live[0])
+            await asyncio.to_thread(victim.kill)
+            ledger.kills.append(ledger.now())
+            fleet.workers.remove(victim)
+            live.remove(victim)
+        for _ in range(WORKERS - len(live)):  # one at a time: a failed start must not drop another's handle
+            try:
+                await fleet.add_workers(1, timeout=_START_TIMEOUT_S)
+            # Any failure to start (an exit, a timeout, an etcd call that fails on a loaded box) is counted and retried at
+            # the next kill: it must not end the killer, which would stop the kills and lose the run's report.
+            except Exception as exc:  # noqa: BLE001
+                ledger.start_failures.append(f"{type(exc).__name__}: {exc}")
 
 
 async def _sampler(fleet: Stack, nats: NatsServer, etcd: EtcdServer, o: _Options, ledger: _Ledger, stop: asyncio.Event) -> None:
@@ -284,6 +291,7 @@ def _report(o: _Options, ledger: _Ledger) -> dict:
     counts = {
         "requests": len(ledger.requests), "errors": sum(1 for r in ledger.requests if r[6]), "lost": sum(r[3] for r in ledger.requests),
         "repeated": sum(r[4] for r in ledger.requests), "changed": sum(r[5] for r in ledger.requests), "kills": len(ledger.kills),
+        "start_failures": len(ledger.start_failures),
     }
     first_minute = int(o.warmup_s // 60)
     return {
@@ -292,6 +300,7 @@ def _report(o: _Options, ledger: _Ledger) -> dict:
         "totals": counts,
         "fd_kinds": {kind: {"first": seen[0], "last": seen[-1]} for kind, seen in sorted(ledger.fd_kinds.items())},
         "errors": sorted({r[6] for r in ledger.requests if r[6]})[:10],
+        "start_failures": ledger.start_failures[:10],
         "config": {
             "minutes": o.minutes, "kill_every_s": o.kill_every_s, "streams": o.streams, "max_tokens": o.max_tokens,
             "prompts": o.prompts, "sample_s": o.sample_s, "warmup_s": o.warmup_s, "workers": WORKERS, "model": MODEL,

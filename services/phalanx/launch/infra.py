@@ -296,6 +296,11 @@ class NatsServer(_ServerProcess):
         return container.start()
 
 
+# How much etcd history a server keeps (periodic compaction): watches that fall behind it re-list
+# (common/discovery.py, failover/lock.py); docker-compose.yml and the Helm chart's etcd use the same.
+COMPACTION_RETENTION = "5m"
+
+
 class EtcdServer(_ServerProcess):
     """A single-member etcd on loopback tuned for 1 s leases; ``endpoint`` is host:port.
 
@@ -319,9 +324,11 @@ class EtcdServer(_ServerProcess):
         initial_cluster: str | None = None,
         cluster_token: str | None = None,
         host: str = "127.0.0.1",
+        compaction_retention: str = COMPACTION_RETENTION,
     ) -> None:
         super().__init__(docker=docker, startup_timeout=startup_timeout)
         self.host = host
+        self.compaction_retention = compaction_retention
         self.port = port or free_port()
         self.peer_port = peer_port or free_port()
         self.member_name = member_name
@@ -358,6 +365,10 @@ class EtcdServer(_ServerProcess):
             # Default timing (1000/100 ms) rounds any lease below 2 s up to 2 s.
             "--election-timeout", str(self._election_timeout_ms),
             "--heartbeat-interval", str(self._heartbeat_interval_ms),
+            # Each request's record is a key of its own (router/records.py); without compaction etcd keeps every
+            # revision, its memory and database grow with every request served and its 2 GiB quota ends in NOSPACE.
+            "--auto-compaction-mode", "periodic",
+            "--auto-compaction-retention", self.compaction_retention,
             "--log-level", "warn",
         ]
 

@@ -52,7 +52,11 @@ class KvCacheManager:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.prefix_caching = prefix_caching
-        self._free: deque[int] = deque(range(num_blocks))
+        # Free blocks, the next one to hand out last: a freed block goes back on top and is reused first (LIFO). Its
+        # pages are resident and warm; handing out the least recently freed instead cycles through every block, and a
+        # CPU cache (``zeroed``: pages fault in on first touch) then grows to its full size whatever the load needs
+        # (the soak's worker RSS rose ~16 MiB/min until all 128 MiB were touched, docs/development.md).
+        self._free: deque[int] = deque(reversed(range(num_blocks)))
         self._refcount = [0] * num_blocks
         self._block_hash: list[int | None] = [None] * num_blocks
         self._by_hash: dict[int, int] = {}
@@ -192,7 +196,7 @@ class KvCacheManager:
     def _take_block(self) -> int:
         if not self._free:
             self._evict(next(iter(self._evictable)))
-        block = self._free.popleft()
+        block = self._free.pop()
         self._refcount[block] = 1
         return block
 

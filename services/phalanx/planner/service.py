@@ -187,7 +187,7 @@ class Planner:
                 await self._publish(decision)
         # A scale-down decided at a tick goes only if arrivals stay down (decisions.py); a rise cancels it.
         decision = machine.arrivals(now, self.readiness, recent)
-        self._count_held()
+        self._count_held("a pending scale-down cancelled", recent)
         if decision is not None:
             await self._publish(decision)
         # Observe every interval, also while a decision is being carried out (the tick then decides nothing): the predictors
@@ -216,7 +216,7 @@ class Planner:
         planned_rate = self._planned_rate if self._operator_target is None else None
         decision = machine.tick(now, self.readiness, desired, arrivals=recent,
                                 planned_rate=planned_rate)
-        self._count_held()
+        self._count_held(f"a scale-down to {desired} held at the tick", recent)
         self._record_finished()
         self.metrics.interval.set(machine.interval_s)
         if decision is not None:
@@ -286,12 +286,14 @@ class Planner:
             return None
         return recent.workers
 
-    def _count_held(self) -> None:
+    def _count_held(self, what: str, recent: Arrivals | None) -> None:
         assert self.machine is not None
         held = self.machine.scale_downs_held
         if held > self._held_counted:
             self.metrics.scale_downs_held.inc(held - self._held_counted)
-            log.info("scale-down held: arrivals rose (%d so far)", held)
+        if held > self._held_counted and recent is not None:
+            log.info("%s: %.0f arrivals in the last %.1f s (%.2f/s, %d workers), planned for %.2f/s", what, recent.requests,
+                     self.config.surge_window_s, recent.rate, recent.workers, self._planned_rate or 0.0)
         self._held_counted = held
 
     def _recent_arrivals(self) -> Arrivals | None:

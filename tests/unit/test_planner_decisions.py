@@ -3,9 +3,13 @@ the adaptive interval, and capacity restoration (replacement, hot-spare promotio
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from phalanx.planner.decisions import (
+    Arrivals,
+    Decision,
     DecisionConfig,
     DecisionMachine,
     DecisionReason,
@@ -302,3 +306,95 @@ def test_an_operators_target_is_not_held_by_the_scale_down_window() -> None:
     planner.decide_at_next_tick()
     down = planner.tick(clock.advance(0.1), READY, desired_workers=1)
     assert down is not None and down.targets.workers == 1
+
+
+# Scale-down timing against arrivals: hand-made arrival series, driven as the service drives the machine (a poll every
+# 0.25 s: `arrivals()`, then, when the interval is due, `tick()` with the last 2 s of arrivals).
+POLL_S, WINDOW_S, PER_WORKER_RPS = 0.25, 2.0, 0.5
+
+
+def recent(times: list[float], now: float) -> Arrivals:
+    """The arrivals of the last WINDOW_S before `now` (the shell's surge window) and the workers they need."""
+    count = sum(1 for t in times if now - WINDOW_S < t <= now)
+    rate = count / WINDOW_S
+    return Arrivals(requests=count, rate=rate, workers=max(1, math.ceil(rate / PER_WORKER_RPS)))
+
+
+def drive(planner: DecisionMachine, times: list[float], start: float, end: float, *, desired: int, planned_rate: float) -> list[Decision]:
+    """Polls from `start` to `end`; every tick is told the interval before planned `desired` workers for `planned_rate`."""
+    decisions = []
+    for step in range(round((end - start) / POLL_S) + 1):
+        now = start + step * POLL_S
+        for decision in (planner.arrivals(now, READY, recent(times, now)),
+                         planner.tick(now, READY, desired, arrivals=recent(times, now), planned_rate=planned_rate)):
+            if decision is not None:
+                decisions.append(decision)
+    return decisions
+
+
+def lull(start: float, end: float) -> list[float]:
+    """1 request/s, evenly: every 2 s window holds 2 (the rate the 2-worker plan is for)."""
+    return [start + 0.5 + i for i in range(int(end - start))]
+
+
+def test_a_burst_starting_at_a_tick_gets_no_scale_down() -> None:
+    planner = machine(workers=6, interval_s=2.0, scale_down_confirm_s=2.0)
+    # A lull, then a burst (3 requests/s) starting just after the tick at 4.0; every tick's plan, from the interval before,
+    # says 2 workers for 1 request/s, as a forecast that lags the burst does.
+    times = lull(0.0, 4.0) + [4.0 + (i + 1) / 3 for i in range(12)]
+    assert drive(planner, times, 4.0, 8.0, desired=2, planned_rate=1.0) == []
+    assert planner.targets.workers == 6 and planner.pending_down is None
+    # The tick at 4.0 saw 1 request/s and put the scale-down off; the burst's first arrivals (2 by 4.5, too few for a
+    # surge) cancelled it before it was due, and the ticks at 6.0 and 8.0 saw the burst and held.
+    assert planner.scale_downs_held == 3
+
+
+def test_in_a_true_lull_the_scale_down_goes_once_the_confirm_time_has_passed() -> None:
+    planner = machine(workers=6, interval_s=2.0, scale_down_confirm_s=2.0)
+    decisions = drive(planner, lull(0.0, 12.0), 4.0, 8.0, desired=2, planned_rate=1.0)
+    assert [(d.reason, d.targets.workers, d.issued_at) for d in decisions] == [(DecisionReason.SCALE, 2, 6.0)]
+    assert planner.scale_downs_held == 0
+
+
+def test_a_scale_down_waits_for_both_windows_and_a_later_tick_does_not_postpone_it() -> None:
+    clock = Clock(0.0)
+    planner = machine(workers=6, interval_s=2.0, scale_down_window_s=6.0, scale_down_confirm_s=3.0)
+    calm = Arrivals(requests=2.0, rate=1.0, workers=2)
+    up = planner.tick(clock.now, READY, desired_workers=6, arrivals=calm, planned_rate=3.0)
+    assert up is None  # 6 already
+    # The window holds 6 until 6 s have passed; then the scale-down is pending for 3 s, across the tick at 8.0.
+    assert planner.tick(clock.advance(2.0), READY, 2, arrivals=calm, planned_rate=1.0) is None
+    assert planner.tick(clock.advance(2.0), READY, 2, arrivals=calm, planned_rate=1.0) is None
+    assert planner.pending_down is None
+    assert planner.tick(clock.advance(2.5), READY, 2, arrivals=calm, planned_rate=1.0) is None
+    assert planner.pending_down is not None and planner.pending_down.due_at == 9.5
+    assert planner.tick(clock.advance(2.0), READY, 3, arrivals=calm, planned_rate=1.2) is None
+    assert planner.arrivals(clock.advance(0.5), READY, calm) is None  # 9.0
+    down = planner.arrivals(clock.advance(0.5), READY, calm)  # 9.5: due, the later tick's count
+    assert down is not None and down.targets.workers == 3 and planner.in_flight == down
+
+
+def test_a_surge_or_a_fleet_no_longer_ready_cancels_a_pending_scale_down() -> None:
+    calm = Arrivals(requests=2.0, rate=1.0, workers=2)
+    planner = machine(workers=6, interval_s=2.0, scale_down_confirm_s=2.0)
+    assert planner.tick(0.0, READY, 2, arrivals=calm, planned_rate=1.0) is None and planner.pending_down is not None
+    surge = planner.surge(0.5, READY, desired_workers=7)
+    assert surge is not None and surge.targets.workers == 7 and planner.pending_down is None
+    assert planner.arrivals(2.0, READY, calm) is None
+    planner.complete(surge.id, 2.5)
+    assert planner.tick(4.0, READY, 2, arrivals=calm, planned_rate=1.0) is None and planner.pending_down is not None
+    not_ready = Readiness(routers_serving=True, serving_workers=0, metrics_flowing=True)
+    assert planner.arrivals(4.5, not_ready, calm) is None and planner.pending_down is None
+    assert planner.arrivals(6.0, READY, calm) is None
+
+
+def test_without_a_confirm_time_or_an_arrivals_signal_a_scale_down_goes_at_once_unless_arrivals_rise() -> None:
+    planner = machine(workers=6, interval_s=2.0)
+    rising = Arrivals(requests=3.0, rate=1.5, workers=2)  # above the 1 request/s planned, though 2 workers would serve it
+    assert planner.tick(0.0, READY, 2, arrivals=rising, planned_rate=1.0) is None and planner.scale_downs_held == 1
+    down = planner.tick(2.0, READY, 2, arrivals=Arrivals(requests=2.0, rate=1.0, workers=2), planned_rate=1.0)
+    assert down is not None and down.targets.workers == 2
+    # No signal (Prometheus, an operator's target): the confirm time does not apply.
+    other = machine(workers=6, interval_s=2.0, scale_down_confirm_s=2.0)
+    down = other.tick(0.0, READY, 2)
+    assert down is not None and down.targets.workers == 2

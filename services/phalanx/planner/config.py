@@ -57,6 +57,10 @@ class PlannerConfig(BaseSettings):
         "once (a SURGE decision); 0: only at ticks"
     )
     surge_min_requests: int = Field(4, ge=1, description="Arrivals a surge window must hold before it counts (noise at low rates)")
+    scale_down_confirm_s: float | None = Field(
+        None, ge=0, description="A tick's scale-down is issued after the arrivals stayed at or below its plan for this long (a rise "
+        "cancels it); unset: surge_window_s; 0: at once"
+    )
     scale_down_window_s: float | None = Field(
         None, ge=0, description="A tick asks for no fewer workers than the most wanted within this window; unset: 3 x interval_s"
     )

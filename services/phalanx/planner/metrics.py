@@ -36,4 +36,6 @@ class PlannerMetrics:
                                 ["phase"], registry=r)
         self.degradation = Gauge("phalanx_planner_degradation_level", "Degradation level the plan used (from 3 on: doubled latency SLOs)",
                                  registry=r)
+        self.scale_downs_held = Counter("phalanx_planner_scale_downs_held", "Scale-downs not issued because arrivals rose (at the "
+                                        "tick, or while the scale-down waited to be confirmed)", registry=r)
         self.observe_errors = Counter("phalanx_planner_observe_errors", "Failed scrapes or Prometheus queries", ["source"], registry=r)

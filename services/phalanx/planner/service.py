@@ -55,7 +55,7 @@ from phalanx.planner.capacity import CapacityView, capacity_view
 from phalanx.planner.config import PlannerConfig
 from phalanx.planner.connectors import Connector, DecisionRecord, VirtualConnector, read_decision, read_target
 from phalanx.planner.correction import CorrectionConfig, CorrectionTracker, expected_itl_s, expected_ttft_s
-from phalanx.planner.decisions import Decision, DecisionConfig, DecisionMachine, DecisionReason, Outcome, Readiness
+from phalanx.planner.decisions import Arrivals, Decision, DecisionConfig, DecisionMachine, DecisionReason, Outcome, Readiness
 from phalanx.planner.distribution import Summary
 from phalanx.planner.metrics import PlannerMetrics
 from phalanx.planner.observations import (
@@ -123,6 +123,8 @@ class Planner:
         # Router scrapes of the last polls (oldest first), for the surge window; and the last plan's maths for a new rate.
         self._recent_scrapes: deque[dict[str, Scrape]] = deque()
         self._replan: Callable[[float], int] | None = None
+        self._planned_rate: float | None = None  # requests/s the last plan was made for
+        self._held_counted = 0
 
     async def run(self) -> None:
         previous = await read_decision(self.client)
@@ -140,6 +142,8 @@ class Planner:
                     hot_spares=self.config.hot_spares,
                     scale_down_window_s=self.config.scale_down_window_s if self.config.scale_down_window_s is not None
                     else 3 * self.config.interval_s,
+                    scale_down_confirm_s=self.config.scale_down_confirm_s if self.config.scale_down_confirm_s is not None
+                    else self.config.surge_window_s,
                 ),
                 start, first_id=previous.id + 1 if previous is not None else 1,
             )
@@ -172,7 +176,8 @@ class Planner:
             machine.decide_at_next_tick()
         self._operator_target = target
         now = time.monotonic()
-        surge = self._surge_workers()
+        recent = self._recent_arrivals()
+        surge = self._surge_workers(recent)
         if surge is not None:
             decision = machine.surge(now, self.readiness, surge)
             if decision is not None:
@@ -180,6 +185,11 @@ class Planner:
                     await self._promote(decision.promote)
                     log.info("surge: decision %d promotes hot spare %s", decision.id, decision.promote)
                 await self._publish(decision)
+        # A scale-down decided at a tick goes only if arrivals stay down (decisions.py); a rise cancels it.
+        decision = machine.arrivals(now, self.readiness, recent)
+        self._count_held("a pending scale-down cancelled", recent)
+        if decision is not None:
+            await self._publish(decision)
         # Observe every interval, also while a decision is being carried out (the tick then decides nothing): the predictors
         # see every interval, and health's capacity view stays fresh through a slow scale-up, when it matters most.
         observe = machine.tick_due(now) or (self._observed_at is not None and now - self._observed_at >= machine.interval_s)
@@ -194,7 +204,8 @@ class Planner:
         # In a thread: a predictor's refit (ARIMA, Prophet) takes seconds, and the loop keeps the leadership lease alive.
         self._capacity = None
         desired = await asyncio.to_thread(self._desired, observation)
-        surge = self._surge_workers()
+        recent = self._recent_arrivals()
+        surge = self._surge_workers(recent)
         if surge is not None and surge > desired:
             # The interval's forecast is older than the last seconds' arrivals: a tick at the start of a burst must not drain
             # the workers the burst is about to need (measured: a scale-down 1 s into a burst, undone by a surge 0.8 s later).
@@ -202,7 +213,10 @@ class Planner:
         self.metrics.desired_workers.set(desired)
         if self._capacity is not None and self.config.capacity_view:
             await self._publish_capacity(self._capacity)
-        decision = machine.tick(now, self.readiness, desired)
+        planned_rate = self._planned_rate if self._operator_target is None else None
+        decision = machine.tick(now, self.readiness, desired, arrivals=recent,
+                                planned_rate=planned_rate)
+        self._count_held(f"a scale-down to {desired} held at the tick", recent)
         self._record_finished()
         self.metrics.interval.set(machine.interval_s)
         if decision is not None:
@@ -265,9 +279,27 @@ class Planner:
             self._recent_scrapes.popleft()
         return self._scraped_twice and bool(fresh)
 
-    def _surge_workers(self) -> int | None:
-        """Workers the arrivals of the last `surge_window_s` need at the last plan's lengths and factors; None when there is
-        no plan yet, too few arrivals to tell, an operator's target, or Prometheus (whose rates are over the interval)."""
+    def _surge_workers(self, recent: Arrivals | None) -> int | None:
+        """Workers the arrivals of the last `surge_window_s` need, when they are at least `surge_min_requests` (a couple of
+        requests at a low rate are no surge)."""
+        if recent is None or recent.requests < self.config.surge_min_requests:
+            return None
+        return recent.workers
+
+    def _count_held(self, what: str, recent: Arrivals | None) -> None:
+        assert self.machine is not None
+        held = self.machine.scale_downs_held
+        if held > self._held_counted:
+            self.metrics.scale_downs_held.inc(held - self._held_counted)
+        if held > self._held_counted and recent is not None:
+            log.info("%s: %.0f arrivals in the last %.1f s (%.2f/s, %d workers), planned for %.2f/s", what, recent.requests,
+                     self.config.surge_window_s, recent.rate, recent.workers, self._planned_rate or 0.0)
+        self._held_counted = held
+
+    def _recent_arrivals(self) -> Arrivals | None:
+        """The arrivals of the last `surge_window_s` (how many, their rate, and the workers it needs at the last plan's
+        lengths and factors); None when there is no plan yet, an operator's target, or Prometheus (whose rates are over
+        the interval)."""
         c = self.config
         if c.surge_window_s <= 0 or c.prometheus_url or self._replan is None or self._operator_target is not None:
             return None
@@ -279,9 +311,8 @@ class Planner:
         observation = observe_scrapes(oldest, self._scrapes)
         if observation is None or observation.arrival_rate is None or observation.interval_s < c.surge_window_s / 2:
             return None
-        if observation.arrival_rate * observation.interval_s < c.surge_min_requests:
-            return None
-        return c.clamp(self._replan(observation.arrival_rate))
+        rate = observation.arrival_rate
+        return Arrivals(requests=rate * observation.interval_s, rate=rate, workers=c.clamp(self._replan(rate)))
 
     async def _query(self, query: str) -> dict:
         reply = await self._http.get(f"{self.config.prometheus_url.rstrip('/')}/api/v1/query", params={"query": query})
@@ -400,6 +431,7 @@ class Planner:
                                  degradation_level=level).combined
 
         self._replan = replan
+        self._planned_rate = forecast.requests / interval
         # The capacity view is read at the configured SLOs (capacity.py), whatever level or headroom the plan targets.
         at_slo = plan if level < replica_config.relaxed_slo_level and aim == slo else plan_replicas(
             forecast, profile, slo, replica_config, factors, degradation_level=0)

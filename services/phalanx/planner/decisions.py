@@ -33,9 +33,9 @@ Rules, each fixing a limit of Dynamo's planner named in its design notes:
   wanted within the window, so a lull between bursts does not drain the workers the next burst needs.
   Scale-up is never held back.
 - No scale-down while arrivals rise (`Arrivals`, `scale_down_confirm_s`): a tick that would scale down issues
-  nothing while the last seconds' arrivals run above what the rate the lower count was planned for brings by
-  chance (Poisson mean + 2 standard deviations; any excess at all held the fleet large through quiet stretches),
-  or, without a planned rate, need more workers than it. Otherwise the scale-down waits, pending, for
+  nothing while the last seconds' arrivals run above the rate the lower count was planned for, or need more
+  workers than it (however few they are: the surge's minimum count guards a scale-up against noise, while
+  holding a scale-down costs a worker for one interval more). Otherwise the scale-down waits, pending, for
   `scale_down_confirm_s` and is issued only if arrivals stayed down meanwhile; a rise or a surge cancels it.
   Measured (docs/planner.md): the tick's forecast is the interval before, and ticks scaled down to 2 workers
   0.15-2.3 s into a burst, whose first second did not hold the surge's 4 arrivals; the burst then waited
@@ -44,7 +44,6 @@ Rules, each fixing a limit of Dynamo's planner named in its design notes:
 
 from __future__ import annotations
 
-import math
 from collections import deque
 from dataclasses import dataclass
 from enum import StrEnum
@@ -379,13 +378,5 @@ class DecisionMachine:
 
 
 def _rising(arrivals: Arrivals, planned_rate: float | None, workers: int) -> bool:
-    """Arrivals run above what the rate a scale-down to `workers` was planned for brings by chance (its Poisson mean
-    over the same seconds plus two standard deviations: at 1 request/s, 5 or more in 2 s where 2 are expected; a 3x
-    burst brings 6), or, without a planned rate, need more workers than it leaves.
-
-    Any excess at all was too much: ordinary variation in the quiet stretches held the fleet large through them
-    (docs/planner.md, runs 10-11)."""
-    if planned_rate is None or arrivals.rate <= 0:
-        return arrivals.workers > workers
-    expected = planned_rate * arrivals.requests / arrivals.rate  # over the seconds the arrivals were counted in
-    return arrivals.requests > expected + 2 * math.sqrt(max(expected, 1.0))
+    """Arrivals run above the rate a scale-down to `workers` was planned for, or need more workers than it leaves."""
+    return arrivals.workers > workers or (planned_rate is not None and arrivals.rate > planned_rate)

@@ -405,13 +405,13 @@ async def test_a_burst_of_migrations_reads_its_worker_s_commits_in_one_listing(s
 
             # The worker died with its four streams: the first reads its commit alone, the other three share a listing.
             found = await asyncio.gather(*(ask(r) for r in ids))
-            assert [plan.state.output_token_ids[:] for _, (plan, _) in found] == [[10 + i] for i in range(4)]
-            assert {address for address, _ in found} == {store.address}
+            assert [plan.state.output_token_ids[:] for _, (plan, _), _ in found] == [[10 + i] for i in range(4)]
+            assert {address for address, _, _ in found} == {store.address}
             assert migrator._listings.calls == 1
             # A request the listing does not hold (another worker owns its commit now) is still found, alone.
-            (_, (moved, _)), (_, (first, _)) = await asyncio.gather(ask(f"{other_id}-moved"), ask(ids[0]))
+            (_, (moved, _), _), (_, (first, _), _) = await asyncio.gather(ask(f"{other_id}-moved"), ask(ids[0]))
             assert moved.state.output_token_ids[:] == [99] and first.state.output_token_ids[:] == [10]
-            assert await ask("nobody-knows-it") == ("", None)
+            assert await ask("nobody-knows-it") == ("", None, ())
         finally:
             await migrator.close()
 

@@ -31,6 +31,11 @@ def engine_of(model) -> Engine:
     return Engine(model, EngineConfig(deterministic=True))
 
 
+def layout_of(cache: torch.Tensor) -> KvLayout:
+    """The store's layout of an engine's KV cache tensor ([layers, 2, blocks, block tokens, heads, dim])."""
+    return KvLayout(num_layers=cache.shape[0], num_kv_heads=cache.shape[4], head_dim=cache.shape[5], dtype=cache.dtype)
+
+
 def tokens_of(engine: Engine, request_id: str) -> list[int]:
     tokens = []
     while engine.has_work():
@@ -48,7 +53,7 @@ def test_a_commit_after_any_step_restores_to_the_same_continuation(moe, tmp_path
 
     source = engine_of(moe)
     cache = source.cache.data
-    layout = KvLayout(num_layers=cache.shape[0], num_kv_heads=cache.shape[4], head_dim=cache.shape[5], dtype=cache.dtype)
+    layout = layout_of(cache)
     store = CheckpointStore(tmp_path)
     writer = Writer("w", layout, "tiny@1")
     capture = CheckpointCapture(interval_tokens=INTERVAL)
@@ -89,7 +94,7 @@ def test_a_media_request_restores_from_the_store_alone_embeddings_included(moe, 
 
     source = engine_of(moe)
     cache = source.cache.data
-    layout = KvLayout(num_layers=cache.shape[0], num_kv_heads=cache.shape[4], head_dim=cache.shape[5], dtype=cache.dtype)
+    layout = layout_of(cache)
     store = CheckpointStore(tmp_path)
     writer = Writer("w", layout, "tiny@1")
     capture = CheckpointCapture(interval_tokens=INTERVAL)
@@ -146,7 +151,7 @@ def test_a_copy_the_store_refused_as_superseded_is_not_sent_again_while_other_re
     stops sending that copy and goes on with the rest."""
     engine = engine_of(moe)
     cache = engine.cache.data
-    layout = KvLayout(num_layers=cache.shape[0], num_kv_heads=cache.shape[4], head_dim=cache.shape[5], dtype=cache.dtype)
+    layout = layout_of(cache)
     store = CheckpointStore(tmp_path)
     capture = CheckpointCapture(interval_tokens=1)
     capture.connected = True
@@ -194,7 +199,7 @@ def test_a_worker_restored_from_the_store_continues_that_commit_without_resendin
 
     a, b = engine_of(moe), engine_of(moe)
     cache = a.cache.data
-    layout = KvLayout(num_layers=cache.shape[0], num_kv_heads=cache.shape[4], head_dim=cache.shape[5], dtype=cache.dtype)
+    layout = layout_of(cache)
     store = CheckpointStore(tmp_path)
 
     def stream(engine: Engine, capture: CheckpointCapture, writer: Writer) -> list:
@@ -247,7 +252,7 @@ def test_steps_coalesced_into_one_message_commit_what_one_message_per_step_commi
     commit (outputs, generator state, seq, KV bytes) as with a message per step, in fewer segments."""
     engine = engine_of(moe)
     cache = engine.cache.data
-    layout = KvLayout(num_layers=cache.shape[0], num_kv_heads=cache.shape[4], head_dim=cache.shape[5], dtype=cache.dtype)
+    layout = layout_of(cache)
     writer = Writer("w", layout, "tiny@1")
     per_step, coalesced = CheckpointStore(tmp_path / "a"), CheckpointStore(tmp_path / "b")
     capture = CheckpointCapture(interval_tokens=interval)

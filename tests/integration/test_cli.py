@@ -277,7 +277,10 @@ def test_a_killed_worker_and_router_are_replaced_while_the_stack_keeps_serving(t
     openai = pytest.importorskip("openai")
     with openai.OpenAI(base_url=f"{after['gateway_url']}/v1", api_key="unused", max_retries=0) as client:
         [model] = client.models.list().data
-        completion = client.completions.create(model=model.id, prompt="Hello", max_tokens=4)
+        # OpenAI samples at temperature 1, and a sampled EOS would end it early: greedy, EOS ignored, is exactly 4 tokens
+        completion = client.completions.create(
+            model=model.id, prompt="Hello", max_tokens=4, temperature=0, extra_body={"ignore_eos": True}
+        )
     assert completion.usage.completion_tokens == 4
     status = phalanx("status", "--json", "--state-file", str(state_file))
     assert status.returncode == 0, status.stderr

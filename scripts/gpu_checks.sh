@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU paths, on a machine with a CUDA device (a lent device machine; CI has none):
-# tests/gpu (bf16 engine, determinism, KV moves, CUDA tensor channels, CUDA IPC weights, encoders), `phalanx bench engine`
-# and `phalanx bench multimodal` on the GPU, and the migration and engine-failover suites with CUDA workers.
+# tests/gpu (bf16 engine, determinism, KV moves, CUDA tensor channels, CUDA IPC weights, encoders, experts), `phalanx bench
+# engine`, `phalanx bench multimodal` and `phalanx bench moe` on the GPU, and the migration, engine-failover and MoE suites
+# with CUDA workers.
 # Needs torch with CUDA and the services' packages importable (PYTHONPATH=services plus what the machine lacks).
 # Usage: scripts/gpu_checks.sh [OUT_DIR]
 set -uo pipefail
@@ -24,3 +25,7 @@ PHALANX_ENGINE_DEVICE=cuda python3 -m pytest tests/integration/test_migration.py
   2>&1 | tee "$out/migration_cuda.log"
 PHALANX_ENGINE_DEVICE=cuda PHALANX_MEMORY_DEVICE=cuda python3 -m pytest tests/integration/test_engine_failover.py \
   -p no:cacheprovider -o filterwarnings= -q -rfE 2>&1 | tee "$out/engine_failover_cuda.log"
+# Disaggregated MoE with the attention, expert and monolithic workers on the GPU (bfloat16), then its benchmark there.
+PHALANX_ENGINE_DEVICE=cuda PHALANX_EXPERT_DEVICE=cuda python3 -m pytest tests/integration/test_moe_disaggregated.py \
+  tests/integration/test_moe_batching.py -p no:cacheprovider -o filterwarnings= -q -rfE 2>&1 | tee "$out/moe_cuda.log"
+python3 -m phalanx.cli bench moe --device cuda --json 2>&1 | tee "$out/bench_moe_cuda.json"

@@ -13,7 +13,7 @@ import time
 import grpc
 import pytest
 
-from phalanx._proto import common_pb2, expert_pb2, worker_pb2, worker_pb2_grpc
+from phalanx._proto import common_pb2, expert_pb2, expert_pb2_grpc, worker_pb2, worker_pb2_grpc
 from phalanx.common.discovery import decode_json
 from phalanx.common.lease import connect_etcd
 from phalanx.common.subjects import ERT_KEY
@@ -213,3 +213,32 @@ async def test_sigkill_of_an_attention_worker_moves_its_streams_while_the_expert
     assert all(ew.process.poll() is None for ew in ews)
     survivor = next(w for w in aws if w is not victim)
     assert (await asyncio.to_thread(survivor.metric, "phalanx_aw_expert_replays_total") or 0) == 0
+
+
+async def test_the_split_in_bfloat16_gives_the_monoliths_tokens_and_an_expert_worker_of_another_dtype_is_refused(stack, etcd_config):
+    """The dtype the engines run in (bfloat16 here, CUDA's default) reaches the experts: an EW computes in it, and one
+    set up with another refuses the AW's channel rather than compute on bits of another dtype (same-sized bfloat16 and
+    float16 would pass the channel)."""
+    bf16 = {"PHALANX_ENGINE_DTYPE": "bfloat16"}
+    await stack.add_ert_manager()
+    (ew,) = await stack.add_expert_workers(1, "--dtype", "bfloat16")
+    await assert_eventually(
+        lambda: _table_lists(etcd_config, {ew.name}), timeout=20, message="the ERT lists the expert worker"
+    )
+    (monolithic,) = await stack.add_workers(1, env=bf16)
+    aw = await start_worker(unique_id("aw"), stack.nats_url, etcd_config, "--deterministic", "--role", "attention", model=MODEL, env=bf16)
+    stack.workers.append(aw)
+    assert await _generate(aw.address) == await _generate(monolithic.address)
+
+    async with grpc.aio.insecure_channel(ew.address) as channel:
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await expert_pb2_grpc.ExpertServiceStub(channel).Connect(
+                expert_pb2.ConnectRequest(attention_worker_id="aw-float32", channel_id="moe-aw-float32-0", dtype="float32"), timeout=10
+            )
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "sends float32" in refused.value.details() and "computes in bfloat16" in refused.value.details()
+
+
+async def _table_lists(etcd_config, names: set[str]) -> bool:
+    table = await _table(etcd_config)
+    return table is not None and set(table.workers) == names and table.complete

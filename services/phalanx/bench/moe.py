@@ -80,14 +80,18 @@ def run_moe_bench(
     aw_kill_repeats: int = 2,
     seed: int = 0,
     replicas: bool = False,
+    device: str = "cpu",
 ) -> dict:
-    """Runs the four parts and returns one JSON-ready dict (see the module docstring)."""
+    """Runs the four parts and returns one JSON-ready dict (see the module docstring); every worker (monolithic,
+    attention, expert) runs on `device`."""
     if copies < 2:
         raise ValueError("an EW loss without losing experts needs copies >= 2")
     if not 0 < kill_after <= tokens - 8:
         raise ValueError(f"kill_after must be in [1, tokens - 8], got {kill_after} with {tokens} tokens")
     options = _Options(streams, tokens, pairs, expert_workers, copies, kill_after, kill_repeats, aw_kill_repeats, seed, replicas)
-    return asyncio.run(_run(options))
+    # Every worker this bench starts inherits them (in the engines' default dtype there: bfloat16 on CUDA).
+    os.environ["PHALANX_ENGINE_DEVICE"] = os.environ["PHALANX_EXPERT_DEVICE"] = device
+    return {"device": device, **asyncio.run(_run(options))}
 
 
 @dataclass

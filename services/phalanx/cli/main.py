@@ -100,6 +100,8 @@ def expert_worker(
     replicas: bool = typer.Option(
         None, "--replicas/--shadows", help="Copies are active replicas, not 1 primary + idle shadows [env PHALANX_EXPERT_REPLICAS]"
     ),
+    device: str = typer.Option(None, help="torch device of the experts: cpu, cuda, cuda:1 … [env PHALANX_EXPERT_DEVICE]"),
+    dtype: str = typer.Option(None, help="auto, float32, bfloat16 or float16: the attention workers' [env PHALANX_EXPERT_DTYPE]"),
     etcd_endpoint: str = typer.Option(None, help="etcd host:port, or a cluster's members as host:port,host:port,... [env PHALANX_ETCD_ENDPOINT]"),
     log_level: str = typer.Option("INFO"),
 ) -> None:
@@ -112,7 +114,7 @@ def expert_worker(
     config = ExpertWorkerConfig(
         **_given(
             worker_id=worker_id, host=host, port=port, model=model, index=index, num_expert_workers=num_expert_workers, copies=copies,
-            replicas=replicas,
+            replicas=replicas, device=device, dtype=dtype,
         )
     )
     _run_until_signalled(ExpertWorkerProcess(config, EtcdConfig(**_given(endpoint=etcd_endpoint)), TelemetryConfig()))
@@ -655,6 +657,7 @@ def bench_moe(
     kill_repeats: int = typer.Option(3, min=1, help="Expert-worker kills (one wave each)"),
     aw_kill_repeats: int = typer.Option(2, min=1, help="Attention-worker kills (one wave each, through the router)"),
     replicas: bool = typer.Option(False, "--replicas", help="Copies as active replicas (no shadows): the EW loss lands on replicas that serve"),
+    device: str = typer.Option("cpu", help="torch device of every worker (monolithic, attention and expert): cpu, cuda, cuda:1 …"),
     as_json: bool = typer.Option(False, "--json", help="Print JSON only"),
 ) -> None:
     """Disaggregated MoE: steady-state tokens/s split vs monolithic with the per-layer AW-EW round trip, the stall of an
@@ -664,7 +667,7 @@ def bench_moe(
 
     result = run_moe_bench(
         streams=streams, tokens=tokens, pairs=pairs, expert_workers=expert_workers, copies=copies, kill_after=kill_after,
-        kill_repeats=kill_repeats, aw_kill_repeats=aw_kill_repeats, replicas=replicas,
+        kill_repeats=kill_repeats, aw_kill_repeats=aw_kill_repeats, replicas=replicas, device=device,
     )
     typer.echo(json.dumps(result) if as_json else json.dumps(result, indent=2))
 

@@ -54,14 +54,16 @@ class ExpertHost:
         self.rows_computed = 0
 
     @classmethod
-    def from_model(cls, model: Transformer, keys: Iterable[ExpertKey]) -> ExpertHost:
-        """Copies of the experts `keys` of `model` (so the rest of the model can be freed)."""
+    def from_model(cls, model: Transformer, keys: Iterable[ExpertKey], *, device: str | torch.device | None = None) -> ExpertHost:
+        """Copies of the experts `keys` of `model` (so the rest of the model can be freed), on `device` (default: the model's)."""
         weights = {}
         for layer, expert in keys:
             mlp = model.layers[layer].mlp
             if not isinstance(mlp, SparseMoE):
                 raise TypeError(f"{model.config.name} is not a mixture of experts")
-            weights[(layer, expert)] = (mlp.w13[expert].detach().clone(), mlp.w2[expert].detach().clone())
+            w13, w2 = mlp.w13[expert].detach(), mlp.w2[expert].detach()
+            target = w13.device if device is None else torch.device(device)
+            weights[(layer, expert)] = (w13.to(target, copy=True), w2.to(target, copy=True))
         return cls(weights)
 
     @property

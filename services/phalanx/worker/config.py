@@ -97,8 +97,8 @@ class EngineConfig(BaseSettings):
             raise ValueError("the simulated engine runs in one process: tensor_parallel_size must be 1")
         if self.tensor_parallel_size > 1 and self.device != "cpu":
             raise ValueError("tensor_parallel_size > 1 runs on CPU (gloo) only so far; set PHALANX_ENGINE_DEVICE=cpu")
-        if self.role == "attention" and (self.engine == "sim" or self.tensor_parallel_size > 1 or self.device != "cpu"):
-            raise ValueError("the attention role runs the torch engine in one process on CPU (gloo channels) so far")
+        if self.role == "attention" and (self.engine == "sim" or self.tensor_parallel_size > 1):
+            raise ValueError("the attention role runs the torch engine in one process (no simulated engine, no tensor parallelism) so far")
         return self
 
     def sized_for(self, layers: int, kv_heads: int, head_dim: int, dtype_bytes: int) -> EngineConfig:

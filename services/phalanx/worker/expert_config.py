@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
@@ -23,6 +25,12 @@ class ExpertWorkerConfig(BaseSettings):
     copies: int = Field(1, ge=1, description="Copies of each expert over the expert workers: 1 primary + copies-1 shadows, each on another worker")
     replicas: bool = Field(
         False, description="Copies are equal active replicas (AWs spread each expert's calls over them) instead of 1 primary + idle shadows"
+    )
+    device: str = Field(
+        "cpu", description="torch device of the expert MLPs: cpu, cuda, cuda:1 … (exchanges with attention workers stage through host memory)"
+    )
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="The experts' dtype, the attention workers' engine dtype: auto is float32 on CPU and bfloat16 on CUDA"
     )
     torch_threads: int = Field(
         1,
@@ -50,6 +58,13 @@ class ExpertWorkerConfig(BaseSettings):
         if self.copies > self.num_expert_workers:
             raise ValueError(f"{self.copies} copies need as many expert workers, have {self.num_expert_workers}")
         return self
+
+    def torch_dtype(self):
+        import torch
+
+        if self.dtype == "auto":
+            return torch.float32 if self.device == "cpu" else torch.bfloat16
+        return getattr(torch, self.dtype)
 
 
 class ErtManagerConfig(BaseSettings):

@@ -86,6 +86,11 @@ class _Loaded:
     hidden_size: int
     num_experts: int
     dtype: torch.dtype
+    device: torch.device
+
+    def compute(self, layer: int, call: ExpertCall, activations: torch.Tensor, invariant: bool) -> torch.Tensor:
+        """One call's outputs [rows, hidden] on the host: the channel moves host memory, the experts may sit on a GPU."""
+        return torch.cat(self.host.compute(layer, call.batches(activations.to(self.device)), invariant)).cpu()
 
 
 @dataclass(frozen=True)
@@ -162,15 +167,15 @@ class _CrossAwBatches:
     def _compute(self, layer: int, invariant: bool, items: list[_Call]) -> list[torch.Tensor | BaseException]:
         loaded = self.loaded
         start = time.perf_counter()
-        calls = [item.call.batches(item.activations) for item in items]
+        calls = [item.call.batches(item.activations.to(loaded.device)) for item in items]
         results: list[torch.Tensor | BaseException] = []
         try:
-            results = [torch.cat(out) for out in loaded.host.compute_merged(layer, calls, invariant)]
+            results = [torch.cat(out).cpu() for out in loaded.host.compute_merged(layer, calls, invariant)]
         except MissingExpertError:
             # Some AW's table is wrong about us: only its call fails, the others' are computed alone.
-            for batches in calls:
+            for item in items:
                 try:
-                    results.append(torch.cat(loaded.host.compute(layer, batches, invariant)))
+                    results.append(loaded.compute(layer, item.call, item.activations, invariant))
                 except MissingExpertError as error:
                     results.append(error)
         self.metrics.compute_seconds.observe(time.perf_counter() - start)
@@ -200,6 +205,13 @@ class ExpertServicer(expert_pb2_grpc.ExpertServiceServicer):
             validate_worker_id(request.attention_worker_id)
         except ValueError as error:
             raise InvalidRequestError("attention_worker_id", str(error)) from None
+        ours = str(self.loaded.dtype).removeprefix("torch.")
+        if request.dtype and request.dtype != ours:
+            # Same-sized dtypes (bfloat16, float16) would pass the channel and compute garbage.
+            raise InvalidRequestError(
+                "dtype", f"attention worker {request.attention_worker_id} sends {request.dtype}, expert worker {self.worker_id} computes"
+                f" in {ours}: run both in one dtype (PHALANX_ENGINE_DTYPE, PHALANX_EXPERT_DTYPE)",
+            )
         task = asyncio.create_task(self._accept_and_serve(request.attention_worker_id, request.channel_id))
         self.serving.add(task)
         task.add_done_callback(self.serving.discard)
@@ -274,9 +286,9 @@ class ExpertServicer(expert_pb2_grpc.ExpertServiceServicer):
         activations = torch.empty((call.rows, loaded.hidden_size), dtype=loaded.dtype)
         channel.post_exchange([], [activations]).wait(self.timeout_s)
         start = time.perf_counter()
-        outputs = loaded.host.compute(call.layer, call.batches(activations), call.invariant)
+        outputs = loaded.compute(call.layer, call, activations, call.invariant)
         self.metrics.compute_seconds.observe(time.perf_counter() - start)
-        channel.post_exchange([torch.cat(outputs)], []).wait(self.timeout_s)
+        channel.post_exchange([outputs], []).wait(self.timeout_s)
 
 
 class ExpertWorkerProcess:
@@ -305,7 +317,7 @@ class ExpertWorkerProcess:
             shell.add_service(SERVICE_NAME, expert_pb2_grpc.add_ExpertServiceServicer_to_server, servicer)
             await shell.start()
             hosted, host, model_config, version, dtype = await asyncio.to_thread(self._load)
-            servicer.loaded = loaded = _Loaded(host, model_config.hidden_size, model_config.num_experts, dtype)
+            servicer.loaded = loaded = _Loaded(host, model_config.hidden_size, model_config.num_experts, dtype, torch.device(c.device))
             if c.batch_window_s > 0:
                 policy = BatchPolicy(c.batch_window_s, c.batch_min_rows, c.attention_silence_s, model_config.num_layers)
                 servicer.batches = _CrossAwBatches(policy, loaded, self.metrics)
@@ -326,18 +338,22 @@ class ExpertWorkerProcess:
             )
             await shell.register(self.etcd_config, expert_worker_key(self.worker_id), encode_json(registration))
             await shell.set_serving(True)
-            log.info("expert worker %s hosts %d experts of %s on %s", self.worker_id, len(hosted), model_config.name, self.address)
+            log.info(
+                "expert worker %s hosts %d experts of %s (%s, %s) on %s", self.worker_id, len(hosted), model_config.name, c.device,
+                loaded.dtype, self.address,
+            )
             await shell.wait_for_stop()
             await shell.stop_server()
 
     def _load(self):
         c = self.config
-        model = load(c.model, seed=c.seed)
+        # Loaded on the host, in the engines' dtype: only this worker's experts go to its device.
+        model = load(c.model, seed=c.seed, dtype=c.torch_dtype())
         mc = model.config
         if not mc.is_moe:
             raise ValueError(f"{mc.name} is dense: an expert worker needs a mixture-of-experts model")
         hosted = place(mc.num_layers, mc.num_experts, c.num_expert_workers, c.copies, replicas=c.replicas)[c.index]
-        host = ExpertHost.from_model(model, [h.key for h in hosted])
+        host = ExpertHost.from_model(model, [h.key for h in hosted], device=c.device)
         for role in ("PRIMARY", "SHADOW", "REPLICA"):
             self.metrics.hosted.labels(role=role.lower()).set(sum(1 for h in hosted if h.role.name == role))
         return hosted, host, mc, model.version, model.dtype

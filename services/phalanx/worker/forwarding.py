@@ -91,6 +91,7 @@ class RemoteExperts:
         num_experts: int,
         hidden_size: int,
         dtype: torch.dtype,
+        device: torch.device | str = "cpu",
         timeout_s: float,
         probe_timeout_s: float,
         metrics: ForwardingMetrics,
@@ -101,6 +102,8 @@ class RemoteExperts:
         self.num_experts = num_experts
         self.hidden_size = hidden_size
         self.dtype = dtype
+        # The engine's; the channels move host memory (gloo), so a GPU engine's rows are staged through it.
+        self.device = torch.device(device)
         self.timeout_s = timeout_s
         self.probe_timeout_s = probe_timeout_s
         self.metrics = metrics
@@ -189,7 +192,7 @@ class RemoteExperts:
             call, activations = pack(layer, [batches[i] for i in indices], invariant)
             out = torch.empty((call.rows, self.hidden_size), dtype=self.dtype)
             try:
-                exchange = channel.post_exchange([call.header(self.num_experts), activations.to(self.dtype)], [out])
+                exchange = channel.post_exchange([call.header(self.num_experts), activations.to("cpu", self.dtype)], [out])
             except ChannelError as error:  # the EW died after the last layer's exchange: gloo refuses the post itself
                 failed.append((ew, error))
                 self.metrics.replays.labels(expert_worker=ew).inc(len(indices))
@@ -206,7 +209,7 @@ class RemoteExperts:
                 redo.extend(indices)
                 continue
             self._observe(ew, time.perf_counter() - start)
-            for i, y in zip(indices, out.split(list(call.counts)), strict=True):
+            for i, y in zip(indices, out.to(self.device).split(list(call.counts)), strict=True):
                 outputs[i] = y
         if redo:
             detected = time.perf_counter()
@@ -284,10 +287,10 @@ class RemoteExperts:
         out = torch.empty((call.rows, self.hidden_size), dtype=self.dtype)
         start = time.perf_counter()
         await channel.send(call.header(self.num_experts), timeout_s=self.timeout_s)
-        await channel.send(activations.to(self.dtype), timeout_s=self.timeout_s)
+        await channel.send(activations.to("cpu", self.dtype), timeout_s=self.timeout_s)
         await channel.recv_into(out, timeout_s=self.timeout_s)
         self._observe(ew, time.perf_counter() - start)
-        return list(out.split(list(call.counts)))
+        return list(out.to(self.device).split(list(call.counts)))
 
     async def _channel(self, ew: str) -> TensorChannel:
         channel = self._channels.get(ew)
@@ -299,7 +302,10 @@ class RemoteExperts:
         ref = table.workers[ew]
         channel_id = f"moe-{self.worker_id}-{next(self._ids)}"
         stub = expert_pb2_grpc.ExpertServiceStub(self._grpc_channel(ref.address))
-        await stub.Connect(expert_pb2.ConnectRequest(attention_worker_id=self.worker_id, channel_id=channel_id), timeout=self.timeout_s)
+        await stub.Connect(
+            expert_pb2.ConnectRequest(attention_worker_id=self.worker_id, channel_id=channel_id, dtype=str(self.dtype).removeprefix("torch.")),
+            timeout=self.timeout_s,
+        )
         channel = await self.endpoint.open(ref.channel_endpoint, channel_id, timeout_s=self.timeout_s)
         self._channels[ew] = channel
         return channel

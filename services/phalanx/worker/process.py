@@ -349,7 +349,7 @@ class WorkerProcess:
         mc = model.config
         remote = self.remote_experts = RemoteExperts(
             self.worker_id, self._endpoint, asyncio.get_running_loop(), num_experts=mc.num_experts, hidden_size=mc.hidden_size,
-            dtype=model.dtype, timeout_s=c.expert_timeout_s, probe_timeout_s=c.expert_probe_timeout_s,
+            dtype=model.dtype, device=c.device, timeout_s=c.expert_timeout_s, probe_timeout_s=c.expert_probe_timeout_s,
             metrics=ForwardingMetrics(self.metrics.registry),
         )
         following = asyncio.create_task(remote.follow(self.etcd_config), name="phalanx-ert-follow")

@@ -105,6 +105,39 @@ def test_capacity_counts_as_new_only_when_it_comes_under_load() -> None:
     assert not p.under_load([replace(busy("a", 8), draining=True), replace(busy("s", 8), spare=True), new("n", at=0.0)])
 
 
+def test_capacity_that_came_shortly_before_the_load_reports_show_the_load_is_new_capacity() -> None:
+    # A burst's first steps are light, and a worker's reported step time (an average over steps) reaches the ITL target
+    # a second or more after its real steps did: a worker that registered in that second came under load all the same.
+    clock = Clock()
+    p = policy(clock, arrival_window_s=5.0)
+
+    def fleet(step: float) -> list[WorkerLoad]:
+        return [busy("a", 6, step=step), new("n", at=p.new_since("n"))]
+
+    p.arrived("n", fleet(step=0.3))  # a steps in 0.7 s, but its report still averages 0.3: not loaded yet
+    assert p.new_since("n") == float("-inf") and p.plan(fleet(step=0.3)) == []
+    clock.now += 1.0
+    p.observe(fleet(step=0.7))  # the report shows the load: n, routable since 100.0, is new capacity
+    assert p.new_since("n") == 100.0
+    assert p.plan(fleet(step=0.7)) == [Move("a", "n", 3)]
+    # Capacity that came longer than the window before any load (a fleet starting, well ahead of its load) is not.
+    p.arrived("m", [busy("a", 1, step=0.1)])
+    clock.now += 5.5
+    p.observe([busy("a", 6)])
+    assert p.new_since("m") == float("-inf")
+    # Capacity that comes while a worker is loaded is new at once; a worker that left is forgotten.
+    p.arrived("k", [busy("a", 6)])
+    assert p.new_since("k") == clock.now
+    p.left("k")
+    assert p.new_since("k") == float("-inf")
+    # Window 0: only capacity that comes while a report shows a worker loaded.
+    strict = policy(clock, arrival_window_s=0.0)
+    strict.arrived("n", [busy("a", 6, step=0.3)])
+    clock.now += 0.1
+    strict.observe([busy("a", 6)])
+    assert strict.new_since("n") == float("-inf")
+
+
 def test_settings_are_checked() -> None:
     with pytest.raises(ValueError):
         RebalanceSettings(itl_target_s=0)
@@ -112,6 +145,8 @@ def test_settings_are_checked() -> None:
         RebalanceSettings(itl_target_s=1, max_moves_per_worker=0)
     with pytest.raises(ValueError):
         RebalanceSettings(itl_target_s=1, target_load=1.5)
+    with pytest.raises(ValueError):
+        RebalanceSettings(itl_target_s=1, arrival_window_s=-1)
 
 
 # -- which requests the worker parks ------------------------------------------------------------------------

@@ -67,6 +67,12 @@ class MigrationConfig(BaseSettings):
     rebalance_new_capacity_s: float = Field(
         15.0, ge=0, description="Targets are workers routable for at most this long (registered, or promoted from spare); 0: any worker",
     )
+    rebalance_arrival_window_s: float = Field(
+        5.0, ge=0, le=60.0,
+        description="A worker that became routable while no worker looked loaded is still new capacity if one does within "
+        "this long after (load reports average the step time over steps: they show a burst a second or more late); 0: "
+        "only capacity that comes while a worker is reported loaded",
+    )
     rebalance_target_load: float = Field(
         0.8, gt=0, le=1.0, description="A target's step time must be within this fraction of rebalance_itl_target_s",
     )

@@ -12,8 +12,10 @@ greedy output stays the same.
 
 - a **source** is loaded: over the ITL target (its step time) or with requests queued, not draining, not a hot
   spare, and has not been a source or target of a move within ``cooldown_s``;
-- a **target** is new capacity: it became routable (registered, or promoted from spare) while some worker was
-  loaded (`under_load`; the caller records when), at most ``new_capacity_s`` ago (0: any worker), itself not
+- a **target** is new capacity: it became routable (registered, or promoted from spare: the caller says so with
+  `arrived`) while some worker was loaded, or at most ``arrival_window_s`` before one was (`observe`: the load
+  reports' step time is an average over steps that lags a burst's onset by a second or more, so capacity that came
+  with the burst may arrive before the burst shows), at most ``new_capacity_s`` ago (0: any worker), itself not
   loaded (nothing queued, its step time within ``target_load`` of the ITL target) and not a source or target within
   ``cooldown_s`` (its load report must show what it took before it takes more);
 - a move never makes the target busier than the source it relieves (requests counted, running and queued, with
@@ -39,9 +41,12 @@ class RebalanceSettings:
     max_moves_per_worker: int = 4
     cooldown_s: float = 3.0
     request_memory_s: float = 30.0
+    arrival_window_s: float = 5.0
 
     def __post_init__(self) -> None:
-        if self.itl_target_s <= 0 or self.max_moves_per_worker < 1 or min(self.new_capacity_s, self.cooldown_s, self.request_memory_s) < 0:
+        if self.itl_target_s <= 0 or self.max_moves_per_worker < 1 or min(
+            self.new_capacity_s, self.cooldown_s, self.request_memory_s, self.arrival_window_s
+        ) < 0:
             raise ValueError(f"invalid rebalance settings: {self}")
         if not 0 < self.target_load <= 1:
             raise ValueError("target_load must be in (0, 1]")
@@ -77,13 +82,16 @@ class Move:
 
 
 class RebalancePolicy:
-    """Plans moves from loaded workers onto new capacity and remembers what moved (cool-downs, moved requests)."""
+    """Plans moves from loaded workers onto new capacity and remembers what moved (cool-downs, moved requests) and
+    which workers are new capacity since when."""
 
     def __init__(self, settings: RebalanceSettings, *, clock: Callable[[], float] = time.monotonic) -> None:
         self.settings = settings
         self._clock = clock
         self._busy_until: dict[str, float] = {}  # worker -> end of its cool-down
         self._moved: dict[str, float] = {}  # request id -> when it may move again
+        self._arrivals: dict[str, float] = {}  # worker -> when it became routable, while no load was seen since
+        self._new_since: dict[str, float] = {}  # worker that is new capacity -> when it became routable
 
     def plan(self, workers: Iterable[WorkerLoad]) -> list[Move]:
         s, now = self.settings, self._clock()
@@ -117,11 +125,36 @@ class RebalancePolicy:
         return _merged(moves)
 
     def under_load(self, workers: Iterable[WorkerLoad]) -> bool:
-        """Whether a worker that becomes routable now is new capacity for a rebalance: some serving worker is loaded.
-
-        Capacity that comes while nothing is loaded (a fleet starting, a scale-up ahead of load) is left to routing.
-        """
+        """Whether some serving worker is loaded: capacity that comes now (or came within arrival_window_s) is new."""
         return any(w.loaded(self.settings.itl_target_s) for w in workers if not w.draining and not w.spare)
+
+    def arrived(self, worker_id: str, workers: Iterable[WorkerLoad]) -> None:
+        """`worker_id` became routable now (registered, or promoted from spare); `workers`: the fleet's load now."""
+        self._new_since.pop(worker_id, None)
+        self._arrivals[worker_id] = self._clock()
+        self.observe(workers)
+
+    def left(self, worker_id: str) -> None:
+        """`worker_id` is gone (unregistered)."""
+        self._arrivals.pop(worker_id, None)
+        self._new_since.pop(worker_id, None)
+
+    def observe(self, workers: Iterable[WorkerLoad]) -> None:
+        """The fleet's latest load: if some worker is loaded, the workers that became routable at most
+        arrival_window_s ago are new capacity, since they became routable. Capacity that came longer before any load
+        showed (a fleet starting, a scale-up well ahead of its load) is left to routing."""
+        now = self._clock()
+        window = self.settings.arrival_window_s
+        loaded = self.under_load(workers)
+        for worker_id, at in list(self._arrivals.items()):
+            if loaded and now - at <= window:
+                self._new_since[worker_id] = at
+            if loaded or now - at > window:
+                del self._arrivals[worker_id]
+
+    def new_since(self, worker_id: str) -> float:
+        """When `worker_id`, if it is new capacity, became routable; -inf if it is not (yet)."""
+        return self._new_since.get(worker_id, float("-inf"))
 
     def started(self, moves: Sequence[Move]) -> None:
         """The moves are being carried out: their workers cool down from now."""

@@ -10,8 +10,9 @@ cannot take it). The router then re-attaches the client's stream on the target f
 What it knows of the fleet: the workers' NATS load reports (the Migrator's), and two etcd watches, worker
 registrations and hot-spare marks, for when each worker became routable: a worker registered while this service
 runs (not a spare) at its registration, a spare at its promotion. Only capacity that came while some worker was
-loaded is new capacity (a fleet starting up, or growing ahead of its load, is left to routing); the workers there at
-the start count as old.
+loaded, or shortly before the load reports showed one (the policy's arrival window: they average over steps and lag
+a burst), is new capacity (a fleet starting up, or growing well ahead of its load, is left to routing); the workers
+there at the start count as old.
 With several migration instances only the one with the smallest instance id rebalances.
 """
 
@@ -54,6 +55,7 @@ class Rebalancer:
             itl_target_s=config.rebalance_itl_target_s, new_capacity_s=config.rebalance_new_capacity_s,
             target_load=config.rebalance_target_load, max_moves_per_worker=config.rebalance_max_moves_per_worker,
             cooldown_s=config.rebalance_cooldown_s, request_memory_s=config.rebalance_request_memory_s,
+            arrival_window_s=config.rebalance_arrival_window_s,
         ))
         self._loads = loads  # the Migrator's: worker id -> (latest load report, monotonic time it came)
         self._workers = WorkerDirectory(etcd_config)
@@ -62,7 +64,6 @@ class Rebalancer:
         self._channels = GrpcChannels([], traced=False)
         self.registrations: dict[str, common_pb2.WorkerRegistration] = {}
         self._spares: set[str] = set()
-        self._routable_since: dict[str, float] = {}
         # Source worker -> its Park call of a rebalance in progress; request id -> (source, target, claim expiry).
         self._parking: dict[str, asyncio.Future[None]] = {}
         self._claims: dict[str, tuple[str, str, float]] = {}
@@ -71,8 +72,7 @@ class Rebalancer:
     async def start(self) -> None:
         # Spares first: a spare's registration must not count as new capacity, not even for a round.
         self._spares = set(await self._spare_marks.list())
-        self.registrations = await self._workers.list()
-        self._routable_since = dict.fromkeys(self.registrations, float("-inf"))
+        self.registrations = await self._workers.list()  # old: the policy knows no arrival of theirs
         self._tasks = [
             asyncio.create_task(self._follow(self._spare_marks, self._on_spare), name="rebalance spares"),
             asyncio.create_task(self._follow(self._workers, self._on_worker), name="rebalance workers"),
@@ -103,23 +103,19 @@ class Rebalancer:
             self._spares.add(worker_id)
         elif worker_id in self._spares:
             self._spares.discard(worker_id)
-            self._routable_since[worker_id] = self._arrived()  # promoted: routable from now on
+            self.policy.arrived(worker_id, self.snapshot())  # promoted: routable from now on
 
     def _on_worker(self, event: WatchEvent) -> None:
         kind, worker_id, registration = event
         if kind == "delete":
             self.registrations.pop(worker_id, None)
-            self._routable_since.pop(worker_id, None)
+            self.policy.left(worker_id)
             return
         assert isinstance(registration, common_pb2.WorkerRegistration)
         known = self.registrations.get(worker_id)
         self.registrations[worker_id] = registration
         if known is None or known.started_at != registration.started_at:
-            self._routable_since[worker_id] = self._arrived()
-
-    def _arrived(self) -> float:
-        """When a worker routable from now on counts as new capacity: now, if it came under load; else never."""
-        return time.monotonic() if self.policy.under_load(self.snapshot()) else float("-inf")
+            self.policy.arrived(worker_id, self.snapshot())
 
     def snapshot(self, now: float | None = None) -> list[WorkerLoad]:
         """Every registered worker with a fresh load report, as the policy sees it."""
@@ -133,7 +129,7 @@ class Rebalancer:
             report = entry[0]
             found.append(WorkerLoad(
                 worker_id=worker_id, running=report.running_seqs, queued=report.queue_depth, step_time_s=report.step_time_ms / 1e3,
-                routable_since=self._routable_since.get(worker_id, float("-inf")), draining=report.draining,
+                routable_since=self.policy.new_since(worker_id), draining=report.draining,
                 spare=worker_id in self._spares,
             ))
         return found
@@ -149,6 +145,8 @@ class Rebalancer:
 
     async def round(self) -> list[Move]:
         """Plans and carries out one round of moves (only on the leading instance); returns them."""
+        # First whether capacity that came shortly before this report showed load is new capacity, then the moves.
+        self.policy.observe(self.snapshot())
         moves = self.policy.plan(self.snapshot())
         if not moves or not await self._leading():
             return []

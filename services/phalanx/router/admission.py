@@ -13,7 +13,9 @@ Each tenant's limits (streams in flight, tokens per minute, prompt size; see
 phalanx.router.limits) are held here too: ``enter`` admits a new stream or
 refuses it with TENANT_LIMIT (RESOURCE_EXHAUSTED + RetryInfo), and when the
 router is full (max_streams) it waits for a slot, which goes to tenants in
-fair shares. Everything but that wait is synchronous and I/O-free.
+fair shares. Everything but that wait is synchronous and I/O-free: the other
+routers' usage (``on_peer_report``, from NATS) is already in memory when a
+request comes, and ``usage`` is what this router reports to them.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from enum import IntEnum
 
 from phalanx.common.errors import AuthenticationError, InvalidRequestError, RequestShedError, TenantLimitError
 from phalanx.router.config import TenantLimitDefaults, TenantPolicy
-from phalanx.router.limits import FairQueue, Limit, TenantLedger, TenantLimits
+from phalanx.router.limits import FairQueue, FleetUsage, Limit, TenantLedger, TenantLimits, TenantUsage, UsageReport
 
 DEFAULT_TENANT = "default"
 SHED_BEST_EFFORT_LEVEL = 2
@@ -91,7 +93,7 @@ class Admission:
     def __init__(
         self, tenants: dict[str, TenantPolicy], api_keys: dict[str, str], *, retry_after_s: float = 1.0,
         premium_at_level_4: bool = False, limit_defaults: TenantLimitDefaults | None = None, queue: QueueSettings | None = None,
-        clock: Callable[[], float] = time.monotonic,
+        clock: Callable[[], float] = time.monotonic, fleet: FleetUsage | None = None,
     ) -> None:
         self._tenants = dict(tenants)
         self._api_keys = dict(api_keys)
@@ -103,6 +105,7 @@ class Admission:
         self.ledger = TenantLedger(
             {name: tenant_limits(policy, defaults) for name, policy in self._tenants.items()},
             default=tenant_limits(TenantPolicy(), defaults), max_streams=queue.max_streams, retry_after_s=queue.retry_after_s,
+            fleet=fleet,
         )
         self.queue: FairQueue[_Waiter] = FairQueue()
         self._clock = clock
@@ -215,6 +218,14 @@ class Admission:
     def charge(self, request_id: str, index: int) -> None:
         """Token ``index`` of the request reached its client."""
         self.ledger.charge(request_id, index, self._clock())
+
+    def on_peer_report(self, report: UsageReport) -> None:
+        """Another router's usage of each tenant (counted against the limits here until it expires)."""
+        self.ledger.on_peer_report(report, self._clock())
+
+    def usage(self) -> dict[str, TenantUsage]:
+        """This router's usage of each tenant, for the other routers."""
+        return self.ledger.usage(self._clock(), self.queue.per_tenant())
 
     def _dispatch(self) -> None:
         ledger = self.ledger

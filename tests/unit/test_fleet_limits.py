@@ -59,9 +59,9 @@ def test_own_reports_are_ignored_and_other_tenants_do_not_count():
 
 def test_tokens_other_routers_charge_come_out_of_this_routers_bucket_once():
     book = ledger(t=TenantLimits(tokens_per_minute=60))
-    book.on_peer_report(report("b", t=TenantUsage(tokens_charged=20, tokens_recent=20)), 0.0)
-    book.on_peer_report(report("b", t=TenantUsage(tokens_charged=50, tokens_recent=50)), 0.0)
-    book.on_peer_report(report("b", t=TenantUsage(tokens_charged=50, tokens_recent=50)), 0.0)  # repeated: nothing new
+    assert book.on_peer_report(report("b", t=TenantUsage(tokens_charged=20, tokens_recent=20)), 0.0) == {"t": 20.0}
+    assert book.on_peer_report(report("b", t=TenantUsage(tokens_charged=50, tokens_recent=50)), 0.0) == {"t": 30.0}
+    assert book.on_peer_report(report("b", t=TenantUsage(tokens_charged=50, tokens_recent=50)), 0.0) == {}  # nothing new
     book.check("t", 10, 0.0)  # 60 - 50 = 10 left
     with pytest.raises(TenantLimitError) as refused:
         book.check("t", 11, 0.0)

@@ -219,9 +219,10 @@ class Admission:
         """Token ``index`` of the request reached its client."""
         self.ledger.charge(request_id, index, self._clock())
 
-    def on_peer_report(self, report: UsageReport) -> None:
-        """Another router's usage of each tenant (counted against the limits here until it expires)."""
-        self.ledger.on_peer_report(report, self._clock())
+    def on_peer_report(self, report: UsageReport) -> dict[str, float]:
+        """Another router's usage of each tenant (counted against the limits here until it expires); returns the tokens
+        it charged since its last report, taken from this router's buckets."""
+        return self.ledger.on_peer_report(report, self._clock())
 
     def usage(self) -> dict[str, TenantUsage]:
         """This router's usage of each tenant, for the other routers."""

@@ -365,14 +365,20 @@ class TenantLedger:
         tokens, stream.charged_to = index + 1 - stream.charged_to, index + 1
         self._take(stream.tenant, tokens, now)
 
-    def on_peer_report(self, report: UsageReport, now: float) -> None:
-        """Another router's usage: its streams count from now on, and what it charged since its last report is taken."""
+    def on_peer_report(self, report: UsageReport, now: float) -> dict[str, float]:
+        """Another router's usage: its streams count from now on, and what it charged since its last report is taken.
+
+        Returns the tokens taken, per tenant (those with a tokens_per_minute here).
+        """
         if self.fleet is None:
-            return
+            return {}
+        taken: dict[str, float] = {}
         for tenant, tokens in self.fleet.on_report(report, now).items():
             bucket = self._bucket(tenant, now)
             if bucket is not None:
                 bucket.take(tokens, now)
+                taken[tenant] = tokens
+        return taken
 
     def usage(self, now: float, queued: Mapping[str, int]) -> dict[str, TenantUsage]:
         """This router's own usage per tenant, for the others (streams include requests waiting for its slots)."""

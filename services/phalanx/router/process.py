@@ -51,7 +51,7 @@ from phalanx.router.admission import Admission, QueueSettings
 from phalanx.router.config import RouterConfig
 from phalanx.router.limits import FleetUsage, TenantUsage, UsageReport
 from phalanx.router.media import EmbeddingCache, EncoderSet, MediaEncoder
-from phalanx.router.metrics import RouterMetrics
+from phalanx.router.metrics import RouterMetrics, tenant_label
 from phalanx.router.migration_client import MigrationClient
 from phalanx.router.records import RequestRecords
 from phalanx.router.routing import RoutingTable
@@ -362,10 +362,12 @@ class RouterProcess:
 
     # -- the fleet's tenant limits ---------------------------------------------------
     async def _on_usage_report(self, report: common_pb2.TenantUsageReport, subject: str, context) -> None:
-        self.admission.on_peer_report(UsageReport(
+        taken = self.admission.on_peer_report(UsageReport(
             report.router_id, report.incarnation, report.interval_s,
             {u.tenant: TenantUsage(u.streams, u.tokens_charged, u.tokens_recent) for u in report.tenants},
         ))
+        for tenant, tokens in taken.items():
+            self.metrics.fleet_tokens.labels(tenant=tenant_label(tenant, self.admission.tenant_names)).inc(tokens)
 
     async def _publish_usage(self, bus: EventBus) -> None:
         report = common_pb2.TenantUsageReport(

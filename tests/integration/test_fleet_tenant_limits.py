@@ -36,6 +36,7 @@ TENANTS = {
     "pair": {"max_streams": 3},
     "doomed": {"max_streams": 2},
     "metered": {"tokens_per_minute": 60},
+    "burst": {"max_streams": 3},
 }
 ROUTER_ENV = {"PHALANX_ROUTER_TENANTS": json.dumps(TENANTS), "PHALANX_ROUTER_TENANT_USAGE_INTERVAL_S": str(INTERVAL_S)}
 
@@ -89,10 +90,13 @@ async def _unless_refused(call):
 async def test_a_tenant_holds_at_most_max_streams_over_both_routers(fleet):
     a, b = fleet.routers[:2]
     async with await Client.connect(a.address, timeout=60) as at_a, await Client.connect(b.address, timeout=60) as at_b:
-        held = [await _hold(at_a, "pair", 10), await _hold(at_a, "pair", 40), await _hold(at_b, "pair", 70)]
+        held = [await _hold(at_a, "pair", 10), await _hold(at_a, "pair", 40)]
         try:
-            await assert_eventually(_sees(a, "pair", 1), timeout=5)
             await assert_eventually(_sees(b, "pair", 2), timeout=5)
+            held.append(await _hold(at_b, "pair", 70))
+            started = time.monotonic()
+            await assert_eventually(_sees(a, "pair", 1), timeout=5, interval=0.005)
+            print(f"router a counted b's new stream {1000 * (time.monotonic() - started):.0f} ms after its first token")
             # The 4th, on either router: RESOURCE_EXHAUSTED, TENANT_LIMIT, naming max_streams.
             async with grpc.aio.insecure_channel(a.address) as channel:
                 request = router_pb2.GenerateRequest(
@@ -123,6 +127,41 @@ async def test_a_tenant_holds_at_most_max_streams_over_both_routers(fleet):
                 await stream.aclose()
     assert (b.metric("phalanx_router_tenant_rejections_total", tenant="pair", limit="max_streams") or 0) >= 1
     assert (a.metric("phalanx_router_tenant_rejections_total", tenant="pair", limit="max_streams") or 0) >= 1
+
+
+async def test_a_burst_on_both_routers_at_once_overshoots_by_one_interval_at_most_then_waits_until_under(fleet):
+    """12 requests at once, 6 on each router, for max_streams 3: neither router has heard of the other's yet, so the fleet
+    may admit up to 2 x 3 (the documented bound), never more; then nothing starts until the tenant is under 3 again."""
+    a, b = fleet.routers[:2]
+    async with await Client.connect(a.address, timeout=60) as at_a, await Client.connect(b.address, timeout=60) as at_b:
+
+        async def attempt(client: Client, first: int):
+            try:
+                return await _hold(client, "burst", first)
+            except OverloadedError:
+                return None
+
+        outcomes = await asyncio.gather(*(attempt(client, 10 + 40 * i + 20 * side) for i in range(6) for side, client in enumerate((at_a, at_b))))
+        held = [stream for stream in outcomes if stream is not None]
+        try:
+            at_each = [sum(stream is not None for stream in outcomes[side::2]) for side in (0, 1)]
+            print(f"a burst of 12 over 2 routers admitted {at_each} streams of max_streams 3")
+            assert 3 <= len(held) <= 6
+            over = len(held) - 3
+            await assert_eventually(_sees(a, "burst", at_each[1]), timeout=5)
+            await assert_eventually(_sees(b, "burst", at_each[0]), timeout=5)
+            for _ in range(over + 1):  # under the limit only once the overshoot and one more have ended
+                for client in (at_a, at_b):
+                    with pytest.raises(OverloadedError, match="max_streams 3"):
+                        await client.complete("over", max_tokens=2, tenant="burst")
+                await held.pop().aclose()
+            again = await assert_eventually(
+                lambda: _unless_refused(at_a.complete("under again", max_tokens=2, ignore_eos=True, tenant="burst")), timeout=10
+            )
+            assert len(again.token_ids) == 2
+        finally:
+            for stream in held:
+                await stream.aclose()
 
 
 async def test_a_router_killed_while_holding_a_tenants_streams_frees_its_share_within_seconds(fleet):

@@ -130,7 +130,10 @@ async def test_admission_counts_peers_and_reports_its_queue():
     config = RouterConfig(tenants={"default": TenantPolicy(), "t": TenantPolicy(max_streams=2)})
     now = [0.0]
     admission = Admission(config.tenants, {}, clock=lambda: now[0], fleet=FleetUsage("me"))
+    admitted: list[int] = []
+    admission.on_admitted = lambda: admitted.append(1)
     await admission.enter("t", "r1", 3)
+    assert admitted == [1]  # the router reports early after a new stream
     admission.on_peer_report(report("b", t=TenantUsage(streams=1)))
     with pytest.raises(TenantLimitError):
         await admission.enter("t", "r2", 3)

@@ -109,6 +109,8 @@ class Admission:
         )
         self.queue: FairQueue[_Waiter] = FairQueue()
         self._clock = clock
+        # Called after each new stream is counted (a plain callback, no I/O): the router reports its usage early.
+        self.on_admitted: Callable[[], None] | None = None
 
     @property
     def tenant_names(self) -> frozenset[str]:
@@ -185,6 +187,7 @@ class Admission:
         ledger.check(tenant, prompt_tokens, now, queued=self.queue.waiting(tenant))
         if not ledger.full and not len(self.queue):
             ledger.open(tenant, request_id, prompt_tokens, now)
+            self._admitted()
             return
         settings = self._queue_settings
         if settings.timeout_s <= 0 or self.queue.waiting(tenant) >= settings.max_per_tenant:
@@ -228,6 +231,10 @@ class Admission:
         """This router's usage of each tenant, for the other routers."""
         return self.ledger.usage(self._clock(), self.queue.per_tenant())
 
+    def _admitted(self) -> None:
+        if self.on_admitted is not None:
+            self.on_admitted()
+
     def _dispatch(self) -> None:
         ledger = self.ledger
         while not ledger.full:
@@ -238,6 +245,7 @@ class Admission:
             if waiter.turn.done():  # cancelled (timed out, client gone) and not yet out of the queue: not admitted
                 continue
             ledger.open(tenant, waiter.request_id, waiter.prompt_tokens, self._clock())
+            self._admitted()
             waiter.admitted = True
             waiter.turn.set_result(None)
 

@@ -78,10 +78,10 @@ class RouterConfig(BaseSettings):
     )
     tenant_usage_interval_s: float = Field(
         0.2, ge=0, le=10,
-        description="How often this router publishes its per-tenant usage (streams, tokens) on NATS; every router holds the "
-        "tenant limits for the whole fleet, less the others' last reports, which expire after 5 of their intervals (a dead "
-        "router's share frees then). A burst over several routers within one interval may overshoot a limit by what the "
-        "others admitted in it. 0: no sharing, each router holds every limit by itself",
+        description="How often this router publishes its per-tenant usage (streams, tokens) on NATS (and an eighth of it after "
+        "admitting a stream); every router holds the tenant limits for the whole fleet, less the others' last reports, which "
+        "expire after 5 of their intervals (a dead router's share frees then). A burst over several routers within one "
+        "interval may overshoot a limit by what the others admitted in it. 0: no sharing, each router holds every limit alone",
     )
     tls_cert_file: str = Field("", description="PEM certificate chain; with tls_key_file the router serves TLS only")
     tls_key_file: str = Field("", description="PEM private key of tls_cert_file")

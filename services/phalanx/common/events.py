@@ -26,7 +26,7 @@ from opentelemetry.context import Context
 
 from phalanx.common.config import NatsConfig
 from phalanx.common.errors import InvalidRequestError, PhalanxError
-from phalanx.common.subjects import subject_kind, worker_id_from_subject
+from phalanx.common.subjects import subject_kind, validate_worker_id, worker_id_from_subject
 from phalanx.common.telemetry import extract_context, inject_headers
 
 __all__ = ["EventBus", "EventBusError", "Handler", "MessageTooLargeError", "check_kv_event", "check_load_report"]
@@ -275,6 +275,29 @@ def check_load_report(report: Any) -> None:
         value = getattr(report, name)
         if not math.isfinite(value) or value < 0:
             raise InvalidRequestError(name, f"{value} is not a finite number >= 0")
+
+
+# A TenantUsageReport's interval: receivers hold its usage for a few of them, so a sender cannot pin it for long.
+MAX_USAGE_INTERVAL_S = 10.0
+
+
+def check_tenant_usage_report(report: Any) -> None:
+    """A TenantUsageReport names its router, has an interval in (0, MAX_USAGE_INTERVAL_S] s, and counts none negative."""
+    try:
+        validate_worker_id(report.router_id)
+    except ValueError as error:
+        raise InvalidRequestError("router_id", str(error)) from None
+    if not report.incarnation:
+        raise InvalidRequestError("incarnation", "is empty")
+    if not (math.isfinite(report.interval_s) and 0 < report.interval_s <= MAX_USAGE_INTERVAL_S):
+        raise InvalidRequestError("interval_s", f"{report.interval_s} is not in (0, {MAX_USAGE_INTERVAL_S:g}] s")
+    for i, usage in enumerate(report.tenants):
+        if not usage.tenant:
+            raise InvalidRequestError(f"tenants[{i}].tenant", "is empty")
+        if usage.streams < 0:
+            raise InvalidRequestError(f"tenants[{i}].streams", f"{usage.streams} is negative")
+        if not (math.isfinite(usage.tokens_recent) and usage.tokens_recent >= 0):
+            raise InvalidRequestError(f"tenants[{i}].tokens_recent", f"{usage.tokens_recent} is not a finite number >= 0")
 
 
 def check_kv_event(event: Any) -> None:

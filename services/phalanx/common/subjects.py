@@ -34,6 +34,7 @@ __all__ = [
     "LOAD_ALL",
     "LOAD_PREFIX",
     "SPARES_PREFIX",
+    "TENANT_USAGE_SUBJECT",
     "WORKERS_PREFIX",
     "canary_key",
     "kv_events_subject",
@@ -65,6 +66,8 @@ HEALTH_REPORTS_PREFIX = "phalanx.health_report."
 HEALTH_REPORTS_ALL = HEALTH_REPORTS_PREFIX + "*"
 # DegradationState changes, published after the etcd write of DEGRADATION_KEY.
 DEGRADATION_SUBJECT = "phalanx.degradation"
+# Each router's per-tenant usage (TenantUsageReport), every tenant_usage_interval_s: the fleet's tenant limits.
+TENANT_USAGE_SUBJECT = "phalanx.tenant_usage"
 WORKERS_PREFIX = "/phalanx/v1/workers/"
 ROUTERS_PREFIX = "/phalanx/v1/routers/"
 HEALTH_PREFIX = "/phalanx/v1/health/"
@@ -197,7 +200,7 @@ def subject_kind(subject: str) -> str:
     for prefix in (KV_EVENTS_PREFIX, LOAD_PREFIX, HEALTH_EVENTS_PREFIX, HEALTH_REPORTS_PREFIX):
         if subject.startswith(prefix):
             return prefix[len("phalanx.") : -1]
-    return subject if subject in (DEGRADATION_SUBJECT, MIGRATION_EVENTS_SUBJECT) else "other"
+    return subject if subject in (DEGRADATION_SUBJECT, MIGRATION_EVENTS_SUBJECT, TENANT_USAGE_SUBJECT) else "other"
 
 
 def worker_id_from_subject(subject: str) -> str:

@@ -13,7 +13,9 @@ Each tenant's limits (streams in flight, tokens per minute, prompt size; see
 phalanx.router.limits) are held here too: ``enter`` admits a new stream or
 refuses it with TENANT_LIMIT (RESOURCE_EXHAUSTED + RetryInfo), and when the
 router is full (max_streams) it waits for a slot, which goes to tenants in
-fair shares. Everything but that wait is synchronous and I/O-free.
+fair shares. Everything but that wait is synchronous and I/O-free: the other
+routers' usage (``on_peer_report``, from NATS) is already in memory when a
+request comes, and ``usage`` is what this router reports to them.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from enum import IntEnum
 
 from phalanx.common.errors import AuthenticationError, InvalidRequestError, RequestShedError, TenantLimitError
 from phalanx.router.config import TenantLimitDefaults, TenantPolicy
-from phalanx.router.limits import FairQueue, Limit, TenantLedger, TenantLimits
+from phalanx.router.limits import FairQueue, FleetUsage, Limit, TenantLedger, TenantLimits, TenantUsage, UsageReport
 
 DEFAULT_TENANT = "default"
 SHED_BEST_EFFORT_LEVEL = 2
@@ -91,7 +93,7 @@ class Admission:
     def __init__(
         self, tenants: dict[str, TenantPolicy], api_keys: dict[str, str], *, retry_after_s: float = 1.0,
         premium_at_level_4: bool = False, limit_defaults: TenantLimitDefaults | None = None, queue: QueueSettings | None = None,
-        clock: Callable[[], float] = time.monotonic,
+        clock: Callable[[], float] = time.monotonic, fleet: FleetUsage | None = None,
     ) -> None:
         self._tenants = dict(tenants)
         self._api_keys = dict(api_keys)
@@ -103,9 +105,12 @@ class Admission:
         self.ledger = TenantLedger(
             {name: tenant_limits(policy, defaults) for name, policy in self._tenants.items()},
             default=tenant_limits(TenantPolicy(), defaults), max_streams=queue.max_streams, retry_after_s=queue.retry_after_s,
+            fleet=fleet,
         )
         self.queue: FairQueue[_Waiter] = FairQueue()
         self._clock = clock
+        # Called after each new stream is counted (a plain callback, no I/O): the router reports its usage early.
+        self.on_admitted: Callable[[], None] | None = None
 
     @property
     def tenant_names(self) -> frozenset[str]:
@@ -182,6 +187,7 @@ class Admission:
         ledger.check(tenant, prompt_tokens, now, queued=self.queue.waiting(tenant))
         if not ledger.full and not len(self.queue):
             ledger.open(tenant, request_id, prompt_tokens, now)
+            self._admitted()
             return
         settings = self._queue_settings
         if settings.timeout_s <= 0 or self.queue.waiting(tenant) >= settings.max_per_tenant:
@@ -216,6 +222,19 @@ class Admission:
         """Token ``index`` of the request reached its client."""
         self.ledger.charge(request_id, index, self._clock())
 
+    def on_peer_report(self, report: UsageReport) -> dict[str, float]:
+        """Another router's usage of each tenant (counted against the limits here until it expires); returns the tokens
+        it charged since its last report, taken from this router's buckets."""
+        return self.ledger.on_peer_report(report, self._clock())
+
+    def usage(self) -> dict[str, TenantUsage]:
+        """This router's usage of each tenant, for the other routers."""
+        return self.ledger.usage(self._clock(), self.queue.per_tenant())
+
+    def _admitted(self) -> None:
+        if self.on_admitted is not None:
+            self.on_admitted()
+
     def _dispatch(self) -> None:
         ledger = self.ledger
         while not ledger.full:
@@ -226,6 +245,7 @@ class Admission:
             if waiter.turn.done():  # cancelled (timed out, client gone) and not yet out of the queue: not admitted
                 continue
             ledger.open(tenant, waiter.request_id, waiter.prompt_tokens, self._clock())
+            self._admitted()
             waiter.admitted = True
             waiter.turn.set_result(None)
 

@@ -18,9 +18,9 @@ class TenantPolicy(BaseSettings):
     default_tier: TierName = Field("standard", description="Tier of requests that name none")
     max_tier: TierName = Field("premium", description="Highest tier the tenant may request")
     # Limits (docs/tenants.md); None: the router's tenant_limits default. 0: unlimited.
-    max_streams: int | None = Field(None, ge=0, description="Streams the tenant may have in flight at one router (queued included)")
+    max_streams: int | None = Field(None, ge=0, description="Streams the tenant may have in flight across the routers (queued included)")
     tokens_per_minute: int | None = Field(
-        None, ge=0, description="Prompt + generated tokens per minute at one router (a token bucket holding one minute's worth)"
+        None, ge=0, description="Prompt + generated tokens per minute across the routers (a token bucket holding one minute's worth)"
     )
     max_prompt_tokens: int | None = Field(None, ge=0, description="Longest prompt the tenant may send, in tokens")
     weight: int = Field(1, ge=1, le=1000, description="Share of a full router's streams, relative to the other tenants waiting")
@@ -31,8 +31,8 @@ class TenantLimitDefaults(BaseSettings):
 
     model_config = SettingsConfigDict(extra="forbid", frozen=True)
 
-    max_streams: int = Field(0, ge=0, description="Streams a tenant may have in flight at one router (queued included)")
-    tokens_per_minute: int = Field(0, ge=0, description="Prompt + generated tokens a tenant may use per minute at one router")
+    max_streams: int = Field(0, ge=0, description="Streams a tenant may have in flight across the routers (queued included)")
+    tokens_per_minute: int = Field(0, ge=0, description="Prompt + generated tokens a tenant may use per minute across the routers")
     max_prompt_tokens: int = Field(0, ge=0, description="Longest prompt a tenant may send, in tokens (the router's max_prompt_tokens holds too)")
 
 
@@ -75,6 +75,13 @@ class RouterConfig(BaseSettings):
     max_queued_per_tenant: int = Field(64, ge=1, description="Requests of one tenant that may wait for a full router's slots")
     tenant_retry_after_s: float = Field(
         1.0, gt=0, description="Retry hint of a request refused for its tenant's streams or a full router's queue"
+    )
+    tenant_usage_interval_s: float = Field(
+        0.2, ge=0, le=10,
+        description="How often this router publishes its per-tenant usage (streams, tokens) on NATS (and an eighth of it after "
+        "admitting a stream); every router holds the tenant limits for the whole fleet, less the others' last reports, which "
+        "expire after 5 of their intervals (a dead router's share frees then). A burst over several routers within one "
+        "interval may overshoot a limit by what the others admitted in it. 0: no sharing, each router holds every limit alone",
     )
     tls_cert_file: str = Field("", description="PEM certificate chain; with tls_key_file the router serves TLS only")
     tls_key_file: str = Field("", description="PEM private key of tls_cert_file")

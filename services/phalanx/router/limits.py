@@ -17,10 +17,15 @@ unit of weight, ties to the one served least recently (round robin). A
 greedy tenant then has no more than its share of a full router as soon as
 others want theirs, and all of it while nobody else does.
 
-Counts live in this router's memory: with several routers each one holds
-every limit (a tenant spreading over N routers gets up to N times the
-limits), and a restarted router starts from zero (streams it did not relay
-count again when they are resumed through it).
+Counts live in this router's memory, and with several routers each one
+holds every limit for the whole fleet (FleetUsage): every router reports its
+per-tenant usage every interval, and a router admits a tenant's new stream
+while its own streams plus the other live routers' last reported ones stay
+under the limit; the token totals others report are charged to this router's
+buckets as they arrive. Admission never waits for the network: the figures
+are at most one report interval (plus delivery) old, which bounds how far a
+burst over several routers at once can overshoot. A router silent for
+EXPIRY_INTERVALS of its intervals is gone, and its streams stop counting.
 """
 
 from __future__ import annotations
@@ -34,9 +39,27 @@ from typing import Generic, TypeVar
 
 from phalanx.common.errors import InvalidRequestError, TenantLimitError
 
-__all__ = ["FairQueue", "Limit", "TenantLedger", "TenantLimits", "TenantPromptError", "TokenBucket"]
+__all__ = [
+    "EXPIRY_INTERVALS",
+    "FairQueue",
+    "FleetUsage",
+    "Limit",
+    "TenantLedger",
+    "TenantLimits",
+    "TenantPromptError",
+    "TenantUsage",
+    "TokenBucket",
+    "UsageReport",
+]
 
 T = TypeVar("T")
+
+# A router silent for this many of its report intervals is gone (dead or cut off): its streams stop counting. Several
+# intervals, so that one late report on a busy host does not make a live router's streams vanish for a moment.
+EXPIRY_INTERVALS = 5
+# Token totals of a router outlive its liveness this long (the bucket's minute and more): when it speaks again after a
+# hiccup, only what it charged meanwhile is new.
+_FORGET_TOTALS_S = 120.0
 
 
 class Limit(StrEnum):
@@ -89,9 +112,14 @@ class TokenBucket:
         missing = tokens - self.level
         return 0.0 if missing <= 0 else missing / self.rate
 
-    def take(self, tokens: int, now: float) -> None:
+    def take(self, tokens: float, now: float) -> None:
         self._refill(now)
         self.level -= tokens
+
+    def missing(self, now: float) -> float:
+        """Tokens the bucket lacks to be full (more than its capacity in debt)."""
+        self._refill(now)
+        return self.capacity - self.level
 
 
 class FairQueue(Generic[T]):
@@ -107,6 +135,9 @@ class FairQueue(Generic[T]):
 
     def waiting(self, tenant: str) -> int:
         return len(self._waiting.get(tenant, ()))
+
+    def per_tenant(self) -> dict[str, int]:
+        return {tenant: len(queue) for tenant, queue in self._waiting.items()}
 
     def push(self, tenant: str, item: T) -> None:
         self._waiting.setdefault(tenant, deque()).append(item)
@@ -134,6 +165,89 @@ class FairQueue(Generic[T]):
         return tenant, item
 
 
+@dataclass(frozen=True)
+class TenantUsage:
+    """One tenant's usage at one router, as reported to the others."""
+
+    streams: int = 0
+    tokens_charged: int = 0  # since the router's incarnation started
+    tokens_recent: float = 0.0  # of those, what a bucket of the tenant's rate has not refilled yet
+
+
+@dataclass(frozen=True)
+class UsageReport:
+    """A router's usage of every tenant it serves (TenantUsageReport on NATS)."""
+
+    router_id: str
+    incarnation: str
+    interval_s: float
+    tenants: Mapping[str, TenantUsage]
+
+
+@dataclass
+class _Peer:
+    incarnation: str
+    seen: float
+    expires: float
+    streams: dict[str, int]
+    charged: dict[str, int]
+
+
+class FleetUsage:
+    """The other routers' last reported usage: what this router counts besides its own against each tenant's limits."""
+
+    def __init__(self, router_id: str, *, expiry_intervals: float = EXPIRY_INTERVALS) -> None:
+        self.router_id = router_id
+        self.expiry_intervals = expiry_intervals
+        self._peers: dict[str, _Peer] = {}
+
+    def on_report(self, report: UsageReport, now: float) -> dict[str, float]:
+        """Takes another router's report; returns the tokens it charged that this router has not counted yet, per tenant.
+
+        Totals only grow within an incarnation, so a lost report costs nothing: the next one carries what it missed.
+        A router (or an incarnation of it) seen for the first time brings its recent tokens, not its whole history.
+        """
+        if report.router_id == self.router_id:
+            return {}
+        peer = self._peers.get(report.router_id)
+        known = peer is not None and peer.incarnation == report.incarnation
+        charges: dict[str, float] = {}
+        charged: dict[str, int] = dict(peer.charged) if known and peer is not None else {}
+        for tenant, usage in report.tenants.items():
+            new = usage.tokens_charged - charged[tenant] if tenant in charged else (
+                usage.tokens_charged if known else usage.tokens_recent
+            )
+            if new > 0:
+                charges[tenant] = float(new)
+            charged[tenant] = max(usage.tokens_charged, charged.get(tenant, 0))
+        self._peers[report.router_id] = _Peer(
+            report.incarnation, now, now + self.expiry_intervals * report.interval_s,
+            {tenant: usage.streams for tenant, usage in report.tenants.items() if usage.streams > 0}, charged,
+        )
+        return charges
+
+    def streams(self, tenant: str, now: float) -> int:
+        """The tenant's streams at the other live routers, as they last reported them."""
+        return sum(peer.streams.get(tenant, 0) for peer in self._peers.values() if peer.expires > now)
+
+    def per_tenant(self, now: float) -> dict[str, int]:
+        totals: dict[str, int] = {}
+        for peer in self._peers.values():
+            if peer.expires > now:
+                for tenant, streams in peer.streams.items():
+                    totals[tenant] = totals.get(tenant, 0) + streams
+        return totals
+
+    def live(self, now: float) -> list[str]:
+        """The other routers whose last report has not expired."""
+        return sorted(router_id for router_id, peer in self._peers.items() if peer.expires > now)
+
+    def prune(self, now: float) -> None:
+        """Forgets routers silent for long (their token totals too)."""
+        for router_id in [r for r, peer in self._peers.items() if now - peer.seen > max(_FORGET_TOTALS_S, peer.expires - peer.seen)]:
+            del self._peers[router_id]
+
+
 @dataclass
 class _Stream:
     tenant: str
@@ -147,15 +261,19 @@ class TenantLedger:
 
     def __init__(
         self, limits: Mapping[str, TenantLimits], *, default: TenantLimits = TenantLimits(), max_streams: int = 0,
-        retry_after_s: float = 1.0,
+        retry_after_s: float = 1.0, fleet: FleetUsage | None = None,
     ) -> None:
         self._limits = dict(limits)
+        self.fleet = fleet
         self._default = default
         self.max_streams = max_streams
         self.retry_after_s = retry_after_s
         self._streams: dict[str, _Stream] = {}
         self._per_tenant: dict[str, int] = {}
         self._buckets: dict[str, TokenBucket] = {}
+        # What this router alone charged (reported to the others): totals, and buckets that take nothing else.
+        self._charged: dict[str, int] = {}
+        self._own_buckets: dict[str, TokenBucket] = {}
 
     def limits(self, tenant: str) -> TenantLimits:
         return self._limits.get(tenant, self._default)
@@ -195,10 +313,12 @@ class TenantLedger:
                 tenant, Limit.TOKENS,
                 f"{prompt_tokens} tokens can never fit tenant {tenant!r}'s {Limit.TOKENS.value} of {limits.tokens_per_minute}",
             )
-        held = self.streams(tenant) + queued
+        elsewhere = self.fleet.streams(tenant, now) if self.fleet is not None and limits.max_streams else 0
+        held = self.streams(tenant) + queued + elsewhere
         if limits.max_streams and held >= limits.max_streams:
+            where = f" ({elsewhere} at other routers)" if elsewhere else ""
             raise TenantLimitError(
-                f"tenant {tenant!r} has {held} streams in flight, its limit ({Limit.STREAMS.value} {limits.max_streams}); "
+                f"tenant {tenant!r} has {held} streams in flight{where}, its limit ({Limit.STREAMS.value} {limits.max_streams}); "
                 f"retry in {self.retry_after_s:g} s or when one ends",
                 tenant=tenant, limit=Limit.STREAMS, retry_after_s=self.retry_after_s,
             )
@@ -217,9 +337,7 @@ class TenantLedger:
         if self._join(request_id):
             return
         self._add(tenant, request_id)
-        bucket = self._bucket(tenant, now)
-        if bucket is not None:
-            bucket.take(prompt_tokens, now)
+        self._take(tenant, prompt_tokens, now)
 
     def hold(self, tenant: str, request_id: str, *, from_index: int = 0) -> None:
         """A stream of a request that runs already (a retry, a Resume): counted once, never refused, its prompt not charged."""
@@ -245,9 +363,45 @@ class TenantLedger:
         if stream is None or index < stream.charged_to:
             return
         tokens, stream.charged_to = index + 1 - stream.charged_to, index + 1
-        bucket = self._bucket(stream.tenant, now)
+        self._take(stream.tenant, tokens, now)
+
+    def on_peer_report(self, report: UsageReport, now: float) -> dict[str, float]:
+        """Another router's usage: its streams count from now on, and what it charged since its last report is taken.
+
+        Returns the tokens taken, per tenant (those with a tokens_per_minute here).
+        """
+        if self.fleet is None:
+            return {}
+        taken: dict[str, float] = {}
+        for tenant, tokens in self.fleet.on_report(report, now).items():
+            bucket = self._bucket(tenant, now)
+            if bucket is not None:
+                bucket.take(tokens, now)
+                taken[tenant] = tokens
+        return taken
+
+    def usage(self, now: float, queued: Mapping[str, int]) -> dict[str, TenantUsage]:
+        """This router's own usage per tenant, for the others (streams include requests waiting for its slots)."""
+        usage: dict[str, TenantUsage] = {}
+        for tenant in self._per_tenant.keys() | queued.keys() | self._charged.keys():
+            own = self._own_buckets.get(tenant)
+            usage[tenant] = TenantUsage(
+                streams=self._per_tenant.get(tenant, 0) + queued.get(tenant, 0), tokens_charged=self._charged.get(tenant, 0),
+                tokens_recent=round(max(0.0, own.missing(now)), 3) if own is not None else 0.0,
+            )
+        return usage
+
+    def _take(self, tenant: str, tokens: int, now: float) -> None:
+        if tokens <= 0:
+            return
+        self._charged[tenant] = self._charged.get(tenant, 0) + tokens
+        bucket = self._bucket(tenant, now)
         if bucket is not None:
             bucket.take(tokens, now)
+            own = self._own_buckets.get(tenant)
+            if own is None:
+                own = self._own_buckets[tenant] = TokenBucket(int(bucket.capacity), now=now)
+            own.take(tokens, now)
 
     def _join(self, request_id: str) -> bool:
         stream = self._streams.get(request_id)

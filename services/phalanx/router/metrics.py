@@ -86,6 +86,18 @@ class RouterMetrics:
         self.tenant_tokens = Counter(
             "phalanx_router_tenant_tokens", "Tokens charged to tenants' tokens per minute (prompt + generated)", ["tenant"], registry=r
         )
+        self.fleet_peers = Gauge(
+            "phalanx_router_fleet_peers", "Other routers whose tenant usage reports are live (counted against tenant limits)", registry=r
+        )
+        self.fleet_streams = Gauge(
+            "phalanx_router_tenant_fleet_streams", "A tenant's streams at the other live routers, as they last reported them",
+            ["tenant"], registry=r,
+        )
+        self.fleet_tokens = Counter(
+            "phalanx_router_tenant_fleet_tokens",
+            "Tokens other routers charged to a tenant's tokens_per_minute, taken from this router's bucket as their reports came",
+            ["tenant"], registry=r,
+        )
         self.queued = Gauge("phalanx_router_queued_requests", "New requests waiting for a slot of a full router (max_streams)", registry=r)
 
 

@@ -5,6 +5,8 @@ first, so nothing falls between the snapshot and the stream) -> list
 workers, health records and the degradation level from etcd -> KvSnapshot
 every worker into the index -> open the request-record session -> register
 -> SERVING. A fresh replica therefore routes with a full view at once.
+While serving, it publishes its per-tenant usage every tenant_usage_interval_s
+and counts the other routers' reports against each tenant's limits.
 Stop: NOT_SERVING -> let streams finish for a grace period (clients resume
 elsewhere afterwards) -> revoke the registration (records stay for the
 resume window) -> close NATS and etcd.
@@ -13,10 +15,12 @@ resume window) -> close NATS and etcd.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import socket
 import time
+import uuid
 from contextlib import aclosing
 
 import grpc
@@ -25,7 +29,7 @@ from phalanx._proto import common_pb2, migration_pb2, router_pb2, router_pb2_grp
 from phalanx.common.config import EtcdConfig, NatsConfig, TelemetryConfig
 from phalanx.common.discovery import EncoderDirectory, EtcdDirectory, WorkerDirectory, encode_json
 from phalanx.common.errors import UnavailableError
-from phalanx.common.events import EventBus, check_kv_event, check_load_report
+from phalanx.common.events import EventBus, check_kv_event, check_load_report, check_tenant_usage_report
 from phalanx.common.lease import Backoff
 from phalanx.common.service import ServerTls, ServiceShell
 from phalanx.common.subjects import (
@@ -37,6 +41,7 @@ from phalanx.common.subjects import (
     LOAD_ALL,
     MIGRATION_EVENTS_SUBJECT,
     SPARES_PREFIX,
+    TENANT_USAGE_SUBJECT,
     health_report_subject,
     router_key,
     validate_worker_id,
@@ -45,8 +50,9 @@ from phalanx.model.config import is_builtin_model, model_tokenizer, served_model
 from phalanx.model.tokenizer import Tokenizer
 from phalanx.router.admission import Admission, QueueSettings
 from phalanx.router.config import RouterConfig
+from phalanx.router.limits import FleetUsage, TenantUsage, UsageReport
 from phalanx.router.media import EmbeddingCache, EncoderSet, MediaEncoder
-from phalanx.router.metrics import RouterMetrics
+from phalanx.router.metrics import RouterMetrics, tenant_label
 from phalanx.router.migration_client import MigrationClient
 from phalanx.router.records import RequestRecords
 from phalanx.router.routing import RoutingTable
@@ -56,6 +62,9 @@ from phalanx.router.slo import LatencySlo
 log = logging.getLogger(__name__)
 SERVICE_NAME = router_pb2.DESCRIPTOR.services_by_name["RouterService"].full_name
 _SHUTDOWN_GRACE_S = 5.0
+# The shortest gap between two usage reports, as a fraction of the interval: an early report after a new stream comes
+# no sooner (a busy router sends at most 1 / _EAGER_FRACTION reports an interval).
+_EAGER_FRACTION = 0.125
 
 
 class RouterProcess:
@@ -81,6 +90,10 @@ class RouterProcess:
         self.health = self.shell.health
         self.ready = self.shell.ready
         self.table = RoutingTable(load_stale_s=config.load_stale_s)
+        # The fleet's tenant limits (docs/tenants.md, "Where the counts live"); None: each router holds them alone.
+        self.fleet = FleetUsage(self.router_id) if config.tenant_usage_interval_s > 0 else None
+        self._incarnation = uuid.uuid4().hex
+        self._usage_wake = asyncio.Event()
         self.admission = Admission(
             config.tenants, config.api_keys, retry_after_s=config.no_worker_retry_after_s, premium_at_level_4=config.premium_at_level_4,
             limit_defaults=config.tenant_limits,
@@ -88,7 +101,10 @@ class RouterProcess:
                 max_streams=config.max_streams, timeout_s=config.queue_timeout_s, max_per_tenant=config.max_queued_per_tenant,
                 retry_after_s=config.tenant_retry_after_s,
             ),
+            fleet=self.fleet,
         )
+        if self.fleet is not None:
+            self.admission.on_admitted = self._usage_wake.set
         self._resync_wanted: set[str] = set()
         self._resync_wake = asyncio.Event()
         self._tokenizers: dict[str, Tokenizer] = {}
@@ -143,6 +159,11 @@ class RouterProcess:
             await bus.subscribe(DEGRADATION_SUBJECT, common_pb2.DegradationState, self._on_degradation_event)
             # A request moved off a worker its relay still reads (hung, lease lapsed): the relay follows it.
             await bus.subscribe(MIGRATION_EVENTS_SUBJECT, migration_pb2.MigrationEvent, self._on_migration_event)
+            if self.fleet is not None:
+                await bus.subscribe(
+                    TENANT_USAGE_SUBJECT, common_pb2.TenantUsageReport, self._on_usage_report, check=check_tenant_usage_report,
+                    on_rejected=rejected,
+                )
             self._bus = bus
             # Spares first: a spare's registration must never make it routable, not even for an instant.
             for worker_id, spare in (await spares.list()).items():
@@ -172,10 +193,14 @@ class RouterProcess:
                     tasks.create_task(self._resync_loop(channels)),
                     tasks.create_task(self._gauges_loop()),
                 ]
+                if self.fleet is not None:
+                    loops.append(tasks.create_task(self._usage_loop(bus)))
                 await shell.wait_for_stop()
                 await shell.stop_server()
                 for task in loops:
                     task.cancel()
+            if self.fleet is not None:
+                await self._publish_usage(bus)  # its streams have ended: the others need not wait for it to expire
 
     def _registration(self) -> bytes:
         return encode_json(
@@ -341,6 +366,44 @@ class RouterProcess:
                         self._want_resync(worker_id)
             else:
                 backoff.reset()
+
+    # -- the fleet's tenant limits ---------------------------------------------------
+    async def _on_usage_report(self, report: common_pb2.TenantUsageReport, subject: str, context) -> None:
+        taken = self.admission.on_peer_report(UsageReport(
+            report.router_id, report.incarnation, report.interval_s,
+            {u.tenant: TenantUsage(u.streams, u.tokens_charged, u.tokens_recent) for u in report.tenants},
+        ))
+        for tenant, tokens in taken.items():
+            self.metrics.fleet_tokens.labels(tenant=tenant_label(tenant, self.admission.tenant_names)).inc(tokens)
+
+    async def _publish_usage(self, bus: EventBus) -> None:
+        report = common_pb2.TenantUsageReport(
+            router_id=self.router_id, incarnation=self._incarnation, interval_s=self.config.tenant_usage_interval_s,
+            tenants=[
+                common_pb2.TenantUsage(tenant=tenant, streams=u.streams, tokens_charged=u.tokens_charged, tokens_recent=u.tokens_recent)
+                for tenant, u in sorted(self.admission.usage().items())
+            ],
+        )
+        await bus.publish(TENANT_USAGE_SUBJECT, report)
+
+    async def _usage_loop(self, bus: EventBus) -> None:
+        """Reports this router's usage every interval, and early (at most every _EAGER_FRACTION of it) after it admitted a
+        stream: the others hear of new streams within milliseconds unless a burst reaches them at the same moment."""
+        assert self.fleet is not None
+        names = self.admission.tenant_names
+        interval = self.config.tenant_usage_interval_s
+        while True:
+            self._usage_wake.clear()
+            await self._publish_usage(bus)
+            now = time.monotonic()
+            self.fleet.prune(now)
+            self.metrics.fleet_peers.set(len(self.fleet.live(now)))
+            elsewhere = self.fleet.per_tenant(now)
+            for tenant in names:
+                self.metrics.fleet_streams.labels(tenant=tenant).set(elsewhere.get(tenant, 0))
+            await asyncio.sleep(interval * _EAGER_FRACTION)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._usage_wake.wait(), timeout=interval * (1 - _EAGER_FRACTION))
 
     async def _gauges_loop(self) -> None:
         while True:

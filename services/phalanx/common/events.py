@@ -29,7 +29,7 @@ from phalanx.common.errors import InvalidRequestError, PhalanxError
 from phalanx.common.subjects import subject_kind, validate_worker_id, worker_id_from_subject
 from phalanx.common.telemetry import extract_context, inject_headers
 
-__all__ = ["EventBus", "EventBusError", "Handler", "MessageTooLargeError", "check_kv_event", "check_load_report"]
+__all__ = ["EventBus", "EventBusError", "Handler", "MessageTooLargeError", "check_kv_event", "check_load_report", "check_tenant_usage_report"]
 
 log = logging.getLogger(__name__)
 

@@ -29,7 +29,7 @@ from phalanx._proto import common_pb2, migration_pb2, router_pb2, router_pb2_grp
 from phalanx.common.config import EtcdConfig, NatsConfig, TelemetryConfig
 from phalanx.common.discovery import EncoderDirectory, EtcdDirectory, WorkerDirectory, encode_json
 from phalanx.common.errors import UnavailableError
-from phalanx.common.events import EventBus, check_kv_event, check_load_report, check_tenant_usage_report
+from phalanx.common.events import EventBus, MessageTooLargeError, check_kv_event, check_load_report, check_tenant_usage_report
 from phalanx.common.lease import Backoff
 from phalanx.common.service import ServerTls, ServiceShell
 from phalanx.common.subjects import (
@@ -384,7 +384,12 @@ class RouterProcess:
                 for tenant, u in sorted(self.admission.usage().items())
             ],
         )
-        await bus.publish(TENANT_USAGE_SUBJECT, report)
+        try:
+            await bus.publish(TENANT_USAGE_SUBJECT, report)
+        except MessageTooLargeError as error:
+            # Thousands of tenants with usage: the others stop counting this router (it still holds every limit itself)
+            # rather than it losing its routing loops.
+            log.error("tenant usage report not sent: %s", error)
 
     async def _usage_loop(self, bus: EventBus) -> None:
         """Reports this router's usage every interval, and early (at most every _EAGER_FRACTION of it) after it admitted a

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncGenerator, Mapping
+from collections.abc import AsyncGenerator, Callable, Mapping
 from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Generic, Literal, TypeVar
@@ -113,6 +113,12 @@ class EtcdDirectory(Generic[M]):
         self._revision = result.header.revision
         self._known = set(values)
         return values
+
+    async def follow(self, apply: Callable[[Literal["put", "delete"], str, M | None], object]) -> None:
+        """Calls ``apply(kind, name, message)`` for every change from now on (``watch``), until cancelled: run it as a task."""
+        async with aclosing(self.watch()) as events:
+            async for kind, name, message in events:
+                apply(kind, name, message)
 
     async def watch(self, *, start_revision: int | None = None) -> AsyncGenerator[WatchEvent]:
         """Yield ``(event_type, name, message | None)`` for every change.

@@ -23,13 +23,12 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Mapping
-from contextlib import aclosing
 
 import grpc
 
 from phalanx._proto import common_pb2, worker_pb2, worker_pb2_grpc
 from phalanx.common.config import EtcdConfig
-from phalanx.common.discovery import EtcdDirectory, MigrationDirectory, WatchEvent, WorkerDirectory
+from phalanx.common.discovery import EtcdDirectory, MigrationDirectory, WorkerDirectory
 from phalanx.common.grpc_channels import GrpcChannels
 from phalanx.common.subjects import SPARES_PREFIX
 from phalanx.migration.config import MigrationConfig
@@ -74,8 +73,8 @@ class Rebalancer:
         self._spares = set(await self._spare_marks.list())
         self.registrations = await self._workers.list()  # old: the policy knows no arrival of theirs
         self._tasks = [
-            asyncio.create_task(self._follow(self._spare_marks, self._on_spare), name="rebalance spares"),
-            asyncio.create_task(self._follow(self._workers, self._on_worker), name="rebalance workers"),
+            asyncio.create_task(self._spare_marks.follow(self._on_spare), name="rebalance spares"),
+            asyncio.create_task(self._workers.follow(self._on_worker), name="rebalance workers"),
             asyncio.create_task(self._loop(), name="rebalance"),
         ]
 
@@ -91,22 +90,14 @@ class Rebalancer:
             await directory.close()
 
     # -- the fleet ------------------------------------------------------------------------
-    @staticmethod
-    async def _follow(directory: EtcdDirectory, apply: Callable[[WatchEvent], None]) -> None:
-        async with aclosing(directory.watch()) as events:
-            async for event in events:
-                apply(event)
-
-    def _on_spare(self, event: WatchEvent) -> None:
-        kind, worker_id, _ = event
+    def _on_spare(self, kind: str, worker_id: str, _mark: object) -> None:
         if kind == "put":
             self._spares.add(worker_id)
         elif worker_id in self._spares:
             self._spares.discard(worker_id)
             self.policy.arrived(worker_id, self.snapshot())  # promoted: routable from now on
 
-    def _on_worker(self, event: WatchEvent) -> None:
-        kind, worker_id, registration = event
+    def _on_worker(self, kind: str, worker_id: str, registration: object) -> None:
         if kind == "delete":
             self.registrations.pop(worker_id, None)
             self.policy.left(worker_id)

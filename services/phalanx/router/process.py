@@ -21,7 +21,6 @@ import os
 import socket
 import time
 import uuid
-from contextlib import aclosing
 
 import grpc
 
@@ -184,11 +183,11 @@ class RouterProcess:
             log.info("router %s serving on %s with %d workers", self.router_id, self.address, len(servicer.registrations))
             async with asyncio.TaskGroup() as tasks:
                 loops = [
-                    tasks.create_task(self._follow(workers, self._on_worker)),
-                    tasks.create_task(self._follow(healths, self._on_health)),
-                    tasks.create_task(self._follow(degradation, self._on_degradation)),
-                    tasks.create_task(self._follow(spares, self._on_spare)),
-                    tasks.create_task(self._follow(encoder_directory, encoders.update)),
+                    tasks.create_task(workers.follow(self._on_worker)),
+                    tasks.create_task(healths.follow(self._on_health)),
+                    tasks.create_task(degradation.follow(self._on_degradation)),
+                    tasks.create_task(spares.follow(self._on_spare)),
+                    tasks.create_task(encoder_directory.follow(encoders.update)),
                     tasks.create_task(migration.follow()),
                     tasks.create_task(self._resync_loop(channels)),
                     tasks.create_task(self._gauges_loop()),
@@ -294,11 +293,6 @@ class RouterProcess:
         if self.servicer is not None:
             self._servicer.slo = LatencySlo.from_state(state if kind != "delete" else None)
         self.metrics.degradation.set(level)
-
-    async def _follow(self, directory: EtcdDirectory, apply) -> None:
-        async with aclosing(directory.watch()) as events:
-            async for kind, name, message in events:
-                apply(kind, name, message)
 
     # -- KV index and load ---------------------------------------------------------
     def _bus_rejected(self, subject_kind: str) -> None:

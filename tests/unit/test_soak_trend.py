@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from phalanx.bench.soak import GOALS, judge, slope_per_minute
+from phalanx.bench.soak import GOALS, judge, latency_trend_ratio, slope_per_minute
 
 pytestmark = pytest.mark.unit
 
@@ -62,3 +62,15 @@ def test_judge_flags_the_kind_that_grows_an_fd_leak_slower_latency_and_a_lost_to
 def test_judge_has_no_latency_verdict_with_one_minute_after_the_warm_up():
     met = judge(_trend({"worker": 0.0}), [1.0, None], first_minute=0, counts=ZERO)
     assert met["latency_p99_ratio"] is None
+
+
+def test_the_latency_verdict_reads_the_trend_not_one_busy_minute_at_either_end():
+    flat_with_a_busy_last_minute = [1.0] * 14 + [2.0]
+    flat_with_a_busy_first_minute = [2.0] + [1.0] * 14
+    assert latency_trend_ratio(flat_with_a_busy_last_minute) == pytest.approx(1.39, abs=0.01)  # two minutes: 2.0
+    assert latency_trend_ratio(flat_with_a_busy_first_minute) < 1.0  # two minutes: 0.5
+    assert judge(_trend({"worker": 0.0}), flat_with_a_busy_last_minute, first_minute=0, counts=ZERO)["latency_p99_ratio"] is True
+    growing = [1.0 + 0.05 * minute for minute in range(15)]  # +70 % over the run
+    assert latency_trend_ratio(growing) == pytest.approx(1.7)
+    assert judge(_trend({"worker": 0.0}), growing, first_minute=0, counts=ZERO)["latency_p99_ratio"] is False
+    assert latency_trend_ratio([1.0, None, 1.2]) == pytest.approx(1.2) and latency_trend_ratio([None, 1.0]) is None

@@ -204,17 +204,23 @@ async def test_the_encoder_advertises_the_bandwidth_of_its_sends_to_workers(enco
         stub = encoder_pb2_grpc.EncoderServiceStub(channel)
         reply = await stub.Encode(encoder_pb2.EncodeRequest(request_id="sent", items=images, deliver=True), timeout=60)
         keys = [e.key for e in reply.embeddings]
-        received = b"".join([c.data async for c in stub.FetchEmbeddings(encoder_pb2.FetchEmbeddingsRequest(keys=keys), timeout=30)])
+        fetch = encoder_pb2.FetchEmbeddingsRequest(keys=keys, worker_id="w-fetching")
+        received = b"".join([c.data async for c in stub.FetchEmbeddings(fetch, timeout=30)])
         assert len(received) == 16 * 16 * HIDDEN * 4
-        measured = (await stub.GetLoad(encoder_pb2.GetLoadRequest(), timeout=10)).load.delivery_bytes_per_s
+        load = (await stub.GetLoad(encoder_pb2.GetLoadRequest(), timeout=10)).load
+    measured = load.delivery_bytes_per_s
     assert measured > 0
+    # The one send so far was to that worker: its link's average is the same figure.
+    assert dict(load.delivery_bytes_per_s_by_worker) == pytest.approx({"w-fetching": measured})
 
-    async def advertised() -> float:
+    async def advertised() -> encoder_pb2.EncoderLoad | None:
         async with EncoderDirectory(etcd) as directory:
-            return (await directory.list())[encoder.name].load.delivery_bytes_per_s
+            load = (await directory.list())[encoder.name].load
+        return load if load.delivery_bytes_per_s > 0 else None
 
-    await assert_eventually(advertised, timeout=10, interval=0.2)
-    assert await advertised() == pytest.approx(measured)
+    advertised_load = await assert_eventually(advertised, timeout=10, interval=0.2)
+    assert advertised_load.delivery_bytes_per_s == pytest.approx(measured)
+    assert dict(advertised_load.delivery_bytes_per_s_by_worker) == pytest.approx({"w-fetching": measured})
 
 
 async def test_sigterm_stops_the_encoder_and_removes_its_registration(encoder: ServiceHandle, etcd):

@@ -95,6 +95,22 @@ async def test_embeddings_go_from_the_encoder_to_the_worker_over_grpc_then_a_cha
     assert seconds is not None and seconds >= 4
 
 
+async def test_the_encoder_measures_its_link_to_the_fetching_worker_apart_for_joint_routing(stack):
+    # Four images in one request, encoded together: one fetch of 64 KiB, the least one send must move to measure a link.
+    images = [_png(200 + i) for i in range(4)]
+    request = router_pb2.GenerateRequest(
+        text="<media><media><media><media> Which one?", media=[router_pb2.MediaInput(kind=router_pb2.MEDIA_KIND_IMAGE, data=i) for i in images],
+        sampling=common_pb2.SamplingParams(max_tokens=4, ignore_eos=True),
+    )
+    assert len(await _tokens(stack.routers[0].address, request)) == 4
+    loads = []
+    for encoder in (e for e in stack.encoders if e.process.poll() is None):
+        async with grpc.aio.insecure_channel(encoder.address) as channel:
+            loads.append((await encoder_pb2_grpc.EncoderServiceStub(channel).GetLoad(encoder_pb2.GetLoadRequest(), timeout=10)).load)
+    links = [dict(load.delivery_bytes_per_s_by_worker) for load in loads if load.delivery_bytes_per_s_by_worker]
+    assert links and all(set(link) == {stack.workers[0].worker_id} and min(link.values()) > 0 for link in links)
+
+
 async def test_the_inline_setting_sends_the_rows_through_the_router_with_the_same_tokens(stack):
     inline = await stack.add_router(env={"PHALANX_ROUTER_MEDIA_DELIVERY": "inline"})
     image = _png(1)

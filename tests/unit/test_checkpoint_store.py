@@ -197,6 +197,73 @@ def test_media_embeddings_that_do_not_fit_the_state_are_not_kept(store):
     assert store.media("r1") == [good] and store.get("r1").media_held == 1 and len(store.get("r1").state.media) == 3
 
 
+def test_media_embeddings_spill_with_the_kv_read_back_byte_exact_and_go_with_the_commit(tmp_path):
+    now = [1000.0]
+    spill = tmp_path / "spill"
+    store = CheckpointStore(spill, memory_limit_bytes=16 * LAYOUT.token_bytes, clock=lambda: now[0])  # 2 KiB
+    image, audio = _embedding(1, 48, 77), _embedding(3, 16, 78, dtype="bfloat16")  # 768 + 128 bytes
+    store.apply(W1, _with_media(segment("r1", 1, 0, 4), image, audio))
+    assert store.memory_bytes == 4 * LAYOUT.token_bytes + 896 and store.spilled_bytes == 0
+    now[0] += 1
+    store.apply(W1, _with_media(segment("r2", 1, 0, 4), _embedding(1, 48, 79)))  # past the limit: r1, the oldest, spills
+    assert store.memory_bytes <= store.memory_limit_bytes
+    record = store.get("r1")
+    assert record.spilled and record.media_held == 2
+    assert store.spilled_bytes == 4 * LAYOUT.token_bytes + 896 and store.memory_bytes == 4 * LAYOUT.token_bytes + 768
+    assert sorted(p.suffix for p in spill.iterdir()) == [".kv", ".media"]
+    assert store.media("r1") == [image, audio]  # read back from the file
+    assert torch.equal(store.read_kv("r1", 4), kv_of(0, 4))
+    # A resync without them keeps the spilled ones; a state with other media drops them and their file.
+    now[0] += 1
+    store.apply(W1, _with_media(segment("r1", 2, 0, 2), spans=[image, audio]))
+    assert store.get("r1").media_held == 2 and store.media("r1") == [image, audio]
+    other = _embedding(1, 2, 80)
+    store.apply(W1, _with_media(segment("r1", 3, 0, 2), other))
+    assert store.media("r1") == [other] and store.spilled_bytes == 0 and not any(spill.glob("*.media"))
+    # Media alone past the limit (a whole state with no KV yet) spill too.
+    now[0] += 1
+    store.apply(W1, _with_media(segment("r3", 1, 0, 0), _embedding(1, 128, 81)))  # 2 KiB
+    assert store.memory_bytes <= store.memory_limit_bytes and store.get("r3").media_held == 1
+    assert store.media("r3") == [_embedding(1, 128, 81)]
+    for request_id in ("r1", "r2", "r3"):
+        assert store.release(request_id)
+    assert store.memory_bytes == 0 and store.spilled_bytes == 0 and list(spill.iterdir()) == []
+
+
+def test_media_embeddings_that_cannot_spill_are_dropped_with_the_kv_and_come_back_with_the_resync(tmp_path):
+    now = [1000.0]
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_bytes(b"")
+    store = CheckpointStore(blocker / "spill", memory_limit_bytes=LAYOUT.token_bytes * 8, spill_retry_s=5.0, clock=lambda: now[0])
+    image = _embedding(1, 16, 77)  # 256 bytes
+    store.apply(W1, _with_media(segment("r1", 1, 0, 20, outputs=[5]), image))
+    stats = store.stats()
+    assert stats.spill_failures_total == 1 and stats.kv_dropped_total == 1 and stats.spill_failing
+    assert store.memory_bytes == 0 and store.spilled_bytes == 0
+    record = store.get("r1")
+    assert record.kv_tokens == 0 and record.media_held == 0 and store.media("r1") == [] and len(record.state.media) == 1
+    now[0] += 6  # the disk is tried again: the request resyncs, its media with it (they fit in memory now)
+    assert store.apply(W1, segment("r1", 2, 20, 21, outputs=[6])).resync
+    store.apply(W1, _with_media(segment("r1", 3, 0, 2, outputs=[5, 6]), image))
+    assert store.get("r1").media_held == 1 and store.media("r1") == [image]
+    assert store.memory_bytes == 2 * LAYOUT.token_bytes + 256
+
+
+def test_spilled_media_embeddings_that_fail_their_checksum_are_dropped_not_answered(tmp_path):
+    store = CheckpointStore(tmp_path, memory_limit_bytes=LAYOUT.token_bytes * 8)
+    image = _embedding(1, 32, 77)  # 512 bytes
+    store.apply(W1, _with_media(segment("r1", 1, 0, 10), image))
+    assert store.get("r1").spilled and store.get("r1").media_held == 1
+    (path,) = tmp_path.glob("*.media")
+    data = bytearray(path.read_bytes())
+    data[100] ^= 0x10
+    path.write_bytes(bytes(data))
+    assert store.media("r1") == []
+    assert store.get("r1").media_held == 0 and not any(tmp_path.glob("*.media"))
+    assert store.spilled_bytes == 10 * LAYOUT.token_bytes
+    assert torch.equal(store.read_kv("r1", 10), kv_of(0, 10))  # the KV is not affected
+
+
 def test_release_drops_the_request_only_for_its_owner(store):
     store.apply(W1, segment("r1", 1, 0, 4))
     assert not store.release("r1", worker_id="w2")  # a former owner's release must not drop the new owner's commit

@@ -8,7 +8,7 @@ import torch
 
 from phalanx._proto import common_pb2, encoder_pb2
 from phalanx.common.block_hash import MediaSpan
-from phalanx.encoder_pool.held import DeliveryRate, HeldEmbeddings
+from phalanx.encoder_pool.held import DeliveryRate, DeliveryRates, HeldEmbeddings
 from phalanx.router.media import Encoded, HandleCache, usable_for
 
 
@@ -87,6 +87,20 @@ def test_an_encoders_delivery_rate_averages_sends_large_enough_to_measure_a_link
     assert rate.bytes_per_s == pytest.approx(3e6)  # then a moving average
     with pytest.raises(ValueError):
         DeliveryRate(alpha=0.0)
+
+
+def test_an_encoders_delivery_rates_average_each_workers_link_apart_for_the_most_recent_workers():
+    rates = DeliveryRates(min_bytes=1000, alpha=0.5, max_links=2)
+    rates.observe(4_000, 0.001, "w1")  # 4 MB/s
+    rates.observe(4_000, 0.004, "w2")  # 1 MB/s
+    rates.observe(2_000, 0.001, "w1")  # 2 MB/s: w1's average 3 MB/s
+    rates.observe(999, 1e-6, "w3")  # too small to measure a link: no entry
+    rates.observe(6_000, 0.001)  # a receiver that did not say: overall only
+    assert rates.by_worker() == pytest.approx({"w1": 3e6, "w2": 1e6})
+    assert rates.bytes_per_s == pytest.approx((((4e6 + 1e6) / 2 + 2e6) / 2 + 6e6) / 2)  # every send, one average
+    rates.observe(8_000, 0.001, "w3")  # a third worker: the one sent to least recently (w2) drops out
+    assert rates.by_worker() == pytest.approx({"w1": 3e6, "w3": 8e6})
+    assert DeliveryRates(max_links=0).by_worker() == {}
 
 
 def test_handles_are_used_until_5_s_or_half_of_the_hold_before_it_ends_and_the_cache_says_until_when():

@@ -85,6 +85,24 @@ def test_embedding_bytes_and_transfer_time():
     assert embedding_transfer_s(0, measured_bytes_per_s=0.0, link_bytes_per_s=1e9, through_router=True) == 0.0
 
 
+def test_a_slow_link_to_one_worker_steers_the_choice_to_another_worker():
+    # w1 holds the prefix (no prefill) and w2 must compute it (20 ms): over equal links w1 wins.
+    workers = [WorkerEstimate("w1", 0.0, 0.1 * MS, 200), WorkerEstimate("w2", 0.0, 0.1 * MS, 0)]
+    even = EncoderEstimate("e", 10 * MS, transfer_s=2 * MS)
+    choice = choose_joint([even], workers, prefix_tokens=200, rest_tokens=10, overlap=False)
+    assert choice is not None and choice.worker_id == "w1" and choice.ttft_s == pytest.approx(0.012 + 0.001)
+    # The encoder measured its link to w1 slow (50 ms for these rows): w2, priced by the encoder's overall figure, wins.
+    slow_to_w1 = EncoderEstimate("e", 10 * MS, transfer_s=2 * MS, link_transfer_s={"w1": 50 * MS})
+    assert (slow_to_w1.transfer_to("w1"), slow_to_w1.transfer_to("w2")) == (50 * MS, 2 * MS)
+    choice = choose_joint([slow_to_w1], workers, prefix_tokens=200, rest_tokens=10, overlap=False)
+    assert choice is not None and choice.worker_id == "w2" and choice.ttft_s == pytest.approx(0.012 + 0.020 + 0.001)
+    # With two encoders the pair counts: the other encoder's fast link to w1 makes (other, w1) the best pair.
+    other = EncoderEstimate("other", 15 * MS, transfer_s=30 * MS, link_transfer_s={"w1": 1 * MS})
+    choice = choose_joint([slow_to_w1, other], workers, prefix_tokens=200, rest_tokens=10, overlap=False)
+    assert choice is not None and (choice.encoder_id, choice.worker_id) == ("other", "w1")
+    assert choice.ttft_s == pytest.approx(0.016 + 0.001)
+
+
 def test_the_encoders_transfer_estimate_counts_in_the_pair_and_can_turn_the_choice():
     worker = WorkerEstimate("w", 0.0, 0.1 * MS, 0)
     # "fast" encodes 10 ms sooner but its link moves the rows 30 ms slower.

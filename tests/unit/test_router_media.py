@@ -90,3 +90,34 @@ def test_estimates_price_moving_each_encoders_embeddings_by_its_measured_or_the_
         {"measured": 2 * 576 * 1024 * 4 / 1.0e9, "unmeasured": 2 * 576 * 1024 * 2 / 1.0e9}
     )
     assert all(e.transfer_s == 0 for e in encoder.estimates(media)[0])  # no link given: no term
+
+
+def test_estimates_price_the_link_to_each_worker_the_encoder_measured_apart_and_fall_back_for_the_others():
+    from phalanx.router.media import MediaEncoder
+
+    encoders = EncoderSet()
+    costs = _registration("a", 0.0, image=5.0).load.costs
+    nbytes = 576 * 1024 * 4  # one image's float32 rows
+    encoders.update("put", "measured", encoder_pb2.EncoderRegistration(
+        address="a", llm_hidden_size=1024, image_positions=576, embedding_dtype="float32",
+        load=encoder_pb2.EncoderLoad(costs=costs, delivery_bytes_per_s=2.0e9,
+                                     delivery_bytes_per_s_by_worker={"w-slow": 1.0e8, "w-fast": 4.0e9, "w-none": 0.0}),
+    ))
+    # A link measured, the encoder's overall figure not (an older registration): the others get the configured one.
+    encoders.update("put", "links-only", encoder_pb2.EncoderRegistration(
+        address="b", llm_hidden_size=1024, image_positions=576, embedding_dtype="float32",
+        load=encoder_pb2.EncoderLoad(costs=costs, delivery_bytes_per_s_by_worker={"w-slow": 5.0e8}),
+    ))
+    media = [router_pb2.MediaInput(kind=router_pb2.MEDIA_KIND_IMAGE, data=b"png")]
+    encoder = MediaEncoder(encoders, timeout_s=1.0, max_message_bytes=1 << 20)
+    by_id = {e.encoder_id: e for e in encoder.estimates(media, link_bytes_per_s=1.0e9)[0]}
+    measured, links_only = by_id["measured"], by_id["links-only"]
+    assert measured.transfer_to("w-slow") == pytest.approx(nbytes / 1.0e8)  # the link's own
+    assert measured.transfer_to("w-fast") == pytest.approx(nbytes / 4.0e9)
+    assert measured.transfer_to("w-none") == pytest.approx(nbytes / 2.0e9)  # unmeasured link: the encoder's figure
+    assert measured.transfer_to("w-other") == pytest.approx(nbytes / 2.0e9)
+    assert links_only.transfer_to("w-slow") == pytest.approx(nbytes / 5.0e8)
+    assert links_only.transfer_to("w-other") == pytest.approx(nbytes / 1.0e9)  # the configured default
+    # Inline delivery passes through the router: the encoder's links to workers do not count.
+    inline = {e.encoder_id: e for e in encoder.estimates(media, link_bytes_per_s=1.0e9, through_router=True)[0]}
+    assert inline["measured"].transfer_to("w-slow") == pytest.approx(2 * nbytes / 1.0e9)

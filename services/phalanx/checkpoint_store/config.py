@@ -16,9 +16,11 @@ class CheckpointStoreConfig(BaseSettings):
     metrics_port: int = Field(0, ge=0, le=65535, description="Prometheus /metrics port; 0 picks a free one")
 
     memory_limit_bytes: int = Field(
-        1 << 30, ge=1, description="KV held in memory; beyond it the least recently updated requests' KV spills to spill_dir"
+        1 << 30, ge=1, description="KV and media embeddings held in memory; beyond it the least recently updated requests' spill to spill_dir"
     )
-    spill_dir: str = Field("", description="Directory for spilled KV (a private subdirectory is made); empty: the system temp dir")
+    spill_dir: str = Field(
+        "", description="Directory for spilled KV and media embeddings (a private subdirectory is made); empty: the system temp dir"
+    )
     spill_retry_s: float = Field(
         5.0, gt=0,
         description="After a failed spill (disk full), how long the store drops what would spill before it tries the disk again",

@@ -23,7 +23,8 @@ class CheckpointMetrics:
             "phalanx_checkpoint_corrupt_restores", "Restores refused because held KV failed its checksum (the KV is dropped)", registry=r
         )
         self.spill_failures = Counter(
-            "phalanx_checkpoint_spill_failures", "Spills of KV to disk that failed (disk full, I/O error); that KV was dropped", registry=r
+            "phalanx_checkpoint_spill_failures",
+            "Spills of KV (and media embeddings) to disk that failed (disk full, I/O error); what was in memory was dropped", registry=r,
         )
         self.kv_dropped = Counter(
             "phalanx_checkpoint_kv_dropped_requests",
@@ -33,10 +34,11 @@ class CheckpointMetrics:
         # The store keeps these totals; the counters follow them (see observe_store).
         self._seen_spill_failures = self._seen_kv_dropped = 0
         self.requests = Gauge("phalanx_checkpoint_requests", "Requests with a commit record", registry=r)
-        self.memory_bytes = Gauge("phalanx_checkpoint_memory_bytes", "KV bytes held in memory", registry=r)
-        self.spilled_bytes = Gauge("phalanx_checkpoint_spilled_bytes", "KV bytes spilled to disk", registry=r)
+        self.memory_bytes = Gauge("phalanx_checkpoint_memory_bytes", "KV and media-embedding bytes held in memory", registry=r)
+        self.spilled_bytes = Gauge("phalanx_checkpoint_spilled_bytes", "KV and media-embedding bytes spilled to disk", registry=r)
         self.memory_limit_bytes = Gauge(
-            "phalanx_checkpoint_memory_limit_bytes", "KV bytes the store holds in memory before it spills (its setting)", registry=r
+            "phalanx_checkpoint_memory_limit_bytes", "Bytes (KV, media embeddings) the store holds in memory before it spills (its setting)",
+            registry=r,
         )
         self.committed_tokens = Gauge("phalanx_checkpoint_committed_tokens", "KV token positions committed, all requests", registry=r)
         self.connected_workers = Gauge("phalanx_checkpoint_connected_workers", "Workers with an open checkpoint stream", registry=r)

@@ -84,7 +84,8 @@ class CheckpointStoreServicer(checkpoint_pb2_grpc.CheckpointStoreServicer, migra
         return response
 
     async def GetCommit(self, request, context) -> checkpoint_pb2.GetCommitResponse:
-        return checkpoint_pb2.GetCommitResponse(commit=self.store.get(request.request_id), media=self.store.media(request.request_id))
+        media = self.store.media(request.request_id)  # first: embeddings it cannot read back leave media_held 0
+        return checkpoint_pb2.GetCommitResponse(commit=self.store.get(request.request_id), media=media)
 
     async def ListCommits(self, request, context) -> checkpoint_pb2.ListCommitsResponse:
         return checkpoint_pb2.ListCommitsResponse(commits=self.store.records(request.worker_id))

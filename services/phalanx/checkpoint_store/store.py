@@ -31,11 +31,17 @@ and the KV of positions ``[0, kv_tokens)``:
   so that an old copy cannot start them again from position 0.
 
 A whole state may bring the embeddings of the request's media
-(``Segment.media``): kept in memory with the commit (never spilled; counted
-in ``memory_bytes``) for restores that have no other copy of them, and kept
-across a restart of the request whose state names the same media. An item
-that does not fit its state (unknown span, wrong byte count or dtype) is left
-out, not the segment: the commit stays good for a caller that brings them.
+(``Segment.media``): kept with the commit for restores that have no other
+copy of them, and kept across a restart of the request whose state names the
+same media. An item that does not fit its state (unknown span, wrong byte
+count or dtype) is left out, not the segment: the commit stays good for a
+caller that brings them. They count in ``memory_bytes`` and spill with the
+request's KV (first, into a ``.media`` file beside its ``.kv`` one, each item
+with its CRC-32), are read back from there for ``media()``, and go with the
+commit. A spill of them that fails is a failed spill like the KV's (below):
+the embeddings in memory are dropped with the KV (``media_held`` says what
+is left) and the resync brings both again. Embeddings that cannot be read
+back (a short file, a checksum that fails) are dropped and not answered.
 
 The checksum of every range of KV written is kept with the request, and the
 KV a restore reads is checked against them before it leaves the store (a bit
@@ -464,9 +470,140 @@ class _KvTrack:
 
 
 @dataclass
+class _HeldMedia:
+    """One media item's embeddings: ``data`` in memory, or at ``offset`` of the media spill file once spilled."""
+
+    item: common_pb2.MediaEmbedding  # without its data: a message of its own (a segment's would keep the segment alive)
+    data: bytes | None
+    nbytes: int
+    offset: int = -1  # in the media spill file; -1: in memory
+    crc: int = 0  # of the bytes spilled
+
+    @classmethod
+    def of(cls, item: common_pb2.MediaEmbedding) -> _HeldMedia:
+        data = item.data  # a copy (upb), once
+        meta = common_pb2.MediaEmbedding(start=item.start, rows=item.rows, hidden=item.hidden, dtype=item.dtype,
+                                         media_hash=item.media_hash)
+        if item.HasField("source"):
+            meta.source.CopyFrom(item.source)
+        return cls(meta, data, len(data))
+
+    def with_data(self, data: bytes) -> common_pb2.MediaEmbedding:
+        item = common_pb2.MediaEmbedding()
+        item.CopyFrom(self.item)
+        item.data = data
+        return item
+
+
+class _MediaTrack:
+    """One request's media embeddings: in memory until the request spills, then in its own spill file."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.items: list[_HeldMedia] = []
+        self._end = 0  # bytes of the spill file in use
+
+    @property
+    def memory_bytes(self) -> int:
+        return sum(h.nbytes for h in self.items if h.offset < 0)
+
+    @property
+    def disk_bytes(self) -> int:
+        return self._end
+
+    @property
+    def spilled(self) -> bool:
+        return any(h.offset >= 0 for h in self.items)
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def replace(self, items: list[common_pb2.MediaEmbedding]) -> None:
+        """Hold ``items`` (in memory) instead of what was held."""
+        self.drop()
+        self.items = [_HeldMedia.of(item) for item in items]
+
+    def keep(self, keys: set[tuple[int, int, int]]) -> None:
+        """Only the items whose (start, rows, media_hash) is in ``keys``; a spilled one's bytes stay in the file."""
+        self.items = [h for h in self.items if (h.item.start, h.item.rows, h.item.media_hash) in keys]
+        if not self.spilled:
+            self._trim()
+
+    def spill(self) -> int:
+        """Append the items in memory to the spill file; the bytes written.
+
+        OSError if a write fails: the file is cut back to what it held and the items stay in memory.
+        """
+        pending = [h for h in self.items if h.offset < 0]
+        if not pending:
+            return 0
+        start = offset = self._end
+        placed = []
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.path, os.O_WRONLY | os.O_CREAT, 0o600)
+            try:
+                for held in pending:
+                    assert held.data is not None  # in memory
+                    _write_at(fd, offset, memoryview(held.data))
+                    placed.append((held, offset, zlib.crc32(held.data)))
+                    offset += held.nbytes
+            finally:
+                os.close(fd)
+        except OSError:
+            with contextlib.suppress(OSError):
+                if start:
+                    os.truncate(self.path, start)
+                else:
+                    self.path.unlink(missing_ok=True)
+            raise
+        for held, at, crc in placed:
+            held.offset, held.crc, held.data = at, crc, None
+        self._end = offset
+        return offset - start
+
+    def read(self) -> list[common_pb2.MediaEmbedding]:
+        """The items with their data, spilled ones read back and checked; OSError if one cannot be."""
+        out = []
+        with contextlib.ExitStack() as stack:
+            file = None
+            for held in self.items:
+                if held.data is not None:
+                    out.append(held.with_data(held.data))
+                    continue
+                if file is None:
+                    file = stack.enter_context(open(self.path, "rb"))
+                file.seek(held.offset)
+                data = file.read(held.nbytes)
+                if len(data) != held.nbytes or zlib.crc32(data) != held.crc:
+                    raise OSError(f"media spill file {self.path}: {held.nbytes} bytes at {held.offset} are short or fail their checksum")
+                out.append(held.with_data(data))
+        return out
+
+    def drop_memory(self) -> None:
+        """Drop the items held in memory (they could not spill); spilled ones stay."""
+        self.items = [h for h in self.items if h.offset >= 0]
+
+    def drop(self) -> None:
+        """Drop every item and delete the spill file."""
+        self.items = []
+        self._trim()
+
+    def _trim(self) -> None:
+        if self._end:
+            self._end = 0
+            try:
+                self.path.unlink(missing_ok=True)
+            except OSError as error:
+                log.warning("cannot delete the media spill file %s: %s", self.path, error)
+
+
+@dataclass
 class _Entry:
     record: checkpoint_pb2.CommitRecord
     kv: _KvTrack
+    # Embeddings of the media in record.state.media (Segment.media): in memory, spilled with the KV.
+    media: _MediaTrack
     # (start, end, crc32) of each range of KV written with a checksum, in position order, within [0, kv_tokens).
     checksums: list[tuple[int, int, int]] = field(default_factory=list)
     copy_id: int = 0  # the owner's copy (Segment.copy_id); 0: unknown
@@ -474,12 +611,14 @@ class _Entry:
     superseded: dict[str, int] = field(default_factory=dict)
     # Its KV was dropped because it could not spill: segments update the commit only, until a resync.
     kv_dropped: bool = False
-    # Embeddings of the media in record.state.media (Segment.media), in memory.
-    media: list[common_pb2.MediaEmbedding] = field(default_factory=list)
 
     @property
-    def media_bytes(self) -> int:
-        return sum(len(m.data) for m in self.media)
+    def memory_bytes(self) -> int:
+        return self.kv.memory_bytes + self.media.memory_bytes
+
+    @property
+    def disk_bytes(self) -> int:
+        return self.kv.disk_bytes + self.media.disk_bytes
 
 
 class CheckpointStore:
@@ -552,8 +691,10 @@ class CheckpointStore:
             self._take_state(entry, writer, segment)
         record = entry.record
         if kv.shape[2] == 0 and segment.kv_start == record.kv_tokens:
-            # Output tokens only, most segments: the KV and the totals stay as they are.
+            # Output tokens only, most segments: the KV and the totals stay as they are (a whole state's media do not).
             self._commit(record, segment)
+            if segment.media:
+                self._enforce_limit()
             return self._count(Ack(segment.request_id, segment.seq, segment.kv_end, SegmentResult.APPLIED, len(data)))
         with self._accounting(entry):
             entry.kv.truncate(segment.kv_start)
@@ -579,6 +720,8 @@ class CheckpointStore:
         self._take_state(entry, writer, segment)
         self._commit(record, segment)
         record.kv_tokens = 0
+        if segment.media:
+            self._enforce_limit()  # while the disk is tried again, these go at once (the resync brings them back)
         return Ack(segment.request_id, segment.seq, 0, SegmentResult.APPLIED, nbytes)
 
     def release(self, request_id: str, *, worker_id: str | None = None) -> bool:
@@ -623,8 +766,17 @@ class CheckpointStore:
         return record
 
     def media(self, request_id: str) -> list[common_pb2.MediaEmbedding]:
-        """The embeddings of the request's media that the store holds (``CommitRecord.media_held`` of them)."""
-        return list(self._entry(request_id).media)
+        """The embeddings of the request's media that the store holds (``CommitRecord.media_held`` of them), spilled
+        ones read back. Those that cannot be read back are dropped (``media_held`` 0 from then on): ask before ``get``."""
+        entry = self._entry(request_id)
+        try:
+            return entry.media.read()
+        except OSError as error:
+            log.warning("request %s: cannot read its media embeddings back (%s); dropped", request_id, error)
+            with self._accounting(entry):
+                entry.media.drop()
+                entry.record.media_held = 0
+            return []
 
     def records(self, worker_id: str = "") -> list[checkpoint_pb2.CommitRecord]:
         """Copies of the commit records owned by ``worker_id`` (every record if empty), by request id."""
@@ -732,10 +884,12 @@ class CheckpointStore:
         entry.copy_id = copy
 
     def _restart(self, writer: Writer, segment: checkpoint_pb2.Segment, previous: _Entry | None) -> _Entry:
-        media: list[common_pb2.MediaEmbedding] = []
+        moved: _MediaTrack | None = None  # the previous commit's embeddings, for a restart that brings none
         if previous is not None:
             self._take_over(previous, writer.worker_id, segment.copy_id)
-            superseded, media = previous.superseded, previous.media
+            superseded = previous.superseded
+            with self._accounting(previous):
+                moved, previous.media = previous.media, _MediaTrack(previous.media.path)
             self._drop(segment.request_id)
         else:
             superseded = self._tombstones.pop(segment.request_id, {})
@@ -749,19 +903,31 @@ class CheckpointStore:
             record.state.generator_state = segment.generator_state
         self._files += 1
         track = _KvTrack(self._pool(writer.layout), self.spill_dir / f"{self._files:08d}.kv")
-        entry = self._entries[segment.request_id] = _Entry(record, track, copy_id=segment.copy_id, superseded=superseded)
-        self._keep_media(entry, list(segment.media) or media)
+        media = _MediaTrack(self.spill_dir / f"{self._files:08d}.media")
+        entry = self._entries[segment.request_id] = _Entry(record, track, media, copy_id=segment.copy_id, superseded=superseded)
+        if moved is not None and not segment.media:
+            with self._accounting(entry):
+                entry.media = moved
+        elif moved is not None:
+            moved.drop()
+        self._keep_media(entry, list(segment.media))
         return entry
 
     def _take_state(self, entry: _Entry, writer: Writer, segment: checkpoint_pb2.Segment) -> None:
         """A segment's tokens and sampling state into the commit (not its KV); a whole state's media too."""
         _take_state(entry.record, writer, segment)
         if segment.HasField("state"):
-            self._keep_media(entry, list(segment.media) or entry.media)
+            self._keep_media(entry, list(segment.media))
 
     def _keep_media(self, entry: _Entry, media: list[common_pb2.MediaEmbedding]) -> None:
-        """Of ``media``, the embeddings that fit the state's media spans, one per span, into the entry's memory."""
+        """Of ``media`` (a segment's, replacing what the entry holds; none: what it holds), the embeddings that fit the
+        state's media spans, one per span."""
         spans = {(m.start, m.rows, m.media_hash) for m in entry.record.state.media}
+        if not media:
+            with self._accounting(entry):
+                entry.media.keep(spans)
+            entry.record.media_held = len(entry.media)
+            return
         kept: dict[tuple[int, int, int], common_pb2.MediaEmbedding] = {}
         for item in media:
             key = (item.start, item.rows, item.media_hash)
@@ -771,9 +937,8 @@ class CheckpointStore:
                             entry.record.request_id, item.start, item.rows, item.hidden, item.dtype, len(item.data))
                 continue
             kept[key] = item
-        self._memory -= entry.media_bytes
-        entry.media = list(kept.values())
-        self._memory += entry.media_bytes
+        with self._accounting(entry):
+            entry.media.replace(list(kept.values()))
         entry.record.media_held = len(entry.media)
 
     def _commit(self, record: checkpoint_pb2.CommitRecord, segment: checkpoint_pb2.Segment) -> None:
@@ -791,23 +956,23 @@ class CheckpointStore:
 
     def _drop(self, request_id: str) -> None:
         entry = self._entries.pop(request_id)
-        self._memory -= entry.media_bytes
         with self._accounting(entry):
             entry.kv.drop()
+            entry.media.drop()
             entry.record.kv_tokens = 0
         self._trim_pools()
 
     @contextlib.contextmanager
     def _accounting(self, entry: _Entry) -> Iterator[None]:
-        """Keep the running totals right across a change of one entry's KV."""
-        memory, disk, tokens = entry.kv.memory_bytes, entry.kv.disk_bytes, entry.record.kv_tokens
+        """Keep the running totals right across a change of one entry's KV or media embeddings."""
+        memory, disk, tokens = entry.memory_bytes, entry.disk_bytes, entry.record.kv_tokens
         try:
             yield
         finally:
-            self._memory += entry.kv.memory_bytes - memory
-            self._disk += entry.kv.disk_bytes - disk
+            self._memory += entry.memory_bytes - memory
+            self._disk += entry.disk_bytes - disk
             self._committed_tokens += entry.record.kv_tokens - tokens
-            entry.record.spilled = entry.kv.spilled
+            entry.record.spilled = entry.kv.spilled or entry.media.spilled
 
     def _enforce_limit(self) -> None:
         if self._memory <= self.memory_limit_bytes:
@@ -815,7 +980,7 @@ class CheckpointStore:
         target = int(self.memory_limit_bytes * _SPILL_LOW_WATER)
         # Least recently updated first (a finished or dead worker's requests), the largest among equals.
         victims = sorted(
-            (e for e in self._entries.values() if e.kv.memory_bytes), key=lambda e: (e.record.updated_at, -e.kv.memory_bytes)
+            (e for e in self._entries.values() if e.memory_bytes), key=lambda e: (e.record.updated_at, -e.memory_bytes)
         )
         for entry in victims:
             if self._memory <= target:
@@ -825,6 +990,7 @@ class CheckpointStore:
                     self._drop_kv(entry)
                     continue
                 try:
+                    entry.media.spill()  # first: KV that spilled while they could not would be dropped all the same
                     entry.kv.spill()
                 except OSError as error:
                     self._spill_failed(entry, error)
@@ -849,9 +1015,12 @@ class CheckpointStore:
             self._spill_retry_at = None
 
     def _drop_kv(self, entry: _Entry) -> None:
-        """The KV that cannot spill goes; the commit record stays (kv_tokens 0), for a re-prefill. Within _accounting."""
+        """The KV that cannot spill goes, and the media embeddings still in memory; the commit record stays (kv_tokens
+        0), for a re-prefill (with the embeddings spilled before, if any). Within _accounting."""
         entry.kv.drop()
+        entry.media.drop_memory()
         entry.record.kv_tokens = 0
+        entry.record.media_held = len(entry.media)
         entry.checksums.clear()
         if not entry.kv_dropped:
             entry.kv_dropped = True

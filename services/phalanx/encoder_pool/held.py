@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["DeliveryRate", "HeldEmbeddings"]
+__all__ = ["DeliveryRate", "DeliveryRates", "HeldEmbeddings"]
 
 
 @dataclass(frozen=True)
@@ -92,3 +92,38 @@ class DeliveryRate:
             return
         rate = nbytes / seconds
         self.bytes_per_s = rate if self.bytes_per_s <= 0 else (1 - self.alpha) * self.bytes_per_s + self.alpha * rate
+
+
+class DeliveryRates:
+    """An encoder's delivery bandwidth overall and per receiving worker (its link to it), each a ``DeliveryRate``.
+
+    Links differ (another host, another NIC, a congested one), so a router prices the link to each worker with that
+    link's own average where it has one. Kept for the ``max_links`` workers sent to most recently: the registration
+    that advertises them stays small, and a worker that left drops out.
+    """
+
+    def __init__(self, *, min_bytes: int = 64 << 10, alpha: float = 0.2, max_links: int = 64) -> None:
+        if max_links < 0:
+            raise ValueError("max_links must be at least 0")
+        self.overall = DeliveryRate(min_bytes=min_bytes, alpha=alpha)
+        self.max_links = max_links
+        self._links: OrderedDict[str, DeliveryRate] = OrderedDict()
+
+    @property
+    def bytes_per_s(self) -> float:
+        return self.overall.bytes_per_s
+
+    def observe(self, nbytes: int, seconds: float, worker_id: str = "") -> None:
+        """One send of ``nbytes`` in ``seconds`` to ``worker_id`` ("": a receiver that did not say, overall only)."""
+        self.overall.observe(nbytes, seconds)
+        if not worker_id or nbytes < self.overall.min_bytes or seconds <= 0 or not self.max_links:
+            return
+        link = self._links.pop(worker_id, None) or DeliveryRate(min_bytes=self.overall.min_bytes, alpha=self.overall.alpha)
+        link.observe(nbytes, seconds)
+        self._links[worker_id] = link  # the most recent last
+        while len(self._links) > self.max_links:
+            self._links.popitem(last=False)
+
+    def by_worker(self) -> dict[str, float]:
+        """Bytes per second of each measured link, by worker id."""
+        return {worker_id: rate.bytes_per_s for worker_id, rate in self._links.items()}

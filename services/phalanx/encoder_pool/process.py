@@ -103,7 +103,7 @@ class EncoderPoolProcess:
             started_at=self.started_at, modalities=[modality_to_proto(m) for m in pool.modalities],
             llm_hidden_size=self.config.llm_hidden_size, embedding_dtype=self.config.embedding_dtype,
             image_positions=pool.image.tokens_per_image if pool.image else 0, audio_chunk_positions=pool.audio_chunk_positions,
-            load=encoder_load(pool, self.servicer.delivery_bytes_per_s if self.servicer is not None else 0.0),
+            load=encoder_load(pool, self.servicer.delivery if self.servicer is not None else None),
         ))
 
     async def _publish_load_forever(self, pool: EncodePool, registration: LeasedKey) -> None:

@@ -15,7 +15,7 @@ from phalanx.common.subjects import check_send_request
 from phalanx.common.telemetry import get_tracer
 from phalanx.encoder_pool.cost import Modality
 from phalanx.encoder_pool.errors import MediaError
-from phalanx.encoder_pool.held import DeliveryRate, HeldEmbeddings
+from phalanx.encoder_pool.held import DeliveryRates, HeldEmbeddings
 from phalanx.encoder_pool.metrics import EncoderMetrics
 from phalanx.encoder_pool.pool import EncodedItem, EncodePool, MediaInput, VideoRequest
 from phalanx.encoder_pool.video import SamplingStrategy
@@ -64,10 +64,12 @@ def embedding_to_proto(item: EncodedItem, dtype: torch.dtype, held: HeldEmbeddin
     return embedding
 
 
-def encoder_load(pool: EncodePool, delivery_bytes_per_s: float = 0.0) -> encoder_pb2.EncoderLoad:
+def encoder_load(pool: EncodePool, delivery: DeliveryRates | None = None) -> encoder_pb2.EncoderLoad:
     admission = pool.admission
     return encoder_pb2.EncoderLoad(
-        backlog_ms=admission.backlog_ms, inflight_requests=pool.inflight, delivery_bytes_per_s=delivery_bytes_per_s,
+        backlog_ms=admission.backlog_ms, inflight_requests=pool.inflight,
+        delivery_bytes_per_s=delivery.bytes_per_s if delivery is not None else 0.0,
+        delivery_bytes_per_s_by_worker=delivery.by_worker() if delivery is not None else {},
         costs=[
             encoder_pb2.ModalityCost(modality=modality_to_proto(m), unit_ms=pool.cost.unit_ms(m), queued_units=admission.queued[m])
             for m in pool.modalities
@@ -85,7 +87,7 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
         self.channels = channels  # None: held embeddings go over gRPC only
         self.channel_timeout_s = pool.config.channel_timeout_s
         self._dropped_seen = 0
-        self.delivery = DeliveryRate()  # of sends to workers, advertised for the routers' joint choice
+        self.delivery = DeliveryRates()  # of sends to workers, overall and per worker, advertised for the routers' joint choice
 
     @property
     def delivery_bytes_per_s(self) -> float:
@@ -140,7 +142,7 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
         nbytes = sum(t.numel() * t.element_size() for t in tensors)
         seconds = time.perf_counter() - start
         self.metrics.sent_bytes.labels(transport="channel").inc(nbytes)
-        self.delivery.observe(nbytes, seconds)
+        self.delivery.observe(nbytes, seconds, request.worker_id)
         return encoder_pb2.SendEmbeddingsResponse(bytes=nbytes, seconds=seconds)
 
     async def FetchEmbeddings(
@@ -155,7 +157,7 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
                 yield encoder_pb2.FetchEmbeddingsResponse(piece=index, data=piece)
                 sent.inc(len(piece))
                 nbytes += len(piece)
-        self.delivery.observe(nbytes, time.perf_counter() - start)
+        self.delivery.observe(nbytes, time.perf_counter() - start, request.worker_id)
 
     def _held_tensors(self, keys: Sequence[str]) -> list[torch.Tensor]:
         """The tensors held under `keys`, all or NOT_FOUND (held past their hold time, or by an encoder that restarted)."""
@@ -174,7 +176,7 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
         self._dropped_seen = self.held.dropped
 
     async def GetLoad(self, request: encoder_pb2.GetLoadRequest, context: grpc.aio.ServicerContext) -> encoder_pb2.GetLoadResponse:
-        return encoder_pb2.GetLoadResponse(load=encoder_load(self.pool, self.delivery_bytes_per_s))
+        return encoder_pb2.GetLoadResponse(load=encoder_load(self.pool, self.delivery))
 
     def _count(self, modalities: list[str], result: str) -> None:
         for modality in modalities:

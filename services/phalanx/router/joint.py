@@ -10,9 +10,10 @@ embeddings. Per pair, in seconds:
     overlap:     max(encode_e + transfer_e,w, wait_w + uncached_prefix_w x s_w) + rest x s_w
     sequential:  encode_e + transfer_e,w + wait_w + uncached_prefix_w x s_w + rest x s_w
 
-where ``transfer_e,w`` is moving the embeddings (``EncoderEstimate.transfer_s``,
-``embedding_transfer_s``: their bytes over the encoder's measured delivery
-bandwidth, or a configured link bandwidth before one is measured, twice
+where ``transfer_e,w`` is moving the embeddings (``EncoderEstimate.transfer_to``,
+``embedding_transfer_s``: their bytes over the measured bandwidth of the
+encoder's link to that worker, else over the encoder's measured bandwidth to
+any worker, else over a configured link bandwidth; twice the configured one
 when they pass through the router; plus an optional per-pair term),
 ``wait_w`` and ``s_w`` (seconds per prompt token) are the routing
 table's terms for that worker (queue, load since its last report, health
@@ -32,8 +33,8 @@ encode does not.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 
 from phalanx.router.routing import WorkerEstimate
 
@@ -48,6 +49,12 @@ class EncoderEstimate:
     encoder_id: str
     encode_s: float  # backlog + this request's units x unit cost
     transfer_s: float = 0.0  # moving this request's embeddings from the encoder to a worker
+    # The same to the workers whose link from this encoder has a bandwidth of its own (measured), by worker id.
+    link_transfer_s: Mapping[str, float] = field(default_factory=dict)
+
+    def transfer_to(self, worker_id: str) -> float:
+        """Moving the embeddings to ``worker_id``: over its link's measured bandwidth if known, else ``transfer_s``."""
+        return self.link_transfer_s.get(worker_id, self.transfer_s)
 
 
 def embedding_bytes(rows: int, hidden: int, dtype: str) -> int:
@@ -87,8 +94,8 @@ class JointChoice:
 def pair_ttft_s(
     encoder: EncoderEstimate, worker: WorkerEstimate, *, prefix_tokens: int, rest_tokens: int, overlap: bool, transfer_s: float = 0.0,
 ) -> float:
-    """Estimated TTFT of one pair; `transfer_s` is a per-pair term on top of the encoder's own ``transfer_s``."""
-    ready = encoder.encode_s + encoder.transfer_s + transfer_s
+    """Estimated TTFT of one pair; `transfer_s` is a term on top of the encoder's own ``transfer_to(worker)``."""
+    ready = encoder.encode_s + encoder.transfer_to(worker.worker_id) + transfer_s
     prefix = worker.wait_s + max(0, prefix_tokens - worker.cached_tokens) * worker.s_per_token
     rest = rest_tokens * worker.s_per_token
     return (max(ready, prefix) if overlap else ready + prefix) + rest
@@ -108,6 +115,7 @@ def choose_joint(
                 prefill_s = max(0, prefix_tokens - worker.cached_tokens) * worker.s_per_token
                 best = JointChoice(
                     encoder.encoder_id, worker.worker_id, ttft, min(worker.cached_tokens, prefix_tokens),
-                    overlap_gain_s=min(encoder.encode_s + encoder.transfer_s + pair, prefill_s), worker_step_s=worker.step_s,
+                    overlap_gain_s=min(encoder.encode_s + encoder.transfer_to(worker.worker_id) + pair, prefill_s),
+                    worker_step_s=worker.step_s,
                 )
     return best

@@ -239,6 +239,7 @@ class MediaEncoder:
 
         Each estimate's ``transfer_s`` prices moving the embeddings to a worker (``embedding_transfer_s``: its measured
         delivery bandwidth, else `link_bytes_per_s`; `through_router`: inline delivery, two hops); 0 without a link.
+        Direct delivery prices the workers whose link the encoder measured apart (``link_transfer_s``) by that link.
         """
         _, units = self._items(media)
         choices = self.encoders.ranked(units)
@@ -250,11 +251,15 @@ class MediaEncoder:
             nbytes = embedding_bytes(
                 sum(estimated_rows(item, registration) for item in media), registration.llm_hidden_size, registration.embedding_dtype,
             )
+            load = registration.load
             transfer = embedding_transfer_s(
-                nbytes, measured_bytes_per_s=registration.load.delivery_bytes_per_s, link_bytes_per_s=link_bytes_per_s,
-                through_router=through_router,
+                nbytes, measured_bytes_per_s=load.delivery_bytes_per_s, link_bytes_per_s=link_bytes_per_s, through_router=through_router,
             )
-            estimates.append(EncoderEstimate(c.encoder_id, c.estimate_ms / 1e3, transfer))
+            links = {} if through_router else {
+                worker_id: embedding_transfer_s(nbytes, measured_bytes_per_s=rate, link_bytes_per_s=link_bytes_per_s, through_router=False)
+                for worker_id, rate in load.delivery_bytes_per_s_by_worker.items() if rate > 0
+            }
+            estimates.append(EncoderEstimate(c.encoder_id, c.estimate_ms / 1e3, transfer, links))
         registration = self.encoders.encoders[choices[0].encoder_id]
         rows = sum(estimated_rows(item, registration) for item in media)
         return estimates, rows

@@ -59,9 +59,12 @@ class _Source:
 class MediaFetcher(ChannelFetcher):
     """Pulls media embeddings from encoders; owns its gRPC channels to them and the background channel formations."""
 
-    def __init__(self, channels: ChannelEndpoint | None, policy: KvFetchPolicy, metrics: WorkerMetrics, *, timeout_s: float) -> None:
+    def __init__(
+        self, channels: ChannelEndpoint | None, policy: KvFetchPolicy, metrics: WorkerMetrics, *, timeout_s: float, worker_id: str = "",
+    ) -> None:
         super().__init__(channels, policy, warming={})
         self._metrics = metrics
+        self._worker_id = worker_id  # named in every fetch: the encoder measures its link to this worker apart
         self._timeout_s = timeout_s
         self._encoders = GrpcChannels(_BULK_OPTIONS)
 
@@ -126,14 +129,15 @@ class MediaFetcher(ChannelFetcher):
                 if isinstance(error, grpc.aio.AioRpcError) and error.code() == grpc.StatusCode.NOT_FOUND and "holds" in (error.details() or ""):
                     raise  # the encoder no longer holds them: gRPC would not find them either
                 log.info("media from %s over a tensor channel failed (%s); over gRPC instead", source.address, error)
-        await _fetch_embeddings(stub, keys, buffers, timeout)
+        await _fetch_embeddings(stub, keys, buffers, timeout, self._worker_id)
         if decision.warm_channel:
             self._warm_channel(stub, key)
         return KvFetchRoute.GRPC
 
     def _send_request(self, keys: list[str], channel_id: str, *, reuse: bool) -> encoder_pb2.SendEmbeddingsRequest:
         return encoder_pb2.SendEmbeddingsRequest(
-            keys=keys, target_endpoint=self._endpoint().endpoint_id, channel_id=channel_id, timeout_s=self._timeout_s, reuse_channel=reuse
+            keys=keys, target_endpoint=self._endpoint().endpoint_id, channel_id=channel_id, timeout_s=self._timeout_s, reuse_channel=reuse,
+            worker_id=self._worker_id,
         )
 
     async def _over_new_channel(self, stub: encoder_pb2_grpc.EncoderServiceStub, key: str, keys: list[str], buffers: list[torch.Tensor]) -> None:
@@ -149,14 +153,16 @@ class MediaFetcher(ChannelFetcher):
         self._warm(key, lambda: self._over_new_channel(stub, key, [], []))
 
 
-async def _fetch_embeddings(stub: encoder_pb2_grpc.EncoderServiceStub, keys: list[str], buffers: list[torch.Tensor], timeout: float) -> None:
+async def _fetch_embeddings(
+    stub: encoder_pb2_grpc.EncoderServiceStub, keys: list[str], buffers: list[torch.Tensor], timeout: float, worker_id: str = "",
+) -> None:
     """The gRPC fallback: each item's bytes in chunks, copied into its buffer."""
     import numpy as np
     import torch
 
     views = [b.view(-1).view(torch.uint8).numpy() for b in buffers]
     filled = [0] * len(keys)
-    async for chunk in stub.FetchEmbeddings(encoder_pb2.FetchEmbeddingsRequest(keys=keys), timeout=timeout):
+    async for chunk in stub.FetchEmbeddings(encoder_pb2.FetchEmbeddingsRequest(keys=keys, worker_id=worker_id), timeout=timeout):
         view, start = views[chunk.piece], filled[chunk.piece]
         data = np.frombuffer(chunk.data, dtype=np.uint8)
         view[start : start + len(data)] = data

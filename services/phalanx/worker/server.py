@@ -155,7 +155,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         self._warming: dict[str, asyncio.Task] = {}  # channels being formed ahead of the next transfer, by source key
         self.kv_buffers = BufferPool(_KV_BUFFER_KEEP_BYTES)  # what restores receive KV into
         # Media embeddings an encoder holds for this worker's requests (the router's direct delivery).
-        self.media = MediaFetcher(channels, KvFetchPolicy(media_channel_min_bytes), metrics, timeout_s=channel_timeout_s)
+        self.media = MediaFetcher(
+            channels, KvFetchPolicy(media_channel_min_bytes), metrics, timeout_s=channel_timeout_s, worker_id=worker_id
+        )
         self._ttft, self._itl, self._generated = m.for_worker(m.ttft), m.for_worker(m.itl), m.for_worker(m.generated_tokens)
         self._prompt, self._cached_prompt = m.for_worker(m.prompt_tokens), m.for_worker(m.cached_prompt_tokens)
         self.streams = RequestStreams(

@@ -179,13 +179,19 @@ class HealthHandle(ServiceHandle):
 
 
 _certs_root: Path | None = None
+_control_plane_tls: tuple[str, ...] = ()
 
 
-def use_certs(root: str | os.PathLike[str] | None) -> None:
+def use_certs(root: str | os.PathLike[str] | None, *, etcd: bool = False, nats: bool = False) -> None:
     """Start every later service with mutual TLS: ``PHALANX_TLS_DIR=<root>/<command>`` (the layout of ``phalanx certs init``,
-    one identity per service command: worker, router, health ...), unless its env names one; None: as the environment says."""
-    global _certs_root
+    one identity per service command: worker, router, health ...), unless its env names one; None: as the environment says.
+
+    ``etcd``/``nats``: the same identity's directory for its connection to etcd / NATS too (``PHALANX_ETCD_TLS_DIR``,
+    ``PHALANX_NATS_TLS_DIR``): servers that want client certificates of the same CA.
+    """
+    global _certs_root, _control_plane_tls
     _certs_root = Path(root) if root is not None else None
+    _control_plane_tls = tuple(name for name, wanted in (("ETCD", etcd), ("NATS", nats)) if wanted and root is not None)
 
 
 # glibc's malloc backs its heap with transparent huge pages (madvise; THP "madvise" or "always" in the kernel). A
@@ -215,7 +221,8 @@ def _spawn(args: list[str], env: dict[str, str], prefix: Sequence[str] = ()) -> 
     """``python -m phalanx.cli ARGS``, run through ``prefix`` if given (a command that execs the rest, e.g. ``ip netns
     exec NS``, so that the PID is the service's own)."""
     if _certs_root is not None and "PHALANX_TLS_DIR" not in env:
-        env = {**env, "PHALANX_TLS_DIR": str(_certs_root / args[0])}
+        own = str(_certs_root / args[0])
+        env = {**env, "PHALANX_TLS_DIR": own, **{f"PHALANX_{server}_TLS_DIR": own for server in _control_plane_tls}}
     if args[0] in _HUGE_PAGE_COMMANDS:  # the processes whose death other processes wait to see
         env = _with_huge_page_heap(env)
     return subprocess.Popen(

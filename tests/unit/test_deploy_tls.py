@@ -57,4 +57,24 @@ def test_the_compose_tls_file_gives_every_phalanx_service_its_certificate_from_t
         assert identity == {"memory-service": "memory-service"}.get(command, command), name
         assert identity in SERVICE_IDENTITIES
         assert tls[name]["depends_on"]["certs"]["condition"] == "service_completed_successfully"
+        # The same identity towards etcd and NATS, which serve mutual TLS in this file.
+        environment = tls[name]["environment"]
+        assert environment["PHALANX_ETCD_TLS_DIR"] == environment["PHALANX_NATS_TLS_DIR"] == environment["PHALANX_TLS_DIR"], name
     assert "phalanx certs init --dir /certs" in tls["certs"]["command"][0]
+
+
+def test_the_compose_tls_file_runs_etcd_and_nats_with_client_certificate_auth() -> None:
+    base = yaml.safe_load((DEPLOY / "compose" / "docker-compose.yml").read_text())["services"]
+    tls = yaml.safe_load((DEPLOY / "compose" / "docker-compose.tls.yml").read_text())["services"]
+    etcd, nats = tls["etcd"]["command"], tls["nats"]["command"]
+    etcd_tls = {"--client-cert-auth", "--listen-client-urls=https://0.0.0.0:2379", "--advertise-client-urls=https://etcd:2379",
+                "--trusted-ca-file=/certs/etcd/ca.crt", "--cert-file=/certs/etcd/tls.crt", "--key-file=/certs/etcd/tls.key"}
+    assert etcd_tls <= set(etcd)
+    # Everything else as in the base file (compose replaces a command whole): its cluster, timing and compaction.
+    assert [f for f in etcd if f not in etcd_tls] == [f for f in base["etcd"]["command"] if "client-urls" not in f]
+    assert {"--tlsverify", "--tlscert=/certs/nats/tls.crt", "--tlskey=/certs/nats/tls.key", "--tlscacert=/certs/nats/ca.crt"} <= set(nats)
+    assert nats[:len(base["nats"]["command"])] == base["nats"]["command"]
+    for server in ("etcd", "nats"):
+        assert tls[server]["depends_on"]["certs"]["condition"] == "service_completed_successfully"
+        assert "certs:/certs:ro" in tls[server]["volumes"]
+    assert "https://127.0.0.1:2379" in " ".join(tls["etcd"]["healthcheck"]["test"])

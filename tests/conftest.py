@@ -1,9 +1,10 @@
-"""Shared fixtures: one real nats-server and one etcd per test session."""
+"""Shared fixtures: one real nats-server and one etcd per test session (plaintext), and TLS ones for the tests that ask."""
 
 from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -13,7 +14,8 @@ import pytest
 os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 
 from phalanx.common.config import EtcdConfig, NatsConfig
-from phalanx.launch.infra import EtcdServer, NatsServer
+from phalanx.common.tls import init_certs
+from phalanx.launch.infra import EtcdServer, NatsServer, ServerTls
 
 
 @pytest.fixture(scope="session")
@@ -42,3 +44,27 @@ def etcd_config(etcd_server: EtcdServer) -> EtcdConfig:
     """Config pointing at the session etcd with 1 s leases (restarted if a test stopped it)."""
     etcd_server.start()
     return EtcdConfig(endpoint=etcd_server.endpoint, lease_ttl_s=1)
+
+
+@pytest.fixture(scope="session")
+def control_plane_certs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A development CA with certificates for etcd, NATS, services and callers (``<dir>/<identity>/``), and another CA's
+    ``router`` certificate in ``<dir>/other-ca/router`` (one the servers must refuse)."""
+    directory = tmp_path_factory.mktemp("control-plane-certs")
+    init_certs(directory, ["etcd", "nats", "router", "worker", "admin", "client"], days=1)
+    init_certs(directory / "other-ca", ["router"], days=1)
+    return directory
+
+
+@pytest.fixture(scope="session")
+def tls_etcd_server(control_plane_certs: Path) -> Iterator[EtcdServer]:
+    """An etcd that serves only TLS (https client URL) and wants a client certificate of the CA (--client-cert-auth)."""
+    with EtcdServer(tls=ServerTls.from_dir(control_plane_certs / "etcd")) as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def tls_nats_server(control_plane_certs: Path) -> Iterator[NatsServer]:
+    """A nats-server whose ``tls`` block wants a client certificate of the CA (``verify: true``)."""
+    with NatsServer(tls=ServerTls.from_dir(control_plane_certs / "nats")) as server:
+        yield server

@@ -58,10 +58,10 @@ def test_compose_runs_two_health_instances_with_distinct_ids_after_nats_and_etcd
     assert ids == {"health-1", "health-2"}
     for service in health.values():
         assert service["depends_on"]["nats"]["condition"] == "service_healthy"
-        assert service["depends_on"]["etcd"]["condition"] == "service_healthy"
+        assert all(service["depends_on"][f"etcd-{n}"]["condition"] == "service_healthy" for n in (1, 2, 3))
         env = service["environment"]
         assert env["PHALANX_NATS_URL"] == "nats://nats:4222"
-        assert env["PHALANX_ETCD_ENDPOINT"] == "etcd:2379"
+        assert env["PHALANX_ETCD_ENDPOINT"] == "etcd-1:2379,etcd-2:2379,etcd-3:2379"
         assert env["PHALANX_HEALTH_HOST"] == "0.0.0.0"  # noqa: S104 - asserts the in-container setting
         assert env["PHALANX_PROBE_PORT"] == env["PHALANX_HEALTH_PORT"]
         assert env["PHALANX_PROBE_SERVICE"] == HEALTH_SERVICE
@@ -206,3 +206,22 @@ def test_health_dashboard_is_provisioned_with_unique_ids_and_leader_filtered_gau
             assert LEADER_JOIN in " ".join(expr.split()), expr
     for panel in health["panels"]:
         assert panel["datasource"]["uid"] == "prometheus", panel["title"]
+
+
+def test_compose_runs_a_three_member_etcd_that_every_service_is_given_whole():
+    services = _compose_services()
+    members = {f"etcd-{n}" for n in (1, 2, 3)}
+    assert members <= services.keys() and "etcd" not in services
+    flags = {name: dict(f.split("=", 1) for f in services[name]["command"][1:]) for name in members}
+    assert len({f["--initial-cluster"] for f in flags.values()}) == 1  # one cluster, the same three peers for each
+    assert set(flags["etcd-1"]["--initial-cluster"].split(",")) == {f"{m}=http://{m}:2380" for m in members}
+    for name in members:
+        assert flags[name]["--name"] == name and flags[name]["--initial-advertise-peer-urls"] == f"http://{name}:2380"
+        assert services[name]["environment"]["ETCD_ADVERTISE_CLIENT_URLS"] == f"http://{name}:2379"
+        assert flags[name]["--election-timeout"] == "500"  # 1 s leases hold
+    volumes = {services[name]["volumes"][0].split(":")[0] for name in members}
+    assert len(volumes) == 3  # a data directory each
+    for name, service in services.items():
+        env = service.get("environment") or {}
+        if "PHALANX_ETCD_ENDPOINT" in env:
+            assert env["PHALANX_ETCD_ENDPOINT"] == "etcd-1:2379,etcd-2:2379,etcd-3:2379", name

@@ -57,4 +57,31 @@ def test_the_compose_tls_file_gives_every_phalanx_service_its_certificate_from_t
         assert identity == {"memory-service": "memory-service"}.get(command, command), name
         assert identity in SERVICE_IDENTITIES
         assert tls[name]["depends_on"]["certs"]["condition"] == "service_completed_successfully"
+        # The same identity towards etcd and NATS, which serve mutual TLS in this file.
+        environment = tls[name]["environment"]
+        assert environment["PHALANX_ETCD_TLS_DIR"] == environment["PHALANX_NATS_TLS_DIR"] == environment["PHALANX_TLS_DIR"], name
     assert "phalanx certs init --dir /certs" in tls["certs"]["command"][0]
+
+
+def test_the_compose_tls_file_runs_etcd_and_nats_with_client_certificate_auth() -> None:
+    base = yaml.safe_load((DEPLOY / "compose" / "docker-compose.yml").read_text())["services"]
+    tls = yaml.safe_load((DEPLOY / "compose" / "docker-compose.tls.yml").read_text())["services"]
+    for n in (1, 2, 3):
+        member, environment = f"etcd-{n}", tls[f"etcd-{n}"]["environment"]
+        # etcd takes its client URLs from ETCD_* variables in both files (a flag would shadow the TLS file's variable).
+        assert not [flag for flag in base[member]["command"] if "client-urls" in flag or "cert" in flag]
+        assert set(base[member]["environment"]) == {"ETCD_LISTEN_CLIENT_URLS", "ETCD_ADVERTISE_CLIENT_URLS"}
+        assert environment == {
+            "ETCD_LISTEN_CLIENT_URLS": "https://0.0.0.0:2379", "ETCD_ADVERTISE_CLIENT_URLS": f"https://{member}:2379",
+            "ETCD_CLIENT_CERT_AUTH": "true", "ETCD_TRUSTED_CA_FILE": "/certs/etcd/ca.crt", "ETCD_CERT_FILE": "/certs/etcd/tls.crt",
+            "ETCD_KEY_FILE": "/certs/etcd/tls.key",
+        }
+        assert "https://127.0.0.1:2379" in " ".join(tls[member]["healthcheck"]["test"])
+    # The one etcd certificate names every member: clients check it against the first endpoint's host.
+    assert all(f"--host etcd-{n}" in tls["certs"]["command"][0] for n in (1, 2, 3))
+    nats = tls["nats"]["command"]
+    assert {"--tlsverify", "--tlscert=/certs/nats/tls.crt", "--tlskey=/certs/nats/tls.key", "--tlscacert=/certs/nats/ca.crt"} <= set(nats)
+    assert nats[:len(base["nats"]["command"])] == base["nats"]["command"]
+    for server in ("etcd-1", "etcd-2", "etcd-3", "nats"):
+        assert tls[server]["depends_on"]["certs"]["condition"] == "service_completed_successfully"
+        assert "certs:/certs:ro" in tls[server]["volumes"]

@@ -17,6 +17,7 @@ from phalanx._proto import (
     worker_pb2,
 )
 from phalanx.common.authz import ADMIN, POLICY, allowed
+from phalanx.common.config import EtcdConfig, NatsConfig
 from phalanx.common.tls import (
     CA_FILE,
     CERT_FILE,
@@ -26,6 +27,7 @@ from phalanx.common.tls import (
     TlsSettings,
     identity_of_certificate,
     init_certs,
+    resolve_client_tls,
 )
 
 PROTOS = (channel_pb2, chaos_pb2, checkpoint_pb2, encoder_pb2, expert_pb2, health_pb2, migration_pb2, router_pb2, worker_pb2)
@@ -40,6 +42,31 @@ def test_init_makes_a_ca_and_one_cert_manager_style_directory_per_identity_with_
         assert stat.S_IMODE((tmp_path / name / KEY_FILE).stat().st_mode) == 0o600
         assert (tmp_path / name / CA_FILE).read_bytes() == (tmp_path / "ca.crt").read_bytes()
     assert stat.S_IMODE((tmp_path / "ca.key").stat().st_mode) == 0o600
+
+
+def test_etcd_and_nats_get_server_certificates_named_after_themselves_not_phalanx_internal(tmp_path):
+    init_certs(tmp_path, ["etcd", "nats"], hosts=["etcd-0.etcd"])
+    for server in ("etcd", "nats"):
+        certificate = x509.load_pem_x509_certificate((tmp_path / server / CERT_FILE).read_bytes())
+        names = set(certificate.extensions.get_extension_for_class(x509.SubjectAlternativeName).value.get_values_for_type(x509.DNSName))
+        assert server in names and "localhost" in names and "etcd-0.etcd" in names
+        assert "phalanx.internal" not in names  # cannot pose as a Phalanx service
+        usages = set(certificate.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value)
+        assert usages == {x509.oid.ExtendedKeyUsageOID.SERVER_AUTH, x509.oid.ExtendedKeyUsageOID.CLIENT_AUTH}
+
+
+def test_etcd_and_nats_tls_settings_resolve_a_directory_or_single_files(tmp_path):
+    assert EtcdConfig().tls() is None and NatsConfig().tls() is None and not NatsConfig().tls_enabled
+    assert NatsConfig(url="tls://nats:4222").tls_enabled  # a tls:// URL alone: TLS with the system's roots
+    tls = EtcdConfig(tls_dir=str(tmp_path / "admin"), ca_file=str(tmp_path / "other-ca.crt")).tls()
+    assert tls is not None
+    assert (tls.ca_file, tls.cert_file, tls.key_file) == (tmp_path / "other-ca.crt", tmp_path / "admin" / CERT_FILE, tmp_path / "admin" / KEY_FILE)
+    ca_only = resolve_client_tls("NATS", ca_file=str(tmp_path / "ca.crt"))
+    assert ca_only is not None and ca_only.cert_file is None and ca_only.key_file is None
+    env = EtcdConfig(tls_dir="/certs/router", tls_server_name="etcd").tls_env()
+    assert env == {"PHALANX_ETCD_TLS_DIR": "/certs/router", "PHALANX_ETCD_TLS_SERVER_NAME": "etcd"}
+    with pytest.raises(ValueError, match="go together"):
+        NatsConfig(cert_file=str(tmp_path / "tls.crt"))
 
 
 def test_a_service_certificate_names_its_identity_and_the_hosts_a_client_certificate_names_none(tmp_path):

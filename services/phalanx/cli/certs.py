@@ -10,7 +10,7 @@ certs_app = typer.Typer(help="Certificates for mutual TLS between the services (
 
 
 _SERVICES_OPTION = typer.Option(
-    None, "--services", help="Identities to issue (repeatable or comma-separated); default: every service plus admin and client"
+    None, "--services", help="Identities to issue (repeatable or comma-separated); default: every service, admin, client, etcd and nats"
 )
 _HOSTS_OPTION = typer.Option(
     None, "--host", help="More DNS names or IPs for the server certificates (repeatable); localhost and 127.0.0.1 are always in"
@@ -27,10 +27,10 @@ def certs_init(
 ) -> None:
     """Make a development CA (kept if DIR has one) and DIR/<identity>/{tls.crt,tls.key,ca.crt}, the layout of a cert-manager
     secret: point a service at its directory with PHALANX_TLS_DIR."""
-    from phalanx.common.tls import CLIENT_IDENTITIES, SERVICE_IDENTITIES, init_certs
+    from phalanx.common.tls import CLIENT_IDENTITIES, INFRA_IDENTITIES, SERVICE_IDENTITIES, init_certs
 
     identities = [name.strip() for given in services or () for name in given.split(",") if name.strip()]
-    identities = identities or [*SERVICE_IDENTITIES, *CLIENT_IDENTITIES]
+    identities = identities or [*SERVICE_IDENTITIES, *CLIENT_IDENTITIES, *INFRA_IDENTITIES]
     try:
         written = init_certs(directory, identities, hosts=list(hosts or ()), days=days, force=force)
     except ValueError as error:

@@ -366,16 +366,22 @@ class _Stack:
 
     def start_infra(self) -> None:
         """NATS and etcd (unless external); blocking, from the main thread so PR_SET_PDEATHSIG holds."""
-        from phalanx.launch.infra import EtcdServer, NatsServer
+        from phalanx.launch.infra import EtcdServer, NatsServer, ServerTls
+        from phalanx.launch.services import use_certs
 
         for name, given in (("nats", self.nats_url), ("etcd", self.etcd_endpoint)):
             self.board.set(name, "external" if given else "starting", given)
+        certs = self.options.certs_dir if self.options.tls else None
+        if certs is not None:
+            # With --tls our own NATS and etcd want client certificates of the same CA, and each service presents its
+            # own identity's; external ones are configured by the environment (PHALANX_NATS_*, PHALANX_ETCD_*).
+            use_certs(certs, nats=not self.nats_url, etcd=not self.etcd_endpoint)
         if not self.nats_url:
-            self.nats = NatsServer().start()
+            self.nats = NatsServer(tls=None if certs is None else ServerTls.from_dir(certs / "nats")).start()
             self.nats_url = self.nats.url
             self._ready("nats", self.nats_url, self.nats.pid)
         if not self.etcd_endpoint:
-            self.etcd = EtcdServer().start()
+            self.etcd = EtcdServer(tls=None if certs is None else ServerTls.from_dir(certs / "etcd")).start()
             self.etcd_endpoint = self.etcd.endpoint
             self._ready("etcd", self.etcd_endpoint, self.etcd.pid)
 
@@ -387,6 +393,8 @@ class _Stack:
     def _etcd_config(self):
         from phalanx.common.config import EtcdConfig
 
+        if self.etcd is not None and self.etcd.tls is not None:
+            return EtcdConfig(endpoint=self.etcd_endpoint, tls_dir=str(self.options.certs_dir / "admin"))
         return EtcdConfig(endpoint=self.etcd_endpoint)
 
     @property

@@ -9,9 +9,13 @@ the components that share it.
 from __future__ import annotations
 
 import re
+from typing import TYPE_CHECKING
 
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+if TYPE_CHECKING:
+    from phalanx.common.tls import ClientTls
 
 __all__ = ["EtcdConfig", "NatsConfig", "TelemetryConfig"]
 
@@ -50,6 +54,20 @@ class NatsConfig(BaseSettings):
         0.25, gt=0, le=30, description="Longest a publish may block its caller before it is dropped."
     )
     drain_timeout_s: float = Field(2.0, gt=0, le=300, description="Longest close() waits for subscriptions to drain.")
+    tls_dir: str = Field(
+        "",
+        description=(
+            "Directory with ca.crt, tls.crt and tls.key (a cert-manager secret) for TLS to NATS: the CA that signs "
+            "NATS's certificate and this process's client certificate. Any TLS setting turns TLS on."
+        ),
+    )
+    ca_file: str = Field("", description="PEM CA bundle that signs NATS's server certificate (instead of <tls_dir>/ca.crt; "
+                         "neither: the system's roots).")
+    cert_file: str = Field("", description="PEM client certificate presented to NATS (mTLS), instead of <tls_dir>/tls.crt.")
+    key_file: str = Field("", description="PEM private key of cert_file, instead of <tls_dir>/tls.key.")
+    tls_server_name: str = Field(
+        "", description="Name NATS's certificate is checked against instead of the host dialled (default: the host of the URL dialled)."
+    )
 
     @field_validator("url")
     @classmethod
@@ -64,6 +82,33 @@ class NatsConfig(BaseSettings):
         if self.initial_reconnect_wait_s > self.max_reconnect_wait_s:
             raise ValueError("initial_reconnect_wait_s must not exceed max_reconnect_wait_s")
         return self
+
+    @model_validator(mode="after")
+    def _check_tls(self) -> NatsConfig:
+        self.tls()  # a certificate without its key (or the reverse) is refused at once
+        return self
+
+    @property
+    def tls_enabled(self) -> bool:
+        """Whether the connection must be TLS: a TLS setting or a ``tls://`` URL."""
+        return bool(self.tls_dir or self.ca_file or self.cert_file or self.key_file) or any(
+            part.strip().startswith("tls://") for part in self.url.split(",")
+        )
+
+    def tls(self) -> ClientTls | None:
+        """The TLS files of the connection (None: no TLS setting; a ``tls://`` URL alone uses the system's roots)."""
+        from phalanx.common.tls import resolve_client_tls
+
+        return resolve_client_tls(
+            "NATS", tls_dir=self.tls_dir, ca_file=self.ca_file, cert_file=self.cert_file, key_file=self.key_file,
+            server_name=self.tls_server_name,
+        )
+
+    def tls_env(self) -> dict[str, str]:
+        """The ``PHALANX_NATS_*`` TLS variables of this config, for a child process to reach the same NATS."""
+        values = {"TLS_DIR": self.tls_dir, "CA_FILE": self.ca_file, "CERT_FILE": self.cert_file, "KEY_FILE": self.key_file,
+                  "TLS_SERVER_NAME": self.tls_server_name}
+        return {f"PHALANX_NATS_{name}": value for name, value in values.items() if value}
 
 
 class EtcdConfig(BaseSettings):
@@ -109,6 +154,25 @@ class EtcdConfig(BaseSettings):
         ),
     )
 
+    tls_dir: str = Field(
+        "",
+        description=(
+            "Directory with ca.crt, tls.crt and tls.key (a cert-manager secret) for TLS to etcd: the CA that signs "
+            "etcd's certificate and this process's client certificate. Any TLS setting turns TLS on."
+        ),
+    )
+    ca_file: str = Field("", description="PEM CA bundle that signs etcd's server certificate (instead of <tls_dir>/ca.crt; "
+                         "neither: the system's roots).")
+    cert_file: str = Field("", description="PEM client certificate presented to etcd (mTLS), instead of <tls_dir>/tls.crt.")
+    key_file: str = Field("", description="PEM private key of cert_file, instead of <tls_dir>/tls.key.")
+    tls_server_name: str = Field(
+        "",
+        description=(
+            "Name etcd's certificate is checked against instead of the host dialled (default: the endpoint's host; "
+            "with several members, the first one's: every member's certificate must carry it)."
+        ),
+    )
+
     @field_validator("endpoint")
     @classmethod
     def _check_endpoint(cls, value: str) -> str:
@@ -124,6 +188,26 @@ class EtcdConfig(BaseSettings):
         if self.keepalive_interval_s is not None and self.keepalive_interval_s >= self.lease_ttl_s:
             raise ValueError("keepalive_interval_s must be shorter than lease_ttl_s")
         return self
+
+    @model_validator(mode="after")
+    def _check_tls(self) -> EtcdConfig:
+        self.tls()  # a certificate without its key (or the reverse) is refused at once
+        return self
+
+    def tls(self) -> ClientTls | None:
+        """The TLS files of the connection to etcd; None: plaintext."""
+        from phalanx.common.tls import resolve_client_tls
+
+        return resolve_client_tls(
+            "etcd", tls_dir=self.tls_dir, ca_file=self.ca_file, cert_file=self.cert_file, key_file=self.key_file,
+            server_name=self.tls_server_name,
+        )
+
+    def tls_env(self) -> dict[str, str]:
+        """The ``PHALANX_ETCD_*`` TLS variables of this config, for a child process to reach the same etcd."""
+        values = {"TLS_DIR": self.tls_dir, "CA_FILE": self.ca_file, "CERT_FILE": self.cert_file, "KEY_FILE": self.key_file,
+                  "TLS_SERVER_NAME": self.tls_server_name}
+        return {f"PHALANX_ETCD_{name}": value for name, value in values.items() if value}
 
     @property
     def endpoints(self) -> list[tuple[str, int]]:

@@ -13,6 +13,7 @@ import contextlib
 import logging
 import math
 import random
+import ssl
 from collections import Counter
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
@@ -54,6 +55,23 @@ class MessageTooLargeError(EventBusError, ValueError):
         self.limit = limit
 
 
+class _TlsRequiringClient(NatsClient):
+    """A NATS client that refuses a server not offering TLS, before it sends anything (nats-py itself upgrades to TLS
+    only when the server's INFO asks for it, so a plaintext impostor, or a TLS server's port misconfigured, would be
+    spoken to in plaintext)."""
+
+    async def _process_info(self, info: dict[str, Any], initial_connection: bool = False) -> None:
+        if initial_connection and not info.get("tls_required"):  # nats-py upgrades only when the server requires it
+            server = self._current_server.uri.netloc if self._current_server is not None else "?"
+            raise nats.errors.Error(f"nats: the server at {server} does not offer TLS, and TLS is configured: refusing plaintext")
+        await super()._process_info(info, initial_connection)
+
+
+def _describe(error: BaseException) -> str:
+    text = str(error) or type(error).__name__
+    return text if type(error).__name__ in text else f"{type(error).__name__}: {text}"
+
+
 class EventBus:
     """A NATS connection that publishes and receives protobuf messages."""
 
@@ -71,10 +89,15 @@ class EventBus:
 
         Raises ConnectionError if no server answered within the startup timeout.
         """
+        last_error: list[BaseException] = []
+
         async def on_error(error: Exception) -> None:
             # Called for every failed reconnect attempt; the state callbacks below
             # already report the outage once.
             log.debug("nats %s: %r", name, error)
+            # A TLS error says more than the reset that often follows it on a later attempt: it is kept.
+            if not last_error or isinstance(error, ssl.SSLError) or not isinstance(last_error[0], ssl.SSLError):
+                last_error[:] = [error]
 
         async def on_disconnected() -> None:
             if not nc.is_closed:  # close() reports a disconnect too
@@ -83,32 +106,57 @@ class EventBus:
         async def on_reconnected() -> None:
             log.info("nats %s: reconnected to %s", name, nc.connected_url.netloc if nc.connected_url else "?")
 
-        nc = NatsClient()
+        tls = config.tls()
+        tls_options: dict[str, Any] = {}
+        if config.tls_enabled:
+            # The context is made before connecting: a missing file is a configuration error, not an outage to retry.
+            tls_options["tls"] = tls.ssl_context() if tls is not None else ssl.create_default_context()
+            if tls is not None and tls.server_name:
+                tls_options["tls_hostname"] = tls.server_name
+        nc = _TlsRequiringClient() if config.tls_enabled else NatsClient()
+        # nats-py retries the first connect forever when reconnecting is
+        # allowed; bound it so that a wrong URL fails startup, not hangs it.
+        connecting = asyncio.ensure_future(
+            nc.connect(
+                servers=[s.strip() for s in config.url.split(",")],
+                name=name,
+                connect_timeout=config.connect_timeout_s,  # type: ignore[arg-type]  # nats-py annotates these seconds as int; floats work
+                allow_reconnect=True,
+                max_reconnect_attempts=-1,
+                reconnect_time_wait=config.initial_reconnect_wait_s,  # type: ignore[arg-type]  # nats-py annotates these seconds as int; floats work
+                reconnect_to_server_handler=_backoff_handler(config),
+                pending_size=config.pending_buffer_bytes,
+                flush_timeout=config.publish_timeout_s,
+                drain_timeout=config.drain_timeout_s,  # type: ignore[arg-type]  # nats-py annotates these seconds as int; floats work
+                error_cb=on_error,
+                disconnected_cb=on_disconnected,
+                reconnected_cb=on_reconnected,
+                # Notice a silently dead server within seconds, not minutes.
+                ping_interval=5,
+                max_outstanding_pings=2,
+                **tls_options,
+            )
+        )
         try:
-            # nats-py retries the first connect forever when reconnecting is
-            # allowed; bound it so that a wrong URL fails startup, not hangs it.
-            async with asyncio.timeout(config.startup_timeout_s):
-                await nc.connect(
-                    servers=[s.strip() for s in config.url.split(",")],
-                    name=name,
-                    connect_timeout=config.connect_timeout_s,  # type: ignore[arg-type]  # nats-py annotates these seconds as int; floats work
-                    allow_reconnect=True,
-                    max_reconnect_attempts=-1,
-                    reconnect_time_wait=config.initial_reconnect_wait_s,  # type: ignore[arg-type]  # nats-py annotates these seconds as int; floats work
-                    reconnect_to_server_handler=_backoff_handler(config),
-                    pending_size=config.pending_buffer_bytes,
-                    flush_timeout=config.publish_timeout_s,
-                    drain_timeout=config.drain_timeout_s,  # type: ignore[arg-type]  # nats-py annotates these seconds as int; floats work
-                    error_cb=on_error,
-                    disconnected_cb=on_disconnected,
-                    reconnected_cb=on_reconnected,
-                    # Notice a silently dead server within seconds, not minutes.
-                    ping_interval=5,
-                    max_outstanding_pings=2,
-                )
-        except TimeoutError as error:
-            await _close_quietly(nc)
-            raise ConnectionError(f"no NATS server answered at {config.url}") from error
+            done, _ = await asyncio.wait({connecting}, timeout=config.startup_timeout_s)
+        except asyncio.CancelledError:
+            connecting.cancel()
+            raise
+        if not done:
+            connecting.cancel()
+            # Not awaited to the end: a TLS upgrade cut short by a server refusing our certificate can leave asyncio's
+            # start_tls waiting forever, cancellation included (seen on CPython 3.11); the attempt is abandoned.
+            await asyncio.wait({connecting}, timeout=1.0)
+            closing = asyncio.ensure_future(_close_quietly(nc))
+            await asyncio.wait({closing}, timeout=1.0)
+            why = f" (last error: {_describe(last_error[0])})" if last_error else ""
+            if last_error and isinstance(last_error[0], ssl.SSLError) and not config.tls_enabled:
+                why += ": the server requires TLS; set PHALANX_NATS_TLS_DIR or PHALANX_NATS_CA_FILE (and a client certificate)"
+            elif last_error and isinstance(last_error[0], ConnectionResetError) and config.tls_enabled:
+                # TLS 1.3: a server refusing the client certificate may close the connection before its alert is read.
+                why += ": the server closed the TLS connection; if it wants a client certificate, does it trust the CA of ours?"
+            raise ConnectionError(f"no NATS server answered at {config.url}{why}")
+        connecting.result()
         return cls(nc, config)
 
     @property

@@ -19,14 +19,16 @@ import time
 from collections.abc import Callable
 
 import aetcd
+import aetcd.client as aetcd_client
 import aetcd.exceptions
+import aetcd.watcher as aetcd_watcher
 import grpc
 from aetcd import rpc
 
 from phalanx.common.config import EtcdConfig
 from phalanx.common.errors import PhalanxError
 
-__all__ = ["EtcdUnavailableError", "LeaseError", "LeasedKey", "connect_etcd", "etcd_target"]
+__all__ = ["EtcdUnavailableError", "LeaseError", "LeasedKey", "connect_etcd", "etcd_target", "tls_hint"]
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +73,55 @@ def connect_etcd(config: EtcdConfig) -> aetcd.Client:
         options["grpc.lb_policy_name"] = "round_robin"
     # aetcd dials f"{host}:{port}"; splitting the target at its last ':' gives back exactly this target.
     host, port = target.rsplit(":", 1)
-    return aetcd.Client(host=host, port=int(port), timeout=config.request_timeout_s, options=options)
+    tls = config.tls()
+    if tls is None:
+        return aetcd.Client(host=host, port=int(port), timeout=config.request_timeout_s, options=options)
+    # The certificate is checked against one name: the endpoint's host as given (a cluster's target lists resolved
+    # addresses, which a certificate need not name), or the configured one.
+    options["grpc.ssl_target_name_override"] = tls.server_name or config.host
+    return _TlsEtcdClient(tls.grpc_credentials(), host=host, port=int(port), timeout=config.request_timeout_s, options=options)
+
+
+class _TlsEtcdClient(aetcd.Client):
+    """aetcd's client over a TLS channel: aetcd 1.x's ``connect`` opens only an insecure channel.
+
+    ``connect`` is aetcd's own with the secure channel in its place (no username/password: Phalanx authenticates to
+    etcd with the client certificate).
+    """
+
+    def __init__(self, credentials: grpc.ChannelCredentials, *, host: str, port: int, timeout: float, options: dict[str, object]) -> None:
+        super().__init__(host=host, port=port, timeout=timeout, options=options)
+        self._credentials = credentials
+
+    @aetcd_client._handle_errors
+    async def connect(self) -> None:
+        if self._connected.is_set():
+            return
+        if self._is_connecting:  # type: ignore[has-type]  # aetcd is untyped; another task is connecting: wait for it
+            await asyncio.wait_for(self._connected.wait(), self._connect_wait_timeout)
+            return
+        try:
+            self._is_connecting = True
+            self.channel = grpc.aio.secure_channel(f"{self._host}:{self._port}", self._credentials, options=list(self._options.items()))
+            self.kvstub = rpc.KVStub(self.channel)
+            self.clusterstub = rpc.ClusterStub(self.channel)
+            self.leasestub = rpc.LeaseStub(self.channel)
+            self.maintenancestub = rpc.MaintenanceStub(self.channel)
+            self._watcher = aetcd_watcher.Watcher(rpc.WatchStub(self.channel), timeout=self._timeout, metadata=self.metadata)
+            self._connected.set()
+        finally:
+            self._is_connecting = False
+
+
+def tls_hint(config: EtcdConfig, error: BaseException) -> str:
+    """What a failed etcd connection may say about TLS: a hint for the error message, or ""."""
+    text = str(error)
+    if config.tls() is None and "Socket closed" in text:
+        return " (etcd closed the connection at once: if it serves TLS, set PHALANX_ETCD_TLS_DIR or PHALANX_ETCD_CA_FILE)"
+    if config.tls() is not None and "handshake failed" in text.lower():
+        return " (the TLS handshake with etcd failed: is PHALANX_ETCD_*'s CA the one that signed etcd's certificate, and the " \
+               "client certificate one that etcd's --trusted-ca-file trusts?)"
+    return ""
 
 
 def etcd_target(config: EtcdConfig) -> str:
@@ -198,8 +248,10 @@ class LeasedKey:
             except TRANSIENT_ERRORS as error:
                 delay = backoff.next()
                 if time.monotonic() + delay > deadline:
-                    raise EtcdUnavailableError(f"cannot register {self.key} at {self._config.endpoint}: {error}") from error
-                log.warning("cannot register %s at %s yet (%s); retrying", self.key, self._config.endpoint, error)
+                    raise EtcdUnavailableError(
+                        f"cannot register {self.key} at {self._config.endpoint}: {error}{tls_hint(self._config, error)}"
+                    ) from error
+                log.warning("cannot register %s at %s yet (%s%s); retrying", self.key, self._config.endpoint, error, tls_hint(self._config, error))
                 await asyncio.sleep(delay)
         self._task = asyncio.create_task(self._keepalive_forever(), name=f"lease-keepalive {self.key}")
 

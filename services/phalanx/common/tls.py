@@ -27,6 +27,7 @@ import functools
 import ipaddress
 import logging
 import os
+import ssl
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,7 +44,9 @@ __all__ = [
     "CA_FILE",
     "CERT_FILE",
     "CLIENT_IDENTITIES",
+    "ClientTls",
     "DEFAULT_SERVER_NAME",
+    "INFRA_IDENTITIES",
     "KEY_FILE",
     "SERVICE_IDENTITIES",
     "SPIFFE_PREFIX",
@@ -54,6 +57,7 @@ __all__ = [
     "open_channel",
     "peer_identity",
     "process_tls",
+    "resolve_client_tls",
     "sdk_tls",
     "set_process_tls",
 ]
@@ -75,6 +79,9 @@ SERVICE_IDENTITIES = (
 )
 # Identities that only call: an operator (admin RPCs) and a tenant's application (the public RPCs).
 CLIENT_IDENTITIES = ("admin", "client")
+# The servers Phalanx depends on (etcd, NATS): server certificates named after themselves (not ``phalanx.internal``,
+# so they cannot pose as a Phalanx service), plus client authentication for etcd's peers and probes.
+INFRA_IDENTITIES = ("etcd", "nats")
 
 
 class TlsSettings(BaseSettings):
@@ -201,6 +208,66 @@ class ServiceTls:
 
     def channel_options(self) -> list[tuple[str, Any]]:
         return [("grpc.ssl_target_name_override", self.server_name)] if self.server_name else []
+
+
+@dataclass(frozen=True)
+class ClientTls:
+    """TLS of this process's connection to a server that is not a Phalanx service (etcd, NATS).
+
+    ``ca_file``: the CA bundle that signs the server's certificate (None: the system's roots); ``cert_file`` and
+    ``key_file``: the client certificate presented to a server that wants one (mTLS; None: none presented);
+    ``server_name``: the name the server's certificate is checked against instead of the host dialled ("": the host).
+    """
+
+    what: str  # "etcd", "NATS": named in every error
+    ca_file: Path | None
+    cert_file: Path | None
+    key_file: Path | None
+    server_name: str = ""
+
+    def _read(self) -> tuple[bytes | None, bytes | None, bytes | None]:
+        paths = (self.ca_file, self.cert_file, self.key_file)
+        missing = [str(p) for p in paths if p is not None and not p.is_file()]
+        if missing:
+            raise FileNotFoundError(f"{self.what} TLS is configured but these files are missing: {', '.join(missing)}")
+        ca, cert, key = (None if p is None else p.read_bytes() for p in paths)
+        return ca, cert, key
+
+    def grpc_credentials(self) -> grpc.ChannelCredentials:
+        """gRPC channel credentials: trust the CA (or the system's roots), present the client certificate if any."""
+        ca, cert, key = self._read()
+        return grpc.ssl_channel_credentials(root_certificates=ca, private_key=key, certificate_chain=cert)
+
+    def ssl_context(self) -> ssl.SSLContext:
+        """A client SSLContext (TLS 1.2 or newer, the server's certificate and name verified) with the client certificate."""
+        self._read()  # the same clear error for a missing file
+        context = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=None if self.ca_file is None else str(self.ca_file))
+        context.minimum_version = ssl.TLSVersion.TLSv1_2
+        if self.cert_file is not None and self.key_file is not None:
+            context.load_cert_chain(str(self.cert_file), str(self.key_file))
+        return context
+
+
+def resolve_client_tls(
+    what: str, *, tls_dir: str = "", ca_file: str = "", cert_file: str = "", key_file: str = "", server_name: str = "",
+) -> ClientTls | None:
+    """The ClientTls of a connection's settings, None when none is set (plaintext).
+
+    ``tls_dir`` holds ``ca.crt``, ``tls.crt`` and ``tls.key`` (a cert-manager secret), each ``*_file`` given replaces
+    its file there; without ``tls_dir``, no ``ca_file`` means the system's roots, no ``cert_file`` no client certificate.
+    """
+    if not (tls_dir or ca_file or cert_file or key_file):
+        return None
+
+    def pick(given: str, name: str) -> Path | None:
+        if given:
+            return Path(given)
+        return Path(tls_dir) / name if tls_dir else None
+
+    cert, key = pick(cert_file, CERT_FILE), pick(key_file, KEY_FILE)
+    if (cert is None) != (key is None):
+        raise ValueError(f"{what} TLS: a client certificate and its key go together (got only the {'certificate' if key is None else 'key'})")
+    return ClientTls(what, pick(ca_file, CA_FILE), cert, key, server_name)
 
 
 _process_tls: ServiceTls | None = None
@@ -372,11 +439,12 @@ def issue_certificate(
 
 
 def init_certs(
-    directory: str | os.PathLike[str], identities: Sequence[str] = (*SERVICE_IDENTITIES, *CLIENT_IDENTITIES), *,
+    directory: str | os.PathLike[str], identities: Sequence[str] = (*SERVICE_IDENTITIES, *CLIENT_IDENTITIES, *INFRA_IDENTITIES), *,
     hosts: Sequence[str] = (), days: int = 365, server_name: str = DEFAULT_SERVER_NAME, force: bool = False,
 ) -> list[Path]:
     """A development CA in ``directory`` (kept if there is one) and ``<directory>/<identity>/{tls.crt,tls.key,ca.crt}``
-    for each identity not issued yet (every one with ``force``); returns the identity directories written."""
+    for each identity not issued yet (every one with ``force``); returns the identity directories written. ``etcd`` and
+    ``nats`` (INFRA_IDENTITIES) get server certificates for those servers' TLS, named after themselves."""
     from cryptography.hazmat.primitives import serialization
 
     if days < 1:
@@ -391,8 +459,10 @@ def init_certs(
         target = root / identity
         if not force and (target / CERT_FILE).is_file() and (target / KEY_FILE).is_file():
             continue
+        infra = identity in INFRA_IDENTITIES
         certificate, key = issue_certificate(
-            ca_certificate, ca_key, identity, server=identity in SERVICE_IDENTITIES, hosts=hosts, days=days, server_name=server_name
+            ca_certificate, ca_key, identity, server=identity in SERVICE_IDENTITIES or infra, hosts=hosts, days=days,
+            server_name=identity if infra else server_name,
         )
         _write(target / KEY_FILE, key, secret=True)
         _write(target / CERT_FILE, certificate, secret=False)

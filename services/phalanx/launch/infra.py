@@ -18,12 +18,14 @@ import logging
 import os
 import shutil
 import signal
+import ssl
 import subprocess
 import sys
 import tempfile
 import time
 import urllib.error
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Self
 
@@ -35,6 +37,7 @@ __all__ = [
     "EtcdServer",
     "InfraError",
     "NatsServer",
+    "ServerTls",
     "docker_available",
     "find_binary",
 ]
@@ -82,9 +85,34 @@ def docker_available(timeout: float = 1.0) -> bool:
         return False
 
 
-def _http_ok(url: str, timeout: float = 0.5) -> bytes | None:
+@dataclass(frozen=True)
+class ServerTls:
+    """A server's TLS files: its certificate and key, and the CA whose client certificates it requires (mTLS).
+
+    The certificate must name the host clients dial (``phalanx certs init``'s server certificates name localhost and
+    127.0.0.1) and, for :meth:`EtcdServer.status`, allow client authentication too (theirs do).
+    """
+
+    cert_file: Path
+    key_file: Path
+    ca_file: Path
+
+    @classmethod
+    def from_dir(cls, directory: str | os.PathLike[str]) -> ServerTls:
+        """``tls.crt``, ``tls.key`` and ``ca.crt`` of ``directory`` (``phalanx certs init``'s layout)."""
+        base = Path(directory)
+        return cls(base / "tls.crt", base / "tls.key", base / "ca.crt")
+
+    def client_context(self) -> ssl.SSLContext:
+        """A context that trusts the CA and presents this certificate (the launcher's own probes)."""
+        context = ssl.create_default_context(cafile=str(self.ca_file))
+        context.load_cert_chain(str(self.cert_file), str(self.key_file))
+        return context
+
+
+def _http_ok(url: str, timeout: float = 0.5, context: ssl.SSLContext | None = None) -> bytes | None:
     try:
-        with urllib.request.urlopen(url, timeout=timeout) as response:  # noqa: S310 - loopback only
+        with urllib.request.urlopen(url, timeout=timeout, context=context) as response:  # noqa: S310 - loopback only
             return response.read() if response.status == 200 else None
     except (urllib.error.URLError, OSError, ValueError):
         return None
@@ -255,22 +283,43 @@ class NatsServer(_ServerProcess):
         binary: str | None = None,
         startup_timeout: float = 15.0,
         host: str = "127.0.0.1",
+        tls: ServerTls | None = None,
     ) -> None:
+        if tls is not None and docker:
+            raise ValueError("a TLS nats-server runs from its binary only")
         super().__init__(docker=docker, startup_timeout=startup_timeout)
         self.host = host
         self.port = port or free_port()
         self.monitor_port = monitor_port or free_port()
         self._jetstream = jetstream
         self._binary = binary
+        self.tls = tls
 
     @property
     def url(self) -> str:
-        """Client URL, ``nats://<host>:<port>``."""
-        return f"nats://{self.host}:{self.port}"
+        """Client URL, ``nats://<host>:<port>`` (``tls://`` when it serves TLS)."""
+        return f"{'tls' if self.tls is not None else 'nats'}://{self.host}:{self.port}"
+
+    def _config_file(self) -> list[str]:
+        """``-c FILE`` with a ``tls`` block requiring a client certificate of the CA; nothing without TLS."""
+        if self.tls is None:
+            return []
+        path = self._dir / "nats.conf"
+        path.write_text(
+            "tls {\n"
+            f"  cert_file: {json.dumps(str(self.tls.cert_file))}\n"
+            f"  key_file: {json.dumps(str(self.tls.key_file))}\n"
+            f"  ca_file: {json.dumps(str(self.tls.ca_file))}\n"
+            "  verify: true\n"
+            "  timeout: 5\n"
+            "}\n"
+        )
+        return ["-c", str(path)]
 
     def _command(self) -> list[str]:
         cmd = [
             self._binary or find_binary("nats-server"),
+            *self._config_file(),
             "--addr", self.host,
             "--port", str(self.port),
             "--http_port", str(self.monitor_port),
@@ -325,9 +374,16 @@ class EtcdServer(_ServerProcess):
         cluster_token: str | None = None,
         host: str = "127.0.0.1",
         compaction_retention: str = COMPACTION_RETENTION,
+        tls: ServerTls | None = None,
+        metrics_port: int | None = None,
     ) -> None:
+        if tls is not None and docker:
+            raise ValueError("a TLS etcd runs from its binary only")
         super().__init__(docker=docker, startup_timeout=startup_timeout)
         self.host = host
+        self.tls = tls
+        # With TLS the client port wants a client certificate; /health is probed on a plain metrics port instead.
+        self.metrics_port = metrics_port or (free_port() if tls is not None else None)
         self.compaction_retention = compaction_retention
         self.port = port or free_port()
         self.peer_port = peer_port or free_port()
@@ -345,10 +401,22 @@ class EtcdServer(_ServerProcess):
 
     @property
     def url(self) -> str:
-        """Client URL, ``http://<host>:<port>``."""
-        return f"http://{self.endpoint}"
+        """Client URL, ``http://<host>:<port>`` (``https://`` when it serves TLS)."""
+        return f"{'https' if self.tls is not None else 'http'}://{self.endpoint}"
+
+    def _tls_flags(self, listen: str) -> list[str]:
+        if self.tls is None:
+            return []
+        return [
+            "--client-cert-auth",
+            "--trusted-ca-file", str(self.tls.ca_file),
+            "--cert-file", str(self.tls.cert_file),
+            "--key-file", str(self.tls.key_file),
+            "--listen-metrics-urls", f"http://{listen}:{self.metrics_port}",
+        ]
 
     def _flags(self, *, listen: str, advertise: str, client_port: int, peer_port: int, data_dir: str) -> list[str]:
+        scheme = "https" if self.tls is not None else "http"
         peer_url = f"http://{advertise}:{peer_port}"
         cluster = ["--initial-cluster", self._initial_cluster or f"{self.member_name}={peer_url}"]
         if self._cluster_token is not None:
@@ -357,8 +425,9 @@ class EtcdServer(_ServerProcess):
         return [
             "--name", self.member_name,
             "--data-dir", data_dir,
-            "--listen-client-urls", f"http://{listen}:{client_port}",
-            "--advertise-client-urls", f"http://{advertise}:{client_port}",
+            "--listen-client-urls", f"{scheme}://{listen}:{client_port}",
+            "--advertise-client-urls", f"{scheme}://{advertise}:{client_port}",
+            *self._tls_flags(listen),
             "--listen-peer-urls", f"http://{listen}:{peer_port}",
             "--initial-advertise-peer-urls", peer_url,
             *cluster,
@@ -383,15 +452,17 @@ class EtcdServer(_ServerProcess):
         return [self._binary or find_binary("etcd"), *flags]
 
     def _ready(self) -> bool:
-        body = _http_ok(f"{self.url}/health")
+        base = self.url if self.tls is None else f"http://{self.host}:{self.metrics_port}"
+        body = _http_ok(f"{base}/health")
         return body is not None and b'"health":"true"' in body
 
     def status(self, timeout: float = 1.0) -> dict[str, Any] | None:
         """etcd's maintenance status of this member (its ``header.member_id``, the ``leader`` it follows, ...) through
         etcd's JSON gateway (``POST /v3/maintenance/status``); None if it does not answer."""
-        request = urllib.request.Request(f"{self.url}/v3/maintenance/status", data=b"{}", method="POST")  # noqa: S310 - loopback http only
+        request = urllib.request.Request(f"{self.url}/v3/maintenance/status", data=b"{}", method="POST")  # noqa: S310 - loopback only
+        context = None if self.tls is None else self.tls.client_context()
         try:
-            with urllib.request.urlopen(request, timeout=timeout) as response:  # noqa: S310 - loopback only
+            with urllib.request.urlopen(request, timeout=timeout, context=context) as response:  # noqa: S310 - loopback only
                 return dict(json.loads(response.read()))
         except (urllib.error.URLError, OSError, ValueError):
             return None

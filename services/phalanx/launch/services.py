@@ -179,13 +179,19 @@ class HealthHandle(ServiceHandle):
 
 
 _certs_root: Path | None = None
+_control_plane_tls: tuple[str, ...] = ()
 
 
-def use_certs(root: str | os.PathLike[str] | None) -> None:
+def use_certs(root: str | os.PathLike[str] | None, *, etcd: bool = False, nats: bool = False) -> None:
     """Start every later service with mutual TLS: ``PHALANX_TLS_DIR=<root>/<command>`` (the layout of ``phalanx certs init``,
-    one identity per service command: worker, router, health ...), unless its env names one; None: as the environment says."""
-    global _certs_root
+    one identity per service command: worker, router, health ...), unless its env names one; None: as the environment says.
+
+    ``etcd``/``nats``: the same identity's directory for its connection to etcd / NATS too (``PHALANX_ETCD_TLS_DIR``,
+    ``PHALANX_NATS_TLS_DIR``): servers that want client certificates of the same CA.
+    """
+    global _certs_root, _control_plane_tls
     _certs_root = Path(root) if root is not None else None
+    _control_plane_tls = tuple(name for name, wanted in (("ETCD", etcd), ("NATS", nats)) if wanted and root is not None)
 
 
 # glibc's malloc backs its heap with transparent huge pages (madvise; THP "madvise" or "always" in the kernel). A
@@ -206,11 +212,17 @@ def _with_huge_page_heap(env: dict[str, str]) -> dict[str, str]:
     return {**env, "GLIBC_TUNABLES": f"{tunables}:{_HUGE_PAGE_HEAP}" if tunables else _HUGE_PAGE_HEAP}
 
 
+def _etcd_env(etcd_config: EtcdConfig) -> dict[str, str]:
+    """The child's etcd settings that its command line does not carry: the lease TTL and the TLS files."""
+    return {"PHALANX_ETCD_LEASE_TTL_S": str(etcd_config.lease_ttl_s), **etcd_config.tls_env()}
+
+
 def _spawn(args: list[str], env: dict[str, str], prefix: Sequence[str] = ()) -> subprocess.Popen:
     """``python -m phalanx.cli ARGS``, run through ``prefix`` if given (a command that execs the rest, e.g. ``ip netns
     exec NS``, so that the PID is the service's own)."""
     if _certs_root is not None and "PHALANX_TLS_DIR" not in env:
-        env = {**env, "PHALANX_TLS_DIR": str(_certs_root / args[0])}
+        own = str(_certs_root / args[0])
+        env = {**env, "PHALANX_TLS_DIR": own, **{f"PHALANX_{server}_TLS_DIR": own for server in _control_plane_tls}}
     if args[0] in _HUGE_PAGE_COMMANDS:  # the processes whose death other processes wait to see
         env = _with_huge_page_heap(env)
     return subprocess.Popen(
@@ -255,7 +267,7 @@ async def start_worker(
         ["worker", "--worker-id", worker_id, "--nats-url", nats_url, "--etcd-endpoint", etcd_config.endpoint, "--port", "0",
          "--model", model, "--log-level", "WARNING",
          *(("--tensor-parallel-size", str(tensor_parallel_size)) if tensor_parallel_size != 1 else ()), *extra],
-        {"PHALANX_ETCD_LEASE_TTL_S": str(etcd_config.lease_ttl_s), **(env or {})},
+        {**_etcd_env(etcd_config), **(env or {})},
         prefix,
     )
     registration = await _registration(process, WorkerDirectory(etcd_config), worker_id, timeout)
@@ -293,7 +305,7 @@ async def start_failover_engine(
         ["worker", "--worker-id", worker_id, "--nats-url", nats_url, "--etcd-endpoint", etcd_config.endpoint, "--port", "0",
          "--metrics-port", str(metrics_port), "--model", model, "--log-level", "WARNING", "--failover-role", role,
          "--engine-id", str(engine_id), "--failover-lock", lock, "--memory-socket", memory_socket, "--failover-slot", slot, *extra],
-        {"PHALANX_ETCD_LEASE_TTL_S": str(etcd_config.lease_ttl_s), **(env or {})},
+        {**_etcd_env(etcd_config), **(env or {})},
     )
     handle = FailoverEngineHandle(worker_id, process, "", f"127.0.0.1:{metrics_port}")
     handle.role = role
@@ -337,7 +349,7 @@ async def start_router(
     process = _spawn(
         ["router", "--router-id", router_id, "--nats-url", nats_url, "--etcd-endpoint", etcd_config.endpoint, "--port", str(port),
          "--log-level", "WARNING", *extra],
-        {"PHALANX_ETCD_LEASE_TTL_S": str(etcd_config.lease_ttl_s), **(env or {})},
+        {**_etcd_env(etcd_config), **(env or {})},
     )
     directory = EtcdDirectory(etcd_config, prefix=ROUTERS_PREFIX, message_type=common_pb2.RouterRegistration)
     registration = await _registration(process, directory, router_id, 60)
@@ -457,7 +469,7 @@ async def start_checkpoint_store(
     process = _spawn(
         ["checkpoint-store", "--store-id", store_id, "--etcd-endpoint", etcd_config.endpoint, "--port", "0", "--log-level", "WARNING",
          *extra],
-        {"PHALANX_ETCD_LEASE_TTL_S": str(etcd_config.lease_ttl_s), **(env or {})},
+        {**_etcd_env(etcd_config), **(env or {})},
     )
     advertisement = await _registration(process, CheckpointStoreDirectory(etcd_config), store_id, timeout)
     return CheckpointStoreHandle(store_id, process, advertisement)
@@ -471,7 +483,7 @@ async def start_migration(
     process = _spawn(
         ["migration", "--migration-id", instance_id, "--nats-url", nats_url, "--etcd-endpoint", etcd_config.endpoint, "--port", "0",
          "--log-level", "WARNING", *extra],
-        {"PHALANX_ETCD_LEASE_TTL_S": str(etcd_config.lease_ttl_s), "PHALANX_MIGRATION_METRICS_PORT": str(metrics_port), **(env or {})},
+        {**_etcd_env(etcd_config), "PHALANX_MIGRATION_METRICS_PORT": str(metrics_port), **(env or {})},
     )
     advertisement = await _registration(process, MigrationDirectory(etcd_config), instance_id, timeout)
     return ServiceHandle(instance_id, process, advertisement.address, f"127.0.0.1:{metrics_port}")
@@ -484,7 +496,7 @@ async def start_encoder_pool(
     process = _spawn(
         ["encoder-pool", "--encoder-id", encoder_id, "--etcd-endpoint", etcd_config.endpoint, "--port", "0", "--log-level", "WARNING",
          *extra],
-        {"PHALANX_ETCD_LEASE_TTL_S": str(etcd_config.lease_ttl_s), **(env or {})},
+        {**_etcd_env(etcd_config), **(env or {})},
     )
     advertisement = await _registration(process, EncoderDirectory(etcd_config), encoder_id, timeout)
     return ServiceHandle(encoder_id, process, advertisement.address, advertisement.metrics_address)
@@ -538,7 +550,7 @@ async def start_expert_worker(
     process = _spawn(
         ["expert-worker", "--worker-id", worker_id, "--etcd-endpoint", etcd_config.endpoint, "--port", "0", "--model", model,
          "--index", str(index), "--num-expert-workers", str(num_expert_workers), "--copies", str(copies), "--log-level", "WARNING", *extra],
-        {"PHALANX_ETCD_LEASE_TTL_S": str(etcd_config.lease_ttl_s), **(env or {})},
+        {**_etcd_env(etcd_config), **(env or {})},
     )
     registration = await _registration(process, ExpertWorkerDirectory(etcd_config), worker_id, timeout)
     return ServiceHandle(worker_id, process, registration.address, registration.metrics_address)
@@ -552,7 +564,7 @@ async def start_ert_manager(
     process = _spawn(
         ["ert-manager", "--instance-id", instance_id, "--etcd-endpoint", etcd_config.endpoint, "--port", str(port), "--model", model,
          "--log-level", "WARNING", *extra],
-        {"PHALANX_ERT_METRICS_PORT": str(metrics_port), "PHALANX_ETCD_LEASE_TTL_S": str(etcd_config.lease_ttl_s), **(env or {})},
+        {"PHALANX_ERT_METRICS_PORT": str(metrics_port), **_etcd_env(etcd_config), **(env or {})},
     )
     handle = PlannerHandle(instance_id, process, f"127.0.0.1:{port}", f"127.0.0.1:{metrics_port}")
     return await _serving(handle, timeout)

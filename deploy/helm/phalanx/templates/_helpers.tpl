@@ -46,7 +46,8 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- end }}
 {{- end }}
 
-{{/* The etcd host:port workers use: the bundled member's Service, or the external one. */}}
+{{/* The etcd host:port workers use: the bundled cluster's client Service (over every ready member), or the external
+one (host:port, or every member as host:port,host:port,...). */}}
 {{- define "phalanx.etcdEndpoint" -}}
 {{- if .Values.etcd.bundled.enabled }}
 {{- printf "%s-etcd:2379" (include "phalanx.fullname" .) }}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
@@ -242,3 +243,21 @@ async def _listed_services(channel: grpc.aio.Channel) -> set[str]:
     async for response in call:
         return {s.name for s in response.list_services_response.service}
     return set()
+
+
+async def test_a_service_that_owns_its_process_freezes_its_startup_heap_when_it_serves(undone, monkeypatch):
+    # What run_until_signalled sets: a full collection must not traverse the model and imports (docs/chaos.md).
+    monkeypatch.setattr(service, "_freeze_heap_when_serving", True)
+    gc.unfreeze()
+    try:
+        async with ServiceShell("phalanx-test", Listen(), TelemetryConfig(), registry=CollectorRegistry()) as shell:
+            await shell.start()
+            assert gc.get_freeze_count() == 0
+            await shell.set_serving(True)
+            frozen = gc.get_freeze_count()
+            assert frozen > 1000  # this test process's modules and objects, at least
+            await shell.set_serving(True)  # once per process start: a quarantine lifted later freezes nothing more
+            assert gc.get_freeze_count() == frozen
+            await shell.stop_server(0)
+    finally:
+        gc.unfreeze()

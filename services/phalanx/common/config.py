@@ -9,7 +9,7 @@ the components that share it.
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -22,10 +22,61 @@ __all__ = ["EtcdConfig", "NatsConfig", "TelemetryConfig"]
 _HOST_PORT = re.compile(r"^\[?[A-Za-z0-9_.:-]+\]?:(\d{1,5})$")
 
 
-class NatsConfig(BaseSettings):
+class _ServerTlsClient(BaseSettings):
+    """TLS settings of a connection to a server of our own (NATS, etcd), shared by their configs.
+
+    ``server_kind`` names the server in messages, and ``model_config``'s env_prefix its variables.
+    """
+
+    server_kind: ClassVar[str] = ""
+
+    tls_dir: str = Field(
+        "",
+        description=(
+            "Directory with ca.crt, tls.crt and tls.key (a cert-manager secret) for TLS to the server: the CA that signs "
+            "its certificate and this process's client certificate. Any TLS setting turns TLS on."
+        ),
+    )
+    ca_file: str = Field(
+        "", description="PEM CA bundle that signs the server's certificate (instead of <tls_dir>/ca.crt; neither: the system's roots)."
+    )
+    cert_file: str = Field("", description="PEM client certificate presented to the server (mTLS), instead of <tls_dir>/tls.crt.")
+    key_file: str = Field("", description="PEM private key of cert_file, instead of <tls_dir>/tls.key.")
+    tls_server_name: str = Field(
+        "",
+        description=(
+            "Name the server's certificate is checked against instead of the host dialled (default: that host; etcd with "
+            "several members: the first one's, which every member's certificate must carry)."
+        ),
+    )
+
+    @model_validator(mode="after")
+    def _check_tls(self) -> _ServerTlsClient:
+        self.tls()  # a certificate without its key (or the reverse) is refused at once
+        return self
+
+    def tls(self) -> ClientTls | None:
+        """The TLS files of the connection; None: no TLS setting."""
+        from phalanx.common.tls import resolve_client_tls
+
+        return resolve_client_tls(
+            self.server_kind, tls_dir=self.tls_dir, ca_file=self.ca_file, cert_file=self.cert_file, key_file=self.key_file,
+            server_name=self.tls_server_name,
+        )
+
+    def tls_env(self) -> dict[str, str]:
+        """This config's TLS variables, for a child process to reach the same server."""
+        prefix = self.model_config.get("env_prefix", "")
+        values = {"TLS_DIR": self.tls_dir, "CA_FILE": self.ca_file, "CERT_FILE": self.cert_file, "KEY_FILE": self.key_file,
+                  "TLS_SERVER_NAME": self.tls_server_name}
+        return {f"{prefix}{name}": value for name, value in values.items() if value}
+
+
+class NatsConfig(_ServerTlsClient):
     """How a service reaches NATS (env prefix ``PHALANX_NATS_``)."""
 
     model_config = SettingsConfigDict(env_prefix="PHALANX_NATS_", extra="forbid", frozen=True)
+    server_kind: ClassVar[str] = "NATS"
 
     url: str = Field(
         "nats://127.0.0.1:4222",
@@ -54,20 +105,6 @@ class NatsConfig(BaseSettings):
         0.25, gt=0, le=30, description="Longest a publish may block its caller before it is dropped."
     )
     drain_timeout_s: float = Field(2.0, gt=0, le=300, description="Longest close() waits for subscriptions to drain.")
-    tls_dir: str = Field(
-        "",
-        description=(
-            "Directory with ca.crt, tls.crt and tls.key (a cert-manager secret) for TLS to NATS: the CA that signs "
-            "NATS's certificate and this process's client certificate. Any TLS setting turns TLS on."
-        ),
-    )
-    ca_file: str = Field("", description="PEM CA bundle that signs NATS's server certificate (instead of <tls_dir>/ca.crt; "
-                         "neither: the system's roots).")
-    cert_file: str = Field("", description="PEM client certificate presented to NATS (mTLS), instead of <tls_dir>/tls.crt.")
-    key_file: str = Field("", description="PEM private key of cert_file, instead of <tls_dir>/tls.key.")
-    tls_server_name: str = Field(
-        "", description="Name NATS's certificate is checked against instead of the host dialled (default: the host of the URL dialled)."
-    )
 
     @field_validator("url")
     @classmethod
@@ -83,38 +120,19 @@ class NatsConfig(BaseSettings):
             raise ValueError("initial_reconnect_wait_s must not exceed max_reconnect_wait_s")
         return self
 
-    @model_validator(mode="after")
-    def _check_tls(self) -> NatsConfig:
-        self.tls()  # a certificate without its key (or the reverse) is refused at once
-        return self
-
     @property
     def tls_enabled(self) -> bool:
-        """Whether the connection must be TLS: a TLS setting or a ``tls://`` URL."""
+        """Whether the connection must be TLS: a TLS setting or a ``tls://`` URL (which alone uses the system's roots)."""
         return bool(self.tls_dir or self.ca_file or self.cert_file or self.key_file) or any(
             part.strip().startswith("tls://") for part in self.url.split(",")
         )
 
-    def tls(self) -> ClientTls | None:
-        """The TLS files of the connection (None: no TLS setting; a ``tls://`` URL alone uses the system's roots)."""
-        from phalanx.common.tls import resolve_client_tls
 
-        return resolve_client_tls(
-            "NATS", tls_dir=self.tls_dir, ca_file=self.ca_file, cert_file=self.cert_file, key_file=self.key_file,
-            server_name=self.tls_server_name,
-        )
-
-    def tls_env(self) -> dict[str, str]:
-        """The ``PHALANX_NATS_*`` TLS variables of this config, for a child process to reach the same NATS."""
-        values = {"TLS_DIR": self.tls_dir, "CA_FILE": self.ca_file, "CERT_FILE": self.cert_file, "KEY_FILE": self.key_file,
-                  "TLS_SERVER_NAME": self.tls_server_name}
-        return {f"PHALANX_NATS_{name}": value for name, value in values.items() if value}
-
-
-class EtcdConfig(BaseSettings):
+class EtcdConfig(_ServerTlsClient):
     """How a service reaches etcd and keeps its leases (env prefix ``PHALANX_ETCD_``)."""
 
     model_config = SettingsConfigDict(env_prefix="PHALANX_ETCD_", extra="forbid", frozen=True)
+    server_kind: ClassVar[str] = "etcd"
 
     endpoint: str = Field(
         "127.0.0.1:2379",
@@ -154,25 +172,6 @@ class EtcdConfig(BaseSettings):
         ),
     )
 
-    tls_dir: str = Field(
-        "",
-        description=(
-            "Directory with ca.crt, tls.crt and tls.key (a cert-manager secret) for TLS to etcd: the CA that signs "
-            "etcd's certificate and this process's client certificate. Any TLS setting turns TLS on."
-        ),
-    )
-    ca_file: str = Field("", description="PEM CA bundle that signs etcd's server certificate (instead of <tls_dir>/ca.crt; "
-                         "neither: the system's roots).")
-    cert_file: str = Field("", description="PEM client certificate presented to etcd (mTLS), instead of <tls_dir>/tls.crt.")
-    key_file: str = Field("", description="PEM private key of cert_file, instead of <tls_dir>/tls.key.")
-    tls_server_name: str = Field(
-        "",
-        description=(
-            "Name etcd's certificate is checked against instead of the host dialled (default: the endpoint's host; "
-            "with several members, the first one's: every member's certificate must carry it)."
-        ),
-    )
-
     @field_validator("endpoint")
     @classmethod
     def _check_endpoint(cls, value: str) -> str:
@@ -188,26 +187,6 @@ class EtcdConfig(BaseSettings):
         if self.keepalive_interval_s is not None and self.keepalive_interval_s >= self.lease_ttl_s:
             raise ValueError("keepalive_interval_s must be shorter than lease_ttl_s")
         return self
-
-    @model_validator(mode="after")
-    def _check_tls(self) -> EtcdConfig:
-        self.tls()  # a certificate without its key (or the reverse) is refused at once
-        return self
-
-    def tls(self) -> ClientTls | None:
-        """The TLS files of the connection to etcd; None: plaintext."""
-        from phalanx.common.tls import resolve_client_tls
-
-        return resolve_client_tls(
-            "etcd", tls_dir=self.tls_dir, ca_file=self.ca_file, cert_file=self.cert_file, key_file=self.key_file,
-            server_name=self.tls_server_name,
-        )
-
-    def tls_env(self) -> dict[str, str]:
-        """The ``PHALANX_ETCD_*`` TLS variables of this config, for a child process to reach the same etcd."""
-        values = {"TLS_DIR": self.tls_dir, "CA_FILE": self.ca_file, "CERT_FILE": self.cert_file, "KEY_FILE": self.key_file,
-                  "TLS_SERVER_NAME": self.tls_server_name}
-        return {f"PHALANX_ETCD_{name}": value for name, value in values.items() if value}
 
     @property
     def endpoints(self) -> list[tuple[str, int]]:

@@ -374,32 +374,20 @@ class _KvTrack:
         if self._tail == 0:
             self._give_blocks(0)
             return 0
-        offset = start = self._file_end()
-        chunks = []
-        try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            fd = os.open(self.path, os.O_WRONLY | os.O_CREAT, 0o600)
-            try:
-                for first, block in self._filled():  # a block a chunk: written from where it is, no copy but the last
-                    tokens = min(self._pool.block_tokens, self._tail - first)
-                    data = block if tokens == block.shape[2] else block[:, :, :tokens].contiguous()
-                    _write_at(fd, offset, byte_view(data))
-                    chunks.append(_FileChunk(start=self._spilled_tokens + first, tokens=tokens, stored=tokens, offset=offset))
-                    offset += data.nbytes
-            finally:
-                os.close(fd)
-        except OSError:
-            with contextlib.suppress(OSError):
-                if start:
-                    os.truncate(self.path, start)
-                else:
-                    self.path.unlink(missing_ok=True)
-            raise
-        self._chunks += chunks
+        start = self._file_end()
+        pieces = []  # (first position, tokens, data): a block a chunk, written from where it is, no copy but the last
+        for first, block in self._filled():
+            tokens = min(self._pool.block_tokens, self._tail - first)
+            pieces.append((first, tokens, block if tokens == block.shape[2] else block[:, :, :tokens].contiguous()))
+        offsets, end = _append_to_file(self.path, start, [byte_view(data) for _, _, data in pieces])
+        self._chunks += [
+            _FileChunk(start=self._spilled_tokens + first, tokens=tokens, stored=tokens, offset=offset)
+            for (first, tokens, _), offset in zip(pieces, offsets, strict=True)
+        ]
         self._spilled_tokens += self._tail
         self._tail = 0
         self._give_blocks(0)
-        return offset - start
+        return end - start
 
     def read(self, tokens: int, out: torch.Tensor | None = None) -> torch.Tensor:
         """Positions [0, tokens) as a contiguous [L, 2, tokens, H, D] tensor: ``out`` filled, or a new one.
@@ -537,30 +525,15 @@ class _MediaTrack:
         pending = [h for h in self.items if h.offset < 0]
         if not pending:
             return 0
-        start = offset = self._end
-        placed = []
-        try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            fd = os.open(self.path, os.O_WRONLY | os.O_CREAT, 0o600)
-            try:
-                for held in pending:
-                    assert held.data is not None  # in memory
-                    _write_at(fd, offset, memoryview(held.data))
-                    placed.append((held, offset, zlib.crc32(held.data)))
-                    offset += held.nbytes
-            finally:
-                os.close(fd)
-        except OSError:
-            with contextlib.suppress(OSError):
-                if start:
-                    os.truncate(self.path, start)
-                else:
-                    self.path.unlink(missing_ok=True)
-            raise
-        for held, at, crc in placed:
-            held.offset, held.crc, held.data = at, crc, None
-        self._end = offset
-        return offset - start
+        data: list[bytes] = []
+        for held in pending:
+            assert held.data is not None  # in memory
+            data.append(held.data)
+        offsets, end = _append_to_file(self.path, self._end, [memoryview(d) for d in data])
+        for held, bytes_, offset in zip(pending, data, offsets, strict=True):
+            held.offset, held.crc, held.data = offset, zlib.crc32(bytes_), None
+        start, self._end = self._end, end
+        return end - start
 
     def read(self) -> list[common_pb2.MediaEmbedding]:
         """The items with their data, spilled ones read back and checked; OSError if one cannot be."""
@@ -1075,6 +1048,33 @@ def _segment_tensor(layout: KvLayout, segment: checkpoint_pb2.Segment, data: byt
 def byte_view(tensor: torch.Tensor) -> memoryview:
     """The raw bytes of a contiguous CPU tensor, without a copy (writable: ``readinto`` fills it)."""
     return tensor.reshape(-1).view(torch.uint8).numpy().data
+
+
+def _append_to_file(path: Path, start: int, buffers: list[memoryview]) -> tuple[list[int], int]:
+    """Writes ``buffers`` one after the other into ``path`` from byte ``start``; their offsets, and the end.
+
+    OSError if a write fails (the disk is full): the file is cut back to ``start`` bytes (removed if that is 0).
+    """
+    offsets = []
+    offset = start
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
+        try:
+            for buffer in buffers:
+                _write_at(fd, offset, buffer)
+                offsets.append(offset)
+                offset += buffer.nbytes
+        finally:
+            os.close(fd)
+    except OSError:
+        with contextlib.suppress(OSError):
+            if start:
+                os.truncate(path, start)
+            else:
+                path.unlink(missing_ok=True)
+        raise
+    return offsets, offset
 
 
 def _write_at(fd: int, offset: int, data: memoryview) -> None:

@@ -9,19 +9,15 @@ file (tests/integration/test_media_restore_from_store.py runs the same with ever
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import os
-import signal
-import time
 
 import grpc
 import pytest
 
-from phalanx._proto import checkpoint_pb2, checkpoint_pb2_grpc, router_pb2_grpc
+from phalanx._proto import checkpoint_pb2, checkpoint_pb2_grpc
 from phalanx.common.config import EtcdConfig
 from phalanx.launch.stack import Stack
 from phalanx.testing.asserts import assert_eventually
-from phalanx.testing.multimodal import MODEL, image_request, in_process_tokens, png
+from phalanx.testing.multimodal import MODEL, image_request, in_process_tokens, png, restore_after_a_hang
 
 pytestmark = pytest.mark.integration
 
@@ -66,36 +62,15 @@ async def _spilled_with_media(stack: Stack, worker_id: str, request_id: str) -> 
 async def test_a_hung_workers_image_request_is_restored_from_embeddings_the_store_spilled(stack, spill_dir):
     image = png(13)
     expected = in_process_tokens(image, "Look: ", " What is it?", max_tokens=LONG)
-    store, migration = stack.stores[0], stack.migrations[0]
-    migrated = migration.metric("phalanx_migration_total") or 0
-    stopped, stopped_at, seen = None, 0.0, []
-    try:
-        async with grpc.aio.insecure_channel(stack.routers[0].address) as channel:
-            stream = router_pb2_grpc.RouterServiceStub(channel).Generate(image_request(PROMPT, image, LONG), timeout=90)
-            async for chunk in stream:
-                seen.append(chunk)
-                if len(seen) == 10:
-                    stopped = next(w for w in stack.workers if w.worker_id == seen[0].worker_id)
-                    reply = await assert_eventually(
-                        lambda w=stopped.worker_id, r=chunk.request_id: _spilled_with_media(stack, w, r), timeout=20
-                    )
-                    # Read back from the spill file whole (rows x hidden x float32), and none of it left in memory.
-                    (item,) = reply.media
-                    assert item.rows > 0 and len(item.data) == item.rows * item.hidden * 4
-                    assert list(spill_dir.glob("*/*.media"))
-                    assert store.metric("phalanx_checkpoint_memory_bytes") <= MEMORY_LIMIT
-                    assert store.metric("phalanx_checkpoint_spilled_bytes") >= len(item.data)
-                    os.kill(stopped.process.pid, signal.SIGSTOP)  # alive to the kernel, silent: its stream never breaks
-                    stopped_at = time.monotonic()
-    finally:
-        if stopped is not None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(stopped.process.pid, signal.SIGCONT)
-            stopped.kill()
-    finished_in = time.monotonic() - stopped_at
-    assert [c.index for c in seen] == list(range(LONG))
-    assert [c.token_id for c in seen] == expected
-    assert [c.worker_id for c in seen if c.worker_id][-1] != seen[0].worker_id
-    assert migration.metric("phalanx_migration_total") == migrated + 1
-    assert (migration.metric("phalanx_migration_left_to_router_total") or 0) == 0
-    assert finished_in < 20, f"the stream ended {finished_in:.1f} s after its worker hung"
+    store = stack.stores[0]
+
+    async def spilled(worker_id: str, request_id: str) -> None:
+        reply = await assert_eventually(lambda: _spilled_with_media(stack, worker_id, request_id), timeout=20)
+        # Read back from the spill file whole (rows x hidden x float32), and none of it left in memory.
+        (item,) = reply.media
+        assert item.rows > 0 and len(item.data) == item.rows * item.hidden * 4
+        assert list(spill_dir.glob("*/*.media"))
+        assert store.metric("phalanx_checkpoint_memory_bytes") <= MEMORY_LIMIT
+        assert store.metric("phalanx_checkpoint_spilled_bytes") >= len(item.data)
+
+    await restore_after_a_hang(stack, image_request(PROMPT, image, LONG), expected, spilled)

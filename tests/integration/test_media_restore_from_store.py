@@ -10,20 +10,16 @@ restore needs no router's copy. Tokens must equal what an in-process encoder and
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import os
-import signal
-import time
 
 import grpc
 import pytest
 
-from phalanx._proto import checkpoint_pb2, checkpoint_pb2_grpc, router_pb2_grpc
+from phalanx._proto import checkpoint_pb2, checkpoint_pb2_grpc
 from phalanx.client import Client, Media
 from phalanx.common.config import EtcdConfig
 from phalanx.launch.stack import Stack
 from phalanx.testing.asserts import assert_eventually
-from phalanx.testing.multimodal import MODEL, image_request, in_process_tokens, png
+from phalanx.testing.multimodal import MODEL, image_request, in_process_tokens, png, restore_after_a_hang
 
 pytestmark = pytest.mark.integration
 
@@ -59,32 +55,11 @@ async def _committed(stack: Stack, worker_id: str, request_id: str) -> bool:
 async def test_a_hung_workers_image_request_is_restored_from_the_store_with_its_embeddings(stack):
     image = png(11)
     expected = in_process_tokens(image, "Look: ", " What is it?", max_tokens=LONG)
-    migration = stack.migrations[0]
-    migrated = migration.metric("phalanx_migration_total") or 0  # every method (a short prompt may be re-prefilled)
-    stopped, stopped_at, seen = None, 0.0, []
-    try:
-        async with grpc.aio.insecure_channel(stack.routers[0].address) as channel:
-            stream = router_pb2_grpc.RouterServiceStub(channel).Generate(image_request(PROMPT, image, LONG), timeout=90)
-            async for chunk in stream:
-                seen.append(chunk)
-                if len(seen) == 10:
-                    stopped = next(w for w in stack.workers if w.worker_id == seen[0].worker_id)
-                    await assert_eventually(lambda w=stopped.worker_id, r=chunk.request_id: _committed(stack, w, r), timeout=20)
-                    os.kill(stopped.process.pid, signal.SIGSTOP)  # alive to the kernel, silent: its stream never breaks
-                    stopped_at = time.monotonic()
-    finally:
-        if stopped is not None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(stopped.process.pid, signal.SIGCONT)
-            stopped.kill()
-    finished_in = time.monotonic() - stopped_at
-    assert [c.index for c in seen] == list(range(LONG))
-    assert [c.token_id for c in seen] == expected
-    assert [c.worker_id for c in seen if c.worker_id][-1] != seen[0].worker_id
-    assert migration.metric("phalanx_migration_total") == migrated + 1
-    assert (migration.metric("phalanx_migration_left_to_router_total") or 0) == 0
-    # Moved once health declared the worker DEAD (its 1 s lease lapsed), not when a transport timeout broke the stream.
-    assert finished_in < 20, f"the stream ended {finished_in:.1f} s after its worker hung"
+
+    async def committed(worker_id: str, request_id: str) -> None:
+        await assert_eventually(lambda: _committed(stack, worker_id, request_id), timeout=20)
+
+    await restore_after_a_hang(stack, image_request(PROMPT, image, LONG), expected, committed)
 
 
 async def test_an_image_request_whose_router_and_worker_die_together_continues_on_the_other_router(stack):

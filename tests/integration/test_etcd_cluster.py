@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import asyncio
+import ssl
+import urllib.error
+import urllib.request
 import uuid
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 
 from phalanx.common.config import EtcdConfig
 from phalanx.common.lease import TRANSIENT_ERRORS, LeasedKey, connect_etcd
-from phalanx.launch.infra import EtcdCluster, EtcdServer
+from phalanx.launch.infra import EtcdCluster, EtcdServer, ServerTls
 from phalanx.testing.asserts import assert_eventually
 
 pytestmark = pytest.mark.integration
@@ -91,5 +95,55 @@ async def test_a_client_of_every_member_keeps_its_lease_and_reads_while_each_mem
                     assert leased.registrations == 1  # the lease was never lost, so never granted again
             finally:
                 await client.close()
+        finally:
+            await _in_thread(pool, cluster.close)
+
+
+def _peer_get(url: str, context: ssl.SSLContext | None) -> int | str:
+    """The HTTP status of GET ``url``, or why there was none."""
+    try:
+        with urllib.request.urlopen(url, timeout=5, context=context) as response:  # noqa: S310 - loopback only
+            return int(response.status)
+    except urllib.error.HTTPError as error:
+        return int(error.code)
+    except (urllib.error.URLError, OSError) as error:
+        return f"{type(error).__name__}: {error}"
+
+
+async def test_a_tls_cluster_serves_its_clients_and_its_peers_only_over_mutual_tls(control_plane_certs):
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        cluster = EtcdCluster(3, tls=ServerTls.from_dir(control_plane_certs / "etcd"))
+        try:
+            await _in_thread(pool, cluster.start)
+            assert await _in_thread(pool, cluster.leader) is not None
+            config = EtcdConfig(endpoint=cluster.endpoint, tls_dir=str(control_plane_certs / "router"))
+            key = f"/test/{uuid.uuid4().hex}".encode()
+            client = connect_etcd(config)
+            try:
+                await client.put(key, b"over tls")
+            finally:
+                await client.close()
+            for member in cluster.members:
+                assert await _value(EtcdConfig(endpoint=member.endpoint, tls_dir=str(control_plane_certs / "router")), key) == b"over tls"
+
+            peer = f"127.0.0.1:{cluster.members[0].peer_port}"
+
+            def context(identity_dir: Path | None) -> ssl.SSLContext:
+                made = ssl.create_default_context(cafile=str(control_plane_certs / "etcd" / "ca.crt"))
+                if identity_dir is not None:
+                    made.load_cert_chain(identity_dir / "tls.crt", identity_dir / "tls.key")
+                return made
+
+            # What a member presents to its peers is accepted (the control that the path itself answers) ...
+            assert _peer_get(f"https://{peer}/version", context(control_plane_certs / "etcd")) == 200
+            # ... plaintext, no client certificate, another CA's certificate and another identity of this CA are not.
+            assert _peer_get(f"http://{peer}/version", None) != 200
+            for identity in (None, control_plane_certs / "admin"):
+                refused = _peer_get(f"https://{peer}/version", context(identity))
+                assert isinstance(refused, str) and ("CERTIFICATE" in refused or "reset" in refused.lower()), (identity, refused)
+            other = ssl.create_default_context(cafile=str(control_plane_certs / "etcd" / "ca.crt"))
+            other.load_cert_chain(control_plane_certs / "other-ca" / "router" / "tls.crt", control_plane_certs / "other-ca" / "router" / "tls.key")
+            refused = _peer_get(f"https://{peer}/version", other)
+            assert isinstance(refused, str), refused
         finally:
             await _in_thread(pool, cluster.close)

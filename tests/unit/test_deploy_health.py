@@ -213,10 +213,12 @@ def test_compose_runs_a_three_member_etcd_that_every_service_is_given_whole():
     members = {f"etcd-{n}" for n in (1, 2, 3)}
     assert members <= services.keys() and "etcd" not in services
     flags = {name: dict(f.split("=", 1) for f in services[name]["command"][1:]) for name in members}
-    assert len({f["--initial-cluster"] for f in flags.values()}) == 1  # one cluster, the same three peers for each
-    assert set(flags["etcd-1"]["--initial-cluster"].split(",")) == {f"{m}=http://{m}:2380" for m in members}
+    # Peer URLs are ETCD_* variables (the TLS file switches them to https).
+    environments = {name: services[name]["environment"] for name in members}
+    assert len({e["ETCD_INITIAL_CLUSTER"] for e in environments.values()}) == 1  # one cluster, the same three peers for each
+    assert set(environments["etcd-1"]["ETCD_INITIAL_CLUSTER"].split(",")) == {f"{m}=http://{m}:2380" for m in members}
     for name in members:
-        assert flags[name]["--name"] == name and flags[name]["--initial-advertise-peer-urls"] == f"http://{name}:2380"
+        assert flags[name]["--name"] == name and environments[name]["ETCD_INITIAL_ADVERTISE_PEER_URLS"] == f"http://{name}:2380"
         assert services[name]["environment"]["ETCD_ADVERTISE_CLIENT_URLS"] == f"http://{name}:2379"
         assert flags[name]["--election-timeout"] == "500"  # 1 s leases hold
     volumes = {services[name]["volumes"][0].split(":")[0] for name in members}

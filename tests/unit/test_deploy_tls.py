@@ -68,13 +68,22 @@ def test_the_compose_tls_file_runs_etcd_and_nats_with_client_certificate_auth() 
     tls = yaml.safe_load((DEPLOY / "compose" / "docker-compose.tls.yml").read_text())["services"]
     for n in (1, 2, 3):
         member, environment = f"etcd-{n}", tls[f"etcd-{n}"]["environment"]
-        # etcd takes its client URLs from ETCD_* variables in both files (a flag would shadow the TLS file's variable).
-        assert not [flag for flag in base[member]["command"] if "client-urls" in flag or "cert" in flag]
-        assert set(base[member]["environment"]) == {"ETCD_LISTEN_CLIENT_URLS", "ETCD_ADVERTISE_CLIENT_URLS"}
+        # etcd takes its client and peer URLs from ETCD_* variables in both files (a flag would shadow the TLS file's
+        # variable).
+        assert not [flag for flag in base[member]["command"] if "-client-urls" in flag or "-peer-urls" in flag or "cert" in flag
+                    or "initial-cluster=" in flag]
+        assert set(base[member]["environment"]) == {"ETCD_LISTEN_CLIENT_URLS", "ETCD_ADVERTISE_CLIENT_URLS", "ETCD_LISTEN_PEER_URLS",
+                                                    "ETCD_INITIAL_ADVERTISE_PEER_URLS", "ETCD_INITIAL_CLUSTER"}
+        assert base[member]["environment"]["ETCD_INITIAL_ADVERTISE_PEER_URLS"] == f"http://{member}:2380"
         assert environment == {
             "ETCD_LISTEN_CLIENT_URLS": "https://0.0.0.0:2379", "ETCD_ADVERTISE_CLIENT_URLS": f"https://{member}:2379",
             "ETCD_CLIENT_CERT_AUTH": "true", "ETCD_TRUSTED_CA_FILE": "/certs/etcd/ca.crt", "ETCD_CERT_FILE": "/certs/etcd/tls.crt",
             "ETCD_KEY_FILE": "/certs/etcd/tls.key",
+            # The members talk to each other over mutual TLS as well (tests/integration/test_etcd_cluster.py runs it).
+            "ETCD_LISTEN_PEER_URLS": "https://0.0.0.0:2380", "ETCD_INITIAL_ADVERTISE_PEER_URLS": f"https://{member}:2380",
+            "ETCD_INITIAL_CLUSTER": "etcd-1=https://etcd-1:2380,etcd-2=https://etcd-2:2380,etcd-3=https://etcd-3:2380",
+            "ETCD_PEER_CLIENT_CERT_AUTH": "true", "ETCD_PEER_CERT_ALLOWED_CN": "etcd", "ETCD_PEER_TRUSTED_CA_FILE": "/certs/etcd/ca.crt",
+            "ETCD_PEER_CERT_FILE": "/certs/etcd/tls.crt", "ETCD_PEER_KEY_FILE": "/certs/etcd/tls.key",
         }
         assert "https://127.0.0.1:2379" in " ".join(tls[member]["healthcheck"]["test"])
     # The one etcd certificate names every member: clients check it against the first endpoint's host.

@@ -103,6 +103,16 @@ class ServerTls:
         base = Path(directory)
         return cls(base / "tls.crt", base / "tls.key", base / "ca.crt")
 
+    def common_name(self) -> str:
+        """The certificate's subject CN."""
+        from cryptography import x509
+        from cryptography.x509.oid import NameOID
+
+        names = x509.load_pem_x509_certificate(self.cert_file.read_bytes()).subject.get_attributes_for_oid(NameOID.COMMON_NAME)
+        if not names:
+            raise ValueError(f"{self.cert_file} has no common name")
+        return str(names[0].value)
+
     def client_context(self) -> ssl.SSLContext:
         """A context that trusts the CA and presents this certificate (the launcher's own probes)."""
         context = ssl.create_default_context(cafile=str(self.ca_file))
@@ -413,11 +423,19 @@ class EtcdServer(_ServerProcess):
             "--cert-file", str(self.tls.cert_file),
             "--key-file", str(self.tls.key_file),
             "--listen-metrics-urls", f"http://{listen}:{self.metrics_port}",
+            # Members talk to each other over TLS too, each presenting its certificate to the other: the raft log
+            # carries every key, and a process that reached a plaintext peer port could join as a member.
+            "--peer-client-cert-auth",
+            # Only the members' own certificate, not any of the CA's (a tenant's, a service's), may speak raft.
+            "--peer-cert-allowed-cn", self.tls.common_name(),
+            "--peer-trusted-ca-file", str(self.tls.ca_file),
+            "--peer-cert-file", str(self.tls.cert_file),
+            "--peer-key-file", str(self.tls.key_file),
         ]
 
     def _flags(self, *, listen: str, advertise: str, client_port: int, peer_port: int, data_dir: str) -> list[str]:
         scheme = "https" if self.tls is not None else "http"
-        peer_url = f"http://{advertise}:{peer_port}"
+        peer_url = f"{scheme}://{advertise}:{peer_port}"
         cluster = ["--initial-cluster", self._initial_cluster or f"{self.member_name}={peer_url}"]
         if self._cluster_token is not None:
             # A unique token per cluster: a member never joins another run's cluster on a reused port.
@@ -428,7 +446,7 @@ class EtcdServer(_ServerProcess):
             "--listen-client-urls", f"{scheme}://{listen}:{client_port}",
             "--advertise-client-urls", f"{scheme}://{advertise}:{client_port}",
             *self._tls_flags(listen),
-            "--listen-peer-urls", f"http://{listen}:{peer_port}",
+            "--listen-peer-urls", f"{scheme}://{listen}:{peer_port}",
             "--initial-advertise-peer-urls", peer_url,
             *cluster,
             # Default timing (1000/100 ms) rounds any lease below 2 s up to 2 s.
@@ -488,22 +506,25 @@ class EtcdServer(_ServerProcess):
 
 class EtcdCluster:
     """``size`` etcd members on loopback forming one cluster; ``endpoint`` lists every member (host:port,host:port,...).
+    With ``tls`` every member serves its clients and its peers mutual TLS with that one certificate (it must name
+    127.0.0.1 and allow client and server authentication, as ``phalanx certs init``'s ``etcd`` certificate does).
 
     Each member keeps its own data directory, so a member that was killed and
     started again rejoins the cluster with its data (etcd ignores the initial
     cluster flags once a data directory exists).
     """
 
-    def __init__(self, size: int = 3, *, startup_timeout: float = 30.0, binary: str | None = None) -> None:
+    def __init__(self, size: int = 3, *, startup_timeout: float = 30.0, binary: str | None = None, tls: ServerTls | None = None) -> None:
         if size < 1:
             raise ValueError("an etcd cluster needs at least one member")
         token = f"phalanx-{os.getpid()}-{time.monotonic_ns()}"
         names = [f"phalanx-{i}" for i in range(size)]
         peers = [free_port() for _ in names]
-        initial = ",".join(f"{name}=http://127.0.0.1:{peer}" for name, peer in zip(names, peers, strict=True))
+        scheme = "https" if tls is not None else "http"
+        initial = ",".join(f"{name}={scheme}://127.0.0.1:{peer}" for name, peer in zip(names, peers, strict=True))
         self.members = [
             EtcdServer(peer_port=peer, member_name=name, initial_cluster=initial, cluster_token=token, binary=binary,
-                       startup_timeout=startup_timeout)
+                       startup_timeout=startup_timeout, tls=tls)
             for name, peer in zip(names, peers, strict=True)
         ]
         self._startup_timeout = startup_timeout

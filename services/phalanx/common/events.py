@@ -100,7 +100,7 @@ class EventBus:
             # already report the outage once.
             log.debug("nats %s: %r", name, error)
             text = str(error).lower()
-            if "authorization violation" in text:
+            if "authorization violation" in text and config.tls_enabled:  # plaintext: retried as before
                 refused.set()
             elif "permissions violation" in text and text not in warned:
                 # A publish or subscription this identity is not allowed (the server drops it): a deployment error.

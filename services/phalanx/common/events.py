@@ -100,9 +100,13 @@ class EventBus:
             # already report the outage once.
             log.debug("nats %s: %r", name, error)
             text = str(error).lower()
+            if refused.is_set():
+                return  # the refusal is the error to report, not the broken pipe that follows it
             if "authorization violation" in text and config.tls_enabled:  # plaintext: retried as before
+                last_error[:] = [error]
                 refused.set()
-            elif "permissions violation" in text and text not in warned:
+                return
+            if "permissions violation" in text and text not in warned:
                 # A publish or subscription this identity is not allowed (the server drops it): a deployment error.
                 warned.add(text)
                 log.warning("nats %s: %s (the subjects this identity may use: phalanx.common.control_plane_acl)", name, error)

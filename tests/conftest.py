@@ -58,13 +58,15 @@ def control_plane_certs(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def tls_etcd_server(control_plane_certs: Path) -> Iterator[EtcdServer]:
-    """An etcd that serves only TLS (https client URL) and wants a client certificate of the CA (--client-cert-auth)."""
-    with EtcdServer(tls=ServerTls.from_dir(control_plane_certs / "etcd")) as server:
+    """An etcd that serves only TLS (https client URL) and wants a client certificate of the CA (--client-cert-auth), with
+    authorization on: the users and roles of phalanx.common.control_plane_acl, set up as ``admin``."""
+    with EtcdServer(tls=ServerTls.from_dir(control_plane_certs / "etcd"), authorize=control_plane_certs / "admin") as server:
         yield server
 
 
 @pytest.fixture(scope="session")
 def tls_nats_server(control_plane_certs: Path) -> Iterator[NatsServer]:
-    """A nats-server whose ``tls`` block wants a client certificate of the CA (``verify: true``)."""
+    """A nats-server whose ``tls`` block wants a client certificate of the CA and maps it to a user
+    (``verify_and_map: true``): only the identities of phalanx.common.control_plane_acl, each with its own subjects."""
     with NatsServer(tls=ServerTls.from_dir(control_plane_certs / "nats")) as server:
         yield server

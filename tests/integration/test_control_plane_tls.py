@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
+import time
 import urllib.request
 import uuid
 from pathlib import Path
 
+import aetcd.exceptions
 import pytest
 from google.protobuf import json_format
 
@@ -22,7 +25,15 @@ from phalanx.client import Client
 from phalanx.common.config import EtcdConfig, NatsConfig
 from phalanx.common.discovery import WorkerDirectory
 from phalanx.common.events import EventBus
-from phalanx.common.lease import EtcdUnavailableError, LeasedKey, connect_etcd
+from phalanx.common.lease import EtcdPermissionDeniedError, EtcdUnavailableError, LeasedKey, connect_etcd
+from phalanx.common.subjects import (
+    PLANNER_DECISION_KEY,
+    TENANT_USAGE_SUBJECT,
+    WORKERS_PREFIX,
+    load_subject,
+    router_key,
+    worker_key,
+)
 from phalanx.launch.infra import EtcdServer, NatsServer
 from phalanx.launch.stack import Stack
 from phalanx.testing.asserts import assert_eventually
@@ -42,7 +53,8 @@ def nats_tls(server: NatsServer, certs: Path, identity: str = "admin", **more) -
 
 async def test_leases_and_discovery_work_over_mtls_etcd(tls_etcd_server, control_plane_certs):
     config = etcd_tls(tls_etcd_server, control_plane_certs, "worker")
-    prefix = f"/test/tls-{uuid.uuid4().hex[:8]}/"
+    # Under the workers' prefix: with etcd's authorization on, a worker may write there and nowhere else of the test's.
+    prefix = f"{WORKERS_PREFIX}tls-{uuid.uuid4().hex[:8]}/"
     registration = common_pb2.WorkerRegistration(worker_id="w-tls", address="127.0.0.1:1")
     directory = WorkerDirectory(etcd_tls(tls_etcd_server, control_plane_certs, "router"), prefix=prefix)
     try:
@@ -97,23 +109,25 @@ async def test_etcd_refuses_callers_without_a_certificate_of_its_ca_and_plaintex
 
 
 async def test_a_nats_publisher_and_subscriber_talk_over_mtls(tls_nats_server, control_plane_certs):
-    subject = f"phalanx.test.tls.{uuid.uuid4().hex[:8]}"
+    # A worker's load subject: the one kind of subject both identities may use (a worker publishes, a router subscribes).
+    worker_id = f"w-tls-{uuid.uuid4().hex[:8]}"
+    subject = load_subject(worker_id)
     publisher = await EventBus.connect(nats_tls(tls_nats_server, control_plane_certs, "worker"), name="tls-publisher")
     subscriber = await EventBus.connect(nats_tls(tls_nats_server, control_plane_certs, "router"), name="tls-subscriber")
-    received: list[common_pb2.WorkerRegistration] = []
+    received: list[common_pb2.LoadReport] = []
 
     async def on_message(message, subject, context) -> None:
         received.append(message)
 
     try:
-        await subscriber.subscribe(subject, common_pb2.WorkerRegistration, on_message)
+        await subscriber.subscribe(subject, common_pb2.LoadReport, on_message)
         await subscriber.flush()
 
         async def delivered() -> bool:
             # Events are best effort (a publish on a loaded box may be dropped after its timeout): published until one arrives.
-            await publisher.publish(subject, common_pb2.WorkerRegistration(worker_id="w-tls"))
+            await publisher.publish(subject, common_pb2.LoadReport(worker_id=worker_id))
             await asyncio.sleep(0.1)
-            assert received and {m.worker_id for m in received} == {"w-tls"}
+            assert received and {m.worker_id for m in received} == {worker_id}
             return True
 
         await assert_eventually(delivered, timeout=5, message="the message did not cross the TLS NATS")
@@ -155,6 +169,90 @@ async def test_nats_refuses_callers_without_a_certificate_of_its_ca_and_plaintex
             expected = "the server closed the TLS connection; if it wants a client certificate, does it trust the CA of ours?"
         assert expected in message.lower() or expected in message, (expected, message)
     assert "tls-refused" not in _connections(tls_nats_server)
+
+
+async def test_a_tenant_certificate_gets_nothing_from_etcd_or_nats(tls_etcd_server, tls_nats_server, control_plane_certs):
+    certs = control_plane_certs
+    # A long startup timeout: a refusal must end the attempt long before it (not retried), even on a loaded box.
+    tenant = etcd_tls(tls_etcd_server, certs, "client", startup_timeout_s=20)
+    # etcd: the CN "client" is no user of its authorization: no write (refused at once, not retried), no read.
+    started = time.monotonic()
+    with pytest.raises(EtcdPermissionDeniedError, match="permission denied.*tenants' `client` certificates get nothing from etcd"):
+        async with LeasedKey(tenant, worker_key("fake-worker"), b"{}"):
+            pass
+    assert time.monotonic() - started < 10
+    client = connect_etcd(tenant)
+    try:
+        with pytest.raises(aetcd.exceptions.ClientError, match="permission denied"):
+            await client.get_prefix(WORKERS_PREFIX.encode())
+        with pytest.raises(aetcd.exceptions.ClientError, match="permission denied"):
+            await client.put(PLANNER_DECISION_KEY.encode(), b"{}")
+    finally:
+        await client.close()
+    # NATS: the certificate is verified, but its identity (URI SAN spiffe://phalanx/client) is no user; refused at once.
+    started = time.monotonic()
+    with pytest.raises(ConnectionError, match="authorization refused this client's certificate .identity client.") as raised:
+        await EventBus.connect(nats_tls(tls_nats_server, certs, "client", startup_timeout_s=20), name="tenant")
+    assert "Authorization Violation" in str(raised.value) and time.monotonic() - started < 10
+    assert "tenant" not in _connections(tls_nats_server)
+
+
+async def test_a_worker_cannot_write_the_planners_keys_nor_publish_the_routers_usage(
+    tls_etcd_server, tls_nats_server, control_plane_certs, caplog
+):
+    certs = control_plane_certs
+    worker = connect_etcd(etcd_tls(tls_etcd_server, certs, "worker"))
+    try:
+        # Its own prefix it may write; the planner's decision (what an orchestrator carries out) it may not.
+        own = worker_key(f"acl-{uuid.uuid4().hex[:8]}")
+        await worker.put(own.encode(), b"{}")
+        await worker.delete(own.encode())
+        with pytest.raises(aetcd.exceptions.ClientError, match="permission denied"):
+            await worker.put(PLANNER_DECISION_KEY.encode(), b"{}")
+        with pytest.raises(aetcd.exceptions.ClientError, match="permission denied"):
+            await worker.put(router_key("router-fake").encode(), b"{}")
+    finally:
+        await worker.close()
+    with pytest.raises(EtcdPermissionDeniedError):
+        async with LeasedKey(etcd_tls(tls_etcd_server, certs, "worker"), PLANNER_DECISION_KEY, b"{}"):
+            pass
+
+    # NATS: the routers' usage subject is not the worker's; the server drops the message and says so.
+    publisher = await EventBus.connect(nats_tls(tls_nats_server, certs, "worker"), name="acl-worker")
+    watcher = await EventBus.connect(nats_tls(tls_nats_server, certs, "admin"), name="acl-admin")
+    worker_id = f"w-acl-{uuid.uuid4().hex[:8]}"
+    usage: list[common_pb2.TenantUsageReport] = []
+    loads: list[common_pb2.LoadReport] = []
+
+    async def on_usage(message, subject, context) -> None:
+        usage.append(message)
+
+    async def on_load(message, subject, context) -> None:
+        loads.append(message)
+
+    try:
+        await watcher.subscribe(TENANT_USAGE_SUBJECT, common_pb2.TenantUsageReport, on_usage)
+        await watcher.subscribe(load_subject(worker_id), common_pb2.LoadReport, on_load)
+        await watcher.flush()
+
+        async def load_after_usage_arrived() -> bool:
+            # In order on one connection: once a load report published after it arrives, the usage report would have.
+            await publisher.publish(TENANT_USAGE_SUBJECT, common_pb2.TenantUsageReport(router_id="router-fake", incarnation="x"))
+            await publisher.publish(load_subject(worker_id), common_pb2.LoadReport(worker_id=worker_id))
+            await asyncio.sleep(0.1)
+            assert loads
+            return True
+
+        with caplog.at_level(logging.WARNING, logger="phalanx.common.events"):
+            await assert_eventually(load_after_usage_arrived, timeout=5, message="the worker's own load report did not arrive")
+            await assert_eventually(
+                lambda: 'permissions violation for publish to "phalanx.tenant_usage"' in caplog.text.lower(), timeout=5,
+                message="the worker was not told that its publish was refused",
+            )
+        assert usage == []
+    finally:
+        await publisher.close()
+        await watcher.close()
 
 
 def test_a_certificate_without_its_key_is_a_configuration_error(control_plane_certs):

@@ -1,4 +1,5 @@
-"""`phalanx up --tls`: its own NATS and etcd serve mutual TLS too, and everything it started reaches them with a certificate."""
+"""`phalanx up --tls`: its own NATS and etcd serve mutual TLS too, with authorization: everything it started reaches them
+with its own certificate and rights, a tenant's certificate gets nothing."""
 
 from __future__ import annotations
 
@@ -62,6 +63,15 @@ async def test_up_tls_runs_nats_and_etcd_with_client_certificates(tls_stack):
         await EventBus.connect(NatsConfig(url=tls_stack["nats_url"], ca_file=str(certs / "ca.crt"), startup_timeout_s=1.5), name="no-cert")
     bus = await EventBus.connect(NatsConfig(url=tls_stack["nats_url"], tls_dir=str(certs / "admin"), startup_timeout_s=5), name="admin")
     await bus.close()
+    # A tenant's certificate (the CA's, but identity `client`) gets nothing from either: authorization is on.
+    tenant = WorkerDirectory(EtcdConfig(endpoint=endpoint, tls_dir=str(certs / "client"), request_timeout_s=2))
+    try:
+        with pytest.raises(aetcd.exceptions.ClientError, match="permission denied"):
+            await tenant.list()
+    finally:
+        await tenant.close()
+    with pytest.raises(ConnectionError, match="authorization refused this client's certificate"):
+        await EventBus.connect(NatsConfig(url=tls_stack["nats_url"], tls_dir=str(certs / "client"), startup_timeout_s=5), name="tenant")
 
     # The stack serves: the router found the worker in etcd and its load over NATS.
     async with await Client.connect(tls_stack["router_address"], tls=TlsConfig.from_dir(certs / "client"), timeout=30) as client:

@@ -88,9 +88,35 @@ def test_the_compose_tls_file_runs_etcd_and_nats_with_client_certificate_auth() 
         assert "https://127.0.0.1:2379" in " ".join(tls[member]["healthcheck"]["test"])
     # The one etcd certificate names every member: clients check it against the first endpoint's host.
     assert all(f"--host etcd-{n}" in tls["certs"]["command"][0] for n in (1, 2, 3))
+    # NATS reads the config the `certs` one-shot writes (TLS, verify_and_map and the ACL's users: see the test below).
     nats = tls["nats"]["command"]
-    assert {"--tlsverify", "--tlscert=/certs/nats/tls.crt", "--tlskey=/certs/nats/tls.key", "--tlscacert=/certs/nats/ca.crt"} <= set(nats)
-    assert nats[:len(base["nats"]["command"])] == base["nats"]["command"]
+    assert nats == [*base["nats"]["command"], "-c", "/certs/nats/nats.conf"]
+    assert "phalanx certs nats-config --dir /certs --out /certs/nats/nats.conf" in tls["certs"]["command"][0]
     for server in ("etcd-1", "etcd-2", "etcd-3", "nats"):
         assert tls[server]["depends_on"]["certs"]["condition"] == "service_completed_successfully"
         assert "certs:/certs:ro" in tls[server]["volumes"]
+
+
+def test_the_compose_tls_file_turns_etcd_and_nats_authorization_on_before_any_service_starts(tmp_path) -> None:
+    from typer.testing import CliRunner
+
+    from phalanx.cli.certs import certs_app
+    from phalanx.common.control_plane_acl import nats_authorization
+
+    base = yaml.safe_load((DEPLOY / "compose" / "docker-compose.yml").read_text())["services"]
+    tls = yaml.safe_load((DEPLOY / "compose" / "docker-compose.tls.yml").read_text())["services"]
+    # etcd's RBAC, as admin, once every member serves; every Phalanx service waits for it.
+    auth = tls["etcd-auth"]
+    assert auth["command"][:2] == ["certs", "etcd-auth"] and auth["environment"]["PHALANX_ETCD_TLS_DIR"] == "/certs/admin"
+    assert auth["command"][auth["command"].index("--etcd-endpoint") + 1] == "etcd-1:2379,etcd-2:2379,etcd-3:2379"
+    assert all(auth["depends_on"][f"etcd-{n}"]["condition"] == "service_healthy" for n in (1, 2, 3))
+    phalanx = {name for name, service in base.items() if service.get("image") == "phalanx:dev" or "build" in service}
+    for name in phalanx:
+        assert tls[name]["depends_on"]["etcd-auth"]["condition"] == "service_completed_successfully", name
+    # The NATS config the certs one-shot writes: the nats identity's files in the volume, verify_and_map, the ACL's users.
+    out = tmp_path / "nats.conf"
+    result = CliRunner().invoke(certs_app, ["nats-config", "--dir", "/certs", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    text = out.read_text()
+    assert '"/certs/nats/tls.crt"' in text and '"/certs/nats/ca.crt"' in text and "verify_and_map: true" in text
+    assert text.endswith(nats_authorization())

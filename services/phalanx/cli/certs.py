@@ -36,3 +36,52 @@ def certs_init(
     except ValueError as error:
         raise typer.BadParameter(str(error)) from error
     print(json.dumps({"dir": directory, "issued": [p.name for p in written], "kept": sorted({*identities} - {p.name for p in written})}))
+
+
+@certs_app.command("nats-config")
+def certs_nats_config(
+    directory: str = typer.Option(..., "--dir", help="The directory of `phalanx certs init` as the NATS server sees it (its nats/ identity)"),
+    out: str = typer.Option("-", "--out", help="Where to write the config file ('-': stdout)"),
+) -> None:
+    """nats-server's config for mutual TLS with authorization: the `nats` certificate, a client certificate of the CA
+    required and mapped to a user by its URI SAN (verify_and_map), and one user per Phalanx service identity and admin
+    with the subjects of the control-plane ACL (phalanx.common.control_plane_acl); tenants' certificates get no user."""
+    from pathlib import Path
+
+    from phalanx.common.control_plane_acl import nats_tls_config
+    from phalanx.common.tls import CA_FILE, CERT_FILE, KEY_FILE
+
+    nats = Path(directory) / "nats"
+    text = nats_tls_config(cert_file=nats / CERT_FILE, key_file=nats / KEY_FILE, ca_file=nats / CA_FILE)
+    if out == "-":
+        print(text, end="")
+    else:
+        Path(out).write_text(text)
+
+
+@certs_app.command("etcd-auth")
+def certs_etcd_auth(
+    endpoint: str = typer.Option(
+        ..., "--etcd-endpoint", envvar="PHALANX_ETCD_ENDPOINT", help="etcd host:port (comma-separated for a cluster)"
+    ),
+    timeout: float = typer.Option(30.0, min=1, help="Seconds to wait for etcd to answer"),
+) -> None:
+    """Turn etcd's authorization on: a user per Phalanx service identity and admin (the client certificate's CN is the
+    user), each service's role from the control-plane ACL, admin with the root role. Idempotent; run it with the admin
+    certificate (PHALANX_ETCD_TLS_DIR=<certs>/admin), which is the one allowed once auth is on."""
+    import asyncio
+
+    from phalanx.common.config import EtcdConfig
+    from phalanx.launch.control_plane_auth import apply_etcd_auth
+
+    config = EtcdConfig(endpoint=endpoint)
+    if config.tls() is None:
+        raise typer.BadParameter("etcd takes the user from the client certificate: set PHALANX_ETCD_TLS_DIR to the admin identity")
+    try:
+        asyncio.run(apply_etcd_auth(config, timeout_s=timeout))
+    except Exception as error:  # noqa: BLE001 - any refusal or outage: say it and fail the one-shot
+        details = getattr(error, "details", None)  # a gRPC error: its status and etcd's text, not its repr
+        why = f"{error.code().name}: {details()}" if callable(details) else str(error)  # type: ignore[attr-defined]  # details() goes with code()
+        typer.echo(f"error: cannot set up etcd's authorization at {endpoint}: {why} (is PHALANX_ETCD_TLS_DIR the admin identity?)", err=True)
+        raise typer.Exit(1) from None
+    print(json.dumps({"etcd": endpoint, "authorization": "enabled"}))

@@ -381,7 +381,11 @@ class _Stack:
             self.nats_url = self.nats.url
             self._ready("nats", self.nats_url, self.nats.pid)
         if not self.etcd_endpoint:
-            self.etcd = EtcdServer(tls=None if certs is None else ServerTls.from_dir(certs / "etcd")).start()
+            # With --tls, authorization too: each identity gets its own keys (phalanx.common.control_plane_acl), set up
+            # as admin (the supervisor's identity) before any service starts.
+            self.etcd = EtcdServer(
+                tls=None if certs is None else ServerTls.from_dir(certs / "etcd"), authorize=None if certs is None else certs / "admin"
+            ).start()
             self.etcd_endpoint = self.etcd.endpoint
             self._ready("etcd", self.etcd_endpoint, self.etcd.pid)
 

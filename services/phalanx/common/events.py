@@ -29,6 +29,7 @@ from phalanx.common.config import NatsConfig
 from phalanx.common.errors import InvalidRequestError, PhalanxError
 from phalanx.common.subjects import subject_kind, validate_worker_id, worker_id_from_subject
 from phalanx.common.telemetry import extract_context, inject_headers
+from phalanx.common.tls import identity_of_certificate
 
 __all__ = ["EventBus", "EventBusError", "Handler", "MessageTooLargeError", "check_kv_event", "check_load_report", "check_tenant_usage_report"]
 
@@ -90,11 +91,25 @@ class EventBus:
         Raises ConnectionError if no server answered within the startup timeout.
         """
         last_error: list[BaseException] = []
+        # The server refused our identity (its authorization, docs/security.md): no retry will change that.
+        refused = asyncio.Event()
+        warned: set[str] = set()
 
         async def on_error(error: Exception) -> None:
             # Called for every failed reconnect attempt; the state callbacks below
             # already report the outage once.
             log.debug("nats %s: %r", name, error)
+            text = str(error).lower()
+            if refused.is_set():
+                return  # the refusal is the error to report, not the broken pipe that follows it
+            if "authorization violation" in text and config.tls_enabled:  # plaintext: retried as before
+                last_error[:] = [error]
+                refused.set()
+                return
+            if "permissions violation" in text and text not in warned:
+                # A publish or subscription this identity is not allowed (the server drops it): a deployment error.
+                warned.add(text)
+                log.warning("nats %s: %s (the subjects this identity may use: phalanx.common.control_plane_acl)", name, error)
             # A TLS error says more than the reset that often follows it on a later attempt: it is kept.
             if not last_error or isinstance(error, ssl.SSLError) or not isinstance(last_error[0], ssl.SSLError):
                 last_error[:] = [error]
@@ -137,12 +152,15 @@ class EventBus:
                 **tls_options,
             )
         )
+        refusal = asyncio.ensure_future(refused.wait())
         try:
-            done, _ = await asyncio.wait({connecting}, timeout=config.startup_timeout_s)
+            await asyncio.wait({connecting, refusal}, timeout=config.startup_timeout_s, return_when=asyncio.FIRST_COMPLETED)
         except asyncio.CancelledError:
             connecting.cancel()
             raise
-        if not done:
+        finally:
+            refusal.cancel()
+        if not connecting.done():
             connecting.cancel()
             # Not awaited to the end: a TLS upgrade cut short by a server refusing our certificate can leave asyncio's
             # start_tls waiting forever, cancellation included (seen on CPython 3.11); the attempt is abandoned.
@@ -150,7 +168,11 @@ class EventBus:
             closing = asyncio.ensure_future(_close_quietly(nc))
             await asyncio.wait({closing}, timeout=1.0)
             why = f" (last error: {_describe(last_error[0])})" if last_error else ""
-            if last_error and isinstance(last_error[0], ssl.SSLError) and not config.tls_enabled:
+            if refused.is_set():
+                identity = identity_of_certificate(tls.cert_file.read_bytes()) if tls is not None and tls.cert_file is not None else None
+                why += (f": the server's authorization refused this client's certificate (identity {identity or '?'}); only "
+                        "the Phalanx services and admin may use NATS, tenants' `client` certificates may not (docs/security.md)")
+            elif last_error and isinstance(last_error[0], ssl.SSLError) and not config.tls_enabled:
                 why += ": the server requires TLS; set PHALANX_NATS_TLS_DIR or PHALANX_NATS_CA_FILE (and a client certificate)"
             elif last_error and isinstance(last_error[0], ConnectionResetError) and config.tls_enabled:
                 # TLS 1.3: a server refusing the client certificate may close the connection before its alert is read.

@@ -28,7 +28,10 @@ from aetcd import rpc
 from phalanx.common.config import EtcdConfig
 from phalanx.common.errors import PhalanxError
 
-__all__ = ["EtcdUnavailableError", "LeaseError", "LeasedKey", "connect_etcd", "etcd_target", "tls_hint"]
+__all__ = [
+    "EtcdPermissionDeniedError", "EtcdUnavailableError", "LeaseError", "LeasedKey", "connect_etcd", "etcd_target", "permission_denied",
+    "tls_hint",
+]
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +51,20 @@ class LeaseError(PhalanxError):
 
 class EtcdUnavailableError(LeaseError, ConnectionError):
     """etcd did not answer (down, restarting, or partitioned)."""
+
+
+class EtcdPermissionDeniedError(LeaseError, PermissionError):
+    """etcd's authorization refused this client's identity the key: retrying will not help."""
+
+
+def permission_denied(error: BaseException) -> bool:
+    """Whether ``error`` (an aetcd error or the gRPC error under it) is etcd's PERMISSION_DENIED."""
+    seen: BaseException | None = error
+    while seen is not None:
+        if isinstance(seen, grpc.aio.AioRpcError) and seen.code() == grpc.StatusCode.PERMISSION_DENIED:
+            return True
+        seen = seen.__cause__
+    return "etcdserver: permission denied" in str(error)
 
 
 def connect_etcd(config: EtcdConfig) -> aetcd.Client:
@@ -116,6 +133,9 @@ class _TlsEtcdClient(aetcd.Client):
 def tls_hint(config: EtcdConfig, error: BaseException) -> str:
     """What a failed etcd connection may say about TLS: a hint for the error message, or ""."""
     text = str(error)
+    if permission_denied(error):
+        return " (etcd's authorization refused the identity of this client's certificate, its CN: tenants' `client` " \
+               "certificates get nothing from etcd, and each Phalanx service writes only its own keys; docs/security.md)"
     if config.tls() is None and "Socket closed" in text:
         return " (etcd closed the connection at once: if it serves TLS, set PHALANX_ETCD_TLS_DIR or PHALANX_ETCD_CA_FILE)"
     if config.tls() is not None and "handshake failed" in text.lower():
@@ -246,6 +266,10 @@ class LeasedKey:
                 await self._register()
                 break
             except TRANSIENT_ERRORS as error:
+                if permission_denied(error):
+                    raise EtcdPermissionDeniedError(
+                        f"cannot register {self.key} at {self._config.endpoint}: {error}{tls_hint(self._config, error)}"
+                    ) from error
                 delay = backoff.next()
                 if time.monotonic() + delay > deadline:
                     raise EtcdUnavailableError(

@@ -12,6 +12,8 @@ instead, but only when a Docker engine answers; otherwise the binaries.
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import importlib.util
 import json
 import logging
@@ -294,6 +296,7 @@ class NatsServer(_ServerProcess):
         startup_timeout: float = 15.0,
         host: str = "127.0.0.1",
         tls: ServerTls | None = None,
+        authorize: bool = True,
     ) -> None:
         if tls is not None and docker:
             raise ValueError("a TLS nats-server runs from its binary only")
@@ -304,6 +307,7 @@ class NatsServer(_ServerProcess):
         self._jetstream = jetstream
         self._binary = binary
         self.tls = tls
+        self.authorize = authorize
 
     @property
     def url(self) -> str:
@@ -311,10 +315,17 @@ class NatsServer(_ServerProcess):
         return f"{'tls' if self.tls is not None else 'nats'}://{self.host}:{self.port}"
 
     def _config_file(self) -> list[str]:
-        """``-c FILE`` with a ``tls`` block requiring a client certificate of the CA; nothing without TLS."""
+        """``-c FILE`` with a ``tls`` block requiring a client certificate of the CA; nothing without TLS. ``authorize``
+        (the default): the certificate's identity is the user, and only those of the control-plane ACL get in, each
+        with its own subjects (phalanx.common.control_plane_acl)."""
         if self.tls is None:
             return []
         path = self._dir / "nats.conf"
+        if self.authorize:
+            from phalanx.common.control_plane_acl import nats_tls_config
+
+            path.write_text(nats_tls_config(cert_file=self.tls.cert_file, key_file=self.tls.key_file, ca_file=self.tls.ca_file))
+            return ["-c", str(path)]
         path.write_text(
             "tls {\n"
             f"  cert_file: {json.dumps(str(self.tls.cert_file))}\n"
@@ -386,12 +397,17 @@ class EtcdServer(_ServerProcess):
         compaction_retention: str = COMPACTION_RETENTION,
         tls: ServerTls | None = None,
         metrics_port: int | None = None,
+        authorize: str | os.PathLike[str] | None = None,
     ) -> None:
         if tls is not None and docker:
             raise ValueError("a TLS etcd runs from its binary only")
+        if authorize is not None and tls is None:
+            raise ValueError("etcd authorization takes the user from the client certificate: it needs tls")
         super().__init__(docker=docker, startup_timeout=startup_timeout)
         self.host = host
         self.tls = tls
+        # The admin identity's directory: once started, etcd gets the control-plane ACL's users and roles and auth on.
+        self.authorize = Path(authorize) if authorize is not None else None
         # With TLS the client port wants a client certificate; /health is probed on a plain metrics port instead.
         self.metrics_port = metrics_port or (free_port() if tls is not None else None)
         self.compaction_retention = compaction_retention
@@ -468,6 +484,28 @@ class EtcdServer(_ServerProcess):
             data_dir=str(self._dir / "data"),
         )
         return [self._binary or find_binary("etcd"), *flags]
+
+    def start(self) -> Self:
+        """As ``_ServerProcess.start``; with ``authorize``, then etcd's users, roles and auth (idempotent: a restart
+        finds them in its data directory, and the table is applied again)."""
+        started = not self.running
+        super().start()
+        if started and self.authorize is not None:
+            self._apply_authorization(self.authorize)
+        return self
+
+    def _apply_authorization(self, admin_dir: Path) -> None:
+        from phalanx.common.config import EtcdConfig
+        from phalanx.launch.control_plane_auth import apply_etcd_auth
+
+        config = EtcdConfig(endpoint=self.endpoint, tls_dir=str(admin_dir))
+        # On a thread of its own: start() is called from sync code and from inside running event loops alike.
+        with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="etcd-auth") as pool:
+            try:
+                pool.submit(asyncio.run, apply_etcd_auth(config)).result()
+            except Exception as error:
+                self.stop()
+                raise InfraError(f"cannot set up etcd's authorization as {admin_dir.name}: {error}") from error
 
     def _ready(self) -> bool:
         base = self.url if self.tls is None else f"http://{self.host}:{self.metrics_port}"

@@ -531,14 +531,12 @@ class Migrator:
         held: dict[str, checkpoint_pb2.CommitRecord] = {}
         for store in await self.store_addresses():  # a replacement store may hold some while the old one lingers
             try:
-                listing = await checkpoint_pb2_grpc.CheckpointStoreStub(self._channel(store)).ListCommits(
-                    checkpoint_pb2.ListCommitsRequest(worker_id=worker_id), timeout=2.0
-                )
+                listing = await _commits_of(checkpoint_pb2_grpc.CheckpointStoreStub(self._channel(store)), worker_id, timeout=2.0)
             except grpc.aio.AioRpcError as error:
                 log.warning("checkpoint store %s: %s", store, error.details())
                 continue
-            for commit in listing.commits:
-                held.setdefault(commit.request_id, commit)
+            for request_id, commit in listing.items():
+                held.setdefault(request_id, commit)
         response = M.MigrateWorkerResponse()
         # A request whose media embeddings the store does not all hold (a writer from before it kept them, or items that
         # did not fit) cannot be moved from here: every target would refuse it (FAILED_PRECONDITION), and a router
@@ -563,8 +561,9 @@ class Migrator:
         return response
 
 
-async def _commits_of(stub: checkpoint_pb2_grpc.CheckpointStoreStub, worker_id: str) -> dict[str, checkpoint_pb2.CommitRecord]:
-    listing = await stub.ListCommits(checkpoint_pb2.ListCommitsRequest(worker_id=worker_id), timeout=1.0)
+async def _commits_of(stub: checkpoint_pb2_grpc.CheckpointStoreStub, worker_id: str, *,
+                      timeout: float = 1.0) -> dict[str, checkpoint_pb2.CommitRecord]:
+    listing = await stub.ListCommits(checkpoint_pb2.ListCommitsRequest(worker_id=worker_id), timeout=timeout)
     return {commit.request_id: commit for commit in listing.commits}
 
 

@@ -16,6 +16,8 @@ from phalanx.planner.decisions import (
     Outcome,
     Readiness,
     Targets,
+    beyond_noise,
+    surge_workers,
 )
 
 pytestmark = pytest.mark.unit
@@ -398,3 +400,32 @@ def test_without_a_confirm_time_or_an_arrivals_signal_a_scale_down_goes_at_once_
     other = machine(workers=6, interval_s=2.0, scale_down_confirm_s=2.0)
     down = other.tick(0.0, READY, 2)
     assert down is not None and down.targets.workers == 2
+
+
+def test_a_rise_beyond_noise_is_a_poisson_tail_below_one_minus_the_confidence() -> None:
+    # Poisson(2): P(X >= 6) = 0.0166, P(X >= 7) = 0.0045.
+    assert not beyond_noise(6, 2.0, 0.99)
+    assert beyond_noise(7, 2.0, 0.99)
+    # P(X >= 8) = 0.0011, P(X >= 9) = 0.00024.
+    assert not beyond_noise(8, 2.0, 0.999) and beyond_noise(9, 2.0, 0.999)
+    assert not beyond_noise(0, 2.0, 0.99)
+    # No confidence: any count above the expected one; nothing expected: any arrival.
+    assert beyond_noise(3, 2.0, 0.0) and not beyond_noise(2, 2.0, 0.0)
+    assert beyond_noise(1, 0.0, 0.99)
+
+
+def test_a_surge_needs_its_minimum_count_and_a_rise_beyond_the_planned_rates_noise() -> None:
+    def arrivals(requests: int, window_s: float = 2.0, workers: int = 5) -> Arrivals:
+        return Arrivals(requests=requests, rate=requests / window_s, workers=workers)
+
+    # The measured case: 4 arrivals in 2 s at a planned 1 request/s (P(X >= 4) = 0.14 for Poisson(2)) is no surge ...
+    assert surge_workers(arrivals(4), 1.0, min_requests=4, confidence=0.99) is None
+    # ... the same count was one before the gate, and is one without a plan yet.
+    assert surge_workers(arrivals(4), 1.0, min_requests=4, confidence=0.0) == 5
+    assert surge_workers(arrivals(4), None, min_requests=4, confidence=0.99) == 5
+    # A 3x burst's 2 s (6 expected) reaching 7: a surge, with the workers its rate needs.
+    assert surge_workers(arrivals(7), 1.0, min_requests=4, confidence=0.99) == 5
+    # The expected count is over the window the arrivals were counted in: 7 in 4 s at 1 request/s is noise.
+    assert surge_workers(arrivals(7, window_s=4.0), 1.0, min_requests=4, confidence=0.99) is None
+    # Below the minimum count nothing surges, however low the plan.
+    assert surge_workers(arrivals(3), 0.1, min_requests=4, confidence=0.99) is None

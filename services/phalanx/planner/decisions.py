@@ -44,6 +44,7 @@ Rules, each fixing a limit of Dynamo's planner named in its design notes:
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass
 from enum import StrEnum
@@ -375,6 +376,33 @@ class DecisionMachine:
         # A promotion says nothing about how fast a new worker starts, nor a superseded decision about how long one takes.
         if decision.reason is not DecisionReason.PROMOTE_SPARE and outcome is not Outcome.SUPERSEDED:
             self._latencies.append(finished.latency_s)
+
+
+def beyond_noise(arrivals: float, expected: float, confidence: float) -> bool:
+    """Whether `arrivals` in a window are a rise beyond the noise of a Poisson process expected to bring `expected` there:
+    as many or more had less than `1 - confidence` chance (0 confidence: any count is a rise)."""
+    if confidence <= 0 or expected <= 0:
+        return arrivals > expected
+    # P(X >= arrivals) = 1 - P(X <= ceil(arrivals) - 1), the pmf summed term by term (small counts: a few dozen terms).
+    at_least = math.ceil(arrivals - 1e-9)
+    pmf = cdf = math.exp(-expected)
+    for k in range(1, at_least):
+        pmf *= expected / k
+        cdf += pmf
+    tail = 1.0 - cdf if at_least > 0 else 1.0
+    return tail < 1.0 - confidence
+
+
+def surge_workers(arrivals: Arrivals, planned_rate: float | None, *, min_requests: int, confidence: float) -> int | None:
+    """The workers `arrivals` need when they are a surge: at least `min_requests` of them, and a rise beyond the noise of
+    `planned_rate` (requests/s the last plan was made for; None: no plan yet, the count alone decides). None otherwise."""
+    if arrivals.requests < min_requests:
+        return None
+    if planned_rate is not None and arrivals.rate > 0:
+        expected = planned_rate * arrivals.requests / arrivals.rate  # over the window the arrivals were counted in
+        if not beyond_noise(arrivals.requests, expected, confidence):
+            return None
+    return arrivals.workers
 
 
 def _rising(arrivals: Arrivals, planned_rate: float | None, workers: int) -> bool:

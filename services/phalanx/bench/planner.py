@@ -467,7 +467,7 @@ def plot(path: Path, duration_s: float, peak_rps: float, runs: dict[str, LiveRun
     return path
 
 
-def run_planner_bench(*, minutes: float = 1.5, peak_rps: float | None = None, seed: int = 13, out: Path | None = None,
+def run_planner_bench(*, minutes: float = 10.0, peak_rps: float | None = None, seed: int = 13, out: Path | None = None,
                       hot_spares: int = 1, scale_down_window_s: float | None = None, compare_rebalance: bool = False) -> dict[str, Any]:
     duration = minutes * 60
     profile = bench_profile()

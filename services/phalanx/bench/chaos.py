@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from phalanx.chaos import SCENARIOS, LoadOptions, ScenarioResult, ScenarioSkipped, run_named
 
 GOALS = {"lost": 0, "tokens_lost": 0, "tokens_repeated": 0, "identical_fraction": 1.0, "stall_p99_s": 0.5, "recovered": True,
-         "false_verdicts": 0}
+         "false_verdicts": 0, "fault_injected": True}
 # Scenarios whose fault stops streams by design for longer than the stall goal: the stall is reported, not judged.
 _STALL_NOT_JUDGED = {
     # a hung worker is fenced only when its lease lapses: its streams wait out the TTL.
@@ -37,6 +37,8 @@ def met(result: ScenarioResult) -> dict[str, bool | None]:
         "identical_fraction": result.identical_fraction >= GOALS["identical_fraction"],
         "stall_p99_s": None if result.scenario in _STALL_NOT_JUDGED else result.stall_p99_s < GOALS["stall_p99_s"],
         "recovered": result.recovery_s is not None,
+        # A run whose fault never happened (the streams ended first, or the fault's precondition never came) proves nothing.
+        "fault_injected": "fault_not_injected" not in result.details,
         # Judged where the fault kills no worker and the run watched for healthy workers declared dead (etcd faults).
         "false_verdicts": None if result.false_verdicts is None else result.false_verdicts == GOALS["false_verdicts"],
     }

@@ -58,9 +58,10 @@ class PlannerConfig(BaseSettings):
     )
     surge_min_requests: int = Field(4, ge=1, description="Arrivals a surge window must hold before it counts (noise at low rates)")
     surge_confidence: float = Field(
-        0.99, ge=0, lt=1, description="A surge window counts only when arrivals as many as it holds had less than 1 - this chance "
-        "to come from the rate the last plan was made for (a Poisson tail; at 1 request/s planned, 7 or more in 2 s); 0: any "
-        "window of surge_min_requests counts"
+        0.0, ge=0, lt=1, description="> 0: a surge window counts only when arrivals as many as it holds had less than 1 - this "
+        "chance to come from the rate the last plan was made for (a Poisson tail; at 0.99 and 1 request/s planned, 7 or more in "
+        "2 s); 0 (default): any window of surge_min_requests counts. Measured on a 10-minute trace, 0.99 cut worker-seconds by 7 "
+        "points and SLO attainment by 6 (docs/planner.md)"
     )
     scale_down_confirm_s: float | None = Field(
         None, ge=0, description="A tick's scale-down is issued after the arrivals stayed at or below its plan for this long (a rise "

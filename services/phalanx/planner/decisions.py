@@ -29,6 +29,10 @@ Rules, each fixing a limit of Dynamo's planner named in its design notes:
   (decisions carry the whole target, so the larger one subsumes it). With a hot spare ready it promotes it:
   one worker of the surge serves at once, the others and a new spare start. Measured (docs/planner.md):
   waiting for the next tick, and then for the decision in flight, brought workers after a short burst had ended.
+  What counts as a surge (`surge_workers`): at least a minimum count and, optionally (`surge_confidence`), a rise
+  beyond the Poisson noise of the rate the last plan was made for: a bare count of 4 in 2 s (one window in seven
+  at 1 request/s) surged a 10-minute trace's fleet 32 times, mostly between its bursts; gated at 0.99, 8 times,
+  at 7 points fewer worker-seconds and 6 points less SLO attainment (docs/planner.md).
 - Scale-down waits (`scale_down_window_s`): a tick never asks for fewer workers than the largest count
   wanted within the window, so a lull between bursts does not drain the workers the next burst needs.
   Scale-up is never held back.

@@ -290,9 +290,8 @@ class Planner:
 
     def _surge_workers(self, recent: Arrivals | None) -> int | None:
         """Workers the arrivals of the last `surge_window_s` need, when they are at least `surge_min_requests` (a couple of
-        requests at a low rate are no surge) and a rise beyond the noise of the rate the last plan was made for
-        (`surge_confidence`): measured, 4 arrivals in 2 s at a planned 1 request/s (one window in seven) surged a 10-minute
-        trace's fleet to 4-6 workers a dozen times between its bursts (docs/planner.md)."""
+        requests at a low rate are no surge) and, with `surge_confidence`, a rise beyond the noise of the rate the last plan
+        was made for (docs/planner.md: the trade it makes between worker-seconds and SLO attainment, measured)."""
         if recent is None:
             return None
         return surge_workers(recent, self._planned_rate, min_requests=self.config.surge_min_requests,

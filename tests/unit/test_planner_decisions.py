@@ -420,8 +420,10 @@ def test_a_surge_needs_its_minimum_count_and_a_rise_beyond_the_planned_rates_noi
 
     # The measured case: 4 arrivals in 2 s at a planned 1 request/s (P(X >= 4) = 0.14 for Poisson(2)) is no surge ...
     assert surge_workers(arrivals(4), 1.0, min_requests=4, confidence=0.99) is None
-    # ... the same count was one before the gate, and is one without a plan yet.
+    # ... the same count was one before the gate (confidence 0, the default: the count alone, whatever the plan), and is
+    # one without a plan yet.
     assert surge_workers(arrivals(4), 1.0, min_requests=4, confidence=0.0) == 5
+    assert surge_workers(arrivals(4), 5.0, min_requests=4, confidence=0.0) == 5
     assert surge_workers(arrivals(4), None, min_requests=4, confidence=0.99) == 5
     # A 3x burst's 2 s (6 expected) reaching 7: a surge, with the workers its rate needs.
     assert surge_workers(arrivals(7), 1.0, min_requests=4, confidence=0.99) == 5

@@ -399,10 +399,11 @@ def beyond_noise(arrivals: float, expected: float, confidence: float) -> bool:
 
 def surge_workers(arrivals: Arrivals, planned_rate: float | None, *, min_requests: int, confidence: float) -> int | None:
     """The workers `arrivals` need when they are a surge: at least `min_requests` of them, and a rise beyond the noise of
-    `planned_rate` (requests/s the last plan was made for; None: no plan yet, the count alone decides). None otherwise."""
+    `planned_rate` (requests/s the last plan was made for; None: no plan yet, the count alone decides) when `confidence` > 0.
+    None otherwise."""
     if arrivals.requests < min_requests:
         return None
-    if planned_rate is not None and arrivals.rate > 0:
+    if confidence > 0 and planned_rate is not None and arrivals.rate > 0:
         expected = planned_rate * arrivals.requests / arrivals.rate  # over the window the arrivals were counted in
         if not beyond_noise(arrivals.requests, expected, confidence):
             return None

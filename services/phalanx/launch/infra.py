@@ -296,7 +296,6 @@ class NatsServer(_ServerProcess):
         startup_timeout: float = 15.0,
         host: str = "127.0.0.1",
         tls: ServerTls | None = None,
-        authorize: bool = True,
     ) -> None:
         if tls is not None and docker:
             raise ValueError("a TLS nats-server runs from its binary only")
@@ -307,7 +306,6 @@ class NatsServer(_ServerProcess):
         self._jetstream = jetstream
         self._binary = binary
         self.tls = tls
-        self.authorize = authorize
 
     @property
     def url(self) -> str:
@@ -315,26 +313,15 @@ class NatsServer(_ServerProcess):
         return f"{'tls' if self.tls is not None else 'nats'}://{self.host}:{self.port}"
 
     def _config_file(self) -> list[str]:
-        """``-c FILE`` with a ``tls`` block requiring a client certificate of the CA; nothing without TLS. ``authorize``
-        (the default): the certificate's identity is the user, and only those of the control-plane ACL get in, each
-        with its own subjects (phalanx.common.control_plane_acl)."""
+        """``-c FILE`` with a ``tls`` block requiring a client certificate of the CA, whose identity is the user: only
+        those of the control-plane ACL get in, each with its own subjects (phalanx.common.control_plane_acl). Nothing
+        without TLS."""
         if self.tls is None:
             return []
-        path = self._dir / "nats.conf"
-        if self.authorize:
-            from phalanx.common.control_plane_acl import nats_tls_config
+        from phalanx.common.control_plane_acl import nats_tls_config
 
-            path.write_text(nats_tls_config(cert_file=self.tls.cert_file, key_file=self.tls.key_file, ca_file=self.tls.ca_file))
-            return ["-c", str(path)]
-        path.write_text(
-            "tls {\n"
-            f"  cert_file: {json.dumps(str(self.tls.cert_file))}\n"
-            f"  key_file: {json.dumps(str(self.tls.key_file))}\n"
-            f"  ca_file: {json.dumps(str(self.tls.ca_file))}\n"
-            "  verify: true\n"
-            "  timeout: 5\n"
-            "}\n"
-        )
+        path = self._dir / "nats.conf"
+        path.write_text(nats_tls_config(cert_file=self.tls.cert_file, key_file=self.tls.key_file, ca_file=self.tls.ca_file))
         return ["-c", str(path)]
 
     def _command(self) -> list[str]:

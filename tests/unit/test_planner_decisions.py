@@ -431,3 +431,25 @@ def test_a_surge_needs_its_minimum_count_and_a_rise_beyond_the_planned_rates_noi
     assert surge_workers(arrivals(7, window_s=4.0), 1.0, min_requests=4, confidence=0.99) is None
     # Below the minimum count nothing surges, however low the plan.
     assert surge_workers(arrivals(3), 0.1, min_requests=4, confidence=0.99) is None
+
+
+def test_with_a_hold_confidence_only_a_rise_beyond_the_planned_rates_noise_holds_a_scale_down() -> None:
+    # Planned for 1 request/s: Poisson(2) over a 2 s window, P(X >= 4) = 0.143, P(X >= 5) = 0.053, P(X >= 6) = 0.0166.
+    def window(requests: int) -> Arrivals:
+        return Arrivals(requests=requests, rate=requests / 2.0, workers=4)  # the noisy count's own plan: more than 2
+
+    noisy = machine(workers=6, interval_s=2.0, hold_confidence=0.95)
+    down = noisy.tick(0.0, READY, 2, arrivals=window(5), planned_rate=1.0)
+    assert down is not None and down.targets.workers == 2 and noisy.scale_downs_held == 0
+    risen = machine(workers=6, interval_s=2.0, hold_confidence=0.95)
+    assert risen.tick(0.0, READY, 2, arrivals=window(6), planned_rate=1.0) is None and risen.scale_downs_held == 1
+    # A pending scale-down is cancelled by the same test; no arrivals at all never hold.
+    pending = machine(workers=6, interval_s=2.0, scale_down_confirm_s=2.0, hold_confidence=0.95)
+    assert pending.tick(0.0, READY, 2, arrivals=window(0), planned_rate=1.0) is None and pending.pending_down is not None
+    assert pending.arrivals(1.0, READY, window(5)) is None and pending.pending_down is not None
+    assert pending.arrivals(1.5, READY, window(6)) is None and pending.pending_down is None and pending.scale_downs_held == 1
+    # Without a confidence, the literal rule: 5 in 2 s is above 1 request/s, and needs more workers than 2.
+    literal = machine(workers=6, interval_s=2.0)
+    assert literal.tick(0.0, READY, 2, arrivals=window(5), planned_rate=1.0) is None and literal.scale_downs_held == 1
+    with pytest.raises(ValueError):
+        DecisionConfig(hold_confidence=1.0)

@@ -24,6 +24,10 @@ class PlannerConfig(BaseSettings):
     )
     interval_s: float = Field(30.0, gt=0, le=3600, description="Adjustment interval (it grows with measured scaling latency)")
     max_interval_s: float = Field(600.0, gt=0, description="Longest the adaptive interval gets")
+    observe_window_s: float = Field(
+        0.0, ge=0, description="A tick plans from rates over at least this trailing window (sliding, as Prometheus' rate[]); 0: the "
+        "interval since the last tick. A few arrivals per interval make a noisy plan (docs/planner.md)"
+    )
     poll_s: float = Field(0.5, gt=0, le=10, description="How often the planner checks readiness, acknowledgements and operator targets")
     min_workers: int = Field(1, ge=0, description="Fewest workers the planner asks for")
     max_workers: int = Field(8, ge=1, description="Most workers the planner asks for")
@@ -62,6 +66,10 @@ class PlannerConfig(BaseSettings):
         "chance to come from the rate the last plan was made for (a Poisson tail; at 0.99 and 1 request/s planned, 7 or more in "
         "2 s); 0 (default): any window of surge_min_requests counts. Measured on a 10-minute trace, 0.99 cut worker-seconds by 7 "
         "points and SLO attainment by 6 (docs/planner.md)"
+    )
+    scale_down_hold_confidence: float = Field(
+        0.0, ge=0, lt=1, description="> 0: the last surge_window_s of arrivals hold a scale-down only when as many had less than "
+        "1 - this chance to come from the rate it was planned for (a Poisson tail); 0 (default): any rate above it holds"
     )
     scale_down_confirm_s: float | None = Field(
         None, ge=0, description="A tick's scale-down is issued after the arrivals stayed at or below its plan for this long (a rise "

@@ -151,6 +151,9 @@ class DecisionConfig:
     scale_down_window_s: float = 0.0
     # A tick's scale-down, given the arrivals, is issued after they stayed down for this long (0: at once).
     scale_down_confirm_s: float = 0.0
+    # > 0: arrivals hold a scale-down only when they are a rise beyond the Poisson noise of its planned rate at this confidence
+    # (`beyond_noise`); 0: any rate above the planned one holds.
+    hold_confidence: float = 0.0
 
     def __post_init__(self) -> None:
         if not 0 < self.interval_s <= self.max_interval_s:
@@ -161,6 +164,8 @@ class DecisionConfig:
             raise ValueError("deadlines must be > 0")
         if self.scale_down_window_s < 0 or self.scale_down_confirm_s < 0:
             raise ValueError("scale_down_window_s and scale_down_confirm_s must be >= 0")
+        if not 0 <= self.hold_confidence < 1:
+            raise ValueError("hold_confidence must be in [0, 1)")
 
 
 # Dead worker ids remembered to ignore repeated DEAD events; ids are unique per process, so old ones can go.
@@ -259,7 +264,7 @@ class DecisionMachine:
         if not readiness.ready or self.in_flight is not None or pending.workers >= self.targets.workers:
             self.pending_down = None
             return None
-        if arrivals is not None and _rising(arrivals, pending.planned_rate, pending.workers):
+        if arrivals is not None and _rising(arrivals, pending.planned_rate, pending.workers, self.config.hold_confidence):
             self.pending_down = None
             self.scale_downs_held += 1
             return None
@@ -337,7 +342,7 @@ class DecisionMachine:
 
     def _plan_scale_down(self, now: float, workers: int, arrivals: Arrivals, planned_rate: float | None) -> Decision | None:
         """A tick wants fewer workers: none while arrivals rise; else pending until due (at once without a confirm time)."""
-        if _rising(arrivals, planned_rate, workers):
+        if _rising(arrivals, planned_rate, workers, self.config.hold_confidence):
             self.pending_down = None
             self.scale_downs_held += 1
             return None
@@ -410,6 +415,12 @@ def surge_workers(arrivals: Arrivals, planned_rate: float | None, *, min_request
     return arrivals.workers
 
 
-def _rising(arrivals: Arrivals, planned_rate: float | None, workers: int) -> bool:
-    """Arrivals run above the rate a scale-down to `workers` was planned for, or need more workers than it leaves."""
+def _rising(arrivals: Arrivals, planned_rate: float | None, workers: int, confidence: float = 0.0) -> bool:
+    """Arrivals run above the rate a scale-down to `workers` was planned for, or need more workers than it leaves; with
+    `confidence` > 0 and a planned rate, only a rise beyond that rate's Poisson noise counts (`beyond_noise`)."""
+    if confidence > 0 and planned_rate is not None:
+        if arrivals.rate <= 0:
+            return False
+        expected = planned_rate * arrivals.requests / arrivals.rate  # over the window the arrivals were counted in
+        return beyond_noise(arrivals.requests, expected, confidence)
     return arrivals.workers > workers or (planned_rate is not None and arrivals.rate > planned_rate)

@@ -153,6 +153,7 @@ class Planner:
                     else 3 * self.config.interval_s,
                     scale_down_confirm_s=self.config.scale_down_confirm_s if self.config.scale_down_confirm_s is not None
                     else self.config.surge_window_s,
+                    hold_confidence=self.config.scale_down_hold_confidence,
                 ),
                 start, first_id=previous.id + 1 if previous is not None else 1,
             )
@@ -283,7 +284,7 @@ class Planner:
             self._tick_scrapes.setdefault(router_id, scrape)
         self._scrapes = fresh
         self._recent_scrapes.append(fresh)
-        horizon = time.monotonic() - self.config.surge_window_s - 2 * self.config.poll_s
+        horizon = time.monotonic() - max(self.config.surge_window_s, self.config.observe_window_s) - 2 * self.config.poll_s
         while self._recent_scrapes and min((s.at for s in self._recent_scrapes[0].values()), default=0.0) < horizon:
             self._recent_scrapes.popleft()
         return self._scraped_twice and bool(fresh)
@@ -354,7 +355,7 @@ class Planner:
     async def _observe_interval(self) -> Observation | None:
         if self.config.prometheus_url:
             assert self.machine is not None
-            window = self.machine.interval_s
+            window = max(self.machine.interval_s, self.config.observe_window_s)
             queries = promql_queries(window)
             try:
                 responses = dict(zip(queries, await asyncio.gather(*(self._query(q) for q in queries.values())), strict=True))
@@ -363,9 +364,19 @@ class Planner:
                 log.warning("prometheus observation failed: %s", error)
                 self.metrics.observe_errors.labels("prometheus").inc()
                 return None
-        observation = observe_scrapes(self._tick_scrapes, self._scrapes)
+        observation = observe_scrapes(self._window_start(), self._scrapes)
         self._tick_scrapes = dict(self._scrapes)
         return observation
+
+    def _window_start(self) -> Mapping[str, Scrape]:
+        """The scrapes an observation starts from: the last tick's, or, when that is less than `observe_window_s` ago, the
+        newest kept round at least that old (the oldest kept while the planner has not been up that long)."""
+        window = self.config.observe_window_s
+        now = time.monotonic()
+        if window <= 0 or not self._tick_scrapes or now - min(s.at for s in self._tick_scrapes.values()) >= window:
+            return self._tick_scrapes
+        old_enough = [scrapes for scrapes in self._recent_scrapes if scrapes and now - min(s.at for s in scrapes.values()) >= window]
+        return old_enough[-1] if old_enough else next((scrapes for scrapes in self._recent_scrapes if scrapes), self._tick_scrapes)
 
     # -- planning ------------------------------------------------------------------------------------
     def _desired(self, observation: Observation | None) -> int:
@@ -407,13 +418,14 @@ class Planner:
         predicted_osl = self.predictors["osl"].predict_next() if self._osl_seen else osl_mean
         self.metrics.predicted_osl.set(predicted_osl)
         profile = self.profile
+        expected_itl: float | None = None
         if observation.ttft is not None and observation.itl is not None:
             duration = observation.ttft.mean + osl_mean * observation.itl.mean
+            expected_itl = expected_itl_s(profile, request_rate=observation.request_rate, request_duration_s=duration,
+                                          context=isl_mean + osl_mean / 2, workers=max(self._workers, 1))
             factors = self.correction.update(
                 observed_ttft_s=observation.ttft.mean, expected_ttft_s=expected_ttft_s(profile, isl_mean),
-                observed_itl_s=observation.itl.mean,
-                expected_itl_s=expected_itl_s(profile, request_rate=observation.request_rate, request_duration_s=duration,
-                                              context=isl_mean + osl_mean / 2, workers=max(self._workers, 1)),
+                observed_itl_s=observation.itl.mean, expected_itl_s=expected_itl,
                 ttft_samples=observation.ttft.count, itl_samples=observation.itl.count,
             )
         else:
@@ -447,6 +459,11 @@ class Planner:
         at_slo = plan if level < replica_config.relaxed_slo_level and aim == slo else plan_replicas(
             forecast, profile, slo, replica_config, factors, degradation_level=0)
         self._capacity = capacity_view(at_slo, self._workers, forecast.requests / interval)
+        log.info("plan: %.2f req/s arrived, %.2f predicted; ITL %s s observed, %s s profiled; factors prefill %.2f decode %.2f;"
+                 " %d workers (prefill %.2f + decode %.2f at ITL target %.3f s), %d serving",
+                 demand / max(observation.interval_s, 1e-9), self._planned_rate,
+                 f"{observation.itl.mean:.3f}" if observation.itl else "-", f"{expected_itl:.3f}" if expected_itl else "-",
+                 factors.prefill, factors.decode, plan.combined, plan.prefill_raw, plan.decode_raw, plan.itl_target_s, self._workers)
         if self._degradation_level >= replica_config.relaxed_slo_level:
             # The doubled SLOs of a degraded fleet need fewer workers, but a fleet is degraded because it lacks capacity:
             # relaxing the target must not take more away (with the capacity view feeding the level, that loop scaled an

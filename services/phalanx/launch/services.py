@@ -233,6 +233,10 @@ def _spawn(args: list[str], env: dict[str, str], prefix: Sequence[str] = ()) -> 
     )
 
 
+# Starts tried by a launcher that picks a port for its service (free_port's race with other processes).
+_PORT_ATTEMPTS = 3
+
+
 async def _registration(process: subprocess.Popen, directory: EtcdDirectory, name: str, timeout: float):
     """Wait until ``process`` registered ``name`` (a previous holder of the name may linger until its lease lapses)."""
     deadline = time.monotonic() + timeout
@@ -478,15 +482,26 @@ async def start_checkpoint_store(
 async def start_migration(
     instance_id: str, nats_url: str, etcd_config: EtcdConfig, *extra: str, env: dict | None = None, timeout: float = 30.0
 ) -> ServiceHandle:
-    """A migration service (``phalanx migration``), returned once it advertised itself in etcd."""
-    metrics_port = free_port()
-    process = _spawn(
-        ["migration", "--migration-id", instance_id, "--nats-url", nats_url, "--etcd-endpoint", etcd_config.endpoint, "--port", "0",
-         "--log-level", "WARNING", *extra],
-        {**_etcd_env(etcd_config), "PHALANX_MIGRATION_METRICS_PORT": str(metrics_port), **(env or {})},
-    )
-    advertisement = await _registration(process, MigrationDirectory(etcd_config), instance_id, timeout)
-    return ServiceHandle(instance_id, process, advertisement.address, f"127.0.0.1:{metrics_port}")
+    """A migration service (``phalanx migration``), returned once it advertised itself in etcd.
+
+    Its registration carries no metrics address, so its metrics port is chosen here: a port free a moment ago, which another
+    process may take first (a fuzz run's migration service exited on EADDRINUSE). A start that exits before registering is
+    tried again on a new port, twice at most."""
+    for attempt in range(_PORT_ATTEMPTS):
+        metrics_port = free_port()
+        process = _spawn(
+            ["migration", "--migration-id", instance_id, "--nats-url", nats_url, "--etcd-endpoint", etcd_config.endpoint, "--port", "0",
+             "--log-level", "WARNING", *extra],
+            {**_etcd_env(etcd_config), "PHALANX_MIGRATION_METRICS_PORT": str(metrics_port), **(env or {})},
+        )
+        try:
+            advertisement = await _registration(process, MigrationDirectory(etcd_config), instance_id, timeout)
+        except RuntimeError:
+            if process.poll() is None or attempt == _PORT_ATTEMPTS - 1:
+                raise
+            continue
+        return ServiceHandle(instance_id, process, advertisement.address, f"127.0.0.1:{metrics_port}")
+    raise AssertionError("unreachable")
 
 
 async def start_encoder_pool(

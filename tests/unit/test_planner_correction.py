@@ -6,7 +6,14 @@ import math
 
 import pytest
 
-from phalanx.planner.correction import CorrectionConfig, CorrectionFactors, CorrectionTracker, expected_itl_s, expected_ttft_s
+from phalanx.planner.correction import (
+    CorrectionConfig,
+    CorrectionFactors,
+    CorrectionTracker,
+    decode_load,
+    expected_itl_s,
+    expected_ttft_s,
+)
 from phalanx.planner.profile import DecodeSample, PrefillSample, build_profile
 
 pytestmark = pytest.mark.unit
@@ -75,6 +82,8 @@ def test_invalid_config_is_refused() -> None:
         CorrectionConfig(min_factor=1.5)
     with pytest.raises(ValueError, match="smoothing"):
         CorrectionConfig(smoothing=0.0)
+    with pytest.raises(ValueError, match="min_decode_load"):
+        CorrectionConfig(min_decode_load=1.5)
 
 
 def closed_loop(config: CorrectionConfig, steps: int = 30) -> list[float]:
@@ -122,3 +131,47 @@ def test_expected_latencies_come_from_the_profile_at_the_carried_load() -> None:
     assert expected_itl_s(profile, request_rate=40.0, request_duration_s=2.0, context=512.0, workers=10) == pytest.approx(0.018)
     # An idle fleet is compared with one sequence, the lightest batch measured.
     assert expected_itl_s(profile, request_rate=0.0, request_duration_s=2.0, context=512.0, workers=3) == pytest.approx(0.011)
+
+
+def batch_growing_profile():
+    """The planner bench's worker: ITL 150 ms + 75 ms per running sequence."""
+    return build_profile(
+        [PrefillSample(64.0, 0.05)], [DecodeSample(64.0, k, 0.15 + 0.075 * k) for k in (1.0, 2.0, 4.0, 8.0, 16.0)], model="m",
+    )
+
+
+def itl_tokens_see(profile, mean_concurrency: float) -> float:
+    """The mean ITL over the tokens of workers that step exactly as profiled, with a Poisson number of sequences running
+    (requests arriving at random): a step of c sequences is c gaps of ITL(c), so busy moments give more of the gaps."""
+    pmf, gaps_per_s = math.exp(-mean_concurrency), 0.0
+    for c in range(1, 200):
+        pmf *= mean_concurrency / c
+        gaps_per_s += pmf * c / profile.decode_itl(64.0, c)
+    return mean_concurrency / gaps_per_s
+
+
+def test_a_fleet_that_steps_as_profiled_looks_slow_at_low_load_and_that_does_not_move_the_decode_factor() -> None:
+    profile = batch_growing_profile()
+    operating = profile.best_decode(0.48, 64.0).concurrency
+    assert operating == pytest.approx(4.4, abs=0.05)
+    tracker = CorrectionTracker(CorrectionConfig(smoothing=1.0))
+    for mean in (0.5, 1.0, 2.0):
+        expected = expected_itl_s(profile, request_rate=mean, request_duration_s=1.0, context=64.0, workers=1)
+        observed = itl_tokens_see(profile, mean)
+        if mean == 1.0:
+            assert observed / expected > 1.2  # the artefact: no engine is slower here
+        tracker.update(observed_ttft_s=None, expected_ttft_s=None, observed_itl_s=observed, expected_itl_s=expected,
+                       decode_load=decode_load(profile, mean, itl_target_s=0.48, context=64.0))
+    assert tracker.factors.decode == 1.0
+    # Near the operating point the ratio is what tokens will see at the planned load, and it is learnt.
+    expected = expected_itl_s(profile, request_rate=operating, request_duration_s=1.0, context=64.0, workers=1)
+    observed = 1.5 * itl_tokens_see(profile, operating)  # a fleet truly 1.5x slower than profiled
+    tracker.update(observed_ttft_s=None, expected_ttft_s=None, observed_itl_s=observed, expected_itl_s=expected,
+                   decode_load=decode_load(profile, operating, itl_target_s=0.48, context=64.0))
+    assert tracker.factors.decode == pytest.approx(1.5 * 1.06, rel=0.02)
+    # min_decode_load 0: every interval moves it (Dynamo's rule).
+    every = CorrectionTracker(CorrectionConfig(smoothing=1.0, min_decode_load=0.0))
+    every.update(observed_ttft_s=None, expected_ttft_s=None, observed_itl_s=itl_tokens_see(profile, 1.0),
+                 expected_itl_s=expected_itl_s(profile, request_rate=1.0, request_duration_s=1.0, context=64.0, workers=1),
+                 decode_load=decode_load(profile, 1.0, itl_target_s=0.48, context=64.0))
+    assert every.factors.decode > 1.2

@@ -17,6 +17,7 @@ from phalanx.planner.decisions import (
     Readiness,
     Targets,
     beyond_noise,
+    poisson_lower_bound,
     surge_workers,
 )
 
@@ -415,22 +416,61 @@ def test_a_rise_beyond_noise_is_a_poisson_tail_below_one_minus_the_confidence() 
 
 
 def test_a_surge_needs_its_minimum_count_and_a_rise_beyond_the_planned_rates_noise() -> None:
-    def arrivals(requests: int, window_s: float = 2.0, workers: int = 5) -> Arrivals:
-        return Arrivals(requests=requests, rate=requests / window_s, workers=workers)
+    def arrivals(requests: int, window_s: float = 2.0, workers: int = 5) -> list[Arrivals]:
+        return [Arrivals(requests=requests, rate=requests / window_s, workers=workers)]
+
+    def workers_for(rate: float) -> int:
+        return math.ceil(rate)
 
     # The measured case: 4 arrivals in 2 s at a planned 1 request/s (P(X >= 4) = 0.14 for Poisson(2)) is no surge ...
-    assert surge_workers(arrivals(4), 1.0, min_requests=4, confidence=0.99) is None
-    # ... the same count was one before the gate (confidence 0, the default: the count alone, whatever the plan), and is
-    # one without a plan yet.
-    assert surge_workers(arrivals(4), 1.0, min_requests=4, confidence=0.0) == 5
-    assert surge_workers(arrivals(4), 5.0, min_requests=4, confidence=0.0) == 5
-    assert surge_workers(arrivals(4), None, min_requests=4, confidence=0.99) == 5
-    # A 3x burst's 2 s (6 expected) reaching 7: a surge, with the workers its rate needs.
-    assert surge_workers(arrivals(7), 1.0, min_requests=4, confidence=0.99) == 5
+    assert surge_workers(arrivals(4), 1.0, min_requests=4, confidence=0.99, workers_for=workers_for) is None
+    # ... the same count was one before the gate (confidence 0, the default: the count alone, whatever the plan, and the
+    # workers the window's own rate needs), and is one without a plan yet.
+    assert surge_workers(arrivals(4), 1.0, min_requests=4, confidence=0.0, workers_for=workers_for) == 5
+    assert surge_workers(arrivals(4), 5.0, min_requests=4, confidence=0.0, workers_for=workers_for) == 5
+    assert surge_workers(arrivals(4), None, min_requests=4, confidence=0.99, workers_for=workers_for) == 5
+    # A 3x burst's 2 s (6 expected) reaching 7: a surge, asking for the rate 7 arrivals show beyond noise at 0.99 (the lower
+    # bound 2.33 over 2 s: 2 workers here), not for their own 3.5/s.
+    assert surge_workers(arrivals(7), 1.0, min_requests=4, confidence=0.99, workers_for=workers_for) == 2
     # The expected count is over the window the arrivals were counted in: 7 in 4 s at 1 request/s is noise.
-    assert surge_workers(arrivals(7, window_s=4.0), 1.0, min_requests=4, confidence=0.99) is None
+    assert surge_workers(arrivals(7, window_s=4.0), 1.0, min_requests=4, confidence=0.99, workers_for=workers_for) is None
     # Below the minimum count nothing surges, however low the plan.
-    assert surge_workers(arrivals(3), 0.1, min_requests=4, confidence=0.99) is None
+    assert surge_workers(arrivals(3), 0.1, min_requests=4, confidence=0.99, workers_for=workers_for) is None
+    assert surge_workers([], 1.0, min_requests=4, confidence=0.99, workers_for=workers_for) is None
+
+
+def test_the_poisson_lower_bound_is_where_a_count_stops_being_beyond_noise() -> None:
+    # The chi-square bound (scipy.stats.chi2.ppf(1 - confidence, 2 k) / 2): 6 arrivals at 0.95 -> 2.613, 10 -> 5.425.
+    assert poisson_lower_bound(6, 0.95) == pytest.approx(2.613, abs=1e-3)
+    assert poisson_lower_bound(10, 0.95) == pytest.approx(5.425, abs=1e-3)
+    assert poisson_lower_bound(1, 0.99) == pytest.approx(-math.log(0.99), rel=1e-6)  # P(X >= 1) = 1 - e^-mean
+    for count in (1, 4, 7, 20, 60):
+        bound = poisson_lower_bound(count, 0.95)
+        assert beyond_noise(count, bound * 0.999, 0.95) and not beyond_noise(count, bound * 1.001, 0.95)
+    assert poisson_lower_bound(0, 0.95) == 0.0
+    assert poisson_lower_bound(5, 0.0) == 5.0
+
+
+def test_a_burst_asks_for_more_as_its_arrivals_add_up_over_the_longer_windows() -> None:
+    """A 3x burst of a 1 request/s plan: 2 s, 4 s and 8 s windows, the last one reaching back before the burst."""
+
+    def window(requests: int, window_s: float) -> Arrivals:
+        return Arrivals(requests=requests, rate=requests / window_s, workers=99)  # the window's own count: never asked for
+
+    def workers_for(rate: float) -> int:
+        return math.ceil(rate / 0.5)  # half a request/s per worker
+
+    two_seconds_in = [window(6, 2.0), window(8, 4.0), window(12, 8.0)]
+    four_seconds_in = [window(7, 2.0), window(13, 4.0), window(17, 8.0)]
+    early = surge_workers(two_seconds_in, 1.0, min_requests=4, confidence=0.95, workers_for=workers_for)
+    later = surge_workers(four_seconds_in, 1.0, min_requests=4, confidence=0.95, workers_for=workers_for)
+    # 6 in 2 s: bound 2.61 -> 1.31/s; 8 in 4 s is no rise beyond 4 expected at 0.95 (P(X >= 8) = 0.051).
+    assert early == workers_for(poisson_lower_bound(6, 0.95) / 2.0) == 3
+    # 13 in 4 s: bound 7.69 -> 1.92/s, more than the 2 s window's 3.29 / 2 and the 8 s window's 10.83 / 8.
+    assert later == workers_for(poisson_lower_bound(13, 0.95) / 4.0) == 4
+    # Noise of the plan's own rate, in every window: no surge.
+    calm = [window(4, 2.0), window(6, 4.0), window(10, 8.0)]
+    assert surge_workers(calm, 1.0, min_requests=4, confidence=0.95, workers_for=workers_for) is None
 
 
 def test_with_a_hold_confidence_only_a_rise_beyond_the_planned_rates_noise_holds_a_scale_down() -> None:

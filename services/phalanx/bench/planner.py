@@ -467,27 +467,14 @@ def plot(path: Path, duration_s: float, peak_rps: float, runs: dict[str, LiveRun
     return path
 
 
-def run_planner_bench(*, minutes: float = 10.0, peak_rps: float | None = None, seed: int = 13, out: Path | None = None,
-                      hot_spares: int = 1, scale_down_window_s: float | None = None, compare_rebalance: bool = False) -> dict[str, Any]:
-    duration = minutes * 60
-    profile = bench_profile()
-    isl = float(ISL_WORDS * 2)  # what the tiny tokenizer makes of the prompts, roughly
-    # Peak (diurnal) rate: two workers' worth, so the 3x burst at the peak needs about six.
-    peak = peak_rps if peak_rps is not None else _rate_for_workers(2, profile, isl)
-    times = arrivals(duration, peak, seed)
-    rows = trace(times, duration, isl)
-    # Enough for the largest burst by the replica maths, plus one: that maths sizes a fleet exactly at the SLOs.
-    static_max = workers_for(peak * BURST_FACTOR, profile, isl) + 1
-    offline = dryruns(rows, profile, static_max)
-    best = best_predictor(offline)
-    directory = Path(tempfile.mkdtemp(prefix="phalanx-bench-planner-"))
-    profile_path = directory / "bench-profile.npz"
-    save_profile(profile, profile_path)
+def bench_env(predictor: str, isl: float, scale_down_window_s: float | None = None) -> dict[str, str]:
+    """The environment of every live run: this process's, without its PHALANX_ settings, and the planner's, health's and the
+    workers' settings compressed like the trace."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("PHALANX_")} | {
         "PHALANX_PLANNER_INTERVAL_S": str(TRACE_INTERVAL_S), "PHALANX_PLANNER_POLL_S": "0.25",
         # The adaptive interval (twice the slowest recent scaling) compressed like the trace: uncapped, one 5 s worker start
         # makes it 10 s, longer than a burst.
-        "PHALANX_PLANNER_MAX_INTERVAL_S": str(2 * TRACE_INTERVAL_S), "PHALANX_PLANNER_PREDICTOR": best,
+        "PHALANX_PLANNER_MAX_INTERVAL_S": str(2 * TRACE_INTERVAL_S), "PHALANX_PLANNER_PREDICTOR": predictor,
         "PHALANX_PLANNER_TTFT_SLO_S": str(TTFT_SLO_S), "PHALANX_PLANNER_ITL_SLO_S": str(ITL_SLO_S),
         "PHALANX_PLANNER_SCALE_DEADLINE_S": "20", "PHALANX_PLANNER_DEFAULT_ISL": str(isl),
         "PHALANX_PLANNER_DEFAULT_OSL": str(OSL),
@@ -505,6 +492,27 @@ def run_planner_bench(*, minutes: float = 10.0, peak_rps: float | None = None, s
     }
     if scale_down_window_s is not None:
         env["PHALANX_PLANNER_SCALE_DOWN_WINDOW_S"] = str(scale_down_window_s)
+    return env
+
+
+def run_planner_bench(*, minutes: float = 10.0, peak_rps: float | None = None, seed: int = 13, out: Path | None = None,
+                      hot_spares: int = 1, scale_down_window_s: float | None = None, compare_rebalance: bool = False,
+                      planner_settings: dict[str, str] | None = None) -> dict[str, Any]:
+    duration = minutes * 60
+    profile = bench_profile()
+    isl = float(ISL_WORDS * 2)  # what the tiny tokenizer makes of the prompts, roughly
+    # Peak (diurnal) rate: two workers' worth, so the 3x burst at the peak needs about six.
+    peak = peak_rps if peak_rps is not None else _rate_for_workers(2, profile, isl)
+    times = arrivals(duration, peak, seed)
+    rows = trace(times, duration, isl)
+    # Enough for the largest burst by the replica maths, plus one: that maths sizes a fleet exactly at the SLOs.
+    static_max = workers_for(peak * BURST_FACTOR, profile, isl) + 1
+    offline = dryruns(rows, profile, static_max)
+    best = best_predictor(offline)
+    directory = Path(tempfile.mkdtemp(prefix="phalanx-bench-planner-"))
+    profile_path = directory / "bench-profile.npz"
+    save_profile(profile, profile_path)
+    env = bench_env(best, isl, scale_down_window_s) | {f"PHALANX_PLANNER_{name.upper()}": value for name, value in (planner_settings or {}).items()}
     common = ["--engine", "sim", "--profile", str(profile_path), "--model", "phalanx-tiny-moe", "--fast"]
     started = time.monotonic()
 
@@ -568,7 +576,7 @@ def run_planner_bench(*, minutes: float = 10.0, peak_rps: float | None = None, s
         "slo": {"ttft_s": TTFT_SLO_S, "mean_itl_s": ITL_SLO_S},
         "profile": "synthetic (bench_profile): ITL 150 ms + 75 ms x concurrency, simulated workers (--engine sim)",
         "planner_settings": {"slo_headroom": SLO_HEADROOM, "scale_down_window_s": scale_down_window_s or 3 * TRACE_INTERVAL_S,
-                             "hot_spares": hot_spares, "rebalance_itl_target_s": ITL_SLO_S * SLO_HEADROOM},
+                             "hot_spares": hot_spares, "rebalance_itl_target_s": ITL_SLO_S * SLO_HEADROOM, **(planner_settings or {})},
         "best_predictor": best, "offline": offline, "live": live,
         "worker_seconds_vs_static_max": round(ratio, 3),
         "worker_seconds_vs_static_max_without_spares": round(serving_ratio, 3),

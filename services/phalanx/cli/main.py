@@ -424,6 +424,10 @@ _TARGET_HELP = "Router host:port [default: the running `phalanx up`'s router, el
 _IMAGE_OPTION = typer.Option(None, help="Image file (repeatable); the prompt's <media> markers place the media, else they go first")
 _AUDIO_OPTION = typer.Option(None, help="PCM WAV file (repeatable), after the images")
 _VIDEO_OPTION = typer.Option(None, help="Video file (repeatable), after the audio")
+_PLANNER_SETTING_OPTION = typer.Option(
+    None, "--planner-setting", help="NAME=VALUE of a planner setting for the planner's live run (PHALANX_PLANNER_NAME), e.g. "
+    "surge_confidence=0.8 (repeatable)"
+)
 
 
 @app.command()
@@ -768,16 +772,23 @@ def bench_planner(
     compare_rebalance: bool = typer.Option(
         False, "--compare-rebalance", help="Also replay the planner's run with the migration service's rebalancing off, side by side"
     ),
+    planner_setting: list[str] = _PLANNER_SETTING_OPTION,
     as_json: bool = typer.Option(False, "--json", help="Print JSON only"),
 ) -> None:
     """The planner against static-min and static-max fleets of simulated workers on a bursty trace: SLO attainment, worker-seconds,
     burst reaction, and capacity restored after a SIGKILL with and without a hot spare."""
+    settings: dict[str, str] = {}
+    for item in planner_setting or []:
+        name, equals, value = item.partition("=")
+        if not equals or not name.strip():
+            raise typer.BadParameter(f"expected NAME=VALUE, got {item!r}", param_hint="--planner-setting")
+        settings[name.strip().lower()] = value.strip()
     # It forks `phalanx up` while its gRPC clients run: see run_up for why this is off.
     os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
     from phalanx.bench.planner import run_planner_bench
 
     result = run_planner_bench(minutes=minutes, peak_rps=peak_rps, seed=seed, out=Path(out).resolve() if out else None, hot_spares=hot_spares,
-                               scale_down_window_s=scale_down_window, compare_rebalance=compare_rebalance)
+                               scale_down_window_s=scale_down_window, compare_rebalance=compare_rebalance, planner_settings=settings)
     print(json.dumps(result, indent=None if as_json else 2))
 
 

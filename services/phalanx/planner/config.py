@@ -62,14 +62,20 @@ class PlannerConfig(BaseSettings):
     )
     surge_min_requests: int = Field(4, ge=1, description="Arrivals a surge window must hold before it counts (noise at low rates)")
     surge_confidence: float = Field(
-        0.0, ge=0, lt=1, description="> 0: a surge window counts only when arrivals as many as it holds had less than 1 - this "
-        "chance to come from the rate the last plan was made for (a Poisson tail; at 0.99 and 1 request/s planned, 7 or more in "
-        "2 s); 0 (default): any window of surge_min_requests counts. Measured on a 10-minute trace, 0.99 cut worker-seconds by 7 "
-        "points and SLO attainment by 6 (docs/planner.md)"
+        0.0, ge=0, lt=1, description="> 0: a surge window (surge_window_s, and 2 and 4 times it) counts only when arrivals as many "
+        "as it holds had less than 1 - this chance to come from the rate the last plan was made for (a Poisson tail; at 0.99 and "
+        "1 request/s planned, 7 or more in 2 s), and the surge asks for the workers of the highest rate a window shows beyond "
+        "that noise (its Poisson lower bound), not of the window's own rate; 0 (default): any window of surge_min_requests "
+        "counts, and asks for its own rate (docs/planner.md, fifth and seventh passes)"
     )
     scale_down_hold_confidence: float = Field(
         0.0, ge=0, lt=1, description="> 0: the last surge_window_s of arrivals hold a scale-down only when as many had less than "
         "1 - this chance to come from the rate it was planned for (a Poisson tail); 0 (default): any rate above it holds"
+    )
+    scale_down_confidence: float = Field(
+        0.0, ge=0, lt=1, description="> 0: a tick scales down no further than the workers for the upper Poisson bound, at this "
+        "confidence, of the arrivals it observed (a dip within the noise of the rate the fleet serves is no reason to shed "
+        "workers; docs/planner.md, seventh pass); 0 (default): to what the plan asks"
     )
     scale_down_confirm_s: float | None = Field(
         None, ge=0, description="A tick's scale-down is issued after the arrivals stayed at or below its plan for this long (a rise "

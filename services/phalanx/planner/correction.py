@@ -16,6 +16,15 @@ raises the factor, the planner over-provisions, latencies drop below the profile
 - every ratio and the factor are clamped to [min_factor, max_factor]: one stalled interval (a GC pause, a
   migration) must not triple the fleet;
 - an interval with too few latency samples (idle, or a few requests) leaves the factor as it was;
+- so does, for the decode factor, an interval whose fleet ran well below the concurrency the plan sizes it for
+  (`min_decode_load`): there the expectation, the profile's ITL at the mean concurrency Little's law gives,
+  is not what the tokens saw. A token always shares its step with its own sequence and, when requests come
+  at random, more tokens come from the busier moments, so at a mean of one sequence per worker a fleet that
+  steps exactly as profiled shows about 1.26 x the expected ITL (Poisson arrivals, the bench profile), at
+  half its operating concurrency 1.1, at the operating point 1.06. Learnt from an idle-ish fleet, that
+  ratio tightened the ITL target, the plan added workers, the fleet got idler and the ratio stayed: the planner
+  bench's simulated workers, which step as profiled, held a decode factor of 1.2-1.5, worth half a worker on
+  average in the offline breakdown (docs/planner.md, sixth and seventh passes);
 - `enabled=False` (`--no-correction`) pins both factors to 1: plan from the profile alone.
 """
 
@@ -36,12 +45,17 @@ class CorrectionConfig:
     smoothing: float = 0.3
     # Intervals with fewer first tokens (prefill) or token gaps (decode) than this do not move the factor.
     min_samples: float = 10.0
+    # Intervals whose concurrency per worker was below this fraction of the plan's operating concurrency do not move the
+    # decode factor (0: every interval does).
+    min_decode_load: float = 0.5
 
     def __post_init__(self) -> None:
         if not 0 < self.min_factor <= 1.0 <= self.max_factor:
             raise ValueError(f"need 0 < min_factor <= 1 <= max_factor, got [{self.min_factor}, {self.max_factor}]")
         if not 0 < self.smoothing <= 1:
             raise ValueError(f"smoothing must be in (0, 1], got {self.smoothing}")
+        if not 0 <= self.min_decode_load <= 1:
+            raise ValueError(f"min_decode_load must be in [0, 1], got {self.min_decode_load}")
 
 
 @dataclass(frozen=True)
@@ -94,11 +108,14 @@ class CorrectionTracker:
         expected_itl_s: float | None,
         ttft_samples: float = math.inf,
         itl_samples: float = math.inf,
+        decode_load: float = math.inf,
     ) -> CorrectionFactors:
-        """Fold one interval's latencies in; returns the factors to plan the next interval with."""
+        """Fold one interval's latencies in; returns the factors to plan the next interval with. `decode_load`: the
+        interval's concurrency per worker over the plan's operating concurrency (`decode_load`)."""
         if self.config.enabled:
             self._prefill.update(observed_ttft_s, expected_ttft_s, ttft_samples)
-            self._decode.update(observed_itl_s, expected_itl_s, itl_samples)
+            if decode_load >= self.config.min_decode_load:
+                self._decode.update(observed_itl_s, expected_itl_s, itl_samples)
         return self.factors
 
 
@@ -107,9 +124,20 @@ def expected_ttft_s(profile: PerformanceProfile, isl: float) -> float:
     return profile.prefill_ttft(isl)
 
 
+def fleet_concurrency(*, request_rate: float, request_duration_s: float, workers: int) -> float:
+    """The mean sequences per worker by Little's law: arrivals per second times seconds a request stays, shared by the
+    workers (Dynamo computes it the same way)."""
+    return request_rate * request_duration_s / max(workers, 1)
+
+
 def expected_itl_s(profile: PerformanceProfile, *, request_rate: float, request_duration_s: float, context: float, workers: int) -> float:
-    """The profile's ITL at the concurrency the fleet carried: by Little's law, arrivals per second times
-    seconds a request stays, shared by the workers (Dynamo computes it the same way); context is the mean
-    prompt plus half the mean output, the average length over a request's decode."""
-    concurrency = request_rate * request_duration_s / max(workers, 1)
+    """The profile's ITL at the concurrency the fleet carried (`fleet_concurrency`); context is the mean prompt plus half
+    the mean output, the average length over a request's decode."""
+    concurrency = fleet_concurrency(request_rate=request_rate, request_duration_s=request_duration_s, workers=workers)
     return profile.decode_itl(context, max(concurrency, 1.0))
+
+
+def decode_load(profile: PerformanceProfile, concurrency: float, *, itl_target_s: float, context: float) -> float:
+    """`concurrency` per worker over the concurrency at which the profile's workers run at `itl_target_s` (the plan's
+    operating point, `PerformanceProfile.best_decode`)."""
+    return concurrency / max(profile.best_decode(itl_target_s, context).concurrency, 1e-9)

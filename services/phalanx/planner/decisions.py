@@ -32,7 +32,9 @@ Rules, each fixing a limit of Dynamo's planner named in its design notes:
   What counts as a surge (`surge_workers`): at least a minimum count and, optionally (`surge_confidence`), a rise
   beyond the Poisson noise of the rate the last plan was made for: a bare count of 4 in 2 s (one window in seven
   at 1 request/s) surged a 10-minute trace's fleet 32 times, mostly between its bursts; gated at 0.99, 8 times,
-  at 7 points fewer worker-seconds and 6 points less SLO attainment (docs/planner.md).
+  at 7 points fewer worker-seconds and 6 points less SLO attainment (docs/planner.md). With a confidence, a surge
+  asks for the rate its arrivals show beyond noise (their Poisson lower bound, `poisson_lower_bound`) over the
+  window and two longer ones, not for the window's own rate, the upper tail of the noise that just passed the gate.
 - Scale-down waits (`scale_down_window_s`): a tick never asks for fewer workers than the largest count
   wanted within the window, so a lull between bursts does not drain the workers the next burst needs.
   Scale-up is never held back.
@@ -50,6 +52,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -402,17 +405,62 @@ def beyond_noise(arrivals: float, expected: float, confidence: float) -> bool:
     return tail < 1.0 - confidence
 
 
-def surge_workers(arrivals: Arrivals, planned_rate: float | None, *, min_requests: int, confidence: float) -> int | None:
-    """The workers `arrivals` need when they are a surge: at least `min_requests` of them, and a rise beyond the noise of
-    `planned_rate` (requests/s the last plan was made for; None: no plan yet, the count alone decides) when `confidence` > 0.
-    None otherwise."""
-    if arrivals.requests < min_requests:
+def poisson_lower_bound(arrivals: float, confidence: float) -> float:
+    """The lowest mean count a Poisson process may have brought `arrivals` with, at `confidence`: any lower mean makes them
+    a rise beyond its noise (`beyond_noise`), the one-sided lower confidence bound of the mean. `arrivals` itself at 0
+    confidence; 0 for no arrivals."""
+    if arrivals <= 0 or confidence <= 0:
+        return max(arrivals, 0.0)
+    low, high = 0.0, float(arrivals)
+    for _ in range(40):  # bisection to a 1e-12 fraction of the count: beyond_noise holds below the bound, fails above
+        middle = (low + high) / 2
+        low, high = (middle, high) if beyond_noise(arrivals, middle, confidence) else (low, middle)
+    return low
+
+
+def poisson_upper_bound(arrivals: float, confidence: float) -> float:
+    """The highest mean count a Poisson process may have brought as few as `arrivals` with, at `confidence`: any higher mean
+    makes them a fall beyond its noise (as few had less than `1 - confidence` chance), the one-sided upper confidence
+    bound of the mean. `arrivals` itself at 0 confidence."""
+    arrivals = max(arrivals, 0.0)
+    if confidence <= 0:
+        return arrivals
+
+    def at_most(mean: float) -> float:  # P(X <= arrivals), the pmf summed term by term
+        pmf = cdf = math.exp(-mean)
+        for k in range(1, math.floor(arrivals + 1e-9) + 1):
+            pmf *= mean / k
+            cdf += pmf
+        return cdf
+
+    low, high = arrivals, arrivals + 10 * math.sqrt(arrivals + 1) + 10
+    for _ in range(40):  # bisection: at_most falls with the mean, and is 1 - confidence at the bound
+        middle = (low + high) / 2
+        low, high = (middle, high) if at_most(middle) >= 1 - confidence else (low, middle)
+    return low
+
+
+def surge_workers(windows: Sequence[Arrivals], planned_rate: float | None, *, min_requests: int, confidence: float,
+                  workers_for: Callable[[float], int]) -> int | None:
+    """The workers the last seconds' arrivals need when they are a surge; None otherwise. `windows`: the arrivals over
+    spans of the last seconds, shortest first.
+
+    Without a `confidence` (or without a plan yet: `planned_rate` None): the shortest window, when it holds at least
+    `min_requests`, and the workers its own rate needs. With one, every window that holds at least `min_requests` and is a
+    rise beyond the noise of `planned_rate` (requests/s the last plan was made for) counts, and the surge asks for the
+    workers (`workers_for`) of the highest rate the arrivals show beyond noise: their Poisson lower bound
+    (`poisson_lower_bound`) over the window. A window's own rate is a rise's upper tail as often as not: noise that just
+    passed the gate asked for what its luckiest 2 s needed (docs/planner.md, seventh pass). Longer windows let a real
+    burst ask for more as its arrivals add up, where the first 2 s cannot tell it from noise by much."""
+    if not windows:
         return None
-    if confidence > 0 and planned_rate is not None and arrivals.rate > 0:
-        expected = planned_rate * arrivals.requests / arrivals.rate  # over the window the arrivals were counted in
-        if not beyond_noise(arrivals.requests, expected, confidence):
-            return None
-    return arrivals.workers
+    shortest = windows[0]
+    if confidence <= 0 or planned_rate is None:
+        return shortest.workers if shortest.requests >= min_requests else None
+    rates = [poisson_lower_bound(w.requests, confidence) * w.rate / w.requests for w in windows
+             if w.requests >= min_requests and w.rate > 0
+             and beyond_noise(w.requests, planned_rate * w.requests / w.rate, confidence)]  # expected over the window's span
+    return workers_for(max(rates)) if rates else None
 
 
 def _rising(arrivals: Arrivals, planned_rate: float | None, workers: int, confidence: float = 0.0) -> bool:

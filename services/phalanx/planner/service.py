@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import os
 import socket
 import time
@@ -54,7 +55,14 @@ from phalanx.health.leader import LeaderElection
 from phalanx.planner.capacity import CapacityView, capacity_view
 from phalanx.planner.config import PlannerConfig
 from phalanx.planner.connectors import Connector, DecisionRecord, VirtualConnector, read_decision, read_target
-from phalanx.planner.correction import CorrectionConfig, CorrectionTracker, expected_itl_s, expected_ttft_s
+from phalanx.planner.correction import (
+    CorrectionConfig,
+    CorrectionTracker,
+    decode_load,
+    expected_itl_s,
+    expected_ttft_s,
+    fleet_concurrency,
+)
 from phalanx.planner.decisions import (
     Arrivals,
     Decision,
@@ -63,6 +71,7 @@ from phalanx.planner.decisions import (
     DecisionReason,
     Outcome,
     Readiness,
+    poisson_upper_bound,
     surge_workers,
 )
 from phalanx.planner.distribution import Summary
@@ -86,6 +95,9 @@ logging.getLogger("httpx").setLevel(logging.WARNING)
 
 # Workers in these states are no capacity (common.proto WorkerHealth).
 _NOT_SERVING = {common_pb2.WORKER_HEALTH_UNHEALTHY, common_pb2.WORKER_HEALTH_DRAINING, common_pb2.WORKER_HEALTH_DEAD}
+
+# With a surge confidence, the surge windows in multiples of surge_window_s: a burst's arrivals add up over the longer ones.
+_SURGE_WINDOWS = (1, 2, 4)
 
 
 class LeadershipLostError(Exception):
@@ -220,6 +232,11 @@ class Planner:
             # The interval's forecast is older than the last seconds' arrivals: a tick at the start of a burst must not drain
             # the workers the burst is about to need (measured: a scale-down 1 s into a burst, undone by a surge 0.8 s later).
             desired = surge
+        if desired < machine.targets.workers and observation is not None:
+            floor = min(self._scale_down_floor(observation), machine.targets.workers)
+            if floor > desired:
+                log.info("scale-down to %d limited to %d: the arrivals are within the noise of %d workers' rate", desired, floor, floor)
+                desired = floor
         self.metrics.desired_workers.set(desired)
         if self._capacity is not None and self.config.capacity_view:
             await self._publish_capacity(self._capacity)
@@ -284,19 +301,34 @@ class Planner:
             self._tick_scrapes.setdefault(router_id, scrape)
         self._scrapes = fresh
         self._recent_scrapes.append(fresh)
-        horizon = time.monotonic() - max(self.config.surge_window_s, self.config.observe_window_s) - 2 * self.config.poll_s
+        longest_surge = self.config.surge_window_s * (_SURGE_WINDOWS[-1] if self.config.surge_confidence > 0 else 1)
+        horizon = time.monotonic() - max(longest_surge, self.config.observe_window_s) - 2 * self.config.poll_s
         while self._recent_scrapes and min((s.at for s in self._recent_scrapes[0].values()), default=0.0) < horizon:
             self._recent_scrapes.popleft()
         return self._scraped_twice and bool(fresh)
 
     def _surge_workers(self, recent: Arrivals | None) -> int | None:
-        """Workers the arrivals of the last `surge_window_s` need, when they are at least `surge_min_requests` (a couple of
-        requests at a low rate are no surge) and, with `surge_confidence`, a rise beyond the noise of the rate the last plan
-        was made for (docs/planner.md: the trade it makes between worker-seconds and SLO attainment, measured)."""
-        if recent is None:
+        """Workers the arrivals of the last seconds need, when they are a surge (`decisions.surge_workers`): at least
+        `surge_min_requests` of them (a couple of requests at a low rate are no surge) over `surge_window_s` and, with
+        `surge_confidence`, a rise beyond the noise of the rate the last plan was made for, over that window or one of
+        _SURGE_WINDOWS times it (docs/planner.md: the trade it makes between worker-seconds and SLO attainment, measured)."""
+        if recent is None or self._replan is None:
             return None
-        return surge_workers(recent, self._planned_rate, min_requests=self.config.surge_min_requests,
-                             confidence=self.config.surge_confidence)
+        windows = [recent]
+        if self.config.surge_confidence > 0:
+            windows += [w for w in (self._recent_arrivals(self.config.surge_window_s * k) for k in _SURGE_WINDOWS[1:]) if w is not None]
+        replan = self._replan
+        return surge_workers(windows, self._planned_rate, min_requests=self.config.surge_min_requests,
+                             confidence=self.config.surge_confidence, workers_for=lambda rate: self.config.clamp(replan(rate)))
+
+    def _scale_down_floor(self, observation: Observation) -> int:
+        """With `scale_down_confidence`: the workers for the highest arrival rate the observed interval's count is within the
+        Poisson noise of (`decisions.poisson_upper_bound`); 0 without it, an operator's target or a plan."""
+        c = self.config
+        if c.scale_down_confidence <= 0 or self._replan is None or self._operator_target is not None or observation.interval_s <= 0:
+            return 0
+        arrived = interval_demand(observation, self._degradation_level)
+        return c.clamp(self._replan(poisson_upper_bound(arrived, c.scale_down_confidence) / observation.interval_s))
 
     def _count_held(self, what: str, recent: Arrivals | None) -> None:
         assert self.machine is not None
@@ -308,20 +340,21 @@ class Planner:
                      self.config.surge_window_s, recent.rate, recent.workers, self._planned_rate or 0.0)
         self._held_counted = held
 
-    def _recent_arrivals(self) -> Arrivals | None:
-        """The arrivals of the last `surge_window_s` (how many, their rate, and the workers it needs at the last plan's
-        lengths and factors); None when there is no plan yet, an operator's target, or Prometheus (whose rates are over
-        the interval)."""
+    def _recent_arrivals(self, window_s: float | None = None) -> Arrivals | None:
+        """The arrivals of the last `window_s` (default `surge_window_s`): how many, their rate, and the workers it needs at
+        the last plan's lengths and factors; None when there is no plan yet, an operator's target, or Prometheus (whose rates
+        are over the interval), or when the kept scrapes span less than half the window."""
         c = self.config
-        if c.surge_window_s <= 0 or c.prometheus_url or self._replan is None or self._operator_target is not None:
+        window = c.surge_window_s if window_s is None else window_s
+        if window <= 0 or c.prometheus_url or self._replan is None or self._operator_target is not None:
             return None
         now = time.monotonic()
         oldest = next((scrapes for scrapes in self._recent_scrapes
-                       if scrapes and now - min(s.at for s in scrapes.values()) <= c.surge_window_s), None)
+                       if scrapes and now - min(s.at for s in scrapes.values()) <= window), None)
         if oldest is None or oldest is self._scrapes:
             return None
         observation = observe_scrapes(oldest, self._scrapes)
-        if observation is None or observation.arrival_rate is None or observation.interval_s < c.surge_window_s / 2:
+        if observation is None or observation.arrival_rate is None or observation.interval_s < window / 2:
             return None
         rate = observation.arrival_rate
         return Arrivals(requests=rate * observation.interval_s, rate=rate, workers=c.clamp(self._replan(rate)))
@@ -418,15 +451,24 @@ class Planner:
         predicted_osl = self.predictors["osl"].predict_next() if self._osl_seen else osl_mean
         self.metrics.predicted_osl.set(predicted_osl)
         profile = self.profile
+        slo = SloTargets(ttft_s=self.config.ttft_slo_s, itl_s=self.config.itl_slo_s)
+        # The plan aims below the SLOs by the headroom: the SLO bounds every request, and at a fleet sized exactly for it
+        # the average request runs at it, so the requests of busier workers (routing is never perfectly even) miss it.
+        aim = SloTargets(ttft_s=slo.ttft_s * self.config.slo_headroom, itl_s=slo.itl_s * self.config.slo_headroom)
         expected_itl: float | None = None
+        load = math.nan
         if observation.ttft is not None and observation.itl is not None:
             duration = observation.ttft.mean + osl_mean * observation.itl.mean
+            context = isl_mean + osl_mean / 2
+            workers = max(self._workers, 1)
             expected_itl = expected_itl_s(profile, request_rate=observation.request_rate, request_duration_s=duration,
-                                          context=isl_mean + osl_mean / 2, workers=max(self._workers, 1))
+                                          context=context, workers=workers)
+            concurrency = fleet_concurrency(request_rate=observation.request_rate, request_duration_s=duration, workers=workers)
+            load = decode_load(profile, concurrency, itl_target_s=aim.itl_s, context=context)
             factors = self.correction.update(
                 observed_ttft_s=observation.ttft.mean, expected_ttft_s=expected_ttft_s(profile, isl_mean),
                 observed_itl_s=observation.itl.mean, expected_itl_s=expected_itl,
-                ttft_samples=observation.ttft.count, itl_samples=observation.itl.count,
+                ttft_samples=observation.ttft.count, itl_samples=observation.itl.count, decode_load=load,
             )
         else:
             factors = self.correction.factors
@@ -440,10 +482,6 @@ class Planner:
             isl=_scaled(observation.isl, self.predictors["isl"].predict_next()) if observation.isl else Summary(mean=self.config.default_isl),
             osl=_scaled(observation.osl, predicted_osl),
         )
-        slo = SloTargets(ttft_s=self.config.ttft_slo_s, itl_s=self.config.itl_slo_s)
-        # The plan aims below the SLOs by the headroom: the SLO bounds every request, and at a fleet sized exactly for it
-        # the average request runs at it, so the requests of busier workers (routing is never perfectly even) miss it.
-        aim = SloTargets(ttft_s=slo.ttft_s * self.config.slo_headroom, itl_s=slo.itl_s * self.config.slo_headroom)
         replica_config = ReplicaConfig(interval_s=interval, min_workers=self.config.min_workers, max_gpus=self.config.max_gpus,
                                        length_quantile=self.config.length_quantile)
         level = self._degradation_level
@@ -459,10 +497,11 @@ class Planner:
         at_slo = plan if level < replica_config.relaxed_slo_level and aim == slo else plan_replicas(
             forecast, profile, slo, replica_config, factors, degradation_level=0)
         self._capacity = capacity_view(at_slo, self._workers, forecast.requests / interval)
-        log.info("plan: %.2f req/s arrived, %.2f predicted; ITL %s s observed, %s s profiled; factors prefill %.2f decode %.2f;"
+        log.info("plan: %.2f req/s arrived, %.2f predicted; ITL %s s observed, %s s profiled at %.0f %% of the operating load; "
+                 "factors prefill %.2f decode %.2f;"
                  " %d workers (prefill %.2f + decode %.2f at ITL target %.3f s), %d serving",
                  demand / max(observation.interval_s, 1e-9), self._planned_rate,
-                 f"{observation.itl.mean:.3f}" if observation.itl else "-", f"{expected_itl:.3f}" if expected_itl else "-",
+                 f"{observation.itl.mean:.3f}" if observation.itl else "-", f"{expected_itl:.3f}" if expected_itl else "-", 100 * load,
                  factors.prefill, factors.decode, plan.combined, plan.prefill_raw, plan.decode_raw, plan.itl_target_s, self._workers)
         if self._degradation_level >= replica_config.relaxed_slo_level:
             # The doubled SLOs of a degraded fleet need fewer workers, but a fleet is degraded because it lacks capacity:

@@ -468,6 +468,9 @@ def test_a_burst_asks_for_more_as_its_arrivals_add_up_over_the_longer_windows() 
     assert early == workers_for(poisson_lower_bound(6, 0.95) / 2.0) == 3
     # 13 in 4 s: bound 7.69 -> 1.92/s, more than the 2 s window's 3.29 / 2 and the 8 s window's 10.83 / 8.
     assert later == workers_for(poisson_lower_bound(13, 0.95) / 4.0) == 4
+    # Gated at 0.95 and sized at 0.5 (about the median): 7 in 2 s asks for 6.67 / 2 = 3.34/s, where the 0.95 bound asks for 1.64/s.
+    sized = surge_workers(four_seconds_in, 1.0, min_requests=4, confidence=0.95, workers_for=workers_for, size_confidence=0.5)
+    assert sized == workers_for(poisson_lower_bound(7, 0.5) / 2.0) == 7
     # Noise of the plan's own rate, in every window: no surge.
     calm = [window(4, 2.0), window(6, 4.0), window(10, 8.0)]
     assert surge_workers(calm, 1.0, min_requests=4, confidence=0.95, workers_for=workers_for) is None

@@ -68,6 +68,10 @@ class PlannerConfig(BaseSettings):
         "that noise (its Poisson lower bound), not of the window's own rate; 0 (default): any window of surge_min_requests "
         "counts, and asks for its own rate (docs/planner.md, fifth and seventh passes)"
     )
+    surge_size_confidence: float | None = Field(
+        None, ge=0, lt=1, description="With surge_confidence: the confidence of the lower bound a surge is sized by (lower: nearer "
+        "the window's own rate); unset: surge_confidence"
+    )
     scale_down_hold_confidence: float = Field(
         0.0, ge=0, lt=1, description="> 0: the last surge_window_s of arrivals hold a scale-down only when as many had less than "
         "1 - this chance to come from the rate it was planned for (a Poisson tail); 0 (default): any rate above it holds"

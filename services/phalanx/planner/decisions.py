@@ -441,7 +441,7 @@ def poisson_upper_bound(arrivals: float, confidence: float) -> float:
 
 
 def surge_workers(windows: Sequence[Arrivals], planned_rate: float | None, *, min_requests: int, confidence: float,
-                  workers_for: Callable[[float], int]) -> int | None:
+                  workers_for: Callable[[float], int], size_confidence: float | None = None) -> int | None:
     """The workers the last seconds' arrivals need when they are a surge; None otherwise. `windows`: the arrivals over
     spans of the last seconds, shortest first.
 
@@ -457,7 +457,8 @@ def surge_workers(windows: Sequence[Arrivals], planned_rate: float | None, *, mi
     shortest = windows[0]
     if confidence <= 0 or planned_rate is None:
         return shortest.workers if shortest.requests >= min_requests else None
-    rates = [poisson_lower_bound(w.requests, confidence) * w.rate / w.requests for w in windows
+    size = confidence if size_confidence is None else size_confidence
+    rates = [poisson_lower_bound(w.requests, size) * w.rate / w.requests for w in windows
              if w.requests >= min_requests and w.rate > 0
              and beyond_noise(w.requests, planned_rate * w.requests / w.rate, confidence)]  # expected over the window's span
     return workers_for(max(rates)) if rates else None

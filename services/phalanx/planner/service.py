@@ -319,7 +319,8 @@ class Planner:
             windows += [w for w in (self._recent_arrivals(self.config.surge_window_s * k) for k in _SURGE_WINDOWS[1:]) if w is not None]
         replan = self._replan
         return surge_workers(windows, self._planned_rate, min_requests=self.config.surge_min_requests,
-                             confidence=self.config.surge_confidence, workers_for=lambda rate: self.config.clamp(replan(rate)))
+                             confidence=self.config.surge_confidence, workers_for=lambda rate: self.config.clamp(replan(rate)),
+                             size_confidence=self.config.surge_size_confidence)
 
     def _scale_down_floor(self, observation: Observation) -> int:
         """With `scale_down_confidence`: the workers for the highest arrival rate the observed interval's count is within the

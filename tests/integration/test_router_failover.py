@@ -179,10 +179,13 @@ async def test_degradation_level_and_health_weights_in_etcd_steer_the_router(sta
             firsts = await asyncio.gather(*(first_chunk(client, f"steered {i}") for i in range(6)))
             assert {f.worker_id for f in firsts} == {second.worker_id}
 
-            # The planner sheds best_effort at level 2; premium is still served.
-            await etcd.put(DEGRADATION_KEY.encode(), encode_json(common_pb2.DegradationState(level=2, reason="test")))
+            # The planner sheds best_effort at level 2; premium is still served. Each try writes the level again: the session's
+            # etcd and NATS are shared with the worker's earlier tests, and a level 0 from one of them once reset it 28 ms
+            # after this put (CI, 2026-11-27), which a single put never recovered from.
+            level_2 = encode_json(common_pb2.DegradationState(level=2, reason="test"))
 
             async def shed():
+                await etcd.put(DEGRADATION_KEY.encode(), level_2)
                 with pytest.raises(OverloadedError) as error:
                     await client.complete("cheap", max_tokens=2, tier="best_effort")
                 return error.value.retry_after_s and error.value.retry_after_s > 0

@@ -449,9 +449,11 @@ def surge_workers(windows: Sequence[Arrivals], planned_rate: float | None, *, mi
     `min_requests`, and the workers its own rate needs. With one, every window that holds at least `min_requests` and is a
     rise beyond the noise of `planned_rate` (requests/s the last plan was made for) counts, and the surge asks for the
     workers (`workers_for`) of the highest rate the arrivals show beyond noise: their Poisson lower bound
-    (`poisson_lower_bound`) over the window. A window's own rate is a rise's upper tail as often as not: noise that just
-    passed the gate asked for what its luckiest 2 s needed (docs/planner.md, seventh pass). Longer windows let a real
-    burst ask for more as its arrivals add up, where the first 2 s cannot tell it from noise by much."""
+    (`poisson_lower_bound`) over the window, at `size_confidence` when given (whether the arrivals are a rise and how large
+    it is are separate questions: a lower confidence sizes a real burst nearer its rate). A window's own rate is a rise's
+    upper tail as often as not: noise that just passed the gate asked for what its luckiest 2 s needed (docs/planner.md,
+    seventh pass). Longer windows let a real burst ask for more as its arrivals add up, where the first 2 s cannot tell it
+    from noise by much."""
     if not windows:
         return None
     shortest = windows[0]

@@ -58,6 +58,33 @@ async def _ack(etcd_config: EtcdConfig, decision_id: int, workers: int) -> None:
         await client.close()
 
 
+def test_a_planner_whose_metrics_port_was_taken_meanwhile_starts_again_on_fresh_ports(etcd_config: EtcdConfig, monkeypatch) -> None:
+    """free_port's port is free only a moment ago; CI saw a health service exit on EADDRINUSE that way."""
+    import socket
+
+    from phalanx.launch import services
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    real_free_port = services.free_port
+    ports = iter([real_free_port(), taken.getsockname()[1]])  # the first start's gRPC port, then its metrics port: taken
+    monkeypatch.setattr(services, "free_port", lambda: next(ports, None) or real_free_port())
+
+    async def scenario() -> None:
+        planner = await _planner(etcd_config)
+        try:
+            assert planner.metrics_address != f"127.0.0.1:{taken.getsockname()[1]}"
+            assert planner.metric("phalanx_planner_leader") is not None, "the second start serves /metrics"
+        finally:
+            planner.kill()
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        taken.close()
+
+
 def test_a_dead_worker_gets_a_decision_at_once_an_ack_completes_it_and_silence_times_out(etcd_config: EtcdConfig) -> None:
     async def scenario() -> None:
         # A long interval: nothing but the DEAD event can make the planner decide within this test.

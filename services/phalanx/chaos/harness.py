@@ -54,6 +54,7 @@ from phalanx.launch.services import (
     RouterHandle,
     ServiceHandle,
     WorkerHandle,
+    on_fresh_ports,
     start_checkpoint_store,
     start_encoder_pool,
     start_expert_worker,
@@ -295,9 +296,11 @@ class ChaosRun:
         await self.add_workers(t.workers)
         for _ in range(t.failover_slots):
             await self.stack.add_failover_slot()
-        self.router_ports = [free_port() for _ in range(t.routers)]
-        for i, port in enumerate(self.router_ports):
-            await self.stack.add_router(port=port, router_id=f"r{i}-{unique_id('chaos')}")
+        for i in range(t.routers):
+            # A port of its own rather than 0, so that a restarted router comes back where the clients' target list points.
+            router_id = f"r{i}-{unique_id('chaos')}"
+            router = await on_fresh_ports(lambda: self.fleet.add_router(port=free_port(), router_id=router_id))  # noqa: B023 - awaited here
+            self.router_ports.append(int(router.address.rsplit(":", 1)[1]))
         for _ in range(t.healths):
             await self.add_health()
         if t.planner:

@@ -14,8 +14,9 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
+from typing import TypeVar
 
 import grpc
 from prometheus_client.parser import text_string_to_metric_families
@@ -37,6 +38,7 @@ from phalanx.launch.ports import free_port
 
 __all__ = [
     "CheckpointStoreHandle",
+    "ExitedBeforeServing",
     "FailoverEngineHandle",
     "GatewayHandle",
     "HealthHandle",
@@ -45,6 +47,7 @@ __all__ = [
     "ServiceHandle",
     "WorkerHandle",
     "metric_value",
+    "on_fresh_ports",
     "scrape",
     "start_checkpoint_store",
     "start_failover_engine",
@@ -237,13 +240,34 @@ def _spawn(args: list[str], env: dict[str, str], prefix: Sequence[str] = ()) -> 
 _PORT_ATTEMPTS = 3
 
 
+class ExitedBeforeServing(RuntimeError):
+    """A started process exited before it served (on a port it was given, most often: another process took it first)."""
+
+
+_Started = TypeVar("_Started")
+
+
+async def on_fresh_ports(start_once: Callable[[], Awaitable[_Started]]) -> _Started:
+    """``start_once()``, tried again (it picks new ports each time) while its process exits before serving.
+
+    free_port's port is free only a moment ago: a process of another test or service may bind it before ours does, and ours
+    then exits on EADDRINUSE (CI saw it for a health service's metrics port and a migration service's)."""
+    for attempt in range(_PORT_ATTEMPTS):
+        try:
+            return await start_once()
+        except ExitedBeforeServing:
+            if attempt == _PORT_ATTEMPTS - 1:
+                raise
+    raise AssertionError("unreachable")
+
+
 async def _registration(process: subprocess.Popen, directory: EtcdDirectory, name: str, timeout: float):
     """Wait until ``process`` registered ``name`` (a previous holder of the name may linger until its lease lapses)."""
     deadline = time.monotonic() + timeout
     try:
         while time.monotonic() < deadline:
             if process.poll() is not None:
-                raise RuntimeError(f"{name} exited with {process.returncode} before registering")
+                raise ExitedBeforeServing(f"{name} exited with {process.returncode} before registering")
             entries = await directory.list()
             if name in entries and entries[name].pid == process.pid:
                 return entries[name]
@@ -281,21 +305,25 @@ async def start_worker(
 async def start_memory_service(socket_path: str, root: str, *, name: str = "memory", timeout: float = 30.0) -> ServiceHandle:
     """A weight memory service (``phalanx memory-service``), returned once its socket is open; ``address`` is the socket,
     ``metrics_address`` its /metrics (grant counts)."""
-    metrics_port = free_port()
-    # A SIGKILLed predecessor leaves its socket file behind: it must not pass for this one's.
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(socket_path)
-    process = _spawn(["memory-service", "--socket-path", socket_path, "--root", root, "--port", "0", "--log-level", "WARNING"],
-                     {"PHALANX_MEMORY_METRICS_PORT": str(metrics_port)})
-    deadline = time.monotonic() + timeout
-    while not await asyncio.to_thread(os.path.exists, socket_path):
-        if process.poll() is not None:
-            raise RuntimeError(f"{name} exited with {process.returncode} before it opened {socket_path}")
-        if time.monotonic() > deadline:
-            process.kill()
-            raise TimeoutError(f"{name} did not open {socket_path} within {timeout:.0f} s")
-        await asyncio.sleep(0.02)
-    return ServiceHandle(name, process, socket_path, f"127.0.0.1:{metrics_port}")
+
+    async def start_once() -> ServiceHandle:
+        metrics_port = free_port()
+        # A SIGKILLed predecessor leaves its socket file behind: it must not pass for this one's.
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(socket_path)
+        process = _spawn(["memory-service", "--socket-path", socket_path, "--root", root, "--port", "0", "--log-level", "WARNING"],
+                         {"PHALANX_MEMORY_METRICS_PORT": str(metrics_port)})
+        deadline = time.monotonic() + timeout
+        while not await asyncio.to_thread(os.path.exists, socket_path):  # it binds /metrics before it opens the socket
+            if process.poll() is not None:
+                raise ExitedBeforeServing(f"{name} exited with {process.returncode} before it opened {socket_path}")
+            if time.monotonic() > deadline:
+                process.kill()
+                raise TimeoutError(f"{name} did not open {socket_path} within {timeout:.0f} s")
+            await asyncio.sleep(0.02)
+        return ServiceHandle(name, process, socket_path, f"127.0.0.1:{metrics_port}")
+
+    return await on_fresh_ports(start_once)
 
 
 async def start_failover_engine(
@@ -304,27 +332,31 @@ async def start_failover_engine(
 ) -> FailoverEngineHandle:
     """An engine of a failover slot, returned once its startup probe passes (standing by, or further); without
     ``wait_startup`` once its probes answer at all."""
-    metrics_port = free_port()
-    process = _spawn(
-        ["worker", "--worker-id", worker_id, "--nats-url", nats_url, "--etcd-endpoint", etcd_config.endpoint, "--port", "0",
-         "--metrics-port", str(metrics_port), "--model", model, "--log-level", "WARNING", "--failover-role", role,
-         "--engine-id", str(engine_id), "--failover-lock", lock, "--memory-socket", memory_socket, "--failover-slot", slot, *extra],
-        {**_etcd_env(etcd_config), **(env or {})},
-    )
-    handle = FailoverEngineHandle(worker_id, process, "", f"127.0.0.1:{metrics_port}")
-    handle.role = role
-    deadline = time.monotonic() + timeout
-    try:
-        while await asyncio.to_thread(handle.probe, "startup") not in ((200,) if wait_startup else (200, 503)):
-            if process.poll() is not None:
-                raise RuntimeError(f"{worker_id} exited with {process.returncode} before it stood by")
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{worker_id} did not pass its startup probe within {timeout:.0f} s")
-            await asyncio.sleep(0.05)
-    except BaseException:
-        handle.kill()
-        raise
-    return handle
+
+    async def start_once() -> FailoverEngineHandle:
+        metrics_port = free_port()
+        process = _spawn(
+            ["worker", "--worker-id", worker_id, "--nats-url", nats_url, "--etcd-endpoint", etcd_config.endpoint, "--port", "0",
+             "--metrics-port", str(metrics_port), "--model", model, "--log-level", "WARNING", "--failover-role", role,
+             "--engine-id", str(engine_id), "--failover-lock", lock, "--memory-socket", memory_socket, "--failover-slot", slot, *extra],
+            {**_etcd_env(etcd_config), **(env or {})},
+        )
+        handle = FailoverEngineHandle(worker_id, process, "", f"127.0.0.1:{metrics_port}")
+        handle.role = role
+        deadline = time.monotonic() + timeout
+        try:
+            while await asyncio.to_thread(handle.probe, "startup") not in ((200,) if wait_startup else (200, 503)):
+                if process.poll() is not None:
+                    raise ExitedBeforeServing(f"{worker_id} exited with {process.returncode} before it stood by")
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{worker_id} did not pass its startup probe within {timeout:.0f} s")
+                await asyncio.sleep(0.05)
+        except BaseException:
+            handle.kill()
+            raise
+        return handle
+
+    return await on_fresh_ports(start_once)
 
 
 async def wait_registered(handle: WorkerHandle, etcd_config: EtcdConfig, timeout: float = 30.0) -> common_pb2.WorkerRegistration:
@@ -334,7 +366,7 @@ async def wait_registered(handle: WorkerHandle, etcd_config: EtcdConfig, timeout
     try:
         while True:
             if handle.process.poll() is not None:
-                raise RuntimeError(f"{handle.name} exited with {handle.process.returncode} before registering")
+                raise ExitedBeforeServing(f"{handle.name} exited with {handle.process.returncode} before registering")
             entry = (await directory.list()).get(handle.name)
             if entry is not None and entry.pid == handle.process.pid:
                 handle.address = entry.address
@@ -364,25 +396,29 @@ async def start_health(
     instance_id: str, nats_url: str, etcd_config: EtcdConfig, *extra: str, env: dict | None = None, timeout: float = 30.0
 ) -> HealthHandle:
     """A health service instance, returned once it answers (leader or standby)."""
-    port, metrics_port = free_port(), free_port()
-    process = _spawn(
-        ["health", "--instance-id", instance_id, "--nats-url", nats_url, "--etcd-endpoint", etcd_config.endpoint, "--port", str(port),
-         "--log-level", "WARNING", *extra],
-        {"PHALANX_HEALTH_METRICS_PORT": str(metrics_port), **(env or {})},
-    )
-    handle = HealthHandle(instance_id, process, f"127.0.0.1:{port}", f"127.0.0.1:{metrics_port}")
-    deadline = time.monotonic() + timeout
-    while True:
-        if process.poll() is not None:
-            raise RuntimeError(f"{instance_id} exited with {process.returncode} before it served")
-        try:
-            await handle.list_health(timeout=1.0)
-            return handle
-        except grpc.aio.AioRpcError:
-            if time.monotonic() > deadline:
-                handle.kill()
-                raise TimeoutError(f"{instance_id} did not serve within {timeout:.0f} s") from None
-            await asyncio.sleep(0.1)
+
+    async def start_once() -> HealthHandle:
+        port, metrics_port = free_port(), free_port()
+        process = _spawn(
+            ["health", "--instance-id", instance_id, "--nats-url", nats_url, "--etcd-endpoint", etcd_config.endpoint, "--port", str(port),
+             "--log-level", "WARNING", *extra],
+            {"PHALANX_HEALTH_METRICS_PORT": str(metrics_port), **(env or {})},
+        )
+        handle = HealthHandle(instance_id, process, f"127.0.0.1:{port}", f"127.0.0.1:{metrics_port}")
+        deadline = time.monotonic() + timeout
+        while True:
+            if process.poll() is not None:
+                raise ExitedBeforeServing(f"{instance_id} exited with {process.returncode} before it served")
+            try:
+                await handle.list_health(timeout=1.0)
+                return handle
+            except grpc.aio.AioRpcError:
+                if time.monotonic() > deadline:
+                    handle.kill()
+                    raise TimeoutError(f"{instance_id} did not serve within {timeout:.0f} s") from None
+                await asyncio.sleep(0.1)
+
+    return await on_fresh_ports(start_once)
 
 
 class PlannerHandle(ServiceHandle):
@@ -403,14 +439,17 @@ async def start_planner(
 
     ``extra`` are more CLI flags; ``env`` more PHALANX_PLANNER_* settings (interval, bounds, profile).
     """
-    port, metrics_port = free_port(), free_port()
-    process = _spawn(
-        ["planner", "--instance-id", instance_id, "--etcd-endpoint", etcd_config.endpoint, "--port", str(port), "--log-level", "INFO",
-         *extra],
-        {"PHALANX_PLANNER_METRICS_PORT": str(metrics_port), **(env or {})},
-    )
-    handle = PlannerHandle(instance_id, process, f"127.0.0.1:{port}", f"127.0.0.1:{metrics_port}")
-    return await _serving(handle, timeout)
+
+    async def start_once() -> PlannerHandle:
+        port, metrics_port = free_port(), free_port()
+        process = _spawn(
+            ["planner", "--instance-id", instance_id, "--etcd-endpoint", etcd_config.endpoint, "--port", str(port), "--log-level",
+             "INFO", *extra],
+            {"PHALANX_PLANNER_METRICS_PORT": str(metrics_port), **(env or {})},
+        )
+        return await _serving(PlannerHandle(instance_id, process, f"127.0.0.1:{port}", f"127.0.0.1:{metrics_port}"), timeout)
+
+    return await on_fresh_ports(start_once)
 
 
 async def _serving(handle: PlannerHandle, timeout: float) -> PlannerHandle:
@@ -419,7 +458,7 @@ async def _serving(handle: PlannerHandle, timeout: float) -> PlannerHandle:
     try:
         while True:
             if handle.process.poll() is not None:
-                raise RuntimeError(f"{handle.name} exited with {handle.process.returncode} before it served")
+                raise ExitedBeforeServing(f"{handle.name} exited with {handle.process.returncode} before it served")
             with contextlib.suppress(grpc.aio.AioRpcError):
                 if await handle.serving():
                     return handle
@@ -485,23 +524,19 @@ async def start_migration(
     """A migration service (``phalanx migration``), returned once it advertised itself in etcd.
 
     Its registration carries no metrics address, so its metrics port is chosen here: a port free a moment ago, which another
-    process may take first (a fuzz run's migration service exited on EADDRINUSE). A start that exits before registering is
-    tried again on a new port, twice at most."""
-    for attempt in range(_PORT_ATTEMPTS):
+    process may take first (a fuzz run's migration service exited on EADDRINUSE): on_fresh_ports tries again."""
+
+    async def start_once() -> ServiceHandle:
         metrics_port = free_port()
         process = _spawn(
             ["migration", "--migration-id", instance_id, "--nats-url", nats_url, "--etcd-endpoint", etcd_config.endpoint, "--port", "0",
              "--log-level", "WARNING", *extra],
             {**_etcd_env(etcd_config), "PHALANX_MIGRATION_METRICS_PORT": str(metrics_port), **(env or {})},
         )
-        try:
-            advertisement = await _registration(process, MigrationDirectory(etcd_config), instance_id, timeout)
-        except RuntimeError:
-            if process.poll() is None or attempt == _PORT_ATTEMPTS - 1:
-                raise
-            continue
+        advertisement = await _registration(process, MigrationDirectory(etcd_config), instance_id, timeout)
         return ServiceHandle(instance_id, process, advertisement.address, f"127.0.0.1:{metrics_port}")
-    raise AssertionError("unreachable")
+
+    return await on_fresh_ports(start_once)
 
 
 async def start_encoder_pool(
@@ -539,22 +574,27 @@ async def start_gateway(
 
     ``extra`` are more CLI flags (e.g. ``--model``); ``env`` more PHALANX_GATEWAY_* settings (API keys, tenants).
     """
-    port = port or free_port()
-    process = _spawn(["gateway", "--router", router_target, "--port", str(port), "--log-level", "WARNING", *extra], env or {})
-    address = f"127.0.0.1:{port}"
-    handle = GatewayHandle(name, process, address, address)
-    deadline = time.monotonic() + timeout
-    try:
-        while not await asyncio.to_thread(handle.healthy):
-            if process.poll() is not None:
-                raise RuntimeError(f"{name} exited with {process.returncode} before it served")
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{name} did not serve within {timeout:.0f} s")
-            await asyncio.sleep(0.05)
-    except BaseException:  # a timeout, or a caller that gave up (cancelled): the process is ours to stop
-        handle.kill()
-        raise
-    return handle
+
+    async def start_once(port: int) -> GatewayHandle:
+        process = _spawn(["gateway", "--router", router_target, "--port", str(port), "--log-level", "WARNING", *extra], env or {})
+        address = f"127.0.0.1:{port}"
+        handle = GatewayHandle(name, process, address, address)
+        deadline = time.monotonic() + timeout
+        try:
+            while not await asyncio.to_thread(handle.healthy):
+                if process.poll() is not None:
+                    raise ExitedBeforeServing(f"{name} exited with {process.returncode} before it served")
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{name} did not serve within {timeout:.0f} s")
+                await asyncio.sleep(0.05)
+        except BaseException:  # a timeout, or a caller that gave up (cancelled): the process is ours to stop
+            handle.kill()
+            raise
+        return handle
+
+    if port:  # the caller's port: taken is taken
+        return await start_once(port)
+    return await on_fresh_ports(lambda: start_once(free_port()))
 
 
 async def start_expert_worker(
@@ -575,11 +615,14 @@ async def start_ert_manager(
     instance_id: str, etcd_config: EtcdConfig, *extra: str, model: str, env: dict | None = None, timeout: float = 30.0
 ) -> PlannerHandle:
     """An ERT manager (``phalanx ert-manager``), returned once its gRPC health says SERVING (it then campaigns and leads)."""
-    port, metrics_port = free_port(), free_port()
-    process = _spawn(
-        ["ert-manager", "--instance-id", instance_id, "--etcd-endpoint", etcd_config.endpoint, "--port", str(port), "--model", model,
-         "--log-level", "WARNING", *extra],
-        {"PHALANX_ERT_METRICS_PORT": str(metrics_port), **_etcd_env(etcd_config), **(env or {})},
-    )
-    handle = PlannerHandle(instance_id, process, f"127.0.0.1:{port}", f"127.0.0.1:{metrics_port}")
-    return await _serving(handle, timeout)
+
+    async def start_once() -> PlannerHandle:
+        port, metrics_port = free_port(), free_port()
+        process = _spawn(
+            ["ert-manager", "--instance-id", instance_id, "--etcd-endpoint", etcd_config.endpoint, "--port", str(port), "--model", model,
+             "--log-level", "WARNING", *extra],
+            {"PHALANX_ERT_METRICS_PORT": str(metrics_port), **_etcd_env(etcd_config), **(env or {})},
+        )
+        return await _serving(PlannerHandle(instance_id, process, f"127.0.0.1:{port}", f"127.0.0.1:{metrics_port}"), timeout)
+
+    return await on_fresh_ports(start_once)

@@ -13,6 +13,7 @@ from phalanx.planner.correction import (
     decode_load,
     expected_itl_s,
     expected_ttft_s,
+    fleet_concurrency,
 )
 from phalanx.planner.profile import DecodeSample, PrefillSample, build_profile
 
@@ -128,9 +129,9 @@ def test_expected_latencies_come_from_the_profile_at_the_carried_load() -> None:
     )
     assert expected_ttft_s(profile, 1024.0) == pytest.approx(0.1)
     # 40 requests/s staying 2 s each over 10 workers: 8 running per worker.
-    assert expected_itl_s(profile, request_rate=40.0, request_duration_s=2.0, context=512.0, workers=10) == pytest.approx(0.018)
+    assert expected_itl_s(profile, fleet_concurrency(request_rate=40.0, request_duration_s=2.0, workers=10), context=512.0) == pytest.approx(0.018)
     # An idle fleet is compared with one sequence, the lightest batch measured.
-    assert expected_itl_s(profile, request_rate=0.0, request_duration_s=2.0, context=512.0, workers=3) == pytest.approx(0.011)
+    assert expected_itl_s(profile, 0.0, context=512.0) == pytest.approx(0.011)
 
 
 def batch_growing_profile():
@@ -156,7 +157,7 @@ def test_a_fleet_that_steps_as_profiled_looks_slow_at_low_load_and_that_does_not
     assert operating == pytest.approx(4.4, abs=0.05)
     tracker = CorrectionTracker(CorrectionConfig(smoothing=1.0))
     for mean in (0.5, 1.0, 2.0):
-        expected = expected_itl_s(profile, request_rate=mean, request_duration_s=1.0, context=64.0, workers=1)
+        expected = expected_itl_s(profile, mean, context=64.0)
         observed = itl_tokens_see(profile, mean)
         if mean == 1.0:
             assert observed / expected > 1.2  # the artefact: no engine is slower here
@@ -164,7 +165,7 @@ def test_a_fleet_that_steps_as_profiled_looks_slow_at_low_load_and_that_does_not
                        decode_load=decode_load(profile, mean, itl_target_s=0.48, context=64.0))
     assert tracker.factors.decode == 1.0
     # Near the operating point the ratio is what tokens will see at the planned load, and it is learnt.
-    expected = expected_itl_s(profile, request_rate=operating, request_duration_s=1.0, context=64.0, workers=1)
+    expected = expected_itl_s(profile, operating, context=64.0)
     observed = 1.5 * itl_tokens_see(profile, operating)  # a fleet truly 1.5x slower than profiled
     tracker.update(observed_ttft_s=None, expected_ttft_s=None, observed_itl_s=observed, expected_itl_s=expected,
                    decode_load=decode_load(profile, operating, itl_target_s=0.48, context=64.0))
@@ -172,6 +173,6 @@ def test_a_fleet_that_steps_as_profiled_looks_slow_at_low_load_and_that_does_not
     # min_decode_load 0: every interval moves it (Dynamo's rule).
     every = CorrectionTracker(CorrectionConfig(smoothing=1.0, min_decode_load=0.0))
     every.update(observed_ttft_s=None, expected_ttft_s=None, observed_itl_s=itl_tokens_see(profile, 1.0),
-                 expected_itl_s=expected_itl_s(profile, request_rate=1.0, request_duration_s=1.0, context=64.0, workers=1),
+                 expected_itl_s=expected_itl_s(profile, 1.0, context=64.0),
                  decode_load=decode_load(profile, 1.0, itl_target_s=0.48, context=64.0))
     assert every.factors.decode > 1.2

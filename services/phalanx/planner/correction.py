@@ -130,10 +130,9 @@ def fleet_concurrency(*, request_rate: float, request_duration_s: float, workers
     return request_rate * request_duration_s / max(workers, 1)
 
 
-def expected_itl_s(profile: PerformanceProfile, *, request_rate: float, request_duration_s: float, context: float, workers: int) -> float:
-    """The profile's ITL at the concurrency the fleet carried (`fleet_concurrency`); context is the mean prompt plus half
-    the mean output, the average length over a request's decode."""
-    concurrency = fleet_concurrency(request_rate=request_rate, request_duration_s=request_duration_s, workers=workers)
+def expected_itl_s(profile: PerformanceProfile, concurrency: float, *, context: float) -> float:
+    """The profile's ITL at the `concurrency` per worker the fleet carried (`fleet_concurrency`); context is the mean
+    prompt plus half the mean output, the average length over a request's decode."""
     return profile.decode_itl(context, max(concurrency, 1.0))
 
 

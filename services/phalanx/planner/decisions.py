@@ -390,18 +390,24 @@ class DecisionMachine:
             self._latencies.append(finished.latency_s)
 
 
+def _poisson_cdf(count: int, mean: float) -> float:
+    """P(X <= count) for X Poisson with `mean`, the pmf summed term by term (the planner's counts are small: a few dozen
+    terms); 0 for a negative count."""
+    if count < 0:
+        return 0.0
+    pmf = cdf = math.exp(-mean)
+    for k in range(1, count + 1):
+        pmf *= mean / k
+        cdf += pmf
+    return cdf
+
+
 def beyond_noise(arrivals: float, expected: float, confidence: float) -> bool:
     """Whether `arrivals` in a window are a rise beyond the noise of a Poisson process expected to bring `expected` there:
     as many or more had less than `1 - confidence` chance (0 confidence: any count is a rise)."""
     if confidence <= 0 or expected <= 0:
         return arrivals > expected
-    # P(X >= arrivals) = 1 - P(X <= ceil(arrivals) - 1), the pmf summed term by term (small counts: a few dozen terms).
-    at_least = math.ceil(arrivals - 1e-9)
-    pmf = cdf = math.exp(-expected)
-    for k in range(1, at_least):
-        pmf *= expected / k
-        cdf += pmf
-    tail = 1.0 - cdf if at_least > 0 else 1.0
+    tail = 1.0 - _poisson_cdf(math.ceil(arrivals - 1e-9) - 1, expected)  # P(X >= arrivals)
     return tail < 1.0 - confidence
 
 
@@ -425,18 +431,11 @@ def poisson_upper_bound(arrivals: float, confidence: float) -> float:
     arrivals = max(arrivals, 0.0)
     if confidence <= 0:
         return arrivals
-
-    def at_most(mean: float) -> float:  # P(X <= arrivals), the pmf summed term by term
-        pmf = cdf = math.exp(-mean)
-        for k in range(1, math.floor(arrivals + 1e-9) + 1):
-            pmf *= mean / k
-            cdf += pmf
-        return cdf
-
+    at_most = math.floor(arrivals + 1e-9)
     low, high = arrivals, arrivals + 10 * math.sqrt(arrivals + 1) + 10
-    for _ in range(40):  # bisection: at_most falls with the mean, and is 1 - confidence at the bound
+    for _ in range(40):  # bisection: P(X <= arrivals) falls with the mean, and is 1 - confidence at the bound
         middle = (low + high) / 2
-        low, high = (middle, high) if at_most(middle) >= 1 - confidence else (low, middle)
+        low, high = (middle, high) if _poisson_cdf(at_most, middle) >= 1 - confidence else (low, middle)
     return low
 
 

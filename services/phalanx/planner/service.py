@@ -350,8 +350,7 @@ class Planner:
         if window <= 0 or c.prometheus_url or self._replan is None or self._operator_target is not None:
             return None
         now = time.monotonic()
-        oldest = next((scrapes for scrapes in self._recent_scrapes
-                       if scrapes and now - min(s.at for s in scrapes.values()) <= window), None)
+        oldest = next((scrapes for scrapes in self._recent_scrapes if scrapes and _round_age(scrapes, now) <= window), None)
         if oldest is None or oldest is self._scrapes:
             return None
         observation = observe_scrapes(oldest, self._scrapes)
@@ -407,9 +406,9 @@ class Planner:
         newest kept round at least that old (the oldest kept while the planner has not been up that long)."""
         window = self.config.observe_window_s
         now = time.monotonic()
-        if window <= 0 or not self._tick_scrapes or now - min(s.at for s in self._tick_scrapes.values()) >= window:
+        if window <= 0 or not self._tick_scrapes or _round_age(self._tick_scrapes, now) >= window:
             return self._tick_scrapes
-        old_enough = [scrapes for scrapes in self._recent_scrapes if scrapes and now - min(s.at for s in scrapes.values()) >= window]
+        old_enough = [scrapes for scrapes in self._recent_scrapes if scrapes and _round_age(scrapes, now) >= window]
         return old_enough[-1] if old_enough else next((scrapes for scrapes in self._recent_scrapes if scrapes), self._tick_scrapes)
 
     # -- planning ------------------------------------------------------------------------------------
@@ -462,9 +461,8 @@ class Planner:
             duration = observation.ttft.mean + osl_mean * observation.itl.mean
             context = isl_mean + osl_mean / 2
             workers = max(self._workers, 1)
-            expected_itl = expected_itl_s(profile, request_rate=observation.request_rate, request_duration_s=duration,
-                                          context=context, workers=workers)
             concurrency = fleet_concurrency(request_rate=observation.request_rate, request_duration_s=duration, workers=workers)
+            expected_itl = expected_itl_s(profile, concurrency, context=context)
             load = decode_load(profile, concurrency, itl_target_s=aim.itl_s, context=context)
             factors = self.correction.update(
                 observed_ttft_s=observation.ttft.mean, expected_ttft_s=expected_ttft_s(profile, isl_mean),
@@ -599,6 +597,11 @@ class Planner:
             del self._promoted[next(iter(self._promoted))]
         if not await self.election.fenced_delete(spare_key(spare)):
             raise LeadershipLostError("a fenced promotion failed: another planner leads")
+
+
+def _round_age(scrapes: Mapping[str, Scrape], now: float) -> float:
+    """Seconds since a round of scrapes began (its oldest scrape: a round spans every router's)."""
+    return now - min(scrape.at for scrape in scrapes.values())
 
 
 def _scaled(summary: Summary | None, mean: float) -> Summary:

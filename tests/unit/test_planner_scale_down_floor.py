@@ -59,20 +59,19 @@ def test_without_a_confidence_or_with_an_operators_target_there_is_no_floor() ->
     assert Planner._scale_down_floor(_planner(0.8, operator_target=2), _window(30)) == 0  # type: ignore[arg-type]
 
 
-def test_the_floor_rate_tightens_with_longer_windows_unless_the_shorter_ones_rose_over_the_rest() -> None:
+def test_the_floor_rate_tightens_with_longer_windows_only_while_the_shorter_ones_are_within_their_noise() -> None:
     # A steady 1.2 requests/s: 30 s bound the rate closer than 10 s.
     steady = [(12.0, 10.0), (24.0, 20.0), (36.0, 30.0)]
     assert floor_rate(steady[:1], 0.8) == pytest.approx(poisson_upper_bound(12, 0.8) / 10)
     assert floor_rate(steady, 0.8) == pytest.approx(poisson_upper_bound(36, 0.8) / 30)
     assert floor_rate(steady, 0.8) < 1.2 * 1.2 < floor_rate(steady[:1], 0.8)
-    # A burst that ended 10 s ago: the last 10 s' own bound is the lowest.
+    # A burst that ended 10 s ago: the last 10 s fell beyond the noise of 20 s's rate; their own bound stands.
     assert floor_rate([(12.0, 10.0), (60.0, 20.0), (90.0, 30.0)], 0.8) == pytest.approx(poisson_upper_bound(12, 0.8) / 10)
-    # A burst 11 s old (measured, 2026-11-27): 27 in the last 10 s, 13 in the 10 s before. Within the noise of the 20 s
-    # window's own rate (2/s: 20 expected, 27 had 7 % chance), but a rise over the 10 s before it (27 of 40 in half the
-    # span: 2 %): the 10 s bound stands, 3.2/s, where the 20 s one would have let the burst's fleet shrink to 2.3/s.
-    assert floor_rate([(27.0, 10.0), (40.0, 20.0)], 0.8) == pytest.approx(poisson_upper_bound(27, 0.8) / 10)
-    # 20 s into a burst: its two halves agree (the 20 s bound), the 30 s window's first third is the quiet before it.
-    assert floor_rate([(25.0, 10.0), (50.0, 20.0), (62.0, 30.0)], 0.8) == pytest.approx(poisson_upper_bound(50, 0.8) / 20)
+    # A burst that began: a rise beyond noise ends the search as well (and a longer window never raises the bound).
+    assert floor_rate([(36.0, 10.0), (48.0, 20.0), (60.0, 30.0)], 0.8) == pytest.approx(poisson_upper_bound(36, 0.8) / 10)
+    # The 20 s window agrees with the 10 s one, the 30 s one does not (the 20 s before a quiet start).
+    windows = [(12.0, 10.0), (26.0, 20.0), (70.0, 30.0)]
+    assert floor_rate(windows, 0.8) == pytest.approx(poisson_upper_bound(26, 0.8) / 20)
 
 
 def test_a_steady_rate_seen_over_30_s_sheds_the_worker_10_s_of_noise_kept() -> None:

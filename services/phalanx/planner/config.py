@@ -78,9 +78,8 @@ class PlannerConfig(BaseSettings):
     )
     scale_down_confidence: float = Field(
         0.0, ge=0, lt=1, description="> 0: a tick scales down no further than the workers for the upper Poisson bound, at this "
-        "confidence, of the arrivals it observed, tightened by 2 and 3 times that window while it is within their noise (a dip "
-        "within the noise of the rate the fleet serves is no reason to shed workers; docs/planner.md, seventh and eighth "
-        "passes); 0 (default): to what the plan asks"
+        "confidence, of the arrivals it observed (a dip within the noise of the rate the fleet serves is no reason to shed "
+        "workers; docs/planner.md, seventh pass); 0 (default): to what the plan asks"
     )
     scale_down_confirm_s: float | None = Field(
         None, ge=0, description="A tick's scale-down is issued after the arrivals stayed at or below its plan for this long (a rise "

@@ -439,28 +439,21 @@ def poisson_upper_bound(arrivals: float, confidence: float) -> float:
     return low
 
 
-def _binomial_at_least(successes: float, trials: float, p: float) -> float:
-    """P(X >= successes) for X binomial over `trials` with probability `p` (the planner's counts: a few hundred at most)."""
-    n, k = round(trials), math.ceil(successes - 1e-9)
-    if k <= 0:
-        return 1.0
-    return sum(math.comb(n, i) * p**i * (1 - p) ** (n - i) for i in range(k, n + 1))
-
-
-def floor_rate(windows: Sequence[tuple[float, float]], confidence: float, *, rise: float = 0.75) -> float:
+def floor_rate(windows: Sequence[tuple[float, float]], confidence: float, *, consistency: float = 0.95) -> float:
     """The highest arrival rate (requests/s) the last seconds' arrivals are within the Poisson noise of, at `confidence`
     (`poisson_upper_bound` of a count over its span). `windows`: (arrivals, seconds) over spans of the last seconds,
     shortest first, each holding the ones before it.
 
     The shortest window bounds it; a longer one counts more arrivals and bounds it closer (at 1 request/s and 0.8, 10 s
-    allow 38 % over the mean, 30 s 18 %), unless a shorter window rose over the rest of the longer one: split by their
-    spans, the shorter's share of the arrivals had less than `1 - rise` chance to be as large at one rate (a binomial
-    tail). A rise ends the search: a burst's first seconds, diluted by the quiet before them, must not lower its floor.
-    A fall needs no test: the shorter window's own bound is then the lower one (docs/planner.md, eighth pass)."""
+    allow 38 % over the mean, 30 s 18 %), but only while every shorter window is within the noise of the longer one's
+    rate at `consistency`: a rise or a fall beyond that (a burst that began or ended) ends the search, and the rate is
+    the shorter windows' (docs/planner.md, eighth pass)."""
     count, span = windows[0]
     rate = poisson_upper_bound(count, confidence) / span
     for index, (longer_count, longer_span) in enumerate(windows[1:], start=1):
-        if any(_binomial_at_least(shorter, longer_count, seconds / longer_span) < 1 - rise for shorter, seconds in windows[:index]):
+        longer_rate = longer_count / longer_span
+        if any(beyond_noise(shorter, longer_rate * seconds, consistency)
+               or poisson_upper_bound(shorter, consistency) < longer_rate * seconds for shorter, seconds in windows[:index]):
             break
         rate = min(rate, poisson_upper_bound(longer_count, confidence) / longer_span)
     return rate

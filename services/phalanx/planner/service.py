@@ -99,7 +99,7 @@ _NOT_SERVING = {common_pb2.WORKER_HEALTH_UNHEALTHY, common_pb2.WORKER_HEALTH_DRA
 
 # With a surge confidence, the surge windows in multiples of surge_window_s: a burst's arrivals add up over the longer ones.
 _SURGE_WINDOWS = (1, 2, 4)
-# With a scale-down confidence and an observe_window_s, the floor's windows in multiples of that window (decisions.floor_rate).
+# With a scale-down confidence, the windows of the floor in multiples of the observed interval (decisions.floor_rate).
 _FLOOR_WINDOWS = (1, 2, 3)
 
 

@@ -439,26 +439,6 @@ def poisson_upper_bound(arrivals: float, confidence: float) -> float:
     return low
 
 
-def floor_rate(windows: Sequence[tuple[float, float]], confidence: float, *, consistency: float = 0.95) -> float:
-    """The highest arrival rate (requests/s) the last seconds' arrivals are within the Poisson noise of, at `confidence`
-    (`poisson_upper_bound` of a count over its span). `windows`: (arrivals, seconds) over spans of the last seconds,
-    shortest first, each holding the ones before it.
-
-    The shortest window bounds it; a longer one counts more arrivals and bounds it closer (at 1 request/s and 0.8, 10 s
-    allow 38 % over the mean, 30 s 18 %), but only while every shorter window is within the noise of the longer one's
-    rate at `consistency`: a rise or a fall beyond that (a burst that began or ended) ends the search, and the rate is
-    the shorter windows' (docs/planner.md, eighth pass)."""
-    count, span = windows[0]
-    rate = poisson_upper_bound(count, confidence) / span
-    for index, (longer_count, longer_span) in enumerate(windows[1:], start=1):
-        longer_rate = longer_count / longer_span
-        if any(beyond_noise(shorter, longer_rate * seconds, consistency)
-               or poisson_upper_bound(shorter, consistency) < longer_rate * seconds for shorter, seconds in windows[:index]):
-            break
-        rate = min(rate, poisson_upper_bound(longer_count, confidence) / longer_span)
-    return rate
-
-
 def surge_workers(windows: Sequence[Arrivals], planned_rate: float | None, *, min_requests: int, confidence: float,
                   workers_for: Callable[[float], int], size_confidence: float | None = None) -> int | None:
     """The workers the last seconds' arrivals need when they are a surge; None otherwise. `windows`: the arrivals over

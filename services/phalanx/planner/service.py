@@ -71,13 +71,12 @@ from phalanx.planner.decisions import (
     DecisionReason,
     Outcome,
     Readiness,
-    floor_rate,
+    poisson_upper_bound,
     surge_workers,
 )
 from phalanx.planner.distribution import Summary
 from phalanx.planner.metrics import PlannerMetrics
 from phalanx.planner.observations import (
-    SHEDDING_LEVEL,
     Observation,
     Scrape,
     interval_demand,
@@ -99,8 +98,6 @@ _NOT_SERVING = {common_pb2.WORKER_HEALTH_UNHEALTHY, common_pb2.WORKER_HEALTH_DRA
 
 # With a surge confidence, the surge windows in multiples of surge_window_s: a burst's arrivals add up over the longer ones.
 _SURGE_WINDOWS = (1, 2, 4)
-# With a scale-down confidence, the windows of the floor in multiples of the observed interval (decisions.floor_rate).
-_FLOOR_WINDOWS = (1, 2, 3)
 
 
 class LeadershipLostError(Exception):
@@ -304,10 +301,8 @@ class Planner:
             self._tick_scrapes.setdefault(router_id, scrape)
         self._scrapes = fresh
         self._recent_scrapes.append(fresh)
-        c = self.config
-        longest_surge = c.surge_window_s * (_SURGE_WINDOWS[-1] if c.surge_confidence > 0 else 1)
-        longest_floor = c.observe_window_s * (_FLOOR_WINDOWS[-1] if c.scale_down_confidence > 0 else 1)
-        horizon = time.monotonic() - max(longest_surge, longest_floor) - 2 * c.poll_s
+        longest_surge = self.config.surge_window_s * (_SURGE_WINDOWS[-1] if self.config.surge_confidence > 0 else 1)
+        horizon = time.monotonic() - max(longest_surge, self.config.observe_window_s) - 2 * self.config.poll_s
         while self._recent_scrapes and min((s.at for s in self._recent_scrapes[0].values()), default=0.0) < horizon:
             self._recent_scrapes.popleft()
         return self._scraped_twice and bool(fresh)
@@ -328,20 +323,13 @@ class Planner:
                              size_confidence=self.config.surge_size_confidence)
 
     def _scale_down_floor(self, observation: Observation) -> int:
-        """With `scale_down_confidence`: the workers for the highest arrival rate the observed interval's count, and the
-        longer windows' it is within the noise of, allow (`decisions.floor_rate`); 0 without it, an operator's target or a
-        plan."""
+        """With `scale_down_confidence`: the workers for the highest arrival rate the observed interval's count is within the
+        Poisson noise of (`decisions.poisson_upper_bound`); 0 without it, an operator's target or a plan."""
         c = self.config
         if c.scale_down_confidence <= 0 or self._replan is None or self._operator_target is not None or observation.interval_s <= 0:
             return 0
-        windows = [(interval_demand(observation, self._degradation_level), observation.interval_s)]
-        if self._degradation_level < SHEDDING_LEVEL:  # while shedding, demand is more than the arrivals the windows count
-            for k in _FLOOR_WINDOWS[1:]:
-                longer = self._recent_arrivals(c.observe_window_s * k)
-                if longer is None or longer.rate <= 0 or longer.requests / longer.rate <= windows[-1][1]:
-                    break
-                windows.append((longer.requests, longer.requests / longer.rate))
-        return c.clamp(self._replan(floor_rate(windows, c.scale_down_confidence)))
+        arrived = interval_demand(observation, self._degradation_level)
+        return c.clamp(self._replan(poisson_upper_bound(arrived, c.scale_down_confidence) / observation.interval_s))
 
     def _count_held(self, what: str, recent: Arrivals | None) -> None:
         assert self.machine is not None

@@ -33,7 +33,7 @@ from phalanx.common.telemetry import (
     grpc_server_interceptors,
     setup_telemetry,
 )
-from phalanx.launch.infra import EtcdServer, NatsServer
+from phalanx.launch.infra import EtcdServer, InfraError, NatsServer
 from phalanx.launch.ports import free_port
 from phalanx.testing.asserts import assert_eventually
 
@@ -392,3 +392,29 @@ async def test_grpc_interceptors_carry_the_trace_across_an_aio_call():
         assert probe.seen[0].span_id != span.get_span_context().span_id  # the server's own span
     finally:
         await server.stop(None)
+
+
+@pytest.mark.parametrize("server_type", [NatsServer, EtcdServer])
+def test_a_server_whose_picked_port_was_taken_meanwhile_starts_on_fresh_ones(server_type) -> None:
+    """free_port's port is free only a moment ago: another process may listen on it before the server does."""
+    import socket
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    try:
+        server = server_type()
+        server.port = taken.getsockname()[1]  # as if another process had taken the port it picked
+        with server:
+            assert server.running and server.port != taken.getsockname()[1]
+            server.restart()  # a restart keeps the ports it served on
+            assert server.running and server.port != taken.getsockname()[1]
+        # A port the caller gave is the caller's: taken, the start fails and says why.
+        given = server_type(port=taken.getsockname()[1])
+        try:
+            with pytest.raises(InfraError, match="address already in use"):
+                given.start()
+        finally:
+            given.close()
+    finally:
+        taken.close()

@@ -130,10 +130,21 @@ def _http_ok(url: str, timeout: float = 0.5, context: ssl.SSLContext | None = No
         return None
 
 
+class _PortTakenError(InfraError):
+    """The server exited at startup because a port it was to listen on was taken."""
+
+
+# First starts tried by a server whose ports it picked itself (free_port's race with other processes).
+_PORT_ATTEMPTS = 3
+
+
 class _ServerProcess:
     """Shared lifecycle of a server child process: start, wait ready, stop, restart."""
 
     name = "server"
+    # Attributes holding the ports this server picked itself (free_port), not its caller: a first start that finds one
+    # taken picks them again.
+    _picked_ports: tuple[str, ...] = ()
 
     def __init__(self, *, docker: bool = False, startup_timeout: float = 15.0) -> None:
         self._want_docker = docker
@@ -144,6 +155,7 @@ class _ServerProcess:
         self._log_file: Any = None
         self._container: Any = None
         self._docker = False
+        self._served = False  # once it served, its ports are its clients' and a restart keeps them
 
     # --- to be provided by subclasses -------------------------------------------------
     def _command(self) -> list[str]:
@@ -186,9 +198,24 @@ class _ServerProcess:
         else:
             if self._want_docker:
                 log.info("no Docker engine reachable; starting %s from its binary", self.name)
-            self._spawn()
-        self._wait_ready()
+            for attempt in range(1, _PORT_ATTEMPTS + 1):
+                self._spawn()
+                try:
+                    self._wait_ready()
+                    break
+                except _PortTakenError:
+                    if attempt == _PORT_ATTEMPTS or self._served or not self._picked_ports:
+                        raise
+                    log.info("a port of %s was taken before it listened; starting it on fresh ones", self.name)
+                    self._pick_fresh_ports()
+        if self._container is not None:
+            self._wait_ready()
+        self._served = True
         return self
+
+    def _pick_fresh_ports(self) -> None:
+        for attribute in self._picked_ports:
+            setattr(self, attribute, free_port())
 
     def _spawn(self) -> None:
         self._log_file = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
@@ -215,7 +242,8 @@ class _ServerProcess:
             if self._proc is not None and self._proc.poll() is not None:
                 tail = self._log_tail()
                 self.stop()
-                raise InfraError(f"{self.name} exited during startup:\n{tail}")
+                error = _PortTakenError if "address already in use" in tail else InfraError
+                raise error(f"{self.name} exited during startup:\n{tail}")
             if self._ready():
                 return
             time.sleep(0.02)
@@ -303,6 +331,7 @@ class NatsServer(_ServerProcess):
         self.host = host
         self.port = port or free_port()
         self.monitor_port = monitor_port or free_port()
+        self._picked_ports = tuple(name for name, given in (("port", port), ("monitor_port", monitor_port)) if not given)
         self._jetstream = jetstream
         self._binary = binary
         self.tls = tls
@@ -400,6 +429,8 @@ class EtcdServer(_ServerProcess):
         self.compaction_retention = compaction_retention
         self.port = port or free_port()
         self.peer_port = peer_port or free_port()
+        self._picked_ports = tuple(name for name, given in (("port", port), ("peer_port", peer_port)) if not given) + (
+            ("metrics_port",) if tls is not None and not metrics_port else ())
         self.member_name = member_name
         self._initial_cluster = initial_cluster
         self._cluster_token = cluster_token
@@ -461,6 +492,11 @@ class EtcdServer(_ServerProcess):
             "--auto-compaction-retention", self.compaction_retention,
             "--log-level", "warn",
         ]
+
+    def _pick_fresh_ports(self) -> None:
+        super()._pick_fresh_ports()
+        # Never served: nothing in it to keep, and a member it bootstrapped there would name the old peer port.
+        shutil.rmtree(self._dir / "data", ignore_errors=True)
 
     def _command(self) -> list[str]:
         flags = self._flags(

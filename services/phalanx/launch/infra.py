@@ -210,7 +210,6 @@ class _ServerProcess:
                     self._pick_fresh_ports()
         if self._container is not None:
             self._wait_ready()
-        self._served = True
         return self
 
     def _pick_fresh_ports(self) -> None:
@@ -245,6 +244,7 @@ class _ServerProcess:
                 error = _PortTakenError if "address already in use" in tail else InfraError
                 raise error(f"{self.name} exited during startup:\n{tail}")
             if self._ready():
+                self._served = True
                 return
             time.sleep(0.02)
         tail = self._log_tail()

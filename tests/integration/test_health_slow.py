@@ -107,7 +107,8 @@ async def test_slow_worker_goes_suspicious_its_share_halves_and_it_is_restored_a
     # Relative to the healthy worker: its weight halves the slow worker's share, and its slower steps cut it further.
     share_before = before[slow.worker_id] / before[fast.worker_id]
     share_during = during[slow.worker_id] / during[fast.worker_id]
-    assert share_before > 0.3, before
+    # Both take a fair part before the fault; the split of a burst by cost is uneven at times (26 of 120 once in CI).
+    assert share_before > 0.15, before
     # A burst is routed by cost with routed-since-report accounting, so the split is statistical: 120 requests,
     # and a bound (3/4) that a halved weight clears by a margin while an unchanged one (ratio ~1) does not.
     assert share_during <= 0.75 * share_before, (before, during)

@@ -252,13 +252,10 @@ async def on_fresh_ports(start_once: Callable[[], Awaitable[_Started]]) -> _Star
 
     free_port's port is free only a moment ago: a process of another test or service may bind it before ours does, and ours
     then exits on EADDRINUSE (CI saw it for a health service's metrics port and a migration service's)."""
-    for attempt in range(_PORT_ATTEMPTS):
-        try:
+    for _ in range(_PORT_ATTEMPTS - 1):
+        with contextlib.suppress(ExitedBeforeServing):
             return await start_once()
-        except ExitedBeforeServing:
-            if attempt == _PORT_ATTEMPTS - 1:
-                raise
-    raise AssertionError("unreachable")
+    return await start_once()
 
 
 async def _registration(process: subprocess.Popen, directory: EtcdDirectory, name: str, timeout: float):

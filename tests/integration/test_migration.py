@@ -230,25 +230,39 @@ async def test_target_dying_during_a_migration(fleet):
     """The first target of a migration dies as the request lands on it: it moves again, nothing lost."""
     async with await Client.connect(fleet.routers[0].address, timeout=60) as client:
         baseline = await baseline_tokens(client, PROMPTS[:8])
+        # Every step held 0.1 s: the client reads tokens late on a loaded box, and in CI it judged the busiest worker by tokens
+        # that worker had finished generating, so its kill interrupted nothing and no request moved. 34 steps left are 3.4 s.
+        for worker in fleet.workers:
+            async with grpc.aio.insecure_channel(worker.address) as channel:
+                await chaos_pb2_grpc.ChaosServiceStub(channel).InjectFault(
+                    chaos_pb2.InjectFaultRequest(kind=chaos_pb2.FAULT_KIND_SLOW, slow_step_s=0.1),
+                    metadata=[("authorization", f"Bearer {CHAOS_TOKEN}")], timeout=5,
+                )
         kills = []
+        landed = asyncio.Event()  # a stream of the killed worker yielded a token from another worker
+        target = {}
 
         async def kill_source_then_target(worker):
             worker.kill()
             kills.append(worker.worker_id)
-            # The next worker that receives a migrated request dies too.
-            for _ in range(400):
-                for other in fleet.workers:
-                    if other.worker_id in kills or other.process.poll() is not None:
-                        continue
-                    restores = await asyncio.to_thread(other.metric, "phalanx_worker_restores_total") or 0
-                    if restores >= 1:
-                        other.kill()
-                        kills.append(other.worker_id)
-                        return
-                await asyncio.sleep(0.005)
+            # The worker a moved request lands on, as its stream shows it (the first chunk from elsewhere), dies too.
+            await asyncio.wait_for(landed.wait(), 60)
+            victim = next(w for w in fleet.workers if w.worker_id == target["id"])
+            victim.kill()
+            kills.append(victim.worker_id)
 
         killer = KillWhenBusy(fleet, after=6, action=kill_source_then_target, streams=8)
-        results = await run_streams(client, PROMPTS[:8], killer)
+
+        async def on_progress(i, chunk):
+            await killer(i, chunk)
+            moved_from_source = kills and killer.served_by.get(i) == kills[0] and chunk.worker_id != kills[0]
+            if moved_from_source and not landed.is_set():
+                target["id"] = chunk.worker_id
+                landed.set()
+
+        results = await run_streams(client, PROMPTS[:8], on_progress)
+        assert killer._firing is not None, "no worker was busy enough to kill"
+        await killer._firing
     assert len(kills) == 2, kills
     assert_exactly_once_and_identical(results, baseline)
 

@@ -34,3 +34,13 @@ def test_the_best_predictor_weighs_missing_workers_over_idle_ones():
     for kind, result in offline.items():
         if "skipped" not in result:
             assert result["cost"] == result["worker_intervals"] + bench.MISSING_COST * result["missing_worker_intervals"], kind
+
+
+def test_worker_seconds_count_every_worker_process_alive_starting_ones_too():
+    state = {
+        "workers": [{"worker_id": "worker-0"}, {"worker_id": "worker-1"}],
+        "planner": {"target_workers": 4, "spares": [{"worker_id": "worker-2"}], "draining": ["worker-3"], "starting": 2,
+                    "spares_starting": 1},
+    }
+    assert bench._processes(state) == (7, 4)
+    assert bench._processes({"workers": [{"worker_id": "worker-0"}]}) == (1, None)  # no planner: the workers alone

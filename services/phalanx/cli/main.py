@@ -763,7 +763,7 @@ def bench_planner(
         10.0, min=0.25, max=30, help="Length of the compressed trace (issue 13: ~10 min); each of the three live runs replays it"
     ),
     peak_rps: float = typer.Option(None, min=0.05, help="Peak diurnal request rate [default: what two simulated workers serve]"),
-    hot_spares: int = typer.Option(1, min=1, max=4, help="Hot spares of the planner's live run"),
+    hot_spares: int = typer.Option(1, min=1, max=4, help="Hot spares of the planner's second live run (the restoration goal with a spare)"),
     seed: int = typer.Option(13, help="Seed of the arrivals"),
     scale_down_window: float = typer.Option(
         None, min=0, help="The planner's scale-down window in seconds [default: the planner's, three intervals: 6 s]"

@@ -18,6 +18,8 @@ from phalanx.planner.decisions import (
     Targets,
     beyond_noise,
     poisson_lower_bound,
+    surge_log_odds,
+    surge_rate,
     surge_workers,
 )
 
@@ -496,3 +498,82 @@ def test_with_a_hold_confidence_only_a_rise_beyond_the_planned_rates_noise_holds
     assert literal.tick(0.0, READY, 2, arrivals=window(5), planned_rate=1.0) is None and literal.scale_downs_held == 1
     with pytest.raises(ValueError):
         DecisionConfig(hold_confidence=1.0)
+
+
+def test_surge_log_odds_weigh_the_planned_rate_against_the_surges() -> None:
+    # 3 arrivals in 3 s at a planned 1/s against a surge sized for 3/s: 6 - 3 ln 3 in favour of the plan.
+    assert surge_log_odds(3, 3.0, 1.0, 3.0) == pytest.approx(6 - 3 * math.log(3))
+    assert surge_log_odds(9, 3.0, 1.0, 3.0) == pytest.approx(6 - 9 * math.log(3))  # the surge's own rate: against the plan
+    assert 6 - 9 * math.log(3) < 0
+    # The rate at which the evidence is even: (surge - base) / ln(surge / base), between the two.
+    even = 2.0 / math.log(3.0)
+    assert surge_log_odds(even * 4, 4.0, 1.0, 3.0) == pytest.approx(0.0, abs=1e-12)
+
+
+def test_a_surge_the_arrivals_after_it_do_not_bear_out_is_withdrawn_and_the_window_forgets_it() -> None:
+    clock, planner = Clock(), machine(workers=2, withdraw_odds=10.0, scale_down_window_s=30.0)
+    surge = planner.surge(clock.now, READY, desired_workers=5, base_rate=1.0, surge_rate=3.0)
+    assert surge is not None and planner.provisional is not None and planner.provisional.workers_before == 2
+    # 1 arrival in the first second: 2 - ln 3 = 0.9 for the plan, under ln 10 = 2.3 either way.
+    assert planner.surge_evidence(clock.advance(1.0), READY, arrivals=1, seconds=1.0) is None
+    assert planner.provisional is not None
+    # 3 in 3 s: 6 - 3 ln 3 = 2.7 for the plan: back to 2, the surge superseded (its starting workers are not needed).
+    withdrawn = planner.surge_evidence(clock.advance(2.0), READY, arrivals=3, seconds=3.0)
+    assert withdrawn is not None and withdrawn.reason is DecisionReason.SCALE and withdrawn.targets == Targets(workers=2)
+    assert (surge.id, Outcome.SUPERSEDED) in [(f.decision.id, f.outcome) for f in planner.history]
+    assert planner.provisional is None and planner.surges_withdrawn == 1 and planner.in_flight == withdrawn
+    assert planner.complete(withdrawn.id, clock.advance(1.0))
+    # The 30 s scale-down window no longer holds the surge's 5: a tick's 3 is issued as a scale-up from 2, not held at 5.
+    assert planner.tick(clock.advance(1.0), READY, desired_workers=3) == Decision(
+        id=withdrawn.id + 1, targets=Targets(workers=3), reason=DecisionReason.SCALE, issued_at=clock.now, deadline=clock.now + 120.0)
+
+
+def test_a_surge_the_arrivals_after_it_bear_out_stands_and_is_no_longer_on_trial() -> None:
+    clock, planner = Clock(), machine(workers=2, withdraw_odds=10.0)
+    assert planner.surge(clock.now, READY, desired_workers=5, base_rate=1.0, surge_rate=3.0) is not None
+    # 8 in 2 s: 4 - 8 ln 3 = -4.8, beyond -ln 10: the burst is real.
+    assert planner.surge_evidence(clock.advance(2.0), READY, arrivals=8, seconds=2.0) is None
+    assert planner.provisional is None
+    # Later quiet seconds withdraw nothing: the ticks scale down as usual.
+    assert planner.surge_evidence(clock.advance(5.0), READY, arrivals=8, seconds=7.0) is None
+    assert planner.targets == Targets(workers=5)
+
+
+def test_a_chain_of_surges_is_judged_from_the_first_against_the_highest_rate() -> None:
+    clock, planner = Clock(), machine(workers=2, withdraw_odds=10.0)
+    planner.surge(clock.now, READY, desired_workers=4, base_rate=1.0, surge_rate=2.0)
+    planner.surge(clock.advance(0.5), READY, desired_workers=6, base_rate=1.0, surge_rate=3.5)
+    trial = planner.provisional
+    assert trial is not None and (trial.since, trial.workers_before, trial.base_rate, trial.surge_rate) == (1000.0, 2, 1.0, 3.5)
+    withdrawn = planner.surge_evidence(clock.advance(2.5), READY, arrivals=2, seconds=3.0)
+    assert withdrawn is not None and withdrawn.targets == Targets(workers=2)
+
+
+def test_without_withdraw_odds_or_rates_no_surge_is_on_trial() -> None:
+    clock, planner = Clock(), machine(workers=2)
+    assert planner.surge(clock.now, READY, desired_workers=5, base_rate=1.0, surge_rate=3.0) is not None
+    assert planner.provisional is None
+    assert planner.surge_evidence(clock.advance(5.0), READY, arrivals=0, seconds=5.0) is None
+    assert planner.targets == Targets(workers=5)
+    trial_less = machine(workers=2, withdraw_odds=10.0)
+    assert trial_less.surge(clock.now, READY, desired_workers=5) is not None and trial_less.provisional is None
+    with pytest.raises(ValueError, match="withdraw_odds"):
+        DecisionConfig(withdraw_odds=0.5)
+
+
+def test_a_tick_that_decides_ends_the_trial() -> None:
+    clock, planner = Clock(), machine(workers=2, withdraw_odds=10.0)
+    surge = planner.surge(clock.now, READY, desired_workers=4, base_rate=1.0, surge_rate=3.0)
+    assert surge is not None and planner.complete(surge.id, clock.advance(0.5))
+    assert planner.tick(clock.advance(0.5), READY, desired_workers=6) is not None  # the plan wants more: it owns the count
+    assert planner.provisional is None
+    assert planner.surge_evidence(clock.advance(3.0), READY, arrivals=0, seconds=4.0) is None
+
+
+def test_surge_rate_is_the_rate_surge_workers_sizes_for() -> None:
+    windows = [Arrivals(requests=8, rate=4.0, workers=5), Arrivals(requests=10, rate=2.5, workers=3)]
+    rate = surge_rate(windows, 1.0, min_requests=4, confidence=0.95, size_confidence=0.5)
+    assert rate is not None and rate == pytest.approx(poisson_lower_bound(8, 0.5) / 2.0)
+    assert surge_workers(windows, 1.0, min_requests=4, confidence=0.95, workers_for=lambda r: math.ceil(r), size_confidence=0.5) == math.ceil(rate)
+    assert surge_rate(windows, None, min_requests=4, confidence=0.95) == 4.0  # no plan yet: the shortest window's own rate
+    assert surge_rate([Arrivals(requests=3, rate=1.5, workers=2)], 1.0, min_requests=4, confidence=0.95) is None

@@ -35,3 +35,16 @@ def test_with_a_window_the_observation_starts_at_the_newest_round_at_least_that_
     assert _age(Planner._window_start(_planner_state(10.0, 2.0, [14.0, 12.0, 11.0, 9.0, 4.0]))) == 11  # type: ignore[arg-type]
     # Up for less than the window: the oldest round kept.
     assert _age(Planner._window_start(_planner_state(10.0, 2.0, [6.0, 4.0]))) == 6  # type: ignore[arg-type]
+
+
+def test_the_arrivals_after_a_surge_are_counted_from_the_first_round_after_it() -> None:
+    from phalanx.planner.observations import ARRIVALS
+
+    now = time.monotonic()
+    # Rounds 4, 3, 2, 1 s ago and now, with 10, 12, 13, 13 and 15 arrivals counted so far.
+    rounds = deque({"router-0": Scrape(at=now - age, counters={ARRIVALS: count})} for age, count in ((4, 10), (3, 12), (2, 13), (1, 13), (0, 15)))
+    state = SimpleNamespace(_recent_scrapes=rounds, _scrapes=rounds[-1])
+    # A surge 2.5 s ago: counted from the round 2 s ago, 2 arrivals in 2 s (the 3 that fired it before are not evidence).
+    assert Planner._arrivals_since(state, now - 2.5) == pytest.approx((2.0, 2.0))  # type: ignore[arg-type]
+    # A surge after the last round but one: no span after it yet.
+    assert Planner._arrivals_since(state, now - 0.5) is None  # type: ignore[arg-type]

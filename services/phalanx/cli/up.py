@@ -15,7 +15,7 @@ PR_SET_PDEATHSIG, so even a SIGKILLed supervisor leaves no orphans.
 the rest) and makes this supervisor its orchestrator, the `local` connector:
 it follows the decision the planner writes to etcd (planner.connectors:
 PLANNER_DECISION_KEY), starts workers (as a replacement is started) until the
-count reaches the target, SIGTERMs the newest surplus workers (they drain:
+count reaches the target, cancels the newest starts and then SIGTERMs the newest surplus workers (they drain:
 their requests move through the migration service, no token lost), and once
 the fleet matches acknowledges the decision (PLANNER_ACK_KEY). One rule keeps
 the two from doubling up: the supervisor still restarts a crashed worker at
@@ -44,6 +44,7 @@ import asyncio
 import contextlib
 import errno
 import functools
+import itertools
 import os
 import signal
 import socket
@@ -334,6 +335,7 @@ class _Stack:
         self.decision: DecisionRecord | None = None
         self.acked_id = 0
         self.scaling: dict[int, asyncio.Task] = {}
+        self._scale_keys = itertools.count(1)  # never reused: a cancelled start's cleanup must not remove a newer one
         self.retiring: dict[str, WorkerHandle] = {}
         self.replacing_workers: set[str] = set()
         # Hot spares (--hot-spares): warm, marked in etcd, not routed to; spares being started; dead workers (by name, since
@@ -981,7 +983,7 @@ class _Stack:
         task.add_done_callback(self._unmarking.discard)
 
     def _scale_up(self, target: int) -> None:
-        key = max(self.scaling, default=0) + 1
+        key = next(self._scale_keys)
 
         async def start() -> None:
             try:
@@ -999,7 +1001,15 @@ class _Stack:
         self.scaling[key] = asyncio.create_task(start())
 
     def _scale_down(self, surplus: int, target: int) -> None:
-        """SIGTERM the newest `surplus` workers: they stop taking requests and drain (their requests move through migration)."""
+        """Cancel the newest starts first (a process not yet registered holds no request: it is killed, nothing moves; a surge
+        withdrawn at once costs little), then SIGTERM the newest `surplus` left of the workers: they stop taking requests and
+        drain (their requests move through migration)."""
+        cancelled = sorted(self.scaling, reverse=True)[:surplus]
+        for key in cancelled:
+            self.scaling.pop(key).cancel()  # out of the count now: the next poll must not take another worker for it
+        if cancelled:
+            self._record(PLANNER_ID, None, f"{len(cancelled)} worker start(s) cancelled: planner target {target} workers")
+        surplus -= len(cancelled)
         newest = sorted(self.workers, key=lambda name: int(name.rsplit("-", 1)[1]), reverse=True)[:surplus]
         for name in newest:
             handle = self.workers.pop(name)

@@ -72,6 +72,11 @@ class PlannerConfig(BaseSettings):
         None, ge=0, lt=1, description="With surge_confidence: the confidence of the lower bound a surge is sized by (lower: nearer "
         "the window's own rate); unset: surge_confidence"
     )
+    surge_withdraw_odds: float = Field(
+        0.0, ge=0, description="> 1: a surge is withdrawn (back to the count before it) once the arrivals after it favour the rate "
+        "the fleet was planned for over the rate the surge was sized for by these odds, a Poisson likelihood ratio, and stands "
+        "once they favour the surge's by them; 0 (default): a surge stands until a tick scales down (docs/planner.md, ninth pass)"
+    )
     scale_down_hold_confidence: float = Field(
         0.0, ge=0, lt=1, description="> 0: the last surge_window_s of arrivals hold a scale-down only when as many had less than "
         "1 - this chance to come from the rate it was planned for (a Poisson tail); 0 (default): any rate above it holds"
@@ -103,6 +108,8 @@ class PlannerConfig(BaseSettings):
             raise ValueError(f"min_workers ({self.min_workers}) exceeds max_workers ({self.max_workers})")
         if self.interval_s > self.max_interval_s:
             raise ValueError("interval_s exceeds max_interval_s")
+        if 0 < self.surge_withdraw_odds <= 1:
+            raise ValueError("surge_withdraw_odds must be 0 (off) or > 1")
         return self
 
     def clamp(self, workers: int) -> int:

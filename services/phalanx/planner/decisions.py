@@ -35,6 +35,12 @@ Rules, each fixing a limit of Dynamo's planner named in its design notes:
   at 7 points fewer worker-seconds and 6 points less SLO attainment (docs/planner.md). With a confidence, a surge
   asks for the rate its arrivals show beyond noise (their Poisson lower bound, `poisson_lower_bound`) over the
   window and two longer ones, not for the window's own rate, the upper tail of the noise that just passed the gate.
+- A surge on noise is withdrawn (`withdraw_odds`): the arrivals after a surge are fresh evidence, untouched by the
+  selection that fired it; once they favour the rate the fleet was planned for over the rate the surge was sized for by
+  the given odds (a Poisson likelihood ratio, `surge_log_odds`), the surge goes back to the count before it, and its
+  workers still starting are not needed; once they favour the surge by those odds, it stands. Measured (docs/planner.md):
+  at a gate that catches a 3x burst in about a second, noise surges the fleet a few times a minute, and each surge held
+  its workers for a scale-down window and a confirmation, 10 s, however fast the arrivals fell back.
 - Scale-down waits (`scale_down_window_s`): a tick never asks for fewer workers than the largest count
   wanted within the window, so a lull between bursts does not drain the workers the next burst needs.
   Scale-up is never held back.
@@ -53,7 +59,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import StrEnum
 
 
@@ -123,6 +129,17 @@ class PendingScaleDown:
 
 
 @dataclass(frozen=True)
+class ProvisionalSurge:
+    """A surge the arrivals since have neither borne out nor withdrawn: the count before it, the rate the fleet was planned for
+    and the rate the surge was sized for (the highest of a chain of surges)."""
+
+    since: float
+    workers_before: int
+    base_rate: float
+    surge_rate: float
+
+
+@dataclass(frozen=True)
 class Readiness:
     """What must hold before load-driven decisions make sense."""
 
@@ -157,6 +174,9 @@ class DecisionConfig:
     # > 0: arrivals hold a scale-down only when they are a rise beyond the Poisson noise of its planned rate at this confidence
     # (`beyond_noise`); 0: any rate above the planned one holds.
     hold_confidence: float = 0.0
+    # > 1: a surge is withdrawn when the arrivals after it favour the planned rate over the surge's by these odds, and stands
+    # when they favour the surge's by them (`surge_evidence`); 0: a surge stands until a tick scales down.
+    withdraw_odds: float = 0.0
 
     def __post_init__(self) -> None:
         if not 0 < self.interval_s <= self.max_interval_s:
@@ -169,6 +189,8 @@ class DecisionConfig:
             raise ValueError("scale_down_window_s and scale_down_confirm_s must be >= 0")
         if not 0 <= self.hold_confidence < 1:
             raise ValueError("hold_confidence must be in [0, 1)")
+        if self.withdraw_odds != 0 and self.withdraw_odds <= 1:
+            raise ValueError("withdraw_odds must be 0 (off) or > 1")
 
 
 # Dead worker ids remembered to ignore repeated DEAD events; ids are unique per process, so old ones can go.
@@ -193,6 +215,8 @@ class DecisionMachine:
         self._wanted: deque[tuple[float, int]] = deque()  # (when, desired workers) of recent ticks and surges
         self.pending_down: PendingScaleDown | None = None
         self.scale_downs_held = 0  # scale-downs not issued because arrivals rose (at the tick, or while pending)
+        self.provisional: ProvisionalSurge | None = None  # with withdraw_odds: a surge still on trial
+        self.surges_withdrawn = 0
 
     # Schedule.
 
@@ -276,12 +300,19 @@ class DecisionMachine:
         self.pending_down = None
         return self._issue_scale(now, Targets(workers=pending.workers, spares=self.config.hot_spares))
 
-    def surge(self, now: float, readiness: Readiness, desired_workers: int) -> Decision | None:
+    def surge(self, now: float, readiness: Readiness, desired_workers: int, *, base_rate: float | None = None,
+              surge_rate: float | None = None) -> Decision | None:
         """Arrivals between ticks already need `desired_workers`: a SURGE decision at once if that is more than the
-        target, superseding a scaling decision in flight; None otherwise (it never scales down)."""
+        target, superseding a scaling decision in flight; None otherwise (it never scales down). With `withdraw_odds`, a
+        `base_rate` (requests/s the fleet was planned for) and the `surge_rate` it was sized for, the surge is on trial
+        (`surge_evidence`)."""
         self._expire(now)
         if not readiness.ready or desired_workers <= self.targets.workers:
             return None
+        if self.config.withdraw_odds and base_rate is not None and surge_rate is not None and surge_rate > base_rate > 0:
+            trial = self.provisional
+            self.provisional = (ProvisionalSurge(since=now, workers_before=self.targets.workers, base_rate=base_rate, surge_rate=surge_rate)
+                                if trial is None else replace(trial, surge_rate=max(trial.surge_rate, surge_rate)))
         self._remember(now, desired_workers)
         self.pending_down = None
         if self.in_flight is not None:
@@ -292,6 +323,32 @@ class DecisionMachine:
                                self.config.scale_deadline_s, **promote)
         self.in_flight = decision
         return decision
+
+    def surge_evidence(self, now: float, readiness: Readiness, arrivals: float, seconds: float) -> Decision | None:
+        """The surge on trial, given the `arrivals` of the `seconds` since it: a SCALE decision back to the count before it
+        once they favour the planned rate by `withdraw_odds` (superseding the surge, and forgetting what it wanted in the
+        scale-down window); None otherwise (it stands once they favour the surge's rate by those odds)."""
+        self._expire(now)
+        trial = self.provisional
+        if trial is None:
+            return None
+        if not readiness.ready or self.targets.workers <= trial.workers_before:
+            self.provisional = None  # the fleet is no longer what the surge made it: nothing left to withdraw
+            return None
+        odds = math.log(self.config.withdraw_odds)
+        evidence = surge_log_odds(arrivals, seconds, trial.base_rate, trial.surge_rate)
+        if evidence <= -odds:
+            self.provisional = None
+            return None
+        if evidence < odds:
+            return None
+        self.surges_withdrawn += 1
+        self._wanted = deque((at, wanted) for at, wanted in self._wanted if at < trial.since)
+        self.pending_down = None
+        if self.in_flight is not None:
+            self._finish(self.in_flight, Outcome.SUPERSEDED, now)
+            self.in_flight = None
+        return self._issue_scale(now, Targets(workers=trial.workers_before, spares=self.config.hot_spares))
 
     def worker_dead(self, now: float, worker_id: str) -> Decision | None:
         """Health marked a worker DEAD: a restoration decision at once (None for a repeat, or a dead spare
@@ -358,6 +415,7 @@ class DecisionMachine:
         return None
 
     def _issue_scale(self, now: float, targets: Targets) -> Decision:
+        self.provisional = None  # a plan (or a withdrawal) decides the count from here
         decision = self._issue(now, targets, DecisionReason.SCALE, self.config.scale_deadline_s)
         self.in_flight = decision
         return decision
@@ -439,6 +497,13 @@ def poisson_upper_bound(arrivals: float, confidence: float) -> float:
     return low
 
 
+def surge_log_odds(arrivals: float, seconds: float, base_rate: float, surge_rate: float) -> float:
+    """The log-likelihood ratio of a Poisson process at `base_rate` over one at `surge_rate` (both requests/s) for `arrivals`
+    in `seconds`: positive favours the base rate. Each second adds (surge - base) - arrivals/s x ln(surge / base): about 1
+    a second for a base rate of 1/s against a surge of 3/s with arrivals at the base rate, about -1.3 with arrivals at 3/s."""
+    return (surge_rate - base_rate) * seconds - arrivals * math.log(surge_rate / base_rate)
+
+
 def surge_workers(windows: Sequence[Arrivals], planned_rate: float | None, *, min_requests: int, confidence: float,
                   workers_for: Callable[[float], int], size_confidence: float | None = None) -> int | None:
     """The workers the last seconds' arrivals need when they are a surge; None otherwise. `windows`: the arrivals over
@@ -453,16 +518,27 @@ def surge_workers(windows: Sequence[Arrivals], planned_rate: float | None, *, mi
     upper tail as often as not: noise that just passed the gate asked for what its luckiest 2 s needed (docs/planner.md,
     seventh pass). Longer windows let a real burst ask for more as its arrivals add up, where the first 2 s cannot tell it
     from noise by much."""
+    rate = surge_rate(windows, planned_rate, min_requests=min_requests, confidence=confidence, size_confidence=size_confidence)
+    if rate is None:
+        return None
+    if confidence <= 0 or planned_rate is None:
+        return windows[0].workers
+    return workers_for(rate)
+
+
+def surge_rate(windows: Sequence[Arrivals], planned_rate: float | None, *, min_requests: int, confidence: float,
+               size_confidence: float | None = None) -> float | None:
+    """The rate (requests/s) a surge is sized for, as `surge_workers` decides it; None for no surge."""
     if not windows:
         return None
     shortest = windows[0]
     if confidence <= 0 or planned_rate is None:
-        return shortest.workers if shortest.requests >= min_requests else None
+        return shortest.rate if shortest.requests >= min_requests else None
     size = confidence if size_confidence is None else size_confidence
     rates = [poisson_lower_bound(w.requests, size) * w.rate / w.requests for w in windows
              if w.requests >= min_requests and w.rate > 0
              and beyond_noise(w.requests, planned_rate * w.requests / w.rate, confidence)]  # expected over the window's span
-    return workers_for(max(rates)) if rates else None
+    return max(rates) if rates else None
 
 
 def _rising(arrivals: Arrivals, planned_rate: float | None, workers: int, confidence: float = 0.0) -> bool:

@@ -38,4 +38,6 @@ class PlannerMetrics:
                                  registry=r)
         self.scale_downs_held = Counter("phalanx_planner_scale_downs_held", "Scale-downs not issued because arrivals rose (at the "
                                         "tick, or while the scale-down waited to be confirmed)", registry=r)
+        self.surges_withdrawn = Counter("phalanx_planner_surges_withdrawn", "Surges withdrawn: the arrivals after them favoured the "
+                                        "planned rate (surge_withdraw_odds)", registry=r)
         self.observe_errors = Counter("phalanx_planner_observe_errors", "Failed scrapes or Prometheus queries", ["source"], registry=r)

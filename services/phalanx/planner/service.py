@@ -72,6 +72,7 @@ from phalanx.planner.decisions import (
     Outcome,
     Readiness,
     poisson_upper_bound,
+    surge_rate,
     surge_workers,
 )
 from phalanx.planner.distribution import Summary
@@ -165,7 +166,7 @@ class Planner:
                     else 3 * self.config.interval_s,
                     scale_down_confirm_s=self.config.scale_down_confirm_s if self.config.scale_down_confirm_s is not None
                     else self.config.surge_window_s,
-                    hold_confidence=self.config.scale_down_hold_confidence,
+                    hold_confidence=self.config.scale_down_hold_confidence, withdraw_odds=self.config.surge_withdraw_odds,
                 ),
                 start, first_id=previous.id + 1 if previous is not None else 1,
             )
@@ -199,14 +200,24 @@ class Planner:
         self._operator_target = target
         now = time.monotonic()
         recent = self._recent_arrivals()
-        surge = self._surge_workers(recent)
+        surge = self._surge(recent)
         if surge is not None:
-            decision = machine.surge(now, self.readiness, surge)
+            decision = machine.surge(now, self.readiness, surge[0], base_rate=self._planned_rate, surge_rate=surge[1])
             if decision is not None:
                 if decision.promote:
                     await self._promote(decision.promote)
                     log.info("surge: decision %d promotes hot spare %s", decision.id, decision.promote)
                 await self._publish(decision)
+        trial = machine.provisional
+        if trial is not None:
+            since = self._arrivals_since(trial.since)
+            if since is not None:
+                decision = machine.surge_evidence(now, self.readiness, *since)
+                if decision is not None:
+                    self.metrics.surges_withdrawn.inc()
+                    log.info("surge withdrawn: %.0f arrivals in the %.1f s after it favour the planned %.2f/s over %.2f/s", *since,
+                             trial.base_rate, trial.surge_rate)
+                    await self._publish(decision)
         # A scale-down decided at a tick goes only if arrivals stay down (decisions.py); a rise cancels it.
         decision = machine.arrivals(now, self.readiness, recent)
         self._count_held("a pending scale-down cancelled", recent)
@@ -227,11 +238,11 @@ class Planner:
         self._capacity = None
         desired = await asyncio.to_thread(self._desired, observation)
         recent = self._recent_arrivals()
-        surge = self._surge_workers(recent)
-        if surge is not None and surge > desired:
+        surge = self._surge(recent)
+        if surge is not None and surge[0] > desired:
             # The interval's forecast is older than the last seconds' arrivals: a tick at the start of a burst must not drain
             # the workers the burst is about to need (measured: a scale-down 1 s into a burst, undone by a surge 0.8 s later).
-            desired = surge
+            desired = surge[0]
         if desired < machine.targets.workers and observation is not None:
             floor = min(self._scale_down_floor(observation), machine.targets.workers)
             if floor > desired:
@@ -307,20 +318,35 @@ class Planner:
             self._recent_scrapes.popleft()
         return self._scraped_twice and bool(fresh)
 
-    def _surge_workers(self, recent: Arrivals | None) -> int | None:
-        """Workers the arrivals of the last seconds need, when they are a surge (`decisions.surge_workers`): at least
-        `surge_min_requests` of them (a couple of requests at a low rate are no surge) over `surge_window_s` and, with
-        `surge_confidence`, a rise beyond the noise of the rate the last plan was made for, over that window or one of
-        _SURGE_WINDOWS times it (docs/planner.md: the trade it makes between worker-seconds and SLO attainment, measured)."""
+    def _surge(self, recent: Arrivals | None) -> tuple[int, float] | None:
+        """Workers the arrivals of the last seconds need, when they are a surge (`decisions.surge_workers`), and the rate it is
+        sized for: at least `surge_min_requests` of them (a couple of requests at a low rate are no surge) over
+        `surge_window_s` and, with `surge_confidence`, a rise beyond the noise of the rate the last plan was made for, over that
+        window or one of _SURGE_WINDOWS times it (docs/planner.md: the trade it makes between worker-seconds and SLO
+        attainment, measured)."""
         if recent is None or self._replan is None:
             return None
         windows = [recent]
         if self.config.surge_confidence > 0:
             windows += [w for w in (self._recent_arrivals(self.config.surge_window_s * k) for k in _SURGE_WINDOWS[1:]) if w is not None]
         replan = self._replan
-        return surge_workers(windows, self._planned_rate, min_requests=self.config.surge_min_requests,
-                             confidence=self.config.surge_confidence, workers_for=lambda rate: self.config.clamp(replan(rate)),
-                             size_confidence=self.config.surge_size_confidence)
+        c = self.config
+        workers = surge_workers(windows, self._planned_rate, min_requests=c.surge_min_requests, confidence=c.surge_confidence,
+                                workers_for=lambda rate: c.clamp(replan(rate)), size_confidence=c.surge_size_confidence)
+        rate = surge_rate(windows, self._planned_rate, min_requests=c.surge_min_requests, confidence=c.surge_confidence,
+                          size_confidence=c.surge_size_confidence)
+        return (workers, rate) if workers is not None and rate is not None else None
+
+    def _arrivals_since(self, since: float) -> tuple[float, float] | None:
+        """Arrivals counted after the monotonic time `since`, and over how many seconds: from the first kept scrape round taken
+        after it (every span after it is fresh evidence, however much of it is kept); None before two such rounds."""
+        start = next((scrapes for scrapes in self._recent_scrapes if scrapes and min(s.at for s in scrapes.values()) >= since), None)
+        if start is None or start is self._scrapes:
+            return None
+        observation = observe_scrapes(start, self._scrapes)
+        if observation is None or observation.arrival_rate is None or observation.interval_s <= 0:
+            return None
+        return observation.arrival_rate * observation.interval_s, observation.interval_s
 
     def _scale_down_floor(self, observation: Observation) -> int:
         """With `scale_down_confidence`: the workers for the highest arrival rate the observed interval's count is within the

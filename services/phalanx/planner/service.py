@@ -73,7 +73,6 @@ from phalanx.planner.decisions import (
     Readiness,
     poisson_upper_bound,
     surge_rate,
-    surge_workers,
 )
 from phalanx.planner.distribution import Summary
 from phalanx.planner.metrics import PlannerMetrics
@@ -329,13 +328,11 @@ class Planner:
         windows = [recent]
         if self.config.surge_confidence > 0:
             windows += [w for w in (self._recent_arrivals(self.config.surge_window_s * k) for k in _SURGE_WINDOWS[1:]) if w is not None]
-        replan = self._replan
         c = self.config
-        workers = surge_workers(windows, self._planned_rate, min_requests=c.surge_min_requests, confidence=c.surge_confidence,
-                                workers_for=lambda rate: c.clamp(replan(rate)), size_confidence=c.surge_size_confidence)
         rate = surge_rate(windows, self._planned_rate, min_requests=c.surge_min_requests, confidence=c.surge_confidence,
                           size_confidence=c.surge_size_confidence)
-        return (workers, rate) if workers is not None and rate is not None else None
+        # `surge_workers`' count, the rate computed once: each window's `workers` is already the clamped plan of its own rate.
+        return None if rate is None else (c.clamp(self._replan(rate)), rate)
 
     def _arrivals_since(self, since: float) -> tuple[float, float] | None:
         """Arrivals counted after the monotonic time `since`, and over how many seconds: from the first kept scrape round taken

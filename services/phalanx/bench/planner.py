@@ -560,12 +560,10 @@ def run_planner_bench(*, minutes: float = 10.0, peak_rps: float | None = None, s
                                 mode=f"live: planner ({best}, the best predictor offline), no hot spare, 1..{static_max} workers"),
         spare_name: summarize(runs[spare_name], duration, mode=f"live: as {planner_name}, with {hot_spares} hot spare(s)"),
     }
-    for name in (planner_name, spare_name):
-        live[name]["burst_reactions"] = reactions(runs[name], duration)
-        live[name]["worker_seconds_vs_static_max"] = round(live[name]["worker_seconds"] / max(live["static_max"]["worker_seconds"], 1e-9), 3)
     if compare_rebalance:
         name = f"{planner_name}_no_rebalance"
         live[name] = summarize(runs[name], duration, mode=f"live: as {planner_name}, rebalancing off (PHALANX_MIGRATION_REBALANCE=false)")
+    for name in live.keys() - {"static_min", "static_max"}:
         live[name]["burst_reactions"] = reactions(runs[name], duration)
         live[name]["worker_seconds_vs_static_max"] = round(live[name]["worker_seconds"] / max(live["static_max"]["worker_seconds"], 1e-9), 3)
     for name, run in runs.items():

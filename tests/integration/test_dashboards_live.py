@@ -17,8 +17,10 @@ import json
 import math
 import urllib.request
 
+import grpc
 import pytest
 
+from phalanx._proto import chaos_pb2, chaos_pb2_grpc
 from phalanx.client import Client
 from phalanx.launch.services import start_checkpoint_store, start_gateway, start_migration
 from phalanx.launch.stack import Stack, unique_id
@@ -33,8 +35,14 @@ pytestmark = [
 
 MODEL = "phalanx-tiny-moe"
 STREAMS = 9
-MAX_TOKENS = 24
+MAX_TOKENS = 32
 KILL_AFTER = 6
+# Every step held 0.1 s (chaos): the client reads tokens late on a loaded box, and in CI it judged the busiest worker by
+# tokens that worker had finished generating, so the kill interrupted nothing and no request migrated. 26 steps left
+# are 2.6 s of lag to spare.
+SLOW_STEP_S = 0.1
+CHAOS_TOKEN = "test-chaos-token-dashboards-0123456789"
+CHAOS_ON = {"PHALANX_WORKER_CHAOS_ENABLED": "true", "PHALANX_WORKER_CHAOS_TOKEN": CHAOS_TOKEN}
 # ~150 tokens: restoring the KV from the store beats recomputing it, so the migrations restore from the store.
 PROMPTS = [f"Request {i}: tell the story of the lighthouse keeper number {i} and the long winter storm. " * 4 for i in range(STREAMS)]
 LIVE = ("phalanx-migration", "phalanx-checkpoint-store", "phalanx-gateway")
@@ -83,6 +91,15 @@ async def _streams_with_a_kill(stack: Stack, client: Client) -> dict[int, list[i
     return results
 
 
+async def _slow_every_step(stack: Stack) -> None:
+    for worker in stack.workers:
+        async with grpc.aio.insecure_channel(worker.address) as channel:
+            await chaos_pb2_grpc.ChaosServiceStub(channel).InjectFault(
+                chaos_pb2.InjectFaultRequest(kind=chaos_pb2.FAULT_KIND_SLOW, slow_step_s=SLOW_STEP_S),
+                metadata=[("authorization", f"Bearer {CHAOS_TOKEN}")], timeout=5,
+            )
+
+
 def _gateway_completion(address: str) -> None:
     body = json.dumps({"model": MODEL, "prompt": "The lighthouse keeper", "max_tokens": 8, "stream": True, "temperature": 0}).encode()
     request = urllib.request.Request(f"http://{address}/v1/completions", data=body, headers={"content-type": "application/json"})
@@ -110,7 +127,8 @@ async def test_every_panel_of_the_failure_dashboards_returns_data_after_a_worker
         stack.stores.append(store)
         migration = await start_migration(unique_id("mig"), nats_config.url, etcd_config, timeout=90)
         stack.migrations.append(migration)
-        await stack.add_workers(3)
+        await stack.add_workers(3, env=CHAOS_ON)
+        await _slow_every_step(stack)
         router = await stack.add_router()
         gateway = await start_gateway(router.address)
         targets = {

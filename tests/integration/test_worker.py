@@ -211,6 +211,38 @@ async def test_sigterm_drains_hands_back_running_requests_and_deregisters(nats_s
         await directory.close()
 
 
+async def test_sigterm_under_a_multiplexed_stream_writes_every_chunk_and_does_not_wait_on_idle_calls(nats_server, etcd_config):
+    """A router's Multiplex carries the request; another Multiplex and health's Watch stay open, owing nothing. The
+    subscription gets every chunk up to its hand-back (the stop waits for those only), and the worker exits cleanly."""
+    handle = await start_worker("w-drain-mux", nats_server.url, etcd_config, env={"PHALANX_WORKER_DRAIN_GRACE_S": "0.3"},
+                                model="phalanx-tiny-moe")
+    try:
+        async with grpc.aio.insecure_channel(handle.address) as channel:
+            stub = worker_pb2_grpc.WorkerServiceStub(channel)
+            busy, idle = stub.Multiplex(), stub.Multiplex()
+            watch = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(service=""))
+            assert (await watch.read()).status == health_pb2.HealthCheckResponse.SERVING
+            await busy.write(worker_pb2.MultiplexRequest(subscription_id=1, generate=request("a long multiplexed generation", 1500)))
+            chunks: list[worker_pb2.MultiplexChunk] = []
+            while not chunks:
+                chunks.extend((await busy.read()).chunks)
+            handle.process.send_signal(15)
+            while not chunks[-1].closed:
+                response = await busy.read()
+                assert response is not grpc.aio.EOF, "the stream ended before the subscription's last chunk"
+                chunks.extend(response.chunks)
+            exited = await asyncio.to_thread(handle.process.wait, 20)
+            idle.cancel()
+            watch.cancel()
+        tokens = [c.response for c in chunks if c.HasField("response")]
+        last = tokens[-1]
+        assert last.finish_reason == common_pb2.FINISH_REASON_HANDED_BACK
+        assert list(last.handoff.output_token_ids) == [t.token_id for t in tokens[:-1]], "no chunk lost before the hand-back"
+        assert exited == 0
+    finally:
+        handle.kill()
+
+
 async def test_drain_rpc_hands_back_and_a_resumed_request_continues_identically(nats_server, etcd_config):
     draining = await start_worker("w-drain-rpc", nats_server.url, etcd_config, "--deterministic", model="phalanx-tiny-moe")
     successor = await start_worker("w-successor", nats_server.url, etcd_config, "--deterministic", model="phalanx-tiny-moe")

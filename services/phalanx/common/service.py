@@ -87,6 +87,7 @@ T = TypeVar("T")
 # A restarted service must not share its port with a predecessor still shutting down.
 _BASE_OPTIONS: tuple[tuple[str, Any], ...] = (("grpc.so_reuseport", 0),)
 _METRICS_JOIN_TIMEOUT_S = 2.0
+_METRICS_POLL_S = 0.05
 # Probe paths a service with ``probes`` answers on its metrics port (Kubernetes startup, liveness, readiness).
 PROBE_PATHS = ("/startup", "/live", "/ready")
 
@@ -247,7 +248,10 @@ class ServiceShell:
         metrics_server = make_server(
             host, self._listen.metrics_port, _http_app(self._registry, self._probes), Server, handler_class=_SilentHandler
         )
-        metrics_thread = threading.Thread(target=metrics_server.serve_forever, name=f"{self.name}-metrics", daemon=True)
+        # shutdown() waits for serve_forever's next poll: at its default 0.5 s that was most of a stopping worker's exit.
+        metrics_thread = threading.Thread(
+            target=metrics_server.serve_forever, kwargs={"poll_interval": _METRICS_POLL_S}, name=f"{self.name}-metrics", daemon=True
+        )
         metrics_thread.start()
         self.metrics_address = f"{self.advertised_host}:{metrics_server.server_port}"
 

@@ -69,6 +69,12 @@ class MultiplexedStream:
         self._ready: list[worker_pb2.MultiplexChunk] = []
         self._wake = asyncio.Event()
         self._caller_done = False
+        self._writing = False
+
+    @property
+    def owes_chunks(self) -> bool:
+        """Something is still to be sent: a subscription open or opening, new chunks, or a response being written."""
+        return bool(self._subscriptions or self._opening or self._changed or self._ready or self._writing)
 
     async def serve(self, requests: AsyncIterator[worker_pb2.MultiplexRequest]) -> AsyncIterator[worker_pb2.MultiplexResponse]:
         """The responses of the stream; ends when the caller has closed its side and no subscription is left."""
@@ -82,7 +88,11 @@ class MultiplexedStream:
                     self._wake.clear()
                     await self._wake.wait()
                     continue
-                yield self._collect()
+                self._writing = True
+                try:
+                    yield self._collect()
+                finally:
+                    self._writing = False
         finally:
             reader.cancel()
             for task in list(self._opening.values()):

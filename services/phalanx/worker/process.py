@@ -104,6 +104,7 @@ class WorkerProcess:
         self._bus: EventBus | None = None
         self._nats_reconnect: asyncio.Task[None] | None = None
         self._registration: LeasedKey | None = None
+        self._servicer: WorkerServicer | None = None
         self._kv_outbox: asyncio.Queue[KvEvents] = asyncio.Queue()
         self.kv_sequence = 0  # KV event messages published so far
         self.channels: ChannelEndpoint | None = None
@@ -123,7 +124,7 @@ class WorkerProcess:
 
     async def run(self) -> None:
         async with self.shell as shell:
-            servicer = self._add_services(shell)
+            servicer = self._servicer = self._add_services(shell)
             await shell.start()
             self._bus = await EventBus.connect(self.nats_config, name=f"worker-{self.worker_id}")
             shell.push_async_callback(self._close_nats)
@@ -396,8 +397,12 @@ class WorkerProcess:
             self.failover.serving = False
         await self.shell.stop_serving()
         await self._drain(engine, self.config.drain_grace_s)  # a no-op after a Drain that already ran
-        # Streams already ended (finished or handed back); this only lets their last bytes flush.
-        await self.shell.stop_server(1.0)
+        # Requests already ended (finished or handed back): wait for their last chunks to be written, then stop. Calls that
+        # owe nothing stay open (a router's idle Multiplex, health's Watch) and would hold a fixed grace in full: a scaled-down
+        # worker held its process a second longer, every time. The short grace lets the written bytes leave the transport.
+        if self._servicer is not None:
+            await self._servicer.chunks_written(timeout_s=1.0)
+        await self.shell.stop_server(0.1)
         self.metrics.for_worker(self.metrics.serving).set(0)
 
     async def _drain(self, engine: AsyncEngine, grace_s: float, keep_running: bool = False) -> tuple[int, int]:

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import grpc
@@ -160,6 +161,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         )
         self._ttft, self._itl, self._generated = m.for_worker(m.ttft), m.for_worker(m.itl), m.for_worker(m.generated_tokens)
         self._prompt, self._cached_prompt = m.for_worker(m.prompt_tokens), m.for_worker(m.cached_prompt_tokens)
+        # Calls that still owe their caller chunks: Generate and Attach while they run, a Multiplex while it has subscriptions
+        # or chunks to write (an idle one, open for the next request, owes nothing). Shutdown waits for these alone.
+        self._streaming_calls = 0
+        self._multiplexes: set[MultiplexedStream] = set()
         self.streams = RequestStreams(
             abort=self._abort, detach_grace_s=detach_grace_s, retain_s=retain_s, max_retained=max_retained,
             max_retained_bytes=max_retained_bytes,
@@ -295,23 +300,47 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         return log
 
     async def Generate(self, request, context):
-        fetched = await self.fetch_media(request)
-        log, engine_request = self.generate_log(request, fetched)
-        with self.streams.reader(log):
-            if engine_request is not None:
-                await self.submit(self.engine, engine_request, log)
-            async for event in log.read(log.first_index):
-                yield self.chunk(worker_pb2.GenerateResponse, event)
+        with self._streaming():
+            fetched = await self.fetch_media(request)
+            log, engine_request = self.generate_log(request, fetched)
+            with self.streams.reader(log):
+                if engine_request is not None:
+                    await self.submit(self.engine, engine_request, log)
+                async for event in log.read(log.first_index):
+                    yield self.chunk(worker_pb2.GenerateResponse, event)
 
     async def Attach(self, request, context):
-        log = self.attach_log(request)
-        with self.streams.reader(log):
-            async for event in log.read(request.from_index):
-                yield self.chunk(worker_pb2.AttachResponse, event)
+        with self._streaming():
+            log = self.attach_log(request)
+            with self.streams.reader(log):
+                async for event in log.read(request.from_index):
+                    yield self.chunk(worker_pb2.AttachResponse, event)
 
     async def Multiplex(self, request_iterator, context):
-        async for response in MultiplexedStream(self).serve(request_iterator):
-            yield response
+        stream = MultiplexedStream(self)
+        self._multiplexes.add(stream)
+        try:
+            async for response in stream.serve(request_iterator):
+                yield response
+        finally:
+            self._multiplexes.discard(stream)
+
+    @contextlib.contextmanager
+    def _streaming(self) -> Iterator[None]:
+        self._streaming_calls += 1
+        try:
+            yield
+        finally:
+            self._streaming_calls -= 1
+
+    async def chunks_written(self, timeout_s: float) -> bool:
+        """Waits (up to `timeout_s`) until no call owes its caller a chunk; False if one still did at the timeout."""
+        deadline = time.monotonic() + timeout_s
+        while self._streaming_calls or any(stream.owes_chunks for stream in self._multiplexes):
+            if time.monotonic() >= deadline:
+                return False
+            await asyncio.sleep(0.01)
+        return True
 
     def chunk(self, cls, event: TokenEvent):
         chunk = cls()

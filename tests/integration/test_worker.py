@@ -211,9 +211,10 @@ async def test_sigterm_drains_hands_back_running_requests_and_deregisters(nats_s
         await directory.close()
 
 
-async def test_sigterm_under_a_multiplexed_stream_writes_every_chunk_and_does_not_wait_on_idle_calls(nats_server, etcd_config):
+async def test_sigterm_under_a_multiplexed_stream_writes_every_chunk_while_idle_calls_stay_open(nats_server, etcd_config):
     """A router's Multiplex carries the request; another Multiplex and health's Watch stay open, owing nothing. The
-    subscription gets every chunk up to its hand-back (the stop waits for those only), and the worker exits cleanly."""
+    subscription gets every chunk up to its hand-back (the stop waits for those only, then cuts the idle calls), and
+    the worker exits cleanly."""
     handle = await start_worker("w-drain-mux", nats_server.url, etcd_config, env={"PHALANX_WORKER_DRAIN_GRACE_S": "0.3"},
                                 model="phalanx-tiny-moe")
     try:

@@ -17,16 +17,15 @@ import json
 import math
 import urllib.request
 
-import grpc
 import pytest
 
-from phalanx._proto import chaos_pb2, chaos_pb2_grpc
 from phalanx.client import Client
 from phalanx.launch.services import start_checkpoint_store, start_gateway, start_migration
 from phalanx.launch.stack import Stack, unique_id
 from phalanx.testing.asserts import assert_eventually
 from phalanx.testing.dashboards import DASHBOARDS, PanelQuery, panel_queries, resolve
 from phalanx.testing.prometheus import PrometheusServer, prometheus_installed
+from phalanx.testing.workers import slow_steps
 
 pytestmark = [
     pytest.mark.integration,
@@ -91,15 +90,6 @@ async def _streams_with_a_kill(stack: Stack, client: Client) -> dict[int, list[i
     return results
 
 
-async def _slow_every_step(stack: Stack) -> None:
-    for worker in stack.workers:
-        async with grpc.aio.insecure_channel(worker.address) as channel:
-            await chaos_pb2_grpc.ChaosServiceStub(channel).InjectFault(
-                chaos_pb2.InjectFaultRequest(kind=chaos_pb2.FAULT_KIND_SLOW, slow_step_s=SLOW_STEP_S),
-                metadata=[("authorization", f"Bearer {CHAOS_TOKEN}")], timeout=5,
-            )
-
-
 def _gateway_completion(address: str) -> None:
     body = json.dumps({"model": MODEL, "prompt": "The lighthouse keeper", "max_tokens": 8, "stream": True, "temperature": 0}).encode()
     request = urllib.request.Request(f"http://{address}/v1/completions", data=body, headers={"content-type": "application/json"})
@@ -128,7 +118,7 @@ async def test_every_panel_of_the_failure_dashboards_returns_data_after_a_worker
         migration = await start_migration(unique_id("mig"), nats_config.url, etcd_config, timeout=90)
         stack.migrations.append(migration)
         await stack.add_workers(3, env=CHAOS_ON)
-        await _slow_every_step(stack)
+        await slow_steps(stack.workers, SLOW_STEP_S, CHAOS_TOKEN)
         router = await stack.add_router()
         gateway = await start_gateway(router.address)
         targets = {

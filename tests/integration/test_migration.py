@@ -12,10 +12,11 @@ import time
 import grpc
 import pytest
 
-from phalanx._proto import chaos_pb2, chaos_pb2_grpc, worker_pb2, worker_pb2_grpc
+from phalanx._proto import worker_pb2, worker_pb2_grpc
 from phalanx.client import Client
 from phalanx.launch.stack import Stack
 from phalanx.testing.asserts import assert_eventually
+from phalanx.testing.workers import slow_steps
 
 pytestmark = pytest.mark.integration
 
@@ -194,10 +195,7 @@ async def test_kill_during_prefill_and_two_kills_one_after_the_other(fleet):
         before = await stub.Stats(worker_pb2.StatsRequest(), timeout=5)
         # Each of its steps is held 2 s: a prompt here is two 512-token chunks, so its first token comes 2 s after the
         # first chunk, a window that a loaded box's Stats polling cannot miss (0.3 s was missed on a 2-core CI).
-        await chaos_pb2_grpc.ChaosServiceStub(channel).InjectFault(
-            chaos_pb2.InjectFaultRequest(kind=chaos_pb2.FAULT_KIND_SLOW, slow_step_s=2.0),
-            metadata=[("authorization", f"Bearer {CHAOS_TOKEN}")], timeout=5,
-        )
+        await slow_steps([first], 2.0, CHAOS_TOKEN)
         killed_in_prefill = asyncio.Event()
 
         async def kill_twice():
@@ -232,12 +230,7 @@ async def test_target_dying_during_a_migration(fleet):
         baseline = await baseline_tokens(client, PROMPTS[:8])
         # Every step held 0.1 s: the client reads tokens late on a loaded box, and in CI it judged the busiest worker by tokens
         # that worker had finished generating, so its kill interrupted nothing and no request moved. 34 steps left are 3.4 s.
-        for worker in fleet.workers:
-            async with grpc.aio.insecure_channel(worker.address) as channel:
-                await chaos_pb2_grpc.ChaosServiceStub(channel).InjectFault(
-                    chaos_pb2.InjectFaultRequest(kind=chaos_pb2.FAULT_KIND_SLOW, slow_step_s=0.1),
-                    metadata=[("authorization", f"Bearer {CHAOS_TOKEN}")], timeout=5,
-                )
+        await slow_steps(fleet.workers, 0.1, CHAOS_TOKEN)
         kills = []
         landed = asyncio.Event()  # a stream of the killed worker yielded a token from another worker
         target = {}

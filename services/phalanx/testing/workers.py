@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator, Iterator
 
 import grpc
 
-from phalanx._proto import checkpoint_pb2, common_pb2, worker_pb2, worker_pb2_grpc
+from phalanx._proto import chaos_pb2, chaos_pb2_grpc, checkpoint_pb2, common_pb2, worker_pb2, worker_pb2_grpc
 from phalanx.common.config import EtcdConfig
 from phalanx.launch.infra import EtcdServer, NatsServer
 from phalanx.launch.services import CheckpointStoreHandle, WorkerHandle, start_worker
@@ -54,3 +54,13 @@ async def parked_commit(
     await assert_eventually(committed, timeout=commit_timeout_s)
     assert (await source.Park(worker_pb2.ParkRequest(request_ids=[request_id], ttl_s=30), timeout=10)).parked
     return await store.get_commit(request_id)
+
+
+async def slow_steps(workers: list[WorkerHandle], seconds: float, chaos_token: str) -> None:
+    """Holds every engine step of each worker `seconds` (the chaos SLOW fault; the workers run with chaos enabled)."""
+    for worker in workers:
+        async with grpc.aio.insecure_channel(worker.address) as channel:
+            await chaos_pb2_grpc.ChaosServiceStub(channel).InjectFault(
+                chaos_pb2.InjectFaultRequest(kind=chaos_pb2.FAULT_KIND_SLOW, slow_step_s=seconds),
+                metadata=[("authorization", f"Bearer {chaos_token}")], timeout=5,
+            )

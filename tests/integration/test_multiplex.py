@@ -11,16 +11,21 @@ from google.rpc import error_details_pb2, status_pb2
 
 from phalanx._proto import common_pb2, worker_pb2, worker_pb2_grpc
 from phalanx.router.multiplex import WorkerMultiplexer
-from phalanx.testing.workers import shared_worker, worker_stub
+from phalanx.testing.workers import clear_faults, shared_worker, slow_steps, worker_stub
 
 pytestmark = pytest.mark.integration
 
 DETACH_GRACE_S = 1.0
+CHAOS_TOKEN = "test-chaos-token-multiplex-0123456789"
+ENV = {
+    "PHALANX_WORKER_DETACH_GRACE_S": str(DETACH_GRACE_S),
+    "PHALANX_WORKER_CHAOS_ENABLED": "true", "PHALANX_WORKER_CHAOS_TOKEN": CHAOS_TOKEN,
+}
 
 
 @pytest.fixture(scope="module")
 def worker(nats_server, etcd_server):
-    with shared_worker("w-multiplex", nats_server, etcd_server, env={"PHALANX_WORKER_DETACH_GRACE_S": str(DETACH_GRACE_S)}) as handle:
+    with shared_worker("w-multiplex", nats_server, etcd_server, env=ENV) as handle:
         yield handle
 
 
@@ -69,13 +74,19 @@ async def reference(stub, request: worker_pb2.GenerateRequest) -> list[tuple[int
     return [(c.index, c.token_id) async for c in stub.Generate(request) if c.index >= 0]
 
 
-async def test_one_stream_carries_many_requests_in_few_messages_each_token_once(stub):
+async def test_one_stream_carries_many_requests_in_few_messages_each_token_once(worker, stub):
     texts = [f"multiplexed request {i}" for i in range(6)]
     expected = [await reference(stub, generate(f"mux-ref-{i}", t, 24)) for i, t in enumerate(texts)]
-    mux = Mux(stub)
-    for i, text in enumerate(texts):
-        await mux.open(i + 1, generate=generate(f"mux-{i}", text, 24))
-    await mux.read_until(lambda: all(mux.closed(i + 1) for i in range(len(texts))))
+    # Steps held 0.05 s: the six admissions overlap on a loaded box too (in CI the first requests
+    # had run half their steps alone before the last was admitted: 79 messages for 144 tokens).
+    await slow_steps([worker], 0.05, CHAOS_TOKEN)
+    try:
+        mux = Mux(stub)
+        for i, text in enumerate(texts):
+            await mux.open(i + 1, generate=generate(f"mux-{i}", text, 24))
+        await mux.read_until(lambda: all(mux.closed(i + 1) for i in range(len(texts))))
+    finally:
+        await clear_faults([worker], CHAOS_TOKEN)
     for i in range(len(texts)):
         assert [(c.index, c.token_id) for c in mux.tokens(i + 1)] == expected[i], "the same tokens as its own Generate, once each"
         last = mux.chunks[i + 1][-1]

@@ -64,3 +64,12 @@ async def slow_steps(workers: list[WorkerHandle], seconds: float, chaos_token: s
                 chaos_pb2.InjectFaultRequest(kind=chaos_pb2.FAULT_KIND_SLOW, slow_step_s=seconds),
                 metadata=[("authorization", f"Bearer {chaos_token}")], timeout=5,
             )
+
+
+async def clear_faults(workers: list[WorkerHandle], chaos_token: str) -> None:
+    """Ends every chaos fault of each worker (a shared worker's next test runs at full speed)."""
+    for worker in workers:
+        async with grpc.aio.insecure_channel(worker.address) as channel:
+            await chaos_pb2_grpc.ChaosServiceStub(channel).ClearFaults(
+                chaos_pb2.ClearFaultsRequest(), metadata=[("authorization", f"Bearer {chaos_token}")], timeout=5,
+            )

@@ -296,6 +296,64 @@ def test_a_killed_worker_and_router_are_replaced_while_the_stack_keeps_serving(t
     assert not state_file.exists()
 
 
+def parent(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
+def forked_worker(out: Path, fork_servers_ready: int, state_file: Path, supervisor: int) -> int:
+    """Once ``fork_servers_ready`` fork servers said so, the PID of a worker-N that replaces a SIGKILLed one, checked forked."""
+    assert_eventually_sync(lambda: out.read_text().count(") ready: imported in") >= fork_servers_ready, timeout=60)
+    state = read_state(state_file)
+    assert state is not None
+    [worker] = state["workers"]
+    killed = phalanx("chaos", "kill", worker["worker_id"], "--state-file", str(state_file), timeout=150)
+    assert killed.returncode == 0, killed.stdout + killed.stderr
+    after = read_state(state_file)
+    assert after is not None
+    [replacement] = after["workers"]
+    pid = replacement["pid"]
+    # Forked (the command line it shows is its own, not the fork server's), and adopted: the supervisor's child.
+    assert Path(f"/proc/{pid}/cmdline").read_bytes().startswith(b"phalanx\0worker\0--worker-id\0" + replacement["worker_id"].encode())
+    assert parent(pid) == supervisor
+    return pid
+
+
+def test_forked_workers_are_the_supervisors_children_and_a_killed_fork_server_is_replaced(tmp_path, foreground):
+    process, state_file, state = foreground("--fork-workers")
+    out = tmp_path / "out.txt"
+    forks = {s["name"]: s["pid"] for s in state["services"]}["fork-server"]
+    assert parent(forks) == process.pid
+    first = forked_worker(out, 1, state_file, process.pid)
+
+    killed = phalanx("chaos", "kill", "fork-server", "--state-file", str(state_file), timeout=150)
+    assert killed.returncode == 0, killed.stdout + killed.stderr
+    assert "replaced it with fork-server (pid " in killed.stdout
+    assert not gone(first), "a killed fork server leaves the workers it forked serving"
+    generated = phalanx("generate", "Hello", "--max-tokens", "4", "--state-file", str(state_file))
+    assert generated.returncode == 0, generated.stderr
+    second = forked_worker(out, 2, state_file, process.pid)  # from the new server
+    after = read_state(state_file)
+    assert after is not None
+    status = phalanx("status", "--json", "--state-file", str(state_file))
+    events = [e["what"] for e in json.loads(status.stdout)["supervisor"]["events"]]
+    assert f"started to replace fork-server (pid {forks}), which exited with signal SIGKILL" in events
+
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(90) == 0, out.read_text()
+    assert "stopped fork-server (pid " in out.read_text()
+    assert_all_gone([*stack_pids(state), *stack_pids(after), first, second])
+
+
+def test_forked_workers_die_with_a_sigkilled_supervisor(tmp_path, foreground):
+    process, state_file, state = foreground("--fork-workers")
+    worker = forked_worker(tmp_path / "out.txt", 1, state_file, process.pid)
+    after = read_state(state_file)
+    assert after is not None
+    process.kill()  # no clean-up runs: the parent-death signal, set once the worker was adopted, is all that stops it
+    process.wait(30)
+    assert_all_gone([*stack_pids(state), *stack_pids(after), worker])
+
+
 def test_up_failover_runs_each_slot_as_a_pair_and_restarts_a_dead_engine_as_the_new_shadow(tmp_path, foreground):
     process, state_file, state = foreground("--failover")
     engines = {w["worker_id"]: w for w in state["workers"]}

@@ -380,6 +380,10 @@ def up(
     tls: bool = typer.Option(
         False, "--tls", help="Mutual TLS between every process, with certificates made (if missing) beside the state file (docs/security.md)"
     ),
+    fork_workers: bool = typer.Option(
+        False, "--fork-workers/--spawn-workers", help="Fork new workers from a process that has done their imports: a new or "
+        "replacement worker serves in a fraction of the time (docs/local-stack.md)",
+    ),
 ) -> None:
     """Bring Phalanx up on this machine: NATS, etcd, workers, a router, an OpenAI-compatible gateway and the rest, supervised."""
     from dataclasses import replace
@@ -395,7 +399,7 @@ def up(
         nats_url=nats_url, etcd_endpoint=etcd_endpoint, log_file=Path(log_file) if log_file else None,
         planner=planner, min_workers=min_workers, max_workers=max_workers, failover=failover, hot_spares=hot_spares, engine=engine,
         profile=str(Path(profile).resolve()) if profile else "", expert_workers=expert_workers, shadow_experts=shadow_experts,
-        encoders=encoders, tls=tls,
+        encoders=encoders, tls=tls, fork_workers=fork_workers,
     )
     if hot_spares and not planner:
         raise typer.BadParameter("--hot-spares needs --planner (the planner promotes them)", param_hint="--hot-spares")
@@ -773,6 +777,9 @@ def bench_planner(
         False, "--compare-rebalance", help="Also replay the planner's run with the migration service's rebalancing off, side by side"
     ),
     planner_setting: list[str] = _PLANNER_SETTING_OPTION,
+    fork_workers: bool = typer.Option(
+        True, "--fork-workers/--spawn-workers", help="Every live run's workers forked from a pre-imported server (`phalanx up --fork-workers`)"
+    ),
     as_json: bool = typer.Option(False, "--json", help="Print JSON only"),
 ) -> None:
     """The planner against static-min and static-max fleets of simulated workers on a bursty trace: SLO attainment, worker-seconds,
@@ -788,7 +795,8 @@ def bench_planner(
     from phalanx.bench.planner import run_planner_bench
 
     result = run_planner_bench(minutes=minutes, peak_rps=peak_rps, seed=seed, out=Path(out).resolve() if out else None, hot_spares=hot_spares,
-                               scale_down_window_s=scale_down_window, compare_rebalance=compare_rebalance, planner_settings=settings)
+                               scale_down_window_s=scale_down_window, compare_rebalance=compare_rebalance, planner_settings=settings,
+                               fork_workers=fork_workers)
     print(json.dumps(result, indent=None if as_json else 2))
 
 

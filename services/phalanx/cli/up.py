@@ -82,6 +82,7 @@ from phalanx.cli.state import (
 )
 
 if TYPE_CHECKING:
+    from phalanx.launch.fork_server import ForkServer
     from phalanx.launch.infra import EtcdServer, NatsServer
     from phalanx.launch.services import (
         FailoverEngineHandle,
@@ -105,6 +106,7 @@ GATEWAY_ID = "gateway-0"
 PLANNER_ID = "planner-0"
 ERT_MANAGER_ID = "ert-manager-0"
 EXPERT_WORKER_PREFIX = "expert-"
+FORK_SERVER_ID = "fork-server"
 # Together under `phalanx down`'s 60 s. The router's own grace is 5 s; workers let running
 # requests finish for drain_grace_s (10 s by default) before handing them back.
 _ROUTER_STOP_S = 15.0
@@ -138,6 +140,7 @@ class UpOptions:
     shadow_experts: int = 1  # extra copies of each expert, each on another expert worker
     encoders: int = 0  # multimodal encoder pool processes (built-in seeded towers, projecting into the model's hidden size)
     tls: bool = False  # mutual TLS between every process, certificates in certs_dir (made if missing)
+    fork_workers: bool = False  # workers forked from a pre-imported server (phalanx.launch.fork_server), not spawned
 
     def command(self) -> list[str]:
         """The `phalanx up` command line that runs this configuration in the foreground."""
@@ -166,6 +169,8 @@ class UpOptions:
             args += ["--encoders", str(self.encoders)]
         if self.tls:
             args += ["--tls"]
+        if self.fork_workers:
+            args += ["--fork-workers"]
         return args
 
     @property
@@ -365,6 +370,7 @@ class _Stack:
         self.expert_workers: dict[str, ServiceHandle] = {}
         self.expert_slots: dict[str, int] = {}
         self._expert_generation = 0
+        self.fork_server: ForkServer | None = None  # --fork-workers
 
     def start_infra(self) -> None:
         """NATS and etcd (unless external); blocking, from the main thread so PR_SET_PDEATHSIG holds."""
@@ -390,6 +396,14 @@ class _Stack:
             ).start()
             self.etcd_endpoint = self.etcd.endpoint
             self._ready("etcd", self.etcd_endpoint, self.etcd.pid)
+        if self.options.fork_workers:
+            from phalanx.launch.fork_server import SIM_PRELOAD, TORCH_PRELOAD
+            from phalanx.launch.services import use_fork_server
+
+            # Workers started before it has imported are spawned, as they are without it.
+            self.fork_server = use_fork_server(SIM_PRELOAD if self.options.engine == "sim" else TORCH_PRELOAD)
+            assert self.fork_server is not None and self.fork_server.process is not None
+            self._ready(FORK_SERVER_ID, "", self.fork_server.process.pid)
 
     def _ready(self, name: str, address: str, pid: int | None) -> None:
         self.board.set(name, "ready", address, pid)
@@ -643,6 +657,9 @@ class _Stack:
                       *self.memories.values(), *self.encoders.values())
             if h is not None
         ]
+        forks = self.fork_server.process if self.fork_server is not None else None
+        if forks is not None and forks.poll() is None:
+            services.append(ProcessEntry(FORK_SERVER_ID, "", forks.pid))
         return UpState(
             supervisor_pid=supervisor.supervisor_pid, started_at=supervisor.started_at, status="ready", model=self.options.model,
             router_id=ROUTER_ID, router_address=self.router_address, router_metrics_address=self.router_metrics,
@@ -695,6 +712,9 @@ class _Stack:
             proc = getattr(server, "_proc", None)
             if server is not None and proc is not None and proc.poll() is not None and name not in self.replacing:
                 found.append((name, proc.pid, proc.returncode))
+        forks = self.fork_server.process if self.fork_server is not None else None
+        if forks is not None and forks.poll() is not None and FORK_SERVER_ID not in self.replacing:
+            found.append((FORK_SERVER_ID, forks.pid, forks.returncode))
         return found
 
     def replace(self, name: str, pid: int | None, code: int | None) -> None:
@@ -731,6 +751,10 @@ class _Stack:
         why = f"exited with {_describe_exit(code)}"
         try:
             while True:
+                if decision.give_up and name == FORK_SERVER_ID:
+                    # It only makes starts faster: without it workers are spawned, as without --fork-workers.
+                    self._stop_forking(f"keeps failing at start-up ({decision.failures_in_a_row} times in a row; last: {why})")
+                    return
                 if decision.give_up:
                     self.crash_loop = CrashLoopError(
                         f"{name} keeps failing at start-up ({decision.failures_in_a_row} times in a row; last: {why}); "
@@ -801,6 +825,12 @@ class _Stack:
             server.start()
             self.board.set(name, "ready", self.nats_url if name == "nats" else self.etcd_endpoint, server.pid)
             return name, server.pid
+        if name == FORK_SERVER_ID:
+            assert self.fork_server is not None
+            # On the main thread on purpose (PR_SET_PDEATHSIG); workers are spawned until it has imported.
+            process = self.fork_server.start()
+            self.board.set(name, "ready", "", process.pid)
+            return name, process.pid
         if name in self.encoders:
             self.encoders[name] = encoder = await self._start_encoder(name)
             self.board.set(name, "ready", encoder.address, encoder.process.pid)
@@ -813,6 +843,15 @@ class _Stack:
         setattr(self, attribute, service)
         self.board.set(name, "ready", service.address, service.process.pid)
         return name, service.process.pid
+
+    def _stop_forking(self, why: str) -> None:
+        from phalanx.launch.services import use_fork_server
+
+        pid = self.fork_server.process.pid if self.fork_server is not None and self.fork_server.process is not None else None
+        use_fork_server(None)
+        self.fork_server = None
+        self.board.set(FORK_SERVER_ID, "failed", note=f"{why}; workers are spawned from now on")
+        self._record(FORK_SERVER_ID, pid, f"{why}; workers are spawned from now on")
 
     # --- the local connector (--planner) ----------------------------------------------------------------
 
@@ -1047,6 +1086,14 @@ class _Stack:
         with contextlib.suppress(asyncio.CancelledError):
             await asyncio.gather(*self.replacing.values(), *self.scaling.values(), *self.spare_starts.values(), *self._unmarking,
                                  return_exceptions=True)
+        if self.fork_server is not None:  # nothing starts any more; the workers it forked are ours, stopped below
+            from phalanx.launch.services import use_fork_server
+
+            forks = self.fork_server.process
+            use_fork_server(None)
+            self.fork_server = None
+            if forks is not None:
+                self.console.print(f"  stopped {FORK_SERVER_ID} (pid {forks.pid})", highlight=False)
         if self.planner is not None:  # first: it must not decide on a fleet that is going away
             await self._terminate({PLANNER_ID: self.planner.process}, _ROUTER_STOP_S)
         if self._etcd_client is not None:

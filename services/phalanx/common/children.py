@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import os
 import signal
 import sys
 from typing import Any
 
 _PR_SET_PDEATHSIG = 1
+_PR_SET_NAME = 15
+_PR_SET_CHILD_SUBREAPER = 36
 
 
 def pdeathsig_preexec() -> Any:
@@ -32,3 +35,24 @@ def pdeathsig_preexec() -> Any:
             os._exit(1)
 
     return preexec
+
+
+@functools.cache
+def _libc() -> Any:
+    return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+
+
+def set_parent_death_signal(sig: int) -> bool:
+    """This process gets ``sig`` when its parent (thread) dies; False where the platform has no such thing."""
+    return sys.platform.startswith("linux") and _libc().prctl(_PR_SET_PDEATHSIG, sig, 0, 0, 0) == 0
+
+
+def become_subreaper() -> bool:
+    """Orphaned descendants are re-parented to this process, not to init (Linux's PR_SET_CHILD_SUBREAPER); False if not."""
+    return sys.platform.startswith("linux") and _libc().prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+
+
+def set_process_name(name: str) -> None:
+    """This process's name as top and ps -o comm show it (Linux: the first 15 bytes)."""
+    if sys.platform.startswith("linux"):
+        _libc().prctl(_PR_SET_NAME, ctypes.c_char_p(name.encode()[:15]), 0, 0, 0)

@@ -34,6 +34,7 @@ from phalanx.common.discovery import (
 )
 from phalanx.common.subjects import ROUTERS_PREFIX
 from phalanx.common.tls import open_channel
+from phalanx.launch.fork_server import ForkServer
 from phalanx.launch.ports import free_port
 
 __all__ = [
@@ -62,6 +63,7 @@ __all__ = [
     "start_router",
     "start_worker",
     "use_certs",
+    "use_fork_server",
     "wait_registered",
 ]
 
@@ -206,6 +208,26 @@ _HUGE_PAGE_HEAP = "glibc.malloc.hugetlb=1"
 _HUGE_PAGE_COMMANDS = frozenset({"worker", "expert-worker"})
 
 
+_fork_server: ForkServer | None = None
+
+
+def use_fork_server(preload: Sequence[str] | None) -> ForkServer | None:
+    """Fork every later worker process from a server that has imported ``preload`` (phalanx.launch.fork_server), while
+    it is ready; spawn it otherwise. Starts the server (call from a long-lived thread) and makes this process a child
+    subreaper; None: spawn every worker, and stop the server if one runs. Returns the server: its process is the
+    caller's to watch, and to start again with ``server.start()`` when it dies."""
+    global _fork_server
+    if _fork_server is not None:
+        _fork_server.close()
+        _fork_server = None
+    if preload is None:
+        return None
+    # The server's own environment is a worker's (what glibc reads at start-up, for one): its children inherit it.
+    _fork_server = ForkServer(preload, env=_with_huge_page_heap({}))
+    _fork_server.start()
+    return _fork_server
+
+
 def _with_huge_page_heap(env: dict[str, str]) -> dict[str, str]:
     """``env`` with glibc's huge-page heap tunable added to GLIBC_TUNABLES (the process's own or its parent's), unless
     that names a ``glibc.malloc.hugetlb`` of its own."""
@@ -228,6 +250,10 @@ def _spawn(args: list[str], env: dict[str, str], prefix: Sequence[str] = ()) -> 
         env = {**env, "PHALANX_TLS_DIR": own, **{f"PHALANX_{server}_TLS_DIR": own for server in _control_plane_tls}}
     if args[0] in _HUGE_PAGE_COMMANDS:  # the processes whose death other processes wait to see
         env = _with_huge_page_heap(env)
+    if args[0] == "worker" and not prefix and _fork_server is not None:
+        forked = _fork_server.spawn(args, {**os.environ, **env})
+        if forked is not None:
+            return forked
     return subprocess.Popen(
         [*prefix, sys.executable, "-m", "phalanx.cli", *args],
         env={**os.environ, **env},

@@ -15,8 +15,8 @@ exit would send it otherwise), and exits if the supervisor died meanwhile, as `p
 
 The protocol: one JSON line per request on the server's stdin, ``{"args": [...], "env": {...}}`` (the worker's whole
 environment); one JSON line per answer on the response pipe, ``{"pid": N}`` or ``{"error": "..."}``, after a first
-``{"ready": true}`` once the imports are done. Until then, and whenever the server is dead or slow to answer, the
-caller spawns the worker the ordinary way.
+``{"ready": true}`` once the imports are done. Until then, and while the server is dead, the caller spawns the worker
+the ordinary way; a server that took a request and gave no answer fails that start (`ForkServer.spawn`).
 """
 
 from __future__ import annotations
@@ -287,6 +287,7 @@ def _retitle(argv: list[str]) -> None:
 def serve(supervisor: int, answers: int, preload: Sequence[str]) -> None:
     """Imports ``preload``, says ready, then answers each request with a forked worker's PID."""
     started = time.monotonic()
+    set_process_name("phalanx-forks")  # also loads libc's prctl here, not in each forked worker
     for module in preload:
         importlib.import_module(module)
     out = os.fdopen(answers, "wb", buffering=0, closefd=False)

@@ -244,7 +244,8 @@ def _etcd_env(etcd_config: EtcdConfig) -> dict[str, str]:
 
 def _spawn(args: list[str], env: dict[str, str], prefix: Sequence[str] = ()) -> subprocess.Popen:
     """``python -m phalanx.cli ARGS``, run through ``prefix`` if given (a command that execs the rest, e.g. ``ip netns
-    exec NS``, so that the PID is the service's own)."""
+    exec NS``, so that the PID is the service's own). A worker without a prefix is forked from the fork server instead,
+    while one is in use and ready (``use_fork_server``)."""
     if _certs_root is not None and "PHALANX_TLS_DIR" not in env:
         own = str(_certs_root / args[0])
         env = {**env, "PHALANX_TLS_DIR": own, **{f"PHALANX_{server}_TLS_DIR": own for server in _control_plane_tls}}

@@ -657,7 +657,7 @@ class _Stack:
                       *self.memories.values(), *self.encoders.values())
             if h is not None
         ]
-        forks = self.fork_server.process if self.fork_server is not None else None
+        forks = self._forks
         if forks is not None and forks.poll() is None:
             services.append(ProcessEntry(FORK_SERVER_ID, "", forks.pid))
         return UpState(
@@ -712,7 +712,7 @@ class _Stack:
             proc = getattr(server, "_proc", None)
             if server is not None and proc is not None and proc.poll() is not None and name not in self.replacing:
                 found.append((name, proc.pid, proc.returncode))
-        forks = self.fork_server.process if self.fork_server is not None else None
+        forks = self._forks
         if forks is not None and forks.poll() is not None and FORK_SERVER_ID not in self.replacing:
             found.append((FORK_SERVER_ID, forks.pid, forks.returncode))
         return found
@@ -844,12 +844,22 @@ class _Stack:
         self.board.set(name, "ready", service.address, service.process.pid)
         return name, service.process.pid
 
-    def _stop_forking(self, why: str) -> None:
+    @property
+    def _forks(self) -> subprocess.Popen | None:
+        """The fork server's process (--fork-workers), alive or not; None without one."""
+        return self.fork_server.process if self.fork_server is not None else None
+
+    def _end_forking(self) -> int | None:
+        """Stops the fork server: workers are spawned from now on. Its last process's PID, if it had one."""
         from phalanx.launch.services import use_fork_server
 
-        pid = self.fork_server.process.pid if self.fork_server is not None and self.fork_server.process is not None else None
+        forks = self._forks
         use_fork_server(None)
         self.fork_server = None
+        return forks.pid if forks is not None else None
+
+    def _stop_forking(self, why: str) -> None:
+        pid = self._end_forking()
         self.board.set(FORK_SERVER_ID, "failed", note=f"{why}; workers are spawned from now on")
         self._record(FORK_SERVER_ID, pid, f"{why}; workers are spawned from now on")
 
@@ -1087,13 +1097,9 @@ class _Stack:
             await asyncio.gather(*self.replacing.values(), *self.scaling.values(), *self.spare_starts.values(), *self._unmarking,
                                  return_exceptions=True)
         if self.fork_server is not None:  # nothing starts any more; the workers it forked are ours, stopped below
-            from phalanx.launch.services import use_fork_server
-
-            forks = self.fork_server.process
-            use_fork_server(None)
-            self.fork_server = None
-            if forks is not None:
-                self.console.print(f"  stopped {FORK_SERVER_ID} (pid {forks.pid})", highlight=False)
+            pid = self._end_forking()
+            if pid is not None:
+                self.console.print(f"  stopped {FORK_SERVER_ID} (pid {pid})", highlight=False)
         if self.planner is not None:  # first: it must not decide on a fleet that is going away
             await self._terminate({PLANNER_ID: self.planner.process}, _ROUTER_STOP_S)
         if self._etcd_client is not None:

@@ -23,18 +23,16 @@ def pdeathsig_preexec() -> Any:
     """
     if not sys.platform.startswith("linux"):
         return None
-    # Resolved before fork: loading a library between fork and exec is unsafe.
-    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-    prctl = libc.prctl
-    parent = os.getpid()
+    _libc()  # resolved before fork: loading a library between fork and exec is unsafe
+    return functools.partial(die_with_parent, os.getpid())
 
-    def preexec() -> None:
-        prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
-        # The parent may have died between fork and prctl: then no signal comes.
-        if os.getppid() != parent:
-            os._exit(1)
 
-    return preexec
+def die_with_parent(parent: int) -> None:
+    """SIGTERM to this process when its parent (thread) dies; exits at once if ``parent`` is no longer its parent (it
+    died before the signal was set, and then none comes)."""
+    set_parent_death_signal(signal.SIGTERM)
+    if os.getppid() != parent:
+        os._exit(1)
 
 
 @functools.cache

@@ -36,7 +36,7 @@ import traceback
 from collections.abc import Sequence
 from pathlib import Path
 
-from phalanx.common.children import become_subreaper, pdeathsig_preexec, set_parent_death_signal, set_process_name
+from phalanx.common.children import become_subreaper, die_with_parent, pdeathsig_preexec, set_process_name
 
 # What a simulated worker imports before it serves; a torch worker adds the model code (and torch).
 SIM_PRELOAD = ("phalanx.cli.main", "phalanx.worker.process", "phalanx.worker.simulated")
@@ -242,9 +242,7 @@ def _become_worker(args: list[str], env: dict[str, str], supervisor: int, answer
             if time.monotonic() > deadline:
                 os._exit(1)  # the supervisor died (we went to init), or is no subreaper
             time.sleep(0.001)
-        set_parent_death_signal(signal.SIGTERM)
-        if os.getppid() != supervisor:  # it died between the check and the prctl: then no signal comes
-            os._exit(1)
+        die_with_parent(supervisor)
         os.environ.clear()
         os.environ.update(env)
         sys.argv = ["phalanx", *args]

@@ -55,6 +55,22 @@ def test_greedy_engine_output_equals_the_full_forward_loop(name):
     assert tokens_of(events) == expected
 
 
+def test_a_lone_decode_padded_to_its_blocks_as_on_a_gpu_gives_the_exact_lengths_tokens(monkeypatch):
+    # A GPU attends a lone decode in the padded batch call (attention._fewest_padded_decodes); CI has no GPU, so the
+    # CPU takes that path here and must give the tokens of attending exactly the decode's keys.
+    import phalanx.model.attention as attention
+
+    model = phalanx.model.load("phalanx-tiny-dense")
+    prompt = model.tokenizer.encode("the lighthouse keeper watched the storm")
+    exact = tokens_of(*run(Engine(model, EngineConfig()), [EngineRequest(prompt, greedy(prompt, 40))]).values())
+    padded_calls = []
+    real = attention.PagedAttention._attend_decodes
+    monkeypatch.setattr(attention, "_fewest_padded_decodes", lambda device: 1)
+    monkeypatch.setattr(attention.PagedAttention, "_attend_decodes", lambda self, *a: padded_calls.append(1) or real(self, *a))
+    padded = tokens_of(*run(Engine(model, EngineConfig()), [EngineRequest(prompt, greedy(prompt, 40))]).values())
+    assert padded_calls and padded == exact
+
+
 def test_32_concurrent_requests_equal_single_request_runs_in_deterministic_mode(moe):
     ps = prompts(moe, 32)
     engine = Engine(moe, EngineConfig(deterministic=True))

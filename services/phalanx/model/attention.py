@@ -82,6 +82,13 @@ class SeqChunk:
         return self.start + self.num_tokens
 
 
+def _fewest_padded_decodes(device: torch.device) -> int:
+    # On a CPU a lone decode is cheapest against exactly its keys. On a GPU that key length is new every step, and
+    # SDPA plans a kernel for each new shape (an H100: 85 ms for a new length, 0.08 ms for one seen before); the
+    # padded call's length changes once a block (docs/development.md, "A lone decode on a GPU").
+    return 1 if device.type == "cuda" else 2
+
+
 class PagedAttention:
     """Attention over a paged KV cache: [layers, 2, blocks, block_size, kv_heads, head_dim].
 
@@ -102,9 +109,10 @@ class PagedAttention:
         self._tile_groups = self._tiles() if invariant else None
 
     def _decode_metadata(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, set[int]] | None:
-        """Block tables, mask and rows of the batch's decodes (and their rows as a set), when two or more."""
+        """Block tables, mask and rows of the batch's decodes (and their rows as a set), when two or more; on a GPU,
+        when one or more."""
         decodes = [c for c in self.chunks if c.num_tokens == 1]
-        if len(decodes) < 2:
+        if len(decodes) < _fewest_padded_decodes(self.kv.device):
             return None
         max_blocks = max(len(c.block_table) for c in decodes)
         tables = torch.zeros((len(decodes), max_blocks), dtype=torch.int64)

@@ -157,6 +157,7 @@ class RoutingTable:
         stale_penalty_s: float = 1.0,
         clock: Callable[[], float] = time.monotonic,
         index: KvIndex | None = None,
+        running_seq_steps: float = RUNNING_SEQ_STEPS,
     ) -> None:
         if block_size < 1:
             raise ValueError("block_size must be >= 1")
@@ -167,6 +168,7 @@ class RoutingTable:
         self.default_step_time_s = default_step_time_s
         self.load_stale_s = load_stale_s
         self.stale_penalty_s = stale_penalty_s
+        self.running_seq_steps = running_seq_steps  # the running-sequence term's weight (phalanx.bench.route_balance weighs it)
         self.clock = clock
         self.index = index if index is not None else KvIndex()
         self._workers: dict[str, _Worker] = {}
@@ -372,7 +374,7 @@ class RoutingTable:
         rate = w.prefill_tokens_per_s if w.prefill_tokens_per_s > 0 else self._fleet_prefill_tokens_per_s or self.default_prefill_tokens_per_s
         step = self._step_s(w)
         w.inv_rate = 1.0 / rate
-        w.base_s = w.routed_tokens / rate + (1 + w.queue_depth + w.routed) * step + RUNNING_SEQ_STEPS * w.running_seqs * step
+        w.base_s = w.routed_tokens / rate + (1 + w.queue_depth + w.routed) * step + self.running_seq_steps * w.running_seqs * step
 
     def _step_s(self, w: _Worker) -> float:
         return w.step_time_ms / 1e3 if w.step_time_ms > 0 else self._fleet_step_time_s or self.default_step_time_s

@@ -1,0 +1,146 @@
+"""An offline model of how evenly the router spreads decode load: `python -m phalanx.bench.route_balance [--json]`.
+
+A fixed fleet of modelled workers (not processes, not the simulated engine: a few lines of arithmetic each) serves
+`phalanx bench planner`'s trace behind the router's real `RoutingTable`. A modelled worker steps like the planner
+bench's simulated one, 150 ms + 75 ms per running sequence, admits what was routed to it at its next step, and gives
+every running sequence a token at each step's end. Every 0.1 s each worker reports its running sequences and its
+step time averaged as the engine averages it (an exponential average over steps, `async_engine._EMA_ALPHA`), the
+router's view between reports being its own count of what it routed since.
+
+What it answers: how much SLO attainment a static fleet loses to uneven routing alone, with no box, no network and no
+process in the way, and how the weight of the running-sequence term in the routing cost
+(`RoutingTable.running_seq_steps`, `routing.RUNNING_SEQ_STEPS`) changes that. Live runs add what the model leaves out
+(the processes' own timing, the relay, the client), so it ranks settings; it does not replace a live run
+(docs/planner.md, twelfth pass).
+"""
+
+from __future__ import annotations
+
+import argparse
+import heapq
+import json
+import statistics
+from dataclasses import dataclass, field
+
+from phalanx._proto import common_pb2
+from phalanx.bench.planner import ITL_SLO_S, OSL, TTFT_SLO_S, arrivals
+from phalanx.router.routing import RUNNING_SEQ_STEPS, RoutingTable
+from phalanx.worker.async_engine import _EMA_ALPHA
+
+STEP_BASE_S = 0.15
+STEP_PER_SEQ_S = 0.075
+REPORT_EVERY_S = 0.1
+PROMPT_TOKENS = 40
+# Prefill rate the workers report: what the planner bench's profile gives a 40-token prompt (20 ms + 0.5 ms a token).
+PREFILL_TOKENS_PER_S = PROMPT_TOKENS / (0.02 + 0.0005 * PROMPT_TOKENS)
+
+_REPORT, _ARRIVAL, _STEP_END = 0, 1, 2  # event kinds, in the order they go at one instant
+
+
+@dataclass
+class _Worker:
+    worker_id: str
+    running: list[int] = field(default_factory=list)
+    admitted: list[int] = field(default_factory=list)  # routed, waiting for the next step
+    stepping: list[int] = field(default_factory=list)
+    step_started: float = 0.0
+    busy: bool = False
+    step_ema_s: float = 0.0
+    most_running: int = 0
+
+
+@dataclass(frozen=True)
+class BalanceResult:
+    slo_attainment: float
+    mean_itl_s: float
+    ttft_p50_s: float
+    most_running: int  # the most sequences any worker ran at once
+
+
+def simulate(*, running_seq_steps: float = RUNNING_SEQ_STEPS, workers: int = 7, peak_rps: float = 1.15, minutes: float = 10.0,
+             seed: int = 13) -> BalanceResult:
+    """The planner bench's trace (`arrivals`) on `workers` modelled workers behind a RoutingTable."""
+    now = 0.0
+    table = RoutingTable(clock=lambda: now, running_seq_steps=running_seq_steps)
+    fleet = [_Worker(f"w{i}") for i in range(workers)]
+    for w in fleet:
+        table.upsert_worker(w.worker_id, "modelled")
+    duration_s = minutes * 60
+    events: list[tuple[float, int, int]] = []
+    sent = arrivals(duration_s, peak_rps, seed)
+    for i, at in enumerate(sent):
+        heapq.heappush(events, (at, _ARRIVAL, i))
+    heapq.heappush(events, (0.0, _REPORT, 0))
+    tokens: dict[int, list[float]] = {i: [] for i in range(len(sent))}
+
+    def start_step(w: _Worker) -> None:
+        w.running += w.admitted
+        w.admitted = []
+        w.stepping, w.step_started, w.busy = list(w.running), now, True
+        w.most_running = max(w.most_running, len(w.running))
+        heapq.heappush(events, (now + STEP_BASE_S + STEP_PER_SEQ_S * len(w.running), _STEP_END, fleet.index(w)))
+
+    while events:
+        now, kind, index = heapq.heappop(events)
+        if kind == _REPORT:
+            for w in fleet:
+                table.update_load(common_pb2.LoadReport(
+                    worker_id=w.worker_id, running_seqs=len(w.running), step_time_ms=w.step_ema_s * 1e3,
+                    prefill_tokens_per_s=PREFILL_TOKENS_PER_S,
+                ))
+            if now < duration_s or any(w.busy for w in fleet):
+                heapq.heappush(events, (now + REPORT_EVERY_S, _REPORT, 0))
+        elif kind == _ARRIVAL:
+            decision = table.route([index % 250 + 1] + [7] * (PROMPT_TOKENS - 1))
+            assert decision is not None  # a fixed fleet: always someone to route to
+            table.note_routed(decision.worker_id, PROMPT_TOKENS - decision.cached_tokens)
+            w = next(w for w in fleet if w.worker_id == decision.worker_id)
+            w.admitted.append(index)
+            if not w.busy:
+                start_step(w)
+        else:
+            w = fleet[index]
+            took = now - w.step_started
+            w.step_ema_s = took if w.step_ema_s == 0 else w.step_ema_s + _EMA_ALPHA * (took - w.step_ema_s)
+            for request in w.stepping:
+                tokens[request].append(now)
+                if len(tokens[request]) == OSL:
+                    w.running.remove(request)
+            w.busy = False
+            if w.running or w.admitted:
+                start_step(w)
+    ttfts = [times[0] - sent[i] for i, times in tokens.items()]
+    itls = [(times[-1] - times[0]) / (OSL - 1) for times in tokens.values()]
+    within = sum(1 for ttft, itl in zip(ttfts, itls, strict=True) if ttft <= TTFT_SLO_S and itl <= ITL_SLO_S)
+    return BalanceResult(slo_attainment=within / len(sent), mean_itl_s=statistics.fmean(itls), ttft_p50_s=statistics.median(ttfts),
+                         most_running=max(w.most_running for w in fleet))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--weights", default="0.1,0.25,0.5,1.0", help="running_seq_steps values to compare")
+    parser.add_argument("--seeds", default="13,14,15,16,17,18", help="trace seeds (the planner bench's is 13)")
+    parser.add_argument("--workers", type=int, default=7, help="fleet size (the planner bench's static-max: 7)")
+    parser.add_argument("--json", action="store_true", help="JSON only")
+    args = parser.parse_args()
+    seeds = [int(s) for s in args.seeds.split(",")]
+    rows = {}
+    for weight in (float(w) for w in args.weights.split(",")):
+        results = [simulate(running_seq_steps=weight, workers=args.workers, seed=seed) for seed in seeds]
+        rows[str(weight)] = {
+            "slo_attainment_by_seed": [round(r.slo_attainment, 4) for r in results],
+            "slo_attainment_mean": round(statistics.fmean(r.slo_attainment for r in results), 4),
+            "slo_attainment_worst": round(min(r.slo_attainment for r in results), 4),
+            "mean_itl_s": round(statistics.fmean(r.mean_itl_s for r in results), 4),
+            "ttft_p50_s": round(statistics.fmean(r.ttft_p50_s for r in results), 4),
+            "most_running": max(r.most_running for r in results),
+        }
+        if not args.json:
+            print(weight, rows[str(weight)], flush=True)
+    if args.json:
+        print(json.dumps({"model": "route_balance (modelled workers, the real RoutingTable)", "workers": args.workers, "seeds": seeds,
+                          "current_weight": RUNNING_SEQ_STEPS, "by_running_seq_steps": rows}))
+
+
+if __name__ == "__main__":
+    main()

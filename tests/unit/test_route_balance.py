@@ -21,3 +21,9 @@ def test_the_running_sequence_term_spreads_the_sequences():
     weightless = simulate(workers=7, minutes=2, running_seq_steps=0.0)
     weighted = simulate(workers=7, minutes=2, running_seq_steps=1.0)
     assert weighted.mean_itl_s < weightless.mean_itl_s / 2 and weighted.most_running * 2 < weightless.most_running
+
+
+def test_prompts_on_shared_system_prompts_find_them_in_the_workers_caches():
+    shared = simulate(workers=7, minutes=2, shared_prefix=256)
+    assert simulate(workers=7, minutes=2).prefix_hit_share == 0.0
+    assert shared.prefix_hit_share > 0.6  # 256 of 296 tokens, once each worker has prefilled each system prompt

@@ -2,10 +2,14 @@
 
 A fixed fleet of modelled workers (not processes, not the simulated engine: a few lines of arithmetic each) serves
 `phalanx bench planner`'s trace behind the router's real `RoutingTable`. A modelled worker steps like the planner
-bench's simulated one, 150 ms + 75 ms per running sequence, admits what was routed to it at its next step, and gives
-every running sequence a token at each step's end. Every 0.1 s each worker reports its running sequences and its
-step time averaged as the engine averages it (an exponential average over steps, `async_engine._EMA_ALPHA`), the
-router's view between reports being its own count of what it routed since.
+bench's simulated one, 150 ms + 75 ms per running sequence plus 0.5 ms per prompt token it prefills, admits what was
+routed to it at its next step, and gives every running sequence a token at each step's end. Every 0.1 s each worker
+reports its running sequences and its step time averaged as the engine averages it (an exponential average over
+steps, `async_engine._EMA_ALPHA`), the router's view between reports being its own count of what it routed since.
+With `--shared-prefix N`, every prompt starts with one of `--system-prompts` system prompts of N tokens: a worker keeps
+the blocks of the prompts it prefilled (the least recently used go beyond `--cache-blocks`) and publishes them as KV
+events into the router's index, so the routing cost weighs a cache holder's saved prefill against its load, and the
+prefix hit share is reported beside the SLO.
 
 What it answers: how much SLO attainment a static fleet loses to uneven routing alone, with no box, no network and no
 process in the way, and how the weight of the running-sequence term in the routing cost
@@ -19,20 +23,23 @@ from __future__ import annotations
 import argparse
 import heapq
 import json
+import random
 import statistics
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from phalanx._proto import common_pb2
 from phalanx.bench.planner import ITL_SLO_S, OSL, TTFT_SLO_S, arrivals
+from phalanx.common.block_hash import ROOT_HASH, prefix_block_hashes
 from phalanx.router.routing import RUNNING_SEQ_STEPS, RoutingTable
 from phalanx.worker.async_engine import _EMA_ALPHA
 
 STEP_BASE_S = 0.15
 STEP_PER_SEQ_S = 0.075
+PREFILL_PER_TOKEN_S = 0.0005  # the planner bench's profile: 20 ms + 0.5 ms per prompt token
 REPORT_EVERY_S = 0.1
-PROMPT_TOKENS = 40
-# Prefill rate the workers report: what the planner bench's profile gives a 40-token prompt (20 ms + 0.5 ms a token).
-PREFILL_TOKENS_PER_S = PROMPT_TOKENS / (0.02 + 0.0005 * PROMPT_TOKENS)
+PROMPT_TOKENS = 40  # each request's own tokens, after the shared prefix if any
+BLOCK_SIZE = 16
 
 _REPORT, _ARRIVAL, _STEP_END = 0, 1, 2  # event kinds, in the order they go at one instant
 
@@ -47,6 +54,8 @@ class _Worker:
     busy: bool = False
     step_ema_s: float = 0.0
     most_running: int = 0
+    cached: OrderedDict[int, None] = field(default_factory=OrderedDict)  # block hashes it holds, least recently used first
+    kv_sequence: int = 0
 
 
 @dataclass(frozen=True)
@@ -55,11 +64,14 @@ class BalanceResult:
     mean_itl_s: float
     ttft_p50_s: float
     most_running: int  # the most sequences any worker ran at once
+    prefix_hit_share: float  # prompt tokens found in the worker's cache, of all prompt tokens
 
 
 def simulate(*, running_seq_steps: float = RUNNING_SEQ_STEPS, workers: int = 7, peak_rps: float = 1.15, minutes: float = 10.0,
-             seed: int = 13) -> BalanceResult:
-    """The planner bench's trace (`arrivals`) on `workers` modelled workers behind a RoutingTable."""
+             seed: int = 13, shared_prefix: int = 0, system_prompts: int = 4, cache_blocks: int = 0) -> BalanceResult:
+    """The planner bench's trace (`arrivals`) on `workers` modelled workers behind a RoutingTable; with `shared_prefix`
+    tokens, each prompt starts with one of `system_prompts` system prompts of that length; `cache_blocks` > 0 bounds what
+    a worker's cache holds."""
     now = 0.0
     table = RoutingTable(clock=lambda: now, running_seq_steps=running_seq_steps)
     fleet = [_Worker(f"w{i}") for i in range(workers)]
@@ -72,13 +84,46 @@ def simulate(*, running_seq_steps: float = RUNNING_SEQ_STEPS, workers: int = 7, 
         heapq.heappush(events, (at, _ARRIVAL, i))
     heapq.heappush(events, (0.0, _REPORT, 0))
     tokens: dict[int, list[float]] = {i: [] for i in range(len(sent))}
+    rng = random.Random(seed)
+    systems = [[rng.randrange(1, 32_000) for _ in range(shared_prefix)] for _ in range(system_prompts)]
+    prompts = [rng.choice(systems) + [rng.randrange(1, 32_000) for _ in range(PROMPT_TOKENS)] for _ in sent]
+    prompt_tokens = hit_tokens = 0
+
+    def prefill(w: _Worker, prompt: list[int]) -> int:
+        """Stores the prompt's blocks on `w` (a KV event into the router's index); the tokens it had to compute."""
+        nonlocal prompt_tokens, hit_tokens
+        hashes = prefix_block_hashes(prompt, BLOCK_SIZE)
+        held = 0
+        while held < len(hashes) and hashes[held] in w.cached:
+            held += 1
+        held_tokens = min(held * BLOCK_SIZE, len(prompt) - 1)  # the last token is always computed
+        for h in hashes[:held]:
+            w.cached.move_to_end(h)
+        if held < len(hashes):
+            parent = hashes[held - 1] if held else ROOT_HASH
+            stored = []
+            for h in hashes[held:]:
+                stored.append(common_pb2.KvBlockStored(block_hash=h, parent_hash=parent, num_tokens=BLOCK_SIZE))
+                parent = h
+            w.kv_sequence += 1
+            table.on_kv_event(common_pb2.KvEvent(worker_id=w.worker_id, sequence=w.kv_sequence, stored=stored))
+            w.cached.update(dict.fromkeys(hashes[held:]))
+        evicted = [w.cached.popitem(last=False)[0] for _ in range(len(w.cached) - cache_blocks)] if cache_blocks else []
+        if evicted:
+            w.kv_sequence += 1
+            table.on_kv_event(common_pb2.KvEvent(worker_id=w.worker_id, sequence=w.kv_sequence, removed=evicted))
+        prompt_tokens += len(prompt)
+        hit_tokens += held_tokens
+        return len(prompt) - held_tokens
 
     def start_step(w: _Worker) -> None:
+        computed = sum(prefill(w, prompts[request]) for request in w.admitted)
         w.running += w.admitted
         w.admitted = []
         w.stepping, w.step_started, w.busy = list(w.running), now, True
         w.most_running = max(w.most_running, len(w.running))
-        heapq.heappush(events, (now + STEP_BASE_S + STEP_PER_SEQ_S * len(w.running), _STEP_END, fleet.index(w)))
+        took = STEP_BASE_S + STEP_PER_SEQ_S * len(w.running) + PREFILL_PER_TOKEN_S * computed
+        heapq.heappush(events, (now + took, _STEP_END, fleet.index(w)))
 
     while events:
         now, kind, index = heapq.heappop(events)
@@ -86,14 +131,14 @@ def simulate(*, running_seq_steps: float = RUNNING_SEQ_STEPS, workers: int = 7, 
             for w in fleet:
                 table.update_load(common_pb2.LoadReport(
                     worker_id=w.worker_id, running_seqs=len(w.running), step_time_ms=w.step_ema_s * 1e3,
-                    prefill_tokens_per_s=PREFILL_TOKENS_PER_S,
+                    prefill_tokens_per_s=1 / PREFILL_PER_TOKEN_S,
                 ))
             if now < duration_s or any(w.busy for w in fleet):
                 heapq.heappush(events, (now + REPORT_EVERY_S, _REPORT, 0))
         elif kind == _ARRIVAL:
-            decision = table.route([index % 250 + 1] + [7] * (PROMPT_TOKENS - 1))
+            decision = table.route(prompts[index])
             assert decision is not None  # a fixed fleet: always someone to route to
-            table.note_routed(decision.worker_id, PROMPT_TOKENS - decision.cached_tokens)
+            table.note_routed(decision.worker_id, len(prompts[index]) - decision.cached_tokens)
             w = next(w for w in fleet if w.worker_id == decision.worker_id)
             w.admitted.append(index)
             if not w.busy:
@@ -113,7 +158,7 @@ def simulate(*, running_seq_steps: float = RUNNING_SEQ_STEPS, workers: int = 7, 
     itls = [(times[-1] - times[0]) / (OSL - 1) for times in tokens.values()]
     within = sum(1 for ttft, itl in zip(ttfts, itls, strict=True) if ttft <= TTFT_SLO_S and itl <= ITL_SLO_S)
     return BalanceResult(slo_attainment=within / len(sent), mean_itl_s=statistics.fmean(itls), ttft_p50_s=statistics.median(ttfts),
-                         most_running=max(w.most_running for w in fleet))
+                         most_running=max(w.most_running for w in fleet), prefix_hit_share=hit_tokens / prompt_tokens)
 
 
 def main() -> None:
@@ -121,12 +166,16 @@ def main() -> None:
     parser.add_argument("--weights", default="0.1,0.25,0.5,1.0", help="running_seq_steps values to compare")
     parser.add_argument("--seeds", default="13,14,15,16,17,18", help="trace seeds (the planner bench's is 13)")
     parser.add_argument("--workers", type=int, default=7, help="fleet size (the planner bench's static-max: 7)")
+    parser.add_argument("--shared-prefix", type=int, default=0, help="tokens of the system prompts the prompts start with (0: none)")
+    parser.add_argument("--system-prompts", type=int, default=4, help="how many system prompts there are")
+    parser.add_argument("--cache-blocks", type=int, default=0, help="blocks of 16 tokens a worker's cache holds (0: all)")
     parser.add_argument("--json", action="store_true", help="JSON only")
     args = parser.parse_args()
     seeds = [int(s) for s in args.seeds.split(",")]
     rows = {}
     for weight in (float(w) for w in args.weights.split(",")):
-        results = [simulate(running_seq_steps=weight, workers=args.workers, seed=seed) for seed in seeds]
+        results = [simulate(running_seq_steps=weight, workers=args.workers, seed=seed, shared_prefix=args.shared_prefix,
+                            system_prompts=args.system_prompts, cache_blocks=args.cache_blocks) for seed in seeds]
         rows[str(weight)] = {
             "slo_attainment_by_seed": [round(r.slo_attainment, 4) for r in results],
             "slo_attainment_mean": round(statistics.fmean(r.slo_attainment for r in results), 4),
@@ -134,11 +183,13 @@ def main() -> None:
             "mean_itl_s": round(statistics.fmean(r.mean_itl_s for r in results), 4),
             "ttft_p50_s": round(statistics.fmean(r.ttft_p50_s for r in results), 4),
             "most_running": max(r.most_running for r in results),
+            "prefix_hit_share": round(statistics.fmean(r.prefix_hit_share for r in results), 4),
         }
         if not args.json:
             print(weight, rows[str(weight)], flush=True)
     if args.json:
         print(json.dumps({"model": "route_balance (modelled workers, the real RoutingTable)", "workers": args.workers, "seeds": seeds,
+                          "shared_prefix": args.shared_prefix, "system_prompts": args.system_prompts, "cache_blocks": args.cache_blocks,
                           "current_weight": RUNNING_SEQ_STEPS, "by_running_seq_steps": rows}))
 
 

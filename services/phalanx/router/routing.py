@@ -19,10 +19,16 @@ Per routable worker (lower is better), in seconds:
   about every 100 ms; without these a burst of requests would all land on
   the worker that looked idlest in the last report. A report resets them
   (the requests show in its queue_depth / running_seqs from then on).
-- `RUNNING_SEQ_STEPS * running_seqs * step_time`: light (a tenth of a queued
-  request per running sequence). Decoding sequences slow each step and keep
-  holding KV memory, but step_time already reflects most of that; the term
-  mainly makes equally idle-looking workers share load.
+- `RUNNING_SEQ_STEPS * running_seqs * step_time`: a quarter of a queued
+  request per running sequence. Decoding sequences slow each step and keep
+  holding KV memory; step_time shows that only late (the engine averages it
+  over about ten steps, seconds when steps are slow), and the running count
+  is what spreads decodes, whose ITL grows with every sequence beside them.
+  At a tenth, the offline model of the planner bench's fleet
+  (phalanx.bench.route_balance, six seeds) attained 98.4 % mean (93.9 %
+  worst) at 0.36 s mean ITL; at a quarter 99.1 % (94.5 %) at 0.32 s, and
+  with prompts on 16 system prompts over bounded caches 97.3 -> 99.2 % at
+  the same prefix hit share, 78-79 % (docs/planner.md, twelfth pass).
 - `stale_penalty_s`: a worker silent for longer than load_stale_s may be
   dead with its lease not lapsed yet; it stays routable (it may be fine, and
   if every worker is silent the router must still route) but loses to any
@@ -59,7 +65,7 @@ from phalanx._proto import common_pb2
 from phalanx.common.block_hash import MediaSpan, prefix_block_hashes, prefix_block_hashes_with_media
 from phalanx.router.index import KvIndex
 
-RUNNING_SEQ_STEPS = 0.1
+RUNNING_SEQ_STEPS = 0.25
 
 _NOT_ROUTABLE_HEALTH = frozenset({common_pb2.WORKER_HEALTH_DRAINING, common_pb2.WORKER_HEALTH_DEAD})
 

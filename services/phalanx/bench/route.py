@@ -35,8 +35,9 @@ _WARMUP = 300
 GOAL = {"workers": 64, "p50_us": 100, "p99_us": 300}
 
 
-class _Publisher:
-    """One worker's KV event stream: numbered messages of stored / removed blocks."""
+class KvEventPublisher:
+    """One worker's KV event stream into a RoutingTable: numbered messages of stored / removed blocks (also what
+    route_balance's modelled workers publish)."""
 
     def __init__(self, worker_id: str, table: RoutingTable) -> None:
         self.worker_id = worker_id
@@ -69,7 +70,7 @@ def _tokens(rng: random.Random, n: int) -> list[int]:
 
 
 def _fill_worker(
-    publisher: _Publisher, rng: random.Random, budget: int, systems: list[list[int]], system_hashes: list[list[int]], chains: list[list[int]]
+    publisher: KvEventPublisher, rng: random.Random, budget: int, systems: list[list[int]], system_hashes: list[list[int]], chains: list[list[int]]
 ) -> None:
     """Stores exactly `budget` blocks on one worker: a few system prompts, then request chains on them."""
     held: set[int] = set()
@@ -114,7 +115,7 @@ def _build(workers: int, total_blocks: int, rng: random.Random) -> tuple[Routing
         if table.upsert_worker(worker_id, f"10.0.{i // 250}.{i % 250}:50051", pid=1000 + i, model="bench", total_blocks=8192):
             table.load_kv_snapshot(worker_id, 0, [])  # the initial sync of a fresh worker
         budget = total_blocks // workers + (1 if i < total_blocks % workers else 0)
-        _fill_worker(_Publisher(worker_id, table), rng, budget, systems, system_hashes, chains)
+        _fill_worker(KvEventPublisher(worker_id, table), rng, budget, systems, system_hashes, chains)
     _report_load(table, workers, rng)
     return table, systems, chains
 

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 
 from phalanx._proto import common_pb2
 from phalanx.bench.planner import ITL_SLO_S, OSL, TTFT_SLO_S, arrivals
+from phalanx.bench.route import BLOCK_SIZE, KvEventPublisher
 from phalanx.common.block_hash import ROOT_HASH, prefix_block_hashes
 from phalanx.router.routing import RUNNING_SEQ_STEPS, RoutingTable
 from phalanx.worker.async_engine import _EMA_ALPHA
@@ -39,7 +40,6 @@ STEP_PER_SEQ_S = 0.075
 PREFILL_PER_TOKEN_S = 0.0005  # the planner bench's profile: 20 ms + 0.5 ms per prompt token
 REPORT_EVERY_S = 0.1
 PROMPT_TOKENS = 40  # each request's own tokens, after the shared prefix if any
-BLOCK_SIZE = 16
 
 _REPORT, _ARRIVAL, _STEP_END = 0, 1, 2  # event kinds, in the order they go at one instant
 
@@ -47,6 +47,7 @@ _REPORT, _ARRIVAL, _STEP_END = 0, 1, 2  # event kinds, in the order they go at o
 @dataclass
 class _Worker:
     worker_id: str
+    kv_events: KvEventPublisher
     running: list[int] = field(default_factory=list)
     admitted: list[int] = field(default_factory=list)  # routed, waiting for the next step
     stepping: list[int] = field(default_factory=list)
@@ -55,7 +56,6 @@ class _Worker:
     step_ema_s: float = 0.0
     most_running: int = 0
     cached: OrderedDict[int, None] = field(default_factory=OrderedDict)  # block hashes it holds, least recently used first
-    kv_sequence: int = 0
 
 
 @dataclass(frozen=True)
@@ -74,7 +74,7 @@ def simulate(*, running_seq_steps: float = RUNNING_SEQ_STEPS, workers: int = 7, 
     a worker's cache holds."""
     now = 0.0
     table = RoutingTable(clock=lambda: now, running_seq_steps=running_seq_steps)
-    fleet = [_Worker(f"w{i}") for i in range(workers)]
+    fleet = [_Worker(f"w{i}", KvEventPublisher(f"w{i}", table)) for i in range(workers)]
     for w in fleet:
         table.upsert_worker(w.worker_id, "modelled")
     duration_s = minutes * 60
@@ -90,7 +90,7 @@ def simulate(*, running_seq_steps: float = RUNNING_SEQ_STEPS, workers: int = 7, 
     prompt_tokens = hit_tokens = 0
 
     def prefill(w: _Worker, prompt: list[int]) -> int:
-        """Stores the prompt's blocks on `w` (a KV event into the router's index); the tokens it had to compute."""
+        """Stores the prompt's blocks on `w` (KV events into the router's index); the tokens it had to compute."""
         nonlocal prompt_tokens, hit_tokens
         hashes = prefix_block_hashes(prompt, BLOCK_SIZE)
         held = 0
@@ -100,18 +100,11 @@ def simulate(*, running_seq_steps: float = RUNNING_SEQ_STEPS, workers: int = 7, 
         for h in hashes[:held]:
             w.cached.move_to_end(h)
         if held < len(hashes):
-            parent = hashes[held - 1] if held else ROOT_HASH
-            stored = []
-            for h in hashes[held:]:
-                stored.append(common_pb2.KvBlockStored(block_hash=h, parent_hash=parent, num_tokens=BLOCK_SIZE))
-                parent = h
-            w.kv_sequence += 1
-            table.on_kv_event(common_pb2.KvEvent(worker_id=w.worker_id, sequence=w.kv_sequence, stored=stored))
+            w.kv_events.store(hashes[held:], hashes[held - 1] if held else ROOT_HASH)
             w.cached.update(dict.fromkeys(hashes[held:]))
         evicted = [w.cached.popitem(last=False)[0] for _ in range(len(w.cached) - cache_blocks)] if cache_blocks else []
         if evicted:
-            w.kv_sequence += 1
-            table.on_kv_event(common_pb2.KvEvent(worker_id=w.worker_id, sequence=w.kv_sequence, removed=evicted))
+            w.kv_events.remove(evicted)
         prompt_tokens += len(prompt)
         hit_tokens += held_tokens
         return len(prompt) - held_tokens

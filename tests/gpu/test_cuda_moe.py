@@ -11,11 +11,11 @@ import pytest
 import torch
 
 import phalanx.model
+from phalanx.ert_manager.table import ErtManager, ExpertWorkerJoined, ExpertWorkerRef, place
 from phalanx.model.expert_split import ExpertHost, LocalExperts, split_attention
 from phalanx.model.sampling import SamplingParams
 from phalanx.worker.config import EngineConfig
 from phalanx.worker.engine import Engine, EngineRequest
-from phalanx.worker.ert import ErtManager, ExpertWorkerJoined, ExpertWorkerRef, place
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 MODEL = "phalanx-tiny-moe"

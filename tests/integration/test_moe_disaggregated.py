@@ -17,10 +17,10 @@ from phalanx._proto import common_pb2, expert_pb2, expert_pb2_grpc, worker_pb2, 
 from phalanx.common.discovery import decode_json
 from phalanx.common.lease import connect_etcd
 from phalanx.common.subjects import ERT_KEY
+from phalanx.ert_manager.table import ExpertRoutingTable
 from phalanx.launch.services import start_worker
 from phalanx.launch.stack import Stack, unique_id
 from phalanx.testing.asserts import assert_eventually
-from phalanx.worker.ert import ExpertRoutingTable
 
 pytestmark = pytest.mark.integration
 

@@ -30,7 +30,7 @@ LAYERS: tuple[frozenset[str], ...] = (
     frozenset({"_proto", "client"}),
     frozenset({"common"}),
     frozenset({"model", "failover"}),
-    frozenset({"worker", "router", "health", "migration", "checkpoint_store", "planner", "encoder_pool", "gateway"}),
+    frozenset({"worker", "expert_worker", "ert_manager", "router", "health", "migration", "checkpoint_store", "planner", "encoder_pool", "gateway"}),
     frozenset({"launch"}),
     frozenset({"chaos", "bench", "testing"}),
     frozenset({"cli"}),

@@ -13,11 +13,12 @@ from pathlib import Path
 import pytest
 
 from phalanx._proto import expert_pb2
+from phalanx.ert_manager.config import ErtManagerConfig
+from phalanx.ert_manager.table import place
+from phalanx.expert_worker.config import ExpertWorkerConfig
 from phalanx.model.config import BUILTIN_MODELS, model_hidden_size
 from phalanx.testing.settings import unknown_settings
 from phalanx.worker.config import EngineConfig
-from phalanx.worker.ert import place
-from phalanx.worker.expert_config import ErtManagerConfig, ExpertWorkerConfig
 
 yaml = pytest.importorskip("yaml")
 

@@ -6,7 +6,7 @@ import pytest
 
 from phalanx._proto import expert_pb2
 from phalanx.common.discovery import decode_json, encode_json
-from phalanx.worker.ert import (
+from phalanx.ert_manager.table import (
     ErtError,
     ErtManager,
     ExpertRole,

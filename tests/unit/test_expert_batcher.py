@@ -2,7 +2,7 @@
 
 import pytest
 
-from phalanx.worker.expert_batcher import BatchPolicy, BatchStart, LayerBatcher
+from phalanx.expert_worker.batcher import BatchPolicy, BatchStart, LayerBatcher
 
 pytestmark = pytest.mark.unit
 POLICY = BatchPolicy(window_s=0.002, min_rows=64, silence_s=0.1, num_layers=4)

@@ -4,11 +4,11 @@ import pytest
 import torch
 
 import phalanx.model
+from phalanx.ert_manager.table import ErtManager, ExpertWorkerJoined, ExpertWorkerLost, ExpertWorkerRef, place
 from phalanx.model.expert_split import ExpertBatch, ExpertHost, LocalExperts, MissingExpertError, RemoteMoE, split_attention
 from phalanx.model.sampling import SamplingParams
 from phalanx.worker.config import EngineConfig
 from phalanx.worker.engine import Engine, EngineRequest
-from phalanx.worker.ert import ErtManager, ExpertWorkerJoined, ExpertWorkerLost, ExpertWorkerRef, place
 
 pytestmark = pytest.mark.unit
 MODEL = "phalanx-tiny-moe"

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
+from phalanx.expert_worker.wire import ExpertCall, header_len, pack
 from phalanx.model.expert_split import ExpertBatch
-from phalanx.worker.expert_wire import ExpertCall, header_len, pack
 
 pytestmark = pytest.mark.unit
 

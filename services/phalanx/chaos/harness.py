@@ -43,6 +43,7 @@ from phalanx.common.discovery import (
 )
 from phalanx.common.lease import connect_etcd
 from phalanx.common.subjects import ERT_KEY, ROUTERS_PREFIX
+from phalanx.ert_manager.table import ExpertRoutingTable
 from phalanx.launch.infra import EtcdCluster, EtcdServer, NatsServer
 from phalanx.launch.ports import free_port
 from phalanx.launch.services import (
@@ -65,7 +66,6 @@ from phalanx.launch.services import (
     start_worker,
 )
 from phalanx.launch.stack import Stack, unique_id
-from phalanx.worker.ert import ExpertRoutingTable
 
 __all__ = ["ChaosRun", "LoadOptions", "ScenarioResult", "ScenarioSkipped", "StreamRecord", "Topology", "run_scenario"]
 

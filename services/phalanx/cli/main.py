@@ -107,8 +107,8 @@ def expert_worker(
 ) -> None:
     """Run an expert worker: hosts a slot of the MoE experts and computes them for attention workers (docs/moe.md)."""
     from phalanx.common.config import EtcdConfig, TelemetryConfig
-    from phalanx.worker.expert_config import ExpertWorkerConfig
-    from phalanx.worker.expert_process import ExpertWorkerProcess
+    from phalanx.expert_worker.config import ExpertWorkerConfig
+    from phalanx.expert_worker.process import ExpertWorkerProcess
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = ExpertWorkerConfig(
@@ -130,8 +130,8 @@ def ert_manager(
 ) -> None:
     """Run an ERT manager: the elected one keeps the expert routing table in etcd in step with the expert workers."""
     from phalanx.common.config import EtcdConfig, TelemetryConfig
-    from phalanx.worker.ert_service import ErtManagerProcess
-    from phalanx.worker.expert_config import ErtManagerConfig
+    from phalanx.ert_manager.config import ErtManagerConfig
+    from phalanx.ert_manager.process import ErtManagerProcess
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = ErtManagerConfig(**_given(instance_id=instance_id, port=port, model=model))

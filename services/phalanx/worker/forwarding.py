@@ -43,9 +43,9 @@ from phalanx.common.errors import UnavailableError
 from phalanx.common.subjects import ERT_KEY, MOE_PREFIX
 from phalanx.common.telemetry import get_tracer
 from phalanx.common.tls import open_channel
+from phalanx.ert_manager.table import ExpertRoutingTable
+from phalanx.expert_worker.wire import pack
 from phalanx.model.expert_split import ExpertBatch
-from phalanx.worker.ert import ExpertRoutingTable
-from phalanx.worker.expert_wire import pack
 
 log = logging.getLogger(__name__)
 _RTT_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)

@@ -1,4 +1,4 @@
-"""Settings of an expert worker (env prefix PHALANX_EXPERT_) and of the ERT manager (PHALANX_ERT_)."""
+"""Settings of an expert worker (env prefix PHALANX_EXPERT_)."""
 
 from __future__ import annotations
 
@@ -65,15 +65,3 @@ class ExpertWorkerConfig(BaseSettings):
         if self.dtype == "auto":
             return torch.float32 if self.device == "cpu" else torch.bfloat16
         return getattr(torch, self.dtype)
-
-
-class ErtManagerConfig(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="PHALANX_ERT_", extra="forbid", frozen=True)
-
-    instance_id: str = Field("", description="Unique id; empty means ert-<hostname>-<pid>")
-    host: str = Field("127.0.0.1", description="Address the gRPC server (health only) binds")
-    port: int = Field(0, ge=0, le=65535, description="gRPC port; 0 picks a free one")
-    advertise_host: str = Field("", description="Host others reach us at (default: host)")
-    metrics_port: int = Field(0, ge=0, le=65535, description="Prometheus /metrics port; 0 picks a free one")
-    model: str = Field(DEFAULT_MODEL, description="The MoE model whose experts the table places")
-    leader_ttl_s: int = Field(2, ge=1, le=60, description="Lease TTL of the leadership key: how long a dead leader's standby waits")

@@ -34,10 +34,10 @@ from phalanx.common.discovery import ExpertWorkerDirectory, decode_json, encode_
 from phalanx.common.lease import TRANSIENT_ERRORS, connect_etcd
 from phalanx.common.service import ServiceShell
 from phalanx.common.subjects import ERT_KEY, ERT_LEADER_KEY, validate_worker_id
+from phalanx.ert_manager.config import ErtManagerConfig
+from phalanx.ert_manager.table import ErtManager, ExpertRole, ExpertRoutingTable, ExpertWorkerJoined, ExpertWorkerLost, ExpertWorkerRef, HostedExpert
 from phalanx.health.leader import LeaderElection
 from phalanx.model.config import BUILTIN_MODELS, ModelConfig
-from phalanx.worker.ert import ErtManager, ExpertRole, ExpertRoutingTable, ExpertWorkerJoined, ExpertWorkerLost, ExpertWorkerRef, HostedExpert
-from phalanx.worker.expert_config import ErtManagerConfig
 
 log = logging.getLogger(__name__)
 

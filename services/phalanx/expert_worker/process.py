@@ -37,12 +37,12 @@ from phalanx.common.discovery import encode_json
 from phalanx.common.errors import InvalidRequestError, UnavailableError
 from phalanx.common.service import ServiceShell
 from phalanx.common.subjects import expert_worker_key, validate_worker_id
+from phalanx.ert_manager.table import place
+from phalanx.expert_worker.batcher import Batch, BatchPolicy, LayerBatcher
+from phalanx.expert_worker.config import ExpertWorkerConfig
+from phalanx.expert_worker.wire import ExpertCall, header_len
 from phalanx.model import load
 from phalanx.model.expert_split import ExpertHost, MissingExpertError
-from phalanx.worker.ert import place
-from phalanx.worker.expert_batcher import Batch, BatchPolicy, LayerBatcher
-from phalanx.worker.expert_config import ExpertWorkerConfig
-from phalanx.worker.expert_wire import ExpertCall, header_len
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = expert_pb2.DESCRIPTOR.services_by_name["ExpertService"].full_name

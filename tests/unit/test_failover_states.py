@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from phalanx.worker.failover import FailoverState, Probe, SwitchLedger, probe_status, segment_name
+from phalanx.worker.failover_engine import FailoverState, Probe, SwitchLedger, probe_status, segment_name
 
 S = FailoverState
 

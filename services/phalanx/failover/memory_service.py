@@ -86,7 +86,7 @@ _REATTACH_MAX_S = 2.0
 # The longest a request may wait for a grant: a waiting connection is not read, so its client's leaving goes unseen
 # until then.
 MAX_TIMEOUT_S = 3600.0
-# A layout hash (WeightLayout.hash: hex) and a segment name (phalanx.worker.failover.segment_name): both end up in file
+# A layout hash (WeightLayout.hash: hex) and a segment name (phalanx.worker.failover_engine.segment_name): both end up in file
 # names and glob patterns, so nothing else is taken.
 _LAYOUT = re.compile(r"[0-9a-f]{8,64}")
 _NAME = re.compile(r"[A-Za-z0-9._@=-]{0,200}")

@@ -6,7 +6,7 @@ engine -> register in etcd -> SERVING. Stop (SIGTERM or Drain): NOT_SERVING
 -> close NATS. Quarantine (Drain keep_running): NOT_SERVING, drained, up and
 running canaries until Undrain (SERVING again) or a stop.
 
-A failover engine (``--failover-role``, phalanx.worker.failover) maps the
+A failover engine (``--failover-role``, phalanx.worker.failover_engine) maps the
 slot's shared weights instead of loading them and stands by, unregistered,
 until it holds the slot's lock; only then does it allocate its KV cache,
 start the engine and register (under a watchdog). A memory service lost for
@@ -45,17 +45,17 @@ from phalanx.common.subjects import (
 from phalanx.common.telemetry import get_tracer
 from phalanx.model.kv_cache import BLOCK_SIZE, KvEvents, prefault
 from phalanx.worker.async_engine import AsyncEngine
-from phalanx.worker.chaos import ChaosServicer
 from phalanx.worker.checkpointing import CheckpointCapture, CheckpointStreamer
 from phalanx.worker.config import EngineConfig, WorkerConfig
 from phalanx.worker.engine import Engine
+from phalanx.worker.fault_service import ChaosServicer
 from phalanx.worker.faults import FaultKind, FaultState
 from phalanx.worker.metrics import WorkerMetrics
 from phalanx.worker.server import KvSourceServicer, WorkerServicer, drain_engine, snapshot_to_proto
 
 if TYPE_CHECKING:
     from phalanx.common.channels import ChannelEndpoint
-    from phalanx.worker.failover import FailoverEngine, WakeWatchdog
+    from phalanx.worker.failover_engine import FailoverEngine, WakeWatchdog
     from phalanx.worker.tp_leader import TensorParallelLeader
 
 log = logging.getLogger(__name__)
@@ -172,7 +172,7 @@ class WorkerProcess:
     def _failover_engine(self) -> FailoverEngine:
         from phalanx.failover.lock import FileFailoverLock
         from phalanx.failover.memory_service import MemoryServiceClient
-        from phalanx.worker.failover import FailoverEngine, FailoverMetrics, SwitchLedger
+        from phalanx.worker.failover_engine import FailoverEngine, FailoverMetrics, SwitchLedger
 
         c = self.config
         if self.engine_config.engine != "torch" or self.engine_config.tensor_parallel_size != 1:
@@ -189,7 +189,7 @@ class WorkerProcess:
     async def _take_over(self, shell: ServiceShell, failover: FailoverEngine) -> tuple[AsyncEngine, Any, WakeWatchdog] | None:
         """INIT -> shared weights -> STANDBY until the lock is ours -> WAKING: the engine, with a watchdog the caller
         cancels once registered. None if a stop or a failure came first (exit_code says which)."""
-        from phalanx.worker.failover import FailoverState, WakeWatchdog
+        from phalanx.worker.failover_engine import FailoverState, WakeWatchdog
 
         shell.push_async_callback(failover.close)
         self._set_torch_threads()

@@ -22,7 +22,7 @@ SUPERVISOR = textwrap.dedent("""
     from phalanx.common.discovery import WorkerDirectory
     from phalanx.launch.fork_server import ForkServer
 
-    server = ForkServer(preload=["phalanx.cli.main", "phalanx.worker.process", "phalanx.worker.simulated"])
+    server = ForkServer(preload=["phalanx.cli.main", "phalanx.worker.process", "phalanx.worker.simulated"], main="phalanx.cli")
     report = {"before_ready": server.spawn(["--help"], dict(os.environ)) is None}
     server.start()
     deadline = time.monotonic() + 60

@@ -37,17 +37,22 @@ def _resolve(node: ast.ImportFrom, module: str, is_package: bool) -> str:
     return ".".join([*base, node.module] if node.module else base)
 
 
-def find_testing_imports(source: str, module: str, is_package: bool = False) -> list[str]:
-    """The imports of ``phalanx.testing`` (or a module in it) in ``source``, as written."""
+def find_imports_of(package: str, source: str, module: str, is_package: bool = False) -> list[str]:
+    """The imports of ``package`` (or a module in it) in ``source``, as written."""
     found = []
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.Import):
-            found += [f"import {alias.name}" for alias in node.names if _is_test_only(alias.name)]
+            found += [f"import {alias.name}" for alias in node.names if _is_under(alias.name, package)]
         elif isinstance(node, ast.ImportFrom):
             target = _resolve(node, module, is_package)
-            if _is_test_only(target) or any(_is_test_only(f"{target}.{alias.name}") for alias in node.names):
+            if _is_under(target, package) or any(_is_under(f"{target}.{alias.name}", package) for alias in node.names):
                 found.append(f"from {'.' * node.level}{node.module or ''} import {', '.join(a.name for a in node.names)}")
     return found
+
+
+def find_testing_imports(source: str, module: str, is_package: bool = False) -> list[str]:
+    """The imports of ``phalanx.testing`` (or a module in it) in ``source``, as written."""
+    return find_imports_of(TEST_ONLY, source, module, is_package)
 
 
 def _production_modules() -> list[Path]:
@@ -100,3 +105,19 @@ def test_every_import_form_is_caught(source: str) -> None:
 )
 def test_other_imports_pass(source: str) -> None:
     assert find_testing_imports(source, "phalanx.cli.up") == []
+
+
+# A layer imports only those below it: the launchers know nothing of the command line that drives them.
+LOWER_LAYERS = [("phalanx.launch", "phalanx.cli")]
+
+
+@pytest.mark.parametrize(("layer", "above"), LOWER_LAYERS)
+def test_no_module_imports_a_layer_above_its_own(layer: str, above: str) -> None:
+    modules = [path for path in _production_modules() if _is_under(_module_name(path), layer)]
+    assert modules, f"the walk must cover {layer}"
+    offenders = {
+        _module_name(path): imports
+        for path in modules
+        if (imports := find_imports_of(above, path.read_text(), _module_name(path), is_package=path.name == "__init__.py"))
+    }
+    assert offenders == {}, f"{layer} imports {above}: {offenders}"

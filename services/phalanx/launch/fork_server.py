@@ -13,6 +13,9 @@ exit status is the supervisor's to collect (`ForkedProcess` is Popen's interface
 server leaves every worker serving. A worker takes the parent-death signal only once re-parented (the intermediate's
 exit would send it otherwise), and exits if the supervisor died meanwhile, as `pdeathsig_preexec` does.
 
+The server runs the program a spawned worker would run, ``python -m MAIN ARGS``: MAIN is the module the caller names
+(``--main``), run as ``__main__`` in the forked child, so this module knows nothing of the command line it serves.
+
 The protocol: one JSON line per request on the server's stdin, ``{"args": [...], "env": {...}}`` (the worker's whole
 environment); one JSON line per answer on the response pipe, ``{"pid": N}`` or ``{"error": "..."}``, after a first
 ``{"ready": true}`` once the imports are done. Until then, and while the server is dead, the caller spawns the worker
@@ -27,6 +30,7 @@ import ctypes
 import importlib
 import json
 import os
+import runpy
 import select
 import signal
 import subprocess
@@ -99,8 +103,10 @@ class ForkedProcess(subprocess.Popen):
 class ForkServer:
     """The supervisor's side: starts the server, asks it for workers, and says when it cannot (then the caller spawns)."""
 
-    def __init__(self, preload: Sequence[str] = SIM_PRELOAD, env: dict[str, str] | None = None) -> None:
+    def __init__(self, preload: Sequence[str] = SIM_PRELOAD, env: dict[str, str] | None = None, *, main: str) -> None:
+        """``main``: the module a worker runs as ``python -m MAIN ARGS``; the forked worker runs it as ``__main__``."""
         self.preload = tuple(preload)
+        self.main = main
         self.env = env or {}
         self.process: subprocess.Popen | None = None
         self._answers = -1
@@ -118,7 +124,7 @@ class ForkServer:
         os.set_blocking(answers, False)
         try:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "phalanx.launch.fork_server", "--supervisor", str(os.getpid()),
+                [sys.executable, "-m", "phalanx.launch.fork_server", "--supervisor", str(os.getpid()), "--main", self.main,
                  "--answers-fd", str(write_end), *(arg for module in self.preload for arg in ("--preload", module))],
                 stdin=subprocess.PIPE,
                 env={**os.environ, **self.env},
@@ -142,7 +148,7 @@ class ForkServer:
         return self._ready
 
     def spawn(self, args: Sequence[str], env: dict[str, str]) -> ForkedProcess | None:
-        """A worker running ``phalanx ARGS`` with exactly ``env``; None if the server made none (not ready, dead, or a
+        """A worker running ``python -m MAIN ARGS`` with exactly ``env``; None if the server made none (not ready, dead, or a
         failed fork): spawn it instead.
 
         Raises OSError if the server took the request and did not answer: a worker may have been forked that nobody
@@ -166,7 +172,7 @@ class ForkServer:
         if "pid" not in answer:
             print(f"fork server: {answer.get('error', answer)}; starting the worker by spawn", file=sys.stderr)
             return None
-        return ForkedProcess(answer["pid"], [sys.executable, "-m", "phalanx.cli", *args])
+        return ForkedProcess(answer["pid"], [sys.executable, "-m", self.main, *args])
 
     def close(self) -> None:
         """Stops the server (SIGTERM) if it runs; the workers it forked are not its children and run on."""
@@ -204,7 +210,7 @@ class ForkServer:
 # --- the server process ---------------------------------------------------------------------------------------------
 
 
-def _fork_worker(args: list[str], env: dict[str, str], supervisor: int, answers: int) -> int:
+def _fork_worker(main: str, args: list[str], env: dict[str, str], supervisor: int, answers: int) -> int:
     """The PID of a new worker, re-parented to the supervisor by the time this returns."""
     read_end, write_end = os.pipe()
     intermediate = os.fork()
@@ -214,7 +220,7 @@ def _fork_worker(args: list[str], env: dict[str, str], supervisor: int, answers:
             worker = os.fork()
             if worker == 0:
                 os.close(write_end)
-                _become_worker(args, env, supervisor, answers)
+                _become_worker(main, args, env, supervisor, answers)
             os.write(write_end, str(worker).encode())
         finally:
             os._exit(0)  # the worker is orphaned now: the kernel hands it to the subreaper, the supervisor
@@ -227,8 +233,8 @@ def _fork_worker(args: list[str], env: dict[str, str], supervisor: int, answers:
     return int(data)
 
 
-def _become_worker(args: list[str], env: dict[str, str], supervisor: int, answers: int) -> None:
-    """Runs `phalanx ARGS` in this forked process as a spawned worker would run; never returns."""
+def _become_worker(main: str, args: list[str], env: dict[str, str], supervisor: int, answers: int) -> None:
+    """Runs ``python -m MAIN ARGS`` in this forked process as a spawned worker would run; never returns."""
     code = 1
     try:
         os.setsid()  # as start_new_session: a signal to the server's group is not the worker's
@@ -246,10 +252,8 @@ def _become_worker(args: list[str], env: dict[str, str], supervisor: int, answer
         os.environ.clear()
         os.environ.update(env)
         sys.argv = ["phalanx", *args]
-        from phalanx.cli.main import app
-
         try:
-            app(args=args, prog_name="phalanx")
+            runpy.run_module(main, run_name="__main__", alter_sys=True)  # as `python -m MAIN`: sys.argv[0] becomes its path
             code = 0
         except SystemExit as exit_:
             code = exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 1)
@@ -282,7 +286,7 @@ def _retitle(argv: list[str]) -> None:
         set_process_name(argv[1] if len(argv) > 1 else argv[0])
 
 
-def serve(supervisor: int, answers: int, preload: Sequence[str]) -> None:
+def serve(supervisor: int, answers: int, preload: Sequence[str], main: str) -> None:
     """Imports ``preload``, says ready, then answers each request with a forked worker's PID."""
     started = time.monotonic()
     set_process_name("phalanx-forks")  # also loads libc's prctl here, not in each forked worker
@@ -294,7 +298,7 @@ def serve(supervisor: int, answers: int, preload: Sequence[str]) -> None:
     for line in sys.stdin.buffer:
         try:
             request = json.loads(line)
-            pid = _fork_worker([str(a) for a in request["args"]], {str(k): str(v) for k, v in request["env"].items()}, supervisor, answers)
+            pid = _fork_worker(main, [str(a) for a in request["args"]], {str(k): str(v) for k, v in request["env"].items()}, supervisor, answers)
             answer: dict[str, int | str] = {"pid": pid}
         except Exception as error:  # noqa: BLE001 - answered; the caller spawns the worker instead
             answer = {"error": f"{type(error).__name__}: {error}"}
@@ -304,11 +308,12 @@ def serve(supervisor: int, answers: int, preload: Sequence[str]) -> None:
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m phalanx.launch.fork_server", description=__doc__.split("\n", 1)[0])
     parser.add_argument("--supervisor", type=int, required=True, help="the PID the workers are re-parented to")
+    parser.add_argument("--main", required=True, help="the module each worker runs, as `python -m MAIN ARGS` would")
     parser.add_argument("--answers-fd", type=int, required=True, help="the pipe the answers go to")
     parser.add_argument("--preload", action="append", default=[], help="a module to import before forking (repeatable)")
     options = parser.parse_args(argv)
     with contextlib.suppress(KeyboardInterrupt, BrokenPipeError):
-        serve(options.supervisor, options.answers_fd, options.preload)
+        serve(options.supervisor, options.answers_fd, options.preload, options.main)
 
 
 if __name__ == "__main__":

@@ -208,6 +208,8 @@ _HUGE_PAGE_HEAP = "glibc.malloc.hugetlb=1"
 _HUGE_PAGE_COMMANDS = frozenset({"worker", "expert-worker"})
 
 
+# The program every service process runs (``python -m phalanx.cli ARGS``): named, never imported, here.
+COMMAND_MODULE = "phalanx.cli"
 _fork_server: ForkServer | None = None
 
 
@@ -223,7 +225,7 @@ def use_fork_server(preload: Sequence[str] | None) -> ForkServer | None:
     if preload is None:
         return None
     # The server's own environment is a worker's (what glibc reads at start-up, for one): its children inherit it.
-    _fork_server = ForkServer(preload, env=_with_huge_page_heap({}))
+    _fork_server = ForkServer(preload, env=_with_huge_page_heap({}), main=COMMAND_MODULE)
     _fork_server.start()
     return _fork_server
 
@@ -256,7 +258,7 @@ def _spawn(args: list[str], env: dict[str, str], prefix: Sequence[str] = ()) -> 
         if forked is not None:
             return forked
     return subprocess.Popen(
-        [*prefix, sys.executable, "-m", "phalanx.cli", *args],
+        [*prefix, sys.executable, "-m", COMMAND_MODULE, *args],
         env={**os.environ, **env},
         start_new_session=True,
         preexec_fn=pdeathsig_preexec(),  # noqa: PLW1509 - only prctl; dies with us: no orphans if we are SIGKILLed

@@ -5,7 +5,7 @@ its board, in its output and in the state file's events (`phalanx status`
 shows them), and starts a replacement after a capped backoff (a worker under
 a new id, everything else under its old id and address), while the rest
 keeps serving. It stops only when asked, or when a process keeps dying at
-start-up (a crash loop, ``phalanx.cli.restarts``): then it names it and
+start-up (a crash loop, ``phalanx.launch.restarts``): then it names it and
 exits 1. SIGINT / SIGTERM /
 SIGHUP stop everything in order (health, router, then workers, which drain on
 SIGTERM, then etcd and NATS), by PID, and exit 0. Every child also gets
@@ -62,7 +62,6 @@ from rich.spinner import Spinner
 from rich.table import Table
 from rich.text import Text
 
-from phalanx.cli.restarts import RestartDecision, RestartPolicy, RestartTracker
 from phalanx.cli.state import (
     DEFAULT_TARGET,
     MAX_EVENTS,
@@ -80,6 +79,7 @@ from phalanx.cli.state import (
     remove_state,
     write_state,
 )
+from phalanx.launch.restarts import RestartDecision, RestartPolicy, RestartTracker
 
 if TYPE_CHECKING:
     from phalanx.launch.fork_server import ForkServer

@@ -1,8 +1,8 @@
-"""`phalanx up`'s restart policy: capped exponential backoff, reset once stable, and a crash loop ends it."""
+"""The supervisor's restart policy: capped exponential backoff, reset once stable, and a crash loop ends it."""
 
 import pytest
 
-from phalanx.cli.restarts import RestartPolicy, RestartTracker
+from phalanx.launch.restarts import RestartPolicy, RestartTracker
 
 pytestmark = pytest.mark.unit
 

@@ -1,4 +1,5 @@
-"""When `phalanx up` restarts a process that died, and when it gives up: a pure policy, like a Kubernetes restart policy.
+"""When `phalanx up`'s supervisor restarts a process that died, and when it gives up: a pure policy, like a Kubernetes
+restart policy.
 
 A process that exits is started again after a backoff that doubles with
 each failure in a row (capped). One that then runs for ``stable_after_s``

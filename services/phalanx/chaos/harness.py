@@ -66,6 +66,7 @@ from phalanx.launch.services import (
     start_worker,
 )
 from phalanx.launch.stack import Stack, unique_id
+from phalanx.launch.topology import Fleet, ProcessKind, ProcessSpec, WorkerGroup, WorkerRole
 
 __all__ = ["ChaosRun", "LoadOptions", "ScenarioResult", "ScenarioSkipped", "StreamRecord", "Topology", "run_scenario"]
 
@@ -89,6 +90,8 @@ STREAM_TIMEOUT_S = 180.0
 # How long the stack may take to get back to full health after the fault before the run says it did not.
 RECOVERY_TIMEOUT_S = 90.0
 LEASE_TTL_S = 2
+# Copies of each expert over a topology's expert workers.
+EXPERT_COPIES = 2
 # How long a service may take to start: a loaded 2-core box needs far more than the launchers' defaults.
 START_TIMEOUT_S = 120.0
 
@@ -126,8 +129,22 @@ class Topology:
     failover_slots: int = 0
 
     @property
+    def worker_role(self) -> WorkerRole:
+        return WorkerRole.ATTENTION if self.expert_workers else WorkerRole.MONOLITHIC
+
+    @property
     def worker_flags(self) -> tuple[str, ...]:
-        return ("--role", "attention") if self.expert_workers else ()
+        return self.worker_role.flags
+
+    @property
+    def fleet(self) -> Fleet:
+        """The processes this topology runs, in the order ChaosRun starts them."""
+        return Fleet(
+            workers=(WorkerGroup(self.worker_role, self.workers),), failover_slots=self.failover_slots,
+            expert_workers=self.expert_workers, expert_copies=EXPERT_COPIES if self.expert_workers else 1, encoders=self.encoders,
+            checkpoint_stores=int(self.store), migrations=int(self.migration), routers=self.routers, gateways=int(self.gateway),
+            healths=self.healths, planner=self.planner,
+        )
 
 
 @dataclass(frozen=True)
@@ -269,44 +286,50 @@ class ChaosRun:
         return "ipv4:" + ",".join(f"127.0.0.1:{port}" for port in self.router_ports)
 
     async def start(self) -> None:
+        """The topology's fleet, one process at a time in the fleet's order (a phase's workers together)."""
         if self.netns is not None:
             await asyncio.to_thread(self.netns.create)
         if self.topology.store_spill_disk_bytes:
             disk = SmallDisk(self.topology.store_spill_disk_bytes)
             await asyncio.to_thread(disk.mount)
             self.spill_disk = disk
-        await self.infra(self.nats.start)
+        starts: dict[ProcessKind, Callable[[ProcessSpec], Awaitable[Any]]] = {
+            ProcessKind.NATS: lambda _: self.infra(self.nats.start), ProcessKind.ETCD: lambda _: self._start_etcd(),
+            ProcessKind.CHECKPOINT_STORE: lambda _: self.add_store(), ProcessKind.MIGRATION: lambda _: self.add_migration(),
+            ProcessKind.ERT_MANAGER: lambda _: self.fleet.add_ert_manager(), ProcessKind.EXPERT_WORKER: self._start_expert_worker,
+            ProcessKind.ENCODER: lambda _: self.add_encoder(), ProcessKind.WORKER: self._start_workers,
+            ProcessKind.FAILOVER_SLOT: lambda _: self.fleet.add_failover_slot(), ProcessKind.ROUTER: self._start_router,
+            ProcessKind.GATEWAY: lambda _: self._start_gateway(), ProcessKind.HEALTH: lambda _: self.add_health(),
+            ProcessKind.PLANNER: lambda _: self.add_planner(),
+        }
+        for spec in self.topology.fleet.processes():
+            await starts[spec.kind](spec)
+
+    async def _start_etcd(self) -> None:
+        """etcd (through a delay link if the topology says so), and the stack on it and NATS."""
         await self.infra(self.etcd.start)
-        t = self.topology
-        if t.etcd_link:
+        if self.topology.etcd_link:
             assert isinstance(self.etcd, EtcdServer), "a delay link fronts a single etcd member"
             self.link = DelayLink("127.0.0.1", self.etcd.port).start()
         self.stack = Stack(self.nats.url, self.etcd_config, model=MODEL)
-        if t.store:
-            await self.add_store()
-        if t.migration:
-            await self.add_migration()
-        for _ in range(t.encoders):
-            await self.add_encoder()
-        if t.expert_workers:
-            await self.stack.add_ert_manager()
-            for index in range(t.expert_workers):
-                await self.add_expert_worker(index)
+
+    async def _start_expert_worker(self, spec: ProcessSpec) -> None:
+        await self.add_expert_worker(spec.index)
+        if spec.index == self.topology.expert_workers - 1:  # the attention workers start on a complete table
             await self._wait_ert_complete()
-        await self.add_workers(t.workers)
-        for _ in range(t.failover_slots):
-            await self.stack.add_failover_slot()
-        for i in range(t.routers):
-            # A port of its own rather than 0, so that a restarted router comes back where the clients' target list points.
-            router_id = f"r{i}-{unique_id('chaos')}"
-            router = await on_fresh_ports(lambda: self.fleet.add_router(port=free_port(), router_id=router_id))  # noqa: B023 - awaited here
-            self.router_ports.append(int(router.address.rsplit(":", 1)[1]))
-        for _ in range(t.healths):
-            await self.add_health()
-        if t.planner:
-            await self.add_planner()
-        if t.gateway:
-            self.gateway = await start_gateway(self.router_target, name=unique_id("gateway"), timeout=START_TIMEOUT_S)
+
+    async def _start_workers(self, spec: ProcessSpec) -> None:
+        if spec.index == 0:  # every worker at once
+            await self.add_workers(self.topology.workers)
+
+    async def _start_router(self, spec: ProcessSpec) -> None:
+        # A port of its own rather than 0, so that a restarted router comes back where the clients' target list points.
+        router_id = f"r{spec.index}-{unique_id('chaos')}"
+        router = await on_fresh_ports(lambda: self.fleet.add_router(port=free_port(), router_id=router_id))
+        self.router_ports.append(int(router.address.rsplit(":", 1)[1]))
+
+    async def _start_gateway(self) -> None:
+        self.gateway = await start_gateway(self.router_target, name=unique_id("gateway"), timeout=START_TIMEOUT_S)
 
     async def add_workers(self, count: int) -> list[WorkerHandle]:
         """``count`` workers; with a namespaced worker in the topology, the first runs in the namespace unless one does."""
@@ -349,10 +372,10 @@ class ChaosRun:
         return encoder
 
     async def add_expert_worker(self, index: int) -> ServiceHandle:
-        """The expert worker of placement slot ``index`` (2 copies of each expert over the topology's EWs)."""
+        """The expert worker of placement slot ``index`` (EXPERT_COPIES copies of each expert over the topology's EWs)."""
         expert = await start_expert_worker(
             unique_id(f"ew{index}"), self.etcd_config, model=MODEL, index=index, num_expert_workers=self.topology.expert_workers,
-            copies=2, timeout=START_TIMEOUT_S,
+            copies=EXPERT_COPIES, timeout=START_TIMEOUT_S,
         )
         self.expert_slots[expert.name] = index
         self.fleet.expert_workers.append(expert)

@@ -1,4 +1,8 @@
-"""Services started together for a benchmark or a test (workers, routers, health, checkpoint stores, migration), stopped by PID when done."""
+"""Services started together for a benchmark or a test (workers, routers, health, checkpoint stores, migration), stopped by PID when done.
+
+A whole fleet starts from its description (`Stack.start`, phalanx.launch.topology); a test adds one process at a time with
+the ``add_*`` methods.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +11,7 @@ import contextlib
 import shutil
 import tempfile
 import uuid
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -15,7 +19,9 @@ from phalanx.common.config import EtcdConfig
 from phalanx.launch.services import (
     CheckpointStoreHandle,
     FailoverEngineHandle,
+    GatewayHandle,
     HealthHandle,
+    PlannerHandle,
     RouterHandle,
     ServiceHandle,
     WorkerHandle,
@@ -24,13 +30,16 @@ from phalanx.launch.services import (
     start_ert_manager,
     start_expert_worker,
     start_failover_engine,
+    start_gateway,
     start_health,
     start_memory_service,
     start_migration,
+    start_planner,
     start_router,
     start_worker,
     wait_registered,
 )
+from phalanx.launch.topology import Fleet, ProcessKind, ProcessSpec
 
 __all__ = ["FailoverSlot", "Stack", "unique_id"]
 
@@ -80,6 +89,36 @@ class Stack:
         self.expert_workers: list[ServiceHandle] = []
         self.ert_managers: list[ServiceHandle] = []
         self.encoders: list[ServiceHandle] = []
+        self.gateways: list[GatewayHandle] = []
+        self.planners: list[PlannerHandle] = []
+
+    async def start(self, fleet: Fleet, *extra: str, env: dict | None = None) -> None:
+        """Every process of ``fleet`` but its NATS and etcd (this stack's are given), phase by phase, each phase's
+        processes in parallel; ``extra`` and ``env`` go to every engine worker and failover engine."""
+        for phase in fleet.phases():
+            starts = [self._start_spec(spec, fleet, *extra, env=env) for spec in phase]
+            await asyncio.gather(*(start for start in starts if start is not None))
+
+    def _start_spec(self, spec: ProcessSpec, fleet: Fleet, *extra: str, env: dict | None) -> Awaitable[object] | None:
+        """The start of ``spec`` (None: not this stack's to start, or started with the first of its kind)."""
+        kind = spec.kind
+        if kind is ProcessKind.WORKER:  # each role's workers together, with the first worker
+            if spec.index:
+                return None
+            return asyncio.gather(*(self.add_workers(g.count, *g.role.flags, *extra, env=env) for g in fleet.workers if g.count))
+        if kind is ProcessKind.EXPERT_WORKER:  # one placement: started together
+            return self.add_expert_workers(fleet.expert_workers, copies=fleet.expert_copies) if spec.index == 0 else None
+        if kind is ProcessKind.FAILOVER_SLOT:
+            return self.add_failover_slot(*extra, env=env)
+        if kind is ProcessKind.GATEWAY:
+            return self.add_gateway()
+        starts: dict[ProcessKind, Callable[[], Awaitable[object]]] = {
+            ProcessKind.CHECKPOINT_STORE: self.add_checkpoint_store, ProcessKind.MIGRATION: self.add_migration,
+            ProcessKind.ERT_MANAGER: self.add_ert_manager, ProcessKind.ENCODER: self.add_encoder, ProcessKind.ROUTER: self.add_router,
+            ProcessKind.HEALTH: self.add_health, ProcessKind.PLANNER: self.add_planner,
+        }
+        start = starts.get(kind)  # NATS, etcd, the fork server: not this stack's to start
+        return start() if start is not None else None
 
     async def add_workers(
         self, count: int, *extra: str, env: dict | None = None, tensor_parallel_size: int = 1, prefix: Sequence[str] = (),
@@ -169,12 +208,25 @@ class Stack:
         self.encoders.append(handle)
         return handle
 
+    async def add_gateway(self, *extra: str, port: int = 0) -> GatewayHandle:
+        """An OpenAI-compatible gateway in front of every router of this stack."""
+        target = "ipv4:" + ",".join(router.address for router in self.routers)
+        handle = await start_gateway(target, *extra, "--model", self.model, name=unique_id("gateway"), port=port)
+        self.gateways.append(handle)
+        return handle
+
+    async def add_planner(self, *, instance_id: str | None = None, env: dict | None = None) -> PlannerHandle:
+        handle = await start_planner(instance_id or unique_id("planner"), self.etcd_config, env=env)
+        self.planners.append(handle)
+        return handle
+
     def stop(self) -> None:
-        """SIGTERM every process (health first, so that it marks nothing dead on the way out; then routers, so that none
-        routes to a stopping worker)."""
+        """SIGTERM every process (planners first, so that none decides on a fleet going away; health, so that it marks
+        nothing dead on the way out; then gateways and routers, so that none routes to a stopping worker)."""
         engines = [e for slot in self.slots for e in slot.engines]
         for handle in [
-            *self.healths, *self.routers, *self.migrations, *self.workers, *engines, *self.stores, *(s.memory for s in self.slots),
+            *self.planners, *self.healths, *self.gateways, *self.routers, *self.migrations,
+            *self.workers, *engines, *self.stores, *(s.memory for s in self.slots),
             *self.ert_managers, *self.expert_workers, *self.encoders,
         ]:
             with contextlib.suppress(Exception):

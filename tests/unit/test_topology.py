@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from phalanx.chaos.harness import Topology
+from phalanx.cli.up import UpOptions
+from phalanx.launch.fork_server import SIM_PRELOAD
 from phalanx.launch.topology import Fleet, ProcessKind, ProcessSpec, WorkerGroup, WorkerRole
 
 pytestmark = pytest.mark.unit
@@ -81,3 +85,35 @@ def test_chaos_topologies_expand_to_what_their_scenarios_act_on() -> None:
     assert ProcessKind.ENCODER in kinds(Topology(encoders=1))
     assert kinds(Topology(workers=2, failover_slots=1)).count(ProcessKind.FAILOVER_SLOT) == 1
     assert ProcessKind.CHECKPOINT_STORE not in kinds(Topology(store=False))
+
+
+def up(**options) -> UpOptions:
+    return UpOptions(**{"workers": 2, "model": "phalanx-tiny-moe", "deterministic": True, "port": 0, "state_file": Path("/tmp/up.json"),
+                        **options})
+
+
+def test_the_default_phalanx_up_fleet_is_two_workers_behind_a_router_a_gateway_and_health() -> None:
+    assert names(up().fleet()) == [
+        ["nats", "etcd"], ["checkpoint-0", "migration-0"], ["worker-0", "worker-1"], ["router-0"], ["gateway-0"], ["health-0"],
+    ]
+
+
+def test_phalanx_up_options_shape_its_fleet() -> None:
+    moe = up(expert_workers=3, shadow_experts=1, encoders=1, fork_workers=True).fleet()
+    assert names(moe) == [
+        ["nats", "etcd"], ["fork-server"], ["checkpoint-0", "migration-0"], ["ert-manager-0"], ["expert-0", "expert-1", "expert-2"],
+        ["encoder-0"], ["worker-0", "worker-1"], ["router-0"], ["gateway-0"], ["health-0"],
+    ]
+    assert moe.expert_copies == 2 and {spec.role for spec in moe.worker_specs()} == {WorkerRole.ATTENTION}
+    failover = up(failover=True).fleet()
+    assert failover.worker_count == 0 and names(failover)[2] == ["slot-0", "slot-1"]
+    planned = up(planner=True, hot_spares=1, etcd_endpoint="127.0.0.1:2379", nats_url="nats://127.0.0.1:4222").fleet()
+    assert names(planned)[0] == ["checkpoint-0", "migration-0"] and names(planned)[-1] == ["planner-0"] and planned.hot_spares == 1
+    # Spares are the planner's: without it the option is ignored, as `phalanx up` always did.
+    assert up(hot_spares=1).fleet().hot_spares == 0
+
+
+def test_phalanx_up_settings_carry_the_workers_flags_and_the_planners_bounds() -> None:
+    settings = up(deterministic=False, engine="sim", profile="p.npz", planner=True, min_workers=1, max_workers=5).settings()
+    assert settings.worker_flags == ("--fast", "--engine", "sim", "--profile", "p.npz")
+    assert (settings.min_workers, settings.max_workers, settings.fork_preload) == (1, 5, SIM_PRELOAD)

@@ -19,6 +19,8 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal
 
+from phalanx.launch.events import SupervisorEvent
+
 __all__ = [
     "DEFAULT_TARGET",
     "ProcessEntry",
@@ -63,20 +65,6 @@ class ProcessEntry:
 
 
 @dataclass
-class SupervisorEvent:
-    """Something the supervisor saw or did: a process that died, its replacement, a crash loop."""
-
-    at: float
-    process: str
-    pid: int | None
-    what: str
-
-
-# The state file keeps the latest events only.
-MAX_EVENTS = 50
-
-
-@dataclass
 class UpState:
     """What the state file holds; ``status`` is "starting" until every process is ready."""
 
@@ -98,7 +86,7 @@ class UpState:
     gateway_url: str = ""  # the OpenAI-compatible gateway's base URL ("" when none runs)
     ready_at: float | None = None
     events: list[SupervisorEvent] = field(default_factory=list)
-    # `phalanx up --planner`: the planner's bounds and targets, the decision followed (phalanx.cli.up planner_state).
+    # `phalanx up --planner`: the planner's bounds and targets, the decision followed (phalanx.planner.local_connector LocalConnector.state).
     planner: dict[str, Any] | None = None
     certs_dir: str = ""  # `phalanx up --tls`: the CA and one directory per identity (admin/, client/ ...); "" without TLS
 

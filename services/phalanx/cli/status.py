@@ -103,7 +103,7 @@ def _engine_status(entry: WorkerEntry) -> dict:
     return {"worker_id": entry.worker_id, "slot": entry.slot, "role": entry.role, "pid": entry.pid, "state": state}
 
 
-# A service's role by its name in `phalanx up` (cli/up.py names them so).
+# A service's role by its name in `phalanx up` (phalanx.launch.topology names them so).
 _SERVICE_ROLES = (("expert-", "expert"), ("ert-manager-", "ert-manager"), ("health-", "health"), ("checkpoint-", "checkpoint-store"),
                   ("migration-", "migration"), ("gateway-", "gateway"), ("planner-", "planner"), ("slot-", "memory-service"),
                   ("encoder-", "encoder"))

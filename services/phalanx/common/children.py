@@ -54,3 +54,15 @@ def set_process_name(name: str) -> None:
     """This process's name as top and ps -o comm show it (Linux: the first 15 bytes)."""
     if sys.platform.startswith("linux"):
         _libc().prctl(_PR_SET_NAME, ctypes.c_char_p(name.encode()[:15]), 0, 0, 0)
+
+
+def describe_exit(code: int | None) -> str:
+    """A child's exit status (Popen's returncode) in words: ``code 1``, ``signal SIGKILL``."""
+    if code is None:
+        return "an unknown code"
+    if code < 0:
+        try:
+            return f"signal {signal.Signals(-code).name}"
+        except ValueError:
+            pass
+    return f"code {code}"

@@ -10,7 +10,7 @@ publish returns at once.
   deposed planner cannot overwrite its successor). An orchestrator carries it out and writes an `AckRecord`
   (`PlannerAck`) at PLANNER_ACK_KEY (/phalanx/v1/planner/ack) once the fleet matches the targets; an ack of
   id N acknowledges every decision up to N. `phalanx up --planner` is such an orchestrator (the `local`
-  connector, in phalanx.cli.up).
+  connector, phalanx.planner.local_connector).
 - `kubernetes`: patches the worker StatefulSet's scale subresource (kubernetes_connector.py).
 
 `phalanx planner set-target N` writes an operator's target (PLANNER_TARGET_KEY, `PlannerTarget`); the

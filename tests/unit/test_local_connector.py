@@ -1,22 +1,47 @@
-"""`phalanx up --planner`'s scale-down: starts still in flight are cancelled before any serving worker drains."""
+"""The planner's local connector (`phalanx up --planner`): a scale-down cancels the starts still in flight before any
+serving worker drains."""
 
 from __future__ import annotations
 
 import asyncio
-import io
 import signal
 import subprocess
 import sys
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
-from rich.console import Console
 
-from phalanx.cli.up import UpOptions, _Board, _Stack
+from phalanx.launch.events import ProcessState, SupervisorEvent
+from phalanx.launch.local_fleet import PLANNER_ID, LocalSettings
 from phalanx.launch.services import WorkerHandle
+from phalanx.launch.supervisor import Supervisor
+from phalanx.launch.topology import Fleet
+from phalanx.planner.local_connector import LocalConnector
 
 pytestmark = pytest.mark.unit
+
+
+class Shown:
+    """A supervisor's view that keeps what it is shown."""
+
+    def __init__(self) -> None:
+        self.states: dict[str, ProcessState] = {}
+        self.events: list[SupervisorEvent] = []
+
+    def show(self, name: str, state: ProcessState, address: str = "", pid: int | None = None, *, note: str = "") -> None:
+        self.states[name] = state
+
+    def forget(self, name: str) -> None:
+        self.states.pop(name, None)
+
+    def event(self, event: SupervisorEvent) -> None:
+        self.events.append(event)
+
+    def killing(self, name: str, pid: int) -> None:
+        pass
+
+    def stopped(self, name: str, pid: int | None = None, how: str = "") -> None:
+        pass
 
 
 @pytest.fixture
@@ -28,11 +53,12 @@ def serving() -> Iterator[subprocess.Popen]:
     process.wait()
 
 
-async def test_a_scale_down_cancels_the_newest_starts_first_and_drains_only_what_is_left(tmp_path: Path, serving: subprocess.Popen) -> None:
-    console = Console(file=io.StringIO())
-    stack = _Stack(UpOptions(workers=1, model="phalanx-tiny-moe", deterministic=False, port=0, state_file=tmp_path / "up.json",
-                             planner=True), _Board(console), console)
-    stack.workers["worker-0"] = WorkerHandle("worker-0", serving, "127.0.0.1:1", "127.0.0.1:2")
+async def test_a_scale_down_cancels_the_newest_starts_first_and_drains_only_what_is_left(serving: subprocess.Popen) -> None:
+    view = Shown()
+    supervisor = Supervisor(Fleet(planner=True), LocalSettings(model="phalanx-tiny-moe"), view)
+    stack = LocalConnector(supervisor, hot_spares=0, planner_id=PLANNER_ID, orchestrator="test")
+    supervisor.owner = stack
+    supervisor.workers["worker-0"] = WorkerHandle("worker-0", serving, "127.0.0.1:1", "127.0.0.1:2")
     cancelled: list[int] = []
     starts = 0
 
@@ -47,7 +73,7 @@ async def test_a_scale_down_cancels_the_newest_starts_first_and_drains_only_what
             raise
         return f"worker-{mine}", None
 
-    stack._replace_worker = slow_start  # type: ignore[method-assign]
+    supervisor.fleet.new_worker = slow_start  # type: ignore[method-assign]
     stack._scale_up(3)
     stack._scale_up(3)
     await asyncio.sleep(0)
@@ -63,9 +89,10 @@ async def test_a_scale_down_cancels_the_newest_starts_first_and_drains_only_what
     stack._scale_down(3, 0)
     await asyncio.sleep(0.05)
     assert sorted(cancelled) == [1, 2, 3] and not stack.scaling
-    assert list(stack.retiring) == ["worker-0"] and not stack.workers
+    assert list(stack.retiring) == ["worker-0"] and not supervisor.workers
     assert await asyncio.to_thread(serving.wait, 10) == -signal.SIGTERM
-    events = [event.what for event in stack.events]
+    assert view.states["worker-0"] is ProcessState.DRAINING
+    events = [event.what for event in supervisor.events]
     assert events.count("1 worker start(s) cancelled: planner target 2 workers") == 1
     assert "2 worker start(s) cancelled: planner target 0 workers" in events
     assert "draining: planner target 0 workers" in events

@@ -18,11 +18,12 @@ import pytest
 from phalanx._proto import common_pb2, worker_pb2, worker_pb2_grpc
 from phalanx.client import Client
 from phalanx.common.config import EtcdConfig
+from phalanx.launch.profiling import profile_worker
 from phalanx.launch.services import start_gateway
 from phalanx.launch.stack import Stack
 from phalanx.model.tokenizer import ByteTokenizer
 from phalanx.planner.profile import DecodeSample, PrefillSample, build_profile, load_profile, save_profile
-from phalanx.planner.profiler import SweepPlan, profile_worker
+from phalanx.planner.profiler import SweepPlan
 from phalanx.worker.simulated import simulated_token, token_alphabet
 
 pytestmark = pytest.mark.integration

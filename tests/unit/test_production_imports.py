@@ -107,8 +107,9 @@ def test_other_imports_pass(source: str) -> None:
     assert find_testing_imports(source, "phalanx.cli.up") == []
 
 
-# A layer imports only those below it: the launchers know nothing of the command line that drives them.
-LOWER_LAYERS = [("phalanx.launch", "phalanx.cli")]
+# A layer imports only those below it: the launchers know nothing of the command line that drives them, the planner
+# nothing of the launchers that start its processes.
+LOWER_LAYERS = [("phalanx.launch", "phalanx.cli"), ("phalanx.planner", "phalanx.launch"), ("phalanx.planner", "phalanx.cli")]
 
 
 @pytest.mark.parametrize(("layer", "above"), LOWER_LAYERS)

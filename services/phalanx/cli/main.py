@@ -148,8 +148,9 @@ def profile_command(
     """Measure a real worker (prefill TTFT vs ISL, decode ITL vs concurrency and context) and write the planner's profile."""
     # It forks a worker process while its etcd client's gRPC threads run: see run_up for why this is off.
     os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
+    from phalanx.launch.profiling import profile_worker
     from phalanx.planner.profile import save_profile
-    from phalanx.planner.profiler import FULL, QUICK, profile_worker
+    from phalanx.planner.profiler import FULL, QUICK
 
     start = time.perf_counter()
     measured = asyncio.run(profile_worker(model, QUICK if quick else FULL, target=target, log=lambda line: typer.echo(line, err=True)))

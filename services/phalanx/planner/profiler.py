@@ -1,8 +1,8 @@
-"""`phalanx profile`: measure a real worker and write its performance profile (profile.py's .npz).
+"""`phalanx profile`'s sweep: measure a running worker and build its performance profile (profile.py's .npz).
 
 The sweep talks to one worker's WorkerService directly (no router in the way, whose own latency the
-planner's correction factors see anyway): either one it starts itself (with its own NATS and etcd, through
-phalanx.launch) or a running one (`--target host:port`).
+planner's correction factors see anyway): a running one (`--target host:port`), or one that
+phalanx.launch.profiling starts for the purpose.
 
 - Prefill: requests of ISL tokens, alone and one after another, with max_tokens 1; TTFT is the time to the
   first (only) token. Prompts are random bytes, so no prefix of one is cached from another.
@@ -17,7 +17,6 @@ Every point is measured `repeats` times; build_profile takes the median.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import random
 import statistics
 import time
@@ -101,19 +100,9 @@ async def sweep(
     return prefill, decode
 
 
-async def profile_worker(model: str, plan: SweepPlan, *, target: str | None = None, log: Callable[[str], None] | None = None) -> PerformanceProfile:
-    """Sweeps the worker at `target`, or one of `model` started here for the purpose (and stopped after)."""
-    if target:
-        prefill, decode = await sweep(target, plan, log=log)
-        return build_profile(prefill, decode, model=model)
-    from phalanx.common.config import EtcdConfig
-    from phalanx.launch.infra import EtcdServer, NatsServer
-    from phalanx.launch.services import start_worker
-
-    with contextlib.ExitStack() as stack:
-        nats = stack.enter_context(NatsServer())
-        etcd = stack.enter_context(EtcdServer())
-        worker = await start_worker(f"profile-{uuid.uuid4().hex[:8]}", nats.url, EtcdConfig(endpoint=etcd.endpoint, lease_ttl_s=2), model=model)
-        stack.callback(worker.terminate)
-        prefill, decode = await sweep(worker.address, plan, log=log)
+async def profile_address(
+    address: str, model: str, plan: SweepPlan, *, log: Callable[[str], None] | None = None
+) -> PerformanceProfile:
+    """The profile of the worker of `model` at `address`."""
+    prefill, decode = await sweep(address, plan, log=log)
     return build_profile(prefill, decode, model=model)

@@ -1,4 +1,4 @@
-"""Engine failover (issue 14) with real processes: a primary and a shadow on one memory service and lock.
+"""Engine failover with real processes: a primary and a shadow on one memory service and lock.
 
 Probes per state, no registration before the takeover, streams that survive
 the primary's SIGKILL on the shadow with identical tokens, a standing-by

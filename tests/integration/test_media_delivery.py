@@ -1,4 +1,4 @@
-"""Direct media delivery (issue 16): embeddings go encoder -> worker over a tensor channel (gRPC below a size), never
+"""Direct media delivery: embeddings go encoder -> worker over a tensor channel (gRPC below a size), never
 through the router; a worker that cannot fetch them (the encoder died, or dropped them at its hold time) makes the
 router encode them again, inline, and the request gives the same tokens.
 """

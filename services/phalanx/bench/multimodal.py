@@ -4,7 +4,7 @@ and media requests' TTFT (overlap of the text prefix with encoding, joint routin
 In process (no gRPC): an ``EncodePool`` serves ``concurrency`` concurrent
 image requests, ``rounds`` times, once with batches of up to 16 and once
 with batches of 1 (the same pool code, ``max_batch=1``); the throughput
-ratio is the batching gain (goal ≥ 2× at 16 concurrent images, the issue's).
+ratio is the batching gain (goal ≥ 2× at 16 concurrent images).
 It also times the encoders directly: one batch of 1 and of 16 images, 8
 video frames, one 30 s audio chunk (medians), and reports the unit costs
 the pool learned. Decoding and preprocessing are included in the pool runs,

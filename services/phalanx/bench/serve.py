@@ -12,7 +12,7 @@ prompts (shared by both sides) so the prefix cache helps neither.
 The router reads the worker's tokens over one multiplexed stream (one
 message per engine step for all requests). With `compare_per_request` a
 second router on the same worker reads them with a call per request, the
-way routers did before issue 11, as a third side of each repeat.
+way routers did before the multiplexed stream, as a third side of each repeat.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from phalanx.model.params import SamplingParams
 from phalanx.worker.config import EngineConfig
 from phalanx.worker.engine import Engine, EngineRequest
 
-# Stack throughput over the bare engine's, at 16 streams (issue 11).
+# The goal: stack throughput over the bare engine's, at 16 streams (docs/token-streams.md).
 GOAL_RATIO = 0.9
 
 

@@ -4,7 +4,7 @@ No I/O: the pool reports each batch (modality, units, elapsed ms) and asks
 for estimates. A unit is one image, one video frame or one 30 s audio chunk;
 its cost is an exponentially weighted mean of batch time / units, so it
 reflects the batch sizes the encoder has been running lately. Until a
-modality has been measured, the priors are the issue's reference figures
+modality has been measured, the priors are published reference figures
 (ViT-L/14 at 336²: 5 ms per image, 1.6 ms per frame batched; Whisper-small:
 85 ms per 30 s).
 """

@@ -6,7 +6,7 @@ queued); admission refuses work past the backlog bound; one batch loop runs
 batches in a thread (torch releases the GIL) and resolves each unit's future
 with its output rows; the request's items are assembled from their units in
 order. Video frames and images go through the same vision tower but queue
-apart, as the issue's batch loop does (their costs differ: frames are small
+apart, as the reference design's batch loop does (their costs differ: frames are small
 batches of a long item, images interactive ones).
 """
 

@@ -1,1 +1,1 @@
-"""Engine failover (issue 14): the failover lock and the shared weight memory a shadow engine maps."""
+"""Engine failover: the failover lock and the shared weight memory a shadow engine maps."""

@@ -4,7 +4,7 @@ Each relayed request reads a `MultiplexedCall`, which looks to the relay
 like the Generate or Attach call it replaces: an async iterator of chunks
 that raises `grpc.aio.AioRpcError` with the call's status (details included)
 and has `cancel()`. The worker sends one message per engine step with the
-new chunks of all the requests (issue 11: per-token gRPC work on the
+new chunks of all the requests (per-token gRPC work on the
 worker's event loop starves its engine thread of the GIL).
 
 A broken stream costs the requests on it nothing while the worker lives:

@@ -191,7 +191,7 @@ class WorkerConfig(BaseSettings):
     )
     failover_role: Literal["none", "primary", "shadow"] = Field(
         "none",
-        description="An engine of a failover slot (issue 14): weights from the memory service, serves only while it holds the "
+        description="An engine of a failover slot: weights from the memory service, serves only while it holds the "
         "slot's lock; primary and shadow differ only in what they count (a shadow's takeover is a switch). none: a plain worker",
     )
     engine_id: int = Field(0, ge=0, description="Engine id within the failover slot: 0 may load and publish the weights, others only map them")

@@ -1,4 +1,4 @@
-"""One engine of a failover slot (issue 14): weights through the memory service, the lock, states and probes.
+"""One engine of a failover slot: weights through the memory service, the lock, states and probes.
 
 A slot runs two engines on one set of weights: whichever holds the slot's
 ``FailoverLock`` serves, the other stands by with the weights mapped and no

@@ -3,7 +3,7 @@
 A per-request stream costs the worker's event loop, per token and request,
 a reader wakeup, a response message and a gRPC write (with the server
 interceptors around it); at 16 streams that loop competes with the
-Python-bound engine thread for the GIL on every step (issue 11). Here the
+Python-bound engine thread for the GIL on every step. Here the
 request logs (streams.py) tell the stream when they change, and one
 response per batch of changes (in practice one per engine step) carries the
 new chunks of every subscription, read with a LogCursor: no task and no

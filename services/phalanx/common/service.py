@@ -20,27 +20,51 @@ on (``PHALANX_TLS_DIR``, see ``phalanx.common.tls``), ``AuthorizationInterceptor
 the server then accepts only peers with a certificate of the Phalanx CA and
 each RPC only from the identities ``phalanx.common.authz.POLICY`` allows.
 
-A new service (a planner, an encoder pool) writes only its own wiring::
+A new service writes only its own wiring. This one has no RPC of its own
+(its interface is etcd and /metrics, like the planner's); one with RPCs adds
+each servicer before ``start()``, as the migration service does with
+``shell.add_service(SERVICE_NAME, migration_pb2_grpc.add_MigrationServiceServicer_to_server, servicer)``.
+NATS and etcd come from ``PHALANX_NATS_URL`` and ``PHALANX_ETCD_ENDPOINT``
+(tests/integration/test_docstring_examples.py runs this example):
 
-    class PlannerProcess:
-        def __init__(self, config: PlannerConfig, nats: NatsConfig, etcd: EtcdConfig, telemetry: TelemetryConfig) -> None:
-            self.metrics = PlannerMetrics()
-            self.shell = ServiceShell("phalanx-planner", config, telemetry, registry=self.metrics.registry)
-            self.ready, self.request_stop = self.shell.ready, self.shell.request_stop
-            ...
-
-        async def run(self) -> None:
-            async with self.shell as shell:
-                shell.add_service(SERVICE_NAME, planner_pb2_grpc.add_PlannerServiceServicer_to_server, PlannerServicer(...))
-                await shell.start()
-                bus = await shell.connect_nats(self.nats_config, name=f"planner-{self.planner_id}")
-                await shell.register(self.etcd_config, planner_key(self.planner_id), self._registration())
-                await shell.set_serving(True)
-                async with asyncio.TaskGroup() as tasks:
-                    planning = tasks.create_task(self._plan_forever(bus))
-                    await shell.wait_for_stop()
-                    await shell.stop_server()
-                    planning.cancel()
+>>> import asyncio
+>>> from dataclasses import dataclass
+>>> import grpc
+>>> from grpc_health.v1 import health_pb2, health_pb2_grpc
+>>> from prometheus_client import CollectorRegistry
+>>> from phalanx.common.config import EtcdConfig, NatsConfig, TelemetryConfig
+>>> from phalanx.common.service import ServiceShell
+>>> @dataclass(frozen=True)
+... class EchoConfig:  # a ListenConfig; a real service's pydantic settings have these fields
+...     host: str = "127.0.0.1"
+...     port: int = 0
+...     advertise_host: str = ""
+...     metrics_port: int = 0
+>>> class EchoProcess:
+...     def __init__(self, config: EchoConfig, nats: NatsConfig, etcd: EtcdConfig, telemetry: TelemetryConfig) -> None:
+...         self.nats, self.etcd = nats, etcd
+...         self.shell = ServiceShell("phalanx-echo", config, telemetry, registry=CollectorRegistry(), mtls=False)
+...         self.ready, self.request_stop = self.shell.ready, self.shell.request_stop
+...
+...     async def run(self) -> None:
+...         async with self.shell as shell:
+...             await shell.start()  # NOT_SERVING, the gRPC server and /metrics up
+...             bus = await shell.connect_nats(self.nats, name="echo-0")  # subscribe and publish on it; drained at exit
+...             await shell.register(self.etcd, "/phalanx/v1/echo/echo-0", shell.address.encode())  # lease revoked at exit
+...             await shell.set_serving(True)  # SERVING, and ``ready`` set
+...             await shell.wait_for_stop()  # request_stop(): SIGTERM under run_until_signalled
+...             await shell.stop_server()
+>>> async def serve_and_stop() -> str:
+...     process = EchoProcess(EchoConfig(), NatsConfig(), EtcdConfig(), TelemetryConfig())
+...     running = asyncio.create_task(process.run())
+...     await asyncio.wait_for(process.ready.wait(), timeout=30)
+...     async with grpc.aio.insecure_channel(process.shell.address) as channel:
+...         check = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest())
+...     process.request_stop()
+...     await running
+...     return health_pb2.HealthCheckResponse.ServingStatus.Name(check.status)
+>>> asyncio.run(serve_and_stop())
+'SERVING'
 
 ``config`` is any settings object with ``host``, ``port``, ``advertise_host``
 and ``metrics_port`` (``ListenConfig``); the CLI runs the process with

@@ -15,7 +15,7 @@ What it answers: how much SLO attainment a static fleet loses to uneven routing 
 process in the way, and how the weight of the running-sequence term in the routing cost
 (`RoutingTable.running_seq_steps`, `routing.RUNNING_SEQ_STEPS`) changes that. Live runs add what the model leaves out
 (the processes' own timing, the relay, the client), so it ranks settings; it does not replace a live run
-(docs/planner.md, twelfth pass).
+(docs/results/, the twelfth planner pass).
 """
 
 from __future__ import annotations

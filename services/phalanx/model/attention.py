@@ -85,7 +85,7 @@ class SeqChunk:
 def _fewest_padded_decodes(device: torch.device) -> int:
     # On a CPU a lone decode is cheapest against exactly its keys. On a GPU that key length is new every step, and
     # SDPA plans a kernel for each new shape (an H100: 85 ms for a new length, 0.08 ms for one seen before); the
-    # padded call's length changes once a block (docs/development.md, "A lone decode on a GPU").
+    # padded call's length changes once a block (docs/results/2026-11-27-gpu-checks.md, "A lone decode on a GPU").
     return 1 if device.type == "cuda" else 2
 
 

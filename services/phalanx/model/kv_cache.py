@@ -55,7 +55,7 @@ class KvCacheManager:
         # Free blocks, the next one to hand out last: a freed block goes back on top and is reused first (LIFO). Its
         # pages are resident and warm; handing out the least recently freed instead cycles through every block, and a
         # CPU cache (``zeroed``: pages fault in on first touch) then grows to its full size whatever the load needs
-        # (the soak's worker RSS rose ~16 MiB/min until all 128 MiB were touched, docs/development.md).
+        # (the soak's worker RSS rose ~16 MiB/min until all 128 MiB were touched, docs/results/2026-11-26-soak.md).
         self._free: deque[int] = deque(reversed(range(num_blocks)))
         self._refcount = [0] * num_blocks
         self._block_hash: list[int | None] = [None] * num_blocks

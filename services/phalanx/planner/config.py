@@ -66,7 +66,7 @@ class PlannerConfig(BaseSettings):
         "as it holds had less than 1 - this chance to come from the rate the last plan was made for (a Poisson tail; at 0.99 and "
         "1 request/s planned, 7 or more in 2 s), and the surge asks for the workers of the highest rate a window shows beyond "
         "that noise (its Poisson lower bound), not of the window's own rate; 0 (default): any window of surge_min_requests "
-        "counts, and asks for its own rate (docs/planner.md, fifth and seventh passes)"
+        "counts, and asks for its own rate (the planner bench's fifth and seventh passes, docs/results/)"
     )
     surge_size_confidence: float | None = Field(
         None, ge=0, lt=1, description="With surge_confidence: the confidence of the lower bound a surge is sized by (lower: nearer "
@@ -75,7 +75,7 @@ class PlannerConfig(BaseSettings):
     surge_withdraw_odds: float = Field(
         0.0, ge=0, description="> 1: a surge is withdrawn (back to the count before it) once the arrivals after it favour the rate "
         "the fleet was planned for over the rate the surge was sized for by these odds, a Poisson likelihood ratio, and stands "
-        "once they favour the surge's by them; 0 (default): a surge stands until a tick scales down (docs/planner.md, ninth pass)"
+        "once they favour the surge's by them; 0 (default): a surge stands until a tick scales down (the planner bench's ninth pass, docs/results/)"
     )
     scale_down_hold_confidence: float = Field(
         0.0, ge=0, lt=1, description="> 0: the last surge_window_s of arrivals hold a scale-down only when as many had less than "
@@ -84,7 +84,7 @@ class PlannerConfig(BaseSettings):
     scale_down_confidence: float = Field(
         0.0, ge=0, lt=1, description="> 0: a tick scales down no further than the workers for the upper Poisson bound, at this "
         "confidence, of the arrivals it observed (a dip within the noise of the rate the fleet serves is no reason to shed "
-        "workers; docs/planner.md, seventh pass); 0 (default): to what the plan asks"
+        "workers; the planner bench's seventh pass, docs/results/); 0 (default): to what the plan asks"
     )
     scale_down_confirm_s: float | None = Field(
         None, ge=0, description="A tick's scale-down is issued after the arrivals stayed at or below its plan for this long (a rise "

@@ -24,7 +24,7 @@ raises the factor, the planner over-provisions, latencies drop below the profile
   half its operating concurrency 1.1, at the operating point 1.06. Learnt from an idle-ish fleet, that
   ratio tightened the ITL target, the plan added workers, the fleet got idler and the ratio stayed: the planner
   bench's simulated workers, which step as profiled, held a decode factor of 1.2-1.5, worth half a worker on
-  average in the offline breakdown (docs/planner.md, sixth and seventh passes);
+  average in the offline breakdown (docs/results/, the sixth and seventh planner passes);
 - `enabled=False` (`--no-correction`) pins both factors to 1: plan from the profile alone.
 """
 

@@ -27,18 +27,18 @@ Rules, each fixing a limit of Dynamo's planner named in its design notes:
 - A surge does not wait for the interval (`surge`): when the arrivals of the last seconds already need more
   workers than the target, a SURGE decision goes at once, and it supersedes a scaling decision in flight
   (decisions carry the whole target, so the larger one subsumes it). With a hot spare ready it promotes it:
-  one worker of the surge serves at once, the others and a new spare start. Measured (docs/planner.md):
+  one worker of the surge serves at once, the others and a new spare start. Measured (docs/results/, planner passes):
   waiting for the next tick, and then for the decision in flight, brought workers after a short burst had ended.
   What counts as a surge (`surge_workers`): at least a minimum count and, optionally (`surge_confidence`), a rise
   beyond the Poisson noise of the rate the last plan was made for: a bare count of 4 in 2 s (one window in seven
   at 1 request/s) surged a 10-minute trace's fleet 32 times, mostly between its bursts; gated at 0.99, 8 times,
-  at 7 points fewer worker-seconds and 6 points less SLO attainment (docs/planner.md). With a confidence, a surge
+  at 7 points fewer worker-seconds and 6 points less SLO attainment (docs/results/, the fifth planner pass). With a confidence, a surge
   asks for the rate its arrivals show beyond noise (their Poisson lower bound, `poisson_lower_bound`) over the
   window and two longer ones, not for the window's own rate, the upper tail of the noise that just passed the gate.
 - A surge on noise is withdrawn (`withdraw_odds`): the arrivals after a surge are fresh evidence, untouched by the
   selection that fired it; once they favour the rate the fleet was planned for over the rate the surge was sized for by
   the given odds (a Poisson likelihood ratio, `surge_log_odds`), the surge goes back to the count before it, and its
-  workers still starting are not needed; once they favour the surge by those odds, it stands. Measured (docs/planner.md):
+  workers still starting are not needed; once they favour the surge by those odds, it stands. Measured (docs/results/, planner passes):
   at a gate that catches a 3x burst in about a second, noise surges the fleet a few times a minute, and each surge held
   its workers for a scale-down window and a confirmation, 10 s, however fast the arrivals fell back.
 - Scale-down waits (`scale_down_window_s`): a tick never asks for fewer workers than the largest count
@@ -49,7 +49,7 @@ Rules, each fixing a limit of Dynamo's planner named in its design notes:
   workers than it (however few they are: the surge's minimum count guards a scale-up against noise, while
   holding a scale-down costs a worker for one interval more). Otherwise the scale-down waits, pending, for
   `scale_down_confirm_s` and is issued only if arrivals stayed down meanwhile; a rise or a surge cancels it.
-  Measured (docs/planner.md): the tick's forecast is the interval before, and ticks scaled down to 2 workers
+  Measured (docs/results/, planner passes): the tick's forecast is the interval before, and ticks scaled down to 2 workers
   0.15-2.3 s into a burst, whose first second did not hold the surge's 4 arrivals; the burst then waited
   4-6 s for new workers.
 """
@@ -515,8 +515,8 @@ def surge_workers(windows: Sequence[Arrivals], planned_rate: float | None, *, mi
     workers (`workers_for`) of the highest rate the arrivals show beyond noise: their Poisson lower bound
     (`poisson_lower_bound`) over the window, at `size_confidence` when given (whether the arrivals are a rise and how large
     it is are separate questions: a lower confidence sizes a real burst nearer its rate). A window's own rate is a rise's
-    upper tail as often as not: noise that just passed the gate asked for what its luckiest 2 s needed (docs/planner.md,
-    seventh pass). Longer windows let a real burst ask for more as its arrivals add up, where the first 2 s cannot tell it
+    upper tail as often as not: noise that just passed the gate asked for what its luckiest 2 s needed (docs/results/,
+    the seventh planner pass). Longer windows let a real burst ask for more as its arrivals add up, where the first 2 s cannot tell it
     from noise by much."""
     rate = surge_rate(windows, planned_rate, min_requests=min_requests, confidence=confidence, size_confidence=size_confidence)
     if rate is None:

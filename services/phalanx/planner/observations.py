@@ -279,7 +279,7 @@ def interval_demand(observation: Observation, degradation_level: int) -> float:
     finished requests (refusals finish at once and never arrive).
 
     Completions lag arrivals by a request's duration: counted as demand outside shedding, they kept it high for the
-    intervals after a burst, and the fleet stayed large (docs/planner.md, bench). Without an arrivals counter (older
+    intervals after a burst, and the fleet stayed large (docs/results/, the second planner pass). Without an arrivals counter (older
     routers), finished requests are all there is.
     """
     if observation.arrival_rate is None:

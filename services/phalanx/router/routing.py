@@ -28,7 +28,7 @@ Per routable worker (lower is better), in seconds:
   (phalanx.bench.route_balance, six seeds) attained 98.4 % mean (93.9 %
   worst) at 0.36 s mean ITL; at a quarter 99.1 % (94.5 %) at 0.32 s, and
   with prompts on 16 system prompts over bounded caches 97.3 -> 99.2 % at
-  the same prefix hit share, 78-79 % (docs/planner.md, twelfth pass).
+  the same prefix hit share, 78-79 % (docs/results/, the twelfth planner pass).
 - `stale_penalty_s`: a worker silent for longer than load_stale_s may be
   dead with its lease not lapsed yet; it stays routable (it may be fine, and
   if every worker is silent the router must still route) but loses to any

@@ -1,4 +1,4 @@
-"""Rebalancing onto new capacity: which moves the policy plans (phalanx.migration.rebalance) and which requests a
+"""Rebalancing onto new capacity: which moves the policy plans (phalanx.migration.rebalance_policy) and which requests a
 worker parks for one (phalanx.worker.engine.pick_to_park), on a simulated engine."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from dataclasses import replace
 import pytest
 from test_simulated_engine import sim_engine
 
-from phalanx.migration.rebalance import Move, RebalancePolicy, RebalanceSettings, WorkerLoad
+from phalanx.migration.rebalance_policy import Move, RebalancePolicy, RebalanceSettings, WorkerLoad
 from phalanx.model.sampling import SamplingParams
 from phalanx.worker.engine import EngineRequest, ParkPick
 from phalanx.worker.sequence import FinishReason

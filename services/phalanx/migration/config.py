@@ -53,7 +53,7 @@ class MigrationConfig(BaseSettings):
     remember_s: float = Field(120.0, gt=0, description="How long a finished migration answers repeated calls for the same request")
     parallel: int = Field(16, ge=1, le=256, description="Migrations run at once; the rest wait, lower RequestState.priority (premium) first")
     trigger_on_dead: bool = Field(True, description="Migrate a worker's requests when the health service marks it DEAD")
-    # Rebalancing (docs/migration.md, "Rebalancing onto new capacity"; phalanx.migration.rebalance).
+    # Rebalancing (docs/migration.md, "Rebalancing onto new capacity"; phalanx.migration.rebalance_policy).
     rebalance: bool = Field(
         False,
         description="Move running requests off loaded workers onto new capacity (a worker registered or a spare promoted); "

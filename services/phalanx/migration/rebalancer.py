@@ -1,6 +1,6 @@
 """The migration service's rebalancer: moves running requests off loaded workers onto new capacity.
 
-It carries out `rebalance.RebalancePolicy`'s moves with the drain's path, nothing of its own: it asks the loaded
+It carries out `rebalance_policy.RebalancePolicy`'s moves with the drain's path, nothing of its own: it asks the loaded
 worker to park a few requests it picks (`Park` with a limit: their KV stays there), and the router relaying each one
 sees it handed back and asks the migration service to move it, as after a drain. That call is where the planned
 target comes in: `target_for` tells the Migrator which worker the rebalance meant it for (it waits for the Park call
@@ -33,7 +33,7 @@ from phalanx.common.grpc_channels import GrpcChannels
 from phalanx.common.subjects import SPARES_PREFIX
 from phalanx.migration.config import MigrationConfig
 from phalanx.migration.metrics import MigrationMetrics
-from phalanx.migration.rebalance import Move, RebalancePolicy, RebalanceSettings, WorkerLoad
+from phalanx.migration.rebalance_policy import Move, RebalancePolicy, RebalanceSettings, WorkerLoad
 
 log = logging.getLogger(__name__)
 

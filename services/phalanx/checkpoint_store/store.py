@@ -89,6 +89,7 @@ from phalanx.checkpoint_store.errors import (
     UnknownRequestError,
 )
 from phalanx.checkpoint_store.segments import Ack, KvLayout, SegmentResult, Writer, segment_tensor
+from phalanx.checkpoint_store.spill_files import append_to_file, byte_view
 
 __all__ = [
     "Ack",
@@ -248,7 +249,7 @@ class _KvTrack:
         for first, block in self._filled():
             tokens = min(self._pool.block_tokens, self._tail - first)
             pieces.append((first, tokens, block if tokens == block.shape[2] else block[:, :, :tokens].contiguous()))
-        offsets, end = _append_to_file(self.path, start, [byte_view(data) for _, _, data in pieces])
+        offsets, end = append_to_file(self.path, start, [byte_view(data) for _, _, data in pieces])
         self._chunks += [
             _FileChunk(start=self._spilled_tokens + first, tokens=tokens, stored=tokens, offset=offset)
             for (first, tokens, _), offset in zip(pieces, offsets, strict=True)
@@ -398,7 +399,7 @@ class _MediaTrack:
         for held in pending:
             assert held.data is not None  # in memory
             data.append(held.data)
-        offsets, end = _append_to_file(self.path, self._end, [memoryview(d) for d in data])
+        offsets, end = append_to_file(self.path, self._end, [memoryview(d) for d in data])
         for held, bytes_, offset in zip(pending, data, offsets, strict=True):
             held.offset, held.crc, held.data = offset, zlib.crc32(bytes_), None
         start, self._end = self._end, end
@@ -890,41 +891,3 @@ def _take_state(record: checkpoint_pb2.CommitRecord, writer: Writer, segment: ch
         record.state.generator_state = segment.generator_state
     record.worker_id = writer.worker_id
     record.model_version = writer.model_version
-
-
-def byte_view(tensor: torch.Tensor) -> memoryview:
-    """The raw bytes of a contiguous CPU tensor, without a copy (writable: ``readinto`` fills it)."""
-    return tensor.reshape(-1).view(torch.uint8).numpy().data
-
-
-def _append_to_file(path: Path, start: int, buffers: list[memoryview]) -> tuple[list[int], int]:
-    """Writes ``buffers`` one after the other into ``path`` from byte ``start``; their offsets, and the end.
-
-    OSError if a write fails (the disk is full): the file is cut back to ``start`` bytes (removed if that is 0).
-    """
-    offsets = []
-    offset = start
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
-        try:
-            for buffer in buffers:
-                _write_at(fd, offset, buffer)
-                offsets.append(offset)
-                offset += buffer.nbytes
-        finally:
-            os.close(fd)
-    except OSError:
-        with contextlib.suppress(OSError):
-            if start:
-                os.truncate(path, start)
-            else:
-                path.unlink(missing_ok=True)
-        raise
-    return offsets, offset
-
-
-def _write_at(fd: int, offset: int, data: memoryview) -> None:
-    done = 0
-    while done < len(data):
-        done += os.pwrite(fd, data[done:], offset + done)

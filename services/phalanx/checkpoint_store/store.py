@@ -87,8 +87,9 @@ from phalanx.checkpoint_store.errors import (
     UnknownRequestError,
 )
 from phalanx.checkpoint_store.kv_track import BlockPool, KvTrack
+from phalanx.checkpoint_store.media_track import MediaTrack, fits
 from phalanx.checkpoint_store.segments import Ack, KvLayout, SegmentResult, Writer, segment_tensor
-from phalanx.checkpoint_store.spill_files import append_to_file, byte_view
+from phalanx.checkpoint_store.spill_files import byte_view
 
 __all__ = [
     "Ack",
@@ -117,8 +118,6 @@ _BLOCK_TOKENS = 64
 _MIN_BLOCKS_IN_LIMIT = 64
 # Released requests whose superseded copies are remembered (an old copy must not start one again from position 0).
 _TOMBSTONES = 16384
-# Bytes per value of the dtypes media embeddings travel in (MediaEmbedding.dtype).
-_MEDIA_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 @dataclass(frozen=True)
@@ -137,125 +136,11 @@ class StoreStats:
 
 
 @dataclass
-class _HeldMedia:
-    """One media item's embeddings: ``data`` in memory, or at ``offset`` of the media spill file once spilled."""
-
-    item: common_pb2.MediaEmbedding  # without its data: a message of its own (a segment's would keep the segment alive)
-    data: bytes | None
-    nbytes: int
-    offset: int = -1  # in the media spill file; -1: in memory
-    crc: int = 0  # of the bytes spilled
-
-    @classmethod
-    def of(cls, item: common_pb2.MediaEmbedding) -> _HeldMedia:
-        data = item.data  # a copy (upb), once
-        meta = common_pb2.MediaEmbedding(start=item.start, rows=item.rows, hidden=item.hidden, dtype=item.dtype,
-                                         media_hash=item.media_hash)
-        if item.HasField("source"):
-            meta.source.CopyFrom(item.source)
-        return cls(meta, data, len(data))
-
-    def with_data(self, data: bytes) -> common_pb2.MediaEmbedding:
-        item = common_pb2.MediaEmbedding()
-        item.CopyFrom(self.item)
-        item.data = data
-        return item
-
-
-class _MediaTrack:
-    """One request's media embeddings: in memory until the request spills, then in its own spill file."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.items: list[_HeldMedia] = []
-        self._end = 0  # bytes of the spill file in use
-
-    @property
-    def memory_bytes(self) -> int:
-        return sum(h.nbytes for h in self.items if h.offset < 0)
-
-    @property
-    def disk_bytes(self) -> int:
-        return self._end
-
-    @property
-    def spilled(self) -> bool:
-        return any(h.offset >= 0 for h in self.items)
-
-    def __len__(self) -> int:
-        return len(self.items)
-
-    def replace(self, items: list[common_pb2.MediaEmbedding]) -> None:
-        """Hold ``items`` (in memory) instead of what was held."""
-        self.drop()
-        self.items = [_HeldMedia.of(item) for item in items]
-
-    def keep(self, keys: set[tuple[int, int, int]]) -> None:
-        """Only the items whose (start, rows, media_hash) is in ``keys``; a spilled one's bytes stay in the file."""
-        self.items = [h for h in self.items if (h.item.start, h.item.rows, h.item.media_hash) in keys]
-        if not self.spilled:
-            self._trim()
-
-    def spill(self) -> int:
-        """Append the items in memory to the spill file; the bytes written.
-
-        OSError if a write fails: the file is cut back to what it held and the items stay in memory.
-        """
-        pending = [h for h in self.items if h.offset < 0]
-        if not pending:
-            return 0
-        data: list[bytes] = []
-        for held in pending:
-            assert held.data is not None  # in memory
-            data.append(held.data)
-        offsets, end = append_to_file(self.path, self._end, [memoryview(d) for d in data])
-        for held, bytes_, offset in zip(pending, data, offsets, strict=True):
-            held.offset, held.crc, held.data = offset, zlib.crc32(bytes_), None
-        start, self._end = self._end, end
-        return end - start
-
-    def read(self) -> list[common_pb2.MediaEmbedding]:
-        """The items with their data, spilled ones read back and checked; OSError if one cannot be."""
-        out = []
-        with contextlib.ExitStack() as stack:
-            file = None
-            for held in self.items:
-                if held.data is not None:
-                    out.append(held.with_data(held.data))
-                    continue
-                if file is None:
-                    file = stack.enter_context(open(self.path, "rb"))
-                file.seek(held.offset)
-                data = file.read(held.nbytes)
-                if len(data) != held.nbytes or zlib.crc32(data) != held.crc:
-                    raise OSError(f"media spill file {self.path}: {held.nbytes} bytes at {held.offset} are short or fail their checksum")
-                out.append(held.with_data(data))
-        return out
-
-    def drop_memory(self) -> None:
-        """Drop the items held in memory (they could not spill); spilled ones stay."""
-        self.items = [h for h in self.items if h.offset >= 0]
-
-    def drop(self) -> None:
-        """Drop every item and delete the spill file."""
-        self.items = []
-        self._trim()
-
-    def _trim(self) -> None:
-        if self._end:
-            self._end = 0
-            try:
-                self.path.unlink(missing_ok=True)
-            except OSError as error:
-                log.warning("cannot delete the media spill file %s: %s", self.path, error)
-
-
-@dataclass
 class _Entry:
     record: checkpoint_pb2.CommitRecord
     kv: KvTrack
     # Embeddings of the media in record.state.media (Segment.media): in memory, spilled with the KV.
-    media: _MediaTrack
+    media: MediaTrack
     # (start, end, crc32) of each range of KV written with a checksum, in position order, within [0, kv_tokens).
     checksums: list[tuple[int, int, int]] = field(default_factory=list)
     copy_id: int = 0  # the owner's copy (Segment.copy_id); 0: unknown
@@ -536,12 +421,12 @@ class CheckpointStore:
         entry.copy_id = copy
 
     def _restart(self, writer: Writer, segment: checkpoint_pb2.Segment, previous: _Entry | None) -> _Entry:
-        moved: _MediaTrack | None = None  # the previous commit's embeddings, for a restart that brings none
+        moved: MediaTrack | None = None  # the previous commit's embeddings, for a restart that brings none
         if previous is not None:
             self._take_over(previous, writer.worker_id, segment.copy_id)
             superseded = previous.superseded
             with self._accounting(previous):
-                moved, previous.media = previous.media, _MediaTrack(previous.media.path)
+                moved, previous.media = previous.media, MediaTrack(previous.media.path)
             self._drop(segment.request_id)
         else:
             superseded = self._tombstones.pop(segment.request_id, {})
@@ -555,7 +440,7 @@ class CheckpointStore:
             record.state.generator_state = segment.generator_state
         self._files += 1
         track = KvTrack(self._pool(writer.layout), self.spill_dir / f"{self._files:08d}.kv")
-        media = _MediaTrack(self.spill_dir / f"{self._files:08d}.media")
+        media = MediaTrack(self.spill_dir / f"{self._files:08d}.media")
         entry = self._entries[segment.request_id] = _Entry(record, track, media, copy_id=segment.copy_id, superseded=superseded)
         if moved is not None and not segment.media:
             with self._accounting(entry):
@@ -582,13 +467,11 @@ class CheckpointStore:
             return
         kept: dict[tuple[int, int, int], common_pb2.MediaEmbedding] = {}
         for item in media:
-            key = (item.start, item.rows, item.media_hash)
-            size = _MEDIA_DTYPE_BYTES.get(item.dtype, 0)
-            if key not in spans or not size or item.hidden < 1 or len(item.data) != item.rows * item.hidden * size:
+            if not fits(item, spans):
                 log.warning("request %s: media embeddings at %d (%d rows x %d %s, %d bytes) do not fit its state; not kept",
                             entry.record.request_id, item.start, item.rows, item.hidden, item.dtype, len(item.data))
                 continue
-            kept[key] = item
+            kept[(item.start, item.rows, item.media_hash)] = item
         with self._accounting(entry):
             entry.media.replace(list(kept.values()))
         entry.record.media_held = len(entry.media)

@@ -27,7 +27,7 @@ and the KV of positions ``[0, kv_tokens)``:
   the request moves elsewhere, and must not take the commit back once it is
   reachable again (two owners of one request). A newer copy of a former owner
   (the request migrated back to it) takes the commit over as any writer does.
-  Released requests keep what they superseded for a while (``_TOMBSTONES``),
+  Released requests keep what they superseded for a while (``commits.Tombstones``),
   so that an old copy cannot start them again from position 0.
 
 A whole state may bring the embeddings of the request's media
@@ -67,18 +67,18 @@ file: ``kv_track``.
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import logging
 import time
 import zlib
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from phalanx._proto import checkpoint_pb2, common_pb2
+from phalanx.checkpoint_store.commits import Entry, Tombstones, commit, new_record, superseded, take_state
 from phalanx.checkpoint_store.errors import (
     CheckpointStoreError,
     CorruptCheckpointError,
@@ -116,8 +116,6 @@ _BLOCK_TOKENS = 64
 # ... fewer where the memory limit would hold fewer than this many blocks: a request holds at most one block it has
 # not filled, and a small limit must not be taken up by such slack.
 _MIN_BLOCKS_IN_LIMIT = 64
-# Released requests whose superseded copies are remembered (an old copy must not start one again from position 0).
-_TOMBSTONES = 16384
 
 
 @dataclass(frozen=True)
@@ -133,29 +131,6 @@ class StoreStats:
     spill_failures_total: int = 0  # spills that failed (disk full, I/O error): their KV was dropped
     kv_dropped_total: int = 0  # requests' KV dropped because it could not spill (their restores re-prefill)
     spill_failing: bool = False  # the last spill failed and spilling has not worked since
-
-
-@dataclass
-class _Entry:
-    record: checkpoint_pb2.CommitRecord
-    kv: KvTrack
-    # Embeddings of the media in record.state.media (Segment.media): in memory, spilled with the KV.
-    media: MediaTrack
-    # (start, end, crc32) of each range of KV written with a checksum, in position order, within [0, kv_tokens).
-    checksums: list[tuple[int, int, int]] = field(default_factory=list)
-    copy_id: int = 0  # the owner's copy (Segment.copy_id); 0: unknown
-    # Former owners -> their newest copy that lost the commit: segments of those copies (or older ones) are superseded.
-    superseded: dict[str, int] = field(default_factory=dict)
-    # Its KV was dropped because it could not spill: segments update the commit only, until a resync.
-    kv_dropped: bool = False
-
-    @property
-    def memory_bytes(self) -> int:
-        return self.kv.memory_bytes + self.media.memory_bytes
-
-    @property
-    def disk_bytes(self) -> int:
-        return self.kv.disk_bytes + self.media.disk_bytes
 
 
 class CheckpointStore:
@@ -182,7 +157,7 @@ class CheckpointStore:
         # Set while spilling fails: the clock time of the next try (before it, what would spill is dropped at once).
         self._spill_retry_at: float | None = None
         self._clock = clock
-        self._entries: dict[str, _Entry] = {}
+        self._entries: dict[str, Entry] = {}
         self._pools: dict[KvLayout, BlockPool] = {}
         self._files = 0
         self._memory = 0
@@ -192,8 +167,7 @@ class CheckpointStore:
         self._segments = dict.fromkeys(SegmentResult, 0)
         self._unchecked = 0
         self._corrupt_restores = 0
-        # Released requests -> the copies they superseded, their last owner's included (oldest first, bounded).
-        self._tombstones: collections.OrderedDict[str, dict[str, int]] = collections.OrderedDict()
+        self._tombstones = Tombstones()
 
     # -- writes ---------------------------------------------------------------------------------
 
@@ -208,13 +182,12 @@ class CheckpointStore:
             log.warning("request %s from %s: KV [%d, %d) fails its checksum; not applied, resync",
                         segment.request_id, writer.worker_id, segment.kv_start, segment.kv_end)
             return self._count(Ack(segment.request_id, segment.seq, kv_tokens, SegmentResult.CORRUPT, len(data)))
-        if self._superseded(entry, writer.worker_id, segment):
+        if superseded(entry, self._tombstones, writer.worker_id, segment):
             kv_tokens = 0 if entry is None else entry.record.kv_tokens
             log.info("request %s: segment of %s's copy %d refused, the commit belongs to %s now", segment.request_id, writer.worker_id,
                      segment.copy_id, "nobody (released)" if entry is None else entry.record.worker_id)
             return self._count(Ack(segment.request_id, segment.seq, kv_tokens, SegmentResult.SUPERSEDED, len(data), segment.copy_id))
-        if (entry is not None and entry.record.worker_id == writer.worker_id and segment.copy_id == entry.copy_id
-                and segment.seq <= entry.record.seq):
+        if entry is not None and entry.is_duplicate(writer.worker_id, segment):
             return self._count(Ack(segment.request_id, entry.record.seq, entry.record.kv_tokens, SegmentResult.DUPLICATE, len(data)))
         if segment.kv_start == 0:
             entry = self._restart(writer, segment, entry)
@@ -224,19 +197,19 @@ class CheckpointStore:
             kv_tokens = 0 if entry is None else entry.record.kv_tokens
             return self._count(Ack(segment.request_id, segment.seq, kv_tokens, SegmentResult.GAP, len(data)))
         else:
-            self._take_over(entry, writer.worker_id, segment.copy_id)  # before the state names the writer as the owner
+            entry.take_over(writer.worker_id, segment.copy_id)  # before the state names the writer as the owner
             self._take_state(entry, writer, segment)
         record = entry.record
         if kv.shape[2] == 0 and segment.kv_start == record.kv_tokens:
             # Output tokens only, most segments: the KV and the totals stay as they are (a whole state's media do not).
-            self._commit(record, segment)
+            commit(record, segment, self._clock())
             if segment.media:
                 self._enforce_limit()
             return self._count(Ack(segment.request_id, segment.seq, segment.kv_end, SegmentResult.APPLIED, len(data)))
         with self._accounting(entry):
             entry.kv.truncate(segment.kv_start)
             entry.kv.append(kv)
-            self._commit(record, segment)
+            commit(record, segment, self._clock())
         # A range cut by the truncation loses its checksum (the part kept is unverified from then on).
         entry.checksums = [c for c in entry.checksums if c[1] <= segment.kv_start]
         if segment.HasField("kv_crc32"):
@@ -246,16 +219,16 @@ class CheckpointStore:
         self._enforce_limit()
         return self._count(Ack(segment.request_id, segment.seq, segment.kv_end, SegmentResult.APPLIED, len(data)))
 
-    def _apply_without_kv(self, writer: Writer, entry: _Entry, segment: checkpoint_pb2.Segment, nbytes: int) -> Ack:
+    def _apply_without_kv(self, writer: Writer, entry: Entry, segment: checkpoint_pb2.Segment, nbytes: int) -> Ack:
         """A segment of a request whose KV was dropped: its tokens and state go into the commit (a re-prefill needs
         them), its KV nowhere. From the next try of the disk on, a resync instead: the whole request comes again, KV
         included (held in memory while there is room; dropped again if it must spill and the disk is still full)."""
         if self._spill_retry_at is None or self._clock() >= self._spill_retry_at:
             return Ack(segment.request_id, segment.seq, 0, SegmentResult.GAP, nbytes)
         record = entry.record
-        self._take_over(entry, writer.worker_id, segment.copy_id)
+        entry.take_over(writer.worker_id, segment.copy_id)
         self._take_state(entry, writer, segment)
-        self._commit(record, segment)
+        commit(record, segment, self._clock())
         record.kv_tokens = 0
         if segment.media:
             self._enforce_limit()  # while the disk is tried again, these go at once (the resync brings them back)
@@ -271,13 +244,7 @@ class CheckpointStore:
         if entry is None or (worker_id is not None and entry.record.worker_id != worker_id):
             return False
         self._drop(request_id)
-        superseded = dict(entry.superseded)
-        if entry.copy_id:
-            superseded[entry.record.worker_id] = max(entry.copy_id, superseded.get(entry.record.worker_id, 0))
-        if superseded:
-            self._tombstones[request_id] = superseded
-            while len(self._tombstones) > _TOMBSTONES:
-                self._tombstones.popitem(last=False)
+        self._tombstones.bury(request_id, entry.lost_copies())
         return True
 
     def expire(self) -> list[str]:
@@ -394,54 +361,28 @@ class CheckpointStore:
 
     # -- internals ------------------------------------------------------------------------------
 
-    def _entry(self, request_id: str) -> _Entry:
+    def _entry(self, request_id: str) -> Entry:
         entry = self._entries.get(request_id)
         if entry is None:
             raise UnknownRequestError(request_id)
         return entry
 
-    def _superseded(self, entry: _Entry | None, worker_id: str, segment: checkpoint_pb2.Segment) -> bool:
-        """Whether ``segment`` comes from a copy of the request that lost its commit (see the module docstring)."""
-        copy = segment.copy_id
-        if not copy:
-            return False
-        if entry is None:
-            lost = self._tombstones.get(segment.request_id, {})
-            return copy <= lost.get(worker_id, 0)
-        if entry.record.worker_id == worker_id:
-            return copy < entry.copy_id
-        return copy <= entry.superseded.get(worker_id, 0)
-
-    @staticmethod
-    def _take_over(entry: _Entry, worker_id: str, copy: int) -> None:
-        """``worker_id``'s copy ``copy`` owns the commit from now on; the copy it had before is superseded."""
-        owner = entry.record.worker_id
-        if entry.copy_id and (owner, entry.copy_id) != (worker_id, copy):
-            entry.superseded[owner] = max(entry.copy_id, entry.superseded.get(owner, 0))
-        entry.copy_id = copy
-
-    def _restart(self, writer: Writer, segment: checkpoint_pb2.Segment, previous: _Entry | None) -> _Entry:
+    def _restart(self, writer: Writer, segment: checkpoint_pb2.Segment, previous: Entry | None) -> Entry:
         moved: MediaTrack | None = None  # the previous commit's embeddings, for a restart that brings none
         if previous is not None:
-            self._take_over(previous, writer.worker_id, segment.copy_id)
-            superseded = previous.superseded
+            previous.take_over(writer.worker_id, segment.copy_id)
+            lost = previous.superseded
             with self._accounting(previous):
                 moved, previous.media = previous.media, MediaTrack(previous.media.path)
             self._drop(segment.request_id)
         else:
-            superseded = self._tombstones.pop(segment.request_id, {})
-        record = checkpoint_pb2.CommitRecord(
-            request_id=segment.request_id, worker_id=writer.worker_id, seed=segment.seed, model_version=writer.model_version,
-            layout=writer.layout.to_proto(), last_index=-1,
-        )
-        record.state.CopyFrom(segment.state)
-        record.state.request_id = segment.request_id
-        if segment.generator_state:
-            record.state.generator_state = segment.generator_state
+            lost = self._tombstones.pop(segment.request_id)
         self._files += 1
         track = KvTrack(self._pool(writer.layout), self.spill_dir / f"{self._files:08d}.kv")
         media = MediaTrack(self.spill_dir / f"{self._files:08d}.media")
-        entry = self._entries[segment.request_id] = _Entry(record, track, media, copy_id=segment.copy_id, superseded=superseded)
+        entry = self._entries[segment.request_id] = Entry(
+            new_record(writer, segment), track, media, copy_id=segment.copy_id, superseded=lost
+        )
         if moved is not None and not segment.media:
             with self._accounting(entry):
                 entry.media = moved
@@ -450,13 +391,13 @@ class CheckpointStore:
         self._keep_media(entry, list(segment.media))
         return entry
 
-    def _take_state(self, entry: _Entry, writer: Writer, segment: checkpoint_pb2.Segment) -> None:
+    def _take_state(self, entry: Entry, writer: Writer, segment: checkpoint_pb2.Segment) -> None:
         """A segment's tokens and sampling state into the commit (not its KV); a whole state's media too."""
-        _take_state(entry.record, writer, segment)
+        take_state(entry.record, writer, segment)
         if segment.HasField("state"):
             self._keep_media(entry, list(segment.media))
 
-    def _keep_media(self, entry: _Entry, media: list[common_pb2.MediaEmbedding]) -> None:
+    def _keep_media(self, entry: Entry, media: list[common_pb2.MediaEmbedding]) -> None:
         """Of ``media`` (a segment's, replacing what the entry holds; none: what it holds), the embeddings that fit the
         state's media spans, one per span."""
         spans = {(m.start, m.rows, m.media_hash) for m in entry.record.state.media}
@@ -476,12 +417,6 @@ class CheckpointStore:
             entry.media.replace(list(kept.values()))
         entry.record.media_held = len(entry.media)
 
-    def _commit(self, record: checkpoint_pb2.CommitRecord, segment: checkpoint_pb2.Segment) -> None:
-        record.kv_tokens = segment.kv_end
-        record.seq = segment.seq
-        record.last_index = len(record.state.output_token_ids) - 1
-        record.updated_at = self._clock()
-
     def _pool(self, layout: KvLayout) -> BlockPool:
         pool = self._pools.get(layout)
         if pool is None:
@@ -498,7 +433,7 @@ class CheckpointStore:
         self._trim_pools()
 
     @contextlib.contextmanager
-    def _accounting(self, entry: _Entry) -> Iterator[None]:
+    def _accounting(self, entry: Entry) -> Iterator[None]:
         """Keep the running totals right across a change of one entry's KV or media embeddings."""
         memory, disk, tokens = entry.memory_bytes, entry.disk_bytes, entry.record.kv_tokens
         try:
@@ -533,7 +468,7 @@ class CheckpointStore:
                     self._spill_worked()
         self._trim_pools()
 
-    def _spill_failed(self, entry: _Entry, error: OSError) -> None:
+    def _spill_failed(self, entry: Entry, error: OSError) -> None:
         self._spill_failures += 1
         if self._spill_retry_at is None:  # once per outage: on a full disk every segment past the limit would log
             log.warning(
@@ -549,7 +484,7 @@ class CheckpointStore:
                         "the requests that lost it resync", self.spill_dir, self._spill_failures, self._kv_dropped)
             self._spill_retry_at = None
 
-    def _drop_kv(self, entry: _Entry) -> None:
+    def _drop_kv(self, entry: Entry) -> None:
         """The KV that cannot spill goes, and the media embeddings still in memory; the commit record stays (kv_tokens
         0), for a re-prefill (with the embeddings spilled before, if any). Within _accounting."""
         entry.kv.drop()
@@ -572,14 +507,3 @@ class CheckpointStore:
     def _count(self, ack: Ack) -> Ack:
         self._segments[ack.result] += 1
         return ack
-
-
-def _take_state(record: checkpoint_pb2.CommitRecord, writer: Writer, segment: checkpoint_pb2.Segment) -> None:
-    """A segment's tokens and sampling state into the commit (not its KV)."""
-    if segment.HasField("state"):  # a new owner takes the commit over (restored from it): its whole state
-        record.state.CopyFrom(segment.state)
-    record.state.output_token_ids.extend(segment.appended_output_ids)
-    if segment.generator_state:
-        record.state.generator_state = segment.generator_state
-    record.worker_id = writer.worker_id
-    record.model_version = writer.model_version

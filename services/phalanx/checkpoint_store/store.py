@@ -90,6 +90,7 @@ from phalanx.checkpoint_store.kv_track import BlockPool, KvTrack
 from phalanx.checkpoint_store.media_track import MediaTrack, fits
 from phalanx.checkpoint_store.segments import Ack, KvLayout, SegmentResult, Writer, segment_tensor
 from phalanx.checkpoint_store.spill_files import byte_view
+from phalanx.checkpoint_store.spill_outage import SpillOutage
 
 __all__ = [
     "Ack",
@@ -151,11 +152,8 @@ class CheckpointStore:
         self.spill_dir = Path(spill_dir)
         self.memory_limit_bytes = memory_limit_bytes
         self.retention_s = retention_s
-        self.spill_retry_s = spill_retry_s
-        self._spill_failures = 0
+        self._outage = SpillOutage(spill_retry_s)
         self._kv_dropped = 0
-        # Set while spilling fails: the clock time of the next try (before it, what would spill is dropped at once).
-        self._spill_retry_at: float | None = None
         self._clock = clock
         self._entries: dict[str, Entry] = {}
         self._pools: dict[KvLayout, BlockPool] = {}
@@ -223,7 +221,7 @@ class CheckpointStore:
         """A segment of a request whose KV was dropped: its tokens and state go into the commit (a re-prefill needs
         them), its KV nowhere. From the next try of the disk on, a resync instead: the whole request comes again, KV
         included (held in memory while there is room; dropped again if it must spill and the disk is still full)."""
-        if self._spill_retry_at is None or self._clock() >= self._spill_retry_at:
+        if not self._outage.waiting(self._clock()):
             return Ack(segment.request_id, segment.seq, 0, SegmentResult.GAP, nbytes)
         record = entry.record
         entry.take_over(writer.worker_id, segment.copy_id)
@@ -343,12 +341,17 @@ class CheckpointStore:
             requests=len(self._entries), memory_bytes=self._memory, spilled_bytes=self._disk,
             committed_tokens=self._committed_tokens, bytes_received_total=self._bytes_received, segments_total=dict(self._segments),
             unchecked_segments_total=self._unchecked, corrupt_restores_total=self._corrupt_restores,
-            spill_failures_total=self._spill_failures, kv_dropped_total=self._kv_dropped, spill_failing=self.spill_failing,
+            spill_failures_total=self._outage.failures, kv_dropped_total=self._kv_dropped, spill_failing=self.spill_failing,
         )
 
     @property
+    def spill_retry_s(self) -> float:
+        """Seconds after a failed spill before the disk is tried again."""
+        return self._outage.retry_s
+
+    @property
     def spill_failures_total(self) -> int:
-        return self._spill_failures
+        return self._outage.failures
 
     @property
     def kv_dropped_total(self) -> int:
@@ -357,7 +360,7 @@ class CheckpointStore:
     @property
     def spill_failing(self) -> bool:
         """Whether the last spill failed (and none worked since)."""
-        return self._spill_retry_at is not None
+        return self._outage.failing
 
     # -- internals ------------------------------------------------------------------------------
 
@@ -456,7 +459,7 @@ class CheckpointStore:
             if self._memory <= target:
                 break
             with self._accounting(entry):
-                if self._spill_retry_at is not None and self._clock() < self._spill_retry_at:
+                if self._outage.waiting(self._clock()):
                     self._drop_kv(entry)
                     continue
                 try:
@@ -469,20 +472,17 @@ class CheckpointStore:
         self._trim_pools()
 
     def _spill_failed(self, entry: Entry, error: OSError) -> None:
-        self._spill_failures += 1
-        if self._spill_retry_at is None:  # once per outage: on a full disk every segment past the limit would log
+        if self._outage.failed(self._clock()):
             log.warning(
                 "cannot spill KV to %s (%s): requests whose KV does not fit in memory lose it (their restores re-prefill); "
                 "trying again every %.0f s", self.spill_dir, error.strerror or error, self.spill_retry_s,
             )
-        self._spill_retry_at = self._clock() + self.spill_retry_s
         self._drop_kv(entry)
 
     def _spill_worked(self) -> None:
-        if self._spill_retry_at is not None:
+        if self._outage.worked():
             log.warning("spilling KV to %s works again (%d spills failed meanwhile, %d requests' KV dropped in all); "
-                        "the requests that lost it resync", self.spill_dir, self._spill_failures, self._kv_dropped)
-            self._spill_retry_at = None
+                        "the requests that lost it resync", self.spill_dir, self._outage.failures, self._kv_dropped)
 
     def _drop_kv(self, entry: Entry) -> None:
         """The KV that cannot spill goes, and the media embeddings still in memory; the commit record stays (kv_tokens

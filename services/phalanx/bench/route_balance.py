@@ -57,6 +57,23 @@ class _Worker:
     most_running: int = 0
     cached: OrderedDict[int, None] = field(default_factory=OrderedDict)  # block hashes it holds, least recently used first
 
+    def prefill(self, prompt: list[int], cache_blocks: int) -> int:
+        """Stores the prompt's blocks here (KV events into the router's index), keeping at most `cache_blocks` (0: all);
+        the prompt tokens it found cached."""
+        hashes = prefix_block_hashes(prompt, BLOCK_SIZE)
+        held = 0
+        while held < len(hashes) and hashes[held] in self.cached:
+            held += 1
+        for h in hashes[:held]:
+            self.cached.move_to_end(h)
+        if held < len(hashes):
+            self.kv_events.store(hashes[held:], hashes[held - 1] if held else ROOT_HASH)
+            self.cached.update(dict.fromkeys(hashes[held:]))
+        evicted = [self.cached.popitem(last=False)[0] for _ in range(len(self.cached) - cache_blocks)] if cache_blocks else []
+        if evicted:
+            self.kv_events.remove(evicted)
+        return min(held * BLOCK_SIZE, len(prompt) - 1)  # the last token is always computed
+
 
 @dataclass(frozen=True)
 class BalanceResult:
@@ -72,86 +89,101 @@ def simulate(*, running_seq_steps: float = RUNNING_SEQ_STEPS, workers: int = 7, 
     """The planner bench's trace (`arrivals`) on `workers` modelled workers behind a RoutingTable; with `shared_prefix`
     tokens, each prompt starts with one of `system_prompts` system prompts of that length; `cache_blocks` > 0 bounds what
     a worker's cache holds."""
-    now = 0.0
-    table = RoutingTable(clock=lambda: now, running_seq_steps=running_seq_steps)
-    fleet = [_Worker(f"w{i}", KvEventPublisher(f"w{i}", table)) for i in range(workers)]
-    for w in fleet:
-        table.upsert_worker(w.worker_id, "modelled")
-    duration_s = minutes * 60
-    events: list[tuple[float, int, int]] = []
-    sent = arrivals(duration_s, peak_rps, seed)
-    for i, at in enumerate(sent):
-        heapq.heappush(events, (at, _ARRIVAL, i))
-    heapq.heappush(events, (0.0, _REPORT, 0))
-    tokens: dict[int, list[float]] = {i: [] for i in range(len(sent))}
+    sent = arrivals(minutes * 60, peak_rps, seed)
     rng = random.Random(seed)
     systems = [[rng.randrange(1, 32_000) for _ in range(shared_prefix)] for _ in range(system_prompts)]
     prompts = [rng.choice(systems) + [rng.randrange(1, 32_000) for _ in range(PROMPT_TOKENS)] for _ in sent]
-    prompt_tokens = hit_tokens = 0
+    return _Simulation(running_seq_steps, workers, minutes * 60, sent, prompts, cache_blocks).run()
 
-    def prefill(w: _Worker, prompt: list[int]) -> int:
-        """Stores the prompt's blocks on `w` (KV events into the router's index); the tokens it had to compute."""
-        nonlocal prompt_tokens, hit_tokens
-        hashes = prefix_block_hashes(prompt, BLOCK_SIZE)
-        held = 0
-        while held < len(hashes) and hashes[held] in w.cached:
-            held += 1
-        held_tokens = min(held * BLOCK_SIZE, len(prompt) - 1)  # the last token is always computed
-        for h in hashes[:held]:
-            w.cached.move_to_end(h)
-        if held < len(hashes):
-            w.kv_events.store(hashes[held:], hashes[held - 1] if held else ROOT_HASH)
-            w.cached.update(dict.fromkeys(hashes[held:]))
-        evicted = [w.cached.popitem(last=False)[0] for _ in range(len(w.cached) - cache_blocks)] if cache_blocks else []
-        if evicted:
-            w.kv_events.remove(evicted)
-        prompt_tokens += len(prompt)
-        hit_tokens += held_tokens
-        return len(prompt) - held_tokens
 
-    def start_step(w: _Worker) -> None:
-        computed = sum(prefill(w, prompts[request]) for request in w.admitted)
+class _Simulation:
+    """One `simulate` run: the fleet, the router's table, and the events (load reports, arrivals, step ends) in time order."""
+
+    def __init__(self, running_seq_steps: float, workers: int, duration_s: float, sent: list[float], prompts: list[list[int]],
+                 cache_blocks: int) -> None:
+        self.now = 0.0
+        self.table = RoutingTable(clock=lambda: self.now, running_seq_steps=running_seq_steps)
+        self.fleet = [_Worker(f"w{i}", KvEventPublisher(f"w{i}", self.table)) for i in range(workers)]
+        for w in self.fleet:
+            self.table.upsert_worker(w.worker_id, "modelled")
+        self.duration_s = duration_s
+        self.sent = sent
+        self.prompts = prompts
+        self.cache_blocks = cache_blocks
+        self.events: list[tuple[float, int, int]] = []
+        for i, at in enumerate(sent):
+            heapq.heappush(self.events, (at, _ARRIVAL, i))
+        heapq.heappush(self.events, (0.0, _REPORT, 0))
+        self.tokens: dict[int, list[float]] = {i: [] for i in range(len(sent))}  # request -> when each of its tokens came
+        self.prompt_tokens = self.hit_tokens = 0
+
+    def run(self) -> BalanceResult:
+        while self.events:
+            self.now, kind, index = heapq.heappop(self.events)
+            if kind == _REPORT:
+                self._report()
+            elif kind == _ARRIVAL:
+                self._arrive(index)
+            else:
+                self._end_step(self.fleet[index])
+        return self._result()
+
+    def _report(self) -> None:
+        """Every worker's load report into the table; the next report while the trace or any step runs."""
+        for w in self.fleet:
+            self.table.update_load(common_pb2.LoadReport(
+                worker_id=w.worker_id, running_seqs=len(w.running), step_time_ms=w.step_ema_s * 1e3,
+                prefill_tokens_per_s=1 / PREFILL_PER_TOKEN_S,
+            ))
+        if self.now < self.duration_s or any(w.busy for w in self.fleet):
+            heapq.heappush(self.events, (self.now + REPORT_EVERY_S, _REPORT, 0))
+
+    def _arrive(self, request: int) -> None:
+        """The router places the request; its worker admits it at its next step (now, if it is idle)."""
+        prompt = self.prompts[request]
+        decision = self.table.route(prompt)
+        assert decision is not None  # a fixed fleet: always someone to route to
+        self.table.note_routed(decision.worker_id, len(prompt) - decision.cached_tokens)
+        w = next(w for w in self.fleet if w.worker_id == decision.worker_id)
+        w.admitted.append(request)
+        if not w.busy:
+            self._start_step(w)
+
+    def _start_step(self, w: _Worker) -> None:
+        computed = sum(self._prefill(w, self.prompts[request]) for request in w.admitted)
         w.running += w.admitted
         w.admitted = []
-        w.stepping, w.step_started, w.busy = list(w.running), now, True
+        w.stepping, w.step_started, w.busy = list(w.running), self.now, True
         w.most_running = max(w.most_running, len(w.running))
         took = STEP_BASE_S + STEP_PER_SEQ_S * len(w.running) + PREFILL_PER_TOKEN_S * computed
-        heapq.heappush(events, (now + took, _STEP_END, fleet.index(w)))
+        heapq.heappush(self.events, (self.now + took, _STEP_END, self.fleet.index(w)))
 
-    while events:
-        now, kind, index = heapq.heappop(events)
-        if kind == _REPORT:
-            for w in fleet:
-                table.update_load(common_pb2.LoadReport(
-                    worker_id=w.worker_id, running_seqs=len(w.running), step_time_ms=w.step_ema_s * 1e3,
-                    prefill_tokens_per_s=1 / PREFILL_PER_TOKEN_S,
-                ))
-            if now < duration_s or any(w.busy for w in fleet):
-                heapq.heappush(events, (now + REPORT_EVERY_S, _REPORT, 0))
-        elif kind == _ARRIVAL:
-            decision = table.route(prompts[index])
-            assert decision is not None  # a fixed fleet: always someone to route to
-            table.note_routed(decision.worker_id, len(prompts[index]) - decision.cached_tokens)
-            w = next(w for w in fleet if w.worker_id == decision.worker_id)
-            w.admitted.append(index)
-            if not w.busy:
-                start_step(w)
-        else:
-            w = fleet[index]
-            took = now - w.step_started
-            w.step_ema_s = took if w.step_ema_s == 0 else w.step_ema_s + _EMA_ALPHA * (took - w.step_ema_s)
-            for request in w.stepping:
-                tokens[request].append(now)
-                if len(tokens[request]) == OSL:
-                    w.running.remove(request)
-            w.busy = False
-            if w.running or w.admitted:
-                start_step(w)
-    ttfts = [times[0] - sent[i] for i, times in tokens.items()]
-    itls = [(times[-1] - times[0]) / (OSL - 1) for times in tokens.values()]
-    within = sum(1 for ttft, itl in zip(ttfts, itls, strict=True) if ttft <= TTFT_SLO_S and itl <= ITL_SLO_S)
-    return BalanceResult(slo_attainment=within / len(sent), mean_itl_s=statistics.fmean(itls), ttft_p50_s=statistics.median(ttfts),
-                         most_running=max(w.most_running for w in fleet), prefix_hit_share=hit_tokens / prompt_tokens)
+    def _prefill(self, w: _Worker, prompt: list[int]) -> int:
+        """The prompt tokens `w` computes (those it did not find cached)."""
+        held_tokens = w.prefill(prompt, self.cache_blocks)
+        self.prompt_tokens += len(prompt)
+        self.hit_tokens += held_tokens
+        return len(prompt) - held_tokens
+
+    def _end_step(self, w: _Worker) -> None:
+        """A token for every sequence of the step; those with all their tokens leave; the next step if any work is left."""
+        took = self.now - w.step_started
+        w.step_ema_s = took if w.step_ema_s == 0 else w.step_ema_s + _EMA_ALPHA * (took - w.step_ema_s)
+        for request in w.stepping:
+            self.tokens[request].append(self.now)
+            if len(self.tokens[request]) == OSL:
+                w.running.remove(request)
+        w.busy = False
+        if w.running or w.admitted:
+            self._start_step(w)
+
+    def _result(self) -> BalanceResult:
+        ttfts = [times[0] - self.sent[i] for i, times in self.tokens.items()]
+        itls = [(times[-1] - times[0]) / (OSL - 1) for times in self.tokens.values()]
+        within = sum(1 for ttft, itl in zip(ttfts, itls, strict=True) if ttft <= TTFT_SLO_S and itl <= ITL_SLO_S)
+        return BalanceResult(slo_attainment=within / len(self.sent), mean_itl_s=statistics.fmean(itls),
+                             ttft_p50_s=statistics.median(ttfts), most_running=max(w.most_running for w in self.fleet),
+                             prefix_hit_share=self.hit_tokens / self.prompt_tokens)
 
 
 def main() -> None:

@@ -529,6 +529,42 @@ def run_planner_bench(*, minutes: float = 10.0, peak_rps: float | None = None, s
     common = ["--engine", "sim", "--profile", str(profile_path), "--model", "phalanx-tiny-moe", "--fast",
               "--fork-workers" if fork_workers else "--spawn-workers"]
     started = time.monotonic()
+    runs = _live_runs(directory, common, env, times, static_max=static_max, best=best, hot_spares=hot_spares,
+                      compare_rebalance=compare_rebalance)
+    live = _live_summaries(runs, duration, static_max=static_max, best=best, hot_spares=hot_spares)
+    out = out or directory / "bench-planner.json"
+    image = plot(out.with_suffix(".png"), duration, peak, runs, offline)
+    for result in offline.values():
+        result.pop("planned", None)
+        result.pop("needed", None)
+    result = {
+        "bench": "planner", "minutes": minutes, "seed": seed, "seconds": round(time.monotonic() - started, 1), "fork_workers": fork_workers,
+        "trace": {"peak_rps": round(peak, 3), "burst_factor": BURST_FACTOR, "bursts_s": [[b.start_s, b.end_s] for b in bursts(duration)],
+                  "requests": len(times), "isl_words": ISL_WORDS, "osl": OSL, "interval_s": TRACE_INTERVAL_S},
+        "slo": {"ttft_s": TTFT_SLO_S, "mean_itl_s": ITL_SLO_S},
+        "profile": "synthetic (bench_profile): ITL 150 ms + 75 ms x concurrency, simulated workers (--engine sim)",
+        "planner_settings": {"slo_headroom": SLO_HEADROOM, "scale_down_window_s": scale_down_window_s or 3 * TRACE_INTERVAL_S,
+                             "hot_spares_of_the_spare_run": hot_spares, "rebalance_itl_target_s": ITL_SLO_S * SLO_HEADROOM, **settings},
+        "best_predictor": best, "offline": offline, "live": live,
+        **_verdict(live, runs, best),
+        "plot": str(image),
+    }
+    out.write_text(json.dumps(result, indent=2))
+    result["json"] = str(out)
+    result["timeline"] = str(write_timeline(out.with_suffix(".timeline.json"), runs))
+    return result
+
+
+def _run_names(best: str) -> tuple[str, str]:
+    """The live runs of the planner with the best predictor: without a hot spare, and with."""
+    planner_name = f"planner_{best}"
+    return planner_name, f"{planner_name}_hot_spares"
+
+
+def _live_runs(directory: Path, common: list[str], env: dict[str, str], times: list[float], *, static_max: int, best: str,
+               hot_spares: int, compare_rebalance: bool) -> dict[str, LiveRun]:
+    """The trace replayed live on each fleet: static-min, static-max, the planner without and with hot spares (and
+    without rebalancing, if asked), one after the other."""
 
     def all_routable(n: int) -> Callable[[Stack], None]:
         def settle(stack: Stack) -> None:
@@ -546,8 +582,7 @@ def run_planner_bench(*, minutes: float = 10.0, peak_rps: float | None = None, s
     # The cost goal compares like with like: the planner's fleet against static-max's, neither with a hot spare. A spare is the
     # price of restoring capacity in under a second, paid whatever the load: the same planner with spares replays the trace too,
     # its worker-seconds (spares counted) reported beside the goal, and its restoration judged by the restoration goal.
-    planner_name = f"planner_{best}"
-    spare_name = f"{planner_name}_hot_spares"
+    planner_name, spare_name = _run_names(best)
     planner_args = ["--workers", "1", "--planner", "--min-workers", "1", "--max-workers", str(static_max), *common]
     runs[planner_name] = _live(planner_name, directory, planner_args, env, times, kill=False, settle=all_routable(1))
     runs[spare_name] = _live(spare_name, directory, [*planner_args, "--hot-spares", str(hot_spares)], env, times, kill=True,
@@ -555,6 +590,12 @@ def run_planner_bench(*, minutes: float = 10.0, peak_rps: float | None = None, s
     if compare_rebalance:
         runs[f"{planner_name}_no_rebalance"] = _live(f"{planner_name}_no_rebalance", directory, planner_args,
                                                      env | {"PHALANX_MIGRATION_REBALANCE": "false"}, times, kill=False, settle=all_routable(1))
+    return runs
+
+
+def _live_summaries(runs: dict[str, LiveRun], duration: float, *, static_max: int, best: str, hot_spares: int) -> dict[str, dict[str, Any]]:
+    """Each live run summarized; the planner's runs with their burst reactions and worker-seconds against static-max."""
+    planner_name, spare_name = _run_names(best)
     live = {
         "static_min": summarize(runs["static_min"], duration, mode="live: 1 sim worker, no planner"),
         "static_max": summarize(runs["static_max"], duration, mode=f"live: {static_max} sim workers, no planner"),
@@ -562,14 +603,20 @@ def run_planner_bench(*, minutes: float = 10.0, peak_rps: float | None = None, s
                                 mode=f"live: planner ({best}, the best predictor offline), no hot spare, 1..{static_max} workers"),
         spare_name: summarize(runs[spare_name], duration, mode=f"live: as {planner_name}, with {hot_spares} hot spare(s)"),
     }
-    if compare_rebalance:
-        name = f"{planner_name}_no_rebalance"
+    name = f"{planner_name}_no_rebalance"
+    if name in runs:
         live[name] = summarize(runs[name], duration, mode=f"live: as {planner_name}, rebalancing off (PHALANX_MIGRATION_REBALANCE=false)")
     for name in live.keys() - {"static_min", "static_max"}:
         live[name]["burst_reactions"] = reactions(runs[name], duration)
         live[name]["worker_seconds_vs_static_max"] = round(live[name]["worker_seconds"] / max(live["static_max"]["worker_seconds"], 1e-9), 3)
     for name, run in runs.items():
         live[name]["moves"] = run.moves
+    return live
+
+
+def _verdict(live: dict[str, dict[str, Any]], runs: dict[str, LiveRun], best: str) -> dict[str, Any]:
+    """The report's cost, hot-spare and restoration figures, and which of the four goals the live runs met."""
+    planner_name, spare_name = _run_names(best)
     ratio = live[planner_name]["worker_seconds_vs_static_max"]
     with_spare, without_spare = runs[spare_name].restore_s, runs["static_max"].restore_s
     goals = {
@@ -582,20 +629,7 @@ def run_planner_bench(*, minutes: float = 10.0, peak_rps: float | None = None, s
         "restore_with_hot_spare_s": with_spare is not None and with_spare < GOAL_RESTORE_WITH_SPARE_S,
         "restore_without_hot_spare_s": without_spare is not None and without_spare < GOAL_RESTORE_WITHOUT_SPARE_S,
     }
-    out = out or directory / "bench-planner.json"
-    image = plot(out.with_suffix(".png"), duration, peak, runs, offline)
-    for result in offline.values():
-        result.pop("planned", None)
-        result.pop("needed", None)
-    result = {
-        "bench": "planner", "minutes": minutes, "seed": seed, "seconds": round(time.monotonic() - started, 1), "fork_workers": fork_workers,
-        "trace": {"peak_rps": round(peak, 3), "burst_factor": BURST_FACTOR, "bursts_s": [[b.start_s, b.end_s] for b in bursts(duration)],
-                  "requests": len(times), "isl_words": ISL_WORDS, "osl": OSL, "interval_s": TRACE_INTERVAL_S},
-        "slo": {"ttft_s": TTFT_SLO_S, "mean_itl_s": ITL_SLO_S},
-        "profile": "synthetic (bench_profile): ITL 150 ms + 75 ms x concurrency, simulated workers (--engine sim)",
-        "planner_settings": {"slo_headroom": SLO_HEADROOM, "scale_down_window_s": scale_down_window_s or 3 * TRACE_INTERVAL_S,
-                             "hot_spares_of_the_spare_run": hot_spares, "rebalance_itl_target_s": ITL_SLO_S * SLO_HEADROOM, **settings},
-        "best_predictor": best, "offline": offline, "live": live,
+    return {
         "worker_seconds_vs_static_max": ratio,
         "hot_spares_run": {"slo_attainment": live[spare_name]["slo_attainment"],
                            "worker_seconds_vs_static_max": live[spare_name]["worker_seconds_vs_static_max"]},
@@ -604,12 +638,8 @@ def run_planner_bench(*, minutes: float = 10.0, peak_rps: float | None = None, s
             "without_hot_spare_s": _r(without_spare),
             "without_hot_spare": runs["static_max"].restore_note + " (supervisor starts a new process)",
         },
-        "goals": goals, "met": met, "plot": str(image),
+        "goals": goals, "met": met,
     }
-    out.write_text(json.dumps(result, indent=2))
-    result["json"] = str(out)
-    result["timeline"] = str(write_timeline(out.with_suffix(".timeline.json"), runs))
-    return result
 
 
 def write_timeline(path: Path, runs: dict[str, LiveRun]) -> Path:

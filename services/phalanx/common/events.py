@@ -29,7 +29,7 @@ from phalanx.common.config import NatsConfig
 from phalanx.common.errors import InvalidRequestError, PhalanxError
 from phalanx.common.subjects import subject_kind, validate_worker_id, worker_id_from_subject
 from phalanx.common.telemetry import extract_context, inject_headers
-from phalanx.common.tls import identity_of_certificate
+from phalanx.common.tls import ClientTls, identity_of_certificate
 
 __all__ = ["EventBus", "EventBusError", "Handler", "MessageTooLargeError", "check_kv_event", "check_load_report", "check_tenant_usage_report"]
 
@@ -73,6 +73,111 @@ def _describe(error: BaseException) -> str:
     return text if type(error).__name__ in text else f"{type(error).__name__}: {text}"
 
 
+class _ConnectWatch:
+    """The callbacks of one client's connection: what its attempts to connect saw (the error to report if startup fails,
+    whether the server refused our identity) and the outages it reports afterwards."""
+
+    def __init__(self, nc: NatsClient, name: str, *, tls_enabled: bool) -> None:
+        self._nc = nc
+        self._name = name
+        self._tls_enabled = tls_enabled
+        self.last_error: BaseException | None = None
+        # The server refused our identity (its authorization, docs/security.md): no retry will change that.
+        self.refused = asyncio.Event()
+        self._warned: set[str] = set()
+
+    async def on_error(self, error: Exception) -> None:
+        # Called for every failed reconnect attempt; the state callbacks below
+        # already report the outage once.
+        log.debug("nats %s: %r", self._name, error)
+        text = str(error).lower()
+        if self.refused.is_set():
+            return  # the refusal is the error to report, not the broken pipe that follows it
+        if "authorization violation" in text and self._tls_enabled:  # plaintext: retried as before
+            self.last_error = error
+            self.refused.set()
+            return
+        if "permissions violation" in text and text not in self._warned:
+            # A publish or subscription this identity is not allowed (the server drops it): a deployment error.
+            self._warned.add(text)
+            log.warning("nats %s: %s (the subjects this identity may use: phalanx.common.control_plane_acl)", self._name, error)
+        # A TLS error says more than the reset that often follows it on a later attempt: it is kept.
+        if self.last_error is None or isinstance(error, ssl.SSLError) or not isinstance(self.last_error, ssl.SSLError):
+            self.last_error = error
+
+    async def on_disconnected(self) -> None:
+        if not self._nc.is_closed:  # close() reports a disconnect too
+            log.warning("nats %s: disconnected, reconnecting", self._name)
+
+    async def on_reconnected(self) -> None:
+        log.info("nats %s: reconnected to %s", self._name, self._nc.connected_url.netloc if self._nc.connected_url else "?")
+
+
+def _tls_options(config: NatsConfig, tls: ClientTls | None) -> dict[str, Any]:
+    """nats-py's TLS arguments of ``config`` (none without TLS)."""
+    tls_options: dict[str, Any] = {}
+    if config.tls_enabled:
+        # The context is made before connecting: a missing file is a configuration error, not an outage to retry.
+        tls_options["tls"] = tls.ssl_context() if tls is not None else ssl.create_default_context()
+        if tls is not None and tls.server_name:
+            tls_options["tls_hostname"] = tls.server_name
+    return tls_options
+
+
+def _start_connecting(nc: NatsClient, config: NatsConfig, name: str, watch: _ConnectWatch, tls_options: dict[str, Any]
+                      ) -> asyncio.Task[None]:
+    """``nc``'s first connect, under way: it reconnects forever afterwards, with capped exponential backoff."""
+    # nats-py retries the first connect forever when reconnecting is
+    # allowed; the caller bounds it so that a wrong URL fails startup, not hangs it.
+    return asyncio.ensure_future(
+        nc.connect(
+            servers=[s.strip() for s in config.url.split(",")],
+            name=name,
+            connect_timeout=config.connect_timeout_s,  # type: ignore[arg-type]  # nats-py annotates these seconds as int; floats work
+            allow_reconnect=True,
+            max_reconnect_attempts=-1,
+            reconnect_time_wait=config.initial_reconnect_wait_s,  # type: ignore[arg-type]  # nats-py annotates these seconds as int; floats work
+            reconnect_to_server_handler=_backoff_handler(config),
+            pending_size=config.pending_buffer_bytes,
+            flush_timeout=config.publish_timeout_s,
+            drain_timeout=config.drain_timeout_s,  # type: ignore[arg-type]  # nats-py annotates these seconds as int; floats work
+            error_cb=watch.on_error,
+            disconnected_cb=watch.on_disconnected,
+            reconnected_cb=watch.on_reconnected,
+            # Notice a silently dead server within seconds, not minutes.
+            ping_interval=5,
+            max_outstanding_pings=2,
+            **tls_options,
+        )
+    )
+
+
+async def _abandon(connecting: asyncio.Task[None], nc: NatsClient) -> None:
+    """Give up a first connect that did not finish in time, and the client."""
+    connecting.cancel()
+    # Not awaited to the end: a TLS upgrade cut short by a server refusing our certificate can leave asyncio's
+    # start_tls waiting forever, cancellation included (seen on CPython 3.11); the attempt is abandoned.
+    await asyncio.wait({connecting}, timeout=1.0)
+    closing = asyncio.ensure_future(_close_quietly(nc))
+    await asyncio.wait({closing}, timeout=1.0)
+
+
+def _startup_failure(config: NatsConfig, tls: ClientTls | None, watch: _ConnectWatch) -> str:
+    """Why no server answered, as far as the attempts tell: the last error, and what to check for the usual causes."""
+    last_error = watch.last_error
+    why = f" (last error: {_describe(last_error)})" if last_error is not None else ""
+    if watch.refused.is_set():
+        identity = identity_of_certificate(tls.cert_file.read_bytes()) if tls is not None and tls.cert_file is not None else None
+        why += (f": the server's authorization refused this client's certificate (identity {identity or '?'}); only "
+                "the Phalanx services and admin may use NATS, tenants' `client` certificates may not (docs/security.md)")
+    elif isinstance(last_error, ssl.SSLError) and not config.tls_enabled:
+        why += ": the server requires TLS; set PHALANX_NATS_TLS_DIR or PHALANX_NATS_CA_FILE (and a client certificate)"
+    elif isinstance(last_error, ConnectionResetError) and config.tls_enabled:
+        # TLS 1.3: a server refusing the client certificate may close the connection before its alert is read.
+        why += ": the server closed the TLS connection; if it wants a client certificate, does it trust the CA of ours?"
+    return why
+
+
 class EventBus:
     """A NATS connection that publishes and receives protobuf messages."""
 
@@ -90,69 +195,12 @@ class EventBus:
 
         Raises ConnectionError if no server answered within the startup timeout.
         """
-        last_error: list[BaseException] = []
-        # The server refused our identity (its authorization, docs/security.md): no retry will change that.
-        refused = asyncio.Event()
-        warned: set[str] = set()
-
-        async def on_error(error: Exception) -> None:
-            # Called for every failed reconnect attempt; the state callbacks below
-            # already report the outage once.
-            log.debug("nats %s: %r", name, error)
-            text = str(error).lower()
-            if refused.is_set():
-                return  # the refusal is the error to report, not the broken pipe that follows it
-            if "authorization violation" in text and config.tls_enabled:  # plaintext: retried as before
-                last_error[:] = [error]
-                refused.set()
-                return
-            if "permissions violation" in text and text not in warned:
-                # A publish or subscription this identity is not allowed (the server drops it): a deployment error.
-                warned.add(text)
-                log.warning("nats %s: %s (the subjects this identity may use: phalanx.common.control_plane_acl)", name, error)
-            # A TLS error says more than the reset that often follows it on a later attempt: it is kept.
-            if not last_error or isinstance(error, ssl.SSLError) or not isinstance(last_error[0], ssl.SSLError):
-                last_error[:] = [error]
-
-        async def on_disconnected() -> None:
-            if not nc.is_closed:  # close() reports a disconnect too
-                log.warning("nats %s: disconnected, reconnecting", name)
-
-        async def on_reconnected() -> None:
-            log.info("nats %s: reconnected to %s", name, nc.connected_url.netloc if nc.connected_url else "?")
-
         tls = config.tls()
-        tls_options: dict[str, Any] = {}
-        if config.tls_enabled:
-            # The context is made before connecting: a missing file is a configuration error, not an outage to retry.
-            tls_options["tls"] = tls.ssl_context() if tls is not None else ssl.create_default_context()
-            if tls is not None and tls.server_name:
-                tls_options["tls_hostname"] = tls.server_name
+        tls_options = _tls_options(config, tls)
         nc = _TlsRequiringClient() if config.tls_enabled else NatsClient()
-        # nats-py retries the first connect forever when reconnecting is
-        # allowed; bound it so that a wrong URL fails startup, not hangs it.
-        connecting = asyncio.ensure_future(
-            nc.connect(
-                servers=[s.strip() for s in config.url.split(",")],
-                name=name,
-                connect_timeout=config.connect_timeout_s,  # type: ignore[arg-type]  # nats-py annotates these seconds as int; floats work
-                allow_reconnect=True,
-                max_reconnect_attempts=-1,
-                reconnect_time_wait=config.initial_reconnect_wait_s,  # type: ignore[arg-type]  # nats-py annotates these seconds as int; floats work
-                reconnect_to_server_handler=_backoff_handler(config),
-                pending_size=config.pending_buffer_bytes,
-                flush_timeout=config.publish_timeout_s,
-                drain_timeout=config.drain_timeout_s,  # type: ignore[arg-type]  # nats-py annotates these seconds as int; floats work
-                error_cb=on_error,
-                disconnected_cb=on_disconnected,
-                reconnected_cb=on_reconnected,
-                # Notice a silently dead server within seconds, not minutes.
-                ping_interval=5,
-                max_outstanding_pings=2,
-                **tls_options,
-            )
-        )
-        refusal = asyncio.ensure_future(refused.wait())
+        watch = _ConnectWatch(nc, name, tls_enabled=config.tls_enabled)
+        connecting = _start_connecting(nc, config, name, watch, tls_options)
+        refusal = asyncio.ensure_future(watch.refused.wait())
         try:
             await asyncio.wait({connecting, refusal}, timeout=config.startup_timeout_s, return_when=asyncio.FIRST_COMPLETED)
         except asyncio.CancelledError:
@@ -161,23 +209,8 @@ class EventBus:
         finally:
             refusal.cancel()
         if not connecting.done():
-            connecting.cancel()
-            # Not awaited to the end: a TLS upgrade cut short by a server refusing our certificate can leave asyncio's
-            # start_tls waiting forever, cancellation included (seen on CPython 3.11); the attempt is abandoned.
-            await asyncio.wait({connecting}, timeout=1.0)
-            closing = asyncio.ensure_future(_close_quietly(nc))
-            await asyncio.wait({closing}, timeout=1.0)
-            why = f" (last error: {_describe(last_error[0])})" if last_error else ""
-            if refused.is_set():
-                identity = identity_of_certificate(tls.cert_file.read_bytes()) if tls is not None and tls.cert_file is not None else None
-                why += (f": the server's authorization refused this client's certificate (identity {identity or '?'}); only "
-                        "the Phalanx services and admin may use NATS, tenants' `client` certificates may not (docs/security.md)")
-            elif last_error and isinstance(last_error[0], ssl.SSLError) and not config.tls_enabled:
-                why += ": the server requires TLS; set PHALANX_NATS_TLS_DIR or PHALANX_NATS_CA_FILE (and a client certificate)"
-            elif last_error and isinstance(last_error[0], ConnectionResetError) and config.tls_enabled:
-                # TLS 1.3: a server refusing the client certificate may close the connection before its alert is read.
-                why += ": the server closed the TLS connection; if it wants a client certificate, does it trust the CA of ours?"
-            raise ConnectionError(f"no NATS server answered at {config.url}{why}")
+            await _abandon(connecting, nc)
+            raise ConnectionError(f"no NATS server answered at {config.url}{_startup_failure(config, tls, watch)}")
         connecting.result()
         return cls(nc, config)
 

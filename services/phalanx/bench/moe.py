@@ -33,6 +33,7 @@ import signal
 import statistics
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import grpc
 
@@ -44,6 +45,9 @@ from phalanx.common.tls import open_channel
 from phalanx.launch.infra import EtcdServer, NatsServer
 from phalanx.launch.services import ServiceHandle, WorkerHandle, start_expert_worker, start_worker
 from phalanx.launch.stack import Stack, unique_id
+
+if TYPE_CHECKING:
+    from phalanx.client import Client
 
 MODEL = "phalanx-tiny-moe"
 GOALS = {"ew_loss_stall_p99_s": 0.3, "aw_loss_stall_p99_s": 0.3, "tokens_lost": 0, "identical_fraction": 1.0, "restart_ratio": 20.0}
@@ -329,94 +333,135 @@ async def _aw_loss(o: _Options, rng: random.Random, fleet: Stack, monolithic: Wo
     fleet.workers.remove(monolithic)
     aws = [aw, *await fleet.add_workers(1, "--role", "attention")]
     router = await fleet.add_router()
-    stalls: list[float] = []
-    affected: list[float] = []
-    kill_to_next: list[float] = []  # per moved stream: the SIGKILL to its next token (detection + migration + first step)
+    tally = _AwLossTally()
     migration = fleet.migrations[0]
     migrated_before = await asyncio.to_thread(_histogram, migration, "phalanx_migration_duration_seconds")
     # When each migration ended (the migration service's NATS event, as received here).
     migrated_at: list[float] = []
-    kill_to_migrated: list[float] = []
     bus = await EventBus.connect(NatsConfig(url=fleet.nats_url), name="bench-moe")
 
     async def on_migrated(message: migration_pb2.MigrationEvent, subject: str, context) -> None:
         migrated_at.append(time.monotonic())
 
     await bus.subscribe(MIGRATION_EVENTS_SUBJECT, migration_pb2.MigrationEvent, on_migrated)
-    lost = identical = total = 0
     async with await Client.connect(router.address, timeout=_STREAM_TIMEOUT_S) as client:
         for prompts, want in zip(waves, expected, strict=True):
-            streams = [_Stream() for _ in prompts]
-            served_by: dict[int, str] = {}
-            killed: list[WorkerHandle] = []
-            killed_at: list[float] = []
-
-            async def one(i: int, prompts=prompts, streams=streams, served_by=served_by, killed=killed, killed_at=killed_at) -> None:
-                try:
-                    async for chunk in client.generate(prompts[i], max_tokens=o.tokens, ignore_eos=True):
-                        served_by.setdefault(i, chunk.worker_id)
-                        streams[i].tokens.append(chunk.token_id)
-                        streams[i].times.append(time.monotonic())
-                        if not killed and min(len(s.tokens) for s in streams) >= o.kill_after:
-                            busiest = max(aws, key=lambda w: sum(1 for s in served_by.values() if s == w.worker_id))
-                            os.kill(busiest.process.pid, signal.SIGKILL)
-                            killed_at.append(time.monotonic())
-                            killed.append(busiest)
-                except Exception as error:  # noqa: BLE001 - a failed stream is counted, not fatal to the bench
-                    streams[i].error = f"{type(error).__name__}: {error}"
-
             del migrated_at[:]
-            await asyncio.gather(*(one(i) for i in range(len(prompts))))
+            wave = await _aw_wave(client, prompts, o, aws)
             await bus.flush()
-            kill_to_migrated.extend(t - killed_at[0] for t in migrated_at if killed_at and t > killed_at[0])
-            for i, (stream, tokens) in enumerate(zip(streams, want, strict=True)):
-                total += 1
-                lost += max(0, len(tokens) - len(stream.tokens))
-                identical += stream.tokens == tokens and not stream.error
-                moved = bool(killed) and served_by.get(i) == killed[0].worker_id
-                (affected if moved else stalls).append(stream.max_gap_s)
-                after = [t for t in stream.times if killed_at and t > killed_at[0]]
-                if moved and after:
-                    kill_to_next.append(after[0] - killed_at[0])
-            for victim in killed:
-                aws.remove(victim)
-                fleet.workers.remove(victim)
-                await asyncio.to_thread(victim.process.wait, 10)
-                aws.extend(await fleet.add_workers(1, "--role", "attention"))
+            tally.add(wave, want, migrated_at)
+            await _replace_killed(fleet, aws, wave.killed)
     await bus.close()
-    ranked = sorted(affected) or [0.0]
     migrated_after = await asyncio.to_thread(_histogram, migration, "phalanx_migration_duration_seconds")
-    migrations = migrated_after[1] - migrated_before[1]
-    migration_mean = (migrated_after[0] - migrated_before[0]) / max(migrations, 1)
+    return tally.summary(o, migrated_before, migrated_after, await _migration_methods(migration))
+
+
+@dataclass
+class _AwWave:
+    """One wave of streams through the router; the busiest attention worker is SIGKILLed once every stream is under way."""
+
+    streams: list[_Stream]
+    served_by: dict[int, str] = field(default_factory=dict)  # stream -> the worker its first token came from
+    killed: list[WorkerHandle] = field(default_factory=list)
+    killed_at: list[float] = field(default_factory=list)
+
+
+async def _aw_wave(client: Client, prompts: list[list[int]], o: _Options, aws: list[WorkerHandle]) -> _AwWave:
+    wave = _AwWave([_Stream() for _ in prompts])
+
+    async def one(i: int) -> None:
+        stream = wave.streams[i]
+        try:
+            async for chunk in client.generate(prompts[i], max_tokens=o.tokens, ignore_eos=True):
+                wave.served_by.setdefault(i, chunk.worker_id)
+                stream.tokens.append(chunk.token_id)
+                stream.times.append(time.monotonic())
+                if not wave.killed and min(len(s.tokens) for s in wave.streams) >= o.kill_after:
+                    busiest = max(aws, key=lambda w: sum(1 for s in wave.served_by.values() if s == w.worker_id))
+                    os.kill(busiest.process.pid, signal.SIGKILL)
+                    wave.killed_at.append(time.monotonic())
+                    wave.killed.append(busiest)
+        except Exception as error:  # noqa: BLE001 - a failed stream is counted, not fatal to the bench
+            stream.error = f"{type(error).__name__}: {error}"
+
+    await asyncio.gather(*(one(i) for i in range(len(prompts))))
+    return wave
+
+
+async def _replace_killed(fleet: Stack, aws: list[WorkerHandle], killed: list[WorkerHandle]) -> None:
+    """Each killed attention worker reaped and replaced by a new one, so that the next wave has as many."""
+    for victim in killed:
+        aws.remove(victim)
+        fleet.workers.remove(victim)
+        await asyncio.to_thread(victim.process.wait, 10)
+        aws.extend(await fleet.add_workers(1, "--role", "attention"))
+
+
+async def _migration_methods(migration: ServiceHandle) -> dict[str, int]:
+    """The migration service's migrations by method (those it made at all)."""
     methods = {}
     for method in ("transfer", "checkpoint", "reprefill", "sequential_replay"):
         count = await asyncio.to_thread(migration.metric, "phalanx_migration_total", method=method)
         if count:
             methods[method] = int(count)
-    next_ranked = sorted(kill_to_next) or [0.0]
-    migrated_ranked = sorted(kill_to_migrated) or [0.0]
-    return {
-        "kills": o.aw_kill_repeats,
-        "streams": total,
-        "moved_streams": len(affected),
-        "tokens_lost": lost,
-        "identical_fraction": round(identical / total, 4),
-        "stall_p50_s": round(statistics.median(ranked), 4),
-        "stall_p99_s": round(ranked[min(len(ranked) - 1, int(0.99 * len(ranked)))], 4),
-        "unaffected_stall_max_s": round(max(stalls, default=0.0), 4),
-        # Where a moved stream's stall goes: the gap runs from its last token before the kill (up to a step earlier)
-        # through detection (the router's stream breaks), the migration call (target choice, restore: the migration
-        # service's own timing) and the target's first steps (catching up the tokens past the commit).
-        "kill_to_next_token_p50_s": round(statistics.median(next_ranked), 4),
-        # SIGKILL to each migration's end (router detection + the migration call); the rest of kill_to_next_token is
-        # the router re-attaching and the target's first step.
-        "kill_to_migrated_p50_s": round(statistics.median(migrated_ranked), 4),
-        "kill_to_migrated_max_s": round(migrated_ranked[-1], 4),
-        "kill_to_next_token_max_s": round(next_ranked[-1], 4),
-        "migration_mean_s": round(migration_mean, 4),
-        "migrations": int(migrations),
-        "migration_methods": methods,
-    }
+    return methods
+
+
+@dataclass
+class _AwLossTally:
+    """What the AW-loss waves did to their streams: tokens lost, identical outputs, stalls, and the kill's timings."""
+
+    total: int = 0
+    lost: int = 0
+    identical: int = 0
+    stalls: list[float] = field(default_factory=list)  # streams the kill did not touch: their longest gap
+    affected: list[float] = field(default_factory=list)  # streams of the killed worker, moved: their longest gap
+    kill_to_next: list[float] = field(default_factory=list)  # per moved stream: the SIGKILL to its next token (detection + migration + first step)
+    kill_to_migrated: list[float] = field(default_factory=list)  # per migration: the SIGKILL to its end
+
+    def add(self, wave: _AwWave, want: list[list[int]], migrated_at: list[float]) -> None:
+        """One wave's streams against the monolith's tokens (``want``), and the migrations that ended at ``migrated_at``."""
+        killed_at = wave.killed_at
+        self.kill_to_migrated.extend(t - killed_at[0] for t in migrated_at if killed_at and t > killed_at[0])
+        for i, (stream, tokens) in enumerate(zip(wave.streams, want, strict=True)):
+            self.total += 1
+            self.lost += max(0, len(tokens) - len(stream.tokens))
+            self.identical += stream.tokens == tokens and not stream.error
+            moved = bool(wave.killed) and wave.served_by.get(i) == wave.killed[0].worker_id
+            (self.affected if moved else self.stalls).append(stream.max_gap_s)
+            after = [t for t in stream.times if killed_at and t > killed_at[0]]
+            if moved and after:
+                self.kill_to_next.append(after[0] - killed_at[0])
+
+    def summary(self, o: _Options, migrated_before: tuple[float, float], migrated_after: tuple[float, float],
+                methods: dict[str, int]) -> dict:
+        ranked = sorted(self.affected) or [0.0]
+        migrations = migrated_after[1] - migrated_before[1]
+        migration_mean = (migrated_after[0] - migrated_before[0]) / max(migrations, 1)
+        next_ranked = sorted(self.kill_to_next) or [0.0]
+        migrated_ranked = sorted(self.kill_to_migrated) or [0.0]
+        return {
+            "kills": o.aw_kill_repeats,
+            "streams": self.total,
+            "moved_streams": len(self.affected),
+            "tokens_lost": self.lost,
+            "identical_fraction": round(self.identical / self.total, 4),
+            "stall_p50_s": round(statistics.median(ranked), 4),
+            "stall_p99_s": round(ranked[min(len(ranked) - 1, int(0.99 * len(ranked)))], 4),
+            "unaffected_stall_max_s": round(max(self.stalls, default=0.0), 4),
+            # Where a moved stream's stall goes: the gap runs from its last token before the kill (up to a step earlier)
+            # through detection (the router's stream breaks), the migration call (target choice, restore: the migration
+            # service's own timing) and the target's first steps (catching up the tokens past the commit).
+            "kill_to_next_token_p50_s": round(statistics.median(next_ranked), 4),
+            # SIGKILL to each migration's end (router detection + the migration call); the rest of kill_to_next_token is
+            # the router re-attaching and the target's first step.
+            "kill_to_migrated_p50_s": round(statistics.median(migrated_ranked), 4),
+            "kill_to_migrated_max_s": round(migrated_ranked[-1], 4),
+            "kill_to_next_token_max_s": round(next_ranked[-1], 4),
+            "migration_mean_s": round(migration_mean, 4),
+            "migrations": int(migrations),
+            "migration_methods": methods,
+        }
 
 
 async def _restart_time(o: _Options, nats_url: str, etcd_config: EtcdConfig, fleet: Stack) -> float:

@@ -38,7 +38,6 @@ LAYERS: tuple[frozenset[str], ...] = (
 
 # Still over a limit today (path relative to services/phalanx, or path:qualified name): the size they may not pass.
 FILE_ALLOWANCES: dict[str, int] = {
-    "checkpoint_store/store.py": 1083,
     "router/server.py": 962,
     "cli/main.py": 831,
 }
@@ -49,12 +48,8 @@ CLASS_ALLOWANCES: dict[str, int] = {
     "planner/service.py:Planner": 516,
 }
 FUNCTION_ALLOWANCES: dict[str, int] = {
-    "bench/planner.py:run_planner_bench": 104,
-    "bench/moe.py:_aw_loss": 97,
-    "common/events.py:EventBus.connect": 95,
     "router/metrics.py:RouterMetrics.__init__": 86,
     "planner/service.py:Planner._plan": 85,
-    "bench/route_balance.py:simulate": 85,
 }
 # (importing package, imported package) pairs that still run up the layers.
 IMPORT_ALLOWANCES: frozenset[tuple[str, str]] = frozenset()

@@ -17,7 +17,6 @@ import time
 import uuid
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any, cast
 
 import grpc
@@ -45,6 +44,7 @@ from phalanx.model.tokenizer import Tokenizer
 from phalanx.router.admission import Admission, Admitted, Tier
 from phalanx.router.channels import WorkerChannels
 from phalanx.router.config import RouterConfig
+from phalanx.router.flow import Flow
 from phalanx.router.joint import JointChoice, choose_joint
 from phalanx.router.limits import TenantPromptError
 from phalanx.router.media import MediaEncoder, media_fetch_failed, split_on_markers
@@ -85,37 +85,6 @@ _FENCE_CANCEL_S = 10.0
 _OpenCall = Callable[[WorkerMultiplexer], MultiplexedCall | grpc.aio.UnaryStreamCall]
 # A worker's last chunk of a request it handed back: the state to continue from (Generate and Attach alike).
 _HandoffChunk = worker_pb2.GenerateResponse | worker_pb2.AttachResponse
-
-
-@dataclass
-class _Flow:
-    """One request as this router relays it."""
-
-    record: common_pb2.RequestRecord
-    tier: Tier
-    prompt_ids: list[int]
-    # The prompt's media runs and their embeddings (the worker request carries them; routing hashes them).
-    media: list[common_pb2.MediaEmbedding] = field(default_factory=list)
-    # Direct delivery: the media themselves and their budget, to encode again when a worker cannot fetch the rows.
-    media_inputs: Sequence[router_pb2.MediaInput] = ()
-    media_budget: int = 0
-    # Until when (time.monotonic) the encoder holding them is expected to still hold the rows (a margin short of its hold).
-    media_usable_until: float = 0.0
-    next_index: int = 0
-    first_sent: bool = False
-    # The worker the client was last told produced its tokens (a migration changes it: the next chunk names the new one).
-    named_worker: str = ""
-    # What the client has: the fallback state for a migration when the checkpoint store has none.
-    sampling: common_pb2.SamplingParams | None = None
-    output_ids: list[int] = field(default_factory=list)
-    seed: int = 0
-    migrations: int = 0
-    stalls_seen: int = 0
-    # Whether this stream's end counts the request's output length: a new request's or a Resume's (whose stream the
-    # client lost), not a retry that streams a running or finished request again.
-    counts_output: bool = True
-    # Whether this stream is counted in its tenant's streams (Admission.enter or hold): its end must leave().
-    counted: bool = False
 
 
 def _api_key(context: grpc.aio.ServicerContext) -> str | None:
@@ -187,7 +156,7 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
                 existing = await self._record(request.request_id, context) if request.request_id else None
                 if existing is None:
                     raise
-                flow = _Flow(existing, Tier(existing.tier or Tier.STANDARD), [], counts_output=False)
+                flow = Flow(existing, Tier(existing.tier or Tier.STANDARD), [], counts_output=False)
                 tier = flow.tier.label
                 self._hold(flow)
                 return flow, self._attach(flow)
@@ -214,7 +183,7 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
 
     async def _open_new(
         self, request_id: str, request: router_pb2.GenerateRequest, admitted: Admitted, prompt_ids: list[int], params
-    ) -> tuple[_Flow, bool]:
+    ) -> tuple[Flow, bool]:
         """Encodes the media, routes and claims the request; (flow, whether it is a retry of a request already running)."""
         media: list[common_pb2.MediaEmbedding] = []
         prefer, budget, usable_until = None, 0, 0.0
@@ -226,7 +195,7 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
                 # Another tenant's request: its tokens are not this caller's to read (the id is taken, nothing more).
                 raise InvalidRequestError("request_id", "is taken by another request; send a new one (or none)")
             # A retry of a request that is already running: stream it from the start (not a new arrival).
-            return _Flow(existing, Tier(existing.tier or Tier.STANDARD), prompt_ids, counts_output=False), True
+            return Flow(existing, Tier(existing.tier or Tier.STANDARD), prompt_ids, counts_output=False), True
         if any(m.source.key for m in media):
             flow.media_inputs, flow.media_budget, flow.media_usable_until = request.media, budget, usable_until
         return flow, False
@@ -245,7 +214,7 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
             raise
         self.metrics.tenant_tokens.labels(tenant=tenant_label(tenant, self._tenant_names)).inc(prompt_tokens)
 
-    def _hold(self, flow: _Flow) -> None:
+    def _hold(self, flow: Flow) -> None:
         """Counts a stream of a request already running (a retry or a Resume) once in its tenant's streams."""
         self.admission.hold(flow.record.tenant, flow.record.request_id, from_index=flow.next_index)
         flow.counted = True
@@ -424,7 +393,7 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
         expanded, spans = expand_placeholders(prompt_ids, placeholder, [e.rows for e in embeddings], [e.media_hash for e in embeddings])
         return expanded, encoded.media(spans), choice.worker_id if choice is not None else None, budget, encoded.usable_until
 
-    async def _media_inline(self, flow: _Flow, cause: str) -> None:
+    async def _media_inline(self, flow: Flow, cause: str) -> None:
         """Encodes a directly delivered request's media again, rows inline this time (media are pure inputs: the same rows).
 
         A worker could not fetch them (their encoder died, or held them past its hold time), or a migration is to carry
@@ -516,7 +485,7 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
         if existing is not None:
             return None, existing
         self._remember(record)
-        return _Flow(record, admitted.tier, prompt_ids, media), None
+        return Flow(record, admitted.tier, prompt_ids, media), None
 
     def _address(self, worker_id: str) -> str:
         registration = self.registrations.get(worker_id)
@@ -538,17 +507,17 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
                 return None  # someone else's request: as good as unknown
         return record
 
-    async def _resumable(self, request: router_pb2.ResumeRequest, context) -> _Flow:
+    async def _resumable(self, request: router_pb2.ResumeRequest, context) -> Flow:
         request_id = self._request_id(request.request_id)
         if request.tokens_received < 0:
             raise InvalidRequestError("tokens_received", "must be >= 0")
         record = await self._record(request_id, context)
         if record is None:
             raise NotFoundError(f"request {request_id!r} is unknown or no longer resumable (resume window {self.config.resume_window_s} s)")
-        return _Flow(record, Tier(record.tier or Tier.STANDARD), [], next_index=request.tokens_received)
+        return Flow(record, Tier(record.tier or Tier.STANDARD), [], next_index=request.tokens_received)
 
     # -- worker streams -----------------------------------------------------------
-    def _generate(self, flow: _Flow, request: router_pb2.GenerateRequest, params) -> AsyncIterator:
+    def _generate(self, flow: Flow, request: router_pb2.GenerateRequest, params) -> AsyncIterator:
         flow.sampling = request.sampling
 
         def generate(streams: WorkerMultiplexer):
@@ -560,11 +529,11 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
 
         return self._worker_stream(flow, generate, retry_elsewhere=True)
 
-    def _attach(self, flow: _Flow) -> AsyncIterator:
+    def _attach(self, flow: Flow) -> AsyncIterator:
         attach = worker_pb2.AttachRequest(request_id=flow.record.request_id, from_index=flow.next_index)
         return self._worker_stream(flow, lambda streams: streams.attach(attach), retry_elsewhere=False)
 
-    async def _worker_stream(self, flow: _Flow, open_call: _OpenCall, *, retry_elsewhere: bool) -> AsyncIterator:
+    async def _worker_stream(self, flow: Flow, open_call: _OpenCall, *, retry_elsewhere: bool) -> AsyncIterator:
         """Worker chunks of one request, following handoffs and migrations; re-routes a refused first attempt.
 
         Which stream comes next is the RelayPolicy's decision; this executes it.
@@ -625,7 +594,7 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
             open_call = next_call
 
     async def _follow(
-        self, flow: _Flow, relay: RelayPolicy, effects: tuple[Effect, ...], open_call: _OpenCall,
+        self, flow: Flow, relay: RelayPolicy, effects: tuple[Effect, ...], open_call: _OpenCall,
         broken: grpc.aio.AioRpcError | None, handoff_chunk: _HandoffChunk | None,
     ) -> _OpenCall | None:
         """Executes the relay's effects; returns how to open the next worker stream (None: the relay is over)."""
@@ -641,7 +610,7 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
             return self._open_next(flow, decision, open_call, broken, handoff_chunk)
 
     def _open_next(
-        self, flow: _Flow, decision: Effect, open_call: _OpenCall, broken: grpc.aio.AioRpcError | None,
+        self, flow: Flow, decision: Effect, open_call: _OpenCall, broken: grpc.aio.AioRpcError | None,
         handoff_chunk: _HandoffChunk | None,
     ) -> _OpenCall | None:
         """Executes the effect that decides how the relay goes on."""
@@ -672,7 +641,7 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
         raise AssertionError(f"unexpected relay effect {decision!r}")
 
     @staticmethod
-    def _attach_next(flow: _Flow) -> _OpenCall:
+    def _attach_next(flow: Flow) -> _OpenCall:
         """Attach to the request where it runs now, from the next index the client lacks."""
 
         def attach(streams: WorkerMultiplexer):
@@ -719,7 +688,7 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
         self._fence_tasks.add(task)
         task.add_done_callback(self._fence_tasks.discard)
 
-    async def _migrate_flow(self, flow: _Flow, move: Migrate, handoff_chunk: _HandoffChunk | None) -> migration_pb2.MigrateResponse | None:
+    async def _migrate_flow(self, flow: Flow, move: Migrate, handoff_chunk: _HandoffChunk | None) -> migration_pb2.MigrateResponse | None:
         """Asks the migration service to move the request; None when it did not (the relay policy decides what then)."""
         if self._migrate is None:
             return None
@@ -750,7 +719,7 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
         self._repoint(flow, moved.worker_id, moved.worker_address)
         return moved
 
-    async def _media_inline_to_migrate(self, flow: _Flow) -> bool:
+    async def _media_inline_to_migrate(self, flow: Flow) -> bool:
         """The media encoded again, rows inline, for a migration; False (logged) if no encoder could."""
         try:
             await self._media_inline(flow, "migration")
@@ -760,7 +729,7 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
         return True
 
     @staticmethod
-    def _migrate_request(flow: _Flow, move: Migrate, handoff_chunk: _HandoffChunk | None) -> migration_pb2.MigrateRequest:
+    def _migrate_request(flow: Flow, move: Migrate, handoff_chunk: _HandoffChunk | None) -> migration_pb2.MigrateRequest:
         request = migration_pb2.MigrateRequest(
             request_id=flow.record.request_id, worker_id=flow.record.worker_id, tokens_delivered=flow.next_index, seed=flow.seed,
             reason=move.reason, priority=int(flow.tier), media=flow.media,
@@ -780,11 +749,11 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
             request.handoff_source_address = handoff_chunk.handoff_source
         return request
 
-    def _move(self, flow: _Flow, decision) -> None:
+    def _move(self, flow: Flow, decision) -> None:
         self._repoint(flow, decision.worker_id, self._address(decision.worker_id))
         flow.first_sent = False
 
-    def _repoint(self, flow: _Flow, worker_id: str, worker_address: str) -> None:
+    def _repoint(self, flow: Flow, worker_id: str, worker_address: str) -> None:
         """The request now runs on `worker_id`: a new record, here and (in the background) in etcd."""
         record = common_pb2.RequestRecord()
         record.CopyFrom(flow.record)
@@ -793,7 +762,7 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
         self._remember(record)
         self.records.update_soon(record)
 
-    async def _relay(self, flow: _Flow, chunks: AsyncIterator, response_type) -> AsyncIterator:
+    async def _relay(self, flow: Flow, chunks: AsyncIterator, response_type) -> AsyncIterator:
         """Client responses from worker chunks: each index once, in order, with latency metrics."""
         tier = flow.tier.label
         ttft, itl, tokens = self.metrics.ttft.labels(tier=tier), self.metrics.itl.labels(tier=tier), self.metrics.tokens

@@ -1,0 +1,42 @@
+"""One request as a router relays it: what its relay, its media and its moves read and update."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from phalanx._proto import common_pb2, router_pb2
+from phalanx.router.admission import Tier
+
+__all__ = ["Flow"]
+
+
+@dataclass
+class Flow:
+    """One request as this router relays it."""
+
+    record: common_pb2.RequestRecord
+    tier: Tier
+    prompt_ids: list[int]
+    # The prompt's media runs and their embeddings (the worker request carries them; routing hashes them).
+    media: list[common_pb2.MediaEmbedding] = field(default_factory=list)
+    # Direct delivery: the media themselves and their budget, to encode again when a worker cannot fetch the rows.
+    media_inputs: Sequence[router_pb2.MediaInput] = ()
+    media_budget: int = 0
+    # Until when (time.monotonic) the encoder holding them is expected to still hold the rows (a margin short of its hold).
+    media_usable_until: float = 0.0
+    next_index: int = 0
+    first_sent: bool = False
+    # The worker the client was last told produced its tokens (a migration changes it: the next chunk names the new one).
+    named_worker: str = ""
+    # What the client has: the fallback state for a migration when the checkpoint store has none.
+    sampling: common_pb2.SamplingParams | None = None
+    output_ids: list[int] = field(default_factory=list)
+    seed: int = 0
+    migrations: int = 0
+    stalls_seen: int = 0
+    # Whether this stream's end counts the request's output length: a new request's or a Resume's (whose stream the
+    # client lost), not a retry that streams a running or finished request again.
+    counts_output: bool = True
+    # Whether this stream is counted in its tenant's streams (Admission.enter or hold): its end must leave().
+    counted: bool = False

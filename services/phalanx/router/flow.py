@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from phalanx._proto import common_pb2, router_pb2
 from phalanx.router.admission import Tier
+from phalanx.router.refetch import MediaRefetchPolicy
 
 __all__ = ["Flow"]
 
@@ -23,8 +24,8 @@ class Flow:
     # Direct delivery: the media themselves and their budget, to encode again when a worker cannot fetch the rows.
     media_inputs: Sequence[router_pb2.MediaInput] = ()
     media_budget: int = 0
-    # Until when (time.monotonic) the encoder holding them is expected to still hold the rows (a margin short of its hold).
-    media_usable_until: float = 0.0
+    # Whether (and until when) the workers fetch the rows from their encoder, and when to encode them again instead.
+    refetch: MediaRefetchPolicy = field(default_factory=MediaRefetchPolicy)
     next_index: int = 0
     first_sent: bool = False
     # The worker the client was last told produced its tokens (a migration changes it: the next chunk names the new one).

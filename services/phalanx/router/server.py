@@ -38,19 +38,19 @@ from phalanx.common.errors import (
 from phalanx.common.grpc_status import abort_with
 from phalanx.common.subjects import validate_request_id
 from phalanx.common.telemetry import get_tracer
-from phalanx.encoder_pool.tokens import expand_placeholders, visual_token_budget
 from phalanx.model.params import sampling_from_proto
 from phalanx.model.tokenizer import Tokenizer
 from phalanx.router.admission import Admission, Admitted, Tier
 from phalanx.router.channels import WorkerChannels
 from phalanx.router.config import RouterConfig
 from phalanx.router.flow import Flow
-from phalanx.router.joint import JointChoice, choose_joint
 from phalanx.router.limits import TenantPromptError
-from phalanx.router.media import MediaEncoder, media_fetch_failed, split_on_markers
+from phalanx.router.media import MediaEncoder, media_fetch_failed
+from phalanx.router.media_flow import MediaFlow, context_limit, prompt_with_placeholders
 from phalanx.router.metrics import RouterMetrics, tenant_label
 from phalanx.router.multiplex import MultiplexedCall, WorkerMultiplexer
 from phalanx.router.records import RequestRecords
+from phalanx.router.refetch import MediaRefetchPolicy, MigrationDue, OpenAgain, PassOn, SkipMigration, TargetRefused, WorkerFailed
 from phalanx.router.relay import (
     AttachMoved,
     Effect,
@@ -129,9 +129,11 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
         self._tokenizer = tokenizer
         self._on_broken_stream = on_broken_stream or (lambda worker_id, error: None)
         self._migrate = migrate
-        self.media_encoder = media_encoder
         # Kept current by the process's etcd watches (and health notifications on NATS).
         self.registrations: dict[str, common_pb2.WorkerRegistration] = {}
+        self.media = (
+            MediaFlow(media_encoder, config, table, metrics, channels, self.registrations) if media_encoder is not None else None
+        )
         self.health_records: dict[str, common_pb2.WorkerHealthRecord] = {}
         self._recent: OrderedDict[str, common_pb2.RequestRecord] = OrderedDict()
         self.slo = LatencySlo()  # the process sets the SLOs the health service publishes
@@ -185,19 +187,22 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
         self, request_id: str, request: router_pb2.GenerateRequest, admitted: Admitted, prompt_ids: list[int], params
     ) -> tuple[Flow, bool]:
         """Encodes the media, routes and claims the request; (flow, whether it is a retry of a request already running)."""
-        media: list[common_pb2.MediaEmbedding] = []
-        prefer, budget, usable_until = None, 0, 0.0
+        encoded = None
         if request.media:
-            prompt_ids, media, prefer, budget, usable_until = await self._encode_media(request_id, request, prompt_ids, params)
-        flow, existing = await self._start(request_id, admitted, prompt_ids, media, prefer=prefer)
+            assert self.media is not None  # _validate refused media without an encoder pool
+            encoded = await self.media.encode(request_id, request, prompt_ids, params)
+            prompt_ids = encoded.prompt_ids
+        media = encoded.media if encoded is not None else []
+        flow, existing = await self._start(request_id, admitted, prompt_ids, media, prefer=encoded.worker_id if encoded else None)
         if existing is not None:
             if existing.tenant != admitted.tenant:
                 # Another tenant's request: its tokens are not this caller's to read (the id is taken, nothing more).
                 raise InvalidRequestError("request_id", "is taken by another request; send a new one (or none)")
             # A retry of a request that is already running: stream it from the start (not a new arrival).
             return Flow(existing, Tier(existing.tier or Tier.STANDARD), prompt_ids, counts_output=False), True
-        if any(m.source.key for m in media):
-            flow.media_inputs, flow.media_budget, flow.media_usable_until = request.media, budget, usable_until
+        if encoded is not None and any(m.source.key for m in media):
+            flow.media_inputs, flow.media_budget = request.media, encoded.budget
+            flow.refetch = MediaRefetchPolicy(direct=True, usable_until=encoded.usable_until)
         return flow, False
 
     async def _enter(self, admitted: Admitted, request_id: str, prompt_tokens: int) -> None:
@@ -296,12 +301,15 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
         if request.request_id:
             self._request_id(request.request_id)
         admitted = self.admission.admit(tenant=request.tenant, tier=request.tier, api_key=_api_key(context))
-        if request.media and self.media_encoder is None:
+        if request.media and self.media is None:
             raise InvalidRequestError("media", "media inputs need the encoder pool, which this deployment does not run")
         tokenizer = self._tokenizer()
         which = request.WhichOneof("prompt")
         if which == "text" and request.text and request.media:
-            prompt_ids = self._text_with_placeholders(request.text, len(request.media), tokenizer)
+            prompt_ids = prompt_with_placeholders(
+                request.text, len(request.media), tokenizer, marker=self.config.media_marker,
+                placeholder=self.config.media_placeholder_token_id,
+            )
         elif which == "text" and request.text:
             prompt_ids = tokenizer.encode(request.text)
         elif which == "tokens":
@@ -317,134 +325,13 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
             raise InvalidRequestError("prompt", f"{len(prompt_ids)} tokens exceed the limit of {self.config.max_prompt_tokens}")
         params = sampling_from_proto(request.sampling)
         params.validate(tokenizer.vocab_size)
-        limit = min((r.max_model_len for r in self.registrations.values() if r.max_model_len), default=0)
+        limit = context_limit(self.registrations)
         if limit and len(prompt_ids) + params.max_tokens > limit:
             raise InvalidRequestError(
                 "sampling.max_tokens",
                 f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the context of {limit} tokens",
             )
         return admitted, prompt_ids, params
-
-    # -- media ------------------------------------------------------------------
-    def _text_with_placeholders(self, text: str, items: int, tokenizer: Tokenizer) -> list[int]:
-        """The text's tokens with one placeholder per media marker; no markers: the media go first."""
-        placeholder = self.config.media_placeholder_token_id
-        pieces = split_on_markers(text, self.config.media_marker)
-        if len(pieces) == 1:
-            pieces = [""] * items + pieces  # no markers: every item before the text (after BOS)
-        if len(pieces) - 1 != items:
-            raise InvalidRequestError("text", f"{len(pieces) - 1} media markers for {items} media items")
-        ids = tokenizer.encode(pieces[0])
-        for piece in pieces[1:]:
-            ids.append(placeholder)
-            ids += tokenizer.encode(piece, add_bos=False) if piece else []
-        return ids
-
-    async def _encode_media(
-        self, request_id: str, request: router_pb2.GenerateRequest, prompt_ids: list[int], params
-    ) -> tuple[list[int], list[common_pb2.MediaEmbedding], str | None, int, float]:
-        """Encode the media, expand each placeholder to its rows; the visual token budget bounds them all.
-
-        The encoder and the worker are chosen together (router/joint.py); the text before the first placeholder is
-        prefilled on that worker while the encoder runs. Returns the expanded prompt, its media, that worker, the
-        budget and (direct delivery) until when the rows are worth fetching. Direct delivery: the media carry where the
-        worker fetches the rows, not the rows.
-        """
-        assert self.media_encoder is not None  # _validate refused media without one
-        placeholder = self.config.media_placeholder_token_id
-        items = len(request.media)
-        found = prompt_ids.count(placeholder)
-        if found == 0:
-            prompt_ids = [placeholder] * items + prompt_ids
-        elif found != items:
-            raise InvalidRequestError("prompt.tokens", f"{found} media placeholders (id {placeholder}) for {items} media items")
-        limit = min((r.max_model_len for r in self.registrations.values() if r.max_model_len), default=0)
-        budget = visual_token_budget(
-            max_visual_tokens=self.config.max_media_tokens, context_length=limit or self.config.max_prompt_tokens,
-            text_tokens=len(prompt_ids) - items, max_output_tokens=params.max_tokens,
-        )
-        if budget < 1:
-            raise InvalidRequestError("media", "the prompt and max_tokens leave no room for media in the context")
-        choice = None if self.media_encoder.all_cached(request.media) else self._joint_choice(prompt_ids, request.media, budget)
-        prefill: asyncio.Task | None = None
-        first_media = prompt_ids.index(placeholder)
-        if (
-            choice is not None and self.config.media_prefix_overlap
-            and first_media - choice.prefix_cached_tokens >= self.table.block_size  # a full block to compute, or nothing is cached
-            and choice.overlap_pays(self.config.media_prefix_overlap_min_steps)
-        ):
-            prefill = asyncio.create_task(self._prefill_prefix(request_id, choice.worker_id, prompt_ids[:first_media]))
-        try:
-            with tracer.start_as_current_span("router.encode", attributes={"request_id": request_id, "items": items}):
-                encoded = await self.media_encoder.encode(
-                    request_id, request.media, budget, first=choice.encoder_id if choice else None,
-                    deliver=self.config.media_delivery == "direct",
-                )
-            if prefill is not None:
-                # Its blocks must be cached before the request comes, or the worker computes them again; a worker that
-                # takes much longer than the encoder is slow or hung, and the request must not wait on it for long.
-                await asyncio.wait([prefill], timeout=self.config.media_prefix_wait_s)
-        finally:
-            if prefill is not None and not prefill.done():
-                prefill.cancel()
-                self.metrics.prefix_prefills.labels(result="unfinished").inc()
-        embeddings = encoded.embeddings
-        self.metrics.media_inline_bytes.inc(sum(len(e.data) for e in embeddings))
-        expanded, spans = expand_placeholders(prompt_ids, placeholder, [e.rows for e in embeddings], [e.media_hash for e in embeddings])
-        return expanded, encoded.media(spans), choice.worker_id if choice is not None else None, budget, encoded.usable_until
-
-    async def _media_inline(self, flow: Flow, cause: str) -> None:
-        """Encodes a directly delivered request's media again, rows inline this time (media are pure inputs: the same rows).
-
-        A worker could not fetch them (their encoder died, or held them past its hold time), or a migration is to carry
-        them and their encoder no longer holds them. UnavailableError if no encoder can.
-        """
-        assert self.media_encoder is not None
-        self.metrics.media_reencodes.labels(cause=cause).inc()
-        with tracer.start_as_current_span("router.encode", attributes={"request_id": flow.record.request_id, "cause": cause}):
-            encoded = await self.media_encoder.encode(flow.record.request_id, flow.media_inputs, flow.media_budget, cached=False)
-        embeddings = encoded.embeddings
-        if [e.rows for e in embeddings] != [m.rows for m in flow.media]:
-            raise UnavailableError(f"encoding the media of {flow.record.request_id} again gave other rows", retry_after_s=1.0)
-        self.metrics.media_inline_bytes.inc(sum(len(e.data) for e in embeddings))
-        flow.media = encoded.media([MediaSpan(m.start, m.rows, m.media_hash) for m in flow.media])
-        flow.media_inputs = ()  # inline now: nothing left to fetch
-
-    def _joint_choice(self, prompt_ids: list[int], media: Sequence[router_pb2.MediaInput], budget: int) -> JointChoice | None:
-        """The (encoder, worker) pair with the lowest estimated TTFT; None when either is missing (encode decides the error)."""
-        assert self.media_encoder is not None
-        try:
-            encoders, rows = self.media_encoder.estimates(
-                media, link_bytes_per_s=self.config.media_link_bytes_per_s, through_router=self.config.media_delivery == "inline",
-            )
-        except InvalidRequestError:
-            return None  # encode() raises it again, with the same message
-        first_media = prompt_ids.index(self.config.media_placeholder_token_id)
-        prefix = prompt_ids[:first_media]
-        # One token past the prefix: a prefix's last full block counts as cached (the routing table always leaves the last
-        # token of what it is given to compute).
-        workers = self.table.estimates(prompt_ids[: first_media + 1])
-        rest = len(prompt_ids) - first_media - len(media) + min(rows, budget)
-        return choose_joint(
-            encoders, workers, prefix_tokens=len(prefix), rest_tokens=rest, overlap=self.config.media_prefix_overlap,
-        )
-
-    async def _prefill_prefix(self, request_id: str, worker_id: str, prefix: list[int]) -> None:
-        """Fills the worker's prefix cache with the prompt's text before its media; on failure the request computes it."""
-        registration = self.registrations.get(worker_id)
-        if registration is None:
-            return
-        with tracer.start_as_current_span("router.prefill_prefix", attributes={"request_id": request_id, "tokens": len(prefix)}):
-            try:
-                await self.channels.stub(registration.address).Prefill(
-                    worker_pb2.PrefillRequest(request_id=request_id, tokens=common_pb2.PromptTokens(ids=prefix)),
-                    timeout=self.config.encode_timeout_s,
-                )
-            except grpc.aio.AioRpcError as error:
-                log.info("prefix prefill of %s on %s failed (%s); the request computes it", request_id, worker_id, error.code().name)
-                self.metrics.prefix_prefills.labels(result="failed").inc()
-                return
-        self.metrics.prefix_prefills.labels(result="ok").inc()
 
     # -- routing ----------------------------------------------------------------
     def _route(
@@ -564,11 +451,11 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
             finally:
                 call.cancel()
                 self._reading.pop(request_id, None)
-            if broken is not None and not got_any and flow.media_inputs and media_fetch_failed(broken):
-                log.info("worker %s could not fetch the media of %s (%s); encoding them again", flow.record.worker_id,
-                         flow.record.request_id, broken.details())
-                await self._media_inline(flow, "fetch_failed")
-                continue  # the same worker: it submitted nothing
+            if broken is not None and flow.media:
+                failed = WorkerFailed(got_chunks=got_any, fetch_failed=media_fetch_failed(broken))
+                why = f"worker {flow.record.worker_id} could not fetch them ({broken.details()})"
+                if isinstance(await self._media_flow().refetch(flow, failed, why), OpenAgain):
+                    continue  # the same worker: it submitted nothing
             worker_id = flow.record.worker_id
             moved = self._moved_under.pop(request_id, None)
             if moved is not None and handoff_chunk is None:
@@ -695,18 +582,22 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
         # Direct delivery: the target fetches the media from the encoder that holds them (Restore does as Generate does),
         # so this router holds no rows; past their hold time, or when the target could not fetch them, they are
         # encoded again and go inline.
-        if flow.media_inputs and time.monotonic() >= flow.media_usable_until and not await self._media_inline_to_migrate(flow):
-            return None
+        if flow.media:
+            due = MigrationDue(time.monotonic())
+            if isinstance(await self._media_flow().refetch(flow, due, "a migration is due past their hold"), SkipMigration):
+                return None
         with tracer.start_as_current_span("router.migrate") as span:
             span.set_attribute("phalanx.request_id", flow.record.request_id)
             request = self._migrate_request(flow, move, handoff_chunk)
             try:
                 moved = await self._migrate(request)
             except FailedPreconditionError as error:
-                if error.subject != MEDIA_SOURCE_SUBJECT or not flow.media_inputs:
+                if error.subject != MEDIA_SOURCE_SUBJECT or not flow.media:
                     raise
-                log.info("the target of %s could not fetch its media (%s); encoding them again", flow.record.request_id, error)
-                if not await self._media_inline_to_migrate(flow):
+                effect = await self._media_flow().refetch(flow, TargetRefused(), f"the target could not fetch them ({error})")
+                if isinstance(effect, PassOn):
+                    raise
+                if isinstance(effect, SkipMigration):
                     return None
                 request = self._migrate_request(flow, move, handoff_chunk)
                 moved = await self._migrate(request)
@@ -719,14 +610,9 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
         self._repoint(flow, moved.worker_id, moved.worker_address)
         return moved
 
-    async def _media_inline_to_migrate(self, flow: Flow) -> bool:
-        """The media encoded again, rows inline, for a migration; False (logged) if no encoder could."""
-        try:
-            await self._media_inline(flow, "migration")
-        except PhalanxError as error:
-            log.warning("cannot migrate %s: its media could not be encoded again (%s)", flow.record.request_id, error)
-            return False
-        return True
+    def _media_flow(self) -> MediaFlow:
+        assert self.media is not None  # only a request with media gets here, and _validate refused those without an encoder pool
+        return self.media
 
     @staticmethod
     def _migrate_request(flow: Flow, move: Migrate, handoff_chunk: _HandoffChunk | None) -> migration_pb2.MigrateRequest:

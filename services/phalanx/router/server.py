@@ -11,13 +11,12 @@ worker through the request's etcd record and re-attaches from the next index.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 import uuid
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from typing import Any, cast
+from typing import cast
 
 import grpc
 from google.rpc import status_pb2
@@ -26,8 +25,6 @@ from grpc_status import rpc_status
 from phalanx._proto import common_pb2, migration_pb2, router_pb2, router_pb2_grpc, worker_pb2
 from phalanx.common.block_hash import MediaSpan
 from phalanx.common.errors import (
-    MEDIA_SOURCE_SUBJECT,
-    FailedPreconditionError,
     InvalidRequestError,
     NotFoundError,
     PhalanxError,
@@ -48,9 +45,10 @@ from phalanx.router.limits import TenantPromptError
 from phalanx.router.media import MediaEncoder, media_fetch_failed
 from phalanx.router.media_flow import MediaFlow, context_limit, prompt_with_placeholders
 from phalanx.router.metrics import RouterMetrics, tenant_label
+from phalanx.router.moves import HandoffChunk, RequestMoves
 from phalanx.router.multiplex import MultiplexedCall, WorkerMultiplexer
 from phalanx.router.records import RequestRecords
-from phalanx.router.refetch import MediaRefetchPolicy, MigrationDue, OpenAgain, PassOn, SkipMigration, TargetRefused, WorkerFailed
+from phalanx.router.refetch import MediaRefetchPolicy, OpenAgain, WorkerFailed
 from phalanx.router.relay import (
     AttachMoved,
     Effect,
@@ -77,14 +75,10 @@ tracer = get_tracer(__name__)
 
 HANDED_BACK = common_pb2.FINISH_REASON_HANDED_BACK
 _RECENT_RECORDS = 10_000
-# How long a fenced worker has to act on the Cancel of a request that moved off it (a hung one, once it runs again).
-_FENCE_CANCEL_S = 10.0
 
 
 # Opens one worker stream of a request on the given worker (its multiplexed stream, or a call of its own).
 _OpenCall = Callable[[WorkerMultiplexer], MultiplexedCall | grpc.aio.UnaryStreamCall]
-# A worker's last chunk of a request it handed back: the state to continue from (Generate and Attach alike).
-_HandoffChunk = worker_pb2.GenerateResponse | worker_pb2.AttachResponse
 
 
 def _api_key(context: grpc.aio.ServicerContext) -> str | None:
@@ -128,22 +122,17 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
         self.metrics = metrics
         self._tokenizer = tokenizer
         self._on_broken_stream = on_broken_stream or (lambda worker_id, error: None)
-        self._migrate = migrate
         # Kept current by the process's etcd watches (and health notifications on NATS).
         self.registrations: dict[str, common_pb2.WorkerRegistration] = {}
-        self.media = (
-            MediaFlow(media_encoder, config, table, metrics, channels, self.registrations) if media_encoder is not None else None
-        )
         self.health_records: dict[str, common_pb2.WorkerHealthRecord] = {}
         self._recent: OrderedDict[str, common_pb2.RequestRecord] = OrderedDict()
         self.slo = LatencySlo()  # the process sets the SLOs the health service publishes
         self._tenant_names = admission.tenant_names
         metrics.queued.set_function(lambda: len(admission.queue))
-        # Request id -> the worker its relay reads from now and that call; what a migration event fences.
-        self._reading: dict[str, tuple[str, Any]] = {}
-        # Request id -> (worker id, address) a migration moved it to while its relay still read the old worker.
-        self._moved_under: dict[str, tuple[str, str]] = {}
-        self._fence_tasks: set[asyncio.Task] = set()
+        self.media = (
+            MediaFlow(media_encoder, config, table, metrics, channels, self.registrations) if media_encoder is not None else None
+        )
+        self.moves = RequestMoves(channels, metrics, self.registrations, migrate=migrate, media=self.media, repoint=self._repoint)
 
     # -- RPCs -----------------------------------------------------------------
     async def Generate(self, request: router_pb2.GenerateRequest, context):
@@ -425,11 +414,11 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
 
         Which stream comes next is the RelayPolicy's decision; this executes it.
         """
-        relay = RelayPolicy(retry_elsewhere=retry_elsewhere, can_migrate=self._migrate is not None)
+        relay = RelayPolicy(retry_elsewhere=retry_elsewhere, can_migrate=self.moves.can_migrate)
         request_id = flow.record.request_id
         while True:
             call = open_call(self.channels.streams(flow.record.worker_address))
-            self._reading[request_id] = (flow.record.worker_id, call)
+            self.moves.reading(request_id, flow.record.worker_id, call)
             handoff_chunk = None
             got_any = False
             broken: grpc.aio.AioRpcError | None = None
@@ -450,25 +439,18 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
                 broken = caught
             finally:
                 call.cancel()
-                self._reading.pop(request_id, None)
+                self.moves.stopped_reading(request_id)
             if broken is not None and flow.media:
                 failed = WorkerFailed(got_chunks=got_any, fetch_failed=media_fetch_failed(broken))
                 why = f"worker {flow.record.worker_id} could not fetch them ({broken.details()})"
                 if isinstance(await self._media_flow().refetch(flow, failed, why), OpenAgain):
                     continue  # the same worker: it submitted nothing
-            worker_id = flow.record.worker_id
-            moved = self._moved_under.pop(request_id, None)
-            if moved is not None and handoff_chunk is None:
-                # Fenced: a migration moved the request while this relay still read the worker (hung, or its lease
-                # lapsed); nothing more from that worker reaches the client, the new owner continues from the next index.
-                flow.migrations += 1
-                self.metrics.migrations.inc()
-                log.warning("%s moved from %s to %s under its relay: fenced the old stream", request_id, worker_id, moved[0])
-                self._cancel_on(worker_id, request_id)
-                self._repoint(flow, *moved)
+            if self.moves.fenced(flow, handed_back=handoff_chunk is not None):
+                # Moved under this relay: nothing more from the old worker, the new owner goes on from the next index.
                 relay.moved_under()
                 open_call = self._attach_next(flow)
                 continue
+            worker_id = flow.record.worker_id
             if broken is not None:
                 event: StreamEnded | HandedBack | StreamBroke = StreamBroke(worker_id, broken.code(), got_chunks=got_any)
             elif handoff_chunk is not None:
@@ -482,7 +464,7 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
 
     async def _follow(
         self, flow: Flow, relay: RelayPolicy, effects: tuple[Effect, ...], open_call: _OpenCall,
-        broken: grpc.aio.AioRpcError | None, handoff_chunk: _HandoffChunk | None,
+        broken: grpc.aio.AioRpcError | None, handoff_chunk: HandoffChunk | None,
     ) -> _OpenCall | None:
         """Executes the relay's effects; returns how to open the next worker stream (None: the relay is over)."""
         while True:
@@ -491,14 +473,14 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
                 if isinstance(effect, ReportBroken):
                     self._on_broken_stream(effect.worker_id, broken)
             if isinstance(decision, Migrate):
-                moved = await self._migrate_flow(flow, decision, handoff_chunk)
+                moved = await self.moves.migrate(flow, decision, handoff_chunk)
                 effects = relay.on(MigrationResult(moved.worker_id if moved is not None else None))
                 continue
             return self._open_next(flow, decision, open_call, broken, handoff_chunk)
 
     def _open_next(
         self, flow: Flow, decision: Effect, open_call: _OpenCall, broken: grpc.aio.AioRpcError | None,
-        handoff_chunk: _HandoffChunk | None,
+        handoff_chunk: HandoffChunk | None,
     ) -> _OpenCall | None:
         """Executes the effect that decides how the relay goes on."""
         if isinstance(decision, Finish):
@@ -537,103 +519,16 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
         return attach
 
     def on_migrated(self, event: migration_pb2.MigrationEvent) -> None:
-        """A migration moved a request (its worker died or was declared dead): a relay still reading it from the
-        old worker stops and follows it, so that a hung worker that wakes up delivers nothing more (fencing)."""
-        reading = self._reading.get(event.request_id)
-        if reading is None or reading[0] != event.from_worker_id or event.worker_id == event.from_worker_id or not event.worker_id:
-            return  # not relayed here, or the relay already follows it (the router asked for this migration itself)
-        self._moved_under[event.request_id] = (event.worker_id, event.worker_address)
-        reading[1].cancel()
+        """A migration moved a request: a relay still reading it from the old worker stops and follows it (fencing)."""
+        self.moves.on_migrated(event)
 
     def on_worker_dead(self, worker_id: str, started_at: float) -> None:
-        """Health declared a worker DEAD: relays still reading it stop, as if its stream broke, and migrate.
-
-        A hung worker's streams never break by themselves, and the migration service's DEAD trigger moves only what
-        the checkpoint store holds for it: not a request it has no commit of yet, nor one whose media embeddings only
-        this router has. A request that trigger is moving already is shared by this router's call (one migration).
-        A record of another incarnation (a stable id, as compose and Helm give, restarted) leaves this one alone.
-        """
-        registration = self.registrations.get(worker_id)
-        if registration is not None and started_at and registration.started_at != started_at:
-            return
-        for request_id, (reading_from, call) in list(self._reading.items()):
-            if reading_from == worker_id and request_id not in self._moved_under:
-                log.warning("worker %s was declared dead while relaying %s: moving it", worker_id, request_id)
-                call.cancel()
-
-    def _cancel_on(self, worker_id: str, request_id: str) -> None:
-        """Ask the old owner to drop its copy, in the background: a hung worker acts on it once it runs again."""
-        registration = self.registrations.get(worker_id)
-        if registration is None:
-            return
-
-        async def cancel() -> None:
-            with contextlib.suppress(grpc.aio.AioRpcError):
-                await self.channels.stub(registration.address).Cancel(worker_pb2.CancelRequest(request_id=request_id), timeout=_FENCE_CANCEL_S)
-
-        task = asyncio.get_running_loop().create_task(cancel())
-        self._fence_tasks.add(task)
-        task.add_done_callback(self._fence_tasks.discard)
-
-    async def _migrate_flow(self, flow: Flow, move: Migrate, handoff_chunk: _HandoffChunk | None) -> migration_pb2.MigrateResponse | None:
-        """Asks the migration service to move the request; None when it did not (the relay policy decides what then)."""
-        if self._migrate is None:
-            return None
-        # Direct delivery: the target fetches the media from the encoder that holds them (Restore does as Generate does),
-        # so this router holds no rows; past their hold time, or when the target could not fetch them, they are
-        # encoded again and go inline.
-        if flow.media:
-            due = MigrationDue(time.monotonic())
-            if isinstance(await self._media_flow().refetch(flow, due, "a migration is due past their hold"), SkipMigration):
-                return None
-        with tracer.start_as_current_span("router.migrate") as span:
-            span.set_attribute("phalanx.request_id", flow.record.request_id)
-            request = self._migrate_request(flow, move, handoff_chunk)
-            try:
-                moved = await self._migrate(request)
-            except FailedPreconditionError as error:
-                if error.subject != MEDIA_SOURCE_SUBJECT or not flow.media:
-                    raise
-                effect = await self._media_flow().refetch(flow, TargetRefused(), f"the target could not fetch them ({error})")
-                if isinstance(effect, PassOn):
-                    raise
-                if isinstance(effect, SkipMigration):
-                    return None
-                request = self._migrate_request(flow, move, handoff_chunk)
-                moved = await self._migrate(request)
-            if moved is None:
-                return None
-            span.set_attribute("phalanx.worker_id", moved.worker_id)
-        flow.migrations += 1
-        self.metrics.migrations.inc()
-        log.info("%s moved from %s to %s (%s)", flow.record.request_id, flow.record.worker_id, moved.worker_id, request.reason)
-        self._repoint(flow, moved.worker_id, moved.worker_address)
-        return moved
+        """Health declared a worker DEAD: relays still reading it stop, as if its stream broke, and migrate."""
+        self.moves.on_worker_dead(worker_id, started_at)
 
     def _media_flow(self) -> MediaFlow:
         assert self.media is not None  # only a request with media gets here, and _validate refused those without an encoder pool
         return self.media
-
-    @staticmethod
-    def _migrate_request(flow: Flow, move: Migrate, handoff_chunk: _HandoffChunk | None) -> migration_pb2.MigrateRequest:
-        request = migration_pb2.MigrateRequest(
-            request_id=flow.record.request_id, worker_id=flow.record.worker_id, tokens_delivered=flow.next_index, seed=flow.seed,
-            reason=move.reason, priority=int(flow.tier), media=flow.media,
-        )
-        if flow.prompt_ids:
-            known = request.known_state
-            known.request_id = flow.record.request_id
-            known.prompt_token_ids.extend(flow.prompt_ids)
-            known.output_token_ids.extend(flow.output_ids)
-            if flow.sampling is not None:
-                known.sampling.CopyFrom(flow.sampling)
-            known.sampling.seed = flow.seed
-            known.priority = int(flow.tier)
-        if handoff_chunk is not None:
-            request.handoff.CopyFrom(handoff_chunk.handoff)
-            request.handoff_kv_tokens = handoff_chunk.handoff_kv_tokens
-            request.handoff_source_address = handoff_chunk.handoff_source
-        return request
 
     def _move(self, flow: Flow, decision) -> None:
         self._repoint(flow, decision.worker_id, self._address(decision.worker_id))

@@ -2,9 +2,6 @@
 
 import pytest
 
-from phalanx._proto import common_pb2
-from phalanx.common.errors import InvalidRequestError
-from phalanx.router.media_flow import context_limit, prompt_with_placeholders
 from phalanx.router.refetch import (
     AskMigration,
     MediaRefetchPolicy,
@@ -89,31 +86,3 @@ def test_a_target_refusal_that_no_encoder_can_fix_skips_the_migration():
 def test_a_reencode_result_without_a_reencode_is_a_bug():
     with pytest.raises(ValueError, match="without a re-encode"):
         direct().on(Reencoded(ok=True))
-
-
-class _Words:
-    """A tokenizer of one id per word (BOS is 1)."""
-
-    def encode(self, text: str, add_bos: bool = True) -> list[int]:
-        return ([1] if add_bos else []) + [len(w) + 10 for w in text.split()]
-
-
-def test_each_media_marker_becomes_a_placeholder_and_without_markers_the_media_go_first():
-    tokenizer = _Words()
-    marked = prompt_with_placeholders("a <m> bb <m>", 2, tokenizer, marker="<m>", placeholder=7)
-    assert marked == [1, 11, 7, 12, 7]
-    assert prompt_with_placeholders("a bb", 2, tokenizer, marker="<m>", placeholder=7) == [1, 7, 7, 11, 12]
-
-
-def test_markers_that_do_not_match_the_media_are_the_caller_s_error():
-    with pytest.raises(InvalidRequestError, match="2 media markers for 1 media items"):
-        prompt_with_placeholders("<m> a <m>", 1, _Words(), marker="<m>", placeholder=7)
-
-
-def test_the_context_limit_is_the_smallest_any_worker_states():
-    registrations = {
-        "w1": common_pb2.WorkerRegistration(max_model_len=4096), "w2": common_pb2.WorkerRegistration(max_model_len=2048),
-        "w3": common_pb2.WorkerRegistration(),
-    }
-    assert context_limit(registrations) == 2048
-    assert context_limit({}) == 0

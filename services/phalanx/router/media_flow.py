@@ -23,39 +23,20 @@ from phalanx.common.errors import InvalidRequestError, PhalanxError, Unavailable
 from phalanx.common.telemetry import get_tracer
 from phalanx.encoder_pool.tokens import expand_placeholders, visual_token_budget
 from phalanx.model.params import SamplingParams
-from phalanx.model.tokenizer import Tokenizer
 from phalanx.router.channels import WorkerChannels
 from phalanx.router.config import RouterConfig
 from phalanx.router.flow import Flow
 from phalanx.router.joint import JointChoice, choose_joint
-from phalanx.router.media import MediaEncoder, split_on_markers
+from phalanx.router.media import MediaEncoder
 from phalanx.router.metrics import RouterMetrics
+from phalanx.router.prompts import context_limit
 from phalanx.router.refetch import Effect as RefetchEffect, Event as RefetchEvent, PassOn, Reencode, ReencodeCause, Reencoded, SkipMigration
 from phalanx.router.routing import RoutingTable
 
-__all__ = ["EncodedPrompt", "MediaFlow", "context_limit", "prompt_with_placeholders"]
+__all__ = ["EncodedPrompt", "MediaFlow"]
 
 log = logging.getLogger(__name__)
 tracer = get_tracer(__name__)
-
-
-def context_limit(registrations: Mapping[str, common_pb2.WorkerRegistration]) -> int:
-    """The smallest context of the registered workers (a request must fit any of them); 0 when none says."""
-    return min((r.max_model_len for r in registrations.values() if r.max_model_len), default=0)
-
-
-def prompt_with_placeholders(text: str, items: int, tokenizer: Tokenizer, *, marker: str, placeholder: int) -> list[int]:
-    """The text's tokens with one placeholder per media marker; no markers: the media go first."""
-    pieces = split_on_markers(text, marker)
-    if len(pieces) == 1:
-        pieces = [""] * items + pieces  # no markers: every item before the text (after BOS)
-    if len(pieces) - 1 != items:
-        raise InvalidRequestError("text", f"{len(pieces) - 1} media markers for {items} media items")
-    ids = tokenizer.encode(pieces[0])
-    for piece in pieces[1:]:
-        ids.append(placeholder)
-        ids += tokenizer.encode(piece, add_bos=False) if piece else []
-    return ids
 
 
 @dataclass(frozen=True)

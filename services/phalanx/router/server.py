@@ -35,7 +35,7 @@ from phalanx.common.errors import (
 from phalanx.common.grpc_status import abort_with
 from phalanx.common.subjects import validate_request_id
 from phalanx.common.telemetry import get_tracer
-from phalanx.model.params import sampling_from_proto
+from phalanx.model.params import SamplingParams
 from phalanx.model.tokenizer import Tokenizer
 from phalanx.router.admission import Admission, Admitted, Tier
 from phalanx.router.channels import WorkerChannels
@@ -43,10 +43,11 @@ from phalanx.router.config import RouterConfig
 from phalanx.router.flow import Flow
 from phalanx.router.limits import TenantPromptError
 from phalanx.router.media import MediaEncoder, media_fetch_failed
-from phalanx.router.media_flow import MediaFlow, context_limit, prompt_with_placeholders
+from phalanx.router.media_flow import MediaFlow
 from phalanx.router.metrics import RouterMetrics, tenant_label
 from phalanx.router.moves import HandoffChunk, RequestMoves
 from phalanx.router.multiplex import MultiplexedCall, WorkerMultiplexer
+from phalanx.router.prompts import context_limit, request_prompt
 from phalanx.router.records import RequestRecords
 from phalanx.router.refetch import MediaRefetchPolicy, OpenAgain, WorkerFailed
 from phalanx.router.relay import (
@@ -286,40 +287,13 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
         except ValueError as error:
             raise InvalidRequestError("request_id", str(error)) from None
 
-    def _validate(self, request: router_pb2.GenerateRequest, context) -> tuple[Admitted, list[int], object]:
+    def _validate(self, request: router_pb2.GenerateRequest, context) -> tuple[Admitted, list[int], SamplingParams]:
         if request.request_id:
             self._request_id(request.request_id)
         admitted = self.admission.admit(tenant=request.tenant, tier=request.tier, api_key=_api_key(context))
         if request.media and self.media is None:
             raise InvalidRequestError("media", "media inputs need the encoder pool, which this deployment does not run")
-        tokenizer = self._tokenizer()
-        which = request.WhichOneof("prompt")
-        if which == "text" and request.text and request.media:
-            prompt_ids = prompt_with_placeholders(
-                request.text, len(request.media), tokenizer, marker=self.config.media_marker,
-                placeholder=self.config.media_placeholder_token_id,
-            )
-        elif which == "text" and request.text:
-            prompt_ids = tokenizer.encode(request.text)
-        elif which == "tokens":
-            prompt_ids = list(request.tokens.ids)
-            bad = [t for t in prompt_ids if not 0 <= t < tokenizer.vocab_size]
-            if bad:
-                raise InvalidRequestError("prompt.tokens", f"ids {bad[:5]} are outside the vocabulary [0, {tokenizer.vocab_size})")
-        else:
-            prompt_ids = []
-        if not prompt_ids:
-            raise InvalidRequestError("prompt", "must not be empty")
-        if len(prompt_ids) > self.config.max_prompt_tokens:
-            raise InvalidRequestError("prompt", f"{len(prompt_ids)} tokens exceed the limit of {self.config.max_prompt_tokens}")
-        params = sampling_from_proto(request.sampling)
-        params.validate(tokenizer.vocab_size)
-        limit = context_limit(self.registrations)
-        if limit and len(prompt_ids) + params.max_tokens > limit:
-            raise InvalidRequestError(
-                "sampling.max_tokens",
-                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the context of {limit} tokens",
-            )
+        prompt_ids, params = request_prompt(request, self._tokenizer(), self.config, context=context_limit(self.registrations))
         return admitted, prompt_ids, params
 
     # -- routing ----------------------------------------------------------------

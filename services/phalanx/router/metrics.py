@@ -13,9 +13,18 @@ _ROUTING_BUCKETS = (10e-6, 25e-6, 50e-6, 100e-6, 200e-6, 300e-6, 500e-6, 1e-3, 2
 
 
 class RouterMetrics:
+    """A router's metrics (in `registry`, else a registry of their own), declared by what they watch."""
+
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()
-        r = self.registry
+        self._requests(self.registry)
+        self._routing(self.registry)
+        self._streams(self.registry)
+        self._media(self.registry)
+        self._tenants(self.registry)
+
+    def _requests(self, r: CollectorRegistry) -> None:
+        """Requests, their lengths and latencies: what the planner predicts from and what the SLOs judge."""
         self.requests = Counter("phalanx_router_requests", "Requests by tier and final status", ["tier", "status"], registry=r)
         # What the planner predicts from (planner/observations.py): arrivals, prompt and output lengths per request, each
         # counted once per request (a Resume or a client's retry of a running request is not a new arrival).
@@ -34,20 +43,37 @@ class RouterMetrics:
             "TTFT / TPOT SLO, x2 from degradation level 3 on",
             ["kind"], registry=r,
         )
+
+    def _routing(self, r: CollectorRegistry) -> None:
+        """Routing and what it routes by: the workers, their KV blocks and the degradation level."""
         self.routing = Histogram("phalanx_router_routing_seconds", "Time to pick a worker", buckets=_ROUTING_BUCKETS, registry=r)
+        self.cached_tokens = Counter("phalanx_router_routed_cached_tokens", "Prompt tokens the chosen worker held already", registry=r)
+        self.workers = Gauge("phalanx_router_workers", "Workers known to routing", registry=r)
+        self.indexed_blocks = Gauge("phalanx_router_indexed_blocks", "KV blocks in the routing index", registry=r)
+        self.kv_resyncs = Counter("phalanx_router_kv_resyncs", "KvSnapshot re-syncs after gaps or restarts", registry=r)
+        self.degradation = Gauge("phalanx_router_degradation_level", f"Degradation level in force ({LEVELS_HELP})", registry=r)
         self.bus_rejected = Counter(
             "phalanx_bus_rejected_messages", "NATS messages refused (undecodable, not from the subject's worker, or failing their checks)",
             ["subject_kind"], registry=r,
         )
+
+    def _streams(self, r: CollectorRegistry) -> None:
+        """The relayed streams, and their moves to other workers."""
         self.tokens = Counter("phalanx_router_tokens", "Tokens relayed to clients", registry=r)
-        self.cached_tokens = Counter("phalanx_router_routed_cached_tokens", "Prompt tokens the chosen worker held already", registry=r)
+        self.active = Gauge("phalanx_router_active_streams", "Streams being relayed", registry=r)
         self.resumes = Counter("phalanx_router_resumes", "Resume calls by outcome", ["status"], registry=r)
+        self.unrecorded = Counter(
+            "phalanx_router_unrecorded_requests", "Requests served without an etcd record (not resumable elsewhere)", registry=r
+        )
         self.migrations = Counter("phalanx_router_migrations", "Streams moved to another worker by the migration service", registry=r)
         self.migration_stall = Histogram(
             "phalanx_migration_stall_seconds", "Gap between the tokens before and after a migration, as the client saw it",
             buckets=(0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 1.0, 2.0, 5.0, 10.0), registry=r,
         )
         self.handoffs = Counter("phalanx_router_handoffs", "Requests moved to another worker after a drain", registry=r)
+
+    def _media(self, r: CollectorRegistry) -> None:
+        """Media requests: the embedding caches, encodes again, encoder retries and prefix prefills."""
         self.embedding_cache_hits = Counter(
             "phalanx_router_embedding_cache_hits", "Media requests whose every item's embeddings came from the router's cache", registry=r
         )
@@ -69,14 +95,9 @@ class RouterMetrics:
             "Text prefixes of media requests prefilled on the chosen worker while the encoder ran, by result (ok; failed; unfinished: "
             "the request went on without it, past media_prefix_wait_s or on an encoding error)", ["result"], registry=r,
         )
-        self.workers = Gauge("phalanx_router_workers", "Workers known to routing", registry=r)
-        self.indexed_blocks = Gauge("phalanx_router_indexed_blocks", "KV blocks in the routing index", registry=r)
-        self.kv_resyncs = Counter("phalanx_router_kv_resyncs", "KvSnapshot re-syncs after gaps or restarts", registry=r)
-        self.degradation = Gauge("phalanx_router_degradation_level", f"Degradation level in force ({LEVELS_HELP})", registry=r)
-        self.unrecorded = Counter(
-            "phalanx_router_unrecorded_requests", "Requests served without an etcd record (not resumable elsewhere)", registry=r
-        )
-        self.active = Gauge("phalanx_router_active_streams", "Streams being relayed", registry=r)
+
+    def _tenants(self, r: CollectorRegistry) -> None:
+        """Tenant limits, here and (reported by the other routers) across the fleet."""
         # Tenant labels are bounded: the configured tenants by name, any other as "other" (tenant_label).
         self.tenant_rejections = Counter(
             "phalanx_router_tenant_rejections",

@@ -6,6 +6,12 @@ HANDED_BACK state continues on another worker within the same client
 stream. If the client's stream breaks (or this router dies) the worker
 keeps generating for a grace period, and `Resume` at any replica finds the
 worker through the request's etcd record and re-attaches from the next index.
+
+The servicer turns protos into domain objects, runs the pure policies and
+executes their effects: which stream comes next (router/relay.py), when media
+are encoded again (router/refetch.py, executed by router/media_flow.py) and
+which relays a move under them fences (router/fencing.py, executed with the
+migrations by router/moves.py).
 """
 
 from __future__ import annotations

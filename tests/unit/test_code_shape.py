@@ -38,17 +38,14 @@ LAYERS: tuple[frozenset[str], ...] = (
 
 # Still over a limit today (path relative to services/phalanx, or path:qualified name): the size they may not pass.
 FILE_ALLOWANCES: dict[str, int] = {
-    "router/server.py": 962,
     "cli/main.py": 831,
 }
 CLASS_ALLOWANCES: dict[str, int] = {
-    "router/server.py:RouterServicer": 714,
     "worker/process.py:WorkerProcess": 535,
     "health/monitor.py:FleetMonitor": 523,
     "planner/service.py:Planner": 516,
 }
 FUNCTION_ALLOWANCES: dict[str, int] = {
-    "router/metrics.py:RouterMetrics.__init__": 86,
     "planner/service.py:Planner._plan": 85,
 }
 # (importing package, imported package) pairs that still run up the layers.

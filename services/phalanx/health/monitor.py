@@ -25,6 +25,7 @@ from phalanx._proto import common_pb2, worker_pb2, worker_pb2_grpc
 from phalanx.common.config import EtcdConfig
 from phalanx.common.discovery import EtcdDirectory, WorkerDirectory, encode_json
 from phalanx.common.events import EventBus, check_load_report
+from phalanx.common.leadership import LeaderElection, LeadershipLostError
 from phalanx.common.lease import Backoff
 from phalanx.common.subjects import (
     CANARY_PREFIX,
@@ -44,7 +45,6 @@ from phalanx.common.tls import open_channel
 from phalanx.health.canary import CANDIDATE_PROMPTS, CanaryFact, CanaryRun, calibrate, canary_facts, judge
 from phalanx.health.config import DegradationConfig, HealthConfig
 from phalanx.health.degradation import DegradationDecision, DegradationPolicy, PlannerView, WorkerCapacity, latency_slo_factor
-from phalanx.health.leader import LeaderElection
 from phalanx.health.metrics import HealthMetrics
 from phalanx.health.schedule import (
     CanaryDone,
@@ -72,10 +72,6 @@ _INCONCLUSIVE_CODES = {
     grpc.StatusCode.UNAUTHENTICATED,
     grpc.StatusCode.PERMISSION_DENIED,
 }
-
-
-class LeadershipLostError(Exception):
-    """A fenced write failed or the lease lapsed: another instance leads now."""
 
 
 @dataclass
@@ -125,7 +121,8 @@ class FleetMonitor:
 
     # -- the leader's life ----------------------------------------------------------
     async def run(self) -> None:
-        """Monitor until cancelled; raises LeadershipLostError when deposed."""
+        """Monitor until cancelled (common.leadership cancels a term whose lease lapsed); raises LeadershipLostError when a
+        fenced write is refused."""
         workers = WorkerDirectory(self.etcd_config)
         records = EtcdDirectory(self.etcd_config, prefix=HEALTH_PREFIX, message_type=common_pb2.WorkerHealthRecord)
         canaries = EtcdDirectory(self.etcd_config, prefix=CANARY_PREFIX, message_type=common_pb2.CanaryCalibration)
@@ -153,7 +150,6 @@ class FleetMonitor:
                 tasks.create_task(self._follow_workers(workers))
                 tasks.create_task(self._calibration_loop())
                 tasks.create_task(self._retention_loop())
-                tasks.create_task(self._watch_leadership())
                 tasks.create_task(self._follow_planner_view(planner_views))
                 if self.degradation_config.enabled:
                     tasks.create_task(self._degradation_loop(stored.level if stored else 0))
@@ -175,11 +171,6 @@ class FleetMonitor:
         """The task group of the running leader term, which every per-worker task joins."""
         assert self._tasks is not None, "used outside run()"
         return self._tasks
-
-    async def _watch_leadership(self) -> None:
-        while self.election.elected:
-            await asyncio.sleep(0.1)
-        raise LeadershipLostError("the leadership lease lapsed")
 
     async def _follow_workers(self, directory: WorkerDirectory) -> None:
         async with aclosing(directory.watch()) as events:

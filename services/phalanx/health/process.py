@@ -10,7 +10,6 @@ lease so a standby takes over at once -> stop gRPC -> close NATS and etcd.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import socket
@@ -20,13 +19,13 @@ from phalanx._proto import common_pb2, health_pb2 as phalanx_health_pb2, health_
 from phalanx.common.config import EtcdConfig, NatsConfig, TelemetryConfig
 from phalanx.common.discovery import encode_json
 from phalanx.common.events import EventBus
-from phalanx.common.lease import Backoff, connect_etcd
+from phalanx.common.leadership import LeaderElection, lead_forever
+from phalanx.common.lease import connect_etcd
 from phalanx.common.service import ServiceShell
 from phalanx.common.subjects import HEALTH_LEADER_KEY, validate_worker_id
 from phalanx.health.config import DegradationConfig, HealthConfig
-from phalanx.health.leader import LeaderElection
 from phalanx.health.metrics import HealthMetrics
-from phalanx.health.monitor import FleetMonitor, LeadershipLostError
+from phalanx.health.monitor import FleetMonitor
 from phalanx.health.server import HealthServicer
 
 log = logging.getLogger(__name__)
@@ -87,24 +86,17 @@ class HealthProcess:
             log.exception("resigning the leadership failed; the key lapses after its TTL")
 
     async def _lead_forever(self, bus: EventBus) -> None:
-        backoff = Backoff(initial=0.2, cap=5.0)
-        while True:
-            leader = common_pb2.HealthLeader(instance_id=self.instance_id, address=self.address, pid=os.getpid(), elected_at=time.time())
-            await self.election.campaign(encode_json(leader))
-            log.info("health instance %s leads", self.instance_id)
-            self.metrics.leader.set(1)
-            self.monitor = FleetMonitor(self.config, self.degradation_config, self.etcd_config, self.election, bus, self.metrics)
-            try:
-                await self.monitor.run()
-            except* LeadershipLostError as lost:
-                log.warning("health instance %s lost the leadership: %s", self.instance_id, lost.exceptions[0])
-            except* Exception:
-                log.exception("monitoring failed; stepping down")
-                await asyncio.sleep(backoff.next())
-            else:
-                backoff.reset()
-            finally:
-                self.monitor = None
-                self.metrics.leader.set(0)
-                with contextlib.suppress(Exception):
-                    await self.election.resign()
+        await lead_forever(self.election, f"health instance {self.instance_id}", self._leader_value, lambda: self._monitor(bus))
+
+    def _leader_value(self) -> bytes:
+        return encode_json(common_pb2.HealthLeader(instance_id=self.instance_id, address=self.address, pid=os.getpid(), elected_at=time.time()))
+
+    async def _monitor(self, bus: EventBus) -> None:
+        """One leadership term: monitor the fleet until deposed."""
+        self.metrics.leader.set(1)
+        self.monitor = FleetMonitor(self.config, self.degradation_config, self.etcd_config, self.election, bus, self.metrics)
+        try:
+            await self.monitor.run()
+        finally:
+            self.monitor = None
+            self.metrics.leader.set(0)

@@ -23,7 +23,6 @@ Stop (SIGTERM): NOT_SERVING -> stop planning -> resign (a standby takes over at 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import math
 import os
@@ -39,7 +38,8 @@ import httpx
 from phalanx._proto import common_pb2
 from phalanx.common.config import EtcdConfig, TelemetryConfig
 from phalanx.common.discovery import EtcdDirectory, WorkerDirectory, decode_json, encode_json
-from phalanx.common.lease import Backoff, connect_etcd
+from phalanx.common.leadership import LeaderElection, LeadershipLostError, lead_forever
+from phalanx.common.lease import connect_etcd
 from phalanx.common.service import ServiceShell
 from phalanx.common.subjects import (
     DEGRADATION_KEY,
@@ -51,7 +51,6 @@ from phalanx.common.subjects import (
     spare_key,
     validate_worker_id,
 )
-from phalanx.health.leader import LeaderElection
 from phalanx.planner.capacity import CapacityView, capacity_view
 from phalanx.planner.config import PlannerConfig
 from phalanx.planner.connectors import Connector, DecisionRecord, VirtualConnector, read_decision, read_target
@@ -98,10 +97,6 @@ _NOT_SERVING = {common_pb2.WORKER_HEALTH_UNHEALTHY, common_pb2.WORKER_HEALTH_DRA
 
 # With a surge confidence, the surge windows in multiples of surge_window_s: a burst's arrivals add up over the longer ones.
 _SURGE_WINDOWS = (1, 2, 4)
-
-
-class LeadershipLostError(Exception):
-    pass
 
 
 class Planner:
@@ -177,9 +172,7 @@ class Planner:
             self.metrics.leader.set(1)
             async with asyncio.TaskGroup() as tasks:
                 tasks.create_task(self._watch_deaths(deaths))
-                while True:
-                    if not self.election.elected:
-                        raise LeadershipLostError("the leadership lease lapsed")
+                while True:  # common.leadership cancels the term once the lease lapsed
                     await self._step(workers, healths, routers)
                     await asyncio.sleep(self.config.poll_s)
         finally:
@@ -688,25 +681,18 @@ class PlannerProcess:
             log.exception("resigning the leadership failed; the key lapses after its TTL")
 
     async def _lead_forever(self, client: aetcd.Client) -> None:
-        backoff = Backoff(initial=0.2, cap=5.0)
-        while True:
-            leader = common_pb2.PlannerLeader(instance_id=self.instance_id, address=self.address, pid=os.getpid(), elected_at=time.time())
-            await self.election.campaign(encode_json(leader))
-            log.info("planner %s leads", self.instance_id)
-            connector = self._connector(client)
-            self.planner = Planner(self.config, client, self.etcd_config, self.election, connector, self.metrics, self.profile)
-            try:
-                await self.planner.run()
-            except* LeadershipLostError as lost:
-                log.warning("planner %s lost the leadership: %s", self.instance_id, lost.exceptions[0])
-            except* Exception:
-                log.exception("planning failed; stepping down")
-                await asyncio.sleep(backoff.next())
-            else:
-                backoff.reset()
-            finally:
-                self.planner = None
-                self.metrics.leader.set(0)
-                await connector.close()
-                with contextlib.suppress(Exception):
-                    await self.election.resign()
+        await lead_forever(self.election, f"planner {self.instance_id}", self._leader_value, lambda: self._plan(client))
+
+    def _leader_value(self) -> bytes:
+        return encode_json(common_pb2.PlannerLeader(instance_id=self.instance_id, address=self.address, pid=os.getpid(), elected_at=time.time()))
+
+    async def _plan(self, client: aetcd.Client) -> None:
+        """One leadership term: plan until deposed."""
+        connector = self._connector(client)
+        self.planner = Planner(self.config, client, self.etcd_config, self.election, connector, self.metrics, self.profile)
+        try:
+            await self.planner.run()
+        finally:
+            self.planner = None
+            self.metrics.leader.set(0)
+            await connector.close()

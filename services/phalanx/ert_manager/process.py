@@ -31,12 +31,12 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from phalanx._proto import expert_pb2
 from phalanx.common.config import EtcdConfig, TelemetryConfig
 from phalanx.common.discovery import ExpertWorkerDirectory, decode_json, encode_json
+from phalanx.common.leadership import LeaderElection, LeadershipLostError, lead_forever
 from phalanx.common.lease import TRANSIENT_ERRORS, connect_etcd
 from phalanx.common.service import ServiceShell
 from phalanx.common.subjects import ERT_KEY, ERT_LEADER_KEY, validate_worker_id
 from phalanx.ert_manager.config import ErtManagerConfig
 from phalanx.ert_manager.table import ErtManager, ExpertRole, ExpertRoutingTable, ExpertWorkerJoined, ExpertWorkerLost, ExpertWorkerRef, HostedExpert
-from phalanx.health.leader import LeaderElection
 from phalanx.model.config import BUILTIN_MODELS, ModelConfig
 
 log = logging.getLogger(__name__)
@@ -95,21 +95,21 @@ class ErtManagerProcess:
             shell.push_async_callback(election.resign)
             await shell.set_serving(True)  # a standby serves too: it is ready to lead
             async with asyncio.TaskGroup() as tasks:
-                leading = tasks.create_task(self._lead(election, client, model))
-                stop = tasks.create_task(shell.wait_for_stop())
-                await asyncio.wait([leading, stop], return_when=asyncio.FIRST_COMPLETED)
+                leading = tasks.create_task(
+                    lead_forever(election, f"ERT manager {self.instance_id}", self.instance_id.encode, lambda: self._lead(election, client, model))
+                )
+                await shell.wait_for_stop()
                 leading.cancel()
-                stop.cancel()
             await shell.stop_server()
 
     async def _lead(self, election: LeaderElection, client, model: ModelConfig) -> None:
-        await election.campaign(self.instance_id.encode())
+        """One leadership term: keep the table in step with the expert workers until deposed."""
         self.metrics.leader.set(1)
-        stored = await read_table(client)
-        manager = ErtManager(model.name, model.num_layers, model.num_experts, version=stored.version if stored else 0)
-        log.info("ERT manager %s leads (stored table version %s)", self.instance_id, stored.version if stored else None)
         directory = ExpertWorkerDirectory(self.etcd_config)
         try:
+            stored = await read_table(client)
+            manager = ErtManager(model.name, model.num_layers, model.num_experts, version=stored.version if stored else 0)
+            log.info("ERT manager %s leads (stored table version %s)", self.instance_id, stored.version if stored else None)
             for registration in (await directory.list()).values():
                 manager.apply(joined(registration))
             await self._write(election, manager)
@@ -132,7 +132,7 @@ class ErtManagerProcess:
     async def _write(self, election: LeaderElection, manager: ErtManager) -> None:
         table = manager.table
         if not await election.fenced_put(ERT_KEY, encode_json(table.to_proto())):
-            raise RuntimeError(f"ERT manager {self.instance_id} lost its leadership; stopping")
+            raise LeadershipLostError(f"a fenced write of the table (version {table.version}) was refused: another ERT manager leads")
         uncovered = table.num_layers * table.num_experts - sum(1 for loc in table.locations.values() if loc.primary)
         self.metrics.version.set(table.version)
         self.metrics.expert_workers.set(len(table.workers))

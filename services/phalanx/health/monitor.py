@@ -30,18 +30,16 @@ from phalanx.common.lease import Backoff
 from phalanx.common.subjects import (
     CANARY_PREFIX,
     DEGRADATION_KEY,
-    DEGRADATION_PREFIX,
     DEGRADATION_SUBJECT,
     HEALTH_PREFIX,
     HEALTH_REPORTS_ALL,
     LOAD_ALL,
-    PLANNER_CAPACITY_KEY,
-    PLANNER_CAPACITY_PREFIX,
     canary_key,
     health_events_subject,
     health_key,
 )
 from phalanx.common.tls import open_channel
+from phalanx.common.watched import DEGRADATION, PLANNER_CAPACITY, StateFollower
 from phalanx.health.canary import CANDIDATE_PROMPTS, CanaryFact, CanaryRun, calibrate, canary_facts, judge
 from phalanx.health.config import DegradationConfig, HealthConfig
 from phalanx.health.degradation import DegradationDecision, DegradationPolicy, PlannerView, WorkerCapacity, latency_slo_factor
@@ -109,7 +107,7 @@ class FleetMonitor:
         self.gone: dict[str, WorkerTracker] = {}  # DEAD and deregistered, kept for dead_retention_s
         self.calibrations: dict[str, common_pb2.CanaryCalibration] = {}
         self.degradation: common_pb2.DegradationState | None = None
-        self._planner_view: common_pb2.PlannerCapacityView | None = None  # the planner's capacity-vs-demand, if it publishes one
+        self._planner_views: StateFollower[common_pb2.PlannerCapacityView] | None = None  # the planner's capacity-vs-demand, if any
         self._records: dict[str, common_pb2.WorkerHealthRecord] = {}
         self._loads: dict[str, tuple[common_pb2.LoadReport, float]] = {}
         self._calibrate_wake = asyncio.Event()
@@ -126,16 +124,15 @@ class FleetMonitor:
         workers = WorkerDirectory(self.etcd_config)
         records = EtcdDirectory(self.etcd_config, prefix=HEALTH_PREFIX, message_type=common_pb2.WorkerHealthRecord)
         canaries = EtcdDirectory(self.etcd_config, prefix=CANARY_PREFIX, message_type=common_pb2.CanaryCalibration)
-        degradation = EtcdDirectory(self.etcd_config, prefix=DEGRADATION_PREFIX, message_type=common_pb2.DegradationState)
-        planner_views = EtcdDirectory(self.etcd_config, prefix=PLANNER_CAPACITY_PREFIX, message_type=common_pb2.PlannerCapacityView)
+        degradation = StateFollower(self.etcd_config, DEGRADATION)
+        planner_views = self._planner_views = StateFollower(self.etcd_config, PLANNER_CAPACITY)
         subscriptions = []
         try:
             self._records = await records.list()
             self.calibrations = {c.model_version: c for c in (await canaries.list()).values()}
-            stored = (await degradation.list()).get(DEGRADATION_KEY.rsplit("/", 1)[1])
-            self.degradation = stored
+            stored = self.degradation = await degradation.read()  # ours to write: read once, to resume from its level
             registered = await workers.list()
-            self._planner_view = (await planner_views.list()).get(PLANNER_CAPACITY_KEY.rsplit("/", 1)[1])
+            await planner_views.read()
             subscriptions.append(await self.bus.subscribe(
                 LOAD_ALL, common_pb2.LoadReport, self._on_load, check=check_load_report,
                 on_rejected=lambda kind: self.metrics.bus_rejected.labels(subject_kind=kind).inc(),
@@ -150,7 +147,7 @@ class FleetMonitor:
                 tasks.create_task(self._follow_workers(workers))
                 tasks.create_task(self._calibration_loop())
                 tasks.create_task(self._retention_loop())
-                tasks.create_task(self._follow_planner_view(planner_views))
+                tasks.create_task(planner_views.follow())
                 if self.degradation_config.enabled:
                     tasks.create_task(self._degradation_loop(stored.level if stored else 0))
         finally:
@@ -563,13 +560,8 @@ class FleetMonitor:
                 self.degradation = state
             await asyncio.sleep(self.degradation_config.interval_s)
 
-    async def _follow_planner_view(self, directory: EtcdDirectory) -> None:
-        async with aclosing(directory.watch()) as events:
-            async for kind, _name, view in events:
-                self._planner_view = view if kind == "put" else None
-
     def _planner_capacity(self) -> PlannerView | None:
-        view = self._planner_view
+        view = self._planner_views.value if self._planner_views is not None else None
         if view is None:
             return None
         return PlannerView(pressure=view.pressure, needed_workers=view.needed_workers, serving_workers=view.serving_workers,

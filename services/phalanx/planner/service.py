@@ -37,12 +37,11 @@ import httpx
 
 from phalanx._proto import common_pb2
 from phalanx.common.config import EtcdConfig, TelemetryConfig
-from phalanx.common.discovery import EtcdDirectory, WorkerDirectory, decode_json, encode_json
+from phalanx.common.discovery import EtcdDirectory, WorkerDirectory, encode_json
 from phalanx.common.leadership import LeaderElection, LeadershipLostError, lead_forever
 from phalanx.common.lease import connect_etcd
 from phalanx.common.service import ServiceShell
 from phalanx.common.subjects import (
-    DEGRADATION_KEY,
     HEALTH_PREFIX,
     PLANNER_CAPACITY_KEY,
     PLANNER_LEADER_KEY,
@@ -51,9 +50,10 @@ from phalanx.common.subjects import (
     spare_key,
     validate_worker_id,
 )
+from phalanx.common.watched import DEGRADATION, PLANNER_TARGET, StateFollower
 from phalanx.planner.capacity import CapacityView, capacity_view
 from phalanx.planner.config import PlannerConfig
-from phalanx.planner.connectors import Connector, DecisionRecord, VirtualConnector, read_decision, read_target
+from phalanx.planner.connectors import Connector, DecisionRecord, VirtualConnector, read_decision
 from phalanx.planner.correction import (
     CorrectionConfig,
     CorrectionTracker,
@@ -132,6 +132,8 @@ class Planner:
         self._promoted: dict[str, None] = {}  # spares this planner promoted: their mark may still show in a listing taken before
         self._counted: set[int] = set()
         self._degradation_level = 0
+        self._degradation = StateFollower(etcd_config, DEGRADATION)  # health's level: from level 3 on the plan relaxes its SLOs
+        self._target = StateFollower(etcd_config, PLANNER_TARGET)  # an operator's target (`phalanx planner set-target`)
         self._capacity: CapacityView | None = None  # of the last plan, published after it
         self._observed_at: float | None = None
         self._osl_seen = False  # an interval has observed output lengths  # when the last interval was observed (None: not yet)
@@ -148,6 +150,8 @@ class Planner:
         healths = EtcdDirectory(self.etcd_config, prefix=HEALTH_PREFIX, message_type=common_pb2.WorkerHealthRecord)
         routers = EtcdDirectory(self.etcd_config, prefix=ROUTERS_PREFIX, message_type=common_pb2.RouterRegistration)
         try:
+            await self._degradation.read()
+            await self._target.read()
             await self._refresh(workers, healths, routers)
             # A successor carries on from the last decision (its ids and targets); a first planner from the fleet as it is.
             start = previous.workers if previous is not None else self._workers
@@ -172,11 +176,13 @@ class Planner:
             self.metrics.leader.set(1)
             async with asyncio.TaskGroup() as tasks:
                 tasks.create_task(self._watch_deaths(deaths))
+                tasks.create_task(self._degradation.follow())
+                tasks.create_task(self._target.follow())
                 while True:  # common.leadership cancels the term once the lease lapsed
                     await self._step(workers, healths, routers)
                     await asyncio.sleep(self.config.poll_s)
         finally:
-            for directory in (workers, healths, routers, self._spare_marks):
+            for directory in (workers, healths, routers, self._spare_marks, self._degradation, self._target):
                 await directory.close()
             await self._http.aclose()
 
@@ -186,7 +192,7 @@ class Planner:
         assert machine is not None
         await self._refresh(workers, healths, routers)
         await self._take_acks()
-        target = await read_target(self.client)
+        target = self._target.value.workers if self._target.value is not None else None
         if target is not None and target != self._operator_target:
             machine.decide_at_next_tick()
         self._operator_target = target
@@ -224,7 +230,7 @@ class Planner:
             return
         self._observed_at = now
         observation = await self._observe_interval()
-        self._degradation_level = await self._read_degradation_level()
+        self._degradation_level = self._degradation.value.level if self._degradation.value is not None else 0
         self.metrics.degradation.set(self._degradation_level)
         # In a thread: a predictor's refit (ARIMA, Prophet) takes seconds, and the loop keeps the leadership lease alive.
         self._capacity = None
@@ -388,18 +394,6 @@ class Planner:
             self.metrics.observe_errors.labels("prometheus").inc()
             return False
         return response.get("status") == "success" and bool(response.get("data", {}).get("result"))
-
-    async def _read_degradation_level(self) -> int:
-        """The health service's degradation level: from level 3 on the deployment promises doubled latency SLOs, and the plan
-        targets those (replicas.py); 0 when health publishes none."""
-        found = await self.client.get(DEGRADATION_KEY.encode())
-        if found is None:
-            return 0
-        try:
-            return decode_json(found.value, common_pb2.DegradationState).level
-        except Exception:  # noqa: BLE001 - a value we cannot read is no reason to stop planning
-            log.warning("unreadable degradation state at %s", DEGRADATION_KEY)
-            return 0
 
     async def _observe_interval(self) -> Observation | None:
         if self.config.prometheus_url:

@@ -32,7 +32,6 @@ from phalanx.common.events import EventBus, MessageTooLargeError, check_kv_event
 from phalanx.common.lease import Backoff
 from phalanx.common.service import ServerTls, ServiceShell
 from phalanx.common.subjects import (
-    DEGRADATION_PREFIX,
     DEGRADATION_SUBJECT,
     HEALTH_EVENTS_ALL,
     HEALTH_PREFIX,
@@ -45,6 +44,7 @@ from phalanx.common.subjects import (
     router_key,
     validate_worker_id,
 )
+from phalanx.common.watched import DEGRADATION, StateFollower
 from phalanx.model.config import is_builtin_model, model_tokenizer, served_model
 from phalanx.model.tokenizer import Tokenizer
 from phalanx.router.admission import Admission, QueueSettings
@@ -144,7 +144,7 @@ class RouterProcess:
             await shell.start()
             workers = WorkerDirectory(self.etcd_config)
             healths = EtcdDirectory(self.etcd_config, prefix=HEALTH_PREFIX, message_type=common_pb2.WorkerHealthRecord)
-            degradation = EtcdDirectory(self.etcd_config, prefix=DEGRADATION_PREFIX, message_type=common_pb2.DegradationState)
+            degradation = StateFollower(self.etcd_config, DEGRADATION)
             spares = EtcdDirectory(self.etcd_config, prefix=SPARES_PREFIX, message_type=common_pb2.HotSpareRecord)
             encoder_directory = EncoderDirectory(self.etcd_config)
             for directory in (workers, healths, degradation, spares, encoder_directory):
@@ -171,8 +171,7 @@ class RouterProcess:
                 self._on_worker("put", worker_id, reg)
             for worker_id, record in (await healths.list()).items():
                 self._on_health("put", worker_id, record)
-            for name, state in (await degradation.list()).items():
-                self._on_degradation("put", name, state)
+            self._on_degradation(await degradation.read())
             for encoder_id, registration in (await encoder_directory.list()).items():
                 encoders.update("put", encoder_id, registration)
             await self._initial_sync(channels)
@@ -185,7 +184,7 @@ class RouterProcess:
                 loops = [
                     tasks.create_task(workers.follow(self._on_worker)),
                     tasks.create_task(healths.follow(self._on_health)),
-                    tasks.create_task(degradation.follow(self._on_degradation)),
+                    tasks.create_task(degradation.follow(self._on_degradation)),  # NATS brings a change first, this confirms it
                     tasks.create_task(spares.follow(self._on_spare)),
                     tasks.create_task(encoder_directory.follow(encoders.update)),
                     tasks.create_task(migration.follow()),
@@ -274,7 +273,7 @@ class RouterProcess:
         self._servicer.on_migrated(event)
 
     async def _on_degradation_event(self, state: common_pb2.DegradationState, subject: str, context) -> None:
-        self._on_degradation("put", "global", state)
+        self._on_degradation(state)
 
     def _report_broken_stream(self, worker_id: str, error: grpc.aio.AioRpcError) -> None:
         """Tell the health service at once: it probes the worker instead of waiting for a canary or the lease."""
@@ -285,13 +284,13 @@ class RouterProcess:
         )
         asyncio.get_running_loop().create_task(self._bus.publish(health_report_subject(worker_id), report))
 
-    def _on_degradation(self, kind: str, name: str, state: common_pb2.DegradationState | None) -> None:
-        level = 0 if kind == "delete" or state is None else state.level
+    def _on_degradation(self, state: common_pb2.DegradationState | None) -> None:
+        level = 0 if state is None else state.level
         if level != self.admission.level:
             log.warning("degradation level %d -> %d%s", self.admission.level, level, f" ({state.reason})" if state and state.reason else "")
         self.admission.level = level
         if self.servicer is not None:
-            self._servicer.slo = LatencySlo.from_state(state if kind != "delete" else None)
+            self._servicer.slo = LatencySlo.from_state(state)
         self.metrics.degradation.set(level)
 
     # -- KV index and load ---------------------------------------------------------

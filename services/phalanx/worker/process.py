@@ -24,25 +24,23 @@ import os
 import socket
 import threading
 import time
-from contextlib import aclosing
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from phalanx._proto import chaos_pb2, chaos_pb2_grpc, checkpoint_pb2, common_pb2, migration_pb2, migration_pb2_grpc, worker_pb2, worker_pb2_grpc
 from phalanx.common.config import EtcdConfig, NatsConfig, TelemetryConfig
-from phalanx.common.discovery import EtcdDirectory, encode_registration
+from phalanx.common.discovery import encode_registration
 from phalanx.common.events import EventBus
-from phalanx.common.lease import TRANSIENT_ERRORS, Backoff, LeasedKey
+from phalanx.common.lease import Backoff, LeasedKey
 from phalanx.common.service import ServiceShell
 from phalanx.common.subjects import (
-    DEGRADATION_KEY,
-    DEGRADATION_PREFIX,
     kv_events_subject,
     load_subject,
     validate_worker_id,
     worker_key,
 )
 from phalanx.common.telemetry import get_tracer
+from phalanx.common.watched import DEGRADATION, StateFollower
 from phalanx.model.kv_cache import BLOCK_SIZE, KvEvents, prefault
 from phalanx.worker.async_engine import AsyncEngine
 from phalanx.worker.checkpointing import CheckpointCapture, CheckpointStreamer
@@ -62,7 +60,6 @@ log = logging.getLogger(__name__)
 SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["WorkerService"].full_name
 KV_SOURCE_SERVICE_NAME = migration_pb2.DESCRIPTOR.services_by_name["KvSource"].full_name
 CHAOS_SERVICE_NAME = chaos_pb2.DESCRIPTOR.services_by_name["ChaosService"].full_name
-_DEGRADATION_NAME = DEGRADATION_KEY[len(DEGRADATION_PREFIX) :]
 # Stored hashes per KV event message: ~30 bytes each keeps messages far below NATS's 1 MiB.
 _MAX_BLOCKS_PER_EVENT = 8192
 
@@ -520,24 +517,11 @@ class WorkerProcess:
     # -- background loops ----------------------------------------------------------
     async def _follow_degradation(self, engine: AsyncEngine) -> None:
         """Shrinks the batch while the health service's DegradationState asks for it."""
-        directory = EtcdDirectory(self.etcd_config, prefix=DEGRADATION_PREFIX, message_type=common_pb2.DegradationState)
-        backoff = Backoff(initial=0.05, cap=self.etcd_config.max_retry_wait_s)
+        follower = StateFollower(self.etcd_config, DEGRADATION)
         try:
-            while True:
-                try:
-                    states = await directory.list()
-                    break
-                except TRANSIENT_ERRORS as error:
-                    delay = backoff.next()
-                    log.warning("cannot read the degradation state (%s); retrying in %.2f s", error, delay)
-                    await asyncio.sleep(delay)
-            self._apply_degradation(engine, states.get(_DEGRADATION_NAME))
-            async with aclosing(directory.watch()) as events:
-                async for kind, name, state in events:
-                    if name == _DEGRADATION_NAME:
-                        self._apply_degradation(engine, state if kind == "put" else None)
+            await follower.follow(lambda state: self._apply_degradation(engine, state))
         finally:
-            await directory.close()
+            await follower.close()
 
     def _apply_degradation(self, engine: AsyncEngine, state: common_pb2.DegradationState | None) -> None:
         before = engine.engine.batch_scale

@@ -30,7 +30,6 @@ import socket
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
-from dataclasses import replace
 
 import aetcd
 import httpx
@@ -51,16 +50,13 @@ from phalanx.common.subjects import (
     validate_worker_id,
 )
 from phalanx.common.watched import DEGRADATION, PLANNER_TARGET, StateFollower
-from phalanx.planner.capacity import CapacityView, capacity_view
+from phalanx.planner.capacity import CapacityView
 from phalanx.planner.config import PlannerConfig
 from phalanx.planner.connectors import Connector, DecisionRecord, VirtualConnector, read_decision
 from phalanx.planner.correction import (
     CorrectionConfig,
     CorrectionTracker,
-    decode_load,
-    expected_itl_s,
     expected_ttft_s,
-    fleet_concurrency,
 )
 from phalanx.planner.decisions import (
     Arrivals,
@@ -73,7 +69,6 @@ from phalanx.planner.decisions import (
     poisson_upper_bound,
     surge_rate,
 )
-from phalanx.planner.distribution import Summary
 from phalanx.planner.metrics import PlannerMetrics
 from phalanx.planner.observations import (
     Observation,
@@ -84,9 +79,10 @@ from phalanx.planner.observations import (
     parse_scrape,
     promql_queries,
 )
+from phalanx.planner.plan import PlanInputs, expectation, plan_step
 from phalanx.planner.predictors import Predictor, PredictorConfig, load_trace, make_predictor, warm_start
 from phalanx.planner.profile import PerformanceProfile, load_profile
-from phalanx.planner.replicas import LoadForecast, ReplicaConfig, SloTargets, plan_replicas
+from phalanx.planner.replicas import ReplicaConfig, SloTargets
 
 log = logging.getLogger(__name__)
 # One line per scrape at INFO would bury the planner's own lines.
@@ -460,64 +456,43 @@ class Planner:
             return None
         predicted_osl = self.predictors["osl"].predict_next() if self._osl_seen else osl_mean
         self.metrics.predicted_osl.set(predicted_osl)
-        profile = self.profile
         slo = SloTargets(ttft_s=self.config.ttft_slo_s, itl_s=self.config.itl_slo_s)
         # The plan aims below the SLOs by the headroom: the SLO bounds every request, and at a fleet sized exactly for it
         # the average request runs at it, so the requests of busier workers (routing is never perfectly even) miss it.
         aim = SloTargets(ttft_s=slo.ttft_s * self.config.slo_headroom, itl_s=slo.itl_s * self.config.slo_headroom)
-        expected_itl: float | None = None
-        load = math.nan
-        if observation.ttft is not None and observation.itl is not None:
-            duration = observation.ttft.mean + osl_mean * observation.itl.mean
-            context = isl_mean + osl_mean / 2
-            workers = max(self._workers, 1)
-            concurrency = fleet_concurrency(request_rate=observation.request_rate, request_duration_s=duration, workers=workers)
-            expected_itl = expected_itl_s(profile, concurrency, context=context)
-            load = decode_load(profile, concurrency, itl_target_s=aim.itl_s, context=context)
+        expected = expectation(observation, self.profile, isl_mean=isl_mean, osl_mean=osl_mean, workers=self._workers, itl_aim_s=aim.itl_s)
+        if expected is not None:
+            assert observation.ttft is not None and observation.itl is not None  # an expectation needs both
             factors = self.correction.update(
-                observed_ttft_s=observation.ttft.mean, expected_ttft_s=expected_ttft_s(profile, isl_mean),
-                observed_itl_s=observation.itl.mean, expected_itl_s=expected_itl,
-                ttft_samples=observation.ttft.count, itl_samples=observation.itl.count, decode_load=load,
+                observed_ttft_s=observation.ttft.mean, expected_ttft_s=expected_ttft_s(self.profile, isl_mean),
+                observed_itl_s=observation.itl.mean, expected_itl_s=expected.itl_s,
+                ttft_samples=observation.ttft.count, itl_samples=observation.itl.count, decode_load=expected.decode_load,
             )
         else:
             factors = self.correction.factors
         self.metrics.correction.labels("prefill").set(factors.prefill)
         self.metrics.correction.labels("decode").set(factors.decode)
         assert self.machine is not None
-        # The forecast is for one interval of the adaptive length; requests scale with it.
-        interval = self.machine.interval_s
-        forecast = LoadForecast(
-            requests=requests / max(observation.interval_s, 1e-9) * interval,
-            isl=_scaled(observation.isl, self.predictors["isl"].predict_next()) if observation.isl else Summary(mean=self.config.default_isl),
-            osl=_scaled(observation.osl, predicted_osl),
-        )
-        replica_config = ReplicaConfig(interval_s=interval, min_workers=self.config.min_workers, max_gpus=self.config.max_gpus,
-                                       length_quantile=self.config.length_quantile)
-        level = self._degradation_level
-        plan = plan_replicas(forecast, profile, aim, replica_config, factors, degradation_level=level)
-
-        def replan(arrival_rate: float) -> int:
-            return plan_replicas(replace(forecast, requests=arrival_rate * interval), profile, aim, replica_config, factors,
-                                 degradation_level=level).combined
-
-        self._replan = replan
-        self._planned_rate = forecast.requests / interval
-        # The capacity view is read at the configured SLOs (capacity.py), whatever level or headroom the plan targets.
-        at_slo = plan if level < replica_config.relaxed_slo_level and aim == slo else plan_replicas(
-            forecast, profile, slo, replica_config, factors, degradation_level=0)
-        self._capacity = capacity_view(at_slo, self._workers, forecast.requests / interval)
+        outcome = plan_step(PlanInputs(
+            observation=observation, predicted_requests=requests,
+            predicted_isl=self.predictors["isl"].predict_next() if observation.isl else self.config.default_isl,
+            predicted_osl=predicted_osl, factors=factors, slo=slo, aim=aim,
+            replicas=ReplicaConfig(interval_s=self.machine.interval_s, min_workers=self.config.min_workers, max_gpus=self.config.max_gpus,
+                                   length_quantile=self.config.length_quantile),
+            serving_workers=self._workers, current_target=self.machine.targets.workers,
+            degradation_level=self._degradation_level,
+        ), self.profile)
+        self._replan, self._planned_rate, self._capacity = outcome.replan, outcome.planned_rate, outcome.capacity
+        plan = outcome.plan
         log.info("plan: %.2f req/s arrived, %.2f predicted; ITL %s s observed, %s s profiled at %.0f %% of the operating load; "
                  "factors prefill %.2f decode %.2f;"
-                 " %d workers (prefill %.2f + decode %.2f at ITL target %.3f s), %d serving",
-                 demand / max(observation.interval_s, 1e-9), self._planned_rate,
-                 f"{observation.itl.mean:.3f}" if observation.itl else "-", f"{expected_itl:.3f}" if expected_itl else "-", 100 * load,
-                 factors.prefill, factors.decode, plan.combined, plan.prefill_raw, plan.decode_raw, plan.itl_target_s, self._workers)
-        if self._degradation_level >= replica_config.relaxed_slo_level:
-            # The doubled SLOs of a degraded fleet need fewer workers, but a fleet is degraded because it lacks capacity:
-            # relaxing the target must not take more away (with the capacity view feeding the level, that loop scaled an
-            # overloaded fleet down).
-            return max(plan.combined, self.machine.targets.workers)
-        return plan.combined
+                 " %d workers (prefill %.2f + decode %.2f at ITL target %.3f s), %d serving%s",
+                 demand / max(observation.interval_s, 1e-9), outcome.planned_rate,
+                 f"{observation.itl.mean:.3f}" if observation.itl else "-", f"{expected.itl_s:.3f}" if expected else "-",
+                 100 * (expected.decode_load if expected else math.nan), factors.prefill, factors.decode, plan.combined, plan.prefill_raw,
+                 plan.decode_raw, plan.itl_target_s, self._workers,
+                 f"; held at the target of {outcome.workers} at level {self._degradation_level}" if outcome.held_at_target else "")
+        return outcome.workers
 
     # -- decisions -----------------------------------------------------------------------------------
     async def _publish(self, decision: Decision) -> None:
@@ -612,14 +587,6 @@ class Planner:
 def _round_age(scrapes: Mapping[str, Scrape], now: float) -> float:
     """Seconds since a round of scrapes began (its oldest scrape: a round spans every router's)."""
     return now - min(scrape.at for scrape in scrapes.values())
-
-
-def _scaled(summary: Summary | None, mean: float) -> Summary:
-    """The observed distribution's shape around a predicted mean (quantiles scaled by predicted/observed mean)."""
-    if summary is None or summary.mean <= 0:
-        return Summary(mean=mean)
-    ratio = mean / summary.mean
-    return Summary(mean=mean, quantiles={q: v * ratio for q, v in summary.quantiles.items()}, count=summary.count)
 
 
 class PlannerProcess:

@@ -34,14 +34,12 @@ from phalanx.common.events import EventBus
 from phalanx.common.lease import Backoff, LeasedKey
 from phalanx.common.service import ServiceShell
 from phalanx.common.subjects import (
-    kv_events_subject,
-    load_subject,
     validate_worker_id,
     worker_key,
 )
 from phalanx.common.telemetry import get_tracer
 from phalanx.common.watched import DEGRADATION, StateFollower
-from phalanx.model.kv_cache import BLOCK_SIZE, KvEvents, prefault
+from phalanx.model.kv_cache import BLOCK_SIZE, prefault
 from phalanx.worker.async_engine import AsyncEngine
 from phalanx.worker.checkpointing import CheckpointCapture, CheckpointStreamer
 from phalanx.worker.config import EngineConfig, WorkerConfig
@@ -49,6 +47,7 @@ from phalanx.worker.engine import Engine
 from phalanx.worker.fault_service import ChaosServicer
 from phalanx.worker.faults import FaultKind, FaultState
 from phalanx.worker.metrics import WorkerMetrics
+from phalanx.worker.reports import KvEventStream, publish_load
 from phalanx.worker.server import KvSourceServicer, WorkerServicer, drain_engine, snapshot_to_proto
 
 if TYPE_CHECKING:
@@ -60,8 +59,6 @@ log = logging.getLogger(__name__)
 SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["WorkerService"].full_name
 KV_SOURCE_SERVICE_NAME = migration_pb2.DESCRIPTOR.services_by_name["KvSource"].full_name
 CHAOS_SERVICE_NAME = chaos_pb2.DESCRIPTOR.services_by_name["ChaosService"].full_name
-# Stored hashes per KV event message: ~30 bytes each keeps messages far below NATS's 1 MiB.
-_MAX_BLOCKS_PER_EVENT = 8192
 
 
 class WorkerProcess:
@@ -102,8 +99,7 @@ class WorkerProcess:
         self._nats_reconnect: asyncio.Task[None] | None = None
         self._registration: LeasedKey | None = None
         self._servicer: WorkerServicer | None = None
-        self._kv_outbox: asyncio.Queue[KvEvents] = asyncio.Queue()
-        self.kv_sequence = 0  # KV event messages published so far
+        self._kv_events = KvEventStream(self.worker_id, lambda: self._bus)
         self.channels: ChannelEndpoint | None = None
         self._streamer: CheckpointStreamer | None = None
         self._capture: CheckpointCapture | None = None
@@ -157,8 +153,8 @@ class WorkerProcess:
                 _prefault_kv_cache(engine)
             async with asyncio.TaskGroup() as tasks:
                 loops = [
-                    tasks.create_task(self._publish_kv_events()),
-                    tasks.create_task(self._publish_load(engine)),
+                    tasks.create_task(self._kv_events.run()),
+                    tasks.create_task(publish_load(self.worker_id, engine, self.metrics, lambda: self._bus, self.config.load_interval_s)),
                     tasks.create_task(self._follow_degradation(engine)),
                 ]
                 await self._wait_for_stop(engine)
@@ -255,7 +251,7 @@ class WorkerProcess:
             shell.push_async_callback(channels.close)
             channels.add_grpc_service(shell.server)
         servicer = WorkerServicer(
-            self.worker_id, self.metrics, on_drain=self._drain, on_undrain=self._undrain, kv_sequence=lambda: self.kv_sequence,
+            self.worker_id, self.metrics, on_drain=self._drain, on_undrain=self._undrain, kv_sequence=lambda: self._kv_events.sequence,
             address=self.address, channels=channels, channel_timeout_s=c.channel_timeout_s, channel_min_bytes=c.channel_min_bytes,
             media_channel_min_bytes=c.media_channel_min_bytes,
             checkpointing_to=self._checkpointing_to, detach_grace_s=c.detach_grace_s, retain_s=c.retain_s, max_retained=c.max_retained,
@@ -315,7 +311,7 @@ class WorkerProcess:
         if c.checkpointing:
             self._capture = CheckpointCapture(c.checkpoint_max_pending_bytes, interval_tokens=c.checkpoint_interval_tokens)
         engine = AsyncEngine(
-            Engine(model, self.engine_config, faults=self.faults, cache=cache, runner=runner), on_kv_events=self._kv_outbox.put_nowait,
+            Engine(model, self.engine_config, faults=self.faults, cache=cache, runner=runner), on_kv_events=self._kv_events.outbox.put_nowait,
             checkpoints=self._capture,
         )
         shell.push_async_callback(engine.stop)
@@ -532,60 +528,6 @@ class WorkerProcess:
                 before, scale, state.level if state is not None else 0, engine.engine.max_num_seqs,
             )
         self.metrics.for_worker(self.metrics.batch_scale).set(scale)
-
-    async def _publish_kv_events(self) -> None:
-        subject = kv_events_subject(self.worker_id)
-        while True:
-            events = await self._kv_outbox.get()
-            stored, removed = events.stored, events.removed
-            first = True
-            # Split so that no message nears NATS's 1 MiB payload limit.
-            while first or stored or removed:
-                message = common_pb2.KvEvent(
-                    worker_id=self.worker_id, sequence=self.kv_sequence + 1, cleared=events.cleared and first, timestamp=time.time()
-                )
-                message.removed.extend(removed[:_MAX_BLOCKS_PER_EVENT])
-                message.stored.extend(
-                    common_pb2.KvBlockStored(block_hash=h, parent_hash=p, num_tokens=n) for h, p, n in stored[:_MAX_BLOCKS_PER_EVENT]
-                )
-                stored, removed = stored[_MAX_BLOCKS_PER_EVENT:], removed[_MAX_BLOCKS_PER_EVENT:]
-                first = False
-                # Numbered even while NATS is dropped: the gap tells indexers to re-sync.
-                self.kv_sequence += 1
-                if self._bus is not None:
-                    await self._bus.publish(subject, message)
-
-    async def _publish_load(self, engine: AsyncEngine) -> None:
-        subject = load_subject(self.worker_id)
-        m = self.metrics
-        e = engine.engine
-        counted = {m.computed_tokens: 0, m.canary_tokens: 0, m.canaries: 0, m.checkpoint_skipped: 0}
-        while True:
-            load = engine.load()
-            if self._bus is not None:
-                await self._bus.publish(
-                    subject,
-                    common_pb2.LoadReport(
-                        worker_id=self.worker_id, queue_depth=load.queue_depth, running_seqs=load.running_seqs,
-                        free_blocks=load.free_blocks, total_blocks=load.total_blocks, step_time_ms=load.step_time_ms,
-                        prefill_tokens_per_s=load.prefill_tokens_per_s, decode_tokens_per_s=load.decode_tokens_per_s,
-                        timestamp=time.time(), draining=engine.draining,
-                    ),
-                )
-            m.for_worker(m.step_time).set(load.step_time_ms / 1e3)
-            if engine.checkpoints is not None:
-                m.for_worker(m.checkpoint_lag).set(engine.checkpoints.lag_tokens)
-            m.for_worker(m.running).set(load.running_seqs)
-            m.for_worker(m.waiting).set(load.queue_depth)
-            m.for_worker(m.free_blocks).set(load.free_blocks)
-            m.for_worker(m.preemptions).set(e.preemptions)
-            skipped = engine.checkpoints.captures_skipped if engine.checkpoints is not None else 0
-            for counter, total in ((m.computed_tokens, e.tokens_computed), (m.canary_tokens, e.canary_tokens_computed),
-                                   (m.canaries, e.canaries_total), (m.checkpoint_skipped, skipped)):
-                if total > counted[counter]:
-                    m.for_worker(counter).inc(total - counted[counter])
-                    counted[counter] = total
-            await asyncio.sleep(self.config.load_interval_s)
 
 
 def _prefault_kv_cache(engine: AsyncEngine) -> None:

@@ -6,7 +6,9 @@ failure, per the circuit breaker) and a liveness watch (a grpc.health Watch
 stream that breaks the moment the process dies; a failed probe then marks it
 DEAD without waiting for a canary or for its lease). Routers report broken
 streams on NATS and get the same probe. Every change is written to etcd in
-a transaction fenced by the leadership key, then announced on NATS.
+a transaction fenced by the leadership key, then announced on NATS. The
+degradation level is kept beside it (health/level.py), from the workers'
+weights this monitor tracks.
 """
 
 from __future__ import annotations
@@ -24,25 +26,21 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from phalanx._proto import common_pb2, worker_pb2, worker_pb2_grpc
 from phalanx.common.config import EtcdConfig
 from phalanx.common.discovery import EtcdDirectory, WorkerDirectory, encode_json
-from phalanx.common.events import EventBus, check_load_report
+from phalanx.common.events import EventBus
 from phalanx.common.leadership import LeaderElection, LeadershipLostError
 from phalanx.common.lease import Backoff
 from phalanx.common.subjects import (
     CANARY_PREFIX,
-    DEGRADATION_KEY,
-    DEGRADATION_SUBJECT,
     HEALTH_PREFIX,
     HEALTH_REPORTS_ALL,
-    LOAD_ALL,
     canary_key,
     health_events_subject,
     health_key,
 )
 from phalanx.common.tls import open_channel
-from phalanx.common.watched import DEGRADATION, PLANNER_CAPACITY, StateFollower
 from phalanx.health.canary import CANDIDATE_PROMPTS, CanaryFact, CanaryRun, calibrate, canary_facts, judge
 from phalanx.health.config import DegradationConfig, HealthConfig
-from phalanx.health.degradation import DegradationDecision, DegradationPolicy, PlannerView, WorkerCapacity, latency_slo_factor
+from phalanx.health.level import DegradationKeeper, RoutedWorker
 from phalanx.health.metrics import HealthMetrics
 from phalanx.health.schedule import (
     CanaryDone,
@@ -106,10 +104,8 @@ class FleetMonitor:
         self.workers: dict[str, _Worker] = {}
         self.gone: dict[str, WorkerTracker] = {}  # DEAD and deregistered, kept for dead_retention_s
         self.calibrations: dict[str, common_pb2.CanaryCalibration] = {}
-        self.degradation: common_pb2.DegradationState | None = None
-        self._planner_views: StateFollower[common_pb2.PlannerCapacityView] | None = None  # the planner's capacity-vs-demand, if any
+        self.level = DegradationKeeper(degradation, etcd_config, bus, metrics, self._fenced)
         self._records: dict[str, common_pb2.WorkerHealthRecord] = {}
-        self._loads: dict[str, tuple[common_pb2.LoadReport, float]] = {}
         self._calibrate_wake = asyncio.Event()
         self._calibrating: set[str] = set()
         self._tasks: asyncio.TaskGroup | None = None
@@ -124,20 +120,13 @@ class FleetMonitor:
         workers = WorkerDirectory(self.etcd_config)
         records = EtcdDirectory(self.etcd_config, prefix=HEALTH_PREFIX, message_type=common_pb2.WorkerHealthRecord)
         canaries = EtcdDirectory(self.etcd_config, prefix=CANARY_PREFIX, message_type=common_pb2.CanaryCalibration)
-        degradation = StateFollower(self.etcd_config, DEGRADATION)
-        planner_views = self._planner_views = StateFollower(self.etcd_config, PLANNER_CAPACITY)
-        subscriptions = []
+        report_subscription = None
         try:
             self._records = await records.list()
             self.calibrations = {c.model_version: c for c in (await canaries.list()).values()}
-            stored = self.degradation = await degradation.read()  # ours to write: read once, to resume from its level
+            await self.level.start()
             registered = await workers.list()
-            await planner_views.read()
-            subscriptions.append(await self.bus.subscribe(
-                LOAD_ALL, common_pb2.LoadReport, self._on_load, check=check_load_report,
-                on_rejected=lambda kind: self.metrics.bus_rejected.labels(subject_kind=kind).inc(),
-            ))
-            subscriptions.append(await self.bus.subscribe(HEALTH_REPORTS_ALL, common_pb2.WorkerStreamBroken, self._on_report))
+            report_subscription = await self.bus.subscribe(HEALTH_REPORTS_ALL, common_pb2.WorkerStreamBroken, self._on_report)
             async with asyncio.TaskGroup() as tasks:
                 self._tasks = tasks
                 for worker_id, registration in registered.items():
@@ -147,20 +136,19 @@ class FleetMonitor:
                 tasks.create_task(self._follow_workers(workers))
                 tasks.create_task(self._calibration_loop())
                 tasks.create_task(self._retention_loop())
-                tasks.create_task(planner_views.follow())
-                if self.degradation_config.enabled:
-                    tasks.create_task(self._degradation_loop(stored.level if stored else 0))
+                tasks.create_task(self.level.run(self._routed))
         finally:
             self.ready = False
-            for sub in subscriptions:
+            if report_subscription is not None:
                 with contextlib.suppress(Exception):
-                    await sub.unsubscribe()
+                    await report_subscription.unsubscribe()
+            await self.level.close()
             for w in self.workers.values():
                 for task in w.tasks:
                     task.cancel()
                 await w.channel.close()
             self.workers.clear()
-            for directory in (workers, records, canaries, degradation, planner_views):
+            for directory in (workers, records, canaries):
                 await directory.close()
 
     @property
@@ -317,7 +305,7 @@ class FleetMonitor:
 
     def _slo_factor(self) -> float:
         """The latency SLO relaxation of the level in force (x2 from level 3 on): canary latency limits stretch by it."""
-        return latency_slo_factor(self.degradation.level if self.degradation is not None else 0)
+        return self.level.slo_factor
 
     async def _engine_sample(self, w: _Worker) -> EngineSample | None:
         """The worker's engine counters (None: no answer within the probe timeout)."""
@@ -418,9 +406,6 @@ class FleetMonitor:
         w = self.workers.get(report.worker_id)
         if w is not None and w.tracker.health is not Health.DEAD:
             self._group.create_task(self.probe(w, f"router {report.router_id} saw its stream break ({report.code})"))
-
-    async def _on_load(self, report: common_pb2.LoadReport, subject: str, context) -> None:
-        self._loads[report.worker_id] = (report, time.monotonic())
 
     # -- writing --------------------------------------------------------------------
     async def _transition(self, w: _Worker, transition: Transition | None) -> None:
@@ -539,52 +524,13 @@ class FleetMonitor:
         return runs
 
     # -- degradation ----------------------------------------------------------------
-    async def _degradation_loop(self, level: int) -> None:
-        policy = DegradationPolicy(self.degradation_config, level=level)
-        # Every live worker reports load within this; judged earlier, a new leader would see no capacity at all.
-        await asyncio.sleep(self.degradation_config.report_stale_s)
-        while True:
-            decision = policy.evaluate(time.monotonic(), self._capacities(), self._planner_capacity())
-            self.metrics.degradation.set(decision.level)
-            self.metrics.pressure.set(min(decision.pressure, 1e6))
-            if self.degradation is None or _published(decision) != _published(self.degradation):
-                state = common_pb2.DegradationState(
-                    level=decision.level, reason=decision.reason, updated_at=time.time(), pressure=min(decision.pressure, 1e6),
-                    healthy_workers=decision.healthy_workers, ttft_slo_s=decision.ttft_slo_s, tpot_slo_s=decision.tpot_slo_s,
-                    batch_scale=decision.batch_scale,
-                )
-                await self._fenced(DEGRADATION_KEY, encode_json(state))
-                await self.bus.publish(DEGRADATION_SUBJECT, state)
-                previous = self.degradation.level if self.degradation else 0
-                (log.warning if decision.level > previous else log.info)("degradation level %d -> %d: %s", previous, decision.level, decision.reason)
-                self.degradation = state
-            await asyncio.sleep(self.degradation_config.interval_s)
+    @property
+    def degradation(self) -> common_pb2.DegradationState | None:
+        """The level in force (health/level.py keeps it)."""
+        return self.level.state
 
-    def _planner_capacity(self) -> PlannerView | None:
-        view = self._planner_views.value if self._planner_views is not None else None
-        if view is None:
-            return None
-        return PlannerView(pressure=view.pressure, needed_workers=view.needed_workers, serving_workers=view.serving_workers,
-                           age_s=time.time() - view.updated_at, valid_for_s=view.valid_for_s)
-
-    def _capacities(self) -> list[WorkerCapacity]:
-        now = time.monotonic()
-        out = []
-        for worker_id, w in self.workers.items():
-            loaded = self._loads.get(worker_id)
-            report, at = loaded if loaded is not None else (None, 0.0)
-            t = w.tracker
-            routable = t.weight > 0 and not w.stopping and not (report is not None and report.draining)
-            if report is None:
-                out.append(WorkerCapacity(worker_id, routable, t.weight, 0.0, 0.0, 0.0, 0, 0, 0, 0, float("inf")))
-                continue
-            out.append(
-                WorkerCapacity(
-                    worker_id, routable, t.weight, report.decode_tokens_per_s, report.prefill_tokens_per_s, report.step_time_ms / 1e3,
-                    report.queue_depth, report.running_seqs, report.free_blocks, report.total_blocks, now - at,
-                )
-            )
-        return out
+    def _routed(self) -> list[RoutedWorker]:
+        return [RoutedWorker(worker_id, w.tracker.weight, w.stopping) for worker_id, w in self.workers.items()]
 
     # -- housekeeping ---------------------------------------------------------------
     async def _retention_loop(self) -> None:
@@ -616,8 +562,3 @@ def _channel(address: str) -> grpc.aio.Channel:
         ],
     )
 
-
-def _published(state: DegradationDecision | common_pb2.DegradationState) -> tuple[int, float, float, float]:
-    """What routers and workers act on: a new level, or new SLOs or batch scale at the same level (a changed config, an
-    upgrade), is written again."""
-    return state.level, state.ttft_slo_s, state.tpot_slo_s, state.batch_scale

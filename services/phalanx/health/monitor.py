@@ -18,12 +18,11 @@ import contextlib
 import logging
 import time
 from contextlib import aclosing
-from dataclasses import dataclass, field
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from phalanx._proto import common_pb2, worker_pb2, worker_pb2_grpc
+from phalanx._proto import common_pb2, worker_pb2
 from phalanx.common.config import EtcdConfig
 from phalanx.common.discovery import EtcdDirectory, WorkerDirectory, encode_json
 from phalanx.common.events import EventBus
@@ -33,12 +32,12 @@ from phalanx.common.subjects import (
     CANARY_PREFIX,
     HEALTH_PREFIX,
     HEALTH_REPORTS_ALL,
-    canary_key,
     health_events_subject,
     health_key,
 )
 from phalanx.common.tls import open_channel
-from phalanx.health.canary import CANDIDATE_PROMPTS, CanaryFact, CanaryRun, calibrate, canary_facts, judge
+from phalanx.health.calibration import Calibrator
+from phalanx.health.canary import CANDIDATE_PROMPTS, judge
 from phalanx.health.config import DegradationConfig, HealthConfig
 from phalanx.health.level import DegradationKeeper, RoutedWorker
 from phalanx.health.metrics import HealthMetrics
@@ -57,9 +56,9 @@ from phalanx.health.schedule import (
     TakeStats,
 )
 from phalanx.health.state import CheckOutcome, CheckResult, FailureReason, Health, TrackerPolicy, Transition, WorkerTracker
+from phalanx.health.tracked import TrackedWorker
 
 log = logging.getLogger(__name__)
-_CALIBRATION_RETRY_S = 5.0
 _RETENTION_SWEEP_S = 10.0
 _INCONCLUSIVE_CODES = {
     # The checker's own mistake, or deliberate backpressure: never the worker's fault.
@@ -68,24 +67,6 @@ _INCONCLUSIVE_CODES = {
     grpc.StatusCode.UNAUTHENTICATED,
     grpc.StatusCode.PERMISSION_DENIED,
 }
-
-
-@dataclass
-class _Worker:
-    registration: common_pb2.WorkerRegistration
-    tracker: WorkerTracker
-    channel: grpc.aio.Channel
-    wake: asyncio.Event = field(default_factory=asyncio.Event)
-    tasks: list[asyncio.Task] = field(default_factory=list)
-    write_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-    probing: bool = False
-    stopping: bool = False  # its grpc health said NOT_SERVING: it shuts down by itself
-    case_turn: int = 0
-    persisted_baseline: float = 0.0
-
-    @property
-    def stub(self) -> worker_pb2_grpc.WorkerServiceStub:
-        return worker_pb2_grpc.WorkerServiceStub(self.channel)
 
 
 class FleetMonitor:
@@ -101,13 +82,11 @@ class FleetMonitor:
         self.metrics = metrics
         self.policy = TrackerPolicy.from_config(config)
         self.schedule = SchedulePolicy.from_config(config)
-        self.workers: dict[str, _Worker] = {}
+        self.workers: dict[str, TrackedWorker] = {}
         self.gone: dict[str, WorkerTracker] = {}  # DEAD and deregistered, kept for dead_retention_s
-        self.calibrations: dict[str, common_pb2.CanaryCalibration] = {}
+        self.calibrator = Calibrator(config, metrics, self.workers, self._fenced, self._observe)
         self.level = DegradationKeeper(degradation, etcd_config, bus, metrics, self._fenced)
         self._records: dict[str, common_pb2.WorkerHealthRecord] = {}
-        self._calibrate_wake = asyncio.Event()
-        self._calibrating: set[str] = set()
         self._tasks: asyncio.TaskGroup | None = None
         # False until this term has adopted every registered worker: a new leader's memory holds a part of the fleet
         # before then, so ListWorkerHealth answers from etcd (the previous leader's records) meanwhile.
@@ -123,7 +102,7 @@ class FleetMonitor:
         report_subscription = None
         try:
             self._records = await records.list()
-            self.calibrations = {c.model_version: c for c in (await canaries.list()).values()}
+            self.calibrations.update({c.model_version: c for c in (await canaries.list()).values()})
             await self.level.start()
             registered = await workers.list()
             report_subscription = await self.bus.subscribe(HEALTH_REPORTS_ALL, common_pb2.WorkerStreamBroken, self._on_report)
@@ -134,7 +113,7 @@ class FleetMonitor:
                 await self._bury_unregistered(set(registered))
                 self.ready = True
                 tasks.create_task(self._follow_workers(workers))
-                tasks.create_task(self._calibration_loop())
+                tasks.create_task(self.calibrator.run())
                 tasks.create_task(self._retention_loop())
                 tasks.create_task(self.level.run(self._routed))
         finally:
@@ -176,7 +155,7 @@ class FleetMonitor:
             await self._stop_worker(worker_id)
         tracker = self._tracker_for(worker_id, registration)
         self.gone.pop(worker_id, None)
-        w = self.workers[worker_id] = _Worker(registration, tracker, _channel(registration.address))
+        w = self.workers[worker_id] = TrackedWorker(registration, tracker, _channel(registration.address))
         w.persisted_baseline = tracker.baseline_s
         self.metrics.set_worker(worker_id, tracker.health, tracker.weight, tracker.circuit)
         record = self._records.get(worker_id)
@@ -188,7 +167,7 @@ class FleetMonitor:
             self._group.create_task(self._liveness_loop(w)),
         ]
         if registration.model_version not in self.calibrations:
-            self._calibrate_wake.set()
+            self.calibrator.wake.set()
 
     def _tracker_for(self, worker_id: str, registration: common_pb2.WorkerRegistration) -> WorkerTracker:
         """The stored state if it judges this very process (a new leader resuming), else a fresh start."""
@@ -238,7 +217,7 @@ class FleetMonitor:
             self.gone[worker_id] = tracker
 
     # -- checks ---------------------------------------------------------------------
-    async def _check_loop(self, w: _Worker) -> None:
+    async def _check_loop(self, w: TrackedWorker) -> None:
         schedule = CheckSchedule(self.schedule, w.tracker)
         delay = schedule.first_delay()
         while w.tracker.health is not Health.DEAD:
@@ -254,7 +233,7 @@ class FleetMonitor:
             await self._observe(w, outcome)
             delay = schedule.finish(outcome)
 
-    async def _run_round(self, w: _Worker, checks: CheckRound) -> CheckOutcome:
+    async def _run_round(self, w: TrackedWorker, checks: CheckRound) -> CheckOutcome:
         """Executes one round's effects (see phalanx.health.schedule) until it names the outcome to record."""
         effect = checks.start(self._fleet_slowdown(w))
         while not isinstance(effect, Record):
@@ -274,7 +253,7 @@ class FleetMonitor:
             effect = checks.on(event)
         return effect.outcome
 
-    async def _observe(self, w: _Worker, outcome: CheckOutcome) -> None:
+    async def _observe(self, w: TrackedWorker, outcome: CheckOutcome) -> None:
         worker_id = w.registration.worker_id
         slowdown, slo_factor = self._fleet_slowdown(w), self._slo_factor()
         outcome = w.tracker.judge_latency(outcome, slowdown, slo_factor)
@@ -291,7 +270,7 @@ class FleetMonitor:
             w.tracker.version += 1
         await self._transition(w, transition)
 
-    def _fleet_slowdown(self, w: _Worker) -> float:
+    def _fleet_slowdown(self, w: TrackedWorker) -> float:
         """Median of how much slower than usual the worker's healthy peers answered their latest canaries."""
         recent = time.time() - (3 * self.config.check_interval_s + 1.0)
         ratios = sorted(
@@ -307,7 +286,7 @@ class FleetMonitor:
         """The latency SLO relaxation of the level in force (x2 from level 3 on): canary latency limits stretch by it."""
         return self.level.slo_factor
 
-    async def _engine_sample(self, w: _Worker) -> EngineSample | None:
+    async def _engine_sample(self, w: TrackedWorker) -> EngineSample | None:
         """The worker's engine counters (None: no answer within the probe timeout)."""
         try:
             stats = await w.stub.Stats(worker_pb2.StatsRequest(), timeout=self.config.probe_timeout_s)
@@ -315,16 +294,9 @@ class FleetMonitor:
             return None
         return EngineSample(stats.computed_tokens_total, stats.queue_depth + stats.running_seqs)
 
-    def _next_case(self, w: _Worker) -> common_pb2.CanaryCase | None:
-        calibration = self.calibrations.get(w.registration.model_version)
-        if calibration is None or not calibration.cases:
-            return None
-        w.case_turn += 1
-        return calibration.cases[w.case_turn % len(calibration.cases)]
-
-    async def check(self, w: _Worker, timeout: float | None = None) -> CheckOutcome:
+    async def check(self, w: TrackedWorker, timeout: float | None = None) -> CheckOutcome:
         """One canary with deadline (a routine one by default) and retries of failed connects, judged against the calibration."""
-        case = self._next_case(w)
+        case = self.calibrator.next_case(w)
         max_tokens = len(case.expected_token_ids) if case is not None else self.config.canary_max_tokens
         request = worker_pb2.CanaryRequest(max_tokens=max_tokens)
         if case is not None and not case.prompt_text:
@@ -356,7 +328,7 @@ class FleetMonitor:
         raise AssertionError("unreachable")
 
     # -- liveness -------------------------------------------------------------------
-    async def _liveness_loop(self, w: _Worker) -> None:
+    async def _liveness_loop(self, w: TrackedWorker) -> None:
         stub = health_pb2_grpc.HealthStub(w.channel)
         backoff = Backoff(initial=0.05, cap=2.0)
         while w.tracker.health is not Health.DEAD:
@@ -371,7 +343,7 @@ class FleetMonitor:
                 return
             await asyncio.sleep(backoff.next())
 
-    async def _on_serving_status(self, w: _Worker, status: int) -> None:
+    async def _on_serving_status(self, w: TrackedWorker, status: int) -> None:
         if status == health_pb2.HealthCheckResponse.NOT_SERVING and not w.stopping:
             w.stopping = w.tracker.health in (Health.HEALTHY, Health.SUSPICIOUS)
             if w.stopping:
@@ -380,7 +352,7 @@ class FleetMonitor:
             w.stopping = False
             await self._transition(w, w.tracker.worker_serving())
 
-    async def probe(self, w: _Worker, why: str) -> bool:
+    async def probe(self, w: TrackedWorker, why: str) -> bool:
         """Is the process still there? Marks it DEAD (returns True) when it refuses connections."""
         if w.probing or w.tracker.health is Health.DEAD:
             return w.tracker.health is Health.DEAD
@@ -408,7 +380,7 @@ class FleetMonitor:
             self._group.create_task(self.probe(w, f"router {report.router_id} saw its stream break ({report.code})"))
 
     # -- writing --------------------------------------------------------------------
-    async def _transition(self, w: _Worker, transition: Transition | None) -> None:
+    async def _transition(self, w: TrackedWorker, transition: Transition | None) -> None:
         if transition is None:
             return
         worker_id = w.registration.worker_id
@@ -424,7 +396,7 @@ class FleetMonitor:
         if transition.undrain:
             self._group.create_task(self._release(w))
 
-    async def _write(self, w: _Worker) -> None:
+    async def _write(self, w: TrackedWorker) -> None:
         async with w.write_lock:  # one write at a time per worker, always of the latest state
             record = w.tracker.to_record()
             await self._store(record)
@@ -440,7 +412,7 @@ class FleetMonitor:
         if not await self.election.fenced_put(key, value):
             raise LeadershipLostError(f"another health instance leads (write of {key} refused)")
 
-    async def _quarantine(self, w: _Worker) -> None:
+    async def _quarantine(self, w: TrackedWorker) -> None:
         """Drain an UNHEALTHY worker: its requests finish or are handed back; it stays up for the half-open canary."""
         grace = self.config.drain_grace_s
         try:
@@ -451,77 +423,20 @@ class FleetMonitor:
         if w.tracker.health is Health.UNHEALTHY:
             await self._transition(w, w.tracker.draining())
 
-    async def _release(self, w: _Worker) -> None:
+    async def _release(self, w: TrackedWorker) -> None:
         try:
             await w.stub.Undrain(worker_pb2.UndrainRequest(), timeout=self.config.check_timeout_s)
         except grpc.aio.AioRpcError as error:
             log.warning("undrain of recovered worker %s failed: %s", w.registration.worker_id, error.code().name)
 
-    # -- calibration ----------------------------------------------------------------
-    async def _calibration_loop(self) -> None:
-        while True:
-            await self._calibrate_wake.wait()
-            self._calibrate_wake.clear()
-            versions = {w.registration.model_version for w in self.workers.values()} - set(self.calibrations)
-            failed = False
-            for version in sorted(versions):
-                failed |= not await self.calibrate(version)
-            if failed:
-                await asyncio.sleep(_CALIBRATION_RETRY_S)
-                self._calibrate_wake.set()
+    # -- calibration (health/calibration.py) -------------------------------------------
+    @property
+    def calibrations(self) -> dict[str, common_pb2.CanaryCalibration]:
+        return self.calibrator.calibrations
 
     def recalibrate(self, model_version: str = "") -> None:
         """Forget stored expectations (one version or all) and calibrate again."""
-        for version in [model_version] if model_version else list(self.calibrations):
-            self.calibrations.pop(version, None)
-        self._calibrate_wake.set()
-
-    async def calibrate(self, model_version: str) -> bool:
-        """Compute and store the canary expectations of one model version on workers that pass; False to retry later."""
-        candidates = [
-            w for w in self.workers.values()
-            if w.registration.model_version == model_version and w.tracker.health is Health.HEALTHY and not w.stopping
-        ][: self.config.calibration_workers]
-        if not candidates:
-            return False
-        model = candidates[0].registration.model
-        facts = canary_facts(model)
-        runs = await asyncio.gather(*(self._calibration_runs(w, facts) for w in candidates))
-        result = calibrate(
-            model_version, model, [r for rs in runs for r in rs],
-            prompts_wanted=self.config.canary_prompts, min_margin=self.config.min_margin, facts=facts,
-        )
-        for worker_id, why in result.dissenters.items():
-            w = self.workers.get(worker_id)
-            if w is not None:
-                await self._observe(w, CheckOutcome.failed(FailureReason.TOKEN_MISMATCH, f"at calibration: {why}"))
-        if result.calibration is None:
-            self.metrics.calibrations.labels(outcome="failed").inc()
-            log.warning("canary calibration of %s failed: %s", model_version, result.rejected)
-            return False
-        await self._fenced(canary_key(model_version), encode_json(result.calibration))
-        self.calibrations[model_version] = result.calibration
-        self.metrics.calibrations.labels(outcome="ok").inc()
-        log.info(
-            "calibrated %d canaries for %s on %s", len(result.calibration.cases), model_version, list(result.calibration.calibrated_on)
-        )
-        return True
-
-    async def _calibration_runs(self, w: _Worker, facts: tuple[CanaryFact, ...]) -> list[CanaryRun]:
-        """Each candidate prompt twice: the model's known facts if it has any, else the generic prompts."""
-        asks = [(f.prompt, f.tokens) for f in facts] or [(p, self.config.canary_max_tokens) for p in CANDIDATE_PROMPTS]
-        runs: list[CanaryRun] = []
-        for prompt, max_tokens in asks:
-            for _ in range(2):
-                try:
-                    r = await w.stub.Canary(worker_pb2.CanaryRequest(text=prompt, max_tokens=max_tokens), timeout=self.config.check_timeout_s)
-                except grpc.aio.AioRpcError as error:
-                    log.info("calibration canary on %s failed: %s", w.registration.worker_id, error.code().name)
-                    return runs
-                runs.append(
-                    CanaryRun(w.registration.worker_id, prompt, tuple(r.token_ids), tuple(r.top_logits), tuple(r.top_margins), r.text)
-                )
-        return runs
+        self.calibrator.recalibrate(model_version)
 
     # -- degradation ----------------------------------------------------------------
     @property

@@ -642,12 +642,12 @@ class PlannerProcess:
             log.exception("resigning the leadership failed; the key lapses after its TTL")
 
     async def _lead_forever(self, client: aetcd.Client) -> None:
-        await lead_forever(self.election, f"planner {self.instance_id}", self._leader_value, lambda: self._plan(client))
+        await lead_forever(self.election, f"planner {self.instance_id}", self._leader_value, lambda: self._term(client))
 
     def _leader_value(self) -> bytes:
         return encode_json(common_pb2.PlannerLeader(instance_id=self.instance_id, address=self.address, pid=os.getpid(), elected_at=time.time()))
 
-    async def _plan(self, client: aetcd.Client) -> None:
+    async def _term(self, client: aetcd.Client) -> None:
         """One leadership term: plan until deposed."""
         connector = self._connector(client)
         self.planner = Planner(self.config, client, self.etcd_config, self.election, connector, self.metrics, self.profile)

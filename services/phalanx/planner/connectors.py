@@ -30,8 +30,8 @@ import aetcd
 
 from phalanx._proto import common_pb2
 from phalanx.common.discovery import decode_json, encode_json
+from phalanx.common.leadership import LeaderElection
 from phalanx.common.subjects import PLANNER_ACK_KEY, PLANNER_DECISION_KEY, PLANNER_TARGET_KEY
-from phalanx.health.leader import LeaderElection
 from phalanx.planner.decisions import Decision
 
 __all__ = [

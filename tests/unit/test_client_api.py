@@ -20,6 +20,7 @@ from phalanx.client import (
     Completion,
     DeadlineExceededError,
     FinishReason,
+    GenerateOptions,
     InternalError,
     InvalidArgumentError,
     Media,
@@ -37,6 +38,7 @@ from phalanx.client import (
 )
 from phalanx.client._client import build_request
 from phalanx.client._errors import from_rpc_error
+from phalanx.client._options import GenerateParams
 from phalanx.client._stream import is_retryable
 from phalanx.common import errors as domain
 from phalanx.common.grpc_status import to_status
@@ -53,6 +55,7 @@ def test_public_names_are_pinned():
         "Completion",
         "DeadlineExceededError",
         "FinishReason",
+        "GenerateOptions",
         "GenerateStream",
         "InternalError",
         "InvalidArgumentError",
@@ -208,12 +211,9 @@ def test_retry_policy_rejects_nonsense(kwargs):
         RetryPolicy(**kwargs)
 
 
-def request(prompt="hi", **overrides):
-    args = dict(
-        request_id="r", max_tokens=4, temperature=0.0, top_k=0, top_p=1.0, stop=(), stop_token_ids=(),
-        seed=None, ignore_eos=False, tier=None, tenant=None,
-    )
-    return build_request(prompt, **{**args, **overrides})
+def request(prompt="hi", *, media=(), **overrides):
+    args = dict(max_tokens=4, temperature=0.0, top_k=0, top_p=1.0, stop=(), stop_token_ids=(), seed=None, ignore_eos=False, tier=None, tenant=None)
+    return build_request(prompt, GenerateOptions(**{**args, **overrides}), request_id="r", media=media)
 
 
 def test_requests_carry_text_or_token_prompts_and_sampling():
@@ -247,6 +247,62 @@ def test_malformed_requests_are_refused_before_any_call(prompt, tier, field):
     with pytest.raises(InvalidArgumentError) as caught:
         request(prompt, tier=tier)
     assert [f for f, _ in caught.value.violations] == [field]
+
+
+def test_generate_options_take_every_generate_keyword_and_normalise_stop_and_tier():
+    assert set(GenerateParams.__annotations__) == {f for f in GenerateOptions.__dataclass_fields__}
+    options = GenerateOptions(stop="END", stop_token_ids=[7], tier="premium")
+    assert (options.stop, options.stop_token_ids, options.tier) == (("END",), (7,), Tier.PREMIUM)
+    assert options == GenerateOptions(stop=["END"], stop_token_ids=(7,), tier=Tier.PREMIUM) and hash(options) == hash(options)
+    with pytest.raises(TypeError):
+        GenerateOptions(64)  # keyword-only: a bare number could be any of the fields
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "violation"),
+    [
+        ("max_tokens", 0, "sampling.max_tokens"),
+        ("max_tokens", 2**31, "sampling.max_tokens"),
+        ("temperature", -0.5, "sampling.temperature"),
+        ("temperature", float("nan"), "sampling.temperature"),
+        ("top_k", -1, "sampling.top_k"),
+        ("top_p", 1.5, "sampling.top_p"),
+        ("stop_token_ids", [3, -1], "sampling.stop_token_ids"),
+        ("seed", -1, "sampling.seed"),
+        ("tier", "gold", "tier"),
+    ],
+)
+def test_generate_options_refuse_what_cannot_be_sent_naming_the_routers_field(field, value, violation):
+    with pytest.raises(InvalidArgumentError) as caught:
+        GenerateOptions(**{field: value})
+    assert [f for f, _ in caught.value.violations] == [violation]
+
+
+def test_generate_options_leave_the_deployments_limits_to_the_router():
+    options = GenerateOptions(max_tokens=2**31 - 1, temperature=250.0, top_p=0.0, seed=2**64 - 1, stop_token_ids=[2**31 - 1])
+    sampling = build_request("hi", options, request_id="r").sampling
+    assert (sampling.max_tokens, sampling.temperature, sampling.top_p, sampling.seed) == (2**31 - 1, 250.0, 0.0, 2**64 - 1)
+
+
+async def test_generate_takes_options_and_keyword_arguments_override_them():
+    calls = [ScriptedCall([0], last=0) for _ in range(3)]
+    client = scripted_client(*calls)
+    options = GenerateOptions(max_tokens=9, temperature=0.5, stop="x", tier="premium", tenant="acme")
+    await client.complete("hi", options=options)
+    await client.complete("hi", options=options, max_tokens=3, tier=None)
+    await client.complete("hi", max_tokens=9, temperature=0.5, stop="x", tier="premium", tenant="acme")
+    sent = client._stub.requests
+    assert sent[0].sampling == sent[2].sampling and (sent[0].tier, sent[0].tenant) == (sent[2].tier, sent[2].tenant)
+    assert (sent[1].sampling.max_tokens, sent[1].sampling.temperature, sent[1].tier) == (3, 0.5, router_pb2.TIER_UNSPECIFIED)
+    assert (sent[0].sampling.max_tokens, list(sent[0].sampling.stop_strings), sent[0].tier) == (9, ["x"], router_pb2.TIER_PREMIUM)
+    assert options.max_tokens == 9  # the caller's value is left as it was
+
+
+def test_generate_refuses_unknown_keywords_before_any_call():
+    client = scripted_client()
+    with pytest.raises(TypeError):
+        client.generate("hi", max_token=4)
+    assert client._stub.sent == []
 
 
 def test_channel_config_round_robins_and_retries_only_idempotent_unary_calls():
@@ -298,10 +354,12 @@ class ScriptedStub:
     def __init__(self, *calls):
         self.calls = list(calls)
         self.sent = []
+        self.requests = []
         self.cancels = []
 
     def Generate(self, request, *, timeout, metadata):
         self.sent.append(("Generate", request.request_id, 0, dict(metadata)))
+        self.requests.append(request)
         return self.calls.pop(0)
 
     def Resume(self, request, *, timeout, metadata):

@@ -23,6 +23,7 @@ from phalanx.client._errors import (
     StreamGapError,
     UnavailableError,
 )
+from phalanx.client._options import GenerateOptions
 from phalanx.client._stream import GenerateStream
 from phalanx.client._sync import SyncClient, SyncGenerateStream
 from phalanx.client._types import Chunk, Completion, FinishReason, Media, Tier, WorkerHealth, WorkerInfo
@@ -34,6 +35,7 @@ __all__ = [
     "Completion",
     "DeadlineExceededError",
     "FinishReason",
+    "GenerateOptions",
     "GenerateStream",
     "InternalError",
     "InvalidArgumentError",

@@ -7,7 +7,7 @@ import uuid
 import weakref
 from collections import OrderedDict
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Unpack
 
 import grpc
 
@@ -15,12 +15,12 @@ from phalanx._proto import common_pb2, router_pb2, router_pb2_grpc
 from phalanx.client._channel import call_metadata, open_channel
 from phalanx.client._config import RetryPolicy, TlsConfig
 from phalanx.client._errors import InvalidArgumentError, from_rpc_error
+from phalanx.client._options import GenerateOptions, GenerateParams, with_params
 from phalanx.client._stream import GenerateStream
-from phalanx.client._types import Completion, Media, Tier, WorkerInfo, tier_to_proto
+from phalanx.client._types import Completion, Media, WorkerInfo, tier_to_proto
 
 __all__ = ["Client"]
 
-DEFAULT_MAX_TOKENS = 256
 # A Cancel sent on the caller's way out must never hold the caller up for long.
 CANCEL_TIMEOUT_S = 1.0
 _REMEMBERED_CANCELS = 4096
@@ -74,58 +74,36 @@ class Client:
         self,
         prompt: str | list[int],
         *,
-        max_tokens: int = DEFAULT_MAX_TOKENS,
-        temperature: float = 0.0,
-        top_k: int = 0,
-        top_p: float = 1.0,
-        stop: Sequence[str] = (),
-        stop_token_ids: Sequence[int] = (),
-        seed: int | None = None,
-        ignore_eos: bool = False,
-        tier: Tier | str | None = None,
-        tenant: str | None = None,
+        options: GenerateOptions | None = None,
+        media: Sequence[Media] = (),
         request_id: str | None = None,
         timeout: float | None = None,
-        media: Sequence[Media] = (),
+        **params: Unpack[GenerateParams],
     ) -> GenerateStream:
         """Streams the tokens of a new request, exactly once each, across router failures.
 
         ``prompt`` is text or token ids; ``media`` its images, video or audio, placed at its ``<media>`` markers
-        (media first when it has none). ``request_id`` defaults to a fresh
-        uuid4 hex (it is what makes retries idempotent). ``timeout`` (seconds)
-        bounds the whole stream, retries included.
+        (media first when it has none). ``options`` (a GenerateOptions) says how to generate; its fields may
+        also be given as keyword arguments (``max_tokens=64``), which override those of ``options``.
+        ``request_id`` defaults to a fresh uuid4 hex (it is what makes retries idempotent). ``timeout``
+        (seconds) bounds the whole stream, retries included.
         """
         request_id = request_id or uuid.uuid4().hex
-        request = build_request(
-            prompt, request_id=request_id, max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, stop=stop,
-            stop_token_ids=stop_token_ids, seed=seed, ignore_eos=ignore_eos, tier=tier, tenant=tenant, media=media,
-        )
+        request = build_request(prompt, with_params(options, params), request_id=request_id, media=media)
         return GenerateStream(self, request_id=request_id, request=request, start_index=0, timeout=self._deadline(timeout))
 
     async def complete(
         self,
         prompt: str | list[int],
         *,
-        max_tokens: int = DEFAULT_MAX_TOKENS,
-        temperature: float = 0.0,
-        top_k: int = 0,
-        top_p: float = 1.0,
-        stop: Sequence[str] = (),
-        stop_token_ids: Sequence[int] = (),
-        seed: int | None = None,
-        ignore_eos: bool = False,
-        tier: Tier | str | None = None,
-        tenant: str | None = None,
+        options: GenerateOptions | None = None,
+        media: Sequence[Media] = (),
         request_id: str | None = None,
         timeout: float | None = None,
-        media: Sequence[Media] = (),
+        **params: Unpack[GenerateParams],
     ) -> Completion:
         """Generates to the end and returns the whole text (same arguments as ``generate``)."""
-        stream = self.generate(
-            prompt, max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, stop=stop,
-            stop_token_ids=stop_token_ids, seed=seed, ignore_eos=ignore_eos, tier=tier, tenant=tenant,
-            request_id=request_id, timeout=timeout, media=media,
-        )
+        stream = self.generate(prompt, options=options, media=media, request_id=request_id, timeout=timeout, **params)
         async with stream:
             chunks = [chunk async for chunk in stream]
         return Completion.from_chunks(stream.request_id, chunks, resumes=stream.resumes, finish_reason=stream.finish_reason)
@@ -201,34 +179,17 @@ class Client:
 
 
 def build_request(
-    prompt: str | list[int],
-    *,
-    request_id: str,
-    max_tokens: int,
-    temperature: float,
-    top_k: int,
-    top_p: float,
-    stop: Sequence[str],
-    stop_token_ids: Sequence[int],
-    seed: int | None,
-    ignore_eos: bool,
-    tier: Tier | str | None,
-    tenant: str | None,
-    media: Sequence[Media] = (),
+    prompt: str | list[int], options: GenerateOptions, *, request_id: str, media: Sequence[Media] = ()
 ) -> router_pb2.GenerateRequest:
-    """The GenerateRequest for ``Client.generate``'s arguments (tier and prompt checked here)."""
-    try:
-        tier_value = tier_to_proto(tier)
-    except ValueError:
-        choices = ", ".join(t.value for t in Tier)
-        raise InvalidArgumentError(f"unknown tier {tier!r}", violations=[("tier", f"must be one of {choices}")]) from None
-    if isinstance(stop, str):
-        stop = (stop,)  # a lone string is one stop string, not one per character
+    """The GenerateRequest of ``Client.generate``'s arguments (the prompt checked here, the options when made)."""
     sampling = common_pb2.SamplingParams(
-        temperature=temperature, top_k=top_k, top_p=top_p, max_tokens=max_tokens,
-        stop_token_ids=list(stop_token_ids), stop_strings=list(stop), ignore_eos=ignore_eos, seed=seed,
+        temperature=options.temperature, top_k=options.top_k, top_p=options.top_p, max_tokens=options.max_tokens,
+        stop_token_ids=list(options.stop_token_ids), stop_strings=list(options.stop), ignore_eos=options.ignore_eos,
+        seed=options.seed,
     )
-    request = router_pb2.GenerateRequest(request_id=request_id, sampling=sampling, tier=tier_value, tenant=tenant or "")
+    request = router_pb2.GenerateRequest(
+        request_id=request_id, sampling=sampling, tier=tier_to_proto(options.tier), tenant=options.tenant or ""
+    )
     if isinstance(prompt, str):
         request.text = prompt
     elif isinstance(prompt, list | tuple) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):

@@ -7,12 +7,13 @@ import concurrent.futures
 import contextvars
 import threading
 from collections.abc import Callable, Coroutine, Iterator, Sequence
-from typing import Any, TypeVar
+from typing import Any, TypeVar, Unpack
 
-from phalanx.client._client import DEFAULT_MAX_TOKENS, Client
+from phalanx.client._client import Client
 from phalanx.client._config import RetryPolicy, TlsConfig
+from phalanx.client._options import GenerateOptions, GenerateParams
 from phalanx.client._stream import GenerateStream
-from phalanx.client._types import Chunk, Completion, Media, Tier, WorkerInfo
+from phalanx.client._types import Chunk, Completion, Media, WorkerInfo
 
 __all__ = ["SyncClient", "SyncGenerateStream"]
 
@@ -171,53 +172,29 @@ class SyncClient:
         self,
         prompt: str | list[int],
         *,
-        max_tokens: int = DEFAULT_MAX_TOKENS,
-        temperature: float = 0.0,
-        top_k: int = 0,
-        top_p: float = 1.0,
-        stop: Sequence[str] = (),
-        stop_token_ids: Sequence[int] = (),
-        seed: int | None = None,
-        ignore_eos: bool = False,
-        tier: Tier | str | None = None,
-        tenant: str | None = None,
+        options: GenerateOptions | None = None,
+        media: Sequence[Media] = (),
         request_id: str | None = None,
         timeout: float | None = None,
-        media: Sequence[Media] = (),
+        **params: Unpack[GenerateParams],
     ) -> SyncGenerateStream:
         """Blocking twin of ``Client.generate``."""
-        stream = self._client.generate(
-            prompt, max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, stop=stop,
-            stop_token_ids=stop_token_ids, seed=seed, ignore_eos=ignore_eos, tier=tier, tenant=tenant,
-            request_id=request_id, timeout=timeout, media=media,
-        )
+        stream = self._client.generate(prompt, options=options, media=media, request_id=request_id, timeout=timeout, **params)
         return SyncGenerateStream(self._loop, stream)
 
     def complete(
         self,
         prompt: str | list[int],
         *,
-        max_tokens: int = DEFAULT_MAX_TOKENS,
-        temperature: float = 0.0,
-        top_k: int = 0,
-        top_p: float = 1.0,
-        stop: Sequence[str] = (),
-        stop_token_ids: Sequence[int] = (),
-        seed: int | None = None,
-        ignore_eos: bool = False,
-        tier: Tier | str | None = None,
-        tenant: str | None = None,
+        options: GenerateOptions | None = None,
+        media: Sequence[Media] = (),
         request_id: str | None = None,
         timeout: float | None = None,
-        media: Sequence[Media] = (),
+        **params: Unpack[GenerateParams],
     ) -> Completion:
         """Blocking twin of ``Client.complete``."""
         return self._loop.run(
-            self._client.complete(
-                prompt, max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, stop=stop,
-                stop_token_ids=stop_token_ids, seed=seed, ignore_eos=ignore_eos, tier=tier, tenant=tenant,
-                request_id=request_id, timeout=timeout, media=media,
-            )
+            self._client.complete(prompt, options=options, media=media, request_id=request_id, timeout=timeout, **params)
         )
 
     def resume(self, request_id: str, tokens_received: int, *, timeout: float | None = None) -> SyncGenerateStream:

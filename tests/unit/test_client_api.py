@@ -39,7 +39,7 @@ from phalanx.client import (
 from phalanx.client._client import build_request
 from phalanx.client._errors import from_rpc_error
 from phalanx.client._options import GenerateParams
-from phalanx.client._stream import is_retryable
+from phalanx.client._stream import GenerateStream, is_retryable
 from phalanx.common import errors as domain
 from phalanx.common.grpc_status import to_status
 
@@ -426,3 +426,53 @@ async def test_a_request_this_client_cancelled_is_not_resumed():
     with pytest.raises(RequestCancelledError):
         await anext(stream)
     assert client._stub.cancels == ["r"]  # the caller's own; none added on the way out
+
+
+class RecordingTransport:
+    """A GenerateStream's whole view of its client (StreamTransport), scripted."""
+
+    def __init__(self, *calls, cancelled=()):
+        self.calls = list(calls)
+        self.opened = []
+        self.log = []
+        self.cancelled = set(cancelled)
+
+    def generate(self, request, *, timeout):
+        self.opened.append(("generate", request.request_id, 0))
+        return self.calls.pop(0)
+
+    def resume(self, request_id, tokens_received, *, timeout):
+        self.opened.append(("resume", request_id, tokens_received))
+        return self.calls.pop(0)
+
+    def cancelled_by_caller(self, request_id):
+        return request_id in self.cancelled
+
+    def stream_opened(self, stream):
+        self.log.append(("opened", stream.request_id))
+
+    def stream_closed(self, stream, *, finished):
+        self.log.append(("closed", stream.request_id, finished))
+
+
+FAST = RetryPolicy(initial_backoff_s=0.001, max_backoff_s=0.001)
+
+
+async def test_a_stream_opens_resumes_and_closes_through_its_transport_alone():
+    transport = RecordingTransport(ScriptedCall([0, 1], error=BROKEN), ScriptedCall([2], last=2))
+    stream = GenerateStream(transport, retry=FAST, request_id="r", request=request(), start_index=0, timeout=None)
+    assert [chunk.index async for chunk in stream] == [0, 1, 2]
+    assert transport.opened == [("generate", "r", 0), ("resume", "r", 2)]
+    assert transport.log == [("opened", "r"), ("closed", "r", True)]
+
+
+async def test_a_stream_left_unfinished_or_cancelled_by_its_caller_tells_its_transport():
+    transport = RecordingTransport(ScriptedCall([5, 6, 7], last=7))
+    stream = GenerateStream(transport, retry=FAST, request_id="r", request=None, start_index=5, timeout=None)
+    assert (await anext(stream)).index == 5
+    await stream.aclose()
+    assert transport.opened == [("resume", "r", 5)] and transport.log == [("opened", "r"), ("closed", "r", False)]
+    cancelled = RecordingTransport(ScriptedCall([0], error=rpc_error(C.CANCELLED, "cancelled")), cancelled={"r"})
+    with pytest.raises(RequestCancelledError):
+        [chunk async for chunk in GenerateStream(cancelled, retry=FAST, request_id="r", request=request(), start_index=0, timeout=None)]
+    assert cancelled.opened == [("generate", "r", 0)]  # not resumed

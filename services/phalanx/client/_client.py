@@ -2,28 +2,22 @@
 
 from __future__ import annotations
 
-import asyncio
 import uuid
-import weakref
-from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any, Unpack
 
 import grpc
 
 from phalanx._proto import common_pb2, router_pb2, router_pb2_grpc
-from phalanx.client._channel import call_metadata, open_channel
+from phalanx.client._channel import open_channel
 from phalanx.client._config import RetryPolicy, TlsConfig
-from phalanx.client._errors import InvalidArgumentError, from_rpc_error
+from phalanx.client._errors import InvalidArgumentError
 from phalanx.client._options import GenerateOptions, GenerateParams, with_params
 from phalanx.client._stream import GenerateStream
+from phalanx.client._transport import Transport
 from phalanx.client._types import Completion, Media, WorkerInfo, tier_to_proto
 
 __all__ = ["Client"]
-
-# A Cancel sent on the caller's way out must never hold the caller up for long.
-CANCEL_TIMEOUT_S = 1.0
-_REMEMBERED_CANCELS = 4096
 
 
 class Client:
@@ -39,13 +33,9 @@ class Client:
         # Use Client.connect; this is for the SDK (and tests that bring their own stub).
         self._channel = channel
         self._stub = stub
-        self._api_key = api_key
         self._timeout = timeout
         self._retry = retry
-        self._background: set[asyncio.Task] = set()
-        self._cancelled: OrderedDict[str, None] = OrderedDict()
-        # Streams started and not yet ended, including those dropped but not yet finalized.
-        self._open_streams: weakref.WeakSet = weakref.WeakSet()
+        self._transport = Transport(stub, api_key=api_key)
         self._closed = False
 
     @classmethod
@@ -90,7 +80,7 @@ class Client:
         """
         request_id = request_id or uuid.uuid4().hex
         request = build_request(prompt, with_params(options, params), request_id=request_id, media=media)
-        return GenerateStream(self, request_id=request_id, request=request, start_index=0, timeout=self._deadline(timeout))
+        return self._stream(request_id, request, 0, timeout)
 
     async def complete(
         self,
@@ -112,31 +102,25 @@ class Client:
         """Continues a request from index ``tokens_received`` (e.g. in another process)."""
         if tokens_received < 0:
             raise InvalidArgumentError("must not be negative", violations=[("tokens_received", "must not be negative")])
-        return GenerateStream(self, request_id=request_id, request=None, start_index=tokens_received, timeout=self._deadline(timeout))
+        return self._stream(request_id, None, tokens_received, timeout)
 
     async def cancel(self, request_id: str, *, timeout: float | None = None) -> bool:
         """Stops a request server-side; False when no router knew it any more."""
-        self._cancelled[request_id] = None
-        while len(self._cancelled) > _REMEMBERED_CANCELS:
-            self._cancelled.popitem(last=False)
-        response = await self._unary(self._stub.Cancel, router_pb2.CancelRequest(request_id=request_id), timeout, request_id)
+        self._transport.note_cancelled(request_id)
+        response = await self._unary("Cancel", router_pb2.CancelRequest(request_id=request_id), timeout, request_id)
         return response.cancelled
 
     async def list_workers(self, *, timeout: float | None = None) -> list[WorkerInfo]:
         """The workers the router routes to, with their health and load."""
-        response = await self._unary(self._stub.ListWorkers, router_pb2.ListWorkersRequest(), timeout, None)
+        response = await self._unary("ListWorkers", router_pb2.ListWorkersRequest(), timeout, None)
         return [WorkerInfo.from_proto(worker) for worker in response.workers]
 
     async def close(self) -> None:
         """Cancels unfinished streams server-side (best-effort, bounded), then closes the channel. Idempotent."""
         if self._closed:
             return
-        # A stream left by `break` just before close is only finalized later: cancel it now.
-        for state in list(self._open_streams):
-            self._cancel_soon(state.request_id)
         self._closed = True
-        if self._background:
-            await asyncio.wait(set(self._background), timeout=CANCEL_TIMEOUT_S)
+        await self._transport.close()
         if self._channel is not None:
             await self._channel.close()
 
@@ -149,33 +133,14 @@ class Client:
     def _deadline(self, timeout: float | None) -> float | None:
         return self._timeout if timeout is None else timeout
 
-    def _metadata(self) -> tuple[tuple[str, str], ...]:
-        return call_metadata(self._api_key)
+    def _stream(self, request_id: str, request: router_pb2.GenerateRequest | None, start_index: int, timeout: float | None) -> GenerateStream:
+        return GenerateStream(
+            self._transport, retry=self._retry, request_id=request_id, request=request, start_index=start_index,
+            timeout=self._deadline(timeout),
+        )
 
-    async def _unary(self, method, request, timeout: float | None, request_id: str | None):
-        try:
-            return await method(request, timeout=self._deadline(timeout), metadata=self._metadata())
-        except grpc.aio.AioRpcError as error:
-            raise from_rpc_error(error, request_id=request_id) from error
-
-    def _cancelled_by_caller(self, request_id: str) -> bool:
-        return request_id in self._cancelled
-
-    def _cancel_soon(self, request_id: str) -> asyncio.Task | None:
-        """Sends Cancel in the background: the caller leaving must not wait on the router."""
-        if self._closed or request_id in self._cancelled:
-            return None
-        task = asyncio.get_running_loop().create_task(self._cancel_quietly(request_id))
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
-        return task
-
-    async def _cancel_quietly(self, request_id: str) -> None:
-        request = router_pb2.CancelRequest(request_id=request_id)
-        try:
-            await self._stub.Cancel(request, timeout=CANCEL_TIMEOUT_S, metadata=self._metadata())
-        except Exception:  # noqa: BLE001 - best effort: the router may be gone, which is why we are leaving
-            pass
+    async def _unary(self, method: str, request, timeout: float | None, request_id: str | None):
+        return await self._transport.unary(method, request, timeout=self._deadline(timeout), request_id=request_id)
 
 
 def build_request(

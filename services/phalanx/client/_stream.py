@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import grpc
 
@@ -22,10 +22,7 @@ from phalanx.client._errors import (
 )
 from phalanx.client._types import FINISH_FROM_PROTO, Chunk, FinishReason
 
-if TYPE_CHECKING:
-    from phalanx.client._client import Client
-
-__all__ = ["GenerateStream", "is_retryable"]
+__all__ = ["GenerateStream", "StreamTransport", "is_retryable"]
 
 _CODE = grpc.StatusCode
 # Substrings of the messages gRPC gives a call whose transport broke under it.
@@ -46,6 +43,25 @@ def is_retryable(error: grpc.RpcError, policy: RetryPolicy, *, before_first_toke
         details = (error.details() or "").lower()
         return rich_status(error) is None and any(marker in details for marker in _TRANSPORT_MARKERS)
     return False
+
+
+class StreamTransport(Protocol):
+    """What a GenerateStream needs of its client: open a call, resume at (request_id, tokens_received), and cancel.
+
+    ``stream_opened``/``stream_closed`` bracket the stream's life (so that closing the client cancels
+    the streams still open, and one left unfinished is cancelled); a request the caller cancelled
+    itself is not resumed. The client's ``Transport`` is the one in use.
+    """
+
+    def generate(self, request: router_pb2.GenerateRequest, *, timeout: float | None) -> Any: ...
+
+    def resume(self, request_id: str, tokens_received: int, *, timeout: float | None) -> Any: ...
+
+    def cancelled_by_caller(self, request_id: str) -> bool: ...
+
+    def stream_opened(self, stream: Any) -> None: ...
+
+    def stream_closed(self, stream: Any, *, finished: bool) -> asyncio.Task | None: ...
 
 
 class _State:
@@ -74,10 +90,18 @@ class GenerateStream(AsyncIterator[Chunk]):
     """
 
     def __init__(
-        self, client: Client, *, request_id: str, request: router_pb2.GenerateRequest | None, start_index: int, timeout: float | None
+        self,
+        transport: StreamTransport,
+        *,
+        retry: RetryPolicy,
+        request_id: str,
+        request: router_pb2.GenerateRequest | None,
+        start_index: int,
+        timeout: float | None,
     ) -> None:
+        # Made by Client.generate (request set) and Client.resume (request None).
         self._state = _State(request_id, start_index)
-        self._gen = _iterate(client, self._state, request, timeout)
+        self._gen = _iterate(transport, retry, self._state, request, timeout)
 
     @property
     def request_id(self) -> str:
@@ -118,13 +142,15 @@ class GenerateStream(AsyncIterator[Chunk]):
         await self.aclose()
 
 
-async def _iterate(client: Client, state: _State, request: router_pb2.GenerateRequest | None, timeout: float | None):
+async def _iterate(
+    transport: StreamTransport, retry: RetryPolicy, state: _State, request: router_pb2.GenerateRequest | None, timeout: float | None
+):
     deadline = None if timeout is None else time.monotonic() + timeout
     finished = refused = False
-    client._open_streams.add(state)
+    transport.stream_opened(state)
     try:
         while True:
-            call = _open(client, state, request, deadline)
+            call = _open(transport, state, request, deadline)
             failure: grpc.aio.AioRpcError | None = None
             try:
                 async for response in call:
@@ -147,28 +173,23 @@ async def _iterate(client: Client, state: _State, request: router_pb2.GenerateRe
                 failure = error
             finally:
                 call.cancel()
-            await _backoff_or_raise(client, state, failure, deadline)
+            await _backoff_or_raise(transport, retry, state, failure, deadline)
     except PhalanxClientError as error:
         refused = error.code in _REFUSED or (error.code is _CODE.RESOURCE_EXHAUSTED and state.next_index == 0)
         raise
     finally:
-        client._open_streams.discard(state)
-        if not finished and not refused:
-            state.cancel_task = client._cancel_soon(state.request_id)
+        state.cancel_task = transport.stream_closed(state, finished=finished or refused)
 
 
-def _open(client: Client, state: _State, request: router_pb2.GenerateRequest | None, deadline: float | None):
+def _open(transport: StreamTransport, state: _State, request: router_pb2.GenerateRequest | None, deadline: float | None):
     timeout = None
     if deadline is not None:
         timeout = deadline - time.monotonic()
         if timeout <= 0:
             raise DeadlineExceededError("the call's timeout ran out", code=_CODE.DEADLINE_EXCEEDED, request_id=state.request_id)
-    metadata = client._metadata()
     if request is not None and state.next_index == 0:
-        # The same request_id again: the router streams a request it knows from index 0.
-        return client._stub.Generate(request, timeout=timeout, metadata=metadata)
-    resume = router_pb2.ResumeRequest(request_id=state.request_id, tokens_received=state.next_index)
-    return client._stub.Resume(resume, timeout=timeout, metadata=metadata)
+        return transport.generate(request, timeout=timeout)
+    return transport.resume(state.request_id, state.next_index, timeout=timeout)
 
 
 def _accept(state: _State, response) -> Chunk | None:
@@ -182,14 +203,15 @@ def _accept(state: _State, response) -> Chunk | None:
     return Chunk.from_proto(response, request_id=state.request_id, worker_id=state.worker_id)
 
 
-async def _backoff_or_raise(client: Client, state: _State, failure: grpc.aio.AioRpcError | None, deadline: float | None) -> None:
-    policy = client._retry
+async def _backoff_or_raise(
+    transport: StreamTransport, policy: RetryPolicy, state: _State, failure: grpc.aio.AioRpcError | None, deadline: float | None
+) -> None:
     if failure is None:
         error: PhalanxClientError = UnavailableError(
             "the stream ended before its final token", code=_CODE.UNAVAILABLE, request_id=state.request_id
         )
         retry = True
-    elif client._cancelled_by_caller(state.request_id):
+    elif transport.cancelled_by_caller(state.request_id):
         error, retry = RequestCancelledError("cancelled by this client", code=_CODE.CANCELLED, request_id=state.request_id), False
     else:
         error = from_rpc_error(failure, request_id=state.request_id)

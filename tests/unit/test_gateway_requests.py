@@ -8,12 +8,20 @@ import json
 import grpc
 import pytest
 
-from phalanx.client import AuthenticationError as ClientAuthenticationError, FinishReason, InvalidArgumentError, OverloadedError, UnavailableError
-from phalanx.gateway.auth import KeyRing
+from phalanx.client import (
+    AuthenticationError as ClientAuthenticationError,
+    FinishReason,
+    GenerateOptions,
+    InvalidArgumentError,
+    OverloadedError,
+    UnavailableError,
+)
+from phalanx.gateway.auth import Caller, KeyRing
 from phalanx.gateway.config import GatewayConfig
 from phalanx.gateway.errors import GatewayError, from_client_error
 from phalanx.gateway.responses import CHAT, COMPLETIONS, finish_reason
 from phalanx.gateway.schema import MEDIA_MARKER, ChatCompletionRequest, CompletionRequest, chat_text, parse_body
+from phalanx.gateway.server import GatewayServer
 from phalanx.model.chat import ChatPrompts
 from phalanx.router.admission import Tier
 from phalanx.router.config import TenantPolicy
@@ -40,16 +48,16 @@ def refused(model, body: bytes, **kwargs) -> GatewayError:
 def test_a_completion_maps_onto_the_sdk_call_with_openai_defaults():
     args = parse_body(CompletionRequest, completion()).generate_args()
     # OpenAI: 16 tokens and temperature 1 unless the request says otherwise.
-    assert args.kwargs() == {
-        "max_tokens": 16, "temperature": 1.0, "top_p": 1.0, "top_k": 0, "stop": (), "seed": None, "ignore_eos": False, "media": (),
-    }
+    assert args.options == GenerateOptions(max_tokens=16, temperature=1.0, top_p=1.0, top_k=0, stop=(), seed=None, ignore_eos=False)
+    assert args.media == ()
     assert args.prompt == "Hello"
 
 
 def test_sampling_parameters_pass_through():
     args = parse_body(CompletionRequest, completion(max_tokens=7, temperature=0, top_p=0.5, seed=3, stop="\n", top_k=4)).generate_args()
-    assert (args.max_tokens, args.temperature, args.top_p, args.seed, args.stop, args.top_k) == (7, 0.0, 0.5, 3, ("\n",), 4)
-    assert parse_body(CompletionRequest, completion(stop=["a", "b"])).generate_args().stop == ("a", "b")
+    options = args.options
+    assert (options.max_tokens, options.temperature, options.top_p, options.seed, options.stop, options.top_k) == (7, 0.0, 0.5, 3, ("\n",), 4)
+    assert parse_body(CompletionRequest, completion(stop=["a", "b"])).generate_args().options.stop == ("a", "b")
 
 
 @pytest.mark.parametrize(
@@ -67,9 +75,9 @@ def test_several_prompts_are_refused_naming_prompt():
 
 
 def test_chat_takes_max_completion_tokens_and_a_configured_default():
-    assert parse_body(ChatCompletionRequest, chat(max_completion_tokens=5)).generate_args("p", default_max_tokens=99).max_tokens == 5
-    assert parse_body(ChatCompletionRequest, chat(max_tokens=6)).generate_args("p", default_max_tokens=99).max_tokens == 6
-    assert parse_body(ChatCompletionRequest, chat()).generate_args("p", default_max_tokens=99).max_tokens == 99
+    assert parse_body(ChatCompletionRequest, chat(max_completion_tokens=5)).generate_args("p", default_max_tokens=99).options.max_tokens == 5
+    assert parse_body(ChatCompletionRequest, chat(max_tokens=6)).generate_args("p", default_max_tokens=99).options.max_tokens == 6
+    assert parse_body(ChatCompletionRequest, chat()).generate_args("p", default_max_tokens=99).options.max_tokens == 99
 
 
 def test_chat_text_parts_are_joined_and_other_parts_refused():
@@ -94,7 +102,17 @@ def test_chat_image_and_audio_parts_become_media_at_their_place():
     assert parsed.template_messages() == [{"role": "user", "content": f"Compare {MEDIA_MARKER} with {MEDIA_MARKER}"}]
     args = parsed.generate_args("rendered", default_max_tokens=8)
     assert [(m.kind, m.data) for m in args.media] == [("image", png), ("audio", wav)]
-    assert args.kwargs()["media"] == args.media
+    client = RecordingClient()
+    GatewayServer(GatewayConfig(), clients=None, metrics=None)._open(client, Caller("acme", None, None), args, "r-1")
+    assert client.calls == [("rendered", {"options": args.options, "media": args.media, "tier": None, "tenant": "acme", "request_id": "r-1"})]
+
+
+class RecordingClient:
+    def __init__(self):
+        self.calls = []
+
+    def generate(self, prompt, **kwargs):
+        self.calls.append((prompt, kwargs))
 
 
 @pytest.mark.parametrize(

@@ -17,9 +17,9 @@ from typing import Any, cast
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from phalanx.client import Media
+from phalanx.client import GenerateOptions, InvalidArgumentError, Media
 from phalanx.common.errors import InvalidRequestError
-from phalanx.gateway.errors import GatewayError, bad_request
+from phalanx.gateway.errors import GatewayError, bad_request, from_client_error
 from phalanx.model.chat import ChatPrompts
 from phalanx.model.params import MAX_STOP_STRINGS
 
@@ -99,18 +99,20 @@ class _Common(BaseModel):
         return (self.metadata or {}).get("tier")
 
     def _args(self, prompt: str | list[int], max_tokens: int, media: tuple[Media, ...] = ()) -> GenerateArgs:
-        return GenerateArgs(
-            prompt=prompt,
-            max_tokens=max_tokens,
-            # OpenAI samples at temperature 1 unless told otherwise; 0 is greedy.
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=self.top_k or 0,
-            stop=self.stop_strings(),
-            seed=self.seed,
-            ignore_eos=self.ignore_eos,
-            media=media,
-        )
+        try:
+            options = GenerateOptions(
+                max_tokens=max_tokens,
+                # OpenAI samples at temperature 1 unless told otherwise; 0 is greedy.
+                temperature=1.0 if self.temperature is None else self.temperature,
+                top_p=1.0 if self.top_p is None else self.top_p,
+                top_k=self.top_k or 0,
+                stop=self.stop_strings(),
+                seed=self.seed,
+                ignore_eos=self.ignore_eos,
+            )
+        except InvalidArgumentError as error:  # the fields' bounds above are within the SDK's, so this is a safety net
+            raise from_client_error(error) from None
+        return GenerateArgs(prompt=prompt, options=options, media=media)
 
 
 class CompletionRequest(_Common):
@@ -253,23 +255,12 @@ def _base64(data: str, field: str) -> bytes:
 
 @dataclass(frozen=True)
 class GenerateArgs:
-    """Keyword arguments of ``phalanx.client.Client.generate`` (tier and tenant come from the caller)."""
+    """The arguments of ``phalanx.client.Client.generate``: the prompt, its media and how to generate
+    (the tier and tenant come from the caller, not the body)."""
 
     prompt: str | list[int]
-    max_tokens: int
-    temperature: float
-    top_p: float
-    top_k: int
-    stop: tuple[str, ...]
-    seed: int | None
-    ignore_eos: bool
+    options: GenerateOptions
     media: tuple[Media, ...] = ()
-
-    def kwargs(self) -> dict[str, Any]:
-        return {
-            "max_tokens": self.max_tokens, "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
-            "stop": self.stop, "seed": self.seed, "ignore_eos": self.ignore_eos, "media": self.media,
-        }
 
 
 def parse_body(model: type[CompletionRequest] | type[ChatCompletionRequest], body: bytes) -> Any:

@@ -216,7 +216,7 @@ class GatewayServer:
         request_id = uuid.uuid4().hex
         span.set_attributes({
             "phalanx.request_id": request_id, "phalanx.tenant": caller.tenant or "", "phalanx.tier": caller.tier.label if caller.tier else "",
-            "gen_ai.request.model": model, "gen_ai.request.max_tokens": args.max_tokens,
+            "gen_ai.request.model": model, "gen_ai.request.max_tokens": args.options.max_tokens,
         })
         stream = self._open(client, caller, args, request_id)
         call = _Call(self, dialect, stream, model=model, request_id=request_id, prompt_param="messages" if dialect.chat else "prompt",
@@ -228,7 +228,9 @@ class GatewayServer:
     def _open(self, client: Client, caller: Caller, args: GenerateArgs, request_id: str) -> GenerateStream:
         try:
             tier = caller.tier.label if caller.tier is not None else None
-            return client.generate(args.prompt, **args.kwargs(), tier=tier, tenant=caller.tenant, request_id=request_id)
+            return client.generate(
+                args.prompt, options=args.options, media=args.media, tier=tier, tenant=caller.tenant, request_id=request_id
+            )
         except PhalanxClientError as error:  # the SDK checks a few arguments itself
             raise from_client_error(error) from None
         except ValueError as error:  # a number the router's protobuf cannot hold (the schema bounds those it knows of)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import logging
 import os
 import time
 from pathlib import Path
@@ -14,6 +13,18 @@ import typer
 from phalanx.cli.certs import certs_app
 from phalanx.cli.chaos import chaos_app
 from phalanx.cli.planner import planner_app
+from phalanx.cli.shared import (
+    ApiKey,
+    AsJson,
+    ClientStateFile,
+    EtcdEndpoint,
+    LogLevel,
+    NatsUrl,
+    StateFile,
+    Target,
+    given,
+    setup_logging,
+)
 from phalanx.model.config import DEFAULT_MODEL
 
 app = typer.Typer(help="Phalanx: LLM inference that keeps serving through failures.", no_args_is_help=True)
@@ -42,8 +53,8 @@ def worker(
     role: str = typer.Option(
         None, help="monolithic (default) or attention: MoE experts on expert workers through the ERT (docs/moe.md) [env PHALANX_ENGINE_ROLE]"
     ),
-    nats_url: str = typer.Option(None, help="NATS URL [env PHALANX_NATS_URL]"),
-    etcd_endpoint: str = typer.Option(None, help="etcd host:port, or a cluster's members as host:port,host:port,... [env PHALANX_ETCD_ENDPOINT]"),
+    nats_url: NatsUrl = None,
+    etcd_endpoint: EtcdEndpoint = None,
     chaos_token: str = typer.Option(
         None, help="Admin token of fault injection, which PHALANX_WORKER_CHAOS_ENABLED=true turns on [env PHALANX_WORKER_CHAOS_TOKEN]"
     ),
@@ -56,14 +67,14 @@ def worker(
     memory_socket: str = typer.Option(None, help="The slot's memory service socket [env PHALANX_WORKER_MEMORY_SOCKET]"),
     failover_slot: str = typer.Option(None, help="The slot's id (default: <hostname>:<lock path>) [env PHALANX_WORKER_FAILOVER_SLOT]"),
     metrics_port: int = typer.Option(None, help="/metrics (and a failover engine's probes) port, 0 for any [env PHALANX_WORKER_METRICS_PORT]"),
-    log_level: str = typer.Option("INFO"),
+    log_level: LogLevel = "INFO",
 ) -> None:
     """Run one engine worker: gRPC WorkerService, etcd lease, NATS load and KV events."""
     from phalanx.common.config import EtcdConfig, NatsConfig, TelemetryConfig
     from phalanx.worker.config import EngineConfig, WorkerConfig
 
     engine_config = EngineConfig(
-        **_given(
+        **given(
             model=model, engine=engine, profile=profile, deterministic=deterministic, tensor_parallel_size=tensor_parallel_size, role=role
         )
     )
@@ -72,15 +83,15 @@ def worker(
         os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
     from phalanx.worker.process import WorkerProcess
 
-    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging(log_level)
     process = WorkerProcess(
-        WorkerConfig(**_given(
+        WorkerConfig(**given(
             worker_id=worker_id, host=host, port=port, chaos_token=chaos_token, failover_role=failover_role, engine_id=engine_id,
             failover_lock=failover_lock, memory_socket=memory_socket, failover_slot=failover_slot, metrics_port=metrics_port,
         )),
         engine_config,
-        NatsConfig(**_given(url=nats_url)),
-        EtcdConfig(**_given(endpoint=etcd_endpoint)),
+        NatsConfig(**given(url=nats_url)),
+        EtcdConfig(**given(endpoint=etcd_endpoint)),
         TelemetryConfig(),
     )
     _run_until_signalled(process)
@@ -102,22 +113,22 @@ def expert_worker(
     ),
     device: str = typer.Option(None, help="torch device of the experts: cpu, cuda, cuda:1 … [env PHALANX_EXPERT_DEVICE]"),
     dtype: str = typer.Option(None, help="auto, float32, bfloat16 or float16: the attention workers' [env PHALANX_EXPERT_DTYPE]"),
-    etcd_endpoint: str = typer.Option(None, help="etcd host:port, or a cluster's members as host:port,host:port,... [env PHALANX_ETCD_ENDPOINT]"),
-    log_level: str = typer.Option("INFO"),
+    etcd_endpoint: EtcdEndpoint = None,
+    log_level: LogLevel = "INFO",
 ) -> None:
     """Run an expert worker: hosts a slot of the MoE experts and computes them for attention workers (docs/moe.md)."""
     from phalanx.common.config import EtcdConfig, TelemetryConfig
     from phalanx.expert_worker.config import ExpertWorkerConfig
     from phalanx.expert_worker.process import ExpertWorkerProcess
 
-    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging(log_level)
     config = ExpertWorkerConfig(
-        **_given(
+        **given(
             worker_id=worker_id, host=host, port=port, model=model, index=index, num_expert_workers=num_expert_workers, copies=copies,
             replicas=replicas, device=device, dtype=dtype,
         )
     )
-    _run_until_signalled(ExpertWorkerProcess(config, EtcdConfig(**_given(endpoint=etcd_endpoint)), TelemetryConfig()))
+    _run_until_signalled(ExpertWorkerProcess(config, EtcdConfig(**given(endpoint=etcd_endpoint)), TelemetryConfig()))
 
 
 @app.command("ert-manager")
@@ -125,17 +136,17 @@ def ert_manager(
     instance_id: str = typer.Option("", help="Unique id (default: ert-<hostname>-<pid>)"),
     port: int = typer.Option(None, help="gRPC port (health), 0 for any [env PHALANX_ERT_PORT]"),
     model: str = typer.Option(None, help="The MoE model the table places [env PHALANX_ERT_MODEL]"),
-    etcd_endpoint: str = typer.Option(None, help="etcd host:port, or a cluster's members as host:port,host:port,... [env PHALANX_ETCD_ENDPOINT]"),
-    log_level: str = typer.Option("INFO"),
+    etcd_endpoint: EtcdEndpoint = None,
+    log_level: LogLevel = "INFO",
 ) -> None:
     """Run an ERT manager: the elected one keeps the expert routing table in etcd in step with the expert workers."""
     from phalanx.common.config import EtcdConfig, TelemetryConfig
     from phalanx.ert_manager.config import ErtManagerConfig
     from phalanx.ert_manager.process import ErtManagerProcess
 
-    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    config = ErtManagerConfig(**_given(instance_id=instance_id, port=port, model=model))
-    _run_until_signalled(ErtManagerProcess(config, EtcdConfig(**_given(endpoint=etcd_endpoint)), TelemetryConfig()))
+    setup_logging(log_level)
+    config = ErtManagerConfig(**given(instance_id=instance_id, port=port, model=model))
+    _run_until_signalled(ErtManagerProcess(config, EtcdConfig(**given(endpoint=etcd_endpoint)), TelemetryConfig()))
 
 
 @app.command("profile")
@@ -169,20 +180,20 @@ def router(
     host: str = typer.Option(None, help="Bind address [env PHALANX_ROUTER_HOST]"),
     port: int = typer.Option(None, help="gRPC port, 0 for any [env PHALANX_ROUTER_PORT]"),
     model: str = typer.Option(None, help=".gguf file or checkpoint directory for the tokenizer (default: the workers' built-in model)"),
-    nats_url: str = typer.Option(None, help="NATS URL [env PHALANX_NATS_URL]"),
-    etcd_endpoint: str = typer.Option(None, help="etcd host:port, or a cluster's members as host:port,host:port,... [env PHALANX_ETCD_ENDPOINT]"),
-    log_level: str = typer.Option("INFO"),
+    nats_url: NatsUrl = None,
+    etcd_endpoint: EtcdEndpoint = None,
+    log_level: LogLevel = "INFO",
 ) -> None:
     """Run a router: the public RouterService with KV-aware routing and resumable streams."""
     from phalanx.common.config import EtcdConfig, NatsConfig, TelemetryConfig
     from phalanx.router.config import RouterConfig
     from phalanx.router.process import RouterProcess
 
-    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging(log_level)
     process = RouterProcess(
-        RouterConfig(**_given(router_id=router_id, host=host, port=port, model=model)),
-        NatsConfig(**_given(url=nats_url)),
-        EtcdConfig(**_given(endpoint=etcd_endpoint)),
+        RouterConfig(**given(router_id=router_id, host=host, port=port, model=model)),
+        NatsConfig(**given(url=nats_url)),
+        EtcdConfig(**given(endpoint=etcd_endpoint)),
         TelemetryConfig(),
     )
     _run_until_signalled(process)
@@ -194,21 +205,21 @@ def health_service(
     host: str = typer.Option(None, help="Bind address [env PHALANX_HEALTH_HOST]"),
     port: int = typer.Option(None, help="gRPC port, 0 for any [env PHALANX_HEALTH_PORT]"),
     check_interval_s: float = typer.Option(None, help="Canary period per worker [env PHALANX_HEALTH_CHECK_INTERVAL_S]"),
-    nats_url: str = typer.Option(None, help="NATS URL [env PHALANX_NATS_URL]"),
-    etcd_endpoint: str = typer.Option(None, help="etcd host:port, or a cluster's members as host:port,host:port,... [env PHALANX_ETCD_ENDPOINT]"),
-    log_level: str = typer.Option("INFO"),
+    nats_url: NatsUrl = None,
+    etcd_endpoint: EtcdEndpoint = None,
+    log_level: LogLevel = "INFO",
 ) -> None:
     """Run a health service instance: canaries, circuit breakers, liveness, degradation (one leads, others stand by)."""
     from phalanx.common.config import EtcdConfig, NatsConfig, TelemetryConfig
     from phalanx.health.config import DegradationConfig, HealthConfig
     from phalanx.health.process import HealthProcess
 
-    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging(log_level)
     process = HealthProcess(
-        HealthConfig(**_given(instance_id=instance_id, host=host, port=port, check_interval_s=check_interval_s)),
+        HealthConfig(**given(instance_id=instance_id, host=host, port=port, check_interval_s=check_interval_s)),
         DegradationConfig(),
-        NatsConfig(**_given(url=nats_url)),
-        EtcdConfig(**_given(endpoint=etcd_endpoint)),
+        NatsConfig(**given(url=nats_url)),
+        EtcdConfig(**given(endpoint=etcd_endpoint)),
         TelemetryConfig(),
     )
     _run_until_signalled(process)
@@ -221,19 +232,19 @@ def checkpoint_store(
     port: int = typer.Option(None, help="gRPC port, 0 for any [env PHALANX_CHECKPOINT_PORT]"),
     memory_limit_bytes: int = typer.Option(None, help="KV kept in memory before spilling [env PHALANX_CHECKPOINT_MEMORY_LIMIT_BYTES]"),
     spill_dir: str = typer.Option(None, help="Where spilled KV goes [env PHALANX_CHECKPOINT_SPILL_DIR]"),
-    etcd_endpoint: str = typer.Option(None, help="etcd host:port, or a cluster's members as host:port,host:port,... [env PHALANX_ETCD_ENDPOINT]"),
-    log_level: str = typer.Option("INFO"),
+    etcd_endpoint: EtcdEndpoint = None,
+    log_level: LogLevel = "INFO",
 ) -> None:
     """Run a KV checkpoint store: workers stream in-flight requests' KV to it; it restores them into other workers."""
     from phalanx.checkpoint_store.config import CheckpointStoreConfig
     from phalanx.checkpoint_store.process import CheckpointStoreProcess
     from phalanx.common.config import EtcdConfig, TelemetryConfig
 
-    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging(log_level)
     config = CheckpointStoreConfig(
-        **_given(store_id=store_id, host=host, port=port, memory_limit_bytes=memory_limit_bytes, spill_dir=spill_dir)
+        **given(store_id=store_id, host=host, port=port, memory_limit_bytes=memory_limit_bytes, spill_dir=spill_dir)
     )
-    process = CheckpointStoreProcess(config, EtcdConfig(**_given(endpoint=etcd_endpoint)), TelemetryConfig())
+    process = CheckpointStoreProcess(config, EtcdConfig(**given(endpoint=etcd_endpoint)), TelemetryConfig())
     _run_until_signalled(process)
 
 
@@ -250,21 +261,21 @@ def encoder_pool(
     max_batch: int = typer.Option(None, help="Units per batch [env PHALANX_ENCODER_MAX_BATCH]"),
     max_backlog_ms: float = typer.Option(None, help="Backlog past which requests are refused [env PHALANX_ENCODER_MAX_BACKLOG_MS]"),
     device: str = typer.Option(None, help="torch device of the encoders: cpu, cuda, cuda:1 … [env PHALANX_ENCODER_DEVICE]"),
-    etcd_endpoint: str = typer.Option(None, help="etcd host:port, or a cluster's members as host:port,host:port,... [env PHALANX_ETCD_ENDPOINT]"),
-    log_level: str = typer.Option("INFO"),
+    etcd_endpoint: EtcdEndpoint = None,
+    log_level: LogLevel = "INFO",
 ) -> None:
     """Run a multimodal encoder: images, video frames and audio into embeddings of the LLM's hidden size, batched per modality."""
     from phalanx.common.config import EtcdConfig, TelemetryConfig
     from phalanx.encoder_pool.config import EncoderPoolConfig
     from phalanx.encoder_pool.process import EncoderPoolProcess
 
-    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging(log_level)
     # An empty encoder name is meaningful (no such modality), so those two are passed through when given at all.
-    given = _given(encoder_id=encoder_id, host=host, port=port, llm_hidden_size=llm_hidden_size, max_batch=max_batch,
-                   max_backlog_ms=max_backlog_ms, device=device)
-    given.update({k: v for k, v in {"image_encoder": image_encoder, "audio_encoder": audio_encoder}.items() if v is not None})
-    config = EncoderPoolConfig(**given)
-    _run_until_signalled(EncoderPoolProcess(config, EtcdConfig(**_given(endpoint=etcd_endpoint)), TelemetryConfig()))
+    settings = given(encoder_id=encoder_id, host=host, port=port, llm_hidden_size=llm_hidden_size, max_batch=max_batch,
+                      max_backlog_ms=max_backlog_ms, device=device)
+    settings.update({k: v for k, v in {"image_encoder": image_encoder, "audio_encoder": audio_encoder}.items() if v is not None})
+    config = EncoderPoolConfig(**settings)
+    _run_until_signalled(EncoderPoolProcess(config, EtcdConfig(**given(endpoint=etcd_endpoint)), TelemetryConfig()))
 
 
 @app.command("memory-service")
@@ -275,14 +286,14 @@ def memory_service(
     device: str = typer.Option(
         None, help="cpu, or the CUDA device that holds the weights for GPU engines (CUDA IPC) [env PHALANX_MEMORY_DEVICE]"
     ),
-    log_level: str = typer.Option("INFO"),
+    log_level: LogLevel = "INFO",
 ) -> None:
     """Run a weight memory service (engine failover): owns a slot's shared weight segments; one writer or many readers."""
     from phalanx.common.config import TelemetryConfig
     from phalanx.failover.memory_service import MemoryServiceConfig, MemoryServiceProcess
 
-    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    config = MemoryServiceConfig(**_given(socket_path=socket_path, root=root, port=port, device=device))
+    setup_logging(log_level)
+    config = MemoryServiceConfig(**given(socket_path=socket_path, root=root, port=port, device=device))
     _run_until_signalled(MemoryServiceProcess(config, TelemetryConfig()))
 
 
@@ -295,20 +306,20 @@ def migration_service(
         None, help="checkpoint | transfer-only | reprefill | sequential-replay | restart [env PHALANX_MIGRATION_STRATEGY]"
     ),
     transport: str = typer.Option(None, help="channel | grpc [env PHALANX_MIGRATION_TRANSPORT]"),
-    nats_url: str = typer.Option(None, help="NATS URL [env PHALANX_NATS_URL]"),
-    etcd_endpoint: str = typer.Option(None, help="etcd host:port, or a cluster's members as host:port,host:port,... [env PHALANX_ETCD_ENDPOINT]"),
-    log_level: str = typer.Option("INFO"),
+    nats_url: NatsUrl = None,
+    etcd_endpoint: EtcdEndpoint = None,
+    log_level: LogLevel = "INFO",
 ) -> None:
     """Run a migration service: moves in-flight requests off failed or drained workers (KV transfer, checkpoint, re-prefill)."""
     from phalanx.common.config import EtcdConfig, NatsConfig, TelemetryConfig
     from phalanx.migration.config import MigrationConfig
     from phalanx.migration.process import MigrationProcess
 
-    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging(log_level)
     process = MigrationProcess(
-        MigrationConfig(**_given(migration_id=migration_id, host=host, port=port, strategy=strategy, transport=transport)),
-        NatsConfig(**_given(url=nats_url)),
-        EtcdConfig(**_given(endpoint=etcd_endpoint)),
+        MigrationConfig(**given(migration_id=migration_id, host=host, port=port, strategy=strategy, transport=transport)),
+        NatsConfig(**given(url=nats_url)),
+        EtcdConfig(**given(endpoint=etcd_endpoint)),
         TelemetryConfig(),
     )
     _run_until_signalled(process)
@@ -322,21 +333,16 @@ def gateway_service(
     model: str = typer.Option(
         None, help="Built-in model or checkpoint dir the routers serve (default: the workers' model) [env PHALANX_GATEWAY_MODEL]"
     ),
-    log_level: str = typer.Option("INFO"),
+    log_level: LogLevel = "INFO",
 ) -> None:
     """Run the OpenAI-compatible HTTP gateway (/v1/completions, /v1/chat/completions, /v1/models) in front of the routers."""
     from phalanx.common.config import TelemetryConfig
     from phalanx.gateway.config import GatewayConfig
     from phalanx.gateway.process import GatewayProcess
 
-    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    process = GatewayProcess(GatewayConfig(**_given(router=router, host=host, port=port, model=model)), TelemetryConfig())
+    setup_logging(log_level)
+    process = GatewayProcess(GatewayConfig(**given(router=router, host=host, port=port, model=model)), TelemetryConfig())
     _run_until_signalled(process)
-
-
-def _given(**values):
-    """Options given on the command line; the rest come from env vars or defaults."""
-    return {k: v for k, v in values.items() if v not in (None, "")}
 
 
 def _run_until_signalled(process) -> None:
@@ -356,7 +362,7 @@ def up(
     gateway_port: int = typer.Option(8000, min=0, max=65535, help="OpenAI-compatible HTTP gateway port; 0 for any free one"),
     nats_url: str = typer.Option(None, envvar="PHALANX_NATS_URL", help="External NATS (default: start one)"),
     etcd_endpoint: str = typer.Option(None, envvar="PHALANX_ETCD_ENDPOINT", help="External etcd host:port[,host:port...] (default: start one)"),
-    state_file: str = typer.Option(None, envvar="PHALANX_STATE_FILE", help="State file [default: ~/.phalanx/up.json]"),
+    state_file: StateFile = None,
     detach: bool = typer.Option(False, "--detach", help="Run in the background; stop it with `phalanx down`"),
     log_file: str = typer.Option(None, hidden=True, help="Set by --detach: where this supervisor's output goes"),
     planner: bool = typer.Option(False, "--planner", help="Run the planner; the supervisor starts and drains workers to its targets"),
@@ -412,7 +418,7 @@ def up(
 
 @app.command()
 def down(
-    state_file: str = typer.Option(None, envvar="PHALANX_STATE_FILE", help="State file [default: ~/.phalanx/up.json]"),
+    state_file: StateFile = None,
 ) -> None:
     """Stop what `phalanx up` started (SIGTERM to its supervisor, which stops everything in order)."""
     from rich.console import Console
@@ -421,8 +427,6 @@ def down(
 
     raise typer.Exit(run_down(_state_file(state_file), Console(soft_wrap=True)))
 
-
-_TARGET_HELP = "Router host:port [default: the running `phalanx up`'s router, else 127.0.0.1:50051]"
 
 
 # Repeatable options: module-level, as their default is a list (ruff B008).
@@ -438,14 +442,14 @@ _PLANNER_SETTING_OPTION = typer.Option(
 @app.command()
 def generate(
     prompt: str = typer.Argument(..., help="Prompt text"),
-    target: str = typer.Option(None, envvar="PHALANX_TARGET", help=_TARGET_HELP),
+    target: Target = None,
     max_tokens: int = typer.Option(32, min=1),
     temperature: float = typer.Option(0.0, min=0.0),
     seed: int = typer.Option(None, help="Sampling seed (default: the router picks one)"),
     tier: str = typer.Option(None, help="premium, standard or best_effort (default: the tenant's)"),
     tenant: str = typer.Option(None, help="Tenant to run as"),
-    api_key: str = typer.Option(None, envvar="PHALANX_API_KEY", help="API key, if the router requires one"),
-    state_file: str = typer.Option(None, envvar="PHALANX_STATE_FILE", help="State file to find the router in"),
+    api_key: ApiKey = None,
+    state_file: ClientStateFile = None,
     image: list[Path] = _IMAGE_OPTION,
     audio: list[Path] = _AUDIO_OPTION,
     video: list[Path] = _VIDEO_OPTION,
@@ -466,13 +470,13 @@ def generate(
 
 @app.command()
 def chat(
-    target: str = typer.Option(None, envvar="PHALANX_TARGET", help=_TARGET_HELP),
+    target: Target = None,
     model: str = typer.Option(None, help="The served model, for its chat template [default: what the workers report]"),
     system: str = typer.Option(None, help="A system message to start the conversation with"),
     max_tokens: int = typer.Option(256, min=1, help="Longest answer"),
     temperature: float = typer.Option(0.0, min=0.0, help="0 is greedy"),
-    api_key: str = typer.Option(None, envvar="PHALANX_API_KEY", help="API key, if the router requires one"),
-    state_file: str = typer.Option(None, envvar="PHALANX_STATE_FILE", help="State file to find the router in"),
+    api_key: ApiKey = None,
+    state_file: ClientStateFile = None,
 ) -> None:
     """Chat with the model: each turn rendered with its chat template and streamed through the router."""
     from phalanx.cli.chat import run_chat
@@ -486,10 +490,10 @@ def chat(
 
 @app.command()
 def status(
-    target: str = typer.Option(None, envvar="PHALANX_TARGET", help=_TARGET_HELP),
-    as_json: bool = typer.Option(False, "--json", help="Print JSON only"),
-    api_key: str = typer.Option(None, envvar="PHALANX_API_KEY", help="API key, if the router requires one"),
-    state_file: str = typer.Option(None, envvar="PHALANX_STATE_FILE", help="State file to find the router in"),
+    target: Target = None,
+    as_json: AsJson = False,
+    api_key: ApiKey = None,
+    state_file: ClientStateFile = None,
 ) -> None:
     """The workers the router routes to (health, load and KV cache), and what the local `phalanx up` replaced."""
     from phalanx.cli.state import live_state, resolve_target
@@ -540,7 +544,7 @@ def bench_engine(
     repeats: int = typer.Option(3, help="Runs per measurement; the median is reported"),
     device: str = typer.Option("cpu", help="torch device: cpu, cuda, cuda:1 …"),
     dtype: str = typer.Option("auto", help="auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16 or float16"),
-    as_json: bool = typer.Option(False, "--json", help="Print JSON only"),
+    as_json: AsJson = False,
 ) -> None:
     """Engine decode tokens/s vs the model's bare forward loop and (GGUF models, on the CPU) transformers' generate."""
     from phalanx.bench.engine import default_batches, run_engine_bench
@@ -556,7 +560,7 @@ def bench_engine(
 def bench_route(
     workers: str = typer.Option("8,64,256", help="Comma-separated worker counts"),
     blocks: int = typer.Option(100_000, help="KV blocks indexed in total"),
-    as_json: bool = typer.Option(False, "--json", help="Print JSON only"),
+    as_json: AsJson = False,
 ) -> None:
     """Routing decision latency against the KV index, by worker count."""
     from phalanx.bench.route import run_route_bench
@@ -578,7 +582,7 @@ def bench_multimodal(
     model: str = typer.Option("phalanx-tiny-dense", help="LLM of the TTFT runs"),
     device: str = typer.Option("cpu", help="torch device of the LLM (engine and worker) and, unless --encoder-device, the encoders"),
     encoder_device: str = typer.Option("", help="torch device of the encoders (default: --device)"),
-    as_json: bool = typer.Option(False, "--json", help="Print JSON only"),
+    as_json: AsJson = False,
 ) -> None:
     """Encoder batching throughput and encode time per unit; media TTFT: text prefix overlapped with encoding vs
     sequential, joint (encoder, worker) routing vs round-robin under skewed encoder load, by modality."""
@@ -602,7 +606,7 @@ def bench_health(
     ),
     min_checks: int = typer.Option(1000, min=1, help="Checks in the fault-free run"),
     load_streams: int = typer.Option(4, min=0, help="Background streams through the router"),
-    as_json: bool = typer.Option(False, "--json", help="Print JSON only"),
+    as_json: AsJson = False,
 ) -> None:
     """Detection latency per fault (inject -> weight 0 in the router), false positives, canary share of engine work."""
     os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
@@ -619,7 +623,7 @@ def bench_health(
 def bench_channel(
     sizes_mib: str = typer.Option("1,16,64", help="Comma-separated tensor sizes in MiB"),
     repeats: int = typer.Option(5, min=1, help="Transfers per size (the median is reported)"),
-    as_json: bool = typer.Option(False, "--json", help="Print JSON only"),
+    as_json: AsJson = False,
 ) -> None:
     """Bandwidth of tensor channels (2-rank gloo) vs the gRPC byte-stream fallback vs a local memcpy; setup time, RTT."""
     os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
@@ -641,7 +645,7 @@ def bench_serve(
     compare_per_request: bool = typer.Option(
         False, "--compare-per-request", help="Also through a router reading a call per request (not multiplexed): per_request_ratio"
     ),
-    as_json: bool = typer.Option(False, "--json", help="Print JSON only"),
+    as_json: AsJson = False,
 ) -> None:
     """End-to-end streaming throughput through a router and workers."""
     # It forks worker and router processes while its gRPC clients run: see run_up for why this is off.
@@ -667,7 +671,7 @@ def bench_moe(
     aw_kill_repeats: int = typer.Option(2, min=1, help="Attention-worker kills (one wave each, through the router)"),
     replicas: bool = typer.Option(False, "--replicas", help="Copies as active replicas (no shadows): the EW loss lands on replicas that serve"),
     device: str = typer.Option("cpu", help="torch device of every worker (monolithic, attention and expert): cpu, cuda, cuda:1 …"),
-    as_json: bool = typer.Option(False, "--json", help="Print JSON only"),
+    as_json: AsJson = False,
 ) -> None:
     """Disaggregated MoE: steady-state tokens/s split vs monolithic with the per-layer AW-EW round trip, the stall of an
     expert worker's SIGKILL, and a restart-the-group baseline."""
@@ -696,7 +700,7 @@ def bench_failover(
     restore_repeats: int = typer.Option(3, min=1, help="Timed restores per size (the median is reported)"),
     overhead_pairs: int = typer.Option(8, min=1, help="Checkpointing on/off run pairs, alternating (medians compared)"),
     overhead_waves: int = typer.Option(1, min=1, help="Waves of streams per overhead run"),
-    as_json: bool = typer.Option(False, "--json", help="Print JSON only"),
+    as_json: AsJson = False,
 ) -> None:
     """Failover per migration strategy (stall, tokens lost, identical output), restore time vs tokens generated,
     and the cost of checkpointing when nothing fails."""
@@ -720,7 +724,7 @@ def bench_chaos(
     streams: int = typer.Option(8, min=1, help="Concurrent greedy SDK streams (one more goes through the gateway)"),
     tokens: int = typer.Option(96, min=16, help="Tokens generated per stream"),
     fault_after: int = typer.Option(8, min=1, help="Tokens every SDK stream has when the fault starts"),
-    as_json: bool = typer.Option(False, "--json", help="Print JSON only"),
+    as_json: AsJson = False,
 ) -> None:
     """Every chaos scenario on a fresh local stack: requests, lost, tokens lost/repeated, identical fraction, stall p99,
     time back to full health."""
@@ -747,7 +751,7 @@ def bench_engine_failover(
     repeats: int = typer.Option(1, min=1, help="Kills per scenario"),
     scenarios: str = typer.Option("shadow,cold,peer", help="Comma-separated: shadow (takeover), cold (new process), peer (migration)"),
     model: str = typer.Option("phalanx-tiny-moe", help="Model of the engines (the goals are set for the tiny MoE)"),
-    as_json: bool = typer.Option(False, "--json", help="Print JSON only"),
+    as_json: AsJson = False,
 ) -> None:
     """The primary engine SIGKILLed under load: shadow takeover vs a cold replacement process vs migration to a peer
     (kill to first token, stall, tokens lost, identical output, the standby's memory)."""
@@ -781,7 +785,7 @@ def bench_planner(
     fork_workers: bool = typer.Option(
         True, "--fork-workers/--spawn-workers", help="Every live run's workers forked from a pre-imported server (`phalanx up --fork-workers`)"
     ),
-    as_json: bool = typer.Option(False, "--json", help="Print JSON only"),
+    as_json: AsJson = False,
 ) -> None:
     """The planner against static-min and static-max fleets of simulated workers on a bursty trace: SLO attainment, worker-seconds,
     burst reaction, and capacity restored after a SIGKILL with and without a hot spare."""
@@ -810,7 +814,7 @@ def bench_soak(
     sample: float = typer.Option(5.0, min=0.5, help="Seconds between RSS and fd samples"),
     warmup: float = typer.Option(None, min=0, help="Minutes left out of the trend [default: 1, or a third of a shorter run]"),
     seed: int = typer.Option(0, help="Seed of the prompts"),
-    as_json: bool = typer.Option(False, "--json", help="Print JSON only"),
+    as_json: AsJson = False,
 ) -> None:
     """Steady load with a worker SIGKILLed every minute: RSS and open fds of every process, latency p99 and losses per
     minute, and their trend after the warm-up."""

@@ -4,20 +4,17 @@ from __future__ import annotations
 
 import asyncio
 import json
-import logging
 from dataclasses import asdict
 
 import typer
+
+from phalanx.cli.shared import LogLevel, given, setup_logging
 
 planner_app = typer.Typer(
     help="The planner: predicts load, sizes the worker fleet, replaces DEAD workers (docs/planner.md). Without a subcommand it runs the service.",
 )
 
 _ETCD_HELP = "etcd host:port [env PHALANX_ETCD_ENDPOINT]"
-
-
-def _given(**values):
-    return {k: v for k, v in values.items() if v not in (None, "")}
 
 
 @planner_app.callback(invoke_without_command=True)
@@ -35,7 +32,7 @@ def planner_service(
     correction: bool = typer.Option(None, "--correction/--no-correction", help="Correction factors [env PHALANX_PLANNER_CORRECTION]"),
     prometheus_url: str = typer.Option(None, help="Prometheus base URL; unset: scrape the routers [env PHALANX_PLANNER_PROMETHEUS_URL]"),
     etcd_endpoint: str = typer.Option(None, help=_ETCD_HELP),
-    log_level: str = typer.Option("INFO"),
+    log_level: LogLevel = "INFO",
 ) -> None:
     """Run a planner instance (one leads and decides, others stand by)."""
     if ctx.invoked_subcommand is not None:
@@ -45,17 +42,17 @@ def planner_service(
     from phalanx.planner.config import PlannerConfig
     from phalanx.planner.service import PlannerProcess
 
-    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging(log_level)
     from pydantic import ValidationError
 
     from phalanx.planner.errors import PlannerInputError
 
     try:
-        config = PlannerConfig(**_given(
+        config = PlannerConfig(**given(
             instance_id=instance_id, host=host, port=port, connector=connector, interval_s=interval_s, min_workers=min_workers,
             max_workers=max_workers, profile=profile, predictor=predictor, correction=correction, prometheus_url=prometheus_url,
         ))
-        process = PlannerProcess(config, EtcdConfig(**_given(endpoint=etcd_endpoint)), TelemetryConfig())
+        process = PlannerProcess(config, EtcdConfig(**given(endpoint=etcd_endpoint)), TelemetryConfig())
     except ValidationError as error:
         problems = "; ".join(f"{'.'.join(str(p) for p in e['loc']) or 'settings'}: {e['msg']}" for e in error.errors())
         typer.echo(f"error: {problems}", err=True)
@@ -70,7 +67,7 @@ async def _with_etcd(endpoint: str | None, action):
     from phalanx.common.config import EtcdConfig
     from phalanx.common.lease import connect_etcd
 
-    client = connect_etcd(EtcdConfig(**_given(endpoint=endpoint)))
+    client = connect_etcd(EtcdConfig(**given(endpoint=endpoint)))
     try:
         return await action(client)
     finally:

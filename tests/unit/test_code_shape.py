@@ -2,8 +2,7 @@
 
 A file over 800 lines, a class over 500 or a function over 80 is a place where concerns have run together; a
 package importing one of a layer above it (`launch` importing `cli`) makes the lower layer depend on the upper
-one. The allowances below name what is still in that state, with its size today: they may shrink, never grow,
-and a name is struck off once it is within the limits.
+one.
 """
 
 from __future__ import annotations
@@ -35,17 +34,6 @@ LAYERS: tuple[frozenset[str], ...] = (
     frozenset({"chaos", "bench", "testing"}),
     frozenset({"cli"}),
 )
-
-# Still over a limit today (path relative to services/phalanx, or path:qualified name): the size they may not pass.
-FILE_ALLOWANCES: dict[str, int] = {
-    "cli/main.py": 831,
-}
-CLASS_ALLOWANCES: dict[str, int] = {
-}
-FUNCTION_ALLOWANCES: dict[str, int] = {
-}
-# (importing package, imported package) pairs that still run up the layers.
-IMPORT_ALLOWANCES: frozenset[tuple[str, str]] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -124,12 +112,8 @@ def upward_imports() -> set[tuple[str, str]]:
     return found
 
 
-def _over(found: list[Sized], allowances: dict[str, int], limit: int) -> list[str]:
-    return [
-        f"{item.name}: {item.lines} lines (limit {limit}{f', allowed {allowances[item.name]}' if item.name in allowances else ''})"
-        for item in found
-        if item.lines > allowances.get(item.name, limit)
-    ]
+def _described(found: list[Sized], limit: int) -> list[str]:
+    return [f"{item.name}: {item.lines} lines (limit {limit})" for item in found]
 
 
 def test_every_package_has_a_layer() -> None:
@@ -137,25 +121,15 @@ def test_every_package_has_a_layer() -> None:
     assert sorted(package for package in packages if _layer(package) is None) == []
 
 
-def test_no_file_class_or_function_grows_past_its_limit() -> None:
+def test_no_file_class_or_function_is_over_its_limit() -> None:
     files, classes, functions = measure()
-    assert _over(files, FILE_ALLOWANCES, MAX_FILE_LINES) == []
-    assert _over(classes, CLASS_ALLOWANCES, MAX_CLASS_LINES) == []
-    assert _over(functions, FUNCTION_ALLOWANCES, MAX_FUNCTION_LINES) == []
-
-
-def test_allowances_name_only_what_is_still_over_its_limit() -> None:
-    files, classes, functions = measure()
-    for found, allowances in ((files, FILE_ALLOWANCES), (classes, CLASS_ALLOWANCES), (functions, FUNCTION_ALLOWANCES)):
-        assert sorted(set(allowances) - {item.name for item in found}) == [], "strike these off: they are within the limits now"
+    assert _described(files, MAX_FILE_LINES) == []
+    assert _described(classes, MAX_CLASS_LINES) == []
+    assert _described(functions, MAX_FUNCTION_LINES) == []
 
 
 def test_no_package_imports_one_of_a_layer_above_it() -> None:
-    assert sorted(upward_imports() - IMPORT_ALLOWANCES) == []
-
-
-def test_import_allowances_name_only_imports_that_still_exist() -> None:
-    assert sorted(IMPORT_ALLOWANCES - upward_imports()) == []
+    assert sorted(upward_imports()) == []
 
 
 @pytest.mark.parametrize(

@@ -25,7 +25,7 @@ One run, on this box, in a few minutes:
   and of the hot spares' run (the planner promotes a spare): time until the router routes to a worker it
   did not route to before the kill.
 
-Goals (issue 13): >= 95 % SLO attainment at <= 70 % of static-max's worker-seconds for the best predictor;
+Goals: >= 95 % SLO attainment at <= 70 % of static-max's worker-seconds for the best predictor;
 capacity restored < 1 s with a hot spare and < 5 s without.
 """
 
@@ -70,10 +70,11 @@ TRACE_INTERVAL_S = 2.0  # the planner's interval, compressed like the trace
 PREDICTORS: tuple[PredictorKind, ...] = ("constant", "arima", "kalman", "prophet")
 BURST_FACTOR = 3.0
 SLO_HEADROOM = 0.8
-# The planner's noise-aware rules (docs/planner.md, seventh pass, run 6): surges gated at a 0.95 Poisson tail over the planned
-# rate and sized at the median of what their count allows, plans from a 10 s window, and no scale-down below the 0.8 upper
-# bound of the observed arrivals nor while they rise beyond noise at 0.95. At a few requests per second the bare rules surged
-# on noise and kept the fleet large between bursts. `--planner-setting` overrides each.
+# The planner's noise-aware rules (docs/results/2026-11-27-planner-passes.md, seventh pass, run 6): surges gated at a
+# 0.95 Poisson tail over the planned rate and sized at the median of what their count allows, plans from a 10 s window,
+# and no scale-down below the 0.8 upper bound of the observed arrivals nor while they rise beyond noise at 0.95. At a few
+# requests per second the bare rules surged on noise and kept the fleet large between bursts. `--planner-setting`
+# overrides each.
 PLANNER_SETTINGS = {
     "surge_confidence": "0.95", "surge_size_confidence": "0.5", "scale_down_confidence": "0.8", "scale_down_hold_confidence": "0.95",
     "observe_window_s": "10",

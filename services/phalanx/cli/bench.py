@@ -256,7 +256,7 @@ def bench_engine_failover(
 @bench_app.command("planner")
 def bench_planner(
     minutes: float = typer.Option(
-        10.0, min=0.25, max=30, help="Length of the compressed trace (issue 13: ~10 min); each of the four live runs replays it"
+        10.0, min=0.25, max=30, help="Length of the compressed trace in minutes (the goals are judged at 10); each of the four live runs replays it"
     ),
     peak_rps: float = typer.Option(None, min=0.05, help="Peak diurnal request rate [default: what two simulated workers serve]"),
     hot_spares: int = typer.Option(1, min=1, max=4, help="Hot spares of the planner's second live run (the restoration goal with a spare)"),

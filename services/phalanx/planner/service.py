@@ -316,8 +316,8 @@ class Planner:
         """Workers the arrivals of the last seconds need, when they are a surge (`decisions.surge_workers`), and the rate it is
         sized for: at least `surge_min_requests` of them (a couple of requests at a low rate are no surge) over
         `surge_window_s` and, with `surge_confidence`, a rise beyond the noise of the rate the last plan was made for, over that
-        window or one of _SURGE_WINDOWS times it (docs/planner.md: the trade it makes between worker-seconds and SLO
-        attainment, measured)."""
+        window or one of _SURGE_WINDOWS times it (docs/results/2026-11-27-planner-passes.md, seventh pass: the trade it
+        makes between worker-seconds and SLO attainment, measured)."""
         if recent is None or self._replan is None:
             return None
         windows = [recent]

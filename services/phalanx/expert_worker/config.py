@@ -20,7 +20,7 @@ class ExpertWorkerConfig(BaseSettings):
     metrics_port: int = Field(0, ge=0, le=65535, description="Prometheus /metrics port; 0 picks a free one")
     model: str = Field(DEFAULT_MODEL, description="The MoE model whose experts this worker hosts (built-in, .gguf or HF Mixtral dir)")
     seed: int | None = Field(None, ge=0, description="Seed of a built-in model's weights (default: the model's own)")
-    index: int = Field(0, ge=0, description="This worker's slot in the placement: which experts it hosts (worker.ert.place)")
+    index: int = Field(0, ge=0, description="This worker's slot in the placement: which experts it hosts (ert_manager.table.place)")
     num_expert_workers: int = Field(1, ge=1, description="Expert workers the placement spreads the experts over")
     copies: int = Field(1, ge=1, description="Copies of each expert over the expert workers: 1 primary + copies-1 shadows, each on another worker")
     replicas: bool = Field(

@@ -11,37 +11,15 @@ from collections.abc import Iterator
 
 import pytest
 
-from phalanx.launch.events import ProcessState, SupervisorEvent
+from phalanx.launch.events import ProcessState
 from phalanx.launch.local_fleet import PLANNER_ID, LocalSettings
 from phalanx.launch.services import WorkerHandle
 from phalanx.launch.supervisor import Supervisor
 from phalanx.launch.topology import Fleet
 from phalanx.planner.local_connector import LocalConnector
+from phalanx.testing.supervisor import RecordedView
 
 pytestmark = pytest.mark.unit
-
-
-class Shown:
-    """A supervisor's view that keeps what it is shown."""
-
-    def __init__(self) -> None:
-        self.states: dict[str, ProcessState] = {}
-        self.events: list[SupervisorEvent] = []
-
-    def show(self, name: str, state: ProcessState, address: str = "", pid: int | None = None, *, note: str = "") -> None:
-        self.states[name] = state
-
-    def forget(self, name: str) -> None:
-        self.states.pop(name, None)
-
-    def event(self, event: SupervisorEvent) -> None:
-        self.events.append(event)
-
-    def killing(self, name: str, pid: int) -> None:
-        pass
-
-    def stopped(self, name: str, pid: int | None = None, how: str = "") -> None:
-        pass
 
 
 @pytest.fixture
@@ -54,7 +32,7 @@ def serving() -> Iterator[subprocess.Popen]:
 
 
 async def test_a_scale_down_cancels_the_newest_starts_first_and_drains_only_what_is_left(serving: subprocess.Popen) -> None:
-    view = Shown()
+    view = RecordedView()
     supervisor = Supervisor(Fleet(planner=True), LocalSettings(model="phalanx-tiny-moe"), view)
     stack = LocalConnector(supervisor, hot_spares=0, planner_id=PLANNER_ID, orchestrator="test")
     supervisor.owner = stack

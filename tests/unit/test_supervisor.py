@@ -8,39 +8,17 @@ import sys
 
 import pytest
 
-from phalanx.launch.events import ProcessState, SupervisorEvent
+from phalanx.launch.events import ProcessState
 from phalanx.launch.local_fleet import LocalSettings
 from phalanx.launch.restarts import RestartPolicy
 from phalanx.launch.services import WorkerHandle
 from phalanx.launch.supervisor import Supervisor
 from phalanx.launch.topology import Fleet
+from phalanx.testing.supervisor import RecordedView
 
 pytestmark = pytest.mark.unit
 
 POLICY = RestartPolicy(initial_backoff_s=0.0, max_backoff_s=0.0, crash_loop_limit=2)
-
-
-class Shown:
-    """A supervisor's view that keeps what it is shown."""
-
-    def __init__(self) -> None:
-        self.states: dict[str, ProcessState] = {}
-        self.events: list[SupervisorEvent] = []
-
-    def show(self, name: str, state: ProcessState, address: str = "", pid: int | None = None, *, note: str = "") -> None:
-        self.states[name] = state
-
-    def forget(self, name: str) -> None:
-        self.states.pop(name, None)
-
-    def event(self, event: SupervisorEvent) -> None:
-        self.events.append(event)
-
-    def killing(self, name: str, pid: int) -> None:
-        pass
-
-    def stopped(self, name: str, pid: int | None = None, how: str = "") -> None:
-        pass
 
 
 def dead_worker(supervisor: Supervisor) -> subprocess.Popen:
@@ -53,7 +31,7 @@ def dead_worker(supervisor: Supervisor) -> subprocess.Popen:
 
 
 async def test_a_dead_worker_is_replaced_under_a_new_id() -> None:
-    view = Shown()
+    view = RecordedView()
     supervisor = Supervisor(Fleet(), LocalSettings(model="phalanx-tiny-moe"), view, POLICY)
     process = dead_worker(supervisor)
 
@@ -73,7 +51,7 @@ async def test_a_dead_worker_is_replaced_under_a_new_id() -> None:
 
 
 async def test_replacements_that_keep_failing_at_start_up_are_a_crash_loop_naming_the_process() -> None:
-    view = Shown()
+    view = RecordedView()
     supervisor = Supervisor(Fleet(), LocalSettings(model="phalanx-tiny-moe"), view, POLICY)
     process = dead_worker(supervisor)
 

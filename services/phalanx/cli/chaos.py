@@ -20,6 +20,8 @@ from typing import TYPE_CHECKING
 
 import typer
 
+from phalanx.cli.shared import AsJson
+
 if TYPE_CHECKING:
     from phalanx._proto import chaos_pb2
 
@@ -56,7 +58,6 @@ _WORKER = typer.Option(None, "--worker", help="Worker id, resolved to its addres
 _ADDRESS = typer.Option(None, "--address", help="Worker gRPC host:port (instead of --worker)")
 _TOKEN = typer.Option(None, "--token", envvar="PHALANX_CHAOS_TOKEN", help="The worker's chaos token", show_default=False)
 _ETCD = typer.Option("127.0.0.1:2379", "--etcd-endpoint", envvar="PHALANX_ETCD_ENDPOINT", help="etcd host:port, for --worker")
-_JSON = typer.Option(False, "--json", help="Print JSON only")
 _INJECT_KIND = typer.Argument(..., help="What to break")
 _CLEAR_KIND = typer.Argument(None, help="The kind of fault to clear [default: all]", show_default=False)
 _TARGET = typer.Option(Target.logits, help="corrupt: what to corrupt")
@@ -99,7 +100,7 @@ def run_scenario(
     streams: int = typer.Option(8, min=1, help="Concurrent greedy SDK streams (one more goes through the gateway)"),
     tokens: int = typer.Option(96, min=16, help="Tokens generated per stream"),
     fault_after: int = typer.Option(8, min=1, help="Tokens every SDK stream has when the fault starts"),
-    as_json: bool = _JSON,
+    as_json: AsJson = False,
 ) -> None:
     """A game day: start a fresh local stack, load it, inject the scenario's fault, and print what the clients saw
     (exit 1 unless no request was lost, every token came once, outputs matched a fault-free run and health came back)."""
@@ -149,7 +150,7 @@ def inject(
     scale: float = typer.Option(0.0, min=0.0, help="corrupt: noise relative to the logits' or weights' std [default: 1.0]", show_default=False),
     duration_s: float = typer.Option(0.0, min=0.0, help="Clears itself after this long; 0 keeps it until `clear`"),
     etcd_endpoint: str = _ETCD,
-    as_json: bool = _JSON,
+    as_json: AsJson = False,
 ) -> None:
     """Inject a fault: crash, hang, slow, corrupt (logits or weights), drop-nats or drop-etcd."""
     from phalanx._proto import chaos_pb2
@@ -168,7 +169,7 @@ def clear(
     address: str = _ADDRESS,
     token: str = _TOKEN,
     etcd_endpoint: str = _ETCD,
-    as_json: bool = _JSON,
+    as_json: AsJson = False,
 ) -> None:
     """Clear one kind of fault, or all of them."""
     from phalanx._proto import chaos_pb2
@@ -183,7 +184,7 @@ def list_faults(
     address: str = _ADDRESS,
     token: str = _TOKEN,
     etcd_endpoint: str = _ETCD,
-    as_json: bool = _JSON,
+    as_json: AsJson = False,
 ) -> None:
     """List the faults in force on a worker."""
     from phalanx._proto import chaos_pb2

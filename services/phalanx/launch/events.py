@@ -10,9 +10,7 @@ import enum
 from dataclasses import dataclass
 from typing import Protocol
 
-from phalanx.common.children import describe_exit
-
-__all__ = ["MAX_EVENTS", "ProcessState", "SupervisorEvent", "SupervisorView", "describe_exit"]
+__all__ = ["MAX_EVENTS", "ProcessState", "SupervisorEvent", "SupervisorView"]
 
 
 class ProcessState(enum.StrEnum):

@@ -21,7 +21,8 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Protocol
 
-from phalanx.launch.events import MAX_EVENTS, ProcessState, SupervisorEvent, SupervisorView, describe_exit
+from phalanx.common.children import describe_exit
+from phalanx.launch.events import MAX_EVENTS, ProcessState, SupervisorEvent, SupervisorView
 from phalanx.launch.local_fleet import (
     FORK_SERVER_ID,
     GATEWAY_ID,

@@ -35,6 +35,7 @@ from phalanx.model.gguf_format import (
     tokenizer_from_record,
     tokenizer_record,
 )
+from phalanx.model.int4 import PACKABLE_GGML_TYPES, Int4Codes, Int4Weight, gguf_codes, is_packable, pack_linears, packed_layout
 from phalanx.model.tokenizer import HFTokenizer
 from phalanx.model.transformer import Transformer
 
@@ -60,8 +61,12 @@ _IN_BLOCK = {
 }
 
 
-def load_gguf(path: Path, *, name: str, cache_root: Path | None = None) -> tuple[Transformer, HFTokenizer, str]:
-    """(model on CPU in float32, its tokenizer, its model_version ``<name>@<sha256[:12]>``)."""
+def load_gguf(path: Path, *, name: str, cache_root: Path | None = None, keep_int4: bool = False) -> tuple[Transformer, HFTokenizer, str]:
+    """(model on CPU in float32, its tokenizer, its model_version ``<name>@<sha256[:12]>``).
+
+    ``keep_int4``: linear weights the file holds as 4-bit codes stay codes (phalanx.model.int4), read from the file
+    itself; the rest comes dequantized as always.
+    """
     digest = content_hash(path)
     cached = cache_file(digest, cache_root)
     loaded = _read_cache(cached, digest, name)
@@ -76,9 +81,56 @@ def load_gguf(path: Path, *, name: str, cache_root: Path | None = None) -> tuple
         config, tokenizer, state = loaded
     with torch.device("meta"):
         model = Transformer(config)
+    if keep_int4:
+        packed = _int4_weights(path, digest, config, cache_root)
+        pack_linears(model, packed)
+        state = {name: tensor for name, tensor in state.items() if name not in packed}
     _check_complete(model, state, path)
-    model.load_state_dict(state, assign=True, strict=True)
+    # Packed modules bring their own buffers; everything else must come from the state.
+    missing, _ = model.load_state_dict(state, assign=True, strict=False)
+    if unpacked := [name for name in missing if not name.endswith(("weight.packed", "weight.scales_and_zeros"))]:
+        raise CheckpointError(f"{path.name} lacks {len(unpacked)} tensors, e.g. {unpacked[:5]}")
     return model, tokenizer, f"{name}@{digest[:12]}"
+
+
+def _int4_weights(path: Path, digest: str, config: ModelConfig, cache_root: Path | None) -> dict[str, Int4Weight]:
+    """The file's 4-bit linear weights, packed for this CPU; cached beside the dequantized weights, since reading the
+    GGUF's header and packing take seconds (the cache's name carries what the packed layout depends on)."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    cached = cache_file(digest, cache_root).with_suffix(f".int4-{packed_layout()}.safetensors")
+    try:
+        tensors = load_file(str(cached))
+        names = {name.rpartition(".weight.")[0] + ".weight" for name in tensors}
+        return {name: Int4Weight(tensors[f"{name}.packed"], tensors[f"{name}.scales_and_zeros"]) for name in names}
+    except (SafetensorError, OSError, KeyError):
+        pass
+    weights = {name: Int4Weight.from_codes(codes) for name, codes in int4_codes(read_gguf(path), config).items()}
+    tensors = {f"{name}.{buffer}": tensor for name, weight in weights.items() for buffer, tensor in weight.named_buffers()}
+    _save_atomically(cached, tensors, {"source_sha256": digest}, what="the packed 4-bit weights")
+    return weights
+
+
+def int4_codes(reader: GGUFReader, config: ModelConfig) -> dict[str, Int4Codes]:
+    """Our weight names -> the file's 4-bit codes, for the linear weights it stores as Q4_0, Q4_1 or Q4_K in a shape
+    the int4 kernel takes; Q/K rows back in Hugging Face's RoPE order."""
+    codes: dict[str, Int4Codes] = {}
+    for tensor in reader.tensors:
+        matched = _BLOCK.match(tensor.name)
+        if matched is None or int(tensor.tensor_type) not in PACKABLE_GGML_TYPES:
+            continue
+        layer, kind = matched.group(1), matched.group(2)
+        target = _IN_BLOCK.get(kind)
+        shape = (int(tensor.shape[-1]), int(tensor.shape[0]))  # GGUF lists a matrix's dimensions inputs first
+        if target is None or not is_packable(target, shape):
+            continue
+        weight = gguf_codes(tensor.data, int(tensor.tensor_type), shape)
+        if kind in ("attn_q", "attn_k"):
+            heads = config.num_heads if kind == "attn_q" else config.num_kv_heads
+            weight = weight.rows(unpermute_rope_rows(np.arange(shape[0]), heads))
+        codes[f"layers.{layer}.{target}"] = weight
+    return codes
 
 
 def gguf_skeleton(path: Path, *, name: str) -> tuple[ModelConfig, HFTokenizer, str]:
@@ -174,19 +226,23 @@ def _read_cache(file: Path, digest: str, name: str) -> tuple[ModelConfig, HFToke
 
 
 def _write_cache(file: Path, state: Mapping[str, torch.Tensor], config: ModelConfig, tokenizer: HFTokenizer, digest: str) -> None:
-    """Writes the cache atomically; a cache that cannot be written costs the next load time, never this load."""
+    header = {"format": CACHE_FORMAT, "source_sha256": digest, "config": json.dumps(config.to_dict()), **tokenizer_record(tokenizer)}
+    _save_atomically(file, state, header, what="the dequantized weights")
+
+
+def _save_atomically(file: Path, tensors: Mapping[str, torch.Tensor], header: dict[str, str], *, what: str) -> None:
+    """A reader sees a whole file or none; a cache that cannot be written costs the next load time, never this load."""
     from safetensors.torch import save_file
 
-    header = {"format": CACHE_FORMAT, "source_sha256": digest, "config": json.dumps(config.to_dict()), **tokenizer_record(tokenizer)}
     try:
         file.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=file.parent, prefix=file.name + ".", suffix=".tmp")
         os.close(fd)
         try:
-            save_file(dict(state), tmp, metadata=header)
+            save_file(dict(tensors), tmp, metadata=header)
             os.replace(tmp, file)
         finally:
             if os.path.exists(tmp):
                 os.unlink(tmp)
     except OSError as error:
-        log.warning("cannot cache the dequantized weights at %s: %s", file, error)
+        log.warning("cannot cache %s at %s: %s", what, file, error)

@@ -32,14 +32,18 @@ def load(
     dtype: torch.dtype = torch.float32,
     seed: int | None = None,
     cache_root: Path | None = None,
+    keep_int4: bool = False,
 ) -> Transformer:
     """Loads a built-in model by name, a GGUF file (or a directory holding one) or an HF-layout checkpoint directory.
 
     The returned model is in eval mode and carries its tokenizer as
     `.tokenizer` and its `model_version` as `.version`. A GGUF's dequantized
     weights are cached under ``cache_root`` (default: $PHALANX_CACHE_DIR or
-    ~/.cache/phalanx).
+    ~/.cache/phalanx). ``keep_int4`` keeps a GGUF's 4-bit linear weights as codes for torch's int4 CPU kernel
+    (phalanx.model.int4; fast with bfloat16 on a CPU only); other sources ignore it.
     """
+    if keep_int4 and torch.device(device).type != "cpu":
+        raise ValueError(f"4-bit packed weights run on a CPU only, not on {device}")
     if str(name_or_path) in BUILTIN_MODELS:
         config = builtin_config(str(name_or_path), **({"seed": seed} if seed is not None else {}))
         model = Transformer(config)
@@ -50,7 +54,7 @@ def load(
         from phalanx.model.gguf_weights import load_gguf
 
         name = str(name_or_path) if str(name_or_path) in BUILTIN_CHECKPOINTS else gguf.stem
-        model, tokenizer, version = load_gguf(gguf, name=name, cache_root=cache_root)
+        model, tokenizer, version = load_gguf(gguf, name=name, cache_root=cache_root, keep_int4=keep_int4)
     else:
         path = Path(name_or_path)
         if not (path / "config.json").is_file():

@@ -12,23 +12,38 @@ runs with solo runs bit for bit guard this on the machine they run on.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from phalanx.model.int4 import Int4Weight
 
 # Query rows per attention tile in batch-invariant mode (one KV block).
 INVARIANT_TILE = 16
 INVARIANT_MIN_ROWS = 4
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, *, invariant: bool) -> torch.Tensor:
-    if not invariant:
-        return F.linear(x, weight)
+def linear(x: torch.Tensor, weight: torch.Tensor | Int4Weight, *, invariant: bool) -> torch.Tensor:
+    """x @ weight.T, for a dense weight or one packed as 4-bit codes (phalanx.model.int4)."""
     rows = x.shape[0]
-    if rows >= INVARIANT_MIN_ROWS:
-        return F.linear(x, weight)
+    if not invariant or rows >= INVARIANT_MIN_ROWS:
+        return _multiply(x, weight)
     x_padded = torch.zeros((INVARIANT_MIN_ROWS, x.shape[1]), dtype=x.dtype, device=x.device)
     x_padded[:rows] = x
-    return F.linear(x_padded, weight)[:rows]
+    return _multiply(x_padded, weight)[:rows]
+
+
+def _multiply(x: torch.Tensor, weight: torch.Tensor | Int4Weight) -> torch.Tensor:
+    return F.linear(x, weight) if isinstance(weight, torch.Tensor) else weight.matmul(x)
+
+
+def cpu_has_native_bfloat16() -> bool:
+    """Whether this CPU multiplies bfloat16 in hardware (AVX512-BF16 or AMX): there, bfloat16 halves a step's bytes at
+    full speed; elsewhere torch emulates it, slower than float32."""
+    probes = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+    return any(getattr(torch.cpu, probe, lambda: False)() for probe in probes)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

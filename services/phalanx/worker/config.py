@@ -38,7 +38,19 @@ class EngineConfig(BaseSettings):
     seed: int | None = Field(None, ge=0, description="Seed of a built-in model's weights (default: the model's own)")
     device: str = Field("cpu", description="torch device: cpu, cuda, cuda:1 …")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
-        "auto", description="auto is float32 on CPU and bfloat16 on CUDA"
+        "auto",
+        description=(
+            "auto is bfloat16 on CUDA and on CPUs that multiply it in hardware (AVX512-BF16 or AMX), where it halves a "
+            "step's bytes; float32 on other CPUs, where torch emulates bfloat16 slower than float32"
+        ),
+    )
+    weights: Literal["auto", "dense"] = Field(
+        "auto",
+        description=(
+            "auto keeps a GGUF's 4-bit linear weights (Q4_0, Q4_1, Q4_K) as the file's codes for torch's int4 kernel "
+            "when the engine runs in bfloat16 on a CPU in one process (an eighth of float32's bytes a step); dense "
+            "dequantizes every weight to the engine's dtype"
+        ),
     )
     num_kv_blocks: int = Field(
         0, ge=0, description="KV cache blocks of 16 tokens each; 0 sizes the cache from kv_cache_bytes (at most AUTO_MAX_KV_BLOCKS)"
@@ -122,9 +134,23 @@ class EngineConfig(BaseSettings):
     def torch_dtype(self):
         import torch
 
-        if self.dtype == "auto":
-            return torch.float32 if self.device == "cpu" else torch.bfloat16
-        return getattr(torch, self.dtype)
+        if self.dtype != "auto":
+            return getattr(torch, self.dtype)
+        if self.device != "cpu":
+            return torch.bfloat16
+        from phalanx.model.ops import cpu_has_native_bfloat16
+
+        return torch.bfloat16 if cpu_has_native_bfloat16() else torch.float32
+
+    def keeps_int4(self) -> bool:
+        """Whether the model's 4-bit GGUF weights stay packed: bfloat16 on a CPU, one process holding the whole model
+        (a tensor-parallel shard, an attention worker's split and a failover engine's shared weights are dense)."""
+        import torch
+
+        return (
+            self.weights == "auto" and self.device == "cpu" and self.torch_dtype() == torch.bfloat16
+            and self.role == "monolithic" and self.tensor_parallel_size == 1
+        )
 
 
 MIN_CHAOS_TOKEN_CHARS = 16

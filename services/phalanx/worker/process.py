@@ -282,7 +282,7 @@ class WorkerProcess:
 
                 model = await asyncio.to_thread(
                     load, self.engine_config.model, device=self.engine_config.device,
-                    dtype=self.engine_config.torch_dtype(), seed=self.engine_config.seed,
+                    dtype=self.engine_config.torch_dtype(), seed=self.engine_config.seed, keep_int4=self.engine_config.keeps_int4(),
                 )
             if self.engine_config.role == "attention":
                 model = await self._split_attention(shell, model)

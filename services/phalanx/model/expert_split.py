@@ -55,12 +55,18 @@ class ExpertHost:
 
     @classmethod
     def from_model(cls, model: Transformer, keys: Iterable[ExpertKey], *, device: str | torch.device | None = None) -> ExpertHost:
-        """Copies of the experts `keys` of `model` (so the rest of the model can be freed), on `device` (default: the model's)."""
+        """Copies of the experts `keys` of `model` (so the rest of the model can be freed), on `device` (default: the model's).
+
+        Keys of a dense layer among sparse ones (Qwen3-MoE's mlp_only_layers) are skipped: the ERT places every layer
+        alike, but an attention worker computes a dense layer's MLP itself and never asks for its experts.
+        """
+        if not model.config.is_moe:
+            raise TypeError(f"{model.config.name} is not a mixture of experts")
         weights = {}
         for layer, expert in keys:
             mlp = model.layers[layer].mlp
             if not isinstance(mlp, SparseMoE):
-                raise TypeError(f"{model.config.name} is not a mixture of experts")
+                continue
             w13, w2 = mlp.w13[expert].detach(), mlp.w2[expert].detach()
             target = w13.device if device is None else torch.device(device)
             weights[(layer, expert)] = (w13.to(target, copy=True), w2.to(target, copy=True))
@@ -112,11 +118,12 @@ class RemoteMoE(nn.Module):
         super().__init__()
         self.gate = moe.gate
         self.top_k = moe.top_k
+        self.normalise = moe.normalise
         self.layer = layer
         self.io = io
 
     def forward(self, x: torch.Tensor, invariant: bool) -> torch.Tensor:
-        weights, experts = route(self.gate.weight, self.top_k, x, invariant)
+        weights, experts = route(self.gate.weight, self.top_k, x, invariant, normalise=self.normalise)
         out = torch.zeros_like(x)
         placed: list[tuple[torch.Tensor, torch.Tensor]] = []
         batches: list[ExpertBatch] = []
@@ -133,13 +140,13 @@ class RemoteMoE(nn.Module):
 
 def split_attention(model: Transformer, io: ExpertIO) -> Transformer:
     """Turns `model` (in place) into an attention worker's: every SparseMoE becomes a RemoteMoE over `io`; the expert
-    weights are dropped."""
+    weights are dropped. Dense layers among sparse ones keep their MLP here."""
     if not model.config.is_moe:
         raise TypeError(f"{model.config.name} is dense: there are no experts to split off")
     for i, layer in enumerate(model.layers):
         assert isinstance(layer, DecoderLayer)  # a ModuleList yields plain Modules to the type checker
-        assert isinstance(layer.mlp, SparseMoE)
-        layer.mlp = RemoteMoE(layer.mlp, i, io)
+        if isinstance(layer.mlp, SparseMoE):
+            layer.mlp = RemoteMoE(layer.mlp, i, io)
     return model
 
 

@@ -20,7 +20,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from phalanx.model.config import CheckpointError, ModelConfig
+from phalanx.model.config import CheckpointError, ModelConfig, RopeScaling
 from phalanx.model.tokenizer import HFTokenizer
 
 if TYPE_CHECKING:
@@ -36,7 +36,16 @@ _LLAMA3_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
-_PRE_TOKENIZER_SPLITS = {name: _LLAMA3_SPLIT for name in ("llama3", "llama-v3", "llama-bpe", "falcon3", "dbrx", "smaug-bpe", "pixtral")}
+# Qwen2's: digits one at a time (transformers' Qwen2 PRETOKENIZE_REGEX).
+_QWEN2_SPLIT = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+_PRE_TOKENIZER_SPLITS = {
+    **{name: _LLAMA3_SPLIT for name in ("llama3", "llama-v3", "llama-bpe", "falcon3", "dbrx", "smaug-bpe", "pixtral")},
+    **{name: _QWEN2_SPLIT for name in ("qwen2", "deepseek-r1-qwen")},
+}
+# general.architecture values we load; llama covers Mistral and Mixtral (a llama file with experts).
+GGUF_ARCHITECTURES = ("llama", "mixtral", "qwen2", "qwen3", "qwen3moe")
+# Those whose Q/K rows llama.cpp's converter permutes for its adjacent-pair RoPE (LlamaModel.permute); Qwen's keep HF's order.
+ROPE_PERMUTED_ARCHITECTURES = ("llama", "mixtral")
 
 
 # -- files -------------------------------------------------------------------
@@ -98,11 +107,24 @@ def metadata(reader: GGUFReader) -> dict[str, Any]:
 # -- model config ------------------------------------------------------------
 
 
-def config_from_gguf(meta: Mapping[str, Any], tensor_names: Sequence[str], *, name: str) -> ModelConfig:
-    """A Llama (dense) or Mixtral (``{arch}.expert_count`` > 0) config from llama.cpp's metadata keys."""
+def gguf_config(reader: GGUFReader, meta: Mapping[str, Any], *, name: str) -> ModelConfig:
+    """The model config of an open GGUF: its metadata, tensor names and, for Llama 3.1+, its rope_freqs values."""
+    rope_freqs = next((tensor for tensor in reader.tensors if tensor.name == "rope_freqs.weight"), None)
+    factors = None if rope_freqs is None else [float(v) for v in rope_freqs.data.reshape(-1)]
+    return config_from_gguf(meta, [t.name for t in reader.tensors], name=name, rope_freqs=factors)
+
+
+def config_from_gguf(
+    meta: Mapping[str, Any], tensor_names: Sequence[str], *, name: str, rope_freqs: Sequence[float] | None = None
+) -> ModelConfig:
+    """A config from llama.cpp's metadata keys (GGUF_ARCHITECTURES), MoE when ``{arch}.expert_count`` > 0.
+
+    What the metadata does not say is read off the tensors, as llama.cpp does: biases, q/k norms, dense layers
+    (blocks without ffn_gate_inp) in an MoE, tied embeddings (no output.weight).
+    """
     arch = meta.get("general.architecture")
-    if arch not in ("llama", "mixtral"):
-        raise CheckpointError(f"GGUF architecture {arch!r} is not supported: expected llama (dense or Mixtral-style MoE)")
+    if arch not in GGUF_ARCHITECTURES:
+        raise CheckpointError(f"GGUF architecture {arch!r} is not supported: expected one of {', '.join(GGUF_ARCHITECTURES)}")
 
     def field(key: str, default: Any = None) -> Any:
         value = meta.get(f"{arch}.{key}", default)
@@ -110,29 +132,63 @@ def config_from_gguf(meta: Mapping[str, Any], tensor_names: Sequence[str], *, na
             raise CheckpointError(f"GGUF metadata lacks {arch}.{key}")
         return value
 
-    scaling = meta.get(f"{arch}.rope.scaling.type", "none")
-    if scaling not in ("none", None) or "rope_freqs.weight" in tensor_names:
-        raise CheckpointError(f"GGUF rope scaling {scaling!r} is not supported")
     hidden, num_heads = int(field("embedding_length")), int(field("attention.head_count"))
+    layers, names = int(field("block_count")), set(tensor_names)
     tokens = meta.get("tokenizer.ggml.tokens") or []
     return ModelConfig(
         name=name,
         vocab_size=int(meta.get(f"{arch}.vocab_size") or len(tokens)),
         hidden_size=hidden,
         intermediate_size=int(field("feed_forward_length")),
-        num_layers=int(field("block_count")),
+        num_layers=layers,
         num_heads=num_heads,
         num_kv_heads=int(field("attention.head_count_kv", num_heads)),
         head_dim=int(field("attention.key_length", hidden // num_heads)),
-        num_experts=int(field("expert_count", 0)),
-        experts_per_token=int(field("expert_used_count", 2)),
+        **_gguf_moe_fields(meta, arch, layers, names),
+        attention_bias="blk.0.attn_q.bias" in names,
+        attention_out_bias="blk.0.attn_output.bias" in names,
+        qk_norm="blk.0.attn_q_norm.weight" in names,
         rope_theta=float(field("rope.freq_base", 10000.0)),
+        rope_scaling=_gguf_rope_scaling(meta, arch, names, rope_freqs),
         rms_norm_eps=float(field("attention.layer_norm_rms_epsilon", 1e-5)),
         max_position_embeddings=int(field("context_length", 2048)),
-        tie_word_embeddings="output.weight" not in tensor_names,
+        tie_word_embeddings="output.weight" not in names,
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
         eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
     )
+
+
+def _gguf_moe_fields(meta: Mapping[str, Any], arch: str, layers: int, names: set[str]) -> dict[str, Any]:
+    experts = int(meta.get(f"{arch}.expert_count") or 0)
+    if not experts:
+        return {}
+    used = int(meta.get(f"{arch}.expert_used_count", 2))
+    fields: dict[str, Any] = {
+        "num_experts": experts,
+        "experts_per_token": used,
+        "dense_layers": tuple(i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" not in names),
+        # llama.cpp always renormalises Mixtral's and Qwen3-MoE's top-k weights (build_moe_ffn's norm_w).
+        "norm_topk_prob": True,
+    }
+    if arch == "qwen3moe":
+        # llama.cpp's fallback when the converter wrote no expert_feed_forward_length.
+        default = int(meta[f"{arch}.feed_forward_length"]) // used
+        fields["moe_intermediate_size"] = int(meta.get(f"{arch}.expert_feed_forward_length") or default)
+    return fields
+
+
+def _gguf_rope_scaling(meta: Mapping[str, Any], arch: str, names: set[str], rope_freqs: Sequence[float] | None) -> RopeScaling | None:
+    scaling = meta.get(f"{arch}.rope.scaling.type", "none")
+    if scaling == "linear":
+        return RopeScaling("linear", factor=float(meta[f"{arch}.rope.scaling.factor"]))
+    if scaling not in ("none", None):
+        raise CheckpointError(f"GGUF rope scaling {scaling!r} is not supported: expected none, linear or a rope_freqs tensor (llama3)")
+    if "rope_freqs.weight" not in names:
+        return None
+    # Llama 3.1+: the converter writes the llama3 frequencies' divisors as a tensor, not as metadata.
+    if rope_freqs is None:
+        raise CheckpointError("the GGUF has a rope_freqs tensor: read its config with gguf_config, which reads its values")
+    return RopeScaling("freq_factors", freq_factors=tuple(rope_freqs))
 
 
 # -- tokenizer ---------------------------------------------------------------

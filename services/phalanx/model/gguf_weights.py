@@ -25,10 +25,11 @@ import torch
 from phalanx.model.config import CheckpointError, ModelConfig
 from phalanx.model.gguf_format import (
     CACHE_FORMAT,
+    ROPE_PERMUTED_ARCHITECTURES,
     build_tokenizer,
     cache_file,
-    config_from_gguf,
     content_hash,
+    gguf_config,
     metadata,
     read_cache_header,
     read_gguf,
@@ -44,7 +45,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-_BLOCK = re.compile(r"^blk\.(\d+)\.(\w+)\.weight$")
+_BLOCK = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
+# Tensors that the config holds instead of the model (Llama 3.1+'s rope frequency divisors).
+_IN_CONFIG = {"rope_freqs.weight"}
 _TOP_LEVEL = {"token_embd.weight": "embed_tokens.weight", "output_norm.weight": "norm", "output.weight": "lm_head.weight"}
 _IN_BLOCK = {
     "attn_q": "self_attn.q_proj.weight",
@@ -52,6 +55,12 @@ _IN_BLOCK = {
     "attn_v": "self_attn.v_proj.weight",
     "attn_output": "self_attn.o_proj.weight",
     "attn_norm": "input_layernorm",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.bias": "self_attn.o_proj.bias",
     "ffn_norm": "post_attention_layernorm",
     "ffn_gate": "mlp.gate_proj.weight",
     "ffn_up": "mlp.up_proj.weight",
@@ -73,7 +82,7 @@ def load_gguf(path: Path, *, name: str, cache_root: Path | None = None, keep_int
     if loaded is None:
         reader = read_gguf(path)
         meta = metadata(reader)
-        config = config_from_gguf(meta, [t.name for t in reader.tensors], name=name)
+        config = gguf_config(reader, meta, name=name)
         tokenizer = build_tokenizer(meta)
         state = dequantized_state_dict(reader, config)
         _write_cache(cached, state, config, tokenizer, digest)
@@ -138,14 +147,15 @@ def gguf_skeleton(path: Path, *, name: str) -> tuple[ModelConfig, HFTokenizer, s
     maps the file; no tensor is read)."""
     reader = read_gguf(path)
     meta = metadata(reader)
-    config = config_from_gguf(meta, [t.name for t in reader.tensors], name=name)
+    config = gguf_config(reader, meta, name=name)
     return config, build_tokenizer(meta), f"{name}@{content_hash(path)[:12]}"
 
 
 def dequantized_state_dict(reader: GGUFReader, config: ModelConfig) -> dict[str, torch.Tensor]:
-    """Our parameter names -> float32 tensors, Q/K rows back in Hugging Face's RoPE order."""
+    """Our parameter names -> float32 tensors, Q/K rows back in Hugging Face's RoPE order (where the converter permuted them)."""
     from gguf.quants import dequantize
 
+    permuted = reader.fields["general.architecture"].contents() in ROPE_PERMUTED_ARCHITECTURES
     state: dict[str, torch.Tensor] = {}
     expert_halves: dict[str, dict[str, np.ndarray]] = {}
     for tensor in reader.tensors:
@@ -156,14 +166,16 @@ def dequantized_state_dict(reader: GGUFReader, config: ModelConfig) -> dict[str,
         if tensor.name in _TOP_LEVEL:
             state[_TOP_LEVEL[tensor.name]] = _tensor(weights)
             continue
+        if tensor.name in _IN_CONFIG:
+            continue
         matched = _BLOCK.match(tensor.name)
         if matched is None:
-            raise CheckpointError(f"GGUF tensor {tensor.name} has no place in a Llama/Mixtral model")
-        layer, kind = matched.group(1), matched.group(2)
+            raise CheckpointError(f"GGUF tensor {tensor.name} has no place in a {config.name} model")
+        layer, kind = matched.group(1), matched.group(2) + (".bias" if matched.group(3) == "bias" else "")
         prefix = f"layers.{layer}."
-        if kind == "attn_q":
+        if permuted and kind in ("attn_q", "attn_q.bias"):
             weights = unpermute_rope_rows(weights, config.num_heads)
-        elif kind == "attn_k":
+        elif permuted and kind in ("attn_k", "attn_k.bias"):
             weights = unpermute_rope_rows(weights, config.num_kv_heads)
         if kind in ("ffn_gate_exps", "ffn_up_exps"):
             # Our experts keep w1 (gate) and w3 (up) fused as [E, 2I, H], gate first.
@@ -173,7 +185,7 @@ def dequantized_state_dict(reader: GGUFReader, config: ModelConfig) -> dict[str,
                 state[prefix + "mlp.w13"] = _tensor(np.concatenate([halves["ffn_gate_exps"], halves["ffn_up_exps"]], axis=1))
             continue
         if kind not in _IN_BLOCK:
-            raise CheckpointError(f"GGUF tensor {tensor.name} has no place in a Llama/Mixtral model")
+            raise CheckpointError(f"GGUF tensor {tensor.name} has no place in a {config.name} model")
         state[prefix + _IN_BLOCK[kind]] = _tensor(weights)
     return state
 
@@ -217,7 +229,7 @@ def _read_cache(file: Path, digest: str, name: str) -> tuple[ModelConfig, HFToke
 
     try:
         state = load_file(str(file))
-        config = ModelConfig(**{**json.loads(header["config"]), "name": name})
+        config = ModelConfig.from_dict({**json.loads(header["config"]), "name": name})
         tokenizer = tokenizer_from_record(header)
     except (SafetensorError, OSError, ValueError, KeyError, TypeError) as error:
         log.warning("ignoring the unreadable GGUF cache %s (%s); rebuilding it", file, error)

@@ -1,4 +1,5 @@
-"""Builds models: built-in ones from a seed, GGUF files (phalanx.model.gguf_weights), or Hugging Face Mixtral/Llama checkpoints from safetensors."""
+"""Builds models: built-in ones from a seed, GGUF files (phalanx.model.gguf_weights), or Hugging Face checkpoints (Llama, Mistral,
+Mixtral, Qwen2, Qwen3, Qwen3-MoE) from safetensors."""
 
 from __future__ import annotations
 
@@ -14,10 +15,14 @@ from phalanx.model.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
 from phalanx.model.transformer import Transformer, initialise
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
-_HF_EXPERT = re.compile(r"^block_sparse_moe\.experts\.(\d+)\.(w1|w2|w3)\.weight$")
+# Per-expert tensors: Mixtral's w1 (gate) / w3 (up) / w2 (down), Qwen3-MoE's gate_proj / up_proj / down_proj.
+_HF_EXPERT = re.compile(r"^(?:block_sparse_moe|mlp)\.experts\.(\d+)\.(w1|w2|w3|gate_proj|up_proj|down_proj)\.weight$")
+_EXPERT_PARTS = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
 _RENAMES = {
     "input_layernorm.weight": "input_layernorm",
     "post_attention_layernorm.weight": "post_attention_layernorm",
+    "self_attn.q_norm.weight": "self_attn.q_norm",
+    "self_attn.k_norm.weight": "self_attn.k_norm",
     "block_sparse_moe.gate.weight": "mlp.gate.weight",
     # transformers >= 5 fused layout
     "mlp.experts.gate_up_proj": "mlp.w13",
@@ -137,7 +142,7 @@ def load_hf_weights(model: Transformer, path: Path) -> None:
                         continue
                     if target not in params:
                         raise CheckpointError(f"{file.name}: {hf_name} has no place in {model.config.name}")
-                    _copy(params[target], f.get_tensor(hf_name), hf_name, expert, part, model.config.intermediate_size)
+                    _copy(params[target], f.get_tensor(hf_name), hf_name, expert, part, model.config.expert_intermediate_size)
                     loaded.add(target if expert is None else f"{target}[{expert}].{part}")
     _check_complete(model, params, loaded)
 
@@ -154,7 +159,7 @@ def _map_name(hf_name: str) -> tuple[str | None, int | None, str | None]:
     assert matched is not None  # every "model.layers." name matches
     layer, rest = matched.groups()
     if m := _HF_EXPERT.match(rest):
-        expert, part = int(m.group(1)), m.group(2)
+        expert, part = int(m.group(1)), _EXPERT_PARTS.get(m.group(2), m.group(2))
         return f"layers.{layer}.mlp.{'w2' if part == 'w2' else 'w13'}", expert, part
     return f"layers.{layer}.{_RENAMES.get(rest, rest)}", None, None
 

@@ -46,10 +46,9 @@ def check_shardable(config: ModelConfig, size: int) -> None:
         raise TensorParallelConfigError(
             f"{config.name}: num_kv_heads {config.num_kv_heads} does not divide by tensor_parallel_size {size}"
         )
-    if config.intermediate_size % size:
-        raise TensorParallelConfigError(
-            f"{config.name}: intermediate_size {config.intermediate_size} does not divide by tensor_parallel_size {size}"
-        )
+    for name, value in (("intermediate_size", config.intermediate_size), ("moe_intermediate_size", config.expert_intermediate_size)):
+        if value % size:
+            raise TensorParallelConfigError(f"{config.name}: {name} {value} does not divide by tensor_parallel_size {size}")
 
 
 def shard(total: int, rank: int, size: int) -> slice:
@@ -100,9 +99,13 @@ def shard_model(model: Transformer, rank: int, size: int, all_gather: AllGather)
             _keep_rows(attn.k_proj, kv_rows)
             _keep_rows(attn.v_proj, kv_rows)
             _keep_columns(attn.o_proj, q_rows)
+            if attn.o_proj.bias is not None and rank:
+                # o_proj's output is a partial sum over ranks: its bias belongs in one of them.
+                attn.o_proj.register_parameter("bias", None)
             attn.num_heads = heads.stop - heads.start
             attn.num_kv_heads = kv_heads.stop - kv_heads.start
-            _shard_mlp(layer.mlp, shard(config.intermediate_size, rank, size), config.intermediate_size)
+            inter = config.expert_intermediate_size if isinstance(layer.mlp, SparseMoE) else config.intermediate_size
+            _shard_mlp(layer.mlp, shard(inter, rank, size), inter)
             layer.reduce = reduce
     model.tp_rank, model.tp_size = rank, size
     return model
@@ -124,6 +127,8 @@ def _shard_mlp(mlp: nn.Module, inter: slice, intermediate_size: int) -> None:
 
 def _keep_rows(linear: nn.Linear, rows: slice) -> None:
     linear.weight = nn.Parameter(linear.weight.data[rows].contiguous(), requires_grad=False)
+    if linear.bias is not None:
+        linear.bias = nn.Parameter(linear.bias.data[rows].contiguous(), requires_grad=False)
     linear.out_features = linear.weight.shape[0]
 
 

@@ -1,4 +1,8 @@
-"""Mixtral-style MoE and Llama-style dense decoder, parameter names as in Hugging Face."""
+"""Llama-family decoders (Llama, Mistral, Qwen2/3, Mixtral and Qwen3-MoE sparse MoE), parameter names as in Hugging Face.
+
+What sets the families apart is in ModelConfig: q/k/v (and o) biases, per-head q/k RMSNorm, scaled RoPE, experts' own
+intermediate size, dense layers among sparse ones and whether the top-k gate weights are renormalised.
+"""
 
 from __future__ import annotations
 
@@ -12,29 +16,45 @@ from torch import nn
 from phalanx.model.attention import AttentionBackend, CausalNoCache
 from phalanx.model.config import ModelConfig
 from phalanx.model.ops import apply_rope, linear, rms_norm, rope_tables
+from phalanx.model.rope import inverse_frequencies
 
 if TYPE_CHECKING:
     from phalanx.model.tokenizer import Tokenizer
 
 
 class Attention(nn.Module):
+    q_norm: nn.Parameter | None
+    k_norm: nn.Parameter | None
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         h, d = config.hidden_size, config.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, d
-        self.q_proj = nn.Linear(h, config.num_heads * d, bias=False)
-        self.k_proj = nn.Linear(h, config.num_kv_heads * d, bias=False)
-        self.v_proj = nn.Linear(h, config.num_kv_heads * d, bias=False)
-        self.o_proj = nn.Linear(config.num_heads * d, h, bias=False)
+        self.eps = config.rms_norm_eps
+        self.q_proj = nn.Linear(h, config.num_heads * d, bias=config.attention_bias)
+        self.k_proj = nn.Linear(h, config.num_kv_heads * d, bias=config.attention_bias)
+        self.v_proj = nn.Linear(h, config.num_kv_heads * d, bias=config.attention_bias)
+        self.o_proj = nn.Linear(config.num_heads * d, h, bias=config.attention_out_bias)
+        self.register_parameter("q_norm", nn.Parameter(torch.ones(d)) if config.qk_norm else None)
+        self.register_parameter("k_norm", nn.Parameter(torch.ones(d)) if config.qk_norm else None)
 
     def forward(self, x, cos, sin, layer: int, backend: AttentionBackend, invariant: bool) -> torch.Tensor:
         t = x.shape[0]
-        q = linear(x, self.q_proj.weight, invariant=invariant).view(t, self.num_heads, self.head_dim)
-        k = linear(x, self.k_proj.weight, invariant=invariant).view(t, self.num_kv_heads, self.head_dim)
-        v = linear(x, self.v_proj.weight, invariant=invariant).view(t, self.num_kv_heads, self.head_dim)
+        q = _project(x, self.q_proj, invariant).view(t, self.num_heads, self.head_dim)
+        k = _project(x, self.k_proj, invariant).view(t, self.num_kv_heads, self.head_dim)
+        v = _project(x, self.v_proj, invariant).view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            # Qwen3: each head normalised over head_dim, before RoPE (transformers' Qwen3Attention).
+            q, k = rms_norm(q, self.q_norm, self.eps), rms_norm(k, self.k_norm, self.eps)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out = backend.attend(layer, q, k, v)
-        return linear(out.reshape(t, -1), self.o_proj.weight, invariant=invariant)
+        return _project(out.reshape(t, -1), self.o_proj, invariant)
+
+
+def _project(x: torch.Tensor, proj: nn.Linear, invariant: bool) -> torch.Tensor:
+    # The bias is added apart from the matmul so that `linear` keeps its batch-invariant padding; a bias adds per row.
+    y = linear(x, proj.weight, invariant=invariant)
+    return y if proj.bias is None else y + proj.bias
 
 
 class DenseMLP(nn.Module):
@@ -53,7 +73,7 @@ class DenseMLP(nn.Module):
 
 
 class SparseMoE(nn.Module):
-    """Top-k softmax gate over SwiGLU experts, as Mixtral's block_sparse_moe.
+    """Top-k softmax gate over SwiGLU experts, as Mixtral's block_sparse_moe and Qwen3-MoE's sparse block.
 
     Experts are stored fused ([E, 2I, H] for w1|w3, [E, H, I] for w2) so that
     an expert worker can hold and ship any subset as plain tensors.
@@ -61,15 +81,16 @@ class SparseMoE(nn.Module):
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        e, h, i = config.num_experts, config.hidden_size, config.intermediate_size
+        e, h, i = config.num_experts, config.hidden_size, config.expert_intermediate_size
         self.top_k = config.experts_per_token
+        self.normalise = config.norm_topk_prob
         self.gate = nn.Linear(h, e, bias=False)
         self.w13 = nn.Parameter(torch.empty(e, 2 * i, h))
         self.w2 = nn.Parameter(torch.empty(e, h, i))
 
     def route(self, x: torch.Tensor, invariant: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (weights [T, k], expert ids [T, k]) for each token."""
-        return route(self.gate.weight, self.top_k, x, invariant)
+        return route(self.gate.weight, self.top_k, x, invariant, normalise=self.normalise)
 
     def expert(self, e: int, x: torch.Tensor, invariant: bool) -> torch.Tensor:
         return expert_mlp(self.w13[e], self.w2[e], x, invariant)
@@ -86,12 +107,19 @@ class SparseMoE(nn.Module):
         return out
 
 
-def route(gate_weight: torch.Tensor, top_k: int, x: torch.Tensor, invariant: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """The top-k softmax gate: (weights [T, k], expert ids [T, k]); shared by SparseMoE and an attention worker's split MoE."""
+def route(
+    gate_weight: torch.Tensor, top_k: int, x: torch.Tensor, invariant: bool, *, normalise: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The top-k softmax gate: (weights [T, k], expert ids [T, k]); shared by SparseMoE and an attention worker's split MoE.
+
+    Softmax over all experts, then the top k, renormalised to sum to 1 when `normalise` (Mixtral's top-k-then-softmax
+    is exactly this; Qwen3-MoE renormalises only with norm_topk_prob).
+    """
     logits = linear(x, gate_weight, invariant=invariant)
     probs = F.softmax(logits, dim=-1, dtype=torch.float32)
     weights, experts = torch.topk(probs, top_k, dim=-1)
-    weights = weights / weights.sum(dim=-1, keepdim=True)
+    if normalise:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights.to(x.dtype), experts
 
 
@@ -102,14 +130,14 @@ def expert_mlp(w13: torch.Tensor, w2: torch.Tensor, x: torch.Tensor, invariant: 
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, layer: int) -> None:
         super().__init__()
         self.eps = config.rms_norm_eps
         self.input_layernorm = nn.Parameter(torch.ones(config.hidden_size))
         self.post_attention_layernorm = nn.Parameter(torch.ones(config.hidden_size))
         self.self_attn = Attention(config)
         # An attention worker swaps SparseMoE for model.expert_split.RemoteMoE, which takes the same arguments.
-        self.mlp: nn.Module = SparseMoE(config) if config.is_moe else DenseMLP(config)
+        self.mlp: nn.Module = SparseMoE(config) if config.is_moe_layer(layer) else DenseMLP(config)
         # Under tensor parallelism (model/tensor_parallel.py) attention and MLP give this rank's partial
         # sums; this completes them over the group. None: the layer is whole.
         self.reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
@@ -132,7 +160,7 @@ class Transformer(nn.Module):
         super().__init__()
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
         self.norm = nn.Parameter(torch.ones(config.hidden_size))
         self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self._rope: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -148,7 +176,8 @@ class Transformer(nn.Module):
     def rope(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self._rope is None or self._rope[0].device != self.device:
             c = self.config
-            self._rope = rope_tables(c.head_dim, c.max_position_embeddings, c.rope_theta, self.device)
+            inv_freq = None if c.rope_scaling is None else inverse_frequencies(c.head_dim, c.rope_theta, c.rope_scaling, self.device)
+            self._rope = rope_tables(c.head_dim, c.max_position_embeddings, c.rope_theta, self.device, inv_freq=inv_freq)
         return self._rope
 
     def hidden_states(
@@ -189,7 +218,7 @@ def initialise(model: Transformer, seed: int) -> None:
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, param in sorted(model.named_parameters()):
-            if "layernorm" in name or name == "norm":
+            if "layernorm" in name or name.endswith("norm"):
                 param.fill_(1.0)
             elif name == "embed_tokens.weight":
                 param.copy_(torch.randn(param.shape, generator=gen))

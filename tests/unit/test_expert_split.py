@@ -19,11 +19,23 @@ def monolithic():
     return phalanx.model.load(MODEL)
 
 
-def _split(workers: int, copies: int):
+@pytest.fixture(scope="module")
+def qwen3_moe(tmp_path_factory):
+    """A tiny Qwen3-MoE checkpoint: top-k weights not renormalised, layer 1 a dense MLP."""
+    pytest.importorskip("transformers")
+    from phalanx.testing.checkpoints import save_tiny_checkpoint
+
+    path = tmp_path_factory.mktemp("qwen3-moe")
+    # 2048 positions: what the engine's default max_model_len needs.
+    save_tiny_checkpoint(path, "qwen3_moe", norm_topk_prob=False, mlp_only_layers=[1], max_position_embeddings=2048)
+    return path
+
+
+def _split(workers: int, copies: int, model: str = MODEL):
     """An attention-side model whose experts live on `workers` in-process hosts placed as the ERT manager would."""
-    full = phalanx.model.load(MODEL)
+    full = phalanx.model.load(model)
     c = full.config
-    manager = ErtManager(MODEL, c.num_layers, c.num_experts)
+    manager = ErtManager(str(model), c.num_layers, c.num_experts)
     hosts = {}
     for i, hosted in enumerate(place(c.num_layers, c.num_experts, workers, copies)):
         name = f"ew-{i}"
@@ -116,3 +128,14 @@ def _check_merged_equals_alone(monolithic) -> None:
         assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
     with pytest.raises(MissingExpertError):
         host.compute_merged(0, calls, True)
+
+
+def test_qwen3_moe_split_keeps_its_dense_layer_and_gives_the_monolithic_bits_and_tokens(qwen3_moe):
+    monolithic = phalanx.model.load(qwen3_moe)
+    model, hosts, _ = _split(2, 1, qwen3_moe)
+    assert [type(layer.mlp).__name__ for layer in model.layers] == ["RemoteMoE", "DenseMLP", "RemoteMoE"]
+    assert all(layer != 1 for host in hosts.values() for layer, _ in host.keys)
+    tokens = list(range(3, 40))
+    assert torch.equal(model.forward_logits(tokens), monolithic.forward_logits(tokens))
+    prompts = [[7 * i + j for j in range(5 + i)] for i in range(4)]
+    assert _generate(model, prompts, 8) == _generate(monolithic, prompts, 8)

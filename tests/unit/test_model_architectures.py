@@ -97,3 +97,22 @@ def test_sliding_window_attention_is_refused(tmp_path):
     # Disabled, the window is ignored (Qwen2.5's configs carry one).
     config = ModelConfig.from_hf_dir(_config_json(tmp_path, model_type="qwen2", use_sliding_window=False, sliding_window=16))
     assert config.attention_bias and not config.attention_out_bias
+
+
+def test_engine_serves_a_qwen3_checkpoint_with_transformers_greedy_tokens(tmp_path):
+    from phalanx.model.sampling import SamplingParams
+    from phalanx.worker.config import EngineConfig
+    from phalanx.worker.engine import Engine, EngineRequest
+
+    reference = save_tiny_checkpoint(tmp_path, "qwen3")
+    engine = Engine(phalanx.model.load(tmp_path), EngineConfig(num_kv_blocks=16, max_model_len=256))
+    prompts = [TOKENS[:9], TOKENS[5:30]]
+    ids = {engine.add_request(EngineRequest(p, SamplingParams(max_tokens=12, ignore_eos=True))).request_id: i for i, p in enumerate(prompts)}
+    served: list[list[int]] = [[] for _ in prompts]
+    while engine.has_work():
+        for event in engine.step():
+            served[ids[event.request_id]].append(event.token_id)
+    for prompt, tokens in zip(prompts, served, strict=True):
+        with torch.no_grad():
+            out = reference.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0)
+        assert tokens == out[0, len(prompt):].tolist()

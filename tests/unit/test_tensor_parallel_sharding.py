@@ -55,6 +55,25 @@ def test_tp2_sharded_forward_matches_the_whole_model(name):
     assert torch.equal(logits[0], logits[1]), "every rank must hold the same hidden states"
 
 
+@pytest.mark.parametrize(
+    ("architecture", "overrides"),
+    [("qwen2", {}), ("qwen3", {"attention_bias": True}), ("qwen3_moe", {"mlp_only_layers": [1], "attention_bias": True})],
+    ids=["qwen2", "qwen3_bias", "qwen3_moe"],
+)
+def test_tp2_shards_biases_and_qk_norms_of_qwen_checkpoints(tmp_path, architecture, overrides):
+    pytest.importorskip("transformers")
+    from phalanx.testing.checkpoints import save_tiny_checkpoint
+
+    torch.set_num_threads(1)
+    save_tiny_checkpoint(tmp_path, architecture, **overrides)
+    prompt = list(range(40, 80))
+    expected = load(tmp_path).forward_logits(prompt)
+    ranks = sharded_ranks(str(tmp_path), 2)
+    logits = on_every_rank(ranks, lambda rank, model: model.forward_logits(prompt))
+    torch.testing.assert_close(logits[0], expected, atol=1e-4, rtol=0)
+    assert torch.equal(logits[0], logits[1])
+
+
 def test_sizes_that_do_not_divide_the_kv_heads_or_the_mlp_are_refused():
     config = builtin_config("phalanx-tiny-moe")
     check_shardable(config, 2)

@@ -123,7 +123,8 @@ def _int4_weights(path: Path, digest: str, config: ModelConfig, cache_root: Path
 
 def int4_codes(reader: GGUFReader, config: ModelConfig) -> dict[str, Int4Codes]:
     """Our weight names -> the file's 4-bit codes, for the linear weights it stores as Q4_0, Q4_1 or Q4_K in a shape
-    the int4 kernel takes; Q/K rows back in Hugging Face's RoPE order."""
+    the int4 kernel takes; Q/K rows back in Hugging Face's RoPE order (where the converter permuted them)."""
+    permuted = reader.fields["general.architecture"].contents() in ROPE_PERMUTED_ARCHITECTURES
     codes: dict[str, Int4Codes] = {}
     for tensor in reader.tensors:
         matched = _BLOCK.match(tensor.name)
@@ -135,7 +136,7 @@ def int4_codes(reader: GGUFReader, config: ModelConfig) -> dict[str, Int4Codes]:
         if target is None or not is_packable(target, shape):
             continue
         weight = gguf_codes(tensor.data, int(tensor.tensor_type), shape)
-        if kind in ("attn_q", "attn_k"):
+        if permuted and kind in ("attn_q", "attn_k"):
             heads = config.num_heads if kind == "attn_q" else config.num_kv_heads
             weight = weight.rows(unpermute_rope_rows(np.arange(shape[0]), heads))
         codes[f"layers.{layer}.{target}"] = weight

@@ -108,7 +108,7 @@ def _int4_weights(path: Path, digest: str, config: ModelConfig, cache_root: Path
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
-    cached = cache_file(digest, cache_root).with_suffix(f".int4-{packed_layout()}.safetensors")
+    cached = cache_file(digest, cache_root).with_suffix(f".int4-v1-{packed_layout()}.safetensors")  # v1: bumped when the codes change
     try:
         tensors = load_file(str(cached))
         names = {name.rpartition(".weight.")[0] + ".weight" for name in tensors}

@@ -5,7 +5,7 @@ A fixed fleet of modelled workers (not processes, not the simulated engine: a fe
 bench's simulated one, 150 ms + 75 ms per running sequence plus 0.5 ms per prompt token it prefills, admits what was
 routed to it at its next step, and gives every running sequence a token at each step's end. Every 0.1 s each worker
 reports its running sequences and its step time averaged as the engine averages it (an exponential average over
-steps, `async_engine._EMA_ALPHA`), the router's view between reports being its own count of what it routed since.
+steps, `engine_frontend.EMA_ALPHA`), the router's view between reports being its own count of what it routed since.
 With `--shared-prefix N`, every prompt starts with one of `--system-prompts` system prompts of N tokens: a worker keeps
 the blocks of the prompts it prefilled (the least recently used go beyond `--cache-blocks`) and publishes them as KV
 events into the router's index, so the routing cost weighs a cache holder's saved prefill against its load, and the
@@ -33,7 +33,7 @@ from phalanx.bench.planner import ITL_SLO_S, OSL, TTFT_SLO_S, arrivals
 from phalanx.bench.route import BLOCK_SIZE, KvEventPublisher
 from phalanx.common.block_hash import ROOT_HASH, prefix_block_hashes
 from phalanx.router.routing import RUNNING_SEQ_STEPS, RoutingTable
-from phalanx.worker.async_engine import _EMA_ALPHA
+from phalanx.worker.engine_frontend import EMA_ALPHA
 
 STEP_BASE_S = 0.15
 STEP_PER_SEQ_S = 0.075
@@ -168,7 +168,7 @@ class _Simulation:
     def _end_step(self, w: _Worker) -> None:
         """A token for every sequence of the step; those with all their tokens leave; the next step if any work is left."""
         took = self.now - w.step_started
-        w.step_ema_s = took if w.step_ema_s == 0 else w.step_ema_s + _EMA_ALPHA * (took - w.step_ema_s)
+        w.step_ema_s = took if w.step_ema_s == 0 else w.step_ema_s + EMA_ALPHA * (took - w.step_ema_s)
         for request in w.stepping:
             self.tokens[request].append(self.now)
             if len(self.tokens[request]) == OSL:

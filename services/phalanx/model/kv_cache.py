@@ -311,6 +311,13 @@ class KvCacheTensors(SlotRanges):
     ) -> None:
         self.data = zeroed((num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim), dtype=dtype, device=device)
 
+    @classmethod
+    def over(cls, data: torch.Tensor) -> KvCacheTensors:
+        """A cache over memory allocated elsewhere (an engine process's shared memory), shaped as ``data`` above."""
+        cache = cls.__new__(cls)
+        cache.data = data
+        return cache
+
     @property
     def bytes_per_block(self) -> int:
         return self.data[:, :, 0].numel() * self.data.element_size()

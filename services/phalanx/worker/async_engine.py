@@ -11,27 +11,21 @@ import asyncio
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol, assert_never
+from typing import TYPE_CHECKING, Any, assert_never
 
-from phalanx.common.errors import EngineDeadError, UnavailableError
+from phalanx.common.errors import EngineDeadError
 from phalanx.model.kv_cache import KvEvents
 from phalanx.worker.checkpointing import CheckpointCapture
-from phalanx.worker.engine import Engine, EngineRequest, ParkPick, StepStats
+from phalanx.worker.engine import Engine, EngineRequest, ParkPick
+from phalanx.worker.engine_frontend import EngineFrontend, EngineLoad, EventSink, set_exception, set_result
 from phalanx.worker.sequence import FinishReason, TokenEvent
 
 if TYPE_CHECKING:
     import torch
 
 log = logging.getLogger(__name__)
-_EMA_ALPHA = 0.1
-
-
-class EventSink(Protocol):
-    """Where a request's events go, on the event loop, in order, until its final one."""
-
-    def put_nowait(self, event: TokenEvent) -> None: ...
 
 
 # -- commands to the engine thread ---------------------------------------------
@@ -111,40 +105,21 @@ EngineCall = Restore | Park | ExportKv | Unpark
 EngineCommand = AddRequest | AbortRequest | ListCachedBlocks | HandBackAll | EngineCall
 
 
-@dataclass
-class EngineLoad:
-    queue_depth: int
-    running_seqs: int
-    free_blocks: int
-    total_blocks: int
-    step_time_ms: float
-    prefill_tokens_per_s: float
-    decode_tokens_per_s: float
+class AsyncEngine(EngineFrontend):
+    """The engine loop on a thread of the worker process (see EngineCoreClient for one in a process of its own)."""
 
-
-class AsyncEngine:
     def __init__(
         self, engine: Engine, *, on_kv_events: Callable[[KvEvents], None] | None = None, checkpoints: CheckpointCapture | None = None
     ) -> None:
-        self.engine = engine
+        super().__init__()
+        self.engine: Engine = engine
         self._on_kv_events = on_kv_events
         # Copies each step's new KV for the checkpoint store (on this thread, between steps).
         self.checkpoints = checkpoints
         self._commands: queue.SimpleQueue[EngineCommand] = queue.SimpleQueue()
         self._wake = threading.Event()
-        self._streams: dict[str, EventSink] = {}
-        self._canaries: set[str] = set()  # ids in _streams that are canaries
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._stopping = False
-        self.dead: BaseException | None = None
-        # Draining: no new requests, but canaries still (a quarantine, or on the way to exit).
-        self.draining = False
-        # Exiting: not even canaries; the worker is going away.
-        self.exiting = False
-        self.step_time_ema_s = 0.0
-        self.prefill_rate = 0.0
-        self.decode_rate = 0.0
 
     @property
     def _started_loop(self) -> asyncio.AbstractEventLoop:
@@ -165,23 +140,10 @@ class AsyncEngine:
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join)
             self._thread = None
-        streams, self._streams = self._streams, {}
-        self._canaries.clear()
-        for request_id, stream in streams.items():
-            stream.put_nowait(TokenEvent(request_id, -1, "", -1, FinishReason.ABORTED))
+        self._fail_all(None)
 
     # -- requests -----------------------------------------------------------
-    async def submit(self, request: EngineRequest, sink: EventSink) -> str:
-        """Admits a request and returns its id; its events then go to `sink` until the final one.
-
-        Raises what admission raises (invalid, queue full, draining, engine
-        dead). Events arrive whoever reads them; only `abort` stops the request.
-        """
-        if self.dead is not None:
-            raise EngineDeadError(f"engine loop died: {self.dead!r}")
-        if self._stopping or self.exiting or (self.draining and not request.canary):
-            raise UnavailableError("worker is draining; send the request to another worker", retry_after_s=0.1)
-        self.engine.validate(request)  # pure checks; safe off the engine thread
+    async def _submit(self, request: EngineRequest, sink: EventSink) -> str:
         done = _future()
         self._send(AddRequest(request, sink, done))
         return await done  # raises what add_request raised (queue full, duplicate id)
@@ -190,37 +152,13 @@ class AsyncEngine:
         """Ends a request with ABORTED (freeing its KV); a no-op once it has finished."""
         self._send(AbortRequest(request_id, FinishReason.ABORTED))
 
-    async def generate(self, request: EngineRequest) -> AsyncIterator[TokenEvent]:
-        """Yields the request's events until its final one; cancelling the iteration aborts it."""
-        stream: asyncio.Queue[TokenEvent] = asyncio.Queue()
-        request_id = await self.submit(request, stream)
-        finished = False
-        try:
-            while True:
-                event = await stream.get()
-                if event.error is not None:
-                    raise event.error
-                finished = event.finish_reason is not FinishReason.NONE
-                yield event
-                if finished:
-                    return
-        finally:
-            self._forget(request_id)
-            if not finished:
-                self.abort(request_id)
-
     async def cached_blocks(self) -> list[tuple[int, int, int]]:
         """Every block in the prefix cache, read on the engine thread after its pending KV events went out."""
         done = _future()
         self._send(ListCachedBlocks(done))
         return await done
 
-    async def restore(self, request: EngineRequest, kv, kv_tokens: int, sink: EventSink) -> list[TokenEvent]:
-        """Adds a migrated request with its KV; returns the events of the tokens it brought (its log starts with them)."""
-        if self.dead is not None:
-            raise EngineDeadError(f"engine loop died: {self.dead!r}")
-        if self._stopping or self.exiting or self.draining:
-            raise UnavailableError("worker is draining; restore the request on another worker", retry_after_s=0.1)
+    async def _restore(self, request: EngineRequest, kv, kv_tokens: int, sink: EventSink) -> list[TokenEvent]:
         return await self._call(Restore(_future(), request, kv, kv_tokens, sink))
 
     async def park(self, request_ids: list[str] | None, ttl_s: float, pick: ParkPick | None = None) -> list[TokenEvent]:
@@ -246,11 +184,6 @@ class AsyncEngine:
         self._commands.put(command)
         self._wake.set()
 
-    @property
-    def num_requests(self) -> int:
-        """Requests in flight, canaries left out."""
-        return len(self._streams) - len(self._canaries)
-
     def load(self) -> EngineLoad:
         e = self.engine
         return EngineLoad(
@@ -258,9 +191,9 @@ class AsyncEngine:
             running_seqs=len(e.running),
             free_blocks=e.kv.num_free_blocks,
             total_blocks=e.kv.num_blocks,
-            step_time_ms=self.step_time_ema_s * 1e3,
-            prefill_tokens_per_s=self.prefill_rate,
-            decode_tokens_per_s=self.decode_rate,
+            step_time_ms=self.rates.step_time_ema_s * 1e3,
+            prefill_tokens_per_s=self.rates.prefill_rate,
+            decode_tokens_per_s=self.rates.decode_rate,
         )
 
     # -- the engine thread --------------------------------------------------
@@ -275,7 +208,7 @@ class AsyncEngine:
                     self._wake.clear()
                     continue
                 events = self.engine.step()
-                self._record(self.engine.last_step)
+                self.rates.record(self.engine.last_step)
                 if events:  # first: the step's tokens should not wait for its checkpoint capture
                     self._started_loop.call_soon_threadsafe(self._dispatch, events)
                 self._capture_checkpoints()
@@ -297,9 +230,9 @@ class AsyncEngine:
                     try:
                         seq = self.engine.add_request(request)
                     except Exception as exc:  # noqa: BLE001 - reported to that caller only
-                        self._started_loop.call_soon_threadsafe(_set_exception, done, exc)
+                        self._started_loop.call_soon_threadsafe(set_exception, done, exc)
                         continue
-                    self._started_loop.call_soon_threadsafe(self._register, seq.request_id, sink, done, request.canary, seq.replayed)
+                    self._started_loop.call_soon_threadsafe(self._admitted, seq.request_id, sink, done, request.canary, seq.replayed)
                 case AbortRequest(request_id=request_id, reason=reason):
                     # Its final event also tells the sink, if any still listens, that nothing follows.
                     event = self.engine.abort(request_id, reason)
@@ -307,7 +240,7 @@ class AsyncEngine:
                         events.append(event)
                 case ListCachedBlocks(done=done):
                     self._flush_kv_events()
-                    self._started_loop.call_soon_threadsafe(_set_result, done, self.engine.cached_blocks())
+                    self._started_loop.call_soon_threadsafe(set_result, done, self.engine.cached_blocks())
                 case HandBackAll():
                     for request_id, seq in list(self.engine.by_id.items()):
                         if seq.canary or seq.prefix_only:
@@ -338,9 +271,9 @@ class AsyncEngine:
                 case _:
                     assert_never(command)
         except Exception as exc:  # noqa: BLE001 - reported to that caller only
-            self._started_loop.call_soon_threadsafe(_set_exception, command.done, exc)
+            self._started_loop.call_soon_threadsafe(set_exception, command.done, exc)
             return []
-        self._started_loop.call_soon_threadsafe(_set_result, command.done, result)
+        self._started_loop.call_soon_threadsafe(set_result, command.done, result)
         return events
 
     def _capture_checkpoints(self) -> None:
@@ -352,72 +285,14 @@ class AsyncEngine:
         else:
             engine.released.clear()
 
-    def _record(self, stats: StepStats) -> None:
-        if stats.seconds <= 0:
-            return
-        a = _EMA_ALPHA
-        self.step_time_ema_s = stats.seconds if self.step_time_ema_s == 0 else (1 - a) * self.step_time_ema_s + a * stats.seconds
-        if stats.prefill_tokens:
-            rate = stats.prefill_tokens / stats.seconds
-            self.prefill_rate = (1 - a) * self.prefill_rate + a * rate if self.prefill_rate else rate
-        if stats.decode_tokens:
-            rate = stats.decode_tokens / stats.seconds
-            self.decode_rate = (1 - a) * self.decode_rate + a * rate if self.decode_rate else rate
+    def _admitted(self, request_id: str, sink: EventSink, done: asyncio.Future, canary: bool, replayed: list[TokenEvent]) -> None:
+        self._register(request_id, sink, canary, replayed)
+        set_result(done, request_id)
 
     def _flush_kv_events(self) -> None:
         events = self.engine.drain_kv_events()
         if events and self._on_kv_events is not None:
             self._started_loop.call_soon_threadsafe(self._on_kv_events, events)
 
-    # -- on the event loop --------------------------------------------------
-    def _register(self, request_id: str, sink: EventSink, done: asyncio.Future, canary: bool = False, replayed=()) -> None:
-        # Registered even if the caller stopped waiting for admission: the
-        # request runs, and its sink (or an abort) decides what becomes of it.
-        if replayed:
-            self._register_restored(request_id, sink, replayed)
-        self._streams[request_id] = sink
-        if canary:
-            self._canaries.add(request_id)
-        if not done.done():
-            done.set_result(request_id)
-
-    def _register_restored(self, request_id: str, sink: EventSink, replayed: list[TokenEvent]) -> None:
-        self._streams[request_id] = sink
-        seed = getattr(sink, "seed", None)
-        for event in replayed if seed is None else ():
-            sink.put_nowait(event)
-        if seed is not None:
-            seed(replayed)
-
-    def _dispatch(self, events: list[TokenEvent]) -> None:
-        streams = self._streams
-        for event in events:
-            sink = streams.get(event.request_id)
-            if sink is not None:
-                if event.finish_reason is not FinishReason.NONE:
-                    self._forget(event.request_id)
-                sink.put_nowait(event)
-
-    def _forget(self, request_id: str) -> None:
-        self._streams.pop(request_id, None)
-        self._canaries.discard(request_id)
-
-    def _fail_all(self, error: Exception) -> None:
-        streams, self._streams = self._streams, {}
-        self._canaries.clear()
-        for request_id, stream in streams.items():
-            stream.put_nowait(TokenEvent(request_id, -1, "", -1, FinishReason.ABORTED, error=error))
-
-
 def _future() -> asyncio.Future:
     return asyncio.get_running_loop().create_future()
-
-
-def _set_result(future: asyncio.Future, value) -> None:
-    if not future.done():
-        future.set_result(value)
-
-
-def _set_exception(future: asyncio.Future, exc: BaseException) -> None:
-    if not future.done():
-        future.set_exception(exc)

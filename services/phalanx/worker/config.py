@@ -91,6 +91,14 @@ class EngineConfig(BaseSettings):
     expert_probe_timeout_s: float = Field(0.25, gt=0, description="Attention role: deadline of the control-path probe of an expert worker")
     ert_wait_s: float = Field(60.0, gt=0, description="Attention role: how long start-up waits for a complete expert routing table")
 
+    engine_process: bool = Field(
+        False,
+        description=(
+            "Run the engine loop in a child process of its own (its own GIL; the worker keeps no weights), talking to the "
+            "worker over a pipe and shared memory. Applies to the torch engine of a monolithic worker with "
+            "tensor_parallel_size 1 and no failover engine; other workers keep the engine on a thread and log that they do"
+        ),
+    )
     torch_threads: int = Field(
         0,
         ge=0,

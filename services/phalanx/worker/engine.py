@@ -92,6 +92,56 @@ def pick_to_park(seqs: Iterable[Sequence], pick: ParkPick) -> list[str]:
     return [s.request_id for s in candidates[: max(0, pick.limit)]]
 
 
+def clamp_batch_scale(scale: float) -> float:
+    """0 (or NaN) means 1.0; the rest is clamped to [0.1, 1]."""
+    return 1.0 if not scale or scale != scale else min(1.0, max(0.1, scale))
+
+
+def validate_request(request: EngineRequest, model: Any, config: EngineConfig) -> None:
+    """Admission's pure checks, against the model's config and the engine's (callable off the engine loop)."""
+    c = model.config
+    prompt = request.resume.prompt_ids if request.resume else request.prompt_ids
+    if not prompt:
+        raise InvalidRequestError("prompt", "must not be empty")
+    bad = [t for t in prompt if not 0 <= t < c.vocab_size]
+    if bad:
+        raise InvalidRequestError("prompt.tokens", f"ids {bad[:5]} are outside the vocabulary [0, {c.vocab_size})")
+    request.params.validate(c.vocab_size)
+    total = len(prompt) + request.params.max_tokens
+    if total > config.max_model_len:
+        raise InvalidRequestError(
+            "sampling.max_tokens",
+            f"prompt ({len(prompt)} tokens) + max_tokens ({request.params.max_tokens}) = {total}"
+            f" exceeds the context of {config.max_model_len} tokens",
+        )
+    if request.resume and len(request.resume.output_ids) >= request.params.max_tokens:
+        raise InvalidRequestError("resume_from.output_token_ids", "the request has already produced max_tokens tokens")
+    if request.media and not getattr(model, "takes_input_embeds", True):
+        raise InvalidRequestError("media", "this worker's model cannot take media embeddings (a tensor-parallel group)")
+    _validate_media(request.media, len(prompt), c.hidden_size)
+    if request.resume and request.resume.media_spans:
+        given = {m.span for m in request.media}
+        if missing := [s for s in request.resume.media_spans if s not in given]:
+            raise FailedPreconditionError(
+                f"request {request.resume.request_id} has {len(missing)} media item(s) whose embeddings did not come with it"
+                f" (first at prompt position {missing[0].start}): continuing without them would give other tokens",
+                subject="media",
+            )
+
+
+def _validate_media(media: list[MediaEmbedding], prompt_len: int, hidden: int) -> None:
+    end = 0
+    for i, item in enumerate(sorted(media, key=lambda m: m.span.start)):
+        span = item.span
+        if span.start < end or span.length < 1 or span.end > prompt_len:
+            raise InvalidRequestError(f"media[{i}]", f"positions [{span.start}, {span.end}) overlap another item or leave the prompt")
+        if tuple(item.embeddings.shape) != (span.length, hidden):
+            raise InvalidRequestError(
+                f"media[{i}]", f"embeddings of shape {tuple(item.embeddings.shape)} for {span.length} positions of width {hidden}"
+            )
+        end = span.end
+
+
 class Engine:
     def __init__(
         self,
@@ -154,55 +204,14 @@ class Engine:
 
         0 means 1.0; the rest is clamped to [0.1, 1]. Returns the scale applied.
         """
-        scale = 1.0 if not scale or scale != scale else min(1.0, max(0.1, scale))
-        self._batch_scale = scale
+        self._batch_scale = scale = clamp_batch_scale(scale)
         # One int the scheduler reads, assigned whole: safe from another thread.
         self.max_num_seqs = max(1, int(self.config.max_num_seqs * scale))
         return scale
 
     # -- requests -----------------------------------------------------------
     def validate(self, request: EngineRequest) -> None:
-        c = self.model.config
-        prompt = request.resume.prompt_ids if request.resume else request.prompt_ids
-        if not prompt:
-            raise InvalidRequestError("prompt", "must not be empty")
-        bad = [t for t in prompt if not 0 <= t < c.vocab_size]
-        if bad:
-            raise InvalidRequestError("prompt.tokens", f"ids {bad[:5]} are outside the vocabulary [0, {c.vocab_size})")
-        request.params.validate(c.vocab_size)
-        total = len(prompt) + request.params.max_tokens
-        if total > self.config.max_model_len:
-            raise InvalidRequestError(
-                "sampling.max_tokens",
-                f"prompt ({len(prompt)} tokens) + max_tokens ({request.params.max_tokens}) = {total}"
-                f" exceeds the context of {self.config.max_model_len} tokens",
-            )
-        if request.resume and len(request.resume.output_ids) >= request.params.max_tokens:
-            raise InvalidRequestError("resume_from.output_token_ids", "the request has already produced max_tokens tokens")
-        if request.media and not getattr(self.model, "takes_input_embeds", True):
-            raise InvalidRequestError("media", "this worker's model cannot take media embeddings (a tensor-parallel group)")
-        self._validate_media(request.media, len(prompt), c.hidden_size)
-        if request.resume and request.resume.media_spans:
-            given = {m.span for m in request.media}
-            if missing := [s for s in request.resume.media_spans if s not in given]:
-                raise FailedPreconditionError(
-                    f"request {request.resume.request_id} has {len(missing)} media item(s) whose embeddings did not come with it"
-                    f" (first at prompt position {missing[0].start}): continuing without them would give other tokens",
-                    subject="media",
-                )
-
-    @staticmethod
-    def _validate_media(media: list[MediaEmbedding], prompt_len: int, hidden: int) -> None:
-        end = 0
-        for i, item in enumerate(sorted(media, key=lambda m: m.span.start)):
-            span = item.span
-            if span.start < end or span.length < 1 or span.end > prompt_len:
-                raise InvalidRequestError(f"media[{i}]", f"positions [{span.start}, {span.end}) overlap another item or leave the prompt")
-            if tuple(item.embeddings.shape) != (span.length, hidden):
-                raise InvalidRequestError(
-                    f"media[{i}]", f"embeddings of shape {tuple(item.embeddings.shape)} for {span.length} positions of width {hidden}"
-                )
-            end = span.end
+        validate_request(request, self.model, self.config)
 
     def add_request(self, request: EngineRequest) -> Sequence:
         self.validate(request)

@@ -102,6 +102,8 @@ class FaultState:
         self._weights_fault: Fault | None = None
         # Read by the engine thread once per step, without the lock.
         self.active = False
+        # Called (under the state's lock) with the faults after each change: an engine process mirrors them.
+        self.on_change: Callable[[dict[FaultKind, Fault]], object] | None = None
 
     # -- the control side ------------------------------------------------------
     def inject(
@@ -147,6 +149,12 @@ class FaultState:
             self._update()
         return removed
 
+    def replace(self, faults: dict[FaultKind, Fault]) -> None:
+        """Takes over another FaultState's faults whole (an engine process mirrors its worker's, see engine_core.py)."""
+        with self._changed:
+            self._faults = dict(faults)
+            self._update()
+
     def expire(self) -> list[Fault]:
         """Removes the faults whose duration has passed; returns them."""
         now = self._clock()
@@ -179,6 +187,8 @@ class FaultState:
         # Weights still corrupted keep the engine hook on until it restored them.
         self.active = any(kind in ENGINE_FAULTS for kind in self._faults) or self._weights_fault is not None
         self._changed.notify_all()
+        if self.on_change is not None:
+            self.on_change(dict(self._faults))
 
     # -- the engine thread -----------------------------------------------------
     def hold(self) -> None:

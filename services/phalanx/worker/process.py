@@ -44,6 +44,7 @@ from phalanx.worker.async_engine import AsyncEngine
 from phalanx.worker.checkpointing import CheckpointCapture, CheckpointStreamer
 from phalanx.worker.config import EngineConfig, WorkerConfig
 from phalanx.worker.engine import Engine
+from phalanx.worker.engine_frontend import EngineFrontend
 from phalanx.worker.fault_service import ChaosServicer
 from phalanx.worker.faults import FaultKind, FaultState
 from phalanx.worker.metrics import WorkerMetrics
@@ -179,7 +180,7 @@ class WorkerProcess:
             ledger=SwitchLedger(Path(f"{lock_path}.switches.json")), weights_timeout_s=c.weights_timeout_s,
         )
 
-    async def _take_over(self, shell: ServiceShell, failover: FailoverEngine) -> tuple[AsyncEngine, Any, WakeWatchdog] | None:
+    async def _take_over(self, shell: ServiceShell, failover: FailoverEngine) -> tuple[EngineFrontend, Any, WakeWatchdog] | None:
         """INIT -> shared weights -> STANDBY until the lock is ours -> WAKING: the engine, with a watchdog the caller
         cancels once registered. None if a stop or a failure came first (exit_code says which)."""
         from phalanx.worker.failover_engine import FailoverState, WakeWatchdog
@@ -265,8 +266,37 @@ class WorkerProcess:
             self._add_chaos_service(shell)
         return servicer
 
-    async def _load(self, shell: ServiceShell) -> tuple[AsyncEngine, Any]:
+    def _engine_in_process(self) -> bool:
+        c = self.engine_config
+        if not c.engine_process:
+            return False
+        applies = c.engine == "torch" and c.tensor_parallel_size == 1 and c.role == "monolithic" and self.failover is None
+        if not applies:
+            log.warning("engine_process applies to the torch engine of a monolithic worker without tensor parallelism or "
+                        "failover: this one keeps its engine on a thread")
+        return applies
+
+    async def _start_engine_process(self, shell: ServiceShell) -> tuple[EngineFrontend, Any]:
+        """The engine in a child process (engine_core.py) that loads the model; this process keeps its skeleton only."""
+        from phalanx.worker.engine_client import EngineCoreClient
+
+        c = self.config
+        engine = EngineCoreClient(
+            self.engine_config, faults=self.faults, on_kv_events=self._kv_events.outbox.put_nowait,
+            checkpoint_max_pending_bytes=c.checkpoint_max_pending_bytes if c.checkpointing else 0,
+            checkpoint_interval_tokens=c.checkpoint_interval_tokens,
+        )
+        shell.push_async_callback(engine.stop)
+        await engine.start()
+        self._capture = engine.checkpoints
+        self.engine_config = engine.engine.config  # sized by the child for its model
+        return engine, engine.engine.model
+
+    async def _load(self, shell: ServiceShell) -> tuple[EngineFrontend, Any]:
         """The model (split over the follower ranks with tensor parallelism) and its engine, started; both stopped at exit."""
+        if self._engine_in_process():
+            with get_tracer(__name__).start_as_current_span("worker.start_engine_process"):
+                return await self._start_engine_process(shell)
         simulated = self.engine_config.engine == "sim"
         self._set_torch_threads()
         with get_tracer(__name__).start_as_current_span("worker.load_model"):
@@ -304,7 +334,7 @@ class WorkerProcess:
         mc = model.config
         self.engine_config = self.engine_config.sized_for(mc.num_layers, mc.num_kv_heads, mc.head_dim, model.dtype.itemsize)
 
-    async def _start_engine(self, shell: ServiceShell, model: Any, *, cache: Any = None, runner: Any = None) -> AsyncEngine:
+    async def _start_engine(self, shell: ServiceShell, model: Any, *, cache: Any = None, runner: Any = None) -> EngineFrontend:
         """The engine on `model` (its KV cache allocated here unless a tensor-parallel group brings it), started; stopped at exit."""
         c = self.config
         self._size_for(model)
@@ -372,10 +402,11 @@ class WorkerProcess:
         leader.start_followers(model)
         return await asyncio.to_thread(leader.connect, model)
 
-    async def _wait_for_stop(self, engine: AsyncEngine) -> None:
+    async def _wait_for_stop(self, engine: EngineFrontend) -> None:
         while not self.shell.stop_requested:
             if engine.dead is not None:
-                log.error("engine died; worker exits so that its lease lapses and it is replaced")
+                log.error("engine died; worker exits non-zero so that its lease lapses, its requests migrate and it is replaced")
+                self.exit_code = 1
                 return
             if self.failover is not None and self._fail_if(self.failover):
                 return
@@ -384,7 +415,7 @@ class WorkerProcess:
             except TimeoutError:
                 pass
 
-    async def _shutdown(self, engine: AsyncEngine) -> None:
+    async def _shutdown(self, engine: EngineFrontend) -> None:
         self.metrics.for_worker(self.metrics.serving).set(0.5)
         if self.failover is not None:
             self.failover.serving = False
@@ -398,7 +429,7 @@ class WorkerProcess:
         await self.shell.stop_server(0.1)
         self.metrics.for_worker(self.metrics.serving).set(0)
 
-    async def _drain(self, engine: AsyncEngine, grace_s: float, keep_running: bool = False) -> tuple[int, int]:
+    async def _drain(self, engine: EngineFrontend, grace_s: float, keep_running: bool = False) -> tuple[int, int]:
         """Drain RPC and SIGTERM: quarantine (keep_running), or drain once and exit."""
         if keep_running and not engine.exiting:
             self._quarantined = True
@@ -411,7 +442,7 @@ class WorkerProcess:
             self._exit_drain = asyncio.ensure_future(self._drain_to_exit(engine, grace_s))
         return await asyncio.shield(self._exit_drain)
 
-    async def _drain_to_exit(self, engine: AsyncEngine, grace_s: float) -> tuple[int, int]:
+    async def _drain_to_exit(self, engine: EngineFrontend, grace_s: float) -> tuple[int, int]:
         self.metrics.for_worker(self.metrics.serving).set(0.5)
         await self._set_serving(False)
         drained = await drain_engine(engine, grace_s, park_ttl_s=self._park_ttl())
@@ -428,7 +459,7 @@ class WorkerProcess:
         movable = self.channels is not None or self.engine_config.engine == "sim"
         return self.config.park_ttl_s if self.config.transfer_on_drain and movable else 0.0
 
-    async def _undrain(self, engine: AsyncEngine) -> bool:
+    async def _undrain(self, engine: EngineFrontend) -> bool:
         """Lifts a quarantine; False if there is none or the worker is on its way out."""
         if not self._quarantined or engine.exiting or self.shell.stop_requested:
             return False
@@ -439,7 +470,7 @@ class WorkerProcess:
         log.warning("quarantine lifted: admitting requests again")
         return True
 
-    def _checkpoint_streamer(self, capture: CheckpointCapture, engine: AsyncEngine, model) -> CheckpointStreamer:
+    def _checkpoint_streamer(self, capture: CheckpointCapture, engine: EngineFrontend, model) -> CheckpointStreamer:
         cache = engine.engine.cache
         shape = cache.full_shape  # all heads: a tensor-parallel leader gathers every rank's into each segment
         layout = checkpoint_pb2.KvLayout(
@@ -511,7 +542,7 @@ class WorkerProcess:
             return
 
     # -- background loops ----------------------------------------------------------
-    async def _follow_degradation(self, engine: AsyncEngine) -> None:
+    async def _follow_degradation(self, engine: EngineFrontend) -> None:
         """Shrinks the batch while the health service's DegradationState asks for it."""
         follower = StateFollower(self.etcd_config, DEGRADATION)
         try:
@@ -519,7 +550,7 @@ class WorkerProcess:
         finally:
             await follower.close()
 
-    def _apply_degradation(self, engine: AsyncEngine, state: common_pb2.DegradationState | None) -> None:
+    def _apply_degradation(self, engine: EngineFrontend, state: common_pb2.DegradationState | None) -> None:
         before = engine.engine.batch_scale
         scale = engine.engine.set_batch_scale(state.batch_scale if state is not None else 1.0)
         if scale != before:
@@ -530,7 +561,7 @@ class WorkerProcess:
         self.metrics.for_worker(self.metrics.batch_scale).set(scale)
 
 
-def _prefault_kv_cache(engine: AsyncEngine) -> None:
+def _prefault_kv_cache(engine: EngineFrontend) -> None:
     """Faults the KV cache's pages in on a background thread, so that restores and new requests write warm memory.
 
     The cache is allocated untouched (a fast start, see ``zeroed``); without this a restore onto a fresh worker pays a

@@ -15,7 +15,7 @@ from phalanx._proto import common_pb2
 from phalanx.common.events import EventBus
 from phalanx.common.subjects import kv_events_subject, load_subject
 from phalanx.model.kv_cache import KvEvents
-from phalanx.worker.async_engine import AsyncEngine
+from phalanx.worker.engine_frontend import EngineFrontend
 from phalanx.worker.metrics import WorkerMetrics
 
 __all__ = ["KvEventStream", "publish_load"]
@@ -57,7 +57,7 @@ class KvEventStream:
 
 
 async def publish_load(
-    worker_id: str, engine: AsyncEngine, metrics: WorkerMetrics, bus: Callable[[], EventBus | None], interval_s: float
+    worker_id: str, engine: EngineFrontend, metrics: WorkerMetrics, bus: Callable[[], EventBus | None], interval_s: float
 ) -> None:
     """A LoadReport every ``interval_s``, and the worker's gauges and counters brought up to date; until cancelled."""
     subject = load_subject(worker_id)

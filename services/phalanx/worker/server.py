@@ -21,9 +21,9 @@ from phalanx.common.grpc_channels import GrpcChannels
 from phalanx.common.subjects import check_send_request
 from phalanx.model.kv_cache import BLOCK_SIZE
 from phalanx.model.params import SamplingParams, sampling_from_proto
-from phalanx.worker.async_engine import AsyncEngine
 from phalanx.worker.checkpointing import tensor_bytes
 from phalanx.worker.engine import EngineRequest, ParkPick
+from phalanx.worker.engine_frontend import EngineFrontend
 from phalanx.worker.kv_fetch import KvFetcher, KvFetchPolicy
 from phalanx.worker.media_fetch import MediaFetcher, has_sourced_media
 from phalanx.worker.metrics import WorkerMetrics
@@ -141,7 +141,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
     ) -> None:
         self.worker_id = worker_id
         self._kv_sequence = kv_sequence
-        self._engine: AsyncEngine | None = None
+        self._engine: EngineFrontend | None = None
         self.metrics = m = metrics
         # (engine, grace_s, keep_running) -> (finished, handed back); (engine) -> undrained
         self._on_drain = on_drain
@@ -171,7 +171,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             on_detach=m.for_worker(m.detached).inc, on_detach_timeout=m.for_worker(m.detach_timeouts).inc,
         )
 
-    def attach(self, engine: AsyncEngine, model_version: str = "") -> None:
+    def attach(self, engine: EngineFrontend, model_version: str = "") -> None:
         self._engine = engine
         self.tokenizer = engine.engine.tokenizer
         self.model_version = model_version
@@ -191,7 +191,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         await self.media.close()
 
     @property
-    def engine(self) -> AsyncEngine:
+    def engine(self) -> EngineFrontend:
         if self._engine is None:
             raise UnavailableError("worker is still loading its model", retry_after_s=1.0)
         return self._engine
@@ -258,7 +258,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
 
         return on_event
 
-    async def submit(self, engine: AsyncEngine, request: EngineRequest, log: RequestLog) -> None:
+    async def submit(self, engine: EngineFrontend, request: EngineRequest, log: RequestLog) -> None:
         try:
             await engine.submit(request, log)
         except asyncio.CancelledError:
@@ -419,7 +419,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             return {}
         return await self.media.fetch(item.media)
 
-    def _restore_request(self, item, engine: AsyncEngine, fetched: dict[int, torch.Tensor] | None = None) -> EngineRequest:
+    def _restore_request(self, item, engine: EngineFrontend, fetched: dict[int, torch.Tensor] | None = None) -> EngineRequest:
         state = common_pb2.RequestState()
         state.CopyFrom(item.state)
         if not state.sampling.HasField("seed"):
@@ -439,7 +439,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             raise ResourceExhaustedError(f"{needed} KV blocks are not free here", retry_after_s=0.1)
         return request
 
-    async def _receive_kv(self, items, source: str, transport: int, timeout: float, engine: AsyncEngine) -> dict[str, torch.Tensor | Any]:
+    async def _receive_kv(self, items, source: str, transport: int, timeout: float, engine: EngineFrontend) -> dict[str, torch.Tensor | Any]:
         """KV of each item from `source` (a KvSource) into fresh tensors, over a tensor channel or gRPC."""
         if not source:
             raise InvalidRequestError("kv_source_address", "is required for transfer and checkpoint restores")
@@ -613,7 +613,7 @@ class KvSourceServicer(migration_pb2_grpc.KvSourceServicer):
             await engine.unpark(p.request_id)
 
 
-async def drain_engine(engine: AsyncEngine, grace_s: float, *, keep_running: bool = False, park_ttl_s: float = 0.0) -> tuple[int, int]:
+async def drain_engine(engine: EngineFrontend, grace_s: float, *, keep_running: bool = False, park_ttl_s: float = 0.0) -> tuple[int, int]:
     """Stops admission, lets running requests finish for up to grace_s, hands back the rest.
 
     Canaries are not counted and not handed back. With keep_running the

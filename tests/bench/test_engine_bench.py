@@ -25,7 +25,10 @@ def test_bench_engine_prints_ratios_for_every_batch():
 def test_bench_engine_compares_a_gguf_model_with_transformers(tmp_path):
     pytest.importorskip("transformers")
     out = subprocess.run(
-        [sys.executable, "-m", "phalanx.cli", "bench", "engine", "--json", "--model", "smollm2-135m-instruct", "--tokens", "8", "--repeats", "1"],
+        [
+            sys.executable, "-m", "phalanx.cli", "bench", "engine", "--json", "--model", "smollm2-135m-instruct", "--tokens", "8", "--repeats", "1",
+            "--no-side-by-side",
+        ],
         check=True, capture_output=True, text=True, timeout=600, env={**os.environ, "PHALANX_CACHE_DIR": str(tmp_path)},
     ).stdout
     result = json.loads(out)
@@ -35,3 +38,28 @@ def test_bench_engine_compares_a_gguf_model_with_transformers(tmp_path):
     assert versus["batch1_ratio"] == pytest.approx(versus["engine_batch1_tokens_per_s"] / versus["transformers_batch1_tokens_per_s"], rel=0.01)
     assert versus["load_s"] < versus["load_to_first_token_s"]
     assert set(result["met"]) == set(result["goals"]) == {"ratio_at_batch_32", "batch1_ratio", "batch16_ratio", "load_to_first_token_s"}
+
+
+def test_bench_engine_runs_a_gguf_model_side_by_side_with_transformers_and_llama_cpp(tmp_path):
+    pytest.importorskip("transformers")
+    out = subprocess.run(
+        [
+            sys.executable, "-m", "phalanx.cli", "bench", "engine", "--json", "--model", "smollm2-135m-instruct", "--tokens", "4", "--repeats", "1",
+            "--side-batches", "1,16", "--ttft-lens", "128",
+        ],
+        check=True, capture_output=True, text=True, timeout=600, env={**os.environ, "PHALANX_CACHE_DIR": str(tmp_path)},
+    ).stdout
+    result = json.loads(out)
+    side = result["side_by_side"]
+    assert "versus_transformers" not in result
+    engines = side["engines"]
+    for name in ("phalanx_float32", "phalanx_auto"):
+        assert [row["batch"] for row in engines[name]["decode"]] == [1, 16] and engines[name]["ttft_s"]["128"] > 0
+    assert [row["batch"] for row in engines["transformers"]["decode"]] == [1]  # batch 1 only, said so in its entry
+    assert "batch 1 only" in engines["transformers"]["batches"]
+    if "skipped" in engines["llama_cpp"]:
+        assert "not installed" in engines["llama_cpp"]["skipped"] and result["met"]["batch1_vs_llama_cpp"] is None
+    else:
+        assert [row["batch"] for row in engines["llama_cpp"]["decode"]] == [1, 16]
+        assert isinstance(result["met"]["batch1_vs_llama_cpp"], bool)
+    assert set(side["goals"]) <= set(result["goals"]) and set(result["met"]) == set(result["goals"])

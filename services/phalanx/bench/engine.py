@@ -5,9 +5,11 @@ contiguous [batch, max_len] cache, argmax on a tensor, no scheduler, no
 paging, no per-request bookkeeping. Variants run interleaved, repeats
 reporting the median, so machine noise hits them alike.
 
-A GGUF model (the default smollm2-135m-instruct among them) is also run
-against transformers' own load of the same file, and its load time to first
-token is measured (phalanx.bench.engine_reference).
+A GGUF model (the default smollm2-135m-instruct among them) on the CPU is
+run side by side with transformers and llama.cpp on the same file
+(phalanx.bench.engine_side_by_side); without it (`side_by_side=False`),
+against transformers' `generate` alone, with its load time to first token
+(phalanx.bench.engine_reference).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import time
 
 import torch
 
+from phalanx.bench.engine_side_by_side import SideBySideSettings
 from phalanx.model import load
 from phalanx.model.attention import ContiguousCache
 from phalanx.model.config import BUILTIN_MODELS, gguf_file
@@ -82,8 +85,11 @@ def engine_decode_tokens_per_s(model: Transformer, prompts: list[list[int]], dec
 
 
 def run_engine_bench(
-    *, model: str, batches: list[int], decode_tokens: int, prompt_len: int, repeats: int, device: str = "cpu", dtype: str = "auto"
+    *, model: str, batches: list[int], decode_tokens: int, prompt_len: int, repeats: int, device: str = "cpu", dtype: str = "auto",
+    side_by_side: bool | None = None, side: SideBySideSettings | None = None,
 ) -> dict:
+    """The bare-loop matrix, then (a GGUF model on the CPU) the side by side, or with ``side_by_side=False`` the comparison
+    with transformers alone. ``side_by_side`` None: on for a GGUF model on the CPU."""
     torch_dtype = EngineConfig.model_validate({"device": device, "dtype": dtype}).torch_dtype()
     m = load(model, device=device, dtype=torch_dtype)
     results = []
@@ -122,8 +128,19 @@ def run_engine_bench(
         "met": {"ratio_at_batch_32": None if at_32 is None else at_32 >= GOALS["ratio_at_batch_32"]},
     }
     gguf = None if model in BUILTIN_MODELS else gguf_file(model)
-    # transformers' reference runs on the CPU in float32: compared only there.
-    if gguf is not None and device == "cpu":
+    # The references run on the CPU: compared only there.
+    if side_by_side is None:
+        side_by_side = gguf is not None and device == "cpu"
+    if side_by_side and device != "cpu":
+        raise ValueError("the side by side runs on the CPU, where its references run")
+    if side_by_side:
+        from phalanx.bench.engine_side_by_side import run_side_by_side
+
+        del m  # the side by side loads its own variants
+        report["side_by_side"] = run_side_by_side(model, gguf, side or SideBySideSettings())
+        report["goals"].update(report["side_by_side"]["goals"])
+        report["met"].update(report["side_by_side"]["met"])
+    elif gguf is not None and device == "cpu":
         from phalanx.bench.engine_reference import compare_with_transformers
 
         versus = compare_with_transformers(m, model, gguf, new_tokens=decode_tokens, prompt_len=prompt_len, repeats=repeats)

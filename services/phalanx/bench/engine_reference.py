@@ -1,5 +1,7 @@
 """Our engine on a real GGUF model against transformers' `generate` on the same file, and load time to first token.
 
+TransformersSide is transformers' seat in the side-by-side (phalanx.bench.engine_side_by_side).
+
 Both sides run in one process on the threads a worker gives its engine
 (EngineConfig.effective_torch_threads: every core but one), float32, greedy, the same
 prompt and the same number of new tokens (EOS ignored), prefill included:
@@ -16,6 +18,7 @@ in the safetensors cache.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import statistics
 import subprocess
@@ -25,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from phalanx.bench.engine_side_by_side import Decoded
 from phalanx.model.sampling import SamplingParams
 from phalanx.model.transformer import Transformer
 from phalanx.worker.config import EngineConfig
@@ -41,6 +45,7 @@ _FIRST_TOKEN = """
 import json, sys, time
 started = time.time()
 from phalanx.model import load
+from phalanx.bench.engine_side_by_side import Decoded
 from phalanx.model.sampling import SamplingParams
 from phalanx.worker.config import EngineConfig
 from phalanx.worker.engine import Engine, EngineRequest
@@ -104,6 +109,55 @@ def load_transformers(gguf: Path):
     except ImportError:
         raise RuntimeError("the comparison with transformers needs it: pip install transformers accelerate") from None
     return AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32).eval()
+
+
+def transformers_installed() -> bool:
+    return importlib.util.find_spec("transformers") is not None and importlib.util.find_spec("accelerate") is not None
+
+
+class _TokenClock:
+    """A `generate` streamer that stamps what it is handed: the prompt first, then each new token as its step ends."""
+
+    def __init__(self) -> None:
+        self.stamps: list[float] = []
+
+    def put(self, value: torch.Tensor) -> None:
+        self.stamps.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
+
+
+class TransformersSide:
+    """transformers' `generate` on the GGUF, float32, greedy: batch 1 only (a padded `generate` batch is no serving engine)."""
+
+    max_batch = 1
+    about = {"dtype": "float32", "batches": "batch 1 only: generate() pads a batch to its longest prompt and is no serving engine"}
+
+    def __init__(self, gguf: Path) -> None:
+        self.model = load_transformers(gguf)
+
+    def _generate(self, prompt: list[int], new_tokens: int) -> tuple[list[int], list[float], float]:
+        """New tokens, the stamps of each, and the start."""
+        ids = torch.tensor([prompt])
+        clock = _TokenClock()
+        start = time.perf_counter()
+        with torch.inference_mode():
+            out = self.model.generate(
+                ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                pad_token_id=self.model.config.eos_token_id, streamer=clock,
+            )
+        return out[0, len(prompt):].tolist(), clock.stamps[1:], start
+
+    def decode(self, prompts: list[list[int]], new_tokens: int) -> Decoded:
+        if len(prompts) != 1:
+            raise ValueError("transformers is measured at batch 1 only")
+        tokens, stamps, _ = self._generate(prompts[0], new_tokens)
+        return Decoded([b - a for a, b in zip(stamps, stamps[1:], strict=False)], [tokens])
+
+    def first_token_s(self, prompt: list[int]) -> float:
+        _, stamps, start = self._generate(prompt, 1)
+        return stamps[0] - start
 
 
 def load_to_first_token(model_name: str) -> dict[str, float]:

@@ -22,23 +22,40 @@ _PLANNER_SETTING_OPTION = typer.Option(
 
 @bench_app.command("engine")
 def bench_engine(
-    batches: str = typer.Option(None, help="Comma-separated batch sizes [default: 1,8,32; none for a real model]"),
-    tokens: int = typer.Option(64, help="Decode tokens per sequence"),
+    batches: str = typer.Option(None, help="Comma-separated batch sizes of the bare-loop matrix [default: 1,8,32; none for a real model]"),
+    tokens: int = typer.Option(None, help="Decode tokens per sequence [default: 64; 32 side by side]"),
     prompt_len: int = typer.Option(32, help="Prompt tokens per sequence"),
     model: str = typer.Option(
-        "phalanx-tiny-moe", help="Built-in model, .gguf file or HF checkpoint dir; a GGUF one is also compared with transformers"
+        "phalanx-tiny-moe", help="Built-in model, .gguf file or HF checkpoint dir; a GGUF one also runs side by side with "
+        "transformers and llama.cpp"
     ),
-    repeats: int = typer.Option(3, help="Runs per measurement; the median is reported"),
+    repeats: int = typer.Option(None, help="Runs per measurement; the median is reported [default: 3; 2 side by side]"),
     device: str = typer.Option("cpu", help="torch device: cpu, cuda, cuda:1 …"),
-    dtype: str = typer.Option("auto", help="auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16 or float16"),
+    dtype: str = typer.Option("auto", help="Bare-loop matrix: auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16 or float16"),
+    side_by_side: bool = typer.Option(
+        None, "--side-by-side/--no-side-by-side", help="Phalanx (float32 and auto) beside transformers and llama.cpp on the same "
+        "GGUF, CPU only [default: on for a GGUF model on the CPU]; --no-side-by-side: transformers' generate alone, as before"
+    ),
+    side_batches: str = typer.Option("1,8,16,32", help="Side by side: comma-separated decode batch sizes"),
+    ttft_lens: str = typer.Option("128,1024,4096", help="Side by side: comma-separated prompt lengths of the TTFT runs"),
+    ttft_repeats: int = typer.Option(1, min=1, help="Side by side: runs per TTFT measurement"),
     as_json: AsJson = False,
 ) -> None:
-    """Engine decode tokens/s vs the model's bare forward loop and (GGUF models, on the CPU) transformers' generate."""
+    """Engine decode tokens/s vs the model's bare forward loop and (GGUF models, on the CPU) side by side with transformers
+    and llama.cpp: tokens/s and ITL by batch, TTFT by prompt length."""
     from phalanx.bench.engine import default_batches, run_engine_bench
+    from phalanx.bench.engine_side_by_side import SideBySideSettings
 
-    sizes = [int(b) for b in batches.split(",")] if batches else default_batches(model)
+    def sizes(text: str) -> tuple[int, ...]:
+        return tuple(int(n) for n in text.split(",") if n)
+
+    side = SideBySideSettings(
+        batches=sizes(side_batches), new_tokens=tokens or 32, prompt_len=prompt_len, repeats=repeats or 2,
+        ttft_prompt_lens=sizes(ttft_lens), ttft_repeats=ttft_repeats,
+    )
     result = run_engine_bench(
-        model=model, batches=sizes, decode_tokens=tokens, prompt_len=prompt_len, repeats=repeats, device=device, dtype=dtype
+        model=model, batches=list(sizes(batches)) if batches else default_batches(model), decode_tokens=tokens or 64,
+        prompt_len=prompt_len, repeats=repeats or 3, device=device, dtype=dtype, side_by_side=side_by_side, side=side,
     )
     typer.echo(json.dumps(result, indent=None if as_json else 2))
 

@@ -79,11 +79,10 @@ def gguf_path():
 
 
 @pytest.fixture(scope="module")
-def phalanx_side(gguf_path, tmp_path_factory):
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("PHALANX_CACHE_DIR", str(tmp_path_factory.mktemp("phalanx-cache")))
-        config = variant_config(GGUF_MODEL, "float32", max_batch=2, seq_len=64, max_model_len=64)
-        return PhalanxSide(model_for(config), config)
+def phalanx_side(gguf_path):
+    # The default cache, as the bench itself reads it: the dequantized weights are made once per machine.
+    config = variant_config(GGUF_MODEL, "float32", max_batch=2, seq_len=64, max_model_len=64)
+    return PhalanxSide(model_for(config), config)
 
 
 @pytest.fixture(scope="module")
@@ -91,6 +90,8 @@ def two_prompts(phalanx_side):
     return prompts(phalanx_side.model, 2, 24)
 
 
+# transformers dequantizes the GGUF in Python on every load (half a minute here): slow, like the bench tests.
+@pytest.mark.slow
 def test_transformers_side_decodes_phalanx_greedy_tokens(gguf_path, phalanx_side, two_prompts):
     pytest.importorskip("transformers")
     from phalanx.bench.engine_reference import TransformersSide
@@ -114,3 +115,17 @@ def test_llama_cpp_side_decodes_a_batch_with_phalanx_greedy_tokens_on_the_gguf(g
         assert theirs.first_token_s(two_prompts[0]) > 0
     finally:
         theirs.close()
+
+
+def test_a_reference_that_is_not_installed_is_reported_so_and_left_out(gguf_path, monkeypatch):
+    import phalanx.bench.engine_llama_cpp
+    import phalanx.bench.engine_reference
+    from phalanx.bench.engine_side_by_side import _references
+
+    # What a machine without the optional packages sees (CI has no llama-cpp-python).
+    monkeypatch.setattr(phalanx.bench.engine_llama_cpp, "llama_cpp_version", lambda: None)
+    monkeypatch.setattr(phalanx.bench.engine_reference, "transformers_installed", lambda: False)
+    engines, skipped = _references(gguf_path, threads=1, max_batch=1, n_ctx=64)
+    assert engines == {}
+    assert set(skipped) == {"transformers", "llama_cpp"}
+    assert all("not installed" in entry["skipped"] for entry in skipped.values())

@@ -22,19 +22,19 @@ _PLANNER_SETTING_OPTION = typer.Option(
 
 @bench_app.command("engine")
 def bench_engine(
-    batches: str = typer.Option(None, help="Comma-separated batch sizes of the bare-loop matrix [default: 1,8,32; none for a real model]"),
-    tokens: int = typer.Option(None, help="Decode tokens per sequence [default: 64; 32 side by side]"),
+    batches: str = typer.Option(None, help="Comma-separated batch sizes of the bare-loop matrix (default 1,8,32; none for a real model)"),
+    tokens: int = typer.Option(None, help="Decode tokens per sequence (default 64; 32 side by side)"),
     prompt_len: int = typer.Option(32, help="Prompt tokens per sequence"),
     model: str = typer.Option(
         "phalanx-tiny-moe", help="Built-in model, .gguf file or HF checkpoint dir; a GGUF one also runs side by side with "
         "transformers and llama.cpp"
     ),
-    repeats: int = typer.Option(None, help="Runs per measurement; the median is reported [default: 3; 2 side by side]"),
+    repeats: int = typer.Option(None, help="Runs per measurement; the median is reported (default 3; 2 side by side)"),
     device: str = typer.Option("cpu", help="torch device: cpu, cuda, cuda:1 …"),
     dtype: str = typer.Option("auto", help="Bare-loop matrix: auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16 or float16"),
     side_by_side: bool = typer.Option(
         None, "--side-by-side/--no-side-by-side", help="Phalanx (float32 and auto) beside transformers and llama.cpp on the same "
-        "GGUF, CPU only [default: on for a GGUF model on the CPU]; --no-side-by-side: transformers' generate alone, as before"
+        "GGUF, CPU only (default: on for a GGUF model on the CPU); --no-side-by-side: transformers' generate alone, as before"
     ),
     side_batches: str = typer.Option("1,8,16,32", help="Side by side: comma-separated decode batch sizes"),
     ttft_lens: str = typer.Option("128,1024,4096", help="Side by side: comma-separated prompt lengths of the TTFT runs"),

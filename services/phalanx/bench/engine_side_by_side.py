@@ -85,7 +85,7 @@ class SideEngine(Protocol):
 
 def model_for(config: EngineConfig) -> Transformer:
     """The model a worker with this engine config serves: the one place the variants' load arguments come from."""
-    return load(config.model, device=config.device, dtype=config.torch_dtype(), seed=config.seed)
+    return load(config.model, device=config.device, dtype=config.torch_dtype(), seed=config.seed, keep_int4=config.keeps_int4())
 
 
 def variant_config(model: str, variant: PhalanxVariant, *, max_batch: int, seq_len: int, max_model_len: int) -> EngineConfig:

@@ -35,7 +35,7 @@ N = 16
 
 @pytest.fixture(scope="module")
 def model():
-    return phalanx.model.load(MODEL)
+    return phalanx.model.load(MODEL, dtype=CONFIG.torch_dtype())  # what the child loads
 
 
 def request(model, request_id: str, max_tokens: int = N, temperature: float = 0.0) -> EngineRequest:

@@ -17,7 +17,7 @@ from phalanx.worker.engine import Engine, EngineRequest
 
 pytestmark = pytest.mark.unit
 
-# Prompts the accuracy bound is stated on (docs/engine.md, "Weights and dtypes").
+# Prompts the accuracy bound is stated on (README.md, "Weights and dtypes").
 STANDARD_PROMPTS = [
     "The capital of France is",
     "def fibonacci(n):",
@@ -141,7 +141,7 @@ def test_the_packaged_checkpoint_loads_its_4_bit_weights_packed(served_variants)
 
 @pytest.mark.parametrize("variant", ["bfloat16", "bfloat16+int4"])
 def test_served_paths_stay_within_the_stated_accuracy_bound_of_float32(served_variants, variant):
-    # The bound docs/engine.md states, on float32's own 24-token greedy continuation of each standard prompt (teacher
+    # The bound README.md states, on float32's own 24-token greedy continuation of each standard prompt (teacher
     # forcing, so that one early flip does not decide the rest): logits within 2.5 of float32's (they span about 60),
     # the same top token at >= 90 % of positions, and a different one only where float32's top two are a near tie.
     reference, model = served_variants["float32"], served_variants[variant]

@@ -30,7 +30,7 @@ class ExpertWorkerConfig(BaseSettings):
         "cpu", description="torch device of the expert MLPs: cpu, cuda, cuda:1 … (exchanges with attention workers stage through host memory)"
     )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
-        "auto", description="The experts' dtype, the attention workers' engine dtype: auto is float32 on CPU and bfloat16 on CUDA"
+        "auto", description="The experts' dtype, the attention workers' engine dtype: auto is theirs (model.ops.auto_dtype)"
     )
     torch_threads: int = Field(
         1,
@@ -62,6 +62,6 @@ class ExpertWorkerConfig(BaseSettings):
     def torch_dtype(self):
         import torch
 
-        if self.dtype == "auto":
-            return torch.float32 if self.device == "cpu" else torch.bfloat16
-        return getattr(torch, self.dtype)
+        from phalanx.model.ops import auto_dtype
+
+        return auto_dtype(self.device) if self.dtype == "auto" else getattr(torch, self.dtype)

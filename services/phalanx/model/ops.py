@@ -46,6 +46,14 @@ def cpu_has_native_bfloat16() -> bool:
     return any(getattr(torch.cpu, probe, lambda: False)() for probe in probes)
 
 
+def auto_dtype(device: str) -> torch.dtype:
+    """The dtype an engine computes in unless told: bfloat16 on an accelerator and on a CPU that multiplies it in
+    hardware; float32 on other CPUs. Attention and expert workers both follow it, so that their exchanges agree."""
+    if torch.device(device).type != "cpu":
+        return torch.bfloat16
+    return torch.bfloat16 if cpu_has_native_bfloat16() else torch.float32
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     # Same order of operations as HF's MixtralRMSNorm / LlamaRMSNorm.
     dtype = x.dtype

@@ -40,7 +40,7 @@ def image_request(text: str, image: bytes, max_tokens: int = 10) -> router_pb2.G
 
 def in_process_tokens(image: bytes, before: str, after: str, max_tokens: int = 10) -> list[int]:
     """What the request must produce: the same encoder and engine, no services in between."""
-    model = phalanx.model.load(MODEL)
+    model = phalanx.model.load(MODEL, dtype=EngineConfig().torch_dtype())  # the dtype the workers compute in
     encoder = load_image_encoder("tiny-clip", model.config.hidden_size)
     decoded = cv2.imdecode(np.frombuffer(image, np.uint8), cv2.IMREAD_COLOR)
     assert decoded is not None, "not an image"

@@ -142,13 +142,9 @@ class EngineConfig(BaseSettings):
     def torch_dtype(self):
         import torch
 
-        if self.dtype != "auto":
-            return getattr(torch, self.dtype)
-        if self.device != "cpu":
-            return torch.bfloat16
-        from phalanx.model.ops import cpu_has_native_bfloat16
+        from phalanx.model.ops import auto_dtype
 
-        return torch.bfloat16 if cpu_has_native_bfloat16() else torch.float32
+        return auto_dtype(self.device) if self.dtype == "auto" else getattr(torch, self.dtype)
 
     def keeps_int4(self) -> bool:
         """Whether the model's 4-bit GGUF weights stay packed: bfloat16 on a CPU, one process holding the whole model

@@ -1,6 +1,6 @@
 """The engine loop in a process of its own (vLLM v1's EngineCore): the child's side.
 
-With `EngineConfig.engine_process` the worker starts this process (multiprocessing, spawn) and talks to it over one
+With `EngineConfig.engine_process` the worker starts this process (see below how) and talks to it over one
 duplex pipe (engine_client.py is the worker's side). The child loads the model itself from the same EngineConfig, so
 the worker never holds the weights, and its steps no longer share a GIL with the worker's gRPC server, NATS publishing
 and etcd lease.

@@ -209,3 +209,15 @@ def test_the_kv_cache_is_sized_by_its_byte_budget_unless_a_block_count_is_given(
     # Never less than one max_model_len sequence, and a given count stands.
     assert EngineConfig(model="x", kv_cache_bytes=2**20, max_model_len=2048).sized_for(30, 3, 64, 4).num_kv_blocks == 128
     assert EngineConfig(model="x", num_kv_blocks=64).sized_for(30, 3, 64, 4).num_kv_blocks == 64
+
+
+def test_a_cpus_one_query_attention_equals_sdpa_with_grouped_heads_and_padding():
+    import torch
+
+    from phalanx.model.attention import _one_query_attention, _sdpa
+
+    g = torch.Generator().manual_seed(7)
+    q, k, v = torch.randn(5, 9, 1, 64, generator=g), torch.randn(5, 3, 40, 64, generator=g), torch.randn(5, 3, 40, 64, generator=g)
+    mask = (torch.arange(40)[None, :] < torch.tensor([40, 17, 1, 33, 25])[:, None])[:, None, None, :]
+    assert torch.allclose(_one_query_attention(q, k, v, mask), _sdpa(q, k, v, mask), atol=1e-5)
+    assert torch.allclose(_one_query_attention(q, k, v, None), _sdpa(q, k, v, None), atol=1e-5)

@@ -32,7 +32,6 @@ from typing import Literal, Protocol
 
 import torch
 
-from phalanx.model import load
 from phalanx.model.kv_cache import BLOCK_SIZE
 from phalanx.model.sampling import SamplingParams
 from phalanx.model.transformer import Transformer
@@ -85,7 +84,7 @@ class SideEngine(Protocol):
 
 def model_for(config: EngineConfig) -> Transformer:
     """The model a worker with this engine config serves: the one place the variants' load arguments come from."""
-    return load(config.model, device=config.device, dtype=config.torch_dtype(), seed=config.seed, keep_int4=config.keeps_int4())
+    return config.load_model()
 
 
 def variant_config(model: str, variant: PhalanxVariant, *, max_batch: int, seq_len: int, max_model_len: int) -> EngineConfig:

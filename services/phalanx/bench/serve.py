@@ -30,7 +30,6 @@ from phalanx.client import Client
 from phalanx.common.config import EtcdConfig
 from phalanx.launch.infra import EtcdServer, NatsServer
 from phalanx.launch.services import start_router, start_worker
-from phalanx.model import load
 from phalanx.model.params import SamplingParams
 from phalanx.worker.config import EngineConfig
 from phalanx.worker.engine import Engine, EngineRequest
@@ -80,7 +79,7 @@ async def _run(
     # the bare side gets the same setting, so that the ratio is the stack's cost and not a thread count's.
     torch_threads = engine_config.effective_torch_threads()
     torch.set_num_threads(torch_threads)
-    engine = Engine(load(model), engine_config)
+    engine = Engine(engine_config.load_model(), engine_config)  # the worker's dtype and weights
     runs: dict[str, list[float]] = {"bare": [], "stack": []}
     if compare_per_request:
         runs["stack_per_request"] = []

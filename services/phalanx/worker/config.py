@@ -146,6 +146,13 @@ class EngineConfig(BaseSettings):
 
         return auto_dtype(self.device) if self.dtype == "auto" else getattr(torch, self.dtype)
 
+    def load_model(self):
+        """The model a worker with this config serves, whole (a tensor-parallel group and an attention worker start
+        from it): one place for what the worker, its engine process and the benches load."""
+        from phalanx.model import load
+
+        return load(self.model, device=self.device, dtype=self.torch_dtype(), seed=self.seed, keep_int4=self.keeps_int4())
+
     def keeps_int4(self) -> bool:
         """Whether the model's 4-bit GGUF weights stay packed: bfloat16 on a CPU, one process holding the whole model
         (a tensor-parallel shard, an attention worker's split and a failover engine's shared weights are dense)."""

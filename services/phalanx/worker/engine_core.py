@@ -315,11 +315,10 @@ class EngineCore:
     def load(cls, config: EngineConfig, conn: Connection, options: CoreOptions) -> EngineCore:
         import torch
 
-        from phalanx.model import load
 
         if torch.device(config.device).type == "cpu":
             torch.set_num_threads(options.torch_threads or config.effective_torch_threads())
-        model = load(config.model, device=config.device, dtype=config.torch_dtype(), seed=config.seed, keep_int4=config.keeps_int4())
+        model = config.load_model()
         c = model.config
         config = config.sized_for(c.num_layers, c.num_kv_heads, c.head_dim, model.dtype.itemsize)
         cache = shared_cache(config, model)

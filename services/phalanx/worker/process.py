@@ -308,12 +308,7 @@ class WorkerProcess:
 
                 model, runner = await asyncio.to_thread(load_simulated, self.engine_config)
             else:
-                from phalanx.model import load
-
-                model = await asyncio.to_thread(
-                    load, self.engine_config.model, device=self.engine_config.device,
-                    dtype=self.engine_config.torch_dtype(), seed=self.engine_config.seed, keep_int4=self.engine_config.keeps_int4(),
-                )
+                model = await asyncio.to_thread(self.engine_config.load_model)
             if self.engine_config.role == "attention":
                 model = await self._split_attention(shell, model)
             if self.engine_config.tensor_parallel_size > 1:

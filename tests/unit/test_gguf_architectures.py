@@ -18,13 +18,9 @@ pytestmark = pytest.mark.unit
 gguf = pytest.importorskip("gguf")
 transformers = pytest.importorskip("transformers")
 
-from phalanx.testing.checkpoints import VOCAB, reference_logits, tiny_model  # noqa: E402 (needs transformers)
+from phalanx.testing.checkpoints import LLAMA3_ROPE, VOCAB, reference_logits, tiny_model  # noqa: E402 (needs transformers)
 
 TOKENS = torch.randint(0, VOCAB, (29,), generator=torch.Generator().manual_seed(5)).tolist()
-LLAMA3_ROPE = {
-    "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-    "original_max_position_embeddings": 64,
-}
 # convert_hf_to_gguf's per-tensor names (gguf.constants TENSOR_NAMES), by our HF suffix.
 _BLOCK_NAMES = {
     "input_layernorm.weight": "attn_norm.weight",

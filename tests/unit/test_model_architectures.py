@@ -12,14 +12,9 @@ from phalanx.model.config import CheckpointError, ModelConfig
 pytestmark = pytest.mark.unit
 transformers = pytest.importorskip("transformers")
 
-from phalanx.testing.checkpoints import VOCAB, reference_logits, save_tiny_checkpoint  # noqa: E402 (needs transformers)
+from phalanx.testing.checkpoints import LLAMA3_ROPE, VOCAB, reference_logits, save_tiny_checkpoint  # noqa: E402 (needs transformers)
 
 TOKENS = torch.randint(0, VOCAB, (37,), generator=torch.Generator().manual_seed(3)).tolist()
-LLAMA3_ROPE = {
-    "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-    # Small enough that the tiny heads' frequencies fall in all three bands (kept, divided, smoothed).
-    "original_max_position_embeddings": 64,
-}
 CASES = {
     "qwen2": ("qwen2", {}),
     "qwen2_tied": ("qwen2", {"tie_word_embeddings": True}),

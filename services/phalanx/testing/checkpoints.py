@@ -11,6 +11,12 @@ from typing import Any
 import torch
 
 VOCAB = 300
+# Llama 3.x rope scaling with an original context small enough that the tiny heads' frequencies fall in all three
+# bands (kept, divided, smoothed).
+LLAMA3_ROPE = {
+    "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 64,
+}
 # Small enough for seconds per test, with GQA (4 query heads over 2 KV heads) and a head_dim that is not hidden/heads
 # where the architecture allows it, so a loader that derives head_dim gets the wrong shapes.
 _COMMON: dict[str, Any] = dict(

@@ -88,7 +88,8 @@ class EngineView:
         self.config: EngineConfig = ready.config
         self.cache = CacheView(ready)
         self.faults = faults
-        self.state = CoreState(max_num_seqs=ready.config.max_num_seqs)
+        blocks = ready.config.num_kv_blocks  # free until the first state says otherwise (it comes within a loop turn)
+        self.state = CoreState(free_blocks=blocks, total_blocks=blocks, max_num_seqs=ready.config.max_num_seqs)
         self._send = send
         self._batch_scale = 1.0
         self._max_num_seqs = ready.config.max_num_seqs

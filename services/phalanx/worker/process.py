@@ -271,7 +271,7 @@ class WorkerProcess:
         if not c.engine_process:
             return False
         applies = c.engine == "torch" and c.tensor_parallel_size == 1 and c.role == "monolithic" and self.failover is None
-        if not applies:
+        if not applies and "engine_process" in c.model_fields_set:  # asked for, not merely the default
             log.warning("engine_process applies to the torch engine of a monolithic worker without tensor parallelism or "
                         "failover: this one keeps its engine on a thread")
         return applies

@@ -92,7 +92,7 @@ class EngineConfig(BaseSettings):
     ert_wait_s: float = Field(60.0, gt=0, description="Attention role: how long start-up waits for a complete expert routing table")
 
     engine_process: bool = Field(
-        True,
+        False,
         description=(
             "Run the engine loop in a child process of its own (its own GIL; the worker keeps no weights), talking to the "
             "worker over a pipe and shared memory. Applies to the torch engine of a monolithic worker with "

@@ -23,6 +23,7 @@ from phalanx.worker.checkpointing import CheckpointCapture
 from phalanx.worker.config import EngineConfig
 from phalanx.worker.engine import Engine, EngineRequest
 from phalanx.worker.engine_client import EngineCoreClient
+from phalanx.worker.faults import FaultKind
 from phalanx.worker.sequence import FinishReason, TokenEvent
 
 pytestmark = pytest.mark.unit
@@ -89,6 +90,31 @@ async def test_a_cancelled_stream_frees_its_request_and_the_next_one_runs(model)
             await asyncio.sleep(0.01)
         assert client.load().running_seqs == 0 and client.num_requests == 0
         assert len(await tokens(client, request(model, "next", max_tokens=4))) == 4
+    finally:
+        await client.stop()
+
+
+async def test_a_hung_engine_process_shows_the_request_it_holds_and_no_progress(model):
+    """Health's hang signature: Stats say the engine holds requests and computed nothing since (the thread's live view)."""
+    client = await started()
+    try:
+        assert len(await tokens(client, request(model, "warm", max_tokens=2))) == 2
+        computed = client.engine.tokens_computed
+        client.faults.inject(FaultKind.HANG)
+        submitted = time.monotonic()
+        await asyncio.wait_for(client.submit(request(model, "held"), asyncio.Queue()), timeout=2)  # admitted, though hung
+        deadline = time.monotonic() + 2
+        while client.load().queue_depth + client.load().running_seqs == 0 and time.monotonic() < deadline:
+            await asyncio.sleep(0.005)
+        seen_s = time.monotonic() - submitted
+        await asyncio.sleep(0.2)
+        load = client.load()
+        assert load.queue_depth + load.running_seqs == 1 and client.engine.tokens_computed == computed, (load, seen_s)
+        client.faults.clear()
+        deadline = time.monotonic() + 5
+        while client.engine.tokens_computed == computed and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        assert client.engine.tokens_computed > computed  # the held step goes on once cleared
     finally:
         await client.stop()
 

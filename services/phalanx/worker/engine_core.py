@@ -343,6 +343,9 @@ class EngineCore:
                     return  # the worker is gone
                 if self.stopping:
                     break
+                # Admissions and the state they leave go out before a step that may be long, or held by a HANG: the
+                # worker's Stats must show a hung engine holding its requests (health's hang signature), as a thread's does.
+                self._send_output()
                 if engine.has_work():
                     self._out.events.extend(engine.step())
                     self.rates.record(engine.last_step)

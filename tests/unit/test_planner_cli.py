@@ -49,6 +49,23 @@ def test_dryrun_prints_a_summary_and_writes_the_plot(tmp_path: Path) -> None:
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_dryrun_replays_a_request_trace_compressed_to_minutes(tmp_path: Path) -> None:
+    """A Mooncake-layout trace (one request a line, ms timestamps): two hours of arrivals with a burst, compressed to 20 minutes."""
+    _, profile = _inputs(tmp_path)
+    rows, t_ms = [], 0.0
+    for i in range(1200):
+        t_ms += 2000.0 if not 500 <= i < 700 else 200.0  # a burst at ten times the rate
+        rows.append(json.dumps({"timestamp": int(t_ms), "input_length": 300 + i % 200, "output_length": 120, "hash_ids": [i]}))
+    (tmp_path / "mooncake.jsonl").write_text("\n".join(rows) + "\n")
+    result = subprocess.run([*CLI, "dryrun", "--trace", str(tmp_path / "mooncake.jsonl"), "--profile", str(profile), "--predictor", "constant",
+                             "--minutes", "20", "--interval-s", "30"], capture_output=True, text=True, timeout=120, env=os.environ, check=False)
+    assert result.returncode == 0, result.stderr
+    summary = json.loads(result.stdout)
+    assert summary["trace"] == "requests" and summary["requests"] == 1200 and summary["interval_s"] == 30.0
+    assert summary["intervals"] == 41  # 20 minutes of 30 s intervals, the last arrival opening the 41st
+    assert summary["max_workers"] > 1 and summary["under_provisioned_intervals"] >= 1  # the burst, seen one interval late
+
+
 def test_dryrun_rejects_a_missing_trace_and_an_unknown_predictor_with_a_readable_message(tmp_path: Path) -> None:
     _, profile = _inputs(tmp_path)
     missing = subprocess.run([*CLI, "dryrun", "--trace", str(tmp_path / "nope.jsonl"), "--profile", str(profile)], capture_output=True,

@@ -107,7 +107,12 @@ def show(etcd_endpoint: str = typer.Option(None, help=_ETCD_HELP)) -> None:
 
 @planner_app.command("dryrun")
 def dryrun(
-    trace: str = typer.Option(..., help="Load trace (JSON lines or CSV: timestamp, requests, isl, osl per interval)"),
+    trace: str = typer.Option(
+        ..., help="Load trace: intervals (JSON lines or CSV: timestamp, requests, isl, osl) or requests (an Azure or BurstGPT CSV, "
+        "a Mooncake JSON-lines trace)"
+    ),
+    minutes: float = typer.Option(None, min=0.01, help="Compress a request trace's arrivals to this many minutes"),
+    interval_s: float = typer.Option(None, min=0.1, help="Planner interval a request trace is counted in [default: 30 s]"),
     profile: str = typer.Option(..., help="Performance profile (.npz)"),
     plot: str = typer.Option(None, help="Write a PNG of load, prediction and workers over time here"),
     predictor: str = typer.Option("arima", help="constant, arima, kalman or prophet"),
@@ -120,16 +125,17 @@ def dryrun(
     """Replay a trace offline through the predictor, the profile and the replica maths; print a JSON summary (and plot it)."""
     from phalanx.planner.dryrun import plot as draw, replay, trace_interval_s
     from phalanx.planner.errors import PlannerInputError
-    from phalanx.planner.predictors import PREDICTOR_KINDS, load_trace
+    from phalanx.planner.predictors import PREDICTOR_KINDS
     from phalanx.planner.profile import load_profile
     from phalanx.planner.replicas import ReplicaConfig, SloTargets
+    from phalanx.planner.request_traces import load_any_trace
 
     if predictor not in PREDICTOR_KINDS:
         raise typer.BadParameter(f"{predictor!r}: choose one of {', '.join(PREDICTOR_KINDS)}", param_hint="--predictor")
     if ttft_slo_s <= 0 or itl_slo_s <= 0:
         raise typer.BadParameter("SLOs must be > 0")
     try:
-        intervals = load_trace(trace)
+        intervals, kind = load_any_trace(trace, interval_s=interval_s, minutes=minutes)
         loaded = load_profile(profile)
     except (PlannerInputError, OSError) as error:
         typer.echo(f"error: {error}", err=True)
@@ -144,7 +150,8 @@ def dryrun(
         predictor=predictor,
     )
     summary = {
-        "predictor": predictor, "intervals": len(intervals), "interval_s": interval_s, "worker_intervals": series.worker_intervals,
+        "predictor": predictor, "trace": kind, "requests": sum(i.requests for i in intervals),
+        "intervals": len(intervals), "interval_s": interval_s, "worker_intervals": series.worker_intervals,
         "needed_worker_intervals": sum(series.needed_combined), "under_provisioned_intervals": series.under_provisioned_intervals,
         "max_workers": max(series.combined), "plot": str(draw(series, plot)) if plot else None,
     }

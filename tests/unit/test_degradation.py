@@ -201,6 +201,18 @@ def test_tpot_is_the_step_time_a_running_sequence_sees():
     assert slow.reason.startswith("tpot: mean step 400 ms over 10 running sequences, SLO 250 ms")
 
 
+def test_load_alone_stops_at_level_three_lost_capacity_reaches_four():
+    """Slow steps, long queues and a full cache say busy: level 3 admits standard and premium; 4 is for lost capacity."""
+    config = make_config(slo_tokens_per_s=0.0, raise_after_s=0.0, slo_tpot_s=0.25, slo_ttft_s=2.0)
+    overloaded = [worker("a", running_seqs=18, step_time_s=0.536, queue_depth=40, free_blocks=0)]  # a busy host's steps
+    decision = DegradationPolicy(config).evaluate(0.0, overloaded)
+    assert decision.level == 3 and decision.pressure < 2.0
+    assert decision.reason.startswith("ttft: best estimated wait 21.98 s")  # the real figure, though capped
+    lost = DegradationPolicy(make_config(slo_tokens_per_s=250, worker_tokens_per_s=100, raise_after_s=0.0)).evaluate(0.0, fleet(1))
+    assert lost.level == 4 and lost.reason.startswith("throughput: need 250 tok/s, healthy capacity 100 tok/s")
+    assert DegradationPolicy(config).evaluate(0.0, []).level == 4
+
+
 def test_ttft_uses_the_best_worker_for_new_requests():
     policy = DegradationPolicy(make_config(slo_tokens_per_s=0.0, raise_after_s=0.0, slo_ttft_s=2.0))
     busy = worker("busy", queue_depth=49, step_time_s=0.2)  # 10 s

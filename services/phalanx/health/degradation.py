@@ -33,6 +33,14 @@ report is fresh, a suspicious worker counting with its routing weight:
   level 1 (smaller batches need less KV); the queues a full cache builds show
   in TTFT.
 
+Level 4 is for lost capacity, never for load alone. TPOT, TTFT and KV say the
+fleet is busy: their pressure is capped just below level 4's threshold, so
+ordinary overload (or a busy host whose steps slowed) reaches level 3 at most:
+smaller batches, best_effort shed, relaxed latency SLOs, and every standard
+and premium request still admitted to queue at the workers. Refusing every
+new request is for the fleet that cannot serve: no routable worker, or the
+throughput SLO (a configured demand) beyond what the healthy workers can do.
+
 Latency criteria always use the configured SLOs: the x2 from level 3 on is
 what the deployment promises, reported in the decision; feeding it back in
 would halve the pressure at level 3 and make the level flap.
@@ -90,8 +98,9 @@ from phalanx.health.config import DegradationConfig
 # Pressure up to LEVEL_THRESHOLDS[k] calls for level k; above the last one, MAX_LEVEL.
 LEVEL_THRESHOLDS = (1.0, 1.15, 1.4, 2.0)
 MAX_LEVEL = len(LEVEL_THRESHOLDS)
-# The planner's forecast alone stops short of level 4 (module docstring).
-_PLANNER_MAX_PRESSURE = LEVEL_THRESHOLDS[-1] * 0.999
+# Load (the latency and KV criteria) and the planner's forecast stop short of level 4: it is for lost capacity (module
+# docstring).
+_BELOW_LEVEL_FOUR = LEVEL_THRESHOLDS[-1] * 0.999
 BATCH_SCALE_LEVEL = 1
 DEGRADED_BATCH_SCALE = 0.75
 SHED_BEST_EFFORT_LEVEL = 2
@@ -167,8 +176,13 @@ class PlannerView:
 @dataclass(frozen=True)
 class _Criterion:
     name: str
-    pressure: float
+    measured: float  # demand over capacity by this criterion
     detail: str
+    ceiling: float = math.inf  # load criteria and the forecast stop short of level 4 (module docstring)
+
+    @property
+    def pressure(self) -> float:
+        return min(self.measured, self.ceiling)
 
 
 @dataclass
@@ -205,7 +219,7 @@ class DegradationPolicy:
             c for c in (self._throughput(fresh, len(workers), notes), self._tpot(fresh), self._ttft(fresh), self._kv(fresh), self._planner(planner))
             if c
         ]
-        worst = max(criteria, key=lambda c: c.pressure, default=None)
+        worst = max(criteria, key=lambda c: (c.pressure, c.measured), default=None)  # the most overloaded names the reason
         pressure = worst.pressure if worst else 0.0
         reason = f"{worst.name}: {worst.detail}" if worst else "no load"
         if self._outage:
@@ -306,7 +320,7 @@ class DegradationPolicy:
         if view is None or not self.config.planner_view or not view.fresh:
             return None
         detail = f"predicted demand needs {view.needed_workers:.1f} workers, {view.serving_workers} serving"
-        return _Criterion("planner", min(view.pressure, _PLANNER_MAX_PRESSURE), detail)
+        return _Criterion("planner", view.pressure, detail, _BELOW_LEVEL_FOUR)
 
     def _tpot(self, fresh: list[WorkerCapacity]) -> _Criterion | None:
         busy = [w for w in fresh if w.running_seqs > 0 and w.step_time_s > 0]
@@ -315,7 +329,7 @@ class DegradationPolicy:
             return None
         mean = sum(w.running_seqs * w.step_time_s for w in busy) / seqs
         detail = f"mean step {mean * 1e3:.0f} ms over {seqs} running sequences, SLO {self.config.slo_tpot_s * 1e3:.0f} ms"
-        return _Criterion("tpot", mean / self.config.slo_tpot_s, detail)
+        return _Criterion("tpot", mean / self.config.slo_tpot_s, detail, _BELOW_LEVEL_FOUR)
 
     def _ttft(self, fresh: list[WorkerCapacity]) -> _Criterion | None:
         best = min(fresh, key=lambda w: (w.queue_depth + 1) * w.step_time_s)
@@ -323,7 +337,7 @@ class DegradationPolicy:
         if wait <= 0:
             return None
         detail = f"best estimated wait {wait:.2f} s ({best.worker_id}: {best.queue_depth} queued), SLO {self.config.slo_ttft_s:g} s"
-        return _Criterion("ttft", wait / self.config.slo_ttft_s, detail)
+        return _Criterion("ttft", wait / self.config.slo_ttft_s, detail, _BELOW_LEVEL_FOUR)
 
     def _kv(self, fresh: list[WorkerCapacity]) -> _Criterion | None:
         total = sum(w.total_blocks for w in fresh if w.total_blocks > 0)
@@ -332,4 +346,4 @@ class DegradationPolicy:
         free = sum(min(max(w.free_blocks, 0), w.total_blocks) for w in fresh if w.total_blocks > 0)
         used = 1 - free / total
         limit = 1 - self.config.min_free_kv_fraction
-        return _Criterion("kv", used / limit, f"{used:.0%} of {total} blocks used, limit {limit:.0%}")
+        return _Criterion("kv", used / limit, f"{used:.0%} of {total} blocks used, limit {limit:.0%}", _BELOW_LEVEL_FOUR)

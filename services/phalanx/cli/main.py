@@ -333,15 +333,19 @@ def gateway_service(
     model: str = typer.Option(
         None, help="Built-in model or checkpoint dir the routers serve (default: the workers' model) [env PHALANX_GATEWAY_MODEL]"
     ),
+    etcd_endpoint: EtcdEndpoint = None,
     log_level: LogLevel = "INFO",
 ) -> None:
-    """Run the OpenAI-compatible HTTP gateway (/v1/completions, /v1/chat/completions, /v1/models) in front of the routers."""
-    from phalanx.common.config import TelemetryConfig
+    """Run the OpenAI-compatible HTTP gateway (/v1/completions, /v1/chat/completions, /v1/responses, /v1/models) in front of the routers."""
+    from phalanx.common.config import EtcdConfig, TelemetryConfig
     from phalanx.gateway.config import GatewayConfig
     from phalanx.gateway.process import GatewayProcess
 
     setup_logging(log_level)
-    process = GatewayProcess(GatewayConfig(**given(router=router, host=host, port=port, model=model)), TelemetryConfig())
+    process = GatewayProcess(
+        GatewayConfig(**given(router=router, host=host, port=port, model=model)), TelemetryConfig(),
+        EtcdConfig(**given(endpoint=etcd_endpoint)),
+    )
     _run_until_signalled(process)
 
 

@@ -68,7 +68,9 @@ class _State:
     """What the stream and its generator share (the generator must not reference the stream,
     so that dropping the stream lets asyncio finalize the generator, which sends Cancel)."""
 
-    __slots__ = ("request_id", "next_index", "resumes", "failures", "worker_id", "finish_reason", "cancel_task", "__weakref__")
+    __slots__ = (
+        "request_id", "next_index", "resumes", "failures", "worker_id", "finish_reason", "cancel_task", "detached", "__weakref__",
+    )
 
     def __init__(self, request_id: str, next_index: int) -> None:
         self.request_id = request_id
@@ -78,6 +80,7 @@ class _State:
         self.worker_id = ""
         self.finish_reason: FinishReason | None = None
         self.cancel_task: asyncio.Task | None = None
+        self.detached = False
 
 
 class GenerateStream(AsyncIterator[Chunk]):
@@ -127,6 +130,10 @@ class GenerateStream(AsyncIterator[Chunk]):
 
     async def __anext__(self) -> Chunk:
         return await self._gen.__anext__()
+
+    def detach(self) -> None:
+        """Leave the request running server-side when this stream closes unfinished: another process resumes it."""
+        self._state.detached = True
 
     async def aclose(self, *, wait_s: float = 1.0) -> None:
         """Stops the stream; if it was unfinished, waits up to ``wait_s`` for the Cancel to be sent."""
@@ -178,7 +185,7 @@ async def _iterate(
         refused = error.code in _REFUSED or (error.code is _CODE.RESOURCE_EXHAUSTED and state.next_index == 0)
         raise
     finally:
-        state.cancel_task = transport.stream_closed(state, finished=finished or refused)
+        state.cancel_task = transport.stream_closed(state, finished=finished or refused or state.detached)
 
 
 def _open(transport: StreamTransport, state: _State, request: router_pb2.GenerateRequest | None, deadline: float | None):

@@ -77,7 +77,8 @@ class Transport:
             return
         # A stream left by `break` just before close is only finalized later: cancel it now.
         for stream in list(self._open_streams):
-            self._cancel_soon(stream.request_id)
+            if not getattr(stream, "detached", False):  # a detached stream's request is another process's to resume
+                self._cancel_soon(stream.request_id)
         self._closed = True
         if self._background:
             await asyncio.wait(set(self._background), timeout=CANCEL_TIMEOUT_S)

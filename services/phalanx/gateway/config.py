@@ -48,6 +48,21 @@ class GatewayConfig(BaseSettings):
         8, ge=1, le=100, description="Router calls in a row without a new token before a request fails (the SDK's RetryPolicy)"
     )
     shutdown_grace_s: float = Field(5.0, ge=0, description="How long requests in flight may finish after SIGTERM")
+    responses_api: bool = Field(
+        True, description="Serve /v1/responses (needs etcd: PHALANX_ETCD_ENDPOINT); off: the gateway never talks to etcd"
+    )
+    response_ttl_s: int = Field(
+        3600, ge=10, le=30 * 86400, description="How long a response (its status, output and events) is kept, from its creation"
+    )
+    response_flush_interval_s: float = Field(
+        0.05, gt=0, le=5, description="Longest a relayed response's new tokens wait before they are written to etcd"
+    )
+    response_poll_interval_s: float = Field(
+        0.05, gt=0, le=5, description="How often a stream of a response relayed by another gateway reads etcd for new events"
+    )
+    response_adopt_interval_s: float = Field(
+        1.0, gt=0, le=60, description="How often the gateway looks for unfinished responses whose gateway died, to relay them on"
+    )
 
     @model_validator(mode="after")
     def _check(self) -> GatewayConfig:

@@ -16,18 +16,24 @@ but serves HTTP, so it writes its own short order here.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
 import logging
 import math
 import socket
+import uuid
 from collections.abc import Iterator
 from contextlib import AsyncExitStack, contextmanager
 
 import uvicorn
 
-from phalanx.common.config import TelemetryConfig
+from phalanx.common.config import EtcdConfig, TelemetryConfig
 from phalanx.common.telemetry import setup_telemetry, shutdown_telemetry
 from phalanx.gateway.config import GatewayConfig
 from phalanx.gateway.metrics import GatewayMetrics
+from phalanx.gateway.response_routes import ResponsesApi, add_response_routes, tenant_client
+from phalanx.gateway.response_runs import ResponseRunner
+from phalanx.gateway.response_store import ResponseStore
 from phalanx.gateway.server import GatewayServer, RouterClients, build_app
 
 __all__ = ["GatewayProcess"]
@@ -57,9 +63,11 @@ def _listen(host: str, port: int) -> socket.socket:
 
 
 class GatewayProcess:
-    def __init__(self, config: GatewayConfig, telemetry: TelemetryConfig) -> None:
+    def __init__(self, config: GatewayConfig, telemetry: TelemetryConfig, etcd: EtcdConfig | None = None) -> None:
         self.config = config
         self.telemetry_config = telemetry
+        self.etcd_config = etcd or EtcdConfig()
+        self.gateway_id = f"gateway-{uuid.uuid4().hex[:12]}"
         self.metrics = GatewayMetrics()
         self.ready = asyncio.Event()
         self.address = ""
@@ -73,6 +81,14 @@ class GatewayProcess:
         """Ask ``run()`` to shut down; safe to call any time, more than once."""
         self._stop.set()
 
+    def _runner(self, gateway: GatewayServer) -> ResponseRunner:
+        c = self.config
+        return ResponseRunner(
+            ResponseStore(self.etcd_config, self.gateway_id, ttl_s=c.response_ttl_s), functools.partial(tenant_client, gateway),
+            flush_interval_s=c.response_flush_interval_s, poll_interval_s=c.response_poll_interval_s,
+            adopt_interval_s=c.response_adopt_interval_s,
+        )
+
     async def run(self) -> None:
         setup_telemetry("phalanx-gateway", self.telemetry_config)
         async with AsyncExitStack() as stack:
@@ -80,12 +96,20 @@ class GatewayProcess:
             clients = RouterClients(self.config)
             stack.push_async_callback(clients.close)
             gateway = GatewayServer(self.config, clients, self.metrics)
+            app = build_app(gateway)
+            if self.config.responses_api:
+                runner = self._runner(gateway)
+                # Closed before the SDK clients (the stack unwinds in reverse): its relays detach, their requests run on.
+                stack.push_async_callback(runner.close)
+                adopting = asyncio.create_task(runner.adopt_forever(), name="responses-adopt")
+                stack.push_async_callback(_cancelled, adopting)
+                add_response_routes(app, ResponsesApi(gateway, runner))
             sock = _listen(self.config.host, self.config.port)
             stack.callback(sock.close)
             host, port = sock.getsockname()[:2]
             self.address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
             server = _Server(uvicorn.Config(
-                build_app(gateway), lifespan="off", log_config=None, access_log=False,
+                app, lifespan="off", log_config=None, access_log=False,
                 timeout_graceful_shutdown=math.ceil(self.config.shutdown_grace_s),
             ))
             serving = asyncio.create_task(server.serve(sockets=[sock]))
@@ -103,3 +127,9 @@ class GatewayProcess:
             finally:
                 for task in (serving, started, stopped):
                     task.cancel()
+
+
+async def _cancelled(task: asyncio.Task[None]) -> None:
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task

@@ -263,7 +263,7 @@ class GenerateArgs:
     media: tuple[Media, ...] = ()
 
 
-def parse_body(model: type[CompletionRequest] | type[ChatCompletionRequest], body: bytes) -> Any:
+def parse_body(model: type[BaseModel], body: bytes) -> Any:
     """The request model of a JSON body; 400 naming the first wrong parameter (or the JSON) otherwise."""
     try:
         return model.model_validate_json(body)

@@ -26,7 +26,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from sse_starlette import EventSourceResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from phalanx.client import Chunk, Client, GenerateStream, PhalanxClientError, RetryPolicy
+from phalanx.client import Chunk, Client, GenerateStream, NotFoundError, PhalanxClientError, RetryPolicy
 from phalanx.common.telemetry import extract_context, get_tracer
 from phalanx.common.tls import sdk_tls
 from phalanx.gateway.auth import TIER_HEADER, Caller, KeyRing
@@ -35,6 +35,7 @@ from phalanx.gateway.errors import GatewayError, bad_request, from_client_error
 from phalanx.gateway.metrics import GatewayMetrics
 from phalanx.gateway.responses import CHAT, COMPLETIONS, Dialect, finish_reason
 from phalanx.gateway.schema import ChatCompletionRequest, CompletionRequest, GenerateArgs, chat_text, parse_body
+from phalanx.gateway.stream_ids import StreamCursor
 from phalanx.model.chat import ChatPrompts
 from phalanx.model.config import served_model as tokenizer_model
 
@@ -208,6 +209,9 @@ class GatewayServer:
         caller = Caller(tenant, tier, key)
         client = await self.clients.get(caller.api_key)
         model = await self._check_model(client, parsed.model)
+        last_event_id = request.headers.get("last-event-id")
+        if last_event_id is not None:
+            return await self._continue(request, dialect, client, parsed, last_event_id, model=model, span=span, arrived=arrived)
         if isinstance(parsed, ChatCompletionRequest):
             prompt = (await self._chat_prompts(client)).render(parsed.template_messages())
             args = parsed.generate_args(prompt, default_max_tokens=self.config.default_max_tokens)
@@ -224,6 +228,26 @@ class GatewayServer:
         if parsed.stream:
             return await call.respond_streaming(request, include_usage=parsed.include_usage)
         return await call.respond_whole(request)
+
+    async def _continue(
+        self, request: Request, dialect: Dialect, client: Client, parsed: CompletionRequest | ChatCompletionRequest, last_event_id: str,
+        *, model: str, span: trace.Span, arrived: float,
+    ) -> Response:
+        """A reconnect: the stream the Last-Event-ID names goes on after that event (the body's prompt is not run again)."""
+        if not parsed.stream:
+            raise bad_request("stream", "a request with Last-Event-ID continues a stream: it needs stream: true")
+        try:
+            cursor = StreamCursor.parse(last_event_id)
+        except ValueError as error:
+            raise GatewayError(
+                400, f"Last-Event-ID {last_event_id[:64]!r} {error}", kind="invalid_request_error", param="Last-Event-ID",
+                code="invalid_event_id",
+            ) from None
+        span.set_attributes({"phalanx.request_id": cursor.request_id, "phalanx.resumed_at": cursor.tokens})
+        stream = client.resume(cursor.request_id, cursor.tokens)
+        call = _Call(self, dialect, stream, model=model, request_id=cursor.request_id, prompt_param="messages" if dialect.chat else "prompt",
+                     span=span, arrived=arrived, cursor=cursor)
+        return await call.respond_streaming(request, include_usage=parsed.include_usage)
 
     def _open(self, client: Client, caller: Caller, args: GenerateArgs, request_id: str) -> GenerateStream:
         try:
@@ -246,7 +270,7 @@ class _Call:
 
     def __init__(
         self, server: GatewayServer, dialect: Dialect, stream: GenerateStream, *, model: str, request_id: str, prompt_param: str,
-        span: trace.Span, arrived: float,
+        span: trace.Span, arrived: float, cursor: StreamCursor | None = None,
     ) -> None:
         self.server = server
         self.dialect = dialect
@@ -256,9 +280,12 @@ class _Call:
         self.prompt_param = prompt_param
         self.span = span
         self.arrived = arrived
-        self.created = int(time.time())
-        self.prompt_tokens = 0
-        self.completion_tokens = 0
+        # Where the client is in the stream: a reconnect (cursor given) goes on from its Last-Event-ID.
+        self.resumed = cursor is not None
+        self.cursor = cursor or StreamCursor(request_id, 0, 0, int(time.time()))
+        self.created = self.cursor.created
+        self.prompt_tokens = self.cursor.prompt_tokens
+        self.completion_tokens = self.cursor.tokens
 
     def _took(self, chunk: Chunk) -> None:
         if chunk.index == 0:
@@ -314,6 +341,14 @@ class _Call:
         async def first_chunk() -> Chunk | None:
             try:
                 return await anext(self.generation, None)
+            except NotFoundError as error:
+                if self.resumed:
+                    raise GatewayError(
+                        410, f"the stream {self.request_id} cannot be continued: the router no longer holds it (it ended longer ago "
+                        f"than the resume window, or never existed): {error.message}", kind="invalid_request_error",
+                        param="Last-Event-ID", code="stream_expired",
+                    ) from None
+                raise from_client_error(error, prompt_param=self.prompt_param) from None
             except PhalanxClientError as error:
                 raise from_client_error(error, prompt_param=self.prompt_param) from None
 
@@ -336,7 +371,7 @@ class _Call:
             with trace.use_span(self.span, end_on_exit=False):
                 try:
                     chunk = first
-                    is_first = True
+                    is_first = self.cursor.tokens == 0  # a reconnect's stream sent the first chunk (and chat's role) before
                     while chunk is not None:
                         self._took(chunk)
                         finish = self._finish() if chunk.finish_reason is not None else None
@@ -344,16 +379,17 @@ class _Call:
                             yield self._event(self.dialect.chunk(
                                 request_id=self.request_id, created=self.created, model=self.model, text=chunk.text, finish=finish,
                                 first=is_first, include_usage=include_usage,
-                            ))
+                            ), self._cursor_after(chunk))
                             is_first = False
                         chunk = await anext(self.generation, None)
                     self._finish()
+                    cursor = self.cursor.after(self.completion_tokens)
                     if include_usage:
                         yield self._event(self.dialect.usage_chunk(
                             request_id=self.request_id, created=self.created, model=self.model, prompt_tokens=self.prompt_tokens,
                             completion_tokens=self.completion_tokens,
-                        ))
-                    yield {"data": "[DONE]"}
+                        ), cursor)
+                    yield {"data": "[DONE]", "id": cursor.event_id()}
                     status = "200"
                 except (PhalanxClientError, GatewayError) as failure:
                     # The 200 is long gone: the error goes in the stream, where OpenAI's clients raise it.
@@ -370,9 +406,16 @@ class _Call:
             with anyio.CancelScope(shield=True):
                 await self.generation.aclose()
 
+    def _cursor_after(self, chunk: Chunk) -> StreamCursor:
+        return StreamCursor(self.request_id, chunk.index + 1, self.prompt_tokens, self.created)
+
     @staticmethod
-    def _event(body: dict[str, Any]) -> dict[str, str]:
-        return {"data": json.dumps(body, separators=(",", ":"))}
+    def _event(body: dict[str, Any], cursor: StreamCursor | None = None) -> dict[str, str]:
+        """One SSE event; its id (a cursor) is where a client that reconnects with it as Last-Event-ID goes on."""
+        event = {"data": json.dumps(body, separators=(",", ":"))}
+        if cursor is not None:
+            event["id"] = cursor.event_id()
+        return event
 
 
 async def _read_body(request: Request) -> bytes:

@@ -414,7 +414,9 @@ class LocalFleet:
     async def _start_gateway(self, port: int) -> GatewayHandle:
         from phalanx.launch.services import start_gateway
 
-        return await start_gateway(self.router_address, "--model", self.settings.model, name=GATEWAY_ID, port=port)
+        return await start_gateway(
+            self.router_address, "--model", self.settings.model, name=GATEWAY_ID, port=port, etcd_config=self.etcd_config
+        )
 
     async def _start_health(self) -> HealthHandle:
         from phalanx.launch.services import start_health

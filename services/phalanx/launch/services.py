@@ -594,15 +594,21 @@ class GatewayHandle(ServiceHandle):
 
 
 async def start_gateway(
-    router_target: str, *extra: str, name: str = "gateway", port: int = 0, env: dict | None = None, timeout: float = 30.0
+    router_target: str, *extra: str, name: str = "gateway", port: int = 0, env: dict | None = None, timeout: float = 30.0,
+    etcd_config: EtcdConfig | None = None,
 ) -> GatewayHandle:
     """A gateway (``phalanx gateway``) in front of ``router_target`` ("host:port" or "ipv4:h1:p1,h2:p2"), returned once /health answers.
 
-    ``extra`` are more CLI flags (e.g. ``--model``); ``env`` more PHALANX_GATEWAY_* settings (API keys, tenants).
+    ``extra`` are more CLI flags (e.g. ``--model``); ``env`` more PHALANX_GATEWAY_* settings (API keys, tenants);
+    ``etcd_config`` the etcd its Responses API keeps responses in (default: PHALANX_ETCD_* of the environment).
     """
 
     async def start_once(port: int) -> GatewayHandle:
-        process = _spawn(["gateway", "--router", router_target, "--port", str(port), "--log-level", "WARNING", *extra], env or {})
+        etcd = [] if etcd_config is None else ["--etcd-endpoint", etcd_config.endpoint]
+        process = _spawn(
+            ["gateway", "--router", router_target, "--port", str(port), "--log-level", "WARNING", *etcd, *extra],
+            {**(_etcd_env(etcd_config) if etcd_config is not None else {}), **(env or {})},
+        )
         address = f"127.0.0.1:{port}"
         handle = GatewayHandle(name, process, address, address)
         deadline = time.monotonic() + timeout

@@ -211,7 +211,7 @@ class Stack:
     async def add_gateway(self, *extra: str, port: int = 0) -> GatewayHandle:
         """An OpenAI-compatible gateway in front of every router of this stack."""
         target = "ipv4:" + ",".join(router.address for router in self.routers)
-        handle = await start_gateway(target, *extra, "--model", self.model, name=unique_id("gateway"), port=port)
+        handle = await start_gateway(target, *extra, "--model", self.model, name=unique_id("gateway"), port=port, etcd_config=self.etcd_config)
         self.gateways.append(handle)
         return handle
 

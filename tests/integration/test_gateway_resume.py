@@ -103,6 +103,31 @@ async def test_a_background_response_streams_on_at_another_gateway_after_its_own
     assert stored.usage is not None and stored.usage.output_tokens == TOKENS
 
 
+async def test_a_gateway_stopped_with_sigterm_hands_its_responses_over_without_cancelling_them(gateways):
+    a, b = gateways
+    async with client(a) as on_a, client(b) as on_b:
+        # Longer than the others: the request must still run when the gateway stops.
+        reference = await on_b.responses.create(model=MODEL, input="hand over", max_output_tokens=3 * TOKENS, **GREEDY)
+        started = await on_a.responses.create(model=MODEL, input="hand over", max_output_tokens=3 * TOKENS, background=True, **GREEDY)
+
+        async def generating():
+            current = await on_b.responses.retrieve(started.id)
+            assert current.status == "in_progress" and current.output_text
+            return current
+
+        await assert_eventually(generating, timeout=10)
+        a.process.terminate()
+        assert await asyncio.to_thread(a.process.wait, 30) == 0
+
+        async def finished():
+            current = await on_b.responses.retrieve(started.id)
+            assert current.status == "incomplete"
+            return current
+
+        done = await assert_eventually(finished, timeout=30)
+    assert done.output_text == reference.output_text and done.usage is not None and done.usage.output_tokens == 3 * TOKENS
+
+
 async def test_a_response_is_stored_for_every_gateway_and_a_stream_replays_from_any_sequence_number(gateways):
     a, b = gateways
     async with client(a) as on_a, client(b) as on_b:

@@ -178,7 +178,7 @@ def response_object(r: StoredResponse, *, snapshot: bool = False) -> dict[str, A
     if not snapshot and r.final:
         body["completed_at"] = r.completed_at
         body["usage"] = {
-            "input_tokens": r.prompt_tokens, "input_tokens_details": {"cached_tokens": 0}, "output_tokens": len(r.pieces),
+            "input_tokens": r.prompt_tokens, "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0}, "output_tokens": len(r.pieces),
             "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": r.prompt_tokens + len(r.pieces),
         }
         if r.status == "incomplete":

@@ -143,13 +143,16 @@ class ResponseRunner:
     async def adopt_forever(self) -> None:
         """Opens the etcd session, then keeps taking over unfinished responses that no gateway runs."""
         backoff = Backoff(initial=0.2, cap=5.0)
+        failures = 0
         while True:
             try:
                 await self.store.start()
                 break
             except Exception as error:  # noqa: BLE001 - etcd away at startup must not stop the gateway; Responses wait for it
                 delay = backoff.next()
-                log.warning("no etcd session for the Responses API yet (%s); retrying in %.1f s", error, delay)
+                failures += 1
+                log.log(logging.WARNING if failures == 1 else logging.DEBUG,
+                        "no etcd session for the Responses API yet (%s); retrying every %.1f s at most", error, delay)
                 await asyncio.sleep(delay)
         self.ready.set()
         while True:

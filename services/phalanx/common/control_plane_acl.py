@@ -68,6 +68,8 @@ ETCD_ROOT_USER = "root"
 ETCD_READ_PREFIX = "/phalanx/v1/"
 # The routers' session leases (phalanx.router.records.SESSIONS_PREFIX; named here so this module imports no router).
 _ROUTER_SESSIONS_PREFIX = "/phalanx/v1/router-sessions/"
+# The gateways' stored responses, their relays and sessions (phalanx.gateway.response_store.PREFIX).
+_GATEWAY_PREFIX = "/phalanx/v1/gateway/"
 
 
 @dataclass(frozen=True)
@@ -92,7 +94,8 @@ ACL: dict[str, Grant] = {
         publish=(HEALTH_REPORTS_ALL, TENANT_USAGE_SUBJECT),
         subscribe=(KV_EVENTS_ALL, LOAD_ALL, HEALTH_EVENTS_ALL, DEGRADATION_SUBJECT, MIGRATION_EVENTS_SUBJECT, TENANT_USAGE_SUBJECT),
     ),
-    "gateway": Grant(),
+    # The Responses API's stored responses, which gateway relays each, and the gateways' sessions.
+    "gateway": Grant(etcd_write=(_GATEWAY_PREFIX,)),
     # Health records, the degradation level, canary calibrations, its leadership.
     "health": Grant(
         etcd_write=(HEALTH_PREFIX, DEGRADATION_PREFIX, CANARY_PREFIX, HEALTH_LEADER_KEY),

@@ -65,6 +65,11 @@ class ResponseRunner:
     async def _drive(self, response: StoredResponse, version: int) -> GatewayError | None:
         try:
             return await self._relay(response, version)
+        except (StoreUnavailableError, GatewayError) as error:
+            # Released below: another gateway (or this one, at its next look) takes the response over.
+            log.warning("relaying response %s stopped (%s); it is left to the next gateway that looks", response.id, error)
+            message = error.message if isinstance(error, GatewayError) else str(error)
+            return GatewayError(503, f"the response's relay stopped: {message}", kind="server_error", code="unavailable", retry_after_s=1.0)
         finally:
             self._streams.pop(response.id, None)
             with contextlib.suppress(StoreUnavailableError):

@@ -476,3 +476,12 @@ async def test_a_stream_left_unfinished_or_cancelled_by_its_caller_tells_its_tra
     with pytest.raises(RequestCancelledError):
         [chunk async for chunk in GenerateStream(cancelled, retry=FAST, request_id="r", request=request(), start_index=0, timeout=None)]
     assert cancelled.opened == [("generate", "r", 0)]  # not resumed
+
+
+async def test_a_detached_stream_closes_unfinished_without_cancelling_its_request():
+    transport = RecordingTransport(ScriptedCall([5, 6, 7], last=7))
+    stream = GenerateStream(transport, retry=FAST, request_id="r", request=None, start_index=5, timeout=None)
+    assert (await anext(stream)).index == 5
+    stream.detach()  # another process resumes the request
+    await stream.aclose()
+    assert transport.log == [("opened", "r"), ("closed", "r", True)]  # "finished": nothing to cancel

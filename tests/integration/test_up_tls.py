@@ -10,12 +10,14 @@ import sys
 from pathlib import Path
 
 import aetcd.exceptions
+import httpx
 import pytest
 
 from phalanx.client import Client, TlsConfig
 from phalanx.common.config import EtcdConfig, NatsConfig
 from phalanx.common.discovery import WorkerDirectory
 from phalanx.common.events import EventBus
+from phalanx.testing.asserts import assert_eventually
 
 pytestmark = pytest.mark.integration
 
@@ -77,3 +79,19 @@ async def test_up_tls_runs_nats_and_etcd_with_client_certificates(tls_stack):
     async with await Client.connect(tls_stack["router_address"], tls=TlsConfig.from_dir(certs / "client"), timeout=30) as client:
         completion = await client.complete([5, 6, 7, 8], max_tokens=6, ignore_eos=True)
     assert len(completion.token_ids) == 6
+
+    # The gateway keeps its Responses in etcd with its own certificate and rights (the ACL's gateway row): a background
+    # response is stored, relayed and read back. (The simulated workers' vocabulary is not the chat template's tokenizer's,
+    # so the router refuses the prompt: the response ends failed, and says why.)
+    async with httpx.AsyncClient(base_url=tls_stack["gateway_url"], timeout=60) as http:
+        model = (await http.get("/v1/models")).json()["data"][0]["id"]
+        created = await http.post("/v1/responses", json={"model": model, "input": "hi", "max_output_tokens": 4, "background": True})
+        assert created.status_code == 200, created.text
+
+        async def ended():
+            stored = (await http.get(f"/v1/responses/{created.json()['id']}")).json()
+            assert stored["status"] == "failed", stored
+            return stored
+
+        stored = await assert_eventually(ended, timeout=30)
+    assert "vocabulary" in stored["error"]["message"]

@@ -28,6 +28,7 @@ from phalanx.client import (
     OverloadedError,
     PhalanxClientError,
     RequestCancelledError,
+    RequestQuarantinedError,
     RetryPolicy,
     StreamGapError,
     SyncClient,
@@ -64,6 +65,7 @@ def test_public_names_are_pinned():
         "OverloadedError",
         "PhalanxClientError",
         "RequestCancelledError",
+        "RequestQuarantinedError",
         "RetryPolicy",
         "StreamGapError",
         "SyncClient",
@@ -154,6 +156,15 @@ def test_bare_statuses_map_to_typed_errors(code, kind):
     mapped = from_rpc_error(rpc_error(code, "boom"), request_id="r-2")
     assert type(mapped) is kind and isinstance(mapped, PhalanxClientError)
     assert (mapped.code, mapped.message, mapped.reason, mapped.request_id, mapped.retry_after_s) == (code, "boom", None, "r-2", None)
+
+
+def test_a_quarantined_request_becomes_its_typed_error_with_the_fingerprint():
+    error = domain.RequestQuarantinedError("it crashed 2 workers", fingerprint="ab" * 16, crashes=2, expires_in_s=599.6)
+    mapped = from_rpc_error(from_router(error), request_id="r-3")
+    assert type(mapped) is RequestQuarantinedError and not mapped.retryable
+    assert (mapped.code, mapped.reason, mapped.fingerprint, mapped.expires_in_s) == (
+        C.FAILED_PRECONDITION, "REQUEST_QUARANTINED", "ab" * 16, 600.0,
+    )
 
 
 def test_details_that_contradict_the_status_are_ignored():

@@ -14,6 +14,7 @@ from phalanx.client import (
     GenerateOptions,
     InvalidArgumentError,
     OverloadedError,
+    RequestQuarantinedError,
     UnavailableError,
 )
 from phalanx.gateway.auth import Caller, KeyRing
@@ -290,6 +291,14 @@ def test_shed_and_unavailable_carry_retry_after():
     assert (down.status, down.headers()["Retry-After"]) == (503, "1")
     unauthenticated = from_client_error(ClientAuthenticationError("bad key", code=grpc.StatusCode.UNAUTHENTICATED))
     assert unauthenticated.status == 401
+
+
+def test_a_quarantined_request_is_a_422_with_its_own_code_and_no_retry_after():
+    error = from_client_error(
+        RequestQuarantinedError("crashed 2 workers", code=grpc.StatusCode.FAILED_PRECONDITION, fingerprint="f" * 32, expires_in_s=600.0)
+    )
+    assert (error.status, error.body()["error"]["code"], error.body()["error"]["type"]) == (422, "request_quarantined", "invalid_request_error")
+    assert "Retry-After" not in error.headers()
 
 
 def test_errors_have_openais_shape():

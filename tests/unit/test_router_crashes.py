@@ -7,9 +7,9 @@ from phalanx.router.crashes import Crashed, CrashPolicy, Held, Move, Placed, Pla
 pytestmark = pytest.mark.unit
 
 
-def crash(policy: CrashPolicy, worker_id: str, *request_ids: str) -> dict[str, tuple]:
+def crash(policy: CrashPolicy, worker_id: str, *request_ids: str, at: float = 0.0) -> dict[str, tuple]:
     """Every listed request's stream from `worker_id` breaks, in order; the effects by request."""
-    return {r: policy.on(Crashed(r, worker_id)) for r in request_ids}
+    return {r: policy.on(Crashed(r, worker_id, at)) for r in request_ids}
 
 
 def hold(policy: CrashPolicy, worker_id: str, *request_ids: str) -> None:
@@ -47,7 +47,7 @@ def test_a_request_alone_on_a_worker_is_quarantined_after_k_crashes_only():
     policy = CrashPolicy(after_crashes=3, probation_s=1.0)
     for n, worker in enumerate(("w1", "w2", "w3"), start=1):
         hold(policy, worker, "p")
-        effects = policy.on(Crashed("p", worker))
+        effects = policy.on(Crashed("p", worker, 0.0))
         assert effects == ((Quarantine("p", 3),) if n == 3 else ())
 
 
@@ -55,7 +55,7 @@ def test_a_drained_or_finished_request_is_no_suspect_of_a_later_crash():
     policy = CrashPolicy(after_crashes=1, probation_s=1.0)
     hold(policy, "w1", "done", "poison")
     policy.on(Released("done"))
-    assert policy.on(Crashed("poison", "w1")) == (Quarantine("poison", 1),)
+    assert policy.on(Crashed("poison", "w1", 0.0)) == (Quarantine("poison", 1),)
     assert policy.tracked == 1
     policy.on(Released("poison"))
     assert policy.tracked == 0
@@ -98,7 +98,41 @@ def test_a_restarted_worker_of_the_same_id_starts_a_new_crash():
     crash(policy, "w1", "a")  # b's stream has not broken yet
     policy.on(Released("b"))
     hold(policy, "w1", "a")  # the worker came back under its stable id
-    assert policy.on(Crashed("a", "w1")) == (Quarantine("a", 2),)
+    assert policy.on(Crashed("a", "w1", 0.0)) == (Quarantine("a", 2),)
+
+
+def test_a_mate_that_ran_its_probation_on_the_poisons_next_worker_is_cleared():
+    policy = CrashPolicy(after_crashes=2, probation_s=2.0)
+    hold(policy, "w1", "poison", "good")
+    crash(policy, "w1", "good", "poison", at=0.0)
+    policy.on(Placed("good", "w2", at=0.1))
+    hold(policy, "w2", "good")
+    (wait,) = policy.on(Placing("poison", frozenset({"w2"}), at=0.2))
+    assert isinstance(wait, Wait)
+    policy.on(Placed("poison", "w2", at=2.2))
+    hold(policy, "w2", "poison")
+    effects = crash(policy, "w2", "poison", "good", at=2.4)
+    assert effects == {"poison": (Quarantine("poison", 2),), "good": ()}
+
+
+def test_a_cleared_mate_is_cleared_whichever_stream_of_the_crash_breaks_first():
+    policy = CrashPolicy(after_crashes=2, probation_s=2.0)
+    hold(policy, "w1", "poison", "good")
+    crash(policy, "w1", "good", "poison", at=0.0)
+    policy.on(Placed("good", "w2", at=0.1))
+    policy.on(Placed("poison", "w2", at=2.2))
+    hold(policy, "w2", "good", "poison")
+    assert crash(policy, "w2", "good", "poison", at=2.4) == {"good": (), "poison": (Quarantine("poison", 2),)}
+
+
+def test_a_mate_still_on_probation_at_the_crash_is_not_cleared():
+    policy = CrashPolicy(after_crashes=2, probation_s=2.0)
+    hold(policy, "w1", "poison", "good")
+    crash(policy, "w1", "good", "poison", at=0.0)
+    for r in ("good", "poison"):
+        policy.on(Placed(r, "w2", at=0.1))
+        hold(policy, "w2", r)
+    assert crash(policy, "w2", "poison", "good", at=0.5) == {"poison": (), "good": ()}
 
 
 def test_after_crashes_must_be_positive():

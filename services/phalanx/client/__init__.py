@@ -20,6 +20,7 @@ from phalanx.client._errors import (
     OverloadedError,
     PhalanxClientError,
     RequestCancelledError,
+    RequestQuarantinedError,
     StreamGapError,
     UnavailableError,
 )
@@ -44,6 +45,7 @@ __all__ = [
     "OverloadedError",
     "PhalanxClientError",
     "RequestCancelledError",
+    "RequestQuarantinedError",
     "RetryPolicy",
     "StreamGapError",
     "SyncClient",

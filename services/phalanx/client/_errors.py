@@ -15,6 +15,7 @@ __all__ = [
     "OverloadedError",
     "PhalanxClientError",
     "RequestCancelledError",
+    "RequestQuarantinedError",
     "StreamGapError",
     "UnavailableError",
     "from_rpc_error",
@@ -90,6 +91,22 @@ class RequestCancelledError(PhalanxClientError):
     """The request was cancelled (by this client's ``cancel`` or by the server)."""
 
 
+class RequestQuarantinedError(PhalanxClientError):
+    """The request crashed the workers that ran it (tokens already received stay valid), or is the same as one that
+    did: the router refuses it until ``expires_in_s`` passes or an operator releases ``fingerprint``. Retrying it
+    unchanged fails the same way."""
+
+    def __init__(self, message: str, *, fingerprint: str, expires_in_s: float | None, **kwargs) -> None:
+        super().__init__(message, **kwargs)
+        self.fingerprint = fingerprint
+        self.expires_in_s = expires_in_s
+
+
+# The router's ErrorInfo reason for a quarantined request (phalanx.common.errors.REQUEST_QUARANTINED; the SDK imports
+# nothing of the services).
+_QUARANTINED = "REQUEST_QUARANTINED"
+
+
 class InternalError(PhalanxClientError):
     """The router failed in a way the caller cannot fix (INTERNAL, UNKNOWN, UNIMPLEMENTED …)."""
 
@@ -135,6 +152,7 @@ def from_rpc_error(error: grpc.RpcError, *, request_id: str | None = None) -> Ph
     code = error.code()
     message = error.details() or code.name
     reason: str | None = None
+    metadata: dict[str, str] = {}
     retry_after_s: float | None = None
     violations: list[tuple[str, str]] = []
     status = rich_status(error)
@@ -143,6 +161,7 @@ def from_rpc_error(error: grpc.RpcError, *, request_id: str | None = None) -> Ph
             info = error_details_pb2.ErrorInfo()
             detail.Unpack(info)
             reason = info.reason or None
+            metadata = dict(info.metadata)
         elif detail.Is(error_details_pb2.RetryInfo.DESCRIPTOR):
             retry = error_details_pb2.RetryInfo()
             detail.Unpack(retry)
@@ -153,6 +172,11 @@ def from_rpc_error(error: grpc.RpcError, *, request_id: str | None = None) -> Ph
             violations.extend((v.field, v.description) for v in bad.field_violations)
     kind = _BY_CODE.get(code, InternalError)
     common = {"code": code, "reason": reason, "request_id": request_id, "retry_after_s": retry_after_s}
+    if reason == _QUARANTINED:
+        expires = metadata.get("expires_in_s")
+        return RequestQuarantinedError(
+            message, fingerprint=metadata.get("fingerprint", ""), expires_in_s=float(expires) if expires else None, **common
+        )
     if kind is InvalidArgumentError:
         return InvalidArgumentError(message, violations=violations, **common)
     return kind(message, **common)

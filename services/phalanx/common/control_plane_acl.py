@@ -37,6 +37,7 @@ from phalanx.common.subjects import (
     MOE_PREFIX,
     PLANNER_CAPACITY_PREFIX,
     PLANNER_PREFIX,
+    QUARANTINE_PREFIX,
     REQUESTS_PREFIX,
     ROUTERS_PREFIX,
     SPARES_PREFIX,
@@ -88,9 +89,9 @@ ACL: dict[str, Grant] = {
     # Registers itself and its tensor-channel endpoint; publishes its KV residency and load.
     "worker": Grant(etcd_write=(WORKERS_PREFIX, CHANNELS_PREFIX), publish=(KV_EVENTS_ALL, LOAD_ALL)),
     "expert-worker": Grant(etcd_write=(EXPERT_WORKERS_PREFIX, CHANNELS_PREFIX)),
-    # Its registration, the request records and session leases; reports broken worker streams and tenant usage.
+    # Its registration, the request records and session leases, quarantined fingerprints; reports broken worker streams and tenant usage.
     "router": Grant(
-        etcd_write=(ROUTERS_PREFIX, REQUESTS_PREFIX, _ROUTER_SESSIONS_PREFIX),
+        etcd_write=(ROUTERS_PREFIX, REQUESTS_PREFIX, _ROUTER_SESSIONS_PREFIX, QUARANTINE_PREFIX),
         publish=(HEALTH_REPORTS_ALL, TENANT_USAGE_SUBJECT),
         subscribe=(KV_EVENTS_ALL, LOAD_ALL, HEALTH_EVENTS_ALL, DEGRADATION_SUBJECT, MIGRATION_EVENTS_SUBJECT, TENANT_USAGE_SUBJECT),
     ),

@@ -99,6 +99,26 @@ class FailedPreconditionError(PhalanxError):
 MEDIA_SOURCE_SUBJECT = "media.source"
 
 
+# The ErrorInfo reason of a request the router quarantined (it killed the workers that ran it), mid-stream or at the gate.
+REQUEST_QUARANTINED = "REQUEST_QUARANTINED"
+
+
+class RequestQuarantinedError(FailedPreconditionError):
+    """The request crashed the workers that ran it, or is the same as one that did: it is not served again until its
+    fingerprint's quarantine ends (``expires_in_s``) or an operator releases it (``phalanx quarantine release``)."""
+
+    reason = REQUEST_QUARANTINED
+
+    def __init__(self, message: str, *, fingerprint: str, crashes: int, expires_in_s: float) -> None:
+        super().__init__(
+            message, subject="request.fingerprint",
+            metadata={"fingerprint": fingerprint, "crashes": str(crashes), "expires_in_s": f"{max(expires_in_s, 0.0):.0f}"},
+        )
+        self.fingerprint = fingerprint
+        self.crashes = crashes
+        self.expires_in_s = expires_in_s
+
+
 class AuthenticationError(PhalanxError):
     """Missing or unknown credentials."""
 

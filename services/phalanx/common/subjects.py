@@ -25,6 +25,7 @@ __all__ = [
     "HEALTH_PREFIX",
     "HEALTH_REPORTS_ALL",
     "HEALTH_REPORTS_PREFIX",
+    "QUARANTINE_PREFIX",
     "REQUESTS_PREFIX",
     "ROUTERS_PREFIX",
     "PLANNER_CAPACITY_KEY",
@@ -72,6 +73,8 @@ WORKERS_PREFIX = "/phalanx/v1/workers/"
 ROUTERS_PREFIX = "/phalanx/v1/routers/"
 HEALTH_PREFIX = "/phalanx/v1/health/"
 REQUESTS_PREFIX = "/phalanx/v1/requests/"
+# Quarantined request fingerprints, each under a lease of the quarantine's TTL: written and followed by every router.
+QUARANTINE_PREFIX = "/phalanx/v1/quarantine/"
 DEGRADATION_PREFIX = "/phalanx/v1/degradation/"
 DEGRADATION_KEY = DEGRADATION_PREFIX + "global"
 CANARY_PREFIX = "/phalanx/v1/canary/"

@@ -20,6 +20,7 @@ from phalanx.client import (
     OverloadedError,
     PhalanxClientError,
     RequestCancelledError,
+    RequestQuarantinedError,
     UnavailableError,
 )
 from phalanx.common.errors import TenantLimitError
@@ -92,6 +93,9 @@ def from_client_error(error: PhalanxClientError, *, prompt_param: str = "prompt"
         field, description = error.violations[0] if error.violations else ("", error.message)
         param = router_field_to_param(field, prompt_param=prompt_param) if field else None
         return bad_request(param, description)
+    if isinstance(error, RequestQuarantinedError):
+        # Not retryable: the same request (its fingerprint) is refused fleet-wide until the quarantine ends.
+        return GatewayError(422, error.message, kind="invalid_request_error", code="request_quarantined")
     if isinstance(error, AuthenticationError):
         return GatewayError(401, f"the router refused the API key: {error.message}", kind="authentication_error", code="invalid_api_key")
     if isinstance(error, OverloadedError):

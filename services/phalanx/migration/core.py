@@ -263,6 +263,9 @@ class Migrator:
                 # A rebalance parked it for that worker; the usual choice if it cannot take it (gone, full, draining).
                 subset = {w: r for w, r in registrations.items() if w in (planned, request.worker_id)}
                 target = await self._pick_target(largest, subset, {request.worker_id})
+            if target is None and largest is not None and request.avoid_worker_ids:
+                # Scattered: away from where the other suspects of a crash went, while another worker can take it.
+                target = await self._pick_target(largest, registrations, {request.worker_id, *request.avoid_worker_ids})
             if target is None and largest is not None:
                 target = await self._pick_target(largest, registrations, {request.worker_id})
             stats = target[1] if target is not None else None

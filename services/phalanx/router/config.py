@@ -137,6 +137,20 @@ class RouterConfig(BaseSettings):
         description="How long a request whose media are encoded waits for its text prefix's prefill to end; past it the request "
         "goes anyway and the worker computes what is not cached yet (a slow or hung worker does not hold it)",
     )
+    quarantine_after_crashes: int = Field(
+        2, ge=0, le=8,
+        description="Worker crashes a request must have seen, as their one common suspect, before it is ended with "
+        "REQUEST_QUARANTINED and its fingerprint refused fleet-wide (docs/migration.md, \"Poison requests\"); 0: never",
+    )
+    quarantine_ttl_s: int = Field(
+        3600, ge=1, le=7 * 24 * 3600,
+        description="How long a quarantined fingerprint (model, prompt, media, sampling) is refused by every router (an etcd lease)",
+    )
+    quarantine_probation_s: float = Field(
+        2.0, ge=0, le=60,
+        description="After a crash, how long a moved suspect keeps the other suspects of that crash off its new worker (they "
+        "wait for it, so that the next crash names one request)",
+    )
     premium_at_level_4: bool = Field(
         False,
         description="At degradation level 4 keep admitting premium requests while any worker can take them "

@@ -13,14 +13,17 @@ The rule:
   living worker would attach). A drain hands requests back and is no crash;
   nor is a refusal, which carries the worker's reasons.
 - The crash's *suspects* are the requests the worker held at that moment.
+- A suspect that moved and then ran ``probation_s`` on its new worker without
+  a crash is *cleared*: it leaves the suspects of the crashes before its move.
 - A request is quarantined when it has seen ``after_crashes`` crashes (K) and
-  is the single common member of their suspect sets: no other request was in
-  the batch at every one of them.
+  is the single common member of their suspect sets: no other uncleared
+  request was in the batch at every one of them.
 - A suspect is *scattered*: it moves to a worker where no other suspect of a
   crash it saw is on probation (it moved there less than ``probation_s`` ago
   and has not crashed it since); with no such worker it waits for the first
   probation to end (``Wait``). So the poison reaches its next worker without
-  the requests that shared its last one, and its next crash names it alone.
+  an uncleared request that shared its last one, and its next crash names it
+  alone: with K = 2 a poison costs two workers.
 
 Limits, stated so that nobody relies on more:
 
@@ -71,10 +74,11 @@ class Released:
 
 @dataclass(frozen=True)
 class Crashed:
-    """The request's stream from `worker_id` broke as a dead process's does."""
+    """The request's stream from `worker_id` broke as a dead process's does, at monotonic time `at`."""
 
     request_id: str
     worker_id: str
+    at: float
 
 
 @dataclass(frozen=True)
@@ -130,7 +134,7 @@ Effect = Quarantine | Move | Wait
 class _OpenCrash:
     """One worker's death while this router relays its requests: the suspects, and those whose stream is yet to break."""
 
-    suspects: frozenset[str]
+    suspects: set[str]  # shared with the requests' histories: a suspect cleared later leaves it
     pending: set[str] = field(default_factory=set)
 
 
@@ -154,8 +158,9 @@ class CrashPolicy:
         self.probation_s = probation_s
         self._held: dict[str, str] = {}  # request id -> its worker
         self._open: dict[str, _OpenCrash] = {}  # worker id -> its death, while some suspect's stream is yet to break
-        self._seen: dict[str, list[frozenset[str]]] = {}  # request id -> the suspects of every crash it saw
+        self._seen: dict[str, list[set[str]]] = {}  # request id -> the suspects of every crash it saw
         self._probation: dict[str, _Probation] = {}
+        self.deaths = 0  # worker deaths seen (each once, however many of its streams broke)
 
     def crashes_seen(self, request_id: str) -> int:
         return len(self._seen.get(request_id, ()))
@@ -191,27 +196,37 @@ class CrashPolicy:
 
     def _on_crashed(self, event: Crashed) -> tuple[Effect, ...]:
         request_id, worker_id = event.request_id, event.worker_id
+        self._clear(event.at)
         self._held.pop(request_id, None)
         crash = self._open.get(worker_id)
         if crash is None or request_id not in crash.pending:
             # The first stream of this death to break: every request the worker held is a suspect.
-            suspects = frozenset({request_id, *(r for r, w in self._held.items() if w == worker_id)})
+            suspects = {request_id, *(r for r, w in self._held.items() if w == worker_id)}
             crash = self._open[worker_id] = _OpenCrash(suspects, set(suspects))
+            self.deaths += 1
         crash.pending.discard(request_id)
         if not crash.pending:
             del self._open[worker_id]
         self._probation.pop(request_id, None)  # it crashed its new worker: no longer a clean mate there
         seen = self._seen.setdefault(request_id, [])
         seen.append(crash.suspects)
-        if len(seen) >= self.after_crashes and frozenset.intersection(*seen) == {request_id}:
+        if len(seen) >= self.after_crashes and set.intersection(*seen) == {request_id}:
             return (Quarantine(request_id, len(seen)),)
         return ()
+
+    def _clear(self, at: float) -> None:
+        """Suspects whose probation ended by `at` without a crash leave the suspects of the crashes before their move."""
+        for request_id, probation in list(self._probation.items()):
+            if probation.until <= at:
+                del self._probation[request_id]
+                for suspects in self._seen.get(request_id, ()):
+                    suspects.discard(request_id)
 
     def _place(self, event: Placing) -> Effect:
         seen = self._seen.get(event.request_id)
         if not seen:
             return Move(event.request_id, frozenset())
-        mates = frozenset().union(*seen) - {event.request_id}
+        mates = set().union(*seen) - {event.request_id}
         on_probation = [p for mate in mates if (p := self._probation.get(mate)) is not None and p.until > event.at]
         busy = frozenset(p.worker_id for p in on_probation)
         if event.candidates - busy or not on_probation:

@@ -41,3 +41,5 @@ class Flow:
     counts_output: bool = True
     # Whether this stream is counted in its tenant's streams (Admission.enter or hold): its end must leave().
     counted: bool = False
+    # What makes a retry the same request (router/quarantine.py); empty for a stream of a request already running.
+    fingerprint: str = ""

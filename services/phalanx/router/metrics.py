@@ -70,6 +70,19 @@ class RouterMetrics:
             "phalanx_migration_stall_seconds", "Gap between the tokens before and after a migration, as the client saw it",
             buckets=(0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 1.0, 2.0, 5.0, 10.0), registry=r,
         )
+        self.worker_crashes = Counter(
+            "phalanx_router_worker_crashes", "Worker deaths seen while relaying requests (their streams broke as a dead process's do)",
+            registry=r,
+        )
+        self.quarantined = Counter(
+            "phalanx_router_requests_quarantined", "Requests ended as the one common suspect of several worker crashes", registry=r
+        )
+        self.quarantine_refusals = Counter(
+            "phalanx_router_quarantine_refusals", "Requests refused before routing: their fingerprint is quarantined", registry=r
+        )
+        self.quarantined_fingerprints = Gauge(
+            "phalanx_router_quarantined_fingerprints", "Request fingerprints quarantined fleet-wide, as this router follows them", registry=r
+        )
         self.handoffs = Counter("phalanx_router_handoffs", "Requests moved to another worker after a drain", registry=r)
 
     def _media(self, r: CollectorRegistry) -> None:

@@ -147,8 +147,11 @@ class RequestMoves:
         task.add_done_callback(self._fence_tasks.discard)
 
     # -- migrations -----------------------------------------------------------------------
-    async def migrate(self, flow: Flow, move: Migrate, handoff_chunk: HandoffChunk | None) -> migration_pb2.MigrateResponse | None:
-        """Asks the migration service to move the request; None when it did not (the relay policy decides what then)."""
+    async def migrate(
+        self, flow: Flow, move: Migrate, handoff_chunk: HandoffChunk | None, *, avoid: frozenset[str] = frozenset(),
+    ) -> migration_pb2.MigrateResponse | None:
+        """Asks the migration service to move the request, off `avoid` if it can; None when it did not (the relay policy
+        decides what then)."""
         if self._migrate is None:
             return None
         # Direct delivery: the target fetches the media from the encoder that holds them (Restore does as Generate does),
@@ -161,6 +164,7 @@ class RequestMoves:
         with tracer.start_as_current_span("router.migrate") as span:
             span.set_attribute("phalanx.request_id", flow.record.request_id)
             request = migrate_request(flow, move, handoff_chunk)
+            request.avoid_worker_ids.extend(sorted(avoid))
             try:
                 moved = await self._migrate(request)
             except FailedPreconditionError as error:
@@ -172,6 +176,7 @@ class RequestMoves:
                 if isinstance(effect, SkipMigration):
                     return None
                 request = migrate_request(flow, move, handoff_chunk)
+                request.avoid_worker_ids.extend(sorted(avoid))
                 moved = await self._migrate(request)
             if moved is None:
                 return None

@@ -53,6 +53,7 @@ from phalanx.router.limits import FleetUsage, TenantUsage, UsageReport
 from phalanx.router.media import EmbeddingCache, EncoderSet, MediaEncoder
 from phalanx.router.metrics import RouterMetrics, tenant_label
 from phalanx.router.migration_client import MigrationClient
+from phalanx.router.quarantine import QuarantineStore, RequestQuarantine
 from phalanx.router.records import RequestRecords
 from phalanx.router.routing import RoutingTable
 from phalanx.router.server import RouterServicer, WorkerChannels
@@ -108,6 +109,9 @@ class RouterProcess:
         self._resync_wake = asyncio.Event()
         self._tokenizers: dict[str, Tokenizer] = {}
         self.servicer: RouterServicer | None = None
+        # Poison requests: the fleet's quarantined fingerprints, followed in etcd, and this router's crash attribution.
+        self.quarantine_store = QuarantineStore(etcd)
+        self.quarantine = RequestQuarantine(config, self.router_id, self.metrics, self.quarantine_store)
         self._bus: EventBus | None = None
 
     @property
@@ -136,9 +140,10 @@ class RouterProcess:
                 on_cache_hit=self.metrics.embedding_cache_hits.inc,
             )
             shell.push_async_callback(media_encoder.close)
+            shell.push_async_callback(self._close_quarantine)
             servicer = self.servicer = RouterServicer(
                 self.router_id, self.config, self.table, self.admission, records, channels, self.metrics, tokenizer=self._tokenizer,
-                on_broken_stream=self._report_broken_stream, migrate=migration.migrate, media_encoder=media_encoder,
+                on_broken_stream=self._report_broken_stream, migrate=migration.migrate, media_encoder=media_encoder, quarantine=self.quarantine,
             )
             shell.add_service(SERVICE_NAME, router_pb2_grpc.add_RouterServiceServicer_to_server, servicer)
             await shell.start()
@@ -175,6 +180,7 @@ class RouterProcess:
             for encoder_id, registration in (await encoder_directory.list()).items():
                 encoders.update("put", encoder_id, registration)
             await self._initial_sync(channels)
+            await self.quarantine_store.start()  # the quarantined fingerprints are refused from the first request on
             await records.start()
             shell.push_async_callback(records.close)
             await shell.register(self.etcd_config, router_key(self.router_id), self._registration())
@@ -188,6 +194,7 @@ class RouterProcess:
                     tasks.create_task(spares.follow(self._on_spare)),
                     tasks.create_task(encoder_directory.follow(encoders.update)),
                     tasks.create_task(migration.follow()),
+                    tasks.create_task(self.quarantine_store.follow()),
                     tasks.create_task(self._resync_loop(channels)),
                     tasks.create_task(self._gauges_loop()),
                 ]
@@ -199,6 +206,10 @@ class RouterProcess:
                     task.cancel()
             if self.fleet is not None:
                 await self._publish_usage(bus)  # its streams have ended: the others need not wait for it to expire
+
+    async def _close_quarantine(self) -> None:
+        await self.quarantine.close()
+        await self.quarantine_store.close()
 
     def _registration(self) -> bytes:
         return encode_json(

@@ -54,6 +54,7 @@ from phalanx.router.metrics import RouterMetrics, tenant_label
 from phalanx.router.moves import HandoffChunk, RequestMoves
 from phalanx.router.multiplex import MultiplexedCall, WorkerMultiplexer
 from phalanx.router.prompts import context_limit, request_prompt
+from phalanx.router.quarantine import RequestQuarantine, is_crash, request_fingerprint
 from phalanx.router.records import RequestRecords
 from phalanx.router.refetch import MediaRefetchPolicy, OpenAgain, WorkerFailed
 from phalanx.router.relay import (
@@ -119,6 +120,7 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
         on_broken_stream: Callable[[str, grpc.aio.AioRpcError], None] | None = None,
         migrate: Callable[[migration_pb2.MigrateRequest], Awaitable[migration_pb2.MigrateResponse | None]] | None = None,
         media_encoder: MediaEncoder | None = None,
+        quarantine: RequestQuarantine | None = None,
     ) -> None:
         self.router_id = router_id
         self.config = config
@@ -139,6 +141,8 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
         self.media = (
             MediaFlow(media_encoder, config, table, metrics, channels, self.registrations) if media_encoder is not None else None
         )
+        # Poison requests (router/crashes.py): without a store (tests of the servicer alone) the refusals stay on this router.
+        self.quarantine = quarantine or RequestQuarantine(config, router_id, metrics, None)
         self.moves = RequestMoves(channels, metrics, self.registrations, migrate=migrate, media=self.media, repoint=self._repoint)
 
     # -- RPCs -----------------------------------------------------------------
@@ -159,6 +163,8 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
                 self._hold(flow)
                 return flow, self._attach(flow)
             tier = admitted.tier.label
+            fingerprint = request_fingerprint(self.config.model, prompt_ids, request.media, request.sampling)
+            self.quarantine.gate(fingerprint)  # before any worker (or encoder) sees it
             request_id = request.request_id or uuid.uuid4().hex
             await self._enter(admitted, request_id, len(prompt_ids))
             try:
@@ -167,6 +173,7 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
                 self.admission.leave(request_id)
                 raise
             flow.counted = True
+            flow.fingerprint = fingerprint
             if is_retry:
                 return flow, self._attach(flow)
             self.metrics.arrivals.labels(tier=tier).inc()
@@ -399,6 +406,7 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
         while True:
             call = open_call(self.channels.streams(flow.record.worker_address))
             self.moves.reading(request_id, flow.record.worker_id, call)
+            self.quarantine.held(request_id, flow.record.worker_id)
             handoff_chunk = None
             got_any = False
             broken: grpc.aio.AioRpcError | None = None
@@ -420,6 +428,9 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
             finally:
                 call.cancel()
                 self.moves.stopped_reading(request_id)
+            if broken is not None and handoff_chunk is None and is_crash(broken):
+                # Its worker died under it: a poison request ends here (RequestQuarantinedError) instead of moving on.
+                self.quarantine.crashed(request_id, flow.record.worker_id, fingerprint=flow.fingerprint, tenant=flow.record.tenant)
             if broken is not None and flow.media:
                 failed = WorkerFailed(got_chunks=got_any, fetch_failed=media_fetch_failed(broken))
                 why = f"worker {flow.record.worker_id} could not fetch them ({broken.details()})"
@@ -453,9 +464,17 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
                 if isinstance(effect, ReportBroken):
                     self._on_broken_stream(effect.worker_id, broken)
             if isinstance(decision, Migrate):
-                moved = await self.moves.migrate(flow, decision, handoff_chunk)
+                avoid = await self.quarantine.placement(flow.record.request_id, _candidates(self.table, flow))
+                moved = await self.moves.migrate(flow, decision, handoff_chunk, avoid=avoid)
+                if moved is not None:
+                    self.quarantine.placed(flow.record.request_id, moved.worker_id)
                 effects = relay.on(MigrationResult(moved.worker_id if moved is not None else None))
                 continue
+            if isinstance(decision, RetryElsewhere):
+                others = _candidates(self.table, flow) - decision.exclude
+                avoid = await self.quarantine.placement(flow.record.request_id, others)
+                if others - avoid:
+                    decision = RetryElsewhere(decision.exclude | avoid)
             return self._open_next(flow, decision, open_call, broken, handoff_chunk)
 
     def _open_next(
@@ -473,6 +492,7 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
             assert broken is not None  # only a broken stream is retried elsewhere
             log.info("worker %s refused %s (%s); routing elsewhere", flow.record.worker_id, flow.record.request_id, broken.code().name)
             self._move(flow, self._route(flow.prompt_ids, decision.exclude, flow.media))
+            self.quarantine.placed(flow.record.request_id, flow.record.worker_id)
             return open_call
         if isinstance(decision, AttachMoved):
             return self._attach_next(flow)
@@ -573,11 +593,17 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
             raise error.to_phalanx() from None
         finally:
             self.metrics.active.dec()
+            self.quarantine.released(request_id)
             if finished:
                 self.records.release(request_id)
                 if flow.counts_output:
                     # The client has next_index tokens in all, whichever stream (Generate or a Resume) relayed the last.
                     self.metrics.output_tokens.observe(flow.next_index)
+
+
+def _candidates(table: RoutingTable, flow: Flow) -> frozenset[str]:
+    """The workers a request may move to: the routable ones but its own."""
+    return frozenset(w.worker_id for w in table.workers() if w.routable) - {flow.record.worker_id}
 
 
 def _cancelling() -> bool:

@@ -247,6 +247,11 @@ class WorkerConfig(BaseSettings):
     chaos_enabled: bool = Field(
         False, description="Serve the ChaosService (fault injection, for tests and game days); needs chaos_token"
     )
+    chaos_crash_on_prompt: str = Field(
+        "", description="Chaos (needs chaos_enabled): the worker kills itself (SIGKILL) just after its engine takes a request "
+        "whose prompt text contains this marker, as a kernel bug on one rare shape would (a poison request for the quarantine's "
+        "tests and game days); empty: off",
+    )
     chaos_token: str = Field(
         "", repr=False, description="Admin token the ChaosService requires as 'authorization: Bearer <token>' (16+ characters)"
     )
@@ -259,6 +264,8 @@ class WorkerConfig(BaseSettings):
     def _check_failover(self) -> WorkerConfig:
         if self.failover and not (self.failover_lock and self.memory_socket):
             raise ValueError("a failover engine needs failover_lock and memory_socket (PHALANX_WORKER_FAILOVER_LOCK, _MEMORY_SOCKET)")
+        if self.chaos_crash_on_prompt and not self.chaos_enabled:
+            raise ValueError("chaos_crash_on_prompt is fault injection: it needs chaos_enabled")
         return self
 
     @model_validator(mode="after")

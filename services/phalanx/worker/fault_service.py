@@ -31,12 +31,15 @@ from phalanx.worker.faults import (
 )
 from phalanx.worker.metrics import WorkerMetrics
 
-__all__ = ["CRASH_DELAY_S", "MAX_SLOW_STEP_S", "ChaosServicer", "fault_to_proto"]
+__all__ = ["CRASH_DELAY_S", "MAX_SLOW_STEP_S", "PROMPT_CRASH_DELAY_S", "ChaosServicer", "PromptCrash", "fault_to_proto"]
 
 log = logging.getLogger(__name__)
 
 CRASH_DELAY_S = 0.05  # long enough for the InjectFault answer to leave
 MAX_SLOW_STEP_S = 60.0
+# After the engine took the poison: its first steps run (as a crash in a later kernel would let them), and the answer
+# of a Restore that brought it leaves (a migration must see it placed here, not fail over to the next worker at once).
+PROMPT_CRASH_DELAY_S = 0.2
 _KINDS = ", ".join(k.label for k in FaultKind)
 
 
@@ -50,6 +53,30 @@ def fault_to_proto(fault: Fault) -> chaos_pb2.Fault:
 
 def _kill_self() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+class PromptCrash:
+    """A poison request, for the quarantine's tests and game days: this worker dies (SIGKILL, a real process death) just
+    after its engine takes a request whose prompt text contains `marker`, as it would on a kernel bug on one rare shape.
+
+    Call it with each request the engine took (a Generate's or a Restore's)."""
+
+    def __init__(self, marker: str, decode: Callable[[list[int]], str], *, delay_s: float = PROMPT_CRASH_DELAY_S,
+                 kill: Callable[[], None] = _kill_self) -> None:
+        if not marker:
+            raise ValueError("a prompt crash needs a marker")
+        self.marker = marker
+        self._decode = decode
+        self._delay_s = delay_s
+        self._kill = kill
+        self._armed = False
+
+    def __call__(self, request_id: str, prompt_ids: list[int]) -> None:
+        if self._armed or self.marker not in self._decode(prompt_ids):
+            return
+        self._armed = True
+        log.warning("chaos: request %s carries the crash marker; SIGKILL in %.0f ms", request_id, self._delay_s * 1e3)
+        asyncio.get_running_loop().call_later(self._delay_s, self._kill)
 
 
 def _describe(fault: Fault) -> str:

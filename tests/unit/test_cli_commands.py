@@ -41,3 +41,13 @@ def test_client_commands_find_their_router_the_same_way(command):
     assert (params["target"].envvar, params["api_key"].envvar, params["state_file"].envvar) == (
         "PHALANX_TARGET", "PHALANX_API_KEY", "PHALANX_STATE_FILE",
     )
+
+
+def test_the_quarantine_commands_list_and_release_fingerprints_in_etcd():
+    commands = _commands(ROOT["quarantine"])
+    assert list(commands) == ["list", "release"]
+    for command in commands.values():
+        params = {p.name: p for p in command.params}
+        assert params["etcd_endpoint"].opts == ["--etcd-endpoint"] and params["etcd_endpoint"].default is None
+    release = {p.name: p for p in commands["release"].params}
+    assert release["release_all"].opts == ["--all"] and release["fingerprints"].required is False

@@ -60,3 +60,11 @@ def test_promtool_accepts_the_router_rules_and_their_unit_tests_pass():
     test = DEPLOY / "prometheus" / "tests" / "phalanx-router.test.yml"
     run = subprocess.run(["promtool", "test", "rules", str(test)], capture_output=True, text=True, check=False)
     assert run.returncode == 0, run.stdout + run.stderr
+
+
+def test_a_quarantined_request_alerts_from_the_counter_the_router_exports():
+    rule = _alerts()["PhalanxRequestQuarantined"]
+    expr = " ".join(rule["expr"].split())
+    assert set(re.findall(r"\bphalanx_[a-z_]+", expr)) == {"phalanx_router_requests_quarantined_total"} <= _exported()
+    assert "for" not in rule and rule["labels"]["severity"] == "warning"
+    assert "phalanx quarantine list" in rule["annotations"]["description"]

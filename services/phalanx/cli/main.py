@@ -14,6 +14,7 @@ from phalanx.cli.bench import bench_app
 from phalanx.cli.certs import certs_app
 from phalanx.cli.chaos import chaos_app
 from phalanx.cli.planner import planner_app
+from phalanx.cli.quarantine import quarantine_app
 from phalanx.cli.shared import (
     ApiKey,
     AsJson,
@@ -33,6 +34,7 @@ app.add_typer(bench_app, name="bench")
 app.add_typer(certs_app, name="certs")
 app.add_typer(chaos_app, name="chaos")
 app.add_typer(planner_app, name="planner")
+app.add_typer(quarantine_app, name="quarantine")
 
 
 @app.command()

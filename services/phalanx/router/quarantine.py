@@ -25,19 +25,20 @@ import time
 from array import array
 from collections.abc import Callable, Iterable, Sequence
 
+import aetcd
 import grpc
 
 from phalanx._proto import common_pb2, router_pb2
 from phalanx.common.config import EtcdConfig
-from phalanx.common.discovery import EtcdDirectory, encode_json
+from phalanx.common.discovery import EtcdDirectory, decode_json, encode_json
 from phalanx.common.errors import RequestQuarantinedError
 from phalanx.common.lease import TRANSIENT_ERRORS, connect_etcd
-from phalanx.common.subjects import QUARANTINE_PREFIX
+from phalanx.common.subjects import QUARANTINE_PREFIX, validate_worker_id
 from phalanx.router.config import RouterConfig
 from phalanx.router.crashes import Crashed, CrashPolicy, Held, Move, Placed, Placing, Quarantine, Released, Wait
 from phalanx.router.metrics import RouterMetrics
 
-__all__ = ["RequestQuarantine", "QuarantineStore", "is_crash", "request_fingerprint"]
+__all__ = ["QuarantineStore", "RequestQuarantine", "is_crash", "list_quarantined", "release_quarantined", "request_fingerprint"]
 
 log = logging.getLogger(__name__)
 
@@ -201,3 +202,20 @@ class RequestQuarantine:
             task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await asyncio.gather(*self._puts, return_exceptions=True)
+
+
+# -- operator's view (`phalanx quarantine list|release`) ------------------------------------------
+async def list_quarantined(client: aetcd.Client) -> list[router_pb2.QuarantineRecord]:
+    """Every fingerprint refused now, the latest quarantine first."""
+    result = await client.get_prefix(QUARANTINE_PREFIX.encode())
+    records = [decode_json(kv.value, router_pb2.QuarantineRecord) for kv in result.kvs]
+    return sorted(records, key=lambda r: -r.quarantined_at)
+
+
+async def release_quarantined(client: aetcd.Client, fingerprint: str) -> bool:
+    """Lift a fingerprint's quarantine on every router (they follow the key); False if it was not quarantined."""
+    key = (QUARANTINE_PREFIX + validate_worker_id(fingerprint)).encode()
+    if await client.get(key) is None:
+        return False
+    await client.delete(key)
+    return True

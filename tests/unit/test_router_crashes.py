@@ -92,13 +92,24 @@ def test_a_request_that_never_crashed_moves_anywhere():
     assert policy.on(Placing("r", frozenset({"w2"}), at=0.0)) == (Move("r", frozenset()),)
 
 
-def test_a_restarted_worker_of_the_same_id_starts_a_new_crash():
-    policy = CrashPolicy(after_crashes=2, probation_s=1.0)
-    hold(policy, "w1", "a", "b")
-    crash(policy, "w1", "a")  # b's stream has not broken yet
-    policy.on(Released("b"))
+def test_a_request_sent_to_a_worker_that_had_died_already_is_no_suspect():
+    policy = CrashPolicy(after_crashes=2, probation_s=1.0, same_death_s=5.0)
+    hold(policy, "w1", "a")
+    crash(policy, "w1", "a", at=0.0)
+    hold(policy, "w1", "late")  # routed to w1 while its registration outlives it
+    assert crash(policy, "w1", "late", at=1.0) == {"late": ()}
+    assert policy.crashes_seen("late") == 0 and policy.deaths == 1
+    hold(policy, "w2", "late")
+    assert crash(policy, "w2", "late", at=2.0) == {"late": ()}  # its first crash: not quarantined on one
+
+
+def test_a_restarted_worker_of_the_same_id_that_dies_again_is_a_new_crash():
+    policy = CrashPolicy(after_crashes=2, probation_s=1.0, same_death_s=5.0)
+    hold(policy, "w1", "a")
+    crash(policy, "w1", "a", at=0.0)
     hold(policy, "w1", "a")  # the worker came back under its stable id
-    assert policy.on(Crashed("a", "w1", 0.0)) == (Quarantine("a", 2),)
+    assert crash(policy, "w1", "a", at=6.0) == {"a": (Quarantine("a", 2),)}
+    assert policy.deaths == 2
 
 
 def test_a_mate_that_ran_its_probation_on_the_poisons_next_worker_is_cleared():

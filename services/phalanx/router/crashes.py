@@ -12,7 +12,10 @@ The rule:
   as a dead process's do (UNAVAILABLE, UNKNOWN or INTERNAL with no status a
   living worker would attach). A drain hands requests back and is no crash;
   nor is a refusal, which carries the worker's reasons.
-- The crash's *suspects* are the requests the worker held at that moment.
+- The crash's *suspects* are the requests the worker held at that moment. A
+  request sent to a worker that had died already (within ``same_death_s``:
+  its registration outlives it by a lease) saw no crash of its own: it is
+  not a suspect of anything.
 - A suspect that moved and then ran ``probation_s`` on its new worker without
   a crash is *cleared*: it leaves the suspects of the crashes before its move.
 - A request is quarantined when it has seen ``after_crashes`` crashes (K) and
@@ -151,11 +154,13 @@ class CrashPolicy:
     keeps its crash-mates off its new worker.
     """
 
-    def __init__(self, *, after_crashes: int, probation_s: float) -> None:
+    def __init__(self, *, after_crashes: int, probation_s: float, same_death_s: float = 10.0) -> None:
         if after_crashes < 1:
             raise ValueError("after_crashes must be >= 1")
         self.after_crashes = after_crashes
         self.probation_s = probation_s
+        self.same_death_s = same_death_s
+        self._died: dict[str, float] = {}  # worker id -> when its last death was seen
         self._held: dict[str, str] = {}  # request id -> its worker
         self._open: dict[str, _OpenCrash] = {}  # worker id -> its death, while some suspect's stream is yet to break
         self._seen: dict[str, list[set[str]]] = {}  # request id -> the suspects of every crash it saw
@@ -188,10 +193,6 @@ class CrashPolicy:
 
     def _on_held(self, event: Held) -> tuple[Effect, ...]:
         self._held[event.request_id] = event.worker_id
-        crash = self._open.get(event.worker_id)
-        if crash is not None and event.request_id not in crash.pending:
-            # A new stream on a worker of that id (a stable id, restarted): its earlier death is over.
-            del self._open[event.worker_id]
         return ()
 
     def _on_crashed(self, event: Crashed) -> tuple[Effect, ...]:
@@ -200,10 +201,13 @@ class CrashPolicy:
         self._held.pop(request_id, None)
         crash = self._open.get(worker_id)
         if crash is None or request_id not in crash.pending:
+            died = self._died.get(worker_id)
+            if died is not None and event.at - died < self.same_death_s:
+                return ()  # sent to a worker already dead (still registered): its death was before this request came
             # The first stream of this death to break: every request the worker held is a suspect.
             suspects = {request_id, *(r for r, w in self._held.items() if w == worker_id)}
             crash = self._open[worker_id] = _OpenCrash(suspects, set(suspects))
-            self.deaths += 1
+            self._note_death(worker_id, event.at)
         crash.pending.discard(request_id)
         if not crash.pending:
             del self._open[worker_id]
@@ -213,6 +217,13 @@ class CrashPolicy:
         if len(seen) >= self.after_crashes and set.intersection(*seen) == {request_id}:
             return (Quarantine(request_id, len(seen)),)
         return ()
+
+    def _note_death(self, worker_id: str, at: float) -> None:
+        self.deaths += 1
+        self._died[worker_id] = at
+        for worker, died in list(self._died.items()):  # bounded by the workers that died lately
+            if at - died >= self.same_death_s:
+                del self._died[worker]
 
     def _clear(self, at: float) -> None:
         """Suspects whose probation ended by `at` without a crash leave the suspects of the crashes before their move."""

@@ -1,7 +1,7 @@
 """A poison request (it kills every worker that runs it) is quarantined after K crashes and refused fleet-wide.
 
-Real processes: 3 deterministic workers that SIGKILL themselves once their
-engine takes a prompt with the crash marker (PHALANX_WORKER_CHAOS_CRASH_ON_PROMPT),
+Real processes: 3 deterministic workers that SIGKILL themselves when their
+engine schedules a prompt with the crash marker (PHALANX_WORKER_CHAOS_CRASH_ON_PROMPT),
 the checkpoint store, the migration service, a router with K = 2, and the
 OpenAI gateway, on real NATS and etcd. 8 good streams run while the poison
 comes in: 2 workers die, every good stream ends with the fault-free greedy

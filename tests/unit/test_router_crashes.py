@@ -2,7 +2,7 @@
 
 import pytest
 
-from phalanx.router.crashes import Crashed, CrashPolicy, Held, Move, Placed, Placing, Quarantine, Released, Wait
+from phalanx.router.crashes import Crashed, CrashPolicy, Held, Move, Placed, Placing, Quarantine, Released, Streamed
 
 pytestmark = pytest.mark.unit
 
@@ -70,10 +70,36 @@ def test_suspects_of_one_crash_are_scattered_while_on_probation():
     policy.on(Placed("x", "w2", at=10.0))
     assert policy.on(Placing("y", candidates, at=10.1)) == (Move("y", frozenset({"w2"})),)
     policy.on(Placed("y", "w3", at=10.1))
-    # Both workers hold a mate on probation: z waits for the first probation to end, then goes where it ended.
-    (wait,) = policy.on(Placing("z", candidates, at=10.5))
-    assert isinstance(wait, Wait) and wait.seconds == pytest.approx(1.5)
+    # Every candidate holds a mate on probation: z goes where the migration service puts it (nothing waits).
+    assert policy.on(Placing("z", candidates, at=10.5)) == (Move("z", frozenset()),)
+    # Past x's probation, w2 is free again.
     assert policy.on(Placing("z", candidates, at=12.05)) == (Move("z", frozenset({"w3"})),)
+
+
+def test_requests_that_had_streamed_are_no_suspects_when_one_was_in_its_prefill():
+    policy = CrashPolicy(after_crashes=2, probation_s=2.0)
+    hold(policy, "w1", "a", "b")
+    policy.on(Streamed("a"))
+    policy.on(Streamed("b"))
+    hold(policy, "w1", "poison")
+    crash(policy, "w1", "a", "poison", "b")
+    assert (policy.crashes_seen("a"), policy.crashes_seen("b"), policy.crashes_seen("poison")) == (0, 0, 1)
+    # On w2 it crashes in its restore beside a request restored with it: the one common suspect is the poison.
+    hold(policy, "w2", "a", "c")
+    policy.on(Streamed("c"))
+    hold(policy, "w2", "poison")
+    effects = crash(policy, "w2", "c", "a", "poison")
+    assert effects == {"c": (), "a": (), "poison": (Quarantine("poison", 2),)}
+    assert policy.crashes_seen("a") == 1
+
+
+def test_a_death_while_every_request_was_decoding_blames_no_one():
+    policy = CrashPolicy(after_crashes=1, probation_s=2.0)
+    hold(policy, "w1", "a", "b")
+    policy.on(Streamed("a"))
+    policy.on(Streamed("b"))
+    assert crash(policy, "w1", "a", "b") == {"a": (), "b": ()}
+    assert policy.crashes_seen("a") == policy.crashes_seen("b") == 0 and policy.deaths == 1
 
 
 def test_a_mate_that_crashed_its_new_worker_frees_it_for_the_others():
@@ -118,8 +144,6 @@ def test_a_mate_that_ran_its_probation_on_the_poisons_next_worker_is_cleared():
     crash(policy, "w1", "good", "poison", at=0.0)
     policy.on(Placed("good", "w2", at=0.1))
     hold(policy, "w2", "good")
-    (wait,) = policy.on(Placing("poison", frozenset({"w2"}), at=0.2))
-    assert isinstance(wait, Wait)
     policy.on(Placed("poison", "w2", at=2.2))
     hold(policy, "w2", "poison")
     effects = crash(policy, "w2", "poison", "good", at=2.4)

@@ -148,8 +148,8 @@ class RouterConfig(BaseSettings):
     )
     quarantine_probation_s: float = Field(
         2.0, ge=0, le=60,
-        description="After a crash, how long a moved suspect keeps the other suspects of that crash off its new worker (they "
-        "wait for it, so that the next crash names one request)",
+        description="After a crash, how long a moved suspect keeps the other suspects of that crash off its new worker (while "
+        "another can take them), and how long it must run there without a crash to be cleared of that crash",
     )
     premium_at_level_4: bool = Field(
         False,

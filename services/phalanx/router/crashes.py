@@ -11,22 +11,24 @@ The rule:
 - A *crash* is a worker's death while it held requests: their streams broke
   as a dead process's do (UNAVAILABLE, UNKNOWN or INTERNAL with no status a
   living worker would attach). A drain hands requests back and is no crash;
-  nor is a refusal, which carries the worker's reasons.
-- The crash's *suspects* are the requests the worker held at that moment. A
-  request sent to a worker that had died already (within ``same_death_s``:
-  its registration outlives it by a lease) saw no crash of its own: it is
-  not a suspect of anything.
+  nor is a refusal, which carries the worker's reasons. A request sent to a
+  worker that had died already (within ``same_death_s``: its registration
+  outlives it by a lease) saw no crash: the death came before it.
+- The crash's *suspects* are the requests that worker had taken but not yet
+  streamed a token of: they were being prefilled or restored, where an
+  out-of-memory, a malformed image or a kernel on a new shape strikes. A
+  death while every request was decoding (most deaths: a lost machine, a
+  kill) has no suspects and blames no one.
 - A suspect that moved and then ran ``probation_s`` on its new worker without
   a crash is *cleared*: it leaves the suspects of the crashes before its move.
-- A request is quarantined when it has seen ``after_crashes`` crashes (K) and
-  is the single common member of their suspect sets: no other uncleared
-  request was in the batch at every one of them.
-- A suspect is *scattered*: it moves to a worker where no other suspect of a
-  crash it saw is on probation (it moved there less than ``probation_s`` ago
-  and has not crashed it since); with no such worker it waits for the first
-  probation to end (``Wait``). So the poison reaches its next worker without
-  an uncleared request that shared its last one, and its next crash names it
-  alone: with K = 2 a poison costs two workers.
+- A request is quarantined when it has been a suspect of ``after_crashes``
+  crashes (K) and is the single common member of their suspects: no other
+  uncleared request was a suspect of every one of them.
+- Suspects are *scattered*: a suspect moves away from the workers other
+  uncleared suspects of its crashes went to, while another worker can take it
+  (``Move.avoid``; nothing waits for it), so that the next crash has one
+  common suspect. A poison caught at its prefill, among streams that had
+  started before it came, costs K workers.
 
 Limits, stated so that nobody relies on more:
 
@@ -35,9 +37,19 @@ Limits, stated so that nobody relies on more:
   apart only one router's suspects. A good request of router A that meets
   router B's poison on K workers in a row is blamed, though scattering makes
   that unlikely.
-- Two poison requests that always travel together, or a crash that comes later
-  than the probation after the move, are not told apart: such a request is
-  moved until the relay's ``MAX_MOVES`` ends it, as before.
+- Requests that came to a worker together and crashed it together stay
+  co-suspects until scattering parts them; with more of them than workers to
+  part them on, the poison may cost more than K workers. Two poisons that
+  always travel together are never told apart.
+- A poison that crashes its worker only after it streamed tokens there (in
+  its decode) is no suspect: it is moved until the relay's ``MAX_MOVES`` ends
+  it, as before; so is one whose crash comes later than ``probation_s`` after
+  each move.
+- Two unrelated deaths, each while a request was in its prefill or restore
+  on the dying worker and no other suspect of the first was with it on the
+  second, look like a poison and blame that request (with K = 2: a chaos run
+  that kills a worker mid-prefill and then the worker its requests were
+  restored on, within their restore).
 - A worker declared DEAD by health while it hung (its streams cancelled by the
   router) is no crash here: only process deaths count.
 """
@@ -55,7 +67,7 @@ __all__ = [
     "Placing",
     "Quarantine",
     "Released",
-    "Wait",
+    "Streamed",
 ]
 
 
@@ -66,6 +78,13 @@ class Held:
 
     request_id: str
     worker_id: str
+
+
+@dataclass(frozen=True)
+class Streamed:
+    """The request's worker streamed it a token: it is past its prefill (or restore) there."""
+
+    request_id: str
 
 
 @dataclass(frozen=True)
@@ -102,7 +121,7 @@ class Placed:
     at: float
 
 
-Event = Held | Released | Crashed | Placing | Placed
+Event = Held | Streamed | Released | Crashed | Placing | Placed
 
 
 # -- effects -------------------------------------------------------------------------------
@@ -122,15 +141,7 @@ class Move:
     avoid: frozenset[str]
 
 
-@dataclass(frozen=True)
-class Wait:
-    """Every candidate holds another suspect on probation: ask again in `seconds`."""
-
-    request_id: str
-    seconds: float
-
-
-Effect = Quarantine | Move | Wait
+Effect = Quarantine | Move
 
 
 @dataclass
@@ -138,7 +149,7 @@ class _OpenCrash:
     """One worker's death while this router relays its requests: the suspects, and those whose stream is yet to break."""
 
     suspects: set[str]  # shared with the requests' histories: a suspect cleared later leaves it
-    pending: set[str] = field(default_factory=set)
+    pending: set[str] = field(default_factory=set)  # what the worker held, whose streams are yet to break
 
 
 @dataclass(frozen=True)
@@ -162,6 +173,7 @@ class CrashPolicy:
         self.same_death_s = same_death_s
         self._died: dict[str, float] = {}  # worker id -> when its last death was seen
         self._held: dict[str, str] = {}  # request id -> its worker
+        self._fresh: set[str] = set()  # held requests their worker has not streamed a token of yet
         self._open: dict[str, _OpenCrash] = {}  # worker id -> its death, while some suspect's stream is yet to break
         self._seen: dict[str, list[set[str]]] = {}  # request id -> the suspects of every crash it saw
         self._probation: dict[str, _Probation] = {}
@@ -178,6 +190,9 @@ class CrashPolicy:
     def on(self, event: Event) -> tuple[Effect, ...]:
         if isinstance(event, Held):
             return self._on_held(event)
+        if isinstance(event, Streamed):
+            self._fresh.discard(event.request_id)
+            return ()
         if isinstance(event, Released):
             self._forget(event.request_id)
             return ()
@@ -193,24 +208,29 @@ class CrashPolicy:
 
     def _on_held(self, event: Held) -> tuple[Effect, ...]:
         self._held[event.request_id] = event.worker_id
+        self._fresh.add(event.request_id)
         return ()
 
     def _on_crashed(self, event: Crashed) -> tuple[Effect, ...]:
         request_id, worker_id = event.request_id, event.worker_id
         self._clear(event.at)
-        self._held.pop(request_id, None)
         crash = self._open.get(worker_id)
         if crash is None or request_id not in crash.pending:
             died = self._died.get(worker_id)
             if died is not None and event.at - died < self.same_death_s:
+                self._held.pop(request_id, None)
                 return ()  # sent to a worker already dead (still registered): its death was before this request came
-            # The first stream of this death to break: every request the worker held is a suspect.
-            suspects = {request_id, *(r for r, w in self._held.items() if w == worker_id)}
-            crash = self._open[worker_id] = _OpenCrash(suspects, set(suspects))
+            # The first stream of this death to break: the worker's requests in their prefill or restore are the suspects.
+            held = {r for r, w in self._held.items() if w == worker_id} | {request_id}
+            crash = self._open[worker_id] = _OpenCrash(held & self._fresh, set(held))
             self._note_death(worker_id, event.at)
+        self._held.pop(request_id, None)
+        self._fresh.discard(request_id)
         crash.pending.discard(request_id)
         if not crash.pending:
             del self._open[worker_id]
+        if request_id not in crash.suspects:
+            return ()
         self._probation.pop(request_id, None)  # it crashed its new worker: no longer a clean mate there
         seen = self._seen.setdefault(request_id, [])
         seen.append(crash.suspects)
@@ -233,19 +253,17 @@ class CrashPolicy:
                 for suspects in self._seen.get(request_id, ()):
                     suspects.discard(request_id)
 
-    def _place(self, event: Placing) -> Effect:
+    def _place(self, event: Placing) -> Move:
         seen = self._seen.get(event.request_id)
         if not seen:
             return Move(event.request_id, frozenset())
         mates = set().union(*seen) - {event.request_id}
-        on_probation = [p for mate in mates if (p := self._probation.get(mate)) is not None and p.until > event.at]
-        busy = frozenset(p.worker_id for p in on_probation)
-        if event.candidates - busy or not on_probation:
-            return Move(event.request_id, busy)
-        return Wait(event.request_id, min(p.until for p in on_probation) - event.at)
+        busy = frozenset(p.worker_id for mate in mates if (p := self._probation.get(mate)) is not None and p.until > event.at)
+        return Move(event.request_id, busy if event.candidates - busy else frozenset())
 
     def _forget(self, request_id: str) -> None:
         worker_id = self._held.pop(request_id, "")
+        self._fresh.discard(request_id)
         crash = self._open.get(worker_id)
         if crash is not None:
             crash.pending.discard(request_id)

@@ -35,7 +35,7 @@ from phalanx.common.errors import RequestQuarantinedError
 from phalanx.common.lease import TRANSIENT_ERRORS, connect_etcd
 from phalanx.common.subjects import QUARANTINE_PREFIX, validate_worker_id
 from phalanx.router.config import RouterConfig
-from phalanx.router.crashes import Crashed, CrashPolicy, Held, Move, Placed, Placing, Quarantine, Released, Wait
+from phalanx.router.crashes import Crashed, CrashPolicy, Held, Move, Placed, Placing, Quarantine, Released, Streamed
 from phalanx.router.metrics import RouterMetrics
 
 __all__ = ["QuarantineStore", "RequestQuarantine", "is_crash", "list_quarantined", "release_quarantined", "request_fingerprint"]
@@ -146,6 +146,10 @@ class RequestQuarantine:
     def held(self, request_id: str, worker_id: str) -> None:
         self._policy.on(Held(request_id, worker_id))
 
+    def streamed(self, request_id: str) -> None:
+        """The request's worker streamed it a token (it is past its prefill there)."""
+        self._policy.on(Streamed(request_id))
+
     def released(self, request_id: str) -> None:
         self._policy.on(Released(request_id))
         self._crashed_on.pop(request_id, None)
@@ -183,16 +187,13 @@ class RequestQuarantine:
             expires_in_s=float(self._config.quarantine_ttl_s),
         )
 
-    async def placement(self, request_id: str, candidates: frozenset[str]) -> frozenset[str]:
-        """The workers a request about to move should avoid (its crash-mates' new ones); waits while every candidate
-        holds a crash-mate on probation."""
-        while self.enabled:
-            (effect,) = self._policy.on(Placing(request_id, candidates, time.monotonic()))
-            if isinstance(effect, Move):
-                return effect.avoid
-            assert isinstance(effect, Wait)
-            await asyncio.sleep(max(effect.seconds, 0.01))
-        return frozenset()
+    def placement(self, request_id: str, candidates: frozenset[str]) -> frozenset[str]:
+        """The workers a request about to move should avoid, of `candidates`: where its crash-mates went."""
+        if not self.enabled:
+            return frozenset()
+        (move,) = self._policy.on(Placing(request_id, candidates, time.monotonic()))
+        assert isinstance(move, Move)  # a placement is always a move (nothing waits)
+        return move.avoid
 
     def placed(self, request_id: str, worker_id: str) -> None:
         self._policy.on(Placed(request_id, worker_id, time.monotonic()))

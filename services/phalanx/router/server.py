@@ -408,10 +408,13 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
             self.moves.reading(request_id, flow.record.worker_id, call)
             self.quarantine.held(request_id, flow.record.worker_id)
             handoff_chunk = None
-            got_any = False
+            got_any = got_token = False
             broken: grpc.aio.AioRpcError | None = None
             try:
                 async for chunk in call:
+                    if chunk.index >= 0 and not got_token:
+                        got_token = True  # past its prefill or restore there: no longer a suspect of that worker's death
+                        self.quarantine.streamed(request_id)
                     got_any = True
                     if chunk.finish_reason == HANDED_BACK:
                         handoff_chunk = chunk
@@ -464,7 +467,7 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
                 if isinstance(effect, ReportBroken):
                     self._on_broken_stream(effect.worker_id, broken)
             if isinstance(decision, Migrate):
-                avoid = await self.quarantine.placement(flow.record.request_id, _candidates(self.table, flow))
+                avoid = self.quarantine.placement(flow.record.request_id, _candidates(self.table, flow))
                 moved = await self.moves.migrate(flow, decision, handoff_chunk, avoid=avoid)
                 if moved is not None:
                     self.quarantine.placed(flow.record.request_id, moved.worker_id)
@@ -472,7 +475,7 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
                 continue
             if isinstance(decision, RetryElsewhere):
                 others = _candidates(self.table, flow) - decision.exclude
-                avoid = await self.quarantine.placement(flow.record.request_id, others)
+                avoid = self.quarantine.placement(flow.record.request_id, others)
                 if others - avoid:
                     decision = RetryElsewhere(decision.exclude | avoid)
             return self._open_next(flow, decision, open_call, broken, handoff_chunk)

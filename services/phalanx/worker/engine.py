@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -188,6 +188,8 @@ class Engine:
         self.last_step = StepStats()
         # Injected faults (chaos); inactive unless someone injects one.
         self.faults = faults or FaultState()
+        # Called on the engine thread with each step's batch before it runs (fault injection's poison prompt; None: off).
+        self.on_scheduled: Callable[[list[tuple[Sequence, int]]], None] | None = None
         self._batch_scale = 1.0
         self.max_num_seqs = config.max_num_seqs
         # Requests stopped with their KV kept for a transfer to another worker: id -> (sequence, expiry).
@@ -379,6 +381,8 @@ class Engine:
         scheduled = self._schedule()
         if not scheduled:
             return []
+        if self.on_scheduled is not None:
+            self.on_scheduled(scheduled)
         events = self._execute(scheduled, faults)
         if faults is not None:
             faults.slow_down()

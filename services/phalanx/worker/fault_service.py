@@ -15,8 +15,9 @@ import logging
 import math
 import os
 import signal
-from collections.abc import Awaitable, Callable
-from typing import cast
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, cast
 
 from phalanx._proto import chaos_pb2, chaos_pb2_grpc
 from phalanx.common.errors import AuthenticationError, InvalidRequestError, UnavailableError
@@ -31,14 +32,13 @@ from phalanx.worker.faults import (
 )
 from phalanx.worker.metrics import WorkerMetrics
 
-__all__ = ["CRASH_DELAY_S", "MAX_SLOW_STEP_S", "PROMPT_CRASH_DELAY_S", "ChaosServicer", "PromptCrash", "fault_to_proto"]
+__all__ = ["CRASH_DELAY_S", "MAX_SLOW_STEP_S", "PROMPT_CRASH_DELAY_S", "ChaosServicer", "PromptCrash", "arm_prompt_crash", "fault_to_proto"]
 
 log = logging.getLogger(__name__)
 
 CRASH_DELAY_S = 0.05  # long enough for the InjectFault answer to leave
 MAX_SLOW_STEP_S = 60.0
-# After the engine took the poison: its first steps run (as a crash in a later kernel would let them), and the answer
-# of a Restore that brought it leaves (a migration must see it placed here, not fail over to the next worker at once).
+# How long the step that schedules the poison runs before the kill (see PromptCrash).
 PROMPT_CRASH_DELAY_S = 0.2
 _KINDS = ", ".join(k.label for k in FaultKind)
 
@@ -56,10 +56,14 @@ def _kill_self() -> None:
 
 
 class PromptCrash:
-    """A poison request, for the quarantine's tests and game days: this worker dies (SIGKILL, a real process death) just
-    after its engine takes a request whose prompt text contains `marker`, as it would on a kernel bug on one rare shape.
+    """A poison request, for the quarantine's tests and game days: this worker dies (SIGKILL, a real process death) in
+    the engine step that first schedules a request whose prompt text contains `marker` (a new one or one a migration
+    restored), as it would on a kernel bug on one rare shape.
 
-    Call it with each request the engine took (a Generate's or a Restore's)."""
+    The engine thread calls it with each step's batch. The step holds `delay_s` before the kill, as a crashing kernel
+    runs a while: nothing on the worker streams meanwhile, and the answer of a Restore that brought the poison leaves
+    (the migration sees it placed, rather than failing over to the next worker at once).
+    """
 
     def __init__(self, marker: str, decode: Callable[[list[int]], str], *, delay_s: float = PROMPT_CRASH_DELAY_S,
                  kill: Callable[[], None] = _kill_self) -> None:
@@ -69,14 +73,27 @@ class PromptCrash:
         self._decode = decode
         self._delay_s = delay_s
         self._kill = kill
-        self._armed = False
+        self._checked: set[str] = set()  # the batch's request ids already looked at (a step's batch, not the history)
 
-    def __call__(self, request_id: str, prompt_ids: list[int]) -> None:
-        if self._armed or self.marker not in self._decode(prompt_ids):
+    def __call__(self, scheduled: Sequence[tuple[Any, int]]) -> None:
+        batch = {seq.request_id for seq, _ in scheduled}
+        for seq, _ in scheduled:
+            if seq.request_id in self._checked or self.marker not in self._decode(list(seq.prompt_ids)):
+                continue
+            log.warning("chaos: request %s carries the crash marker; SIGKILL in %.0f ms", seq.request_id, self._delay_s * 1e3)
+            time.sleep(self._delay_s)  # the engine thread: the step hangs as a crashing kernel would
+            self._kill()
             return
-        self._armed = True
-        log.warning("chaos: request %s carries the crash marker; SIGKILL in %.0f ms", request_id, self._delay_s * 1e3)
-        asyncio.get_running_loop().call_later(self._delay_s, self._kill)
+        self._checked = batch
+
+
+def arm_prompt_crash(engine: object, marker: str, decode: Callable[[list[int]], str]) -> None:
+    """Arms a `PromptCrash` on the engine thread's steps (not with the engine in a process of its own)."""
+    if not hasattr(engine, "on_scheduled"):
+        log.error("chaos_crash_on_prompt needs the engine in the worker's process (PHALANX_ENGINE_ENGINE_PROCESS=false): not armed")
+        return
+    engine.on_scheduled = PromptCrash(marker, decode)
+    log.warning("chaos: this worker dies when it schedules a prompt containing %r", marker)
 
 
 def _describe(fault: Fault) -> str:

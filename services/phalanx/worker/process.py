@@ -45,7 +45,7 @@ from phalanx.worker.checkpointing import CheckpointCapture, CheckpointStreamer
 from phalanx.worker.config import EngineConfig, WorkerConfig
 from phalanx.worker.engine import Engine
 from phalanx.worker.engine_frontend import EngineFrontend
-from phalanx.worker.fault_service import ChaosServicer, PromptCrash
+from phalanx.worker.fault_service import ChaosServicer, arm_prompt_crash
 from phalanx.worker.faults import FaultKind, FaultState
 from phalanx.worker.metrics import WorkerMetrics
 from phalanx.worker.reports import KvEventStream, publish_load
@@ -139,7 +139,7 @@ class WorkerProcess:
                 await self._streamer.start()
             servicer.attach(engine, model_version=model.version)
             if self.config.chaos_crash_on_prompt:
-                servicer.on_taken = PromptCrash(self.config.chaos_crash_on_prompt, servicer.tokenizer.decode)
+                arm_prompt_crash(engine.engine, self.config.chaos_crash_on_prompt, servicer.tokenizer.decode)
             if self.failover is not None:
                 self.failover.mark("channels+checkpointing")  # the endpoint started while standing by: a no-op here
             self._registration = await shell.register(self.etcd_config, worker_key(self.worker_id), self._registration_value(model))

@@ -165,8 +165,6 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         # or chunks to write (an idle one, open for the next request, owes nothing). Shutdown waits for these alone.
         self._streaming_calls = 0
         self._multiplexes: set[MultiplexedStream] = set()
-        # Told of every request the engine took, by id and prompt (fault injection's poison prompt; nothing by default).
-        self.on_taken: Callable[[str, list[int]], None] = lambda request_id, prompt_ids: None
         self.streams = RequestStreams(
             abort=self._abort, detach_grace_s=detach_grace_s, retain_s=retain_s, max_retained=max_retained,
             max_retained_bytes=max_retained_bytes,
@@ -263,7 +261,6 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
     async def submit(self, engine: EngineFrontend, request: EngineRequest, log: RequestLog) -> None:
         try:
             await engine.submit(request, log)
-            self.on_taken(request.request_id, request.prompt_ids)
         except asyncio.CancelledError:
             raise  # the caller left during admission: the request may still start, and detaches like any other
         except Exception as exc:
@@ -401,7 +398,6 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             except PhalanxError as exc:
                 self.streams.discard(log, exc)
                 return _failed(request_id, exc)
-            self.on_taken(request_id, engine_request.prompt_ids)
             return worker_pb2.RestoreResult(request_id=request_id, ok=True, kv_tokens=item.kv_tokens if request_id in kv else 0)
 
         # Together: the engine takes them all at its next step boundary, not one per step.

@@ -8,7 +8,7 @@ from dataclasses import asdict
 
 import typer
 
-from phalanx.cli.shared import LogLevel, given, setup_logging
+from phalanx.cli.shared import LogLevel, given, setup_logging, with_etcd
 
 planner_app = typer.Typer(
     help="The planner: predicts load, sizes the worker fleet, replaces DEAD workers (docs/planner.md). Without a subcommand it runs the service.",
@@ -63,17 +63,6 @@ def planner_service(
     run_until_signalled(process)
 
 
-async def _with_etcd(endpoint: str | None, action):
-    from phalanx.common.config import EtcdConfig
-    from phalanx.common.lease import connect_etcd
-
-    client = connect_etcd(EtcdConfig(**given(endpoint=endpoint)))
-    try:
-        return await action(client)
-    finally:
-        await client.close()
-
-
 @planner_app.command("set-target")
 def set_target(
     workers: int = typer.Argument(None, min=0, help="Workers the planner should ask for (within its min and max)"),
@@ -84,12 +73,12 @@ def set_target(
     from phalanx.planner.connectors import clear_target, write_target
 
     if clear:
-        asyncio.run(_with_etcd(etcd_endpoint, clear_target))
+        asyncio.run(with_etcd(etcd_endpoint, clear_target))
         typer.echo("cleared the operator's target")
         return
     if workers is None:
         raise typer.BadParameter("give a worker count, or --clear")
-    asyncio.run(_with_etcd(etcd_endpoint, lambda client: write_target(client, workers)))
+    asyncio.run(with_etcd(etcd_endpoint, lambda client: write_target(client, workers)))
     typer.echo(f"target: {workers} workers")
 
 
@@ -102,7 +91,7 @@ def show(etcd_endpoint: str = typer.Option(None, help=_ETCD_HELP)) -> None:
         decision, ack, target = await read_decision(client), await read_ack(client), await read_target(client)
         return {"decision": asdict(decision) if decision else None, "ack": asdict(ack) if ack else None, "target": target}
 
-    typer.echo(json.dumps(asyncio.run(_with_etcd(etcd_endpoint, read)), indent=2))
+    typer.echo(json.dumps(asyncio.run(with_etcd(etcd_endpoint, read)), indent=2))
 
 
 @planner_app.command("dryrun")

@@ -10,7 +10,7 @@ from typing import Annotated
 import typer
 from google.protobuf import json_format
 
-from phalanx.cli.shared import AsJson, EtcdEndpoint, given
+from phalanx.cli.shared import AsJson, EtcdEndpoint, with_etcd
 
 quarantine_app = typer.Typer(
     help="Poison requests: fingerprints refused fleet-wide after the request crashed K workers (docs/migration.md, \"Poison requests\").",
@@ -18,23 +18,12 @@ quarantine_app = typer.Typer(
 )
 
 
-async def _with_etcd(endpoint: str | None, action):
-    from phalanx.common.config import EtcdConfig
-    from phalanx.common.lease import connect_etcd
-
-    client = connect_etcd(EtcdConfig(**given(endpoint=endpoint)))
-    try:
-        return await action(client)
-    finally:
-        await client.close()
-
-
 @quarantine_app.command("list")
 def list_command(etcd_endpoint: EtcdEndpoint = None, as_json: AsJson = False) -> None:
     """The quarantined fingerprints: the request, its crashes and workers, and how long the refusal still lasts."""
     from phalanx.router.quarantine import list_quarantined
 
-    records = asyncio.run(_with_etcd(etcd_endpoint, list_quarantined))
+    records = asyncio.run(with_etcd(etcd_endpoint, list_quarantined))
     if as_json:
         typer.echo(json.dumps([json_format.MessageToDict(r, preserving_proto_field_name=True) for r in records], indent=2))
         return
@@ -64,7 +53,7 @@ def release_command(
     if not release_all and not fingerprints:
         raise typer.BadParameter("give fingerprints, or --all")
     try:
-        results = asyncio.run(_with_etcd(etcd_endpoint, release))
+        results = asyncio.run(with_etcd(etcd_endpoint, release))
     except ValueError as error:
         typer.echo(f"error: {error}", err=True)
         raise typer.Exit(2) from None

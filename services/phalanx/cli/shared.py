@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import logging
-from typing import Annotated, Any
+from collections.abc import Awaitable, Callable
+from typing import Annotated, Any, TypeVar
 
 import typer
+
+T = TypeVar("T")
 
 __all__ = [
     "ApiKey",
@@ -47,3 +50,15 @@ def setup_logging(level: str) -> None:
 def given(**values: Any) -> dict[str, Any]:
     """Options given on the command line; the rest come from env vars or defaults."""
     return {k: v for k, v in values.items() if v not in (None, "")}
+
+
+async def with_etcd(endpoint: str | None, action: Callable[[Any], Awaitable[T]]) -> T:
+    """`action(client)` with an etcd client of the endpoint given (else PHALANX_ETCD_ENDPOINT), closed after."""
+    from phalanx.common.config import EtcdConfig
+    from phalanx.common.lease import connect_etcd
+
+    client = connect_etcd(EtcdConfig(**given(endpoint=endpoint)))
+    try:
+        return await action(client)
+    finally:
+        await client.close()

@@ -195,6 +195,53 @@ async def test_a_seed_makes_sampling_repeatable(deployment, model):
     assert runs[0].choices[0].text == runs[1].choices[0].text
 
 
+async def test_chat_logprobs_whole_and_streamed_are_the_same_and_rank_the_greedy_token_first(deployment, model):
+    args = dict(
+        model=model, messages=[{"role": "user", "content": "Which token comes next?"}], max_tokens=8, temperature=0, logprobs=True,
+        top_logprobs=3, extra_body={"ignore_eos": True},
+    )
+    async with async_client(deployment.open) as client:
+        whole = await client.chat.completions.create(**args)
+        streamed = [c async for c in await client.chat.completions.create(**args, stream=True)]
+    assert whole.choices[0].logprobs is not None
+    content = whole.choices[0].logprobs.content
+    assert content is not None and len(content) == 8  # one per generated token
+    for entry in content:
+        assert entry.logprob <= 0 and len(entry.top_logprobs) == 3
+        assert [t.logprob for t in entry.top_logprobs] == sorted((t.logprob for t in entry.top_logprobs), reverse=True)
+        assert (entry.token, entry.bytes) == (entry.top_logprobs[0].token, entry.top_logprobs[0].bytes)  # greedy: the likeliest
+        assert entry.logprob == entry.top_logprobs[0].logprob
+    pieces = [e for c in streamed if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content or []]
+    assert [(e.token, e.bytes) for e in pieces] == [(e.token, e.bytes) for e in content]
+    assert max(abs(a.logprob - b.logprob) for a, b in zip(pieces, content, strict=True)) < 1e-3
+
+
+async def test_completions_logprobs_and_echo_score_the_prompt_then_the_same_completion(deployment, model):
+    args = dict(model=model, prompt=PROMPT, max_tokens=6, temperature=0, logprobs=2, extra_body={"ignore_eos": True})
+    async with async_client(deployment.open) as client:
+        plain = await client.completions.create(**args)
+        echoed = await client.completions.create(**args, echo=True)
+        streamed = [c async for c in await client.completions.create(**args, echo=True, stream=True)]
+    scored = plain.choices[0].logprobs
+    assert scored is not None and scored.tokens is not None and scored.token_logprobs is not None and scored.top_logprobs is not None
+    assert len(scored.tokens) == 6 and all(lp is not None and lp <= 0 for lp in scored.token_logprobs)
+    assert all(len(top) == 2 and max(top.values()) >= lp - 1e-6 for top, lp in zip(scored.top_logprobs, scored.token_logprobs, strict=True))
+    assert scored.text_offset is not None and scored.text_offset[0] == 0 and scored.text_offset == sorted(scored.text_offset)
+    prompt_tokens = len(ByteTokenizer().encode(PROMPT))
+    whole = echoed.choices[0]
+    assert whole.text == PROMPT + plain.choices[0].text
+    lp = whole.logprobs
+    assert lp is not None and lp.tokens is not None and lp.token_logprobs is not None and lp.top_logprobs is not None
+    assert len(lp.tokens) == prompt_tokens + 6 and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None  # BOS: nothing before it
+    assert all(v is not None and v <= 0 for v in lp.token_logprobs[1:])
+    assert lp.tokens[prompt_tokens:] == scored.tokens  # the same greedy completion after the scored prompt
+    assert max(abs(a - b) for a, b in zip(lp.token_logprobs[prompt_tokens:], scored.token_logprobs, strict=True)) < 0.05  # type: ignore[operator]
+    parts = [c.choices[0] for c in streamed if c.choices]
+    assert "".join(p.text for p in parts) == whole.text
+    assert [t for p in parts if p.logprobs for t in p.logprobs.tokens or []] == lp.tokens
+    assert [o for p in parts if p.logprobs for o in p.logprobs.text_offset or []] == lp.text_offset
+
+
 # -- errors --------------------------------------------------------------------------------------------------
 async def test_bad_parameters_are_400_naming_the_parameter(deployment, model):
     async with async_client(deployment.open) as client:
@@ -205,8 +252,14 @@ async def test_bad_parameters_are_400_naming_the_parameter(deployment, model):
             await client.chat.completions.create(model=model, messages=[{"role": "user", "content": "x"}], n=2)
         assert caught.value.body["param"] == "n"
         with pytest.raises(openai.BadRequestError) as caught:
-            await client.chat.completions.create(model=model, messages=[{"role": "user", "content": "x"}], logprobs=True)
-        assert caught.value.body["param"] == "logprobs" and "log-probabilities" in caught.value.body["message"]
+            await client.chat.completions.create(model=model, messages=[{"role": "user", "content": "x"}], logprobs=True, top_logprobs=21)
+        assert caught.value.body["param"] == "top_logprobs" and "20" in caught.value.body["message"]
+        with pytest.raises(openai.BadRequestError) as caught:
+            await client.chat.completions.create(model=model, messages=[{"role": "user", "content": "x"}], top_logprobs=2)
+        assert caught.value.body["param"] == "top_logprobs" and "logprobs: true" in caught.value.body["message"]
+        with pytest.raises(openai.BadRequestError) as caught:
+            await client.completions.create(model=model, prompt=PROMPT, logprobs=6)
+        assert caught.value.body["param"] == "logprobs" and "5" in caught.value.body["message"]
         # Checked by the router (prompt + max_tokens beyond the workers' context), named as OpenAI names it.
         with pytest.raises(openai.BadRequestError) as caught:
             await client.completions.create(model=model, prompt=PROMPT, max_tokens=100_000, stream=True)

@@ -299,3 +299,36 @@ async def test_commits_carry_the_tier_that_orders_a_failed_worker_s_migrations(f
         finally:
             for stream in streams.values():
                 await stream.aclose()
+
+
+async def test_a_migrated_stream_continues_its_logprobs_exactly_as_the_unmigrated_run(fleet):
+    prompts = PROMPTS[:6]
+
+    async def streams(client: Client, on_progress=None) -> dict[int, list]:
+        async def one(i: int) -> list:
+            chunks = []
+            async for chunk in client.generate(prompts[i], max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=True, top_logprobs=2):
+                chunks.append(chunk)
+                if on_progress is not None:
+                    await on_progress(i, chunk)
+            return chunks
+
+        return dict(enumerate(await asyncio.gather(*(one(i) for i in range(len(prompts))))))
+
+    async def sigkill(worker):
+        worker.kill()
+
+    async with await Client.connect(fleet.routers[0].address, timeout=60) as client:
+        baseline = await streams(client)
+        killer = KillWhenBusy(fleet, after=6, action=sigkill, streams=len(prompts))
+        results = await streams(client, killer)
+        if killer._firing is not None:
+            await killer._firing
+    assert killer.victim is not None
+    assert any(w == killer.victim.worker_id for w in killer.served_by.values())
+    assert_exactly_once_and_identical(results, {i: [c.token_id for c in chunks] for i, chunks in baseline.items()})
+    for i, chunks in results.items():
+        for got, want in zip(chunks, baseline[i], strict=True):
+            assert got.logprobs is not None and want.logprobs is not None, f"stream {i} token {got.index} lost its logprobs"
+            assert [t.token_id for t in got.logprobs.top] == [t.token_id for t in want.logprobs.top]
+            assert abs(got.logprobs.token.logprob - want.logprobs.token.logprob) < 1e-4, f"stream {i} token {got.index}"

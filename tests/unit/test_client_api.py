@@ -64,6 +64,7 @@ def test_public_names_are_pinned():
         "NotFoundError",
         "OverloadedError",
         "PhalanxClientError",
+        "PositionLogprobs",
         "RequestCancelledError",
         "RequestQuarantinedError",
         "RetryPolicy",
@@ -72,6 +73,7 @@ def test_public_names_are_pinned():
         "SyncGenerateStream",
         "Tier",
         "TlsConfig",
+        "TokenLogprob",
         "UnavailableError",
         "WorkerHealth",
         "WorkerInfo",
@@ -281,6 +283,10 @@ def test_generate_options_take_every_generate_keyword_and_normalise_stop_and_tie
         ("stop_token_ids", [3, -1], "sampling.stop_token_ids"),
         ("seed", -1, "sampling.seed"),
         ("tier", "gold", "tier"),
+        ("top_logprobs", 21, "sampling.top_logprobs"),
+        ("top_logprobs", -1, "sampling.top_logprobs"),
+        ("top_logprobs", 3, "sampling.top_logprobs"),  # without logprobs=True
+        ("prompt_logprobs", True, "sampling.prompt_logprobs"),  # without logprobs=True
     ],
 )
 def test_generate_options_refuse_what_cannot_be_sent_naming_the_routers_field(field, value, violation):

@@ -152,9 +152,9 @@ def test_stream_options_include_usage_only_with_stream():
         ({"presence_penalty": 0.5}, "presence_penalty"),
         ({"frequency_penalty": 1}, "frequency_penalty"),
         ({"logit_bias": {"1": 2}}, "logit_bias"),
-        ({"logprobs": 1}, "logprobs"),
+        ({"logprobs": 6}, "logprobs"),
+        ({"logprobs": -1}, "logprobs"),
         ({"best_of": 3}, "best_of"),
-        ({"echo": True}, "echo"),
         ({"suffix": "x"}, "suffix"),
         ({"stop": [1]}, "stop"),
         ({"stop": [""]}, "stop"),
@@ -173,8 +173,9 @@ def test_a_bad_completion_parameter_is_a_400_naming_it(fields, param):
 @pytest.mark.parametrize(
     ("fields", "param"),
     [
-        ({"logprobs": True}, "logprobs"),
+        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
         ({"top_logprobs": 2}, "top_logprobs"),
+        ({"logprobs": False, "top_logprobs": 2}, "top_logprobs"),
         ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
         ({"response_format": {"type": "json_object"}}, "response_format"),
         ({"max_tokens": 3, "max_completion_tokens": 4}, "max_completion_tokens"),
@@ -188,8 +189,8 @@ def test_a_bad_chat_parameter_is_a_400_naming_it(fields, param):
     assert (error.status, error.param) == (400, param)
 
 
-def test_logprobs_are_refused_saying_why():
-    assert "does not expose token log-probabilities" in refused(ChatCompletionRequest, chat(logprobs=True)).message
+def test_top_logprobs_without_logprobs_is_refused_saying_why():
+    assert "needs logprobs: true" in refused(ChatCompletionRequest, chat(top_logprobs=1)).message
 
 
 def test_a_missing_parameter_says_it_is_required():
@@ -331,3 +332,39 @@ def test_chat_chunks_open_with_the_role_and_usage_comes_last():
     assert last["choices"][0] == {"index": 0, "delta": {}, "logprobs": None, "finish_reason": "stop"} and "usage" not in last
     tail = CHAT.usage_chunk(**common, prompt_tokens=1, completion_tokens=2)
     assert tail["choices"] == [] and tail["usage"]["total_tokens"] == 3
+
+
+def test_logprob_parameters_map_onto_the_sdk_options():
+    args = parse_body(CompletionRequest, completion(logprobs=2, echo=True)).generate_args()
+    assert (args.options.logprobs, args.options.top_logprobs, args.options.prompt_logprobs, args.top_logprobs, args.echo) == (True, 2, True, 2, True)
+    # Echoing a text prompt needs nothing from the engine; echoing token ids needs their bytes, hence their logprobs.
+    text_echo = parse_body(CompletionRequest, completion(echo=True)).generate_args()
+    assert (text_echo.options.logprobs, text_echo.options.prompt_logprobs, text_echo.top_logprobs) == (False, False, None)
+    ids_echo = parse_body(CompletionRequest, completion(prompt=[1, 2, 3], echo=True)).generate_args()
+    assert (ids_echo.options.prompt_logprobs, ids_echo.top_logprobs) == (True, None)
+    plain = parse_body(CompletionRequest, completion(logprobs=0)).generate_args()
+    assert (plain.options.logprobs, plain.options.top_logprobs, plain.options.prompt_logprobs) == (True, 0, False)
+    chatted = parse_body(ChatCompletionRequest, chat(logprobs=True, top_logprobs=3)).generate_args("p", default_max_tokens=8)
+    assert (chatted.options.logprobs, chatted.options.top_logprobs, chatted.options.prompt_logprobs, chatted.top_logprobs) == (True, 3, False, 3)
+    assert parse_body(ChatCompletionRequest, chat(logprobs=False)).generate_args("p", default_max_tokens=8).top_logprobs is None
+
+
+def test_logprobs_take_each_endpoints_shape():
+    from phalanx.client import PositionLogprobs, TokenLogprob
+    from phalanx.gateway.responses import LogprobsShape
+
+    first = PositionLogprobs(TokenLogprob(1, None, b"Hi"))
+    second = PositionLogprobs(TokenLogprob(2, -0.5, b" there"), (TokenLogprob(2, -0.5, b" there"), TokenLogprob(3, -1.5, b"\xe2\x80")))
+    legacy = LogprobsShape(chat=False)
+    assert legacy.part([first, second]) == {
+        "tokens": ["Hi", " there"], "token_logprobs": [None, -0.5], "top_logprobs": [None, {" there": -0.5, "bytes:\\xe2\\x80": -1.5}],
+        "text_offset": [0, 2],
+    }
+    assert legacy.part([second])["text_offset"] == [8]  # carried from part to part
+    (entry,) = LogprobsShape(chat=True).part([second])["content"]
+    assert entry == {
+        "token": " there", "logprob": -0.5, "bytes": list(b" there"),
+        "top_logprobs": [
+            {"token": " there", "logprob": -0.5, "bytes": list(b" there")}, {"token": "bytes:\\xe2\\x80", "logprob": -1.5, "bytes": [226, 128]},
+        ],
+    }

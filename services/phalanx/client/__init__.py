@@ -27,7 +27,7 @@ from phalanx.client._errors import (
 from phalanx.client._options import GenerateOptions
 from phalanx.client._stream import GenerateStream
 from phalanx.client._sync import SyncClient, SyncGenerateStream
-from phalanx.client._types import Chunk, Completion, FinishReason, Media, Tier, WorkerHealth, WorkerInfo
+from phalanx.client._types import Chunk, Completion, FinishReason, Media, PositionLogprobs, Tier, TokenLogprob, WorkerHealth, WorkerInfo
 
 __all__ = [
     "AuthenticationError",
@@ -44,6 +44,7 @@ __all__ = [
     "NotFoundError",
     "OverloadedError",
     "PhalanxClientError",
+    "PositionLogprobs",
     "RequestCancelledError",
     "RequestQuarantinedError",
     "RetryPolicy",
@@ -52,6 +53,7 @@ __all__ = [
     "SyncGenerateStream",
     "Tier",
     "TlsConfig",
+    "TokenLogprob",
     "UnavailableError",
     "WorkerHealth",
     "WorkerInfo",

@@ -150,7 +150,7 @@ def build_request(
     sampling = common_pb2.SamplingParams(
         temperature=options.temperature, top_k=options.top_k, top_p=options.top_p, max_tokens=options.max_tokens,
         stop_token_ids=list(options.stop_token_ids), stop_strings=list(options.stop), ignore_eos=options.ignore_eos,
-        seed=options.seed,
+        seed=options.seed, logprobs=options.logprobs, top_logprobs=options.top_logprobs, prompt_logprobs=options.prompt_logprobs,
     )
     request = router_pb2.GenerateRequest(
         request_id=request_id, sampling=sampling, tier=tier_to_proto(options.tier), tenant=options.tenant or ""

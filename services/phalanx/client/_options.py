@@ -16,6 +16,7 @@ DEFAULT_MAX_TOKENS = 256
 # SamplingParams' counts and token ids are int32 on the wire, its seed uint64.
 _INT32_MAX = 2**31 - 1
 _UINT64_END = 2**64
+MAX_TOP_LOGPROBS = 20
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -39,6 +40,12 @@ class GenerateOptions:
     ignore_eos: bool = False
     tier: Tier | str | None = None  # None: the tenant's default
     tenant: str | None = None
+    # Each token's log-probability (Chunk.logprobs), of the model's raw next-token distribution (before temperature,
+    # top-k and top-p); with top_logprobs (0..20) the most likely tokens' too; with prompt_logprobs the prompt's
+    # tokens' as well (on the first chunk: Chunk.prompt_logprobs).
+    logprobs: bool = False
+    top_logprobs: int = 0
+    prompt_logprobs: bool = False
 
     def __post_init__(self) -> None:
         # A lone string is one stop string, not one per character; tuples keep the value frozen and hashable.
@@ -53,6 +60,10 @@ class GenerateOptions:
         bad = [t for t in self.stop_token_ids if not 0 <= t <= _INT32_MAX]
         _check(not bad, "sampling.stop_token_ids", f"token ids are in [0, {_INT32_MAX}], got {bad[:5]}")
         _check(self.seed is None or 0 <= self.seed < _UINT64_END, "sampling.seed", f"must be in [0, 2^64), got {self.seed}")
+        top = self.top_logprobs
+        _check(0 <= top <= MAX_TOP_LOGPROBS, "sampling.top_logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}], got {top}")
+        _check(self.logprobs or not top, "sampling.top_logprobs", "needs logprobs=True")
+        _check(self.logprobs or not self.prompt_logprobs, "sampling.prompt_logprobs", "needs logprobs=True")
 
 
 class GenerateParams(TypedDict, total=False):
@@ -68,6 +79,9 @@ class GenerateParams(TypedDict, total=False):
     ignore_eos: bool
     tier: Tier | str | None
     tenant: str | None
+    logprobs: bool
+    top_logprobs: int
+    prompt_logprobs: bool
 
 
 def with_params(options: GenerateOptions | None, params: GenerateParams) -> GenerateOptions:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from phalanx._proto import common_pb2, router_pb2
 
-__all__ = ["Chunk", "Completion", "FinishReason", "Media", "Tier", "WorkerHealth", "WorkerInfo"]
+__all__ = ["Chunk", "Completion", "FinishReason", "Media", "PositionLogprobs", "Tier", "TokenLogprob", "WorkerHealth", "WorkerInfo"]
 
 
 class FinishReason(enum.StrEnum):
@@ -103,12 +103,47 @@ _HEALTH_FROM_PROTO = {
 
 
 @dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """A token and its log-probability (natural log) at a position; ``logprob`` is None for the prompt's first token,
+    which nothing predicts. ``token_bytes`` are the token's bytes (a byte-level token may hold part of a character)."""
+
+    token_id: int
+    logprob: float | None
+    token_bytes: bytes
+
+    @property
+    def text(self) -> str:
+        """The token's bytes as text (an incomplete UTF-8 sequence shows as U+FFFD)."""
+        return self.token_bytes.decode("utf-8", errors="replace")
+
+    @classmethod
+    def from_proto(cls, t: common_pb2.TokenLogprob) -> TokenLogprob:
+        return cls(t.token_id, t.logprob if t.HasField("logprob") else None, t.token_bytes)
+
+
+@dataclass(frozen=True, slots=True)
+class PositionLogprobs:
+    """Log-probabilities at one position, of the model's raw next-token distribution (the log-softmax of its logits,
+    before temperature, top-k and top-p): ``token`` is the token there (sampled, or the prompt's), ``top`` the
+    ``top_logprobs`` most likely ones, best first."""
+
+    token: TokenLogprob
+    top: tuple[TokenLogprob, ...] = ()
+
+    @classmethod
+    def from_proto(cls, p: common_pb2.PositionLogprobs) -> PositionLogprobs:
+        return cls(TokenLogprob.from_proto(p.token), tuple(TokenLogprob.from_proto(t) for t in p.top))
+
+
+@dataclass(frozen=True, slots=True)
 class Chunk:
     """One generated token. ``index`` counts from 0 and is never repeated or skipped.
 
     ``worker_id`` is the worker that produced the token (carried forward from the
     last response that named one). ``prompt_tokens``, ``cached_prompt_tokens``
     and ``seed`` are set on the first chunk of each underlying call and 0 elsewhere.
+    With ``logprobs=True``: ``logprobs`` is this token's (None on a chunk without a token); with
+    ``prompt_logprobs=True`` the chunk of index 0 carries the prompt's, one per prompt token.
     """
 
     request_id: str
@@ -120,6 +155,8 @@ class Chunk:
     prompt_tokens: int
     cached_prompt_tokens: int
     seed: int
+    logprobs: PositionLogprobs | None = None
+    prompt_logprobs: tuple[PositionLogprobs, ...] = ()
 
     @classmethod
     def from_proto(cls, response, *, request_id: str, worker_id: str) -> Chunk:
@@ -134,12 +171,18 @@ class Chunk:
             prompt_tokens=response.prompt_tokens,
             cached_prompt_tokens=response.cached_prompt_tokens,
             seed=response.seed,
+            logprobs=PositionLogprobs.from_proto(response.logprobs) if response.HasField("logprobs") else None,
+            prompt_logprobs=tuple(PositionLogprobs.from_proto(p) for p in response.prompt_logprobs),
         )
 
 
 @dataclass(frozen=True, slots=True)
 class Completion:
-    """A whole generation; ``resumes`` counts the stream breaks the SDK recovered from."""
+    """A whole generation; ``resumes`` counts the stream breaks the SDK recovered from.
+
+    With ``logprobs=True``, ``logprobs`` holds one entry per token of ``token_ids``; with ``prompt_logprobs=True``,
+    ``prompt_logprobs`` one per prompt token.
+    """
 
     request_id: str
     text: str
@@ -149,6 +192,8 @@ class Completion:
     cached_prompt_tokens: int
     seed: int
     resumes: int
+    logprobs: tuple[PositionLogprobs, ...] = ()
+    prompt_logprobs: tuple[PositionLogprobs, ...] = ()
 
     @classmethod
     def from_chunks(cls, request_id: str, chunks: Sequence[Chunk], *, resumes: int, finish_reason: FinishReason | None = None) -> Completion:
@@ -163,6 +208,8 @@ class Completion:
             cached_prompt_tokens=first.cached_prompt_tokens if first else 0,
             seed=first.seed if first else 0,
             resumes=resumes,
+            logprobs=tuple(c.logprobs for c in chunks if c.logprobs is not None),
+            prompt_logprobs=first.prompt_logprobs if first else (),
         )
 
 

@@ -2,7 +2,7 @@
 
 Parameters the engine has no equivalent for are refused by name when set to
 anything but their neutral value (``n`` > 1, penalties, ``logit_bias``,
-``logprobs``, tools ...), never silently ignored. Unknown fields are ignored,
+tools ...), never silently ignored. Unknown fields are ignored,
 as OpenAI-compatible servers do, so that newer clients keep working.
 Extensions (as vLLM's): ``top_k`` and ``ignore_eos``.
 """
@@ -21,7 +21,7 @@ from phalanx.client import GenerateOptions, InvalidArgumentError, Media
 from phalanx.common.errors import InvalidRequestError
 from phalanx.gateway.errors import GatewayError, bad_request, from_client_error
 from phalanx.model.chat import ChatPrompts
-from phalanx.model.params import MAX_STOP_STRINGS
+from phalanx.model.params import MAX_STOP_STRINGS, MAX_TOP_LOGPROBS
 
 # Where an image or audio part stood in a message: the router's default media marker (PHALANX_ROUTER_MEDIA_MARKER).
 MEDIA_MARKER = "<media>"
@@ -37,7 +37,8 @@ __all__ = [
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 # The router's SamplingParams and token ids are int32: a larger number could not even be sent to it.
 INT32_MAX = 2**31 - 1
-LOGPROBS_UNSUPPORTED = "logprobs are not supported: the engine does not expose token log-probabilities"
+# The legacy completions API's bound on logprobs (the number of alternatives per token).
+MAX_COMPLETION_LOGPROBS = 5
 
 
 class StreamOptions(BaseModel):
@@ -98,7 +99,12 @@ class _Common(BaseModel):
     def metadata_tier(self) -> str | None:
         return (self.metadata or {}).get("tier")
 
-    def _args(self, prompt: str | list[int], max_tokens: int, media: tuple[Media, ...] = ()) -> GenerateArgs:
+    def _args(
+        self, prompt: str | list[int], max_tokens: int, media: tuple[Media, ...] = (), *, top_logprobs: int | None = None,
+        echo: bool = False,
+    ) -> GenerateArgs:
+        # Echoing a prompt of token ids needs its text: its log-probabilities bring each token's bytes.
+        prompt_logprobs = echo and (top_logprobs is not None or not isinstance(prompt, str))
         try:
             options = GenerateOptions(
                 max_tokens=max_tokens,
@@ -109,10 +115,13 @@ class _Common(BaseModel):
                 stop=self.stop_strings(),
                 seed=self.seed,
                 ignore_eos=self.ignore_eos,
+                logprobs=top_logprobs is not None or prompt_logprobs,
+                top_logprobs=top_logprobs or 0,
+                prompt_logprobs=prompt_logprobs,
             )
         except InvalidArgumentError as error:  # the fields' bounds above are within the SDK's, so this is a safety net
             raise from_client_error(error) from None
-        return GenerateArgs(prompt=prompt, options=options, media=media)
+        return GenerateArgs(prompt=prompt, options=options, media=media, top_logprobs=top_logprobs, echo=echo)
 
 
 class CompletionRequest(_Common):
@@ -127,15 +136,17 @@ class CompletionRequest(_Common):
     def generate_args(self) -> GenerateArgs:
         """The SDK call; raises a 400 GatewayError naming what cannot be served."""
         self._refuse_unsupported()
-        if self.logprobs is not None:
-            raise bad_request("logprobs", LOGPROBS_UNSUPPORTED, code="unsupported_parameter")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_COMPLETION_LOGPROBS:
+            raise bad_request(
+                "logprobs", f"must be from 0 to {MAX_COMPLETION_LOGPROBS} (the number of most likely tokens per position), got {self.logprobs}"
+            )
         if self.best_of not in (None, 1):
             raise bad_request("best_of", f"only best_of=1 is supported, got {self.best_of}")
-        if self.echo:
-            raise bad_request("echo", "is not supported; the prompt is not echoed", code="unsupported_parameter")
         if self.suffix:
             raise bad_request("suffix", "is not supported (no fill-in-the-middle)", code="unsupported_parameter")
-        return self._args(self._one_prompt(), self.max_tokens or COMPLETION_DEFAULT_MAX_TOKENS)
+        return self._args(
+            self._one_prompt(), self.max_tokens or COMPLETION_DEFAULT_MAX_TOKENS, top_logprobs=self.logprobs, echo=bool(self.echo)
+        )
 
     def _one_prompt(self) -> str | list[int]:
         """The prompt as text or token ids; a list of one prompt is that prompt, more are refused."""
@@ -181,10 +192,10 @@ class ChatCompletionRequest(_Common):
     def generate_args(self, prompt: str, *, default_max_tokens: int) -> GenerateArgs:
         """The SDK call for the rendered ``prompt``; raises a 400 GatewayError naming what cannot be served."""
         self._refuse_unsupported()
-        if self.logprobs:
-            raise bad_request("logprobs", LOGPROBS_UNSUPPORTED, code="unsupported_parameter")
-        if self.top_logprobs is not None:
-            raise bad_request("top_logprobs", LOGPROBS_UNSUPPORTED, code="unsupported_parameter")
+        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise bad_request("top_logprobs", f"must be from 0 to {MAX_TOP_LOGPROBS}, got {self.top_logprobs}")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise bad_request("top_logprobs", "needs logprobs: true")
         if self.tools:
             raise bad_request("tools", "tool calls are not supported", code="unsupported_parameter")
         if self.tool_choice not in (None, "none"):
@@ -197,7 +208,7 @@ class ChatCompletionRequest(_Common):
         media: list[Media] = []
         for i, m in enumerate(self.messages):
             _text_of(m.content, i, media)
-        return self._args(prompt, max_tokens, tuple(media))
+        return self._args(prompt, max_tokens, tuple(media), top_logprobs=(self.top_logprobs or 0) if self.logprobs else None)
 
     def template_messages(self) -> list[dict[str, str]]:
         """The conversation as the chat template takes it: role and text content ("" for none); each image or audio part
@@ -261,6 +272,10 @@ class GenerateArgs:
     prompt: str | list[int]
     options: GenerateOptions
     media: tuple[Media, ...] = ()
+    # Log-probabilities in the answer (None: none; else how many alternatives per token), and the prompt echoed
+    # before the completion (/v1/completions' echo).
+    top_logprobs: int | None = None
+    echo: bool = False
 
 
 def parse_body(model: type[BaseModel], body: bytes) -> Any:

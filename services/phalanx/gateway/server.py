@@ -14,7 +14,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Sequence
 from contextlib import suppress
 from typing import Any, TypeVar
 
@@ -26,14 +26,14 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from sse_starlette import EventSourceResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from phalanx.client import Chunk, Client, GenerateStream, NotFoundError, PhalanxClientError, RetryPolicy
+from phalanx.client import Chunk, Client, GenerateStream, NotFoundError, PhalanxClientError, PositionLogprobs, RetryPolicy
 from phalanx.common.telemetry import extract_context, get_tracer
 from phalanx.common.tls import sdk_tls
 from phalanx.gateway.auth import TIER_HEADER, Caller, KeyRing
 from phalanx.gateway.config import GatewayConfig
 from phalanx.gateway.errors import GatewayError, bad_request, from_client_error
 from phalanx.gateway.metrics import GatewayMetrics
-from phalanx.gateway.responses import CHAT, COMPLETIONS, Dialect, finish_reason
+from phalanx.gateway.responses import CHAT, COMPLETIONS, Dialect, LogprobsShape, finish_reason
 from phalanx.gateway.schema import ChatCompletionRequest, CompletionRequest, GenerateArgs, chat_text, parse_body
 from phalanx.gateway.stream_ids import StreamCursor
 from phalanx.model.chat import ChatPrompts
@@ -212,11 +212,7 @@ class GatewayServer:
         last_event_id = request.headers.get("last-event-id")
         if last_event_id is not None:
             return await self._continue(request, dialect, client, parsed, last_event_id, model=model, span=span, arrived=arrived)
-        if isinstance(parsed, ChatCompletionRequest):
-            prompt = (await self._chat_prompts(client)).render(parsed.template_messages())
-            args = parsed.generate_args(prompt, default_max_tokens=self.config.default_max_tokens)
-        else:
-            args = parsed.generate_args()
+        args = await self._generate_args(client, parsed)
         request_id = uuid.uuid4().hex
         span.set_attributes({
             "phalanx.request_id": request_id, "phalanx.tenant": caller.tenant or "", "phalanx.tier": caller.tier.label if caller.tier else "",
@@ -224,7 +220,7 @@ class GatewayServer:
         })
         stream = self._open(client, caller, args, request_id)
         call = _Call(self, dialect, stream, model=model, request_id=request_id, prompt_param="messages" if dialect.chat else "prompt",
-                     span=span, arrived=arrived)
+                     span=span, arrived=arrived, args=args)
         if parsed.stream:
             return await call.respond_streaming(request, include_usage=parsed.include_usage)
         return await call.respond_whole(request)
@@ -244,10 +240,17 @@ class GatewayServer:
                 code="invalid_event_id",
             ) from None
         span.set_attributes({"phalanx.request_id": cursor.request_id, "phalanx.resumed_at": cursor.tokens})
+        args = await self._generate_args(client, parsed)  # the answer's shape (log-probabilities, echo) is the body's
         stream = client.resume(cursor.request_id, cursor.tokens)
         call = _Call(self, dialect, stream, model=model, request_id=cursor.request_id, prompt_param="messages" if dialect.chat else "prompt",
-                     span=span, arrived=arrived, cursor=cursor)
+                     span=span, arrived=arrived, args=args, cursor=cursor)
         return await call.respond_streaming(request, include_usage=parsed.include_usage)
+
+    async def _generate_args(self, client: Client, parsed: CompletionRequest | ChatCompletionRequest) -> GenerateArgs:
+        if isinstance(parsed, ChatCompletionRequest):
+            prompt = (await self._chat_prompts(client)).render(parsed.template_messages())
+            return parsed.generate_args(prompt, default_max_tokens=self.config.default_max_tokens)
+        return parsed.generate_args()
 
     def _open(self, client: Client, caller: Caller, args: GenerateArgs, request_id: str) -> GenerateStream:
         try:
@@ -270,7 +273,7 @@ class _Call:
 
     def __init__(
         self, server: GatewayServer, dialect: Dialect, stream: GenerateStream, *, model: str, request_id: str, prompt_param: str,
-        span: trace.Span, arrived: float, cursor: StreamCursor | None = None,
+        span: trace.Span, arrived: float, args: GenerateArgs, cursor: StreamCursor | None = None,
     ) -> None:
         self.server = server
         self.dialect = dialect
@@ -286,6 +289,18 @@ class _Call:
         self.created = self.cursor.created
         self.prompt_tokens = self.cursor.prompt_tokens
         self.completion_tokens = self.cursor.tokens
+        # Log-probabilities in the answer, in the endpoint's shape; the prompt echoed before the completion.
+        self.logprobs = LogprobsShape(chat=dialect.chat) if args.top_logprobs is not None else None
+        self.echo = args.echo
+        self.echo_prompt = args.prompt if isinstance(args.prompt, str) else None
+
+    def _echoed(self, first: Chunk | None) -> tuple[str, Sequence[PositionLogprobs]]:
+        """The prompt's text and log-probabilities to put before the completion (echo), from the first chunk."""
+        if not self.echo:
+            return "", ()
+        entries = first.prompt_logprobs if first is not None else ()
+        text = self.echo_prompt if self.echo_prompt is not None else b"".join(e.token.token_bytes for e in entries).decode("utf-8", "replace")
+        return text, entries
 
     def _took(self, chunk: Chunk) -> None:
         if chunk.index == 0:
@@ -313,22 +328,26 @@ class _Call:
             self.server.metrics.resumes.inc(self.generation.resumes)
 
     async def respond_whole(self, request: Request) -> Response:
-        async def collect() -> str:
+        async def collect() -> list[Chunk]:
             async with self.generation:
-                parts = []
+                chunks = []
                 try:
                     async for chunk in self.generation:
                         self._took(chunk)
-                        parts.append(chunk.text)
+                        chunks.append(chunk)
                 except PhalanxClientError as error:
                     raise from_client_error(error, prompt_param=self.prompt_param) from None
-                return "".join(parts)
+                return chunks
 
         try:
-            text = await _unless_disconnected(request, collect())
+            chunks = await _unless_disconnected(request, collect())
+            echoed, prompt_logprobs = self._echoed(chunks[0] if chunks else None)
+            logprobs = None
+            if self.logprobs is not None:
+                logprobs = self.logprobs.part([*prompt_logprobs, *(c.logprobs for c in chunks if c.logprobs is not None)])
             body = self.dialect.response(
-                request_id=self.request_id, created=self.created, model=self.model, text=text, finish=self._finish(),
-                prompt_tokens=self.prompt_tokens, completion_tokens=self.completion_tokens,
+                request_id=self.request_id, created=self.created, model=self.model, text=echoed + "".join(c.text for c in chunks),
+                finish=self._finish(), prompt_tokens=self.prompt_tokens, completion_tokens=self.completion_tokens, logprobs=logprobs,
             )
         finally:
             self._close_span()
@@ -372,13 +391,23 @@ class _Call:
                 try:
                     chunk = first
                     is_first = self.cursor.tokens == 0  # a reconnect's stream sent the first chunk (and chat's role) before
+                    # The echoed prompt goes before the first token, once: a reconnect's stream sent it before.
+                    echoed, prompt_logprobs = self._echoed(first) if is_first else ("", ())
+                    if echoed:
+                        yield self._event(self.dialect.chunk(
+                            request_id=self.request_id, created=self.created, model=self.model, text=echoed, finish=None, first=True,
+                            include_usage=include_usage, logprobs=self.logprobs.part(prompt_logprobs) if self.logprobs else None,
+                        ))
                     while chunk is not None:
                         self._took(chunk)
                         finish = self._finish() if chunk.finish_reason is not None else None
-                        if chunk.text or finish or (is_first and self.dialect.chat):
+                        # A token whose text is still incomplete (part of a UTF-8 character) is sent for its logprob.
+                        scored = self.logprobs is not None and chunk.logprobs is not None
+                        if chunk.text or finish or (is_first and self.dialect.chat) or scored:
                             yield self._event(self.dialect.chunk(
                                 request_id=self.request_id, created=self.created, model=self.model, text=chunk.text, finish=finish,
                                 first=is_first, include_usage=include_usage,
+                                logprobs=self.logprobs.part([chunk.logprobs]) if self.logprobs and chunk.logprobs else None,
                             ), self._cursor_after(chunk))
                             is_first = False
                         chunk = await anext(self.generation, None)

@@ -117,12 +117,15 @@ class KvCacheManager:
             blocks.append(block)
         return blocks
 
-    def allocate(self, seq_id: str, token_ids: list[int], *, reserve_tokens: int = 0, media: Sequence[MediaSpan] = ()) -> int | None:
+    def allocate(
+        self, seq_id: str, token_ids: list[int], *, reserve_tokens: int = 0, media: Sequence[MediaSpan] = (), reuse: bool = True
+    ) -> int | None:
         """Gives `seq_id` blocks for its tokens plus `reserve_tokens`; returns the number of
-        prompt tokens whose KV is already cached, or None if memory is short (nothing changes)."""
+        prompt tokens whose KV is already cached (0 without `reuse`: every position is computed again), or None if
+        memory is short (nothing changes)."""
         if seq_id in self._seqs:
             raise ValueError(f"sequence {seq_id} already has blocks")
-        cached = self.match_prefix(token_ids, media)
+        cached = self.match_prefix(token_ids, media) if reuse else []
         needed = self.blocks_for(len(token_ids) + reserve_tokens) - len(cached)
         reusable_free = sum(1 for b in cached if self._refcount[b] == 0)
         if needed > self.num_free_blocks - reusable_free:

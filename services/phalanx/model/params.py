@@ -9,6 +9,8 @@ from phalanx.common.errors import InvalidRequestError
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
+# OpenAI's bound on top_logprobs (chat completions); the legacy completions API allows 5.
+MAX_TOP_LOGPROBS = 20
 
 
 @dataclass(frozen=True)
@@ -21,6 +23,11 @@ class SamplingParams:
     stop_strings: tuple[str, ...] = ()
     seed: int | None = None
     ignore_eos: bool = False
+    # Log-probabilities (of the model's raw next-token distribution) of each generated token, the top_logprobs most
+    # likely alternatives at each position, and with prompt_logprobs those of the prompt's tokens too.
+    logprobs: bool = False
+    top_logprobs: int = 0
+    prompt_logprobs: bool = False
 
     @property
     def greedy(self) -> bool:
@@ -46,6 +53,11 @@ class SamplingParams:
                 raise InvalidRequestError("sampling.stop_strings", f"each stop string needs 1..{MAX_STOP_STRING_CHARS} characters")
         if self.seed is not None and not 0 <= self.seed < 2**63:
             raise InvalidRequestError("sampling.seed", "must be in [0, 2^63)")
+        if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise InvalidRequestError("sampling.top_logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}")
+        if (self.top_logprobs or self.prompt_logprobs) and not self.logprobs:
+            name = "top_logprobs" if self.top_logprobs else "prompt_logprobs"
+            raise InvalidRequestError(f"sampling.{name}", "needs sampling.logprobs")
 
 
 def sampling_from_proto(p) -> SamplingParams:
@@ -59,4 +71,7 @@ def sampling_from_proto(p) -> SamplingParams:
         stop_strings=tuple(p.stop_strings),
         seed=p.seed if p.HasField("seed") else None,
         ignore_eos=p.ignore_eos,
+        logprobs=p.logprobs,
+        top_logprobs=p.top_logprobs,
+        prompt_logprobs=p.prompt_logprobs,
     )

@@ -33,6 +33,9 @@ class Flow:
     # What the client has: the fallback state for a migration when the checkpoint store has none.
     sampling: common_pb2.SamplingParams | None = None
     output_ids: list[int] = field(default_factory=list)
+    # With sampling.logprobs: those the client has, one per output token, and the prompt's (sampling.prompt_logprobs).
+    output_logprobs: list[common_pb2.PositionLogprobs] = field(default_factory=list)
+    prompt_logprobs: Sequence[common_pb2.PositionLogprobs] = ()
     seed: int = 0
     migrations: int = 0
     stalls_seen: int = 0

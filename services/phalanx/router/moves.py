@@ -203,6 +203,9 @@ def migrate_request(flow: Flow, move: Migrate, handoff_chunk: HandoffChunk | Non
         known.request_id = flow.record.request_id
         known.prompt_token_ids.extend(flow.prompt_ids)
         known.output_token_ids.extend(flow.output_ids)
+        if len(flow.output_logprobs) == len(flow.output_ids):  # whole or not at all: a resumed stream may lack the first
+            known.output_logprobs.extend(flow.output_logprobs)
+        known.prompt_logprobs.extend(flow.prompt_logprobs)
         if flow.sampling is not None:
             known.sampling.CopyFrom(flow.sampling)
         known.sampling.seed = flow.seed

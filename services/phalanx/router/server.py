@@ -564,6 +564,8 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
                         raise UnavailableError(f"token {flow.next_index} of {request_id} is missing; resume from it", retry_after_s=0.1)
                     flow.next_index += 1
                     flow.output_ids.append(c.token_id)
+                    if c.HasField("logprobs"):
+                        flow.output_logprobs.append(c.logprobs)
                     self.admission.charge(request_id, c.index)
                     tenant_tokens.inc()
                     now = time.perf_counter()
@@ -579,6 +581,12 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
                 out = response_type(
                     request_id=request_id, token_id=c.token_id, text=c.text, index=c.index, finish_reason=c.finish_reason
                 )
+                if c.HasField("logprobs"):
+                    out.logprobs.CopyFrom(c.logprobs)
+                if c.prompt_logprobs:
+                    # A worker sends them with index 0, to a stream that starts there; a move's replay skips past it.
+                    flow.prompt_logprobs = c.prompt_logprobs
+                    out.prompt_logprobs.extend(c.prompt_logprobs)
                 if c.seed and not flow.seed:
                     flow.seed = c.seed
                 if flow.named_worker != flow.record.worker_id:

@@ -22,7 +22,8 @@ from phalanx.model.kv_cache import BLOCK_SIZE, KvCacheManager, KvEvents
 from phalanx.model.sampling import RequestSampler, SamplingParams
 from phalanx.worker.config import EngineConfig
 from phalanx.worker.faults import FaultState
-from phalanx.worker.sequence import FinishReason, MediaEmbedding, RequestSnapshot, SeqStatus, Sequence, TokenEvent
+from phalanx.worker.logprobs import LogprobRows, token_bytes_of
+from phalanx.worker.sequence import FinishReason, MediaEmbedding, PositionLogprobs, RequestSnapshot, SeqStatus, Sequence, TokenEvent
 
 if TYPE_CHECKING:
     import torch
@@ -107,6 +108,8 @@ def validate_request(request: EngineRequest, model: Any, config: EngineConfig) -
     if bad:
         raise InvalidRequestError("prompt.tokens", f"ids {bad[:5]} are outside the vocabulary [0, {c.vocab_size})")
     request.params.validate(c.vocab_size)
+    if request.params.logprobs and not getattr(model, "computes_logprobs", True):
+        raise InvalidRequestError("sampling.logprobs", "this worker's model computes no logits (a simulated worker)")
     total = len(prompt) + request.params.max_tokens
     if total > config.max_model_len:
         raise InvalidRequestError(
@@ -241,6 +244,7 @@ class Engine:
         if resume:
             sampler.restore(resume.generator_state)
             seq.output_ids = list(resume.output_ids)
+            seq.output_logprobs, seq.prompt_logprobs = list(resume.output_logprobs), list(resume.prompt_logprobs)
             if request.migrated:
                 seq.replayed = seq.replayed_events()
             else:
@@ -301,6 +305,7 @@ class Engine:
             media=media,
         )
         seq.output_ids = list(resume.output_ids)
+        seq.output_logprobs, seq.prompt_logprobs = list(resume.output_logprobs), list(resume.prompt_logprobs)
         seq.cached_prompt_tokens = min(cached, len(seq.prompt_ids))
         seq.replayed = seq.replayed_events()
         if request.continues_commit and kv is not None and kv_tokens > 0:
@@ -418,7 +423,8 @@ class Engine:
                 budget -= n
         while self.waiting and budget > 0 and (len(self.running) < self.max_num_seqs or self.waiting[0].canary):
             seq = self.waiting[0]
-            cached = self.kv.allocate(seq.request_id, seq.all_ids, media=seq.media_spans)
+            # Prompt log-probabilities need every prompt position's logits: no prefix-cache hit skips any.
+            cached = self.kv.allocate(seq.request_id, seq.all_ids, media=seq.media_spans, reuse=not seq.wants_prompt_logprobs)
             if cached is None:
                 break  # first come, first served: no overtaking of a large head request
             self.waiting.popleft()
@@ -464,9 +470,9 @@ class Engine:
             self.kv.commit(seq.request_id, seq.all_ids, seq.num_computed, media=seq.media_spans)
             if seq.num_computed < seq.num_tokens:
                 continue
-            token, top, margin = sampled[row]  # the runner sampled every sequence whose slice reached its end
+            token, top, margin, logprobs = sampled[row]  # the runner sampled every sequence whose slice reached its end
             row += 1
-            event = seq.append_token(token, top, margin)
+            event = seq.append_token(token, top, margin, logprobs)
             self.generated_tokens_total += int(not seq.prefix_only)  # its one token is dropped, never delivered
             events.append(event)
             if event.finish_reason is not FinishReason.NONE:
@@ -484,8 +490,9 @@ class Engine:
         self.kv.free(seq.request_id)
 
 
-# (token, top logit, top logit minus the runner-up) of one sampled position; the logits are None when not recorded.
-SampledToken = tuple[int, float | None, float | None]
+# (token, top logit, top logit minus the runner-up, log-probabilities) of one sampled position; the logits are None when
+# not recorded, the log-probabilities when the request did not ask for them.
+SampledToken = tuple[int, float | None, float | None, PositionLogprobs | None]
 
 
 class ModelRunner(Protocol):
@@ -506,6 +513,7 @@ class TorchRunner:
         self.cache = cache
         self.kv = kv
         self.invariant = config.deterministic
+        self.token_bytes = token_bytes_of(model.tokenizer)
 
     def run(self, batch: list[tuple[Sequence, int]], faults: FaultState | None) -> list[SampledToken]:
         import torch
@@ -521,8 +529,10 @@ class TorchRunner:
         sampled_seqs: list[Sequence] = []
         media_rows: list[torch.Tensor] = []
         media_values: list[torch.Tensor] = []
+        asked = LogprobRows(self.token_bytes)
         for seq, n in batch:
             start = seq.num_computed
+            asked.add_prompt_slice(seq, start, n, len(token_ids))
             table = torch.tensor(self.kv.block_table(seq.request_id)[: self.kv.blocks_for(start + n)], dtype=torch.int64)
             pos = torch.arange(start, start + n)
             chunks.append(SeqChunk(len(token_ids), start, n, table.to(device)))
@@ -548,20 +558,23 @@ class TorchRunner:
                 torch.tensor(token_ids, dtype=torch.int64, device=device), torch.cat(positions).to(device), backend, invariant=invariant,
                 **media_kwargs,
             )
-            logits = self.model.logits(hidden[sample_rows], invariant=invariant).cpu() if sample_rows else None
+            rows = sample_rows + asked.extra_rows  # prompt rows only for requests that asked for their log-probabilities
+            logits = self.model.logits(hidden[rows], invariant=invariant).cpu() if rows else None
         if logits is None:
             return []
         if faults is not None:
             logits = faults.corrupt_logits(logits)  # silent data corruption: wrong tokens, no error
         # One call for every greedy row (the common case) instead of one per sequence.
-        argmax = logits.argmax(-1).tolist()
-        sampled: list[SampledToken] = []
+        argmax = logits[: len(sampled_seqs)].argmax(-1).tolist()
+        tokens: list[tuple[Sequence, int]] = []
+        margins: list[tuple[float | None, float | None]] = []
         for row, seq in enumerate(sampled_seqs):
             seq_logits = logits[row]
-            token = argmax[row] if seq.params.greedy else seq.sampler.sample(seq_logits)
+            tokens.append((seq, argmax[row] if seq.params.greedy else seq.sampler.sample(seq_logits)))
             top = margin = None
             if seq.record_top_logits:
                 best = seq_logits.topk(2).values.tolist()
                 top, margin = best[0], best[0] - best[1]
-            sampled.append((token, top, margin))
-        return sampled
+            margins.append((top, margin))
+        logprobs = asked.compute(logits, tokens)
+        return [(token, *margins[row], logprobs.get(row)) for row, (_, token) in enumerate(tokens)]

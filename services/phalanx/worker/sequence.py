@@ -30,6 +30,25 @@ class SeqStatus(enum.Enum):
     FINISHED = "finished"
 
 
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """A token and its log-probability at a position (None: the prompt's first token, which nothing predicts)."""
+
+    token_id: int
+    logprob: float | None
+    # Its bytes (a byte-level token may hold part of a UTF-8 character).
+    token_bytes: bytes = b""
+
+
+@dataclass(frozen=True, slots=True)
+class PositionLogprobs:
+    """Log-probabilities at one position, of the model's raw next-token distribution (log-softmax of the logits, before
+    temperature, top-k and top-p): the token there (sampled, or the prompt's) and the most likely ones, best first."""
+
+    token: TokenLogprob
+    top: tuple[TokenLogprob, ...] = ()
+
+
 @dataclass(slots=True)
 class TokenEvent:
     """What the engine reports per generated token (or at the end)."""
@@ -52,6 +71,9 @@ class TokenEvent:
     error: Exception | None = None
     # With HANDED_BACK from a park: KV positions [0, handoff_kv_tokens) stay on this worker for a transfer.
     handoff_kv_tokens: int = 0
+    # With SamplingParams.logprobs: this token's; with prompt_logprobs, on the first event: the prompt's, one per token.
+    logprobs: PositionLogprobs | None = None
+    prompt_logprobs: list[PositionLogprobs] | None = None
 
 
 @dataclass(frozen=True)
@@ -66,6 +88,9 @@ class RequestSnapshot:
     priority: int = 0
     # Where its media embeddings go: whoever continues it must be given them (RequestState.media).
     media_spans: tuple[MediaSpan, ...] = ()
+    # With params.logprobs: those of output_ids (whoever continues replays them), and the prompt's with prompt_logprobs.
+    output_logprobs: tuple[PositionLogprobs, ...] = ()
+    prompt_logprobs: tuple[PositionLogprobs, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -105,6 +130,9 @@ class Sequence:
     ckpt_adopt: bool = False
     # Events of the output tokens a migrated request arrived with (its log starts with them).
     replayed: list[TokenEvent] = field(default_factory=list)
+    # With params.logprobs: one per output token; with params.prompt_logprobs: one per prompt token computed so far.
+    output_logprobs: list[PositionLogprobs] = field(default_factory=list)
+    prompt_logprobs: list[PositionLogprobs] = field(default_factory=list)
     arrival: float = field(default_factory=time.monotonic)
     # This copy of the request on this worker (wall-clock ns when it came here): its checkpoint segments carry it, so
     # that a store refuses them once the request moved on while this worker was cut off (checkpoint Segment.copy_id).
@@ -132,6 +160,11 @@ class Sequence:
     def remaining_to_compute(self) -> int:
         return self.num_tokens - self.num_computed
 
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Prompt positions still lack their log-probabilities: the prefill must compute them (no prefix-cache hit)."""
+        return self.params.prompt_logprobs and len(self.prompt_logprobs) < len(self.prompt_ids)
+
     def snapshot(self) -> RequestSnapshot:
         return RequestSnapshot(
             request_id=self.request_id,
@@ -142,6 +175,8 @@ class Sequence:
             generator_state=self.sampler.state(),
             priority=self.priority,
             media_spans=tuple(self.media_spans),
+            output_logprobs=tuple(self.output_logprobs),
+            prompt_logprobs=tuple(self.prompt_logprobs),
         )
 
     def replayed_events(self) -> list[TokenEvent]:
@@ -150,17 +185,28 @@ class Sequence:
         Pushes them through the detokenizer, so call once, before any new token.
         """
         events = []
+        logprobs = self.output_logprobs if len(self.output_logprobs) == len(self.output_ids) else []
         for index, token in enumerate(self.output_ids):
-            events.append(TokenEvent(self.request_id, token, self.detokenizer.push(token), index))
+            event = TokenEvent(self.request_id, token, self.detokenizer.push(token), index)
+            if logprobs:
+                event.logprobs = logprobs[index]
+            events.append(event)
         if events:
             first = events[0]
             first.prompt_tokens, first.cached_prompt_tokens, first.seed = len(self.prompt_ids), self.cached_prompt_tokens, self.sampler.seed
+            if self.params.prompt_logprobs and not self.wants_prompt_logprobs:
+                first.prompt_logprobs = list(self.prompt_logprobs)
             self._announced = True
         return events
 
-    def append_token(self, token_id: int, top_logit: float | None, top_margin: float | None = None) -> TokenEvent:
-        """Records a sampled token, applies stop criteria and returns the event to stream."""
+    def append_token(
+        self, token_id: int, top_logit: float | None, top_margin: float | None = None, logprobs: PositionLogprobs | None = None
+    ) -> TokenEvent:
+        """Records a sampled token (with its log-probabilities when asked), applies stop criteria and returns the event to
+        stream."""
         self.output_ids.append(token_id)
+        if logprobs is not None:
+            self.output_logprobs.append(logprobs)
         p = self.params
         stop_token = token_id in p.stop_token_ids or (token_id == self.eos_token_id and not p.ignore_eos)
         piece = "" if stop_token else self.detokenizer.push(token_id)
@@ -173,11 +219,14 @@ class Sequence:
             text += self._pending_text + getattr(self.detokenizer, "flush", lambda: "")()
             self._pending_text = ""
         event = TokenEvent(self.request_id, token_id, text, len(self.output_ids) - 1, self.finish_reason, top_logit, top_margin)
+        event.logprobs = logprobs
         if not self._announced:
             self._announced = True
             event.prompt_tokens = len(self.prompt_ids)
             event.cached_prompt_tokens = self.cached_prompt_tokens
             event.seed = self.sampler.seed
+            if self.params.prompt_logprobs:
+                event.prompt_logprobs = list(self.prompt_logprobs)
         return event
 
     def _release_text(self, piece: str) -> tuple[str, bool]:

@@ -28,7 +28,7 @@ from phalanx.worker.kv_fetch import KvFetcher, KvFetchPolicy
 from phalanx.worker.media_fetch import MediaFetcher, has_sourced_media
 from phalanx.worker.metrics import WorkerMetrics
 from phalanx.worker.multiplex import MultiplexedStream
-from phalanx.worker.sequence import FinishReason, MediaEmbedding, RequestSnapshot, TokenEvent
+from phalanx.worker.sequence import FinishReason, MediaEmbedding, PositionLogprobs, RequestSnapshot, TokenEvent, TokenLogprob
 from phalanx.worker.streams import RequestLog, RequestStreams
 
 if TYPE_CHECKING:
@@ -46,6 +46,7 @@ def sampling_to_proto(p: SamplingParams) -> common_pb2.SamplingParams:
     msg = common_pb2.SamplingParams(
         temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, max_tokens=p.max_tokens,
         stop_token_ids=p.stop_token_ids, stop_strings=p.stop_strings, ignore_eos=p.ignore_eos,
+        logprobs=p.logprobs, top_logprobs=p.top_logprobs, prompt_logprobs=p.prompt_logprobs,
     )
     if p.seed is not None:
         msg.seed = p.seed
@@ -59,7 +60,32 @@ def snapshot_to_proto(s: RequestSnapshot) -> common_pb2.RequestState:
         request_id=s.request_id, prompt_token_ids=s.prompt_ids, output_token_ids=s.output_ids,
         sampling=params, generator_state=s.generator_state, priority=s.priority,
         media=[common_pb2.MediaSpanRecord(start=m.start, rows=m.length, media_hash=m.media_hash) for m in s.media_spans],
+        output_logprobs=[logprobs_to_proto(p) for p in s.output_logprobs],
+        prompt_logprobs=[logprobs_to_proto(p) for p in s.prompt_logprobs],
     )
+
+
+def _token_to_proto(t: TokenLogprob, msg: common_pb2.TokenLogprob) -> None:
+    msg.token_id = t.token_id
+    if t.logprob is not None:
+        msg.logprob = t.logprob
+    msg.token_bytes = t.token_bytes
+
+
+def logprobs_to_proto(p: PositionLogprobs, msg: common_pb2.PositionLogprobs | None = None) -> common_pb2.PositionLogprobs:
+    msg = msg if msg is not None else common_pb2.PositionLogprobs()
+    _token_to_proto(p.token, msg.token)
+    for t in p.top:
+        _token_to_proto(t, msg.top.add())
+    return msg
+
+
+def _token_from_proto(t: common_pb2.TokenLogprob) -> TokenLogprob:
+    return TokenLogprob(t.token_id, t.logprob if t.HasField("logprob") else None, t.token_bytes)
+
+
+def logprobs_from_proto(p: common_pb2.PositionLogprobs) -> PositionLogprobs:
+    return PositionLogprobs(_token_from_proto(p.token), tuple(_token_from_proto(t) for t in p.top))
 
 
 def event_to_proto(cls, event: TokenEvent):
@@ -92,6 +118,11 @@ def fill_chunk(chunk, event: TokenEvent, handoff_source: str = "") -> None:
         chunk.handoff_kv_tokens = event.handoff_kv_tokens
     if event.handoff_kv_tokens and handoff_source:
         chunk.handoff_source = handoff_source  # where the parked KV waits
+    if event.logprobs is not None:
+        logprobs_to_proto(event.logprobs, chunk.logprobs)
+    if event.prompt_logprobs:
+        for p in event.prompt_logprobs:
+            logprobs_to_proto(p, chunk.prompt_logprobs.add())
 
 
 _MEDIA_DTYPES = ("bfloat16", "float16", "float32")
@@ -123,6 +154,8 @@ def snapshot_from_proto(state: common_pb2.RequestState) -> RequestSnapshot:
         request_id=state.request_id, prompt_ids=list(state.prompt_token_ids), output_ids=list(state.output_token_ids),
         params=sampling_from_proto(state.sampling), seed=state.sampling.seed, generator_state=state.generator_state,
         priority=state.priority, media_spans=tuple(MediaSpan(m.start, m.rows, m.media_hash) for m in state.media),
+        output_logprobs=tuple(logprobs_from_proto(p) for p in state.output_logprobs),
+        prompt_logprobs=tuple(logprobs_from_proto(p) for p in state.prompt_logprobs),
     )
 
 

@@ -91,6 +91,8 @@ class SimulatedModel:
     # The engine reads the item size and the worker the name ("float32" in its registration and checkpoint layout).
     dtype: np.dtype = np.dtype(np.float32)
     device: str = "cpu"
+    # No logits: requests that ask for log-probabilities are refused.
+    computes_logprobs = False
 
     def named_parameters(self) -> Iterator[tuple[str, Any]]:
         return iter(())  # nothing for a WEIGHTS corruption to corrupt
@@ -182,7 +184,7 @@ class SimulatedRunner:
                 # Health's canaries record the top logit and its margin; a simulated model has neither, so it reports fixed
                 # ones (the same on every worker: calibration and every later canary agree).
                 top, margin = (_SIM_TOP_LOGIT, _SIM_TOP_MARGIN) if seq.record_top_logits else (None, None)
-                sampled.append((token, top, margin))
+                sampled.append((token, top, margin, None))
         seconds = self.step_seconds(prefill_tokens, decode_contexts)
         self.simulated_seconds += seconds
         remaining = seconds - (self._clock() - start)

@@ -253,3 +253,15 @@ async def test_close_ends_open_logs_and_no_timer_fires_afterwards(aborted):
     await asyncio.sleep(0.05)
     assert aborted == [] and log.end.finish_reason is FinishReason.ABORTED
     streams.close()
+
+
+def test_a_logs_estimate_counts_its_log_probabilities():
+    from phalanx.worker.sequence import PositionLogprobs, TokenLogprob
+    from phalanx.worker.streams import LOGPROB_POSITION_BYTES, LOGPROB_TOKEN_BYTES
+
+    log = RequestLog("r")
+    event = token(0)
+    event.logprobs = PositionLogprobs(TokenLogprob(100, -0.5, b"t"), (TokenLogprob(100, -0.5, b"t"), TokenLogprob(7, -1.0, b"x")))
+    event.prompt_logprobs = [PositionLogprobs(TokenLogprob(1, None, b"p"))]
+    log.put_nowait(event)
+    assert log.estimated_bytes() == EVENT_BYTES + len("t0") + 2 * LOGPROB_POSITION_BYTES + 4 * LOGPROB_TOKEN_BYTES

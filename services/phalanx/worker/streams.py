@@ -25,8 +25,11 @@ __all__ = ["LogCursor", "RequestLog", "RequestStreams"]
 
 # What one TokenEvent in a log costs in memory beside its text (measured with tracemalloc: the slotted instance, its
 # list slot and a short str object), and one token id of a hand-back snapshot (an int object and its list slot).
-EVENT_BYTES = 232
+EVENT_BYTES = 248
 SNAPSHOT_TOKEN_BYTES = 36
+# An event's log-probabilities (tracemalloc too): per position, and per token in it (the chosen one and each alternative).
+LOGPROB_POSITION_BYTES = 50
+LOGPROB_TOKEN_BYTES = 155
 
 
 class RequestLog:
@@ -59,6 +62,9 @@ class RequestLog:
         """Memory its events hold, by estimate (EVENT_BYTES each plus their text; a hand-back's snapshot by its tokens)."""
         events = [*self.tokens, self.end] if self.end is not None and self.end.index < 0 else self.tokens
         total = sum(EVENT_BYTES + len(e.text) for e in events)
+        for e in events:
+            scored = ([e.logprobs] if e.logprobs is not None else []) + (e.prompt_logprobs or [])
+            total += sum(LOGPROB_POSITION_BYTES + LOGPROB_TOKEN_BYTES * (1 + len(p.top)) for p in scored)
         handoff = self.end.handoff if self.end is not None else None
         if handoff is not None:
             total += SNAPSHOT_TOKEN_BYTES * (len(handoff.prompt_ids) + len(handoff.output_ids)) + len(handoff.generator_state)

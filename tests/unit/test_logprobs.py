@@ -158,6 +158,28 @@ def test_a_restored_request_replays_its_logprobs_and_continues_with_the_same_val
         assert [t.token_id for t in got.logprobs.top] == [t.token_id for t in want.logprobs.top]
 
 
+def test_a_request_moved_mid_prefill_with_its_kv_scores_its_whole_prompt_on_the_target(ours):
+    chunked = CONFIG.model_copy(update={"max_batched_tokens": 16})  # the prompt takes several steps
+    whole = Engine(ours, chunked)
+    whole.add_request(asking(ours, "whole", top=2))
+    expected = _run(whole)
+    first = Engine(ours, chunked)
+    first.add_request(asking(ours, "moved", top=2))
+    assert first.step() == []  # one chunk of the prompt computed, no token yet
+    (handed,) = first.park(["moved"], ttl_s=1.0)
+    assert handed.handoff is not None and handed.handoff_kv_tokens == 16 and len(handed.handoff.prompt_logprobs) == 17  # token 0, 16 scored
+    request = asking(ours, "moved", top=2)
+    request.resume, request.migrated = handed.handoff, True
+    second = Engine(ours, chunked)
+    second.restore(request, first.export_kv("moved", 16), 16)
+    moved = _run(second)
+    assert [e.token_id for e in moved] == [e.token_id for e in expected]
+    got, want = moved[0].prompt_logprobs, expected[0].prompt_logprobs
+    assert got is not None and want is not None and len(got) == len(want) == len(ours.tokenizer.encode(PROMPT))
+    for a, b in zip(got[1:], want[1:], strict=True):
+        assert a.token.token_id == b.token.token_id and abs(a.token.logprob - b.token.logprob) < TOL  # type: ignore[operator]
+
+
 def _run(engine: Engine) -> list[TokenEvent]:
     events: list[TokenEvent] = []
     while engine.has_work():

@@ -291,7 +291,10 @@ class Engine:
             raise InvalidRequestError("kv_tokens", f"{kv_tokens} must be in [0, {len(ids)}) for {len(ids)} tokens")
         media = sorted(request.media, key=lambda m: m.span.start)
         spans = [m.span for m in media]
-        cached = self.kv.allocate(request.request_id, ids, reserve_tokens=1, media=spans)
+        scores_prompt = request.params.prompt_logprobs and len(resume.prompt_logprobs) < len(resume.prompt_ids)
+        if scores_prompt:
+            kv, kv_tokens = None, 0  # moved before its prompt was scored: every position is computed here instead
+        cached = self.kv.allocate(request.request_id, ids, reserve_tokens=1, media=spans, reuse=not scores_prompt)
         if cached is None:
             raise ResourceExhaustedError(f"{self.kv.blocks_for(len(ids) + 1)} KV blocks are not free here", retry_after_s=0.1)
         if kv is not None and kv_tokens > cached:

@@ -225,7 +225,7 @@ class Sequence:
             event.prompt_tokens = len(self.prompt_ids)
             event.cached_prompt_tokens = self.cached_prompt_tokens
             event.seed = self.sampler.seed
-            if self.params.prompt_logprobs:
+            if self.params.prompt_logprobs and not self.wants_prompt_logprobs:
                 event.prompt_logprobs = list(self.prompt_logprobs)
         return event
 

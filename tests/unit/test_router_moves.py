@@ -130,3 +130,20 @@ async def test_a_migration_past_the_rows_hold_that_no_encoder_can_inline_is_not_
     assert await moves.migrate(flow, Migrate("w1", MoveCause.STREAM_BROKE), None) is None
     assert asked == []
     assert flow.refetch.direct  # still fetched from the encoder: nothing inline
+
+
+def test_the_fallback_state_carries_the_logprobs_the_client_has_whole_or_not_at_all():
+    from phalanx.router.moves import migrate_request
+
+    def scored(token_id: int) -> common_pb2.PositionLogprobs:
+        return common_pb2.PositionLogprobs(token=common_pb2.TokenLogprob(token_id=token_id, logprob=-0.5, token_bytes=b"t"))
+
+    prompt = [scored(5), scored(6)]
+    prompt[0].token.ClearField("logprob")  # the prompt's first token has none
+    flow = _flow(output_ids=[8, 9], output_logprobs=[scored(8), scored(9)], prompt_logprobs=prompt, sampling=common_pb2.SamplingParams(logprobs=True))
+    known = migrate_request(flow, Migrate("w1", MoveCause.STREAM_BROKE), None).known_state
+    assert [p.token.token_id for p in known.output_logprobs] == [8, 9] and list(known.prompt_logprobs) == prompt
+    assert not known.prompt_logprobs[0].token.HasField("logprob") and known.sampling.logprobs
+    # A stream resumed mid-way has fewer than its tokens: none go, rather than misplaced ones.
+    partial = _flow(output_ids=[8, 9], output_logprobs=[scored(9)])
+    assert not migrate_request(partial, Migrate("w1", MoveCause.STREAM_BROKE), None).known_state.output_logprobs

@@ -9,6 +9,7 @@ import statistics
 
 import pytest
 
+from phalanx.common.errors import InvalidRequestError
 from phalanx.model.config import served_model
 from phalanx.model.sampling import SamplingParams
 from phalanx.planner.profile import DecodeSample, PrefillSample, build_profile, save_profile
@@ -140,6 +141,16 @@ def test_the_shipped_profile_loads_as_package_data() -> None:
     model, runner = load_simulated(engine_config)
     assert model.config.name == "sim:phalanx-tiny-moe"
     assert runner.step_seconds(0, [64] * 32) > runner.step_seconds(0, [64])
+
+
+def test_a_simulated_worker_refuses_logprobs_it_has_no_logits_for() -> None:
+    engine_config = EngineConfig(engine="sim")
+    model, runner = load_simulated(engine_config)
+    engine = Engine(model, engine_config, runner=runner)
+    with pytest.raises(InvalidRequestError) as caught:
+        engine.add_request(EngineRequest([1, 2, 3], SamplingParams(max_tokens=2, logprobs=True)))
+    assert caught.value.violations[0].field == "sampling.logprobs"
+    assert engine.add_request(EngineRequest([1, 2, 3], SamplingParams(max_tokens=2))).request_id  # without, as before
 
 
 def test_the_simulated_engine_refuses_tensor_parallelism() -> None:

@@ -578,28 +578,9 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
                         self.metrics.slo_violations.labels(kind=kind.value).inc()
                     last = now
                     tokens.inc()
-                out = response_type(
-                    request_id=request_id, token_id=c.token_id, text=c.text, index=c.index, finish_reason=c.finish_reason
-                )
-                if c.HasField("logprobs"):
-                    out.logprobs.CopyFrom(c.logprobs)
-                if c.prompt_logprobs:
-                    # A worker sends them with index 0, to a stream that starts there; a move's replay skips past it.
-                    flow.prompt_logprobs = c.prompt_logprobs
-                    out.prompt_logprobs.extend(c.prompt_logprobs)
-                if c.seed and not flow.seed:
-                    flow.seed = c.seed
-                if flow.named_worker != flow.record.worker_id:
-                    flow.named_worker = out.worker_id = flow.record.worker_id
-                if not flow.first_sent:
-                    flow.first_sent = True
-                    out.worker_id = flow.record.worker_id
-                    out.prompt_tokens = c.prompt_tokens
-                    out.cached_prompt_tokens = c.cached_prompt_tokens
-                    out.seed = c.seed
                 if c.finish_reason:
                     finished = True
-                yield out
+                yield _client_response(flow, c, response_type)
         except _WorkerStreamError as error:
             raise error.to_phalanx() from None
         finally:
@@ -610,6 +591,28 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
                 if flow.counts_output:
                     # The client has next_index tokens in all, whichever stream (Generate or a Resume) relayed the last.
                     self.metrics.output_tokens.observe(flow.next_index)
+
+
+def _client_response(flow: Flow, c, response_type):
+    """The client's response for a worker chunk; the first names the worker and the prompt's counts, a move the new worker."""
+    out = response_type(request_id=flow.record.request_id, token_id=c.token_id, text=c.text, index=c.index, finish_reason=c.finish_reason)
+    if c.HasField("logprobs"):
+        out.logprobs.CopyFrom(c.logprobs)
+    if c.prompt_logprobs:
+        # A worker sends them with index 0, to a stream that starts there; a move's replay skips past it.
+        flow.prompt_logprobs = c.prompt_logprobs
+        out.prompt_logprobs.extend(c.prompt_logprobs)
+    if c.seed and not flow.seed:
+        flow.seed = c.seed
+    if flow.named_worker != flow.record.worker_id:
+        flow.named_worker = out.worker_id = flow.record.worker_id
+    if not flow.first_sent:
+        flow.first_sent = True
+        out.worker_id = flow.record.worker_id
+        out.prompt_tokens = c.prompt_tokens
+        out.cached_prompt_tokens = c.cached_prompt_tokens
+        out.seed = c.seed
+    return out
 
 
 def _candidates(table: RoutingTable, flow: Flow) -> frozenset[str]:

@@ -32,6 +32,7 @@ from phalanx.common.discovery import (
     MigrationDirectory,
     WorkerDirectory,
 )
+from phalanx.common.lease import TRANSIENT_ERRORS
 from phalanx.common.subjects import ROUTERS_PREFIX
 from phalanx.common.tls import open_channel
 from phalanx.launch.fork_server import ForkServer
@@ -294,7 +295,10 @@ async def _registration(process: subprocess.Popen, directory: EtcdDirectory, nam
         while time.monotonic() < deadline:
             if process.poll() is not None:
                 raise ExitedBeforeServing(f"{name} exited with {process.returncode} before registering")
-            entries = await directory.list()
+            try:
+                entries = await directory.list()
+            except TRANSIENT_ERRORS:
+                entries = {}  # an etcd slow to answer on a loaded host: asked again until the deadline
             if name in entries and entries[name].pid == process.pid:
                 return entries[name]
             await asyncio.sleep(0.05)

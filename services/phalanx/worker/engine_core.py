@@ -339,13 +339,16 @@ class EngineCore:
                 if not engine.has_work():
                     self._wake.wait(_IDLE_POLL_S)
                     self._wake.clear()
-                if not self._apply_commands():
+                applied = self._apply_commands()
+                if applied is None:
                     return  # the worker is gone
                 if self.stopping:
                     break
                 # Admissions and the state they leave go out before a step that may be long, or held by a HANG: the
                 # worker's Stats must show a hung engine holding its requests (health's hang signature), as a thread's does.
-                self._send_output()
+                # Without commands, the previous turn's output already said all there is: no state to build again.
+                if applied:
+                    self._send_output()
                 if engine.has_work():
                     self._out.events.extend(engine.step())
                     self.rates.record(engine.last_step)
@@ -372,18 +375,20 @@ class EngineCore:
             self._commands.put(None)
             self._wake.set()
 
-    def _apply_commands(self) -> bool:
-        """Applies every command waiting, in order; False at the pipe's EOF."""
+    def _apply_commands(self) -> int | None:
+        """Applies every command waiting, in order; how many, or None at the pipe's EOF."""
+        applied = 0
         while True:
             try:
                 command = self._commands.get_nowait()
             except queue.Empty:
-                return True
+                return applied
             if command is None:
-                return False
+                return None
             self._apply(command)
+            applied += 1
             if self.stopping:
-                return True
+                return applied
 
     def _apply(self, command: Command) -> None:
         engine, out = self.engine, self._out

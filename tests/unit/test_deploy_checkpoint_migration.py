@@ -10,15 +10,15 @@ off. helm, where installed, renders the chart and checks more.
 from __future__ import annotations
 
 import re
-import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
+from helm_python import HelmRenderError
 
 from phalanx._proto import checkpoint_pb2, migration_pb2
 from phalanx.checkpoint_store.config import CheckpointStoreConfig
 from phalanx.migration.config import MigrationConfig
+from phalanx.testing import helm
 from phalanx.testing.settings import unknown_settings
 
 yaml = pytest.importorskip("yaml")
@@ -209,24 +209,12 @@ def test_notes_mention_both_only_when_enabled():
 # -- helm -----------------------------------------------------------------------
 
 
-def _helm_template(*sets: str, check: bool = True) -> subprocess.CompletedProcess:
-    args = ["helm", "template", "phalanx", str(CHART)]
-    for item in sets:
-        args += ["--set", item]
-    return subprocess.run(args, capture_output=True, text=True, check=check)
-
-
-def _objects(rendered: str) -> dict[tuple[str, str], dict]:
-    return {(d["kind"], d["metadata"]["name"]): d for d in yaml.safe_load_all(rendered) if d}
-
-
 def _container_env(deployment: dict) -> dict[str, dict]:
     return {e["name"]: e for e in deployment["spec"]["template"]["spec"]["containers"][0]["env"]}
 
 
-@pytest.mark.skipif(shutil.which("helm") is None, reason="helm is not installed")
 def test_helm_renders_the_store_and_migration_with_their_env_and_ports():
-    objects = _objects(_helm_template().stdout)
+    objects = helm.objects()
     store = objects[("Deployment", "phalanx-checkpoint-store")]
     assert store["spec"]["replicas"] == 1 and store["spec"]["strategy"]["type"] == "Recreate"
     pod = store["spec"]["template"]["spec"]
@@ -255,12 +243,11 @@ def test_helm_renders_the_store_and_migration_with_their_env_and_ports():
     assert ("PodDisruptionBudget", "phalanx-migration") not in objects  # one replica: it would block drains
 
 
-@pytest.mark.skipif(shutil.which("helm") is None, reason="helm is not installed")
 def test_helm_leaves_them_out_when_disabled_and_guards_migration_replicas():
-    objects = _objects(_helm_template("checkpointStore.enabled=false", "migration.enabled=false").stdout)
+    objects = helm.objects("checkpointStore.enabled=false", "migration.enabled=false")
     assert not [key for key in objects if key[1].startswith(("phalanx-checkpoint-store", "phalanx-migration"))]
-    refused = _helm_template("migration.replicas=2", check=False)
-    assert refused.returncode != 0 and "triggerOnDead" in refused.stderr
-    objects = _objects(_helm_template("migration.replicas=2", "migration.triggerOnDead=false").stdout)
+    with pytest.raises(HelmRenderError, match="triggerOnDead"):
+        helm.render("migration.replicas=2")
+    objects = helm.objects("migration.replicas=2", "migration.triggerOnDead=false")
     assert objects[("PodDisruptionBudget", "phalanx-migration")]["spec"]["maxUnavailable"] == 1
     assert _container_env(objects[("Deployment", "phalanx-migration")])["PHALANX_MIGRATION_TRIGGER_ON_DEAD"]["value"] == "false"

@@ -1,14 +1,14 @@
 """The chart's bundled etcd: a 3-member StatefulSet cluster behind one client Service that every Phalanx pod is given
-(static checks; `helm template`, where installed, renders it)."""
+(static checks, and the chart as Helm renders it)."""
 
 from __future__ import annotations
 
 import re
-import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
+
+from phalanx.testing import helm
 
 yaml = pytest.importorskip("yaml")
 
@@ -43,12 +43,8 @@ def test_peers_resolve_before_they_are_ready_and_clients_get_one_service_over_ev
     assert 'printf "%s-etcd:2379" (include "phalanx.fullname" .)' in bundled  # the client Service, kept current by Kubernetes
 
 
-@pytest.mark.skipif(shutil.which("helm") is None, reason="helm is not installed")
 def test_helm_renders_the_etcd_cluster():
-    rendered = subprocess.run(
-        ["helm", "template", "phalanx", str(CHART), "--set", "etcd.bundled.enabled=true"], capture_output=True, text=True, check=True
-    ).stdout
-    documents = [d for d in yaml.safe_load_all(rendered) if d]
+    documents = helm.documents("etcd.bundled.enabled=true")
     (statefulset,) = [d for d in documents if d["kind"] == "StatefulSet" and d["metadata"]["name"] == "phalanx-etcd"]
     assert statefulset["spec"]["replicas"] == 3
     command = statefulset["spec"]["template"]["spec"]["containers"][0]["command"]

@@ -1,0 +1,74 @@
+"""The Helm chart as Helm renders it: with its defaults and with each feature switch it renders, lints clean under
+`--strict`, and every object it would apply is valid against the Kubernetes API schema of the oldest version the chart
+supports (kubernetes-validate's offline copies of the upstream OpenAPI schemas, in strict mode: an unknown field is an
+error, as `kubectl apply --validate=strict` makes it)."""
+
+from __future__ import annotations
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from phalanx.testing import helm
+
+# Objects of other projects' CRDs: the schema is theirs (cert-manager), not the Kubernetes API's.
+FOREIGN_KINDS = {("cert-manager.io/v1", "Certificate")}
+
+FEATURE_SWITCHES = [
+    (),
+    ("worker.failover.enabled=true",),
+    ("planner.enabled=true",),
+    ("moe.enabled=true",),
+    ("tls.enabled=true",),
+    ("tls.certManager.enabled=true", *helm.REQUIRED_WITH["tls.certManager.enabled=true"]),
+    ("nats.bundled.enabled=true", "etcd.bundled.enabled=true"),
+    ("worker.chaos.enabled=true", *helm.REQUIRED_WITH["worker.chaos.enabled=true"]),
+    ("encoder.enabled=false", "gateway.enabled=false", "checkpointStore.enabled=false", "migration.enabled=false"),
+    ("worker.podDisruptionBudget.enabled=false", "router.podDisruptionBudget.enabled=false", "health.degradation.enabled=false"),
+]
+
+
+def _kube_version() -> str:
+    constraint = yaml.safe_load((helm.CHART / "Chart.yaml").read_text()).get("kubeVersion", "")
+    # ">=1.29.0-0" and the like: the oldest version the chart says it runs on; with none, a current one.
+    oldest = constraint.lstrip(">= ").split("-")[0].split(" ")[0]
+    return oldest or "1.33.0"
+
+
+@pytest.mark.parametrize("sets", FEATURE_SWITCHES, ids=lambda sets: ",".join(sets) or "defaults")
+def test_every_feature_switch_renders_lints_clean_and_validates_against_the_kubernetes_schema(sets):
+    documents = helm.documents(*sets)
+    assert documents
+    names = [(d["kind"], d["metadata"]["name"]) for d in documents]
+    assert len(names) == len(set(names)), "an object is rendered twice"
+    version = _kube_version()
+    for document in documents:
+        if (document["apiVersion"], document["kind"]) in FOREIGN_KINDS:
+            continue
+        try:
+            kubernetes_validate.validate(document, version, strict=True)
+        except kubernetes_validate.ValidationError as error:
+            pytest.fail(f"{document['kind']} {document['metadata']['name']}: {error.message} at {list(error.path)}")
+    report = helm.lint(*sets)
+    problems = [m for m in report["messages"] if m["severity"] >= 2] + report["errors"]
+    assert not problems, problems
+
+
+def test_all_switches_on_at_once_still_render_and_validate():
+    switched_on = [item for sets in FEATURE_SWITCHES for item in sets if not item.endswith("=false")]
+    documents = helm.documents(*switched_on)
+    kinds = {d["kind"] for d in documents}
+    assert {"StatefulSet", "Deployment", "Service", "PodDisruptionBudget", "Role", "Certificate"} <= kinds
+    for document in documents:
+        if (document["apiVersion"], document["kind"]) not in FOREIGN_KINDS:
+            kubernetes_validate.validate(document, _kube_version(), strict=True)
+
+
+def test_the_worker_statefulset_points_every_engine_at_the_chart_s_nats_and_etcd():
+    # Inside the template's range over engines `.` is the engine index, not the root: a helper given `.` could not render.
+    for sets in [(), ("worker.failover.enabled=true",), ("nats.bundled.enabled=true", "etcd.bundled.enabled=true")]:
+        workers = helm.objects(*sets)[("StatefulSet", "phalanx-worker")]
+        for container in workers["spec"]["template"]["spec"]["containers"]:
+            env = {e["name"]: e.get("value") for e in container.get("env", [])}
+            if "PHALANX_NATS_URL" in env:
+                assert env["PHALANX_NATS_URL"].startswith("nats://") and env["PHALANX_ETCD_ENDPOINT"]

@@ -90,6 +90,7 @@ def _assert_streamed_through(streams: list[list[float]], began: float, ended: fl
     assert worst < MAX_GAP_S, f"a {worst:.2f} s gap between tokens {at:+.2f} s after the outage began"
 
 
+@pytest.mark.slow
 async def test_streams_keep_flowing_while_nats_is_down(etcd_config):
     with ThreadPoolExecutor(max_workers=1) as pool:
         nats = NatsServer()
@@ -108,6 +109,7 @@ async def test_streams_keep_flowing_while_nats_is_down(etcd_config):
     _assert_streamed_through(streams, began, ended)
 
 
+@pytest.mark.slow
 async def test_streams_keep_flowing_while_the_etcd_leader_is_killed(nats_config):
     with ThreadPoolExecutor(max_workers=1) as pool:
         cluster = EtcdCluster(3)

@@ -88,6 +88,7 @@ def _publish(url: str, subject: str, payloads: list[bytes]) -> None:
     asyncio.run(run())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["kv", "load"])
 def test_malformed_bus_messages_are_rejected_counted_and_never_applied(fuzz_stack: FuzzStack, kind):
     worker_id = fuzz_stack.processes()["worker"].name

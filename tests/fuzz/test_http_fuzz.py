@@ -200,6 +200,7 @@ def still_serving(fuzz_stack: FuzzStack, gateway: httpx.Client):
     return lambda: _assert_still_serving(fuzz_stack, gateway)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("path", "bodies"), [("/v1/completions", _completion_bodies), ("/v1/chat/completions", _chat_bodies)],
                          ids=["completions", "chat"])
 def test_hostile_json_bodies_get_documented_statuses(gateway: httpx.Client, still_serving, path, bodies):

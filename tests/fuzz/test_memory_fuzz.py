@@ -151,6 +151,7 @@ async def _read(path: str, name: str, scale: float) -> None:
     await client.close()
 
 
+@pytest.mark.slow
 def test_malformed_memory_service_messages_get_documented_answers_and_break_nothing(fuzz_stack: FuzzStack):
     path = fuzz_stack.processes()["memory-service"].address
     assert _root(fuzz_stack).is_dir()

@@ -318,6 +318,7 @@ def forked_worker(out: Path, fork_servers_ready: int, state_file: Path, supervis
     return pid
 
 
+@pytest.mark.slow
 def test_forked_workers_are_the_supervisors_children_and_a_killed_fork_server_is_replaced(tmp_path, foreground):
     process, state_file, state = foreground("--fork-workers")
     out = tmp_path / "out.txt"
@@ -354,6 +355,7 @@ def test_forked_workers_die_with_a_sigkilled_supervisor(tmp_path, foreground):
     assert_all_gone([*stack_pids(state), *stack_pids(after), worker])
 
 
+@pytest.mark.slow
 def test_up_failover_runs_each_slot_as_a_pair_and_restarts_a_dead_engine_as_the_new_shadow(tmp_path, foreground):
     process, state_file, state = foreground("--failover")
     engines = {w["worker_id"]: w for w in state["workers"]}
@@ -395,6 +397,7 @@ def test_chaos_kill_with_nothing_up_says_so(tmp_path):
     assert result.returncode == 1 and "nothing is up" in result.stderr
 
 
+@pytest.mark.slow
 def test_a_process_that_keeps_dying_at_start_up_stops_the_stack_naming_it(tmp_path, foreground):
     transformers = pytest.importorskip("transformers")
     checkpoint = tmp_path / "tiny-llama"
@@ -418,6 +421,7 @@ def test_a_process_that_keeps_dying_at_start_up_stops_the_stack_naming_it(tmp_pa
     assert not state_file.exists()
 
 
+@pytest.mark.slow
 def test_up_with_expert_workers_serves_through_the_attention_role_and_replaces_a_killed_expert_worker(tmp_path, foreground):
     process, state_file, state = foreground("--attention-workers", "1", "--expert-workers", "2", "--shadow-experts", "1")
     assert {"ert-manager-0", "expert-0", "expert-1"} <= {s["name"] for s in state["services"]}

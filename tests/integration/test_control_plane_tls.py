@@ -140,6 +140,7 @@ async def test_a_nats_publisher_and_subscriber_talk_over_mtls(tls_nats_server, c
         await subscriber.close()
 
 
+@pytest.mark.slow
 async def test_nats_refuses_callers_without_a_certificate_of_its_ca_and_plaintext(tls_nats_server, nats_server, control_plane_certs):
     certs = control_plane_certs
     quick = {"startup_timeout_s": 1.5}

@@ -108,6 +108,7 @@ def _numbers(result: list[dict]) -> list[float]:
     return [v for v in (float(r["value"][1]) for r in result) if not math.isnan(v)]
 
 
+@pytest.mark.slow
 async def test_every_panel_of_the_failure_dashboards_returns_data_after_a_worker_dies_under_load(nats_config, etcd_config):
     stack = Stack(nats_config.url, etcd_config, model=MODEL)
     gateway = None

@@ -143,6 +143,7 @@ async def test_router_counts_latency_slo_violations_against_the_slo_in_force(sta
         assert (violations("ttft"), violations("itl")) == before
 
 
+@pytest.mark.slow
 async def test_worker_runs_half_its_batch_at_level_three(stack, etcd):
     (worker,) = await stack.add_workers(1, env={"PHALANX_ENGINE_MAX_NUM_SEQS": "4"})
     router = await stack.add_router()

@@ -76,6 +76,7 @@ async def test_probes_follow_the_states_and_the_shadow_registers_only_after_the_
     assert await asyncio.to_thread(shadow.metric, "phalanx_failover_switch_successes_total") == 1
 
 
+@pytest.mark.slow
 async def test_an_engine_in_init_fails_its_startup_probe(stack):
     slot = await stack.add_failover_slot(engines=False)
     slot.next_engine_id = 1  # read-only: it waits for a commit that nobody makes
@@ -126,6 +127,7 @@ async def test_primary_sigkilled_under_load_streams_continue_on_the_shadow_with_
     assert await state(shadow) == STATES["active"]
 
 
+@pytest.mark.slow
 async def test_a_shadow_that_dies_standing_by_is_replaced_and_the_primary_never_notices(stack, etcd_config):
     await stack.add_checkpoint_store()
     slot = await stack.add_failover_slot()
@@ -154,6 +156,7 @@ async def test_a_shadow_that_dies_standing_by_is_replaced_and_the_primary_never_
     assert replacement.worker_id not in await registered(etcd_config)
 
 
+@pytest.mark.slow
 async def test_engines_keep_their_weights_when_the_memory_service_dies_and_reattach_to_its_successor(stack, etcd_config):
     slot = await stack.add_failover_slot()
     primary, shadow = slot.engines
@@ -180,6 +183,7 @@ async def test_engines_keep_their_weights_when_the_memory_service_dies_and_reatt
     await assert_eventually(readers(3), timeout=30)
 
 
+@pytest.mark.slow
 async def test_a_wake_past_its_watchdog_exits_the_engine(stack, etcd_config):
     slot = await stack.add_failover_slot()
     primary = slot.engines[0]

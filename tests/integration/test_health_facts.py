@@ -16,6 +16,7 @@ pytestmark = pytest.mark.integration
 MODEL = "smollm2-135m-instruct"
 
 
+@pytest.mark.slow
 async def test_a_real_model_is_calibrated_on_its_known_fact(nats_server, etcd_server, tmp_path, monkeypatch):
     try:
         BUILTIN_CHECKPOINTS[MODEL].path()

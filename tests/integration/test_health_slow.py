@@ -66,6 +66,7 @@ async def routed_counts(client: Client, n: int, tag: str) -> collections.Counter
     return collections.Counter(await asyncio.gather(*(one(i) for i in range(n))))
 
 
+@pytest.mark.slow
 async def test_slow_worker_goes_suspicious_its_share_halves_and_it_is_restored_after_clear(fleet):
     slow, fast = fleet.workers
 
@@ -114,6 +115,7 @@ async def test_slow_worker_goes_suspicious_its_share_halves_and_it_is_restored_a
     assert share_during <= 0.75 * share_before, (before, during)
 
 
+@pytest.mark.slow
 async def test_backpressure_on_canaries_is_not_counted_as_a_fault(fleet):
     # One running sequence and one queued: every canary meanwhile is refused with RESOURCE_EXHAUSTED.
     (busy,) = await fleet.add_workers(

@@ -61,6 +61,7 @@ def _sent(stack: Stack, transport: str) -> float:
     return sum(e.metric("phalanx_encoder_sent_bytes_total", transport=transport) or 0.0 for e in stack.encoders if e.process.poll() is None)
 
 
+@pytest.mark.slow
 async def test_embeddings_go_from_the_encoder_to_the_worker_over_grpc_then_a_channel_never_through_the_router(stack):
     router = stack.routers[0]
     image = _png(1)

@@ -59,6 +59,7 @@ async def _spilled_with_media(stack: Stack, worker_id: str, request_id: str) -> 
         return await stub.GetCommit(checkpoint_pb2.GetCommitRequest(request_id=request_id), timeout=2)
 
 
+@pytest.mark.slow
 async def test_a_hung_workers_image_request_is_restored_from_embeddings_the_store_spilled(stack, spill_dir):
     image = png(13)
     expected = in_process_tokens(image, "Look: ", " What is it?", max_tokens=LONG)

@@ -52,6 +52,7 @@ async def _committed(stack: Stack, worker_id: str, request_id: str) -> bool:
     return any(c.request_id == request_id and c.state.media and c.media_held == len(c.state.media) for c in listing.commits)
 
 
+@pytest.mark.slow
 async def test_a_hung_workers_image_request_is_restored_from_the_store_with_its_embeddings(stack):
     image = png(11)
     expected = in_process_tokens(image, "Look: ", " What is it?", max_tokens=LONG)
@@ -62,6 +63,7 @@ async def test_a_hung_workers_image_request_is_restored_from_the_store_with_its_
     await restore_after_a_hang(stack, image_request(PROMPT, image, LONG), expected, committed)
 
 
+@pytest.mark.slow
 async def test_an_image_request_whose_router_and_worker_die_together_continues_on_the_other_router(stack):
     if len([w for w in stack.workers if w.process.poll() is None]) < 2:
         await stack.add_workers(1)  # a target besides the victim

@@ -146,6 +146,7 @@ async def test_sigkill_mid_generation_every_stream_completes_exactly_once_with_i
         assert await asyncio.to_thread(fleet.stores[0].metric, "phalanx_checkpoint_restores_total", transport="channel") >= 1
 
 
+@pytest.mark.slow
 async def test_graceful_drain_transfers_kv_from_the_live_worker(fleet):
     async with await Client.connect(fleet.routers[0].address, timeout=60) as client:
         baseline = await baseline_tokens(client, PROMPTS)
@@ -161,6 +162,7 @@ async def test_graceful_drain_transfers_kv_from_the_live_worker(fleet):
     assert by_method["transfer"] >= 1, by_method
 
 
+@pytest.mark.slow
 async def test_checkpoint_store_restart_just_before_the_kill(fleet):
     long = 400  # streams outlive the store's restart and the workers' re-sync, with time to spare on a loaded host
     prompts = PROMPTS[:9]
@@ -191,6 +193,7 @@ async def test_checkpoint_store_restart_just_before_the_kill(fleet):
     assert by_method["router"] >= 1 and by_method["checkpoint"] >= 1, by_method  # restored from the re-synced store
 
 
+@pytest.mark.slow
 async def test_kill_during_prefill_and_two_kills_one_after_the_other(fleet):
     long_prompts = [p * 2 for p in PROMPTS[:12]]
     async with await Client.connect(fleet.routers[0].address, timeout=60) as client:
@@ -266,6 +269,7 @@ async def test_target_dying_during_a_migration(fleet):
     assert_exactly_once_and_identical(results, baseline)
 
 
+@pytest.mark.slow
 async def test_commits_carry_the_tier_that_orders_a_failed_worker_s_migrations(fleet):
     """The router's tier rides to the worker and into the store's commit, where migration reads its priority."""
     tiers = {"premium": 1, "standard": 2, "best_effort": 3}

@@ -63,6 +63,7 @@ async def fleet(nats_config, etcd_config):
         await asyncio.to_thread(stack.stop)
 
 
+@pytest.mark.slow
 async def test_calls_of_two_attention_workers_batched_on_the_expert_workers_give_the_monolithic_tokens(fleet):
     ews, monolithic, (aw_a, aw_b) = fleet
     prompts_a, prompts_b = _prompts("A"), _prompts("B")
@@ -76,6 +77,7 @@ async def test_calls_of_two_attention_workers_batched_on_the_expert_workers_give
     assert solo - before < batches, "every batch held one attention worker's call"
 
 
+@pytest.mark.slow
 async def test_a_stopped_then_killed_attention_worker_is_not_waited_for_and_the_other_keeps_its_tokens(fleet):
     ews, monolithic, (aw_a, aw_b) = fleet
     prompts_a, prompts_b = _prompts("A"), _prompts("B")
@@ -112,6 +114,7 @@ async def test_a_stopped_then_killed_attention_worker_is_not_waited_for_and_the_
     assert await asyncio.to_thread(_sum, ews, "phalanx_expert_batches_total", start="window") == timed_out
 
 
+@pytest.mark.slow
 async def test_a_new_expert_replica_and_a_new_attention_worker_join_under_load_without_changing_a_token(nats_config, etcd_config):
     """Replicas-only placement: an EW joining as one more replica of slot 0 takes calls from the next layer call after the
     ERT names it (an AW reads the table once per layer), and an AW started mid-wave is batched with the busy one."""

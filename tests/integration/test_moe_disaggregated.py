@@ -123,6 +123,7 @@ async def test_sigkill_of_an_expert_worker_mid_generation_changes_no_token_and_d
     assert (await asyncio.to_thread(aw.metric, "phalanx_aw_expert_calls_total", expert_worker=replacement.name) or 0) > 0
 
 
+@pytest.mark.slow
 async def test_a_hung_expert_worker_is_found_by_probe_and_its_work_replayed_on_the_shadow(stack, etcd_config):
     await stack.add_ert_manager()
     ews = await stack.add_expert_workers(2, copies=2)
@@ -160,6 +161,7 @@ async def test_a_hung_expert_worker_is_found_by_probe_and_its_work_replayed_on_t
     assert (await asyncio.to_thread(aw.metric, "phalanx_aw_expert_replays_total", expert_worker=victim.name) or 0) > 0
 
 
+@pytest.mark.slow
 async def test_sigkill_of_an_attention_worker_moves_its_streams_while_the_experts_keep_serving_the_other(stack, etcd_config):
     from phalanx.client import Client
 
@@ -215,6 +217,7 @@ async def test_sigkill_of_an_attention_worker_moves_its_streams_while_the_expert
     assert (await asyncio.to_thread(survivor.metric, "phalanx_aw_expert_replays_total") or 0) == 0
 
 
+@pytest.mark.slow
 async def test_the_split_in_bfloat16_gives_the_monoliths_tokens_and_an_expert_worker_of_another_dtype_is_refused(stack, etcd_config):
     """The dtype the engines run in (bfloat16 here, CUDA's default) reaches the experts: an EW computes in it, and one
     set up with another refuses the AW's channel rather than compute on bits of another dtype (same-sized bfloat16 and

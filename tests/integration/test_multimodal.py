@@ -206,6 +206,7 @@ def _fetched(stack: Stack) -> dict[str, float]:
     }
 
 
+@pytest.mark.slow
 async def test_a_worker_killed_mid_media_request_is_migrated_with_its_embeddings(stack):
     image = _png(5)
     expected = _in_process(image, "Look: ", " What is it?", max_tokens=LONG)
@@ -223,6 +224,7 @@ async def test_a_worker_killed_mid_media_request_is_migrated_with_its_embeddings
     assert target != seen[0].worker_id and grew == [target]  # the target, which restored the request, fetched its media
 
 
+@pytest.mark.slow
 async def test_a_draining_worker_hands_a_media_request_on_with_its_embeddings(stack):
     await stack.add_workers(1, env=DRAIN_AT_ONCE)  # the kill above left one
     image = _png(4)
@@ -236,6 +238,7 @@ async def test_a_draining_worker_hands_a_media_request_on_with_its_embeddings(st
     assert router.metric("phalanx_router_migrations_total") + router.metric("phalanx_router_handoffs_total") == moves + 1
 
 
+@pytest.mark.slow
 async def test_a_migration_whose_encoder_died_too_encodes_the_media_again(stack):
     await asyncio.gather(stack.add_workers(1, env=DRAIN_AT_ONCE), stack.add_encoder())  # a target, and an encoder to survive
     image = _png(6)

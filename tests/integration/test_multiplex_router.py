@@ -10,6 +10,7 @@ from phalanx.launch.stack import Stack
 pytestmark = pytest.mark.integration
 
 
+@pytest.mark.slow
 async def test_through_a_router_a_killed_workers_streams_still_migrate_and_deliver_every_token_once(nats_config, etcd_config):
     stack = Stack(nats_config.url, etcd_config, model="phalanx-tiny-moe")
     try:

@@ -53,6 +53,7 @@ def settled(state_file: Path, workers: int) -> dict | None:
     return state if done and not planner["draining"] and not planner["starting"] else None
 
 
+@pytest.mark.slow
 def test_the_supervisor_scales_workers_to_the_planners_target_with_no_token_lost(tmp_path: Path) -> None:
     state_file = tmp_path / "up.json"
     result = phalanx(

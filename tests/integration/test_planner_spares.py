@@ -33,6 +33,7 @@ def read_state(path: Path) -> dict:
     return json.loads(path.read_text())
 
 
+@pytest.mark.slow
 def test_a_killed_worker_is_replaced_by_promoting_a_hot_spare_within_a_second(tmp_path: Path) -> None:
     state_file = tmp_path / "up.json"
     result = phalanx(

@@ -35,6 +35,7 @@ REBALANCE_ENV = {
 }
 
 
+@pytest.mark.slow
 async def test_running_requests_move_onto_a_new_worker_exactly_once_with_fault_free_tokens(nats_server, etcd_server, tmp_path) -> None:
     from test_sim_workers import write_profile
 
@@ -81,6 +82,7 @@ async def test_running_requests_move_onto_a_new_worker_exactly_once_with_fault_f
         await asyncio.to_thread(stack.stop)
 
 
+@pytest.mark.slow
 async def test_with_rebalancing_off_a_new_worker_takes_no_running_request(nats_server, etcd_server, tmp_path) -> None:
     from test_sim_workers import write_profile
 

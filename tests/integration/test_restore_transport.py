@@ -27,6 +27,7 @@ async def fleet(nats_config, etcd_config):
         await asyncio.to_thread(s.stop)
 
 
+@pytest.mark.slow
 async def test_small_kv_comes_over_grpc_first_and_over_the_channel_formed_meanwhile_next(fleet):
     store = fleet.stores[0]
     transports = []

@@ -107,6 +107,7 @@ async def test_a_stream_resumes_on_another_router_replica(stack):
     assert [c.token_id for c in seen] == reference
 
 
+@pytest.mark.slow
 async def test_a_restarted_router_routes_by_prefix_as_soon_as_it_serves(stack):
     await stack.add_workers(2)
     router = await stack.add_router()
@@ -223,6 +224,7 @@ async def test_a_draining_worker_hands_its_stream_to_another_without_the_client_
     assert len({c.worker_id for c in seen}) == 2
 
 
+@pytest.mark.slow
 async def test_a_live_worker_whose_lease_lapses_keeps_its_streams(stack):
     """A lease that lapses under load (etcd unreachable for a TTL) takes the worker out of routing, not its streams."""
     token = "lease-lapse-test-token-0123"

@@ -95,6 +95,7 @@ def test_mapped_model_is_identical_and_zero_copy(tiny_moe: Transformer, shm_root
     assert torch.equal(shadow.forward_logits(PROMPT), tiny_moe.forward_logits(PROMPT))
 
 
+@pytest.mark.slow
 def test_reader_process_maps_shared_pages(tiny_moe: Transformer, shm_root: Path) -> None:
     layout = publish_state_dict(tiny_moe.state_dict(), name=NAME, root=shm_root)
     held_here = map_state_dict(layout, name=NAME, root=shm_root)  # a second mapper: the reader's pages count as shared
@@ -121,6 +122,7 @@ def test_reader_process_maps_shared_pages(tiny_moe: Transformer, shm_root: Path)
     assert grew(touched, "Shared_Clean", "Shared_Dirty") > weight_kb / 1024 * 0.9
 
 
+@pytest.mark.slow
 def test_read_only_engine_waits_for_the_commit(tiny_moe: Transformer, shm_root: Path) -> None:
     reader = subprocess.Popen([sys.executable, CHILD, str(shm_root), NAME, "60"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:

@@ -59,6 +59,7 @@ async def restore_into(store, source, target, request_id: str) -> None:
     await source.Cancel(worker_pb2.CancelRequest(request_id=request_id), timeout=10)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(420)
 async def test_store_sockets_return_to_baseline_after_the_workers_it_restored_into_are_killed(fleet):
     store = fleet.stores[0]

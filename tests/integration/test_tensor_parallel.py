@@ -66,6 +66,7 @@ async def stack(nats_config, etcd_config):
         await asyncio.to_thread(s.stop)
 
 
+@pytest.mark.slow
 async def test_sigkill_of_a_follower_rank_fail_stops_the_group_and_its_streams_continue_identically(stack):
     await stack.add_checkpoint_store()
     await stack.add_migration()
@@ -119,6 +120,7 @@ async def test_sigkill_of_a_follower_rank_fail_stops_the_group_and_its_streams_c
     assert all(alive(pid) for pid in followers[survivor.worker_id]), "the surviving group lost a rank"
 
 
+@pytest.mark.slow
 async def test_draining_a_healthy_group_transfers_the_kv_of_every_rank(stack):
     await stack.add_checkpoint_store()
     await stack.add_migration()

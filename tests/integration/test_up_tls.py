@@ -43,6 +43,7 @@ def tls_stack(tmp_path):
         assert down.returncode == 0, down.stdout + down.stderr
 
 
+@pytest.mark.slow
 async def test_up_tls_runs_nats_and_etcd_with_client_certificates(tls_stack):
     certs = Path(tls_stack["certs_dir"])
     assert tls_stack["nats_url"].startswith("tls://")

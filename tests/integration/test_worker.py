@@ -244,6 +244,7 @@ async def test_sigterm_under_a_multiplexed_stream_writes_every_chunk_while_idle_
         handle.kill()
 
 
+@pytest.mark.slow
 async def test_drain_rpc_hands_back_and_a_resumed_request_continues_identically(nats_server, etcd_config):
     draining = await start_worker("w-drain-rpc", nats_server.url, etcd_config, "--deterministic", model="phalanx-tiny-moe")
     successor = await start_worker("w-successor", nats_server.url, etcd_config, "--deterministic", model="phalanx-tiny-moe")

@@ -43,6 +43,7 @@ def tokens_of(engine: Engine, request_id: str) -> list[int]:
     return tokens
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
 def test_a_commit_after_any_step_restores_to_the_same_continuation(moe, tmp_path, temperature):
     prompt = moe.tokenizer.encode("checkpoints follow the stream of tokens one step behind at most " * 2)
@@ -246,6 +247,7 @@ def test_a_worker_restored_from_the_store_continues_that_commit_without_resendin
     store.close()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("interval", [1, INTERVAL])
 def test_steps_coalesced_into_one_message_commit_what_one_message_per_step_commits(moe, tmp_path, interval):
     """A message carrying several steps merges each request's steps into one segment: the store ends in the same

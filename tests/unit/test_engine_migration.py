@@ -37,6 +37,7 @@ def step_until(engine: Engine, request_id: str, outputs: int) -> None:
         engine.step()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
 def test_parked_kv_restored_elsewhere_continues_with_identical_tokens(moe, temperature):
     prompt = moe.tokenizer.encode("the lighthouse keeper watched the storm roll in over the bay " * 3)
@@ -63,6 +64,7 @@ def test_parked_kv_restored_elsewhere_continues_with_identical_tokens(moe, tempe
     assert source.unpark("r") == 1 and not source.parked
 
 
+@pytest.mark.slow
 def test_reprefill_and_sequential_replay_continue_identically(moe):
     prompt = moe.tokenizer.encode("a short prompt about winter")
     params = SamplingParams(max_tokens=N, ignore_eos=True)

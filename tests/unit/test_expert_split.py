@@ -73,6 +73,7 @@ def test_split_forward_gives_bit_identical_logits(monolithic):
     assert torch.equal(model.forward_logits(tokens), monolithic.forward_logits(tokens))
 
 
+@pytest.mark.slow
 def test_split_engine_gives_identical_greedy_tokens_and_logits_in_deterministic_mode(monolithic):
     prompts = [monolithic.tokenizer.encode(f"stream {i}: " + "xyz" * i) for i in range(6)]
     expected = _generate(monolithic, prompts, 16)

@@ -132,6 +132,7 @@ def served_variants():
     }
 
 
+@pytest.mark.slow
 def test_the_packaged_checkpoint_loads_its_4_bit_weights_packed(served_variants):
     packed = served_variants["bfloat16+int4"]
     projections = [m for m in packed.modules() if isinstance(m, Int4Linear)]
@@ -139,6 +140,7 @@ def test_the_packaged_checkpoint_loads_its_4_bit_weights_packed(served_variants)
     assert packed.embed_tokens.weight.dtype is torch.bfloat16  # the Q8_0 embedding comes dense
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("variant", ["bfloat16", "bfloat16+int4"])
 def test_served_paths_stay_within_the_stated_accuracy_bound_of_float32(served_variants, variant):
     # The bound README.md states, on float32's own 24-token greedy continuation of each standard prompt (teacher
@@ -160,6 +162,7 @@ def test_served_paths_stay_within_the_stated_accuracy_bound_of_float32(served_va
     assert agreed / positions >= 0.9
 
 
+@pytest.mark.slow
 def test_a_warm_load_reads_the_packed_cache_and_a_broken_one_is_rebuilt(tmp_path):
     name = "smollm2-135m-instruct"
     first = phalanx.model.load(name, dtype=torch.bfloat16, keep_int4=True, cache_root=tmp_path)

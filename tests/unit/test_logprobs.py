@@ -100,6 +100,7 @@ def check_against_transformers(theirs, ours, events: list[TokenEvent], *, top: i
         assert_position(entry, expected[p - 1], prompt_ids[p], top)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("process", [False, True], ids=["engine-thread", "engine-process"])
 async def test_logprobs_equal_transformers_log_softmax_on_both_engine_paths(ours, theirs, process):
     engine = EngineCoreClient(CONFIG) if process else AsyncEngine(Engine(ours, CONFIG))
@@ -132,6 +133,7 @@ async def test_only_requests_that_ask_get_logprobs_and_a_cached_prefix_still_sco
         await engine.stop()
 
 
+@pytest.mark.slow
 def test_a_restored_request_replays_its_logprobs_and_continues_with_the_same_values(ours):
     config = CONFIG
     whole = Engine(ours, config)
@@ -158,6 +160,7 @@ def test_a_restored_request_replays_its_logprobs_and_continues_with_the_same_val
         assert [t.token_id for t in got.logprobs.top] == [t.token_id for t in want.logprobs.top]
 
 
+@pytest.mark.slow
 def test_a_request_moved_mid_prefill_with_its_kv_scores_its_whole_prompt_on_the_target(ours):
     chunked = CONFIG.model_copy(update={"max_batched_tokens": 16})  # the prompt takes several steps
     whole = Engine(ours, chunked)

@@ -61,6 +61,7 @@ def generate(model, prompt: list[int], max_tokens: int) -> list[int]:
     return tokens
 
 
+@pytest.mark.slow
 def test_logits_match_transformers_on_the_same_gguf(ours, theirs):
     model, tokenizer = theirs
     ids = ours.tokenizer.encode("The capital of France is")

@@ -12,6 +12,9 @@ import pytest
 # runs; grpcio >= 1.80's fork handlers then abort the child now and then
 # (grpc/grpc#43055). The children exec at once, so the handlers are not needed.
 os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
+# Routers admit by SLO by default (router/overload.py); most tests load a slow worker on a busy box on purpose and expect
+# every request served, so they run with admission off. The tests of admission turn it on for their routers.
+os.environ.setdefault("PHALANX_ROUTER_ADMISSION", "off")
 
 from phalanx.common.config import EtcdConfig, NatsConfig
 from phalanx.common.tls import init_certs

@@ -131,6 +131,13 @@ class RequestShedError(ResourceExhaustedError):
     reason = "REQUEST_SHED"
 
 
+class OverCapacityError(ResourceExhaustedError):
+    """SLO-aware admission refused a new request: it could not start within its tier's TTFT SLO (phalanx.router.overload);
+    ``retry_after_s`` is how long the queue ahead of it takes to drain."""
+
+    reason = "OVER_CAPACITY"
+
+
 class PermissionDeniedError(PhalanxError):
     """The caller's identity (from its client certificate) may not make this call; see phalanx.common.authz."""
 

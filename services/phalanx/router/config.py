@@ -151,6 +151,22 @@ class RouterConfig(BaseSettings):
         description="After a crash, how long a moved suspect keeps the other suspects of that crash off its new worker (while "
         "another can take them), and how long it must run there without a crash to be cleared of that crash",
     )
+    admission: Literal["slo", "off"] = Field(
+        "slo",
+        description="slo: admit a new request only when its predicted TTFT and its worker's ITL with it fit its tier's SLOs, hold it "
+        "(higher tiers first) while it still can, refuse it (RESOURCE_EXHAUSTED, retry hint from the queue's drain rate) when it "
+        "cannot (docs/health-and-chaos.md, \"Admission\"); off: admit everything and let the workers queue it, as most engines do",
+    )
+    admission_max_queued: int = Field(256, ge=1, description="Requests SLO admission holds at once; beyond, the lowest tier's newest is refused")
+    admission_headroom: float = Field(
+        0.9, gt=0, le=1, description="SLO admission admits when the predicted TTFT and ITL are within this share of the SLOs"
+    )
+    admission_ttft_slo_s: float = Field(2.0, gt=0, description="TTFT SLO of admission while the health service publishes none")
+    admission_itl_slo_s: float = Field(0.25, gt=0, description="Inter-token latency SLO of admission while the health service publishes none")
+    admission_tier_slo_factors: dict[TierName, float] = Field(
+        default_factory=dict,
+        description='Each tier\'s SLOs as a multiple of the deployment\'s, as JSON, e.g. {"best_effort": 2.0}; a tier left out gets 1',
+    )
     premium_at_level_4: bool = Field(
         False,
         description="At degradation level 4 keep admitting premium requests while any worker can take them "

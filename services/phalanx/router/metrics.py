@@ -133,6 +133,15 @@ class RouterMetrics:
             ["tenant"], registry=r,
         )
         self.queued = Gauge("phalanx_router_queued_requests", "New requests waiting for a slot of a full router (max_streams)", registry=r)
+        self.admission = Counter(
+            "phalanx_router_admission", "SLO admission decisions: admitted, or refused_<reason> (docs/health-and-chaos.md)", ["outcome"],
+            registry=r,
+        )
+        self.admission_held = Gauge("phalanx_router_admission_held", "New requests SLO admission holds until a worker has room", registry=r)
+        self.admission_wait = Histogram(
+            "phalanx_router_admission_wait_seconds", "How long SLO admission held a request before admitting or refusing it",
+            buckets=_LATENCY_BUCKETS, registry=r,
+        )
 
 
 def tenant_label(tenant: str, configured: frozenset[str]) -> str:

@@ -208,6 +208,8 @@ class RouterProcess:
                 await self._publish_usage(bus)  # its streams have ended: the others need not wait for it to expire
 
     async def _close_quarantine(self) -> None:
+        if self.servicer is not None:
+            await self.servicer.gate.close()  # its requests are held no longer: the server stopped
         await self.quarantine.close()
         await self.quarantine_store.close()
 
@@ -243,6 +245,7 @@ class RouterProcess:
         if kind == "delete":
             gone = registrations.pop(worker_id, None)
             self.table.remove_worker(worker_id)
+            self._servicer.gate.forget_worker(worker_id)
             self._resync_wanted.discard(worker_id)
             if gone is not None:
                 log.info("worker %s left routing", worker_id)
@@ -301,7 +304,7 @@ class RouterProcess:
             log.warning("degradation level %d -> %d%s", self.admission.level, level, f" ({state.reason})" if state and state.reason else "")
         self.admission.level = level
         if self.servicer is not None:
-            self._servicer.slo = LatencySlo.from_state(state)
+            self._servicer.slo = self._servicer.gate.slo = LatencySlo.from_state(state)
         self.metrics.degradation.set(level)
 
     # -- KV index and load ---------------------------------------------------------
@@ -314,6 +317,8 @@ class RouterProcess:
 
     async def _on_load(self, report: common_pb2.LoadReport, subject: str, context) -> None:
         self.table.update_load(report)
+        if self.servicer is not None:
+            self._servicer.gate.on_load(report)
 
     def _want_resync(self, worker_id: str) -> None:
         self._resync_wanted.add(worker_id)

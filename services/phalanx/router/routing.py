@@ -94,6 +94,19 @@ class WorkerEstimate:
 
 
 @dataclass(frozen=True, slots=True)
+class WorkerLoad:
+    """One routable worker's load as this router knows it now, for SLO-aware admission (phalanx.router.overload)."""
+
+    worker_id: str
+    batch: int  # sequences it runs or queues: its last report's, plus those routed there since, minus those finished since
+    running: int  # running sequences in its last report
+    queue_depth: int  # requests waiting in its last report
+    step_s: float  # its step time (0: never measured)
+    prefill_tokens_per_s: float  # its measured prefill rate, else the fleet's (0: none measured)
+    pending_prefill_tokens: int  # uncached prompt tokens routed there since its last report
+
+
+@dataclass(frozen=True, slots=True)
 class WorkerView:
     """One worker as routing sees it, for ListWorkers and gauges."""
 
@@ -123,7 +136,7 @@ class _Worker:
     __slots__ = (
         "worker_id", "address", "pid", "model", "slot",
         "queue_depth", "running_seqs", "free_blocks", "total_blocks", "step_time_ms", "prefill_tokens_per_s",
-        "decode_tokens_per_s", "draining", "report_at", "reported", "routed", "routed_tokens",
+        "decode_tokens_per_s", "draining", "report_at", "reported", "routed", "routed_tokens", "finished",
         "inv_rate", "base_s",
     )
 
@@ -145,6 +158,7 @@ class _Worker:
         self.reported = False
         self.routed = 0
         self.routed_tokens = 0
+        self.finished = 0  # streams of this router that ended there since its last report
         # Derived by RoutingTable._refresh: the per-request cost is base_s + uncached * inv_rate.
         self.inv_rate = 0.0
         self.base_s = 0.0
@@ -261,6 +275,7 @@ class RoutingTable:
         w.decode_tokens_per_s = report.decode_tokens_per_s
         w.routed = 0
         w.routed_tokens = 0
+        w.finished = 0
         self._refresh(w)
         self._update_fleet_rates()
         if report.draining != w.draining:
@@ -283,6 +298,28 @@ class RoutingTable:
             w.routed += 1
             w.routed_tokens += max(0, prompt_tokens)
             self._refresh(w)
+
+    def note_finished(self, worker_id: str) -> None:
+        """A stream this router relayed from the worker ended: its slot is free before the next load report says so."""
+        w = self._workers.get(worker_id)
+        if w is not None:
+            w.finished += 1
+
+    def running(self, worker_id: str) -> int:
+        """Sequences the worker ran at its last load report (0 for an unknown worker)."""
+        w = self._workers.get(worker_id)
+        return 0 if w is None else w.running_seqs
+
+    def loads(self) -> list[WorkerLoad]:
+        """Every routable worker's load (by worker id), for admission."""
+        fleet_rate = self._fleet_prefill_tokens_per_s or 0.0
+        return [
+            WorkerLoad(
+                w.worker_id, max(0, w.running_seqs + w.queue_depth + w.routed - w.finished), w.running_seqs, w.queue_depth,
+                w.step_time_ms / 1e3, w.prefill_tokens_per_s or fleet_rate, w.routed_tokens,
+            )
+            for w, _ in self._routable
+        ]
 
     # -- the decision -----------------------------------------------------------------
     def route(

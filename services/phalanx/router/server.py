@@ -47,6 +47,7 @@ from phalanx.router.admission import Admission, Admitted, Tier
 from phalanx.router.channels import WorkerChannels
 from phalanx.router.config import RouterConfig
 from phalanx.router.flow import Flow
+from phalanx.router.gate import AdmissionGate
 from phalanx.router.limits import TenantPromptError
 from phalanx.router.media import MediaEncoder, media_fetch_failed
 from phalanx.router.media_flow import MediaFlow
@@ -137,6 +138,7 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
         self._recent: OrderedDict[str, common_pb2.RequestRecord] = OrderedDict()
         self.slo = LatencySlo()  # the process sets the SLOs the health service publishes
         self._tenant_names = admission.tenant_names
+        self.gate = AdmissionGate(config, table, metrics)  # SLO-aware admission (router/overload.py)
         metrics.queued.set_function(lambda: len(admission.queue))
         self.media = (
             MediaFlow(media_encoder, config, table, metrics, channels, self.registrations) if media_encoder is not None else None
@@ -168,7 +170,8 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
             request_id = request.request_id or uuid.uuid4().hex
             await self._enter(admitted, request_id, len(prompt_ids))
             try:
-                flow, is_retry = await self._open_new(request_id, request, admitted, prompt_ids, params)
+                prefer = None if request_id in self._recent else await self.gate.enter(request_id, admitted.tier, len(prompt_ids))
+                flow, is_retry = await self._open_new(request_id, request, admitted, prompt_ids, params, prefer)
             except BaseException:
                 self.admission.leave(request_id)
                 raise
@@ -187,7 +190,8 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
             yield chunk
 
     async def _open_new(
-        self, request_id: str, request: router_pb2.GenerateRequest, admitted: Admitted, prompt_ids: list[int], params
+        self, request_id: str, request: router_pb2.GenerateRequest, admitted: Admitted, prompt_ids: list[int], params,
+        prefer: str | None = None,
     ) -> tuple[Flow, bool]:
         """Encodes the media, routes and claims the request; (flow, whether it is a retry of a request already running)."""
         encoded = None
@@ -196,7 +200,8 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
             encoded = await self.media.encode(request_id, request, prompt_ids, params)
             prompt_ids = encoded.prompt_ids
         media = encoded.media if encoded is not None else []
-        flow, existing = await self._start(request_id, admitted, prompt_ids, media, prefer=encoded.worker_id if encoded else None)
+        flow, existing = await self._start(request_id, admitted, prompt_ids, media, prefer=encoded.worker_id if encoded else prefer,
+                                           noted=encoded is None and prefer is not None)
         if existing is not None:
             if existing.tenant != admitted.tenant:
                 # Another tenant's request: its tokens are not this caller's to read (the id is taken, nothing more).
@@ -259,6 +264,8 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
             raise
         finally:
             count(status)
+            if flow is not None:
+                self.gate.ended(flow.record.request_id, flow.record.worker_id, finished=status == "ok")
             if flow is not None and flow.counted:
                 self.admission.leave(flow.record.request_id)
 
@@ -312,7 +319,7 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
     # -- routing ----------------------------------------------------------------
     def _route(
         self, prompt_ids: list[int], exclude: frozenset[str] = frozenset(), media: Sequence[common_pb2.MediaEmbedding] = (),
-        prefer: str | None = None,
+        prefer: str | None = None, noted: bool = False,
     ):
         start = time.perf_counter()
         with tracer.start_as_current_span("router.route") as span:
@@ -328,14 +335,16 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
             span.set_attribute("phalanx.candidates", decision.candidates)
         self.metrics.routing.observe(time.perf_counter() - start)
         self.metrics.cached_tokens.inc(decision.cached_tokens)
-        self.table.note_routed(decision.worker_id, len(prompt_ids) - decision.cached_tokens)
+        if not (noted and decision.worker_id == prefer):  # admission counted it on its worker already
+            self.table.note_routed(decision.worker_id, len(prompt_ids) - decision.cached_tokens)
         return decision
 
     async def _start(
         self, request_id: str, admitted: Admitted, prompt_ids: list[int], media: list[common_pb2.MediaEmbedding], *, prefer: str | None = None,
+        noted: bool = False,
     ):
         """Pick a worker (`prefer` if routable) and claim the request's record; returns (flow, existing record of a retry)."""
-        decision = self._route(prompt_ids, media=media, prefer=prefer)
+        decision = self._route(prompt_ids, media=media, prefer=prefer, noted=noted)
         record = common_pb2.RequestRecord(
             request_id=request_id, worker_id=decision.worker_id, worker_address=self._address(decision.worker_id),
             router_id=self.router_id, tenant=admitted.tenant, tier=int(admitted.tier), prompt_tokens=len(prompt_ids),
@@ -573,6 +582,8 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
                         flow.stalls_seen = flow.migrations
                         self.metrics.migration_stall.observe(now - last)
                     (itl if flow.first_sent else ttft).observe(now - last)
+                    if flow.first_sent:
+                        self.gate.on_gap(flow.record.worker_id, now - last)
                     kind = LatencyKind.ITL if flow.first_sent else LatencyKind.TTFT
                     if self.slo.missed(kind, now - last):
                         self.metrics.slo_violations.labels(kind=kind.value).inc()

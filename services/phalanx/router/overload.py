@@ -1,0 +1,400 @@
+"""SLO-aware admission: serve through overload instead of flipping between admitting all and refusing all. Pure logic, no I/O.
+
+A new request is admitted when, on the worker it would go to, both its predicted time to first token and the
+inter-token latency that worker's batch would have with it fit its tier's SLOs (times ``headroom``). Otherwise it is
+held in a bounded queue (higher tiers first, first come first served within a tier) until a worker has room, and
+refused only when it cannot make its TTFT SLO any more: at once when the queue ahead of it drains too slowly for its
+budget (so most refusals are answered in microseconds, not after the budget ran out), later if it was held and its
+budget ran out after all. The router's shell (phalanx.router.gate) feeds it events and executes its effects.
+
+Predictions, per routable worker, from what the router already knows (phalanx.router.routing.WorkerLoad):
+
+- batch = running + queued at the worker, plus the requests this router sent there since its last load report,
+  minus those that finished since (a finished stream frees its slot before the next report says so);
+- ITL with the request = step time at batch + 1, from a line fitted to (batch, token gap) pairs: every gap between
+  two tokens the router relays from the worker, with the running sequences of its last load report (exponentially
+  forgotten; the batch with routed requests added counts some still in their prefill, and made the slope too flat). The gaps are
+  live; the step time of the load reports is an average over the last ten or so steps, seconds behind a burst, and a
+  line through it admitted a whole burst onto a batch that was already full. While a worker's gaps show no spread
+  of batch sizes, the fleet's line counts; while neither has one, the mean gap scaled by (batch + 1) / its mean
+  batch, which overestimates a step with a fixed cost, so it errs on the side of the SLO; and while nothing was
+  measured at all (a cold fleet), one sequence per worker, until the first gaps say what a step costs. Two guards
+  keep a wrong line from filling a worker: the batch grows to at most twice (or two more than) the running
+  sequences of the last load report, and not at all while the worker's recent gaps are over the SLO already;
+- TTFT = prompt tokens queued ahead and its own over the measured prefill rate, plus one step at batch + 1; a held
+  request's budget is what is left of its SLO since it arrived.
+
+The queue's drain rate is the streams that finished per second over the last ``drain_window_s``: a held request
+``k`` places from the head waits about ``k / drain``. The retry hint of a refusal is the time the queue ahead of it
+takes to drain (clamped), so clients come back when there is room rather than all at once.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+from phalanx.router.routing import WorkerLoad
+
+__all__ = [
+    "Admit",
+    "AdmissionSettings",
+    "Arrival",
+    "Hold",
+    "OverloadPolicy",
+    "Refuse",
+    "RefuseReason",
+    "StepModel",
+    "TierSlo",
+]
+
+
+@dataclass(frozen=True)
+class TierSlo:
+    """The latency a tier is promised: time to first token and inter-token latency, in seconds (0: none)."""
+
+    ttft_s: float
+    itl_s: float
+
+
+@dataclass(frozen=True)
+class AdmissionSettings:
+    max_queued: int = 256  # requests held at once; beyond, the lowest tier's newest is refused
+    headroom: float = 0.9  # admit when the predictions are within this share of the SLOs
+    drain_window_s: float = 5.0  # finished streams counted for the drain rate
+    min_retry_after_s: float = 0.5
+    max_retry_after_s: float = 30.0
+    default_retry_after_s: float = 1.0  # while no drain rate is measured
+    default_prefill_tokens_per_s: float = 4000.0  # for workers (and a fleet) that measured none
+
+
+@dataclass(frozen=True)
+class Arrival:
+    request_id: str
+    tier: int  # phalanx.router.admission.Tier: lower is served first
+    prompt_tokens: int
+    arrived_at: float
+    slo: TierSlo
+
+
+class RefuseReason(StrEnum):
+    QUEUE_TOO_SLOW = "queue_too_slow"  # the queue ahead drains too slowly for its TTFT budget
+    BUDGET_SPENT = "budget_spent"  # held until its TTFT budget ran out
+    QUEUE_FULL = "queue_full"  # the queue is full of requests of its tier or higher
+    DISPLACED = "displaced"  # held, and pushed out of a full queue by a higher tier
+
+
+@dataclass(frozen=True)
+class Admit:
+    request_id: str
+    worker_id: str | None  # None: no routable worker; routing answers UNAVAILABLE (that is not overload)
+    waited_s: float = 0.0
+    prompt_tokens: int = field(default=0, compare=False)  # what the worker will prefill (the shell notes it as routed)
+
+
+@dataclass(frozen=True)
+class Hold:
+    request_id: str
+
+
+@dataclass(frozen=True)
+class Refuse:
+    request_id: str
+    reason: RefuseReason
+    retry_after_s: float
+    waited_s: float = 0.0
+
+
+Decision = Admit | Hold | Refuse
+
+
+# A worker's batch may grow to this multiple of the running sequences of its last load report (or by this many), and
+# further once a report shows the bigger batch: the gaps' batch sizes are as old as the report, and a burst admitted on
+# a line measured at small batches overshot the ITL SLO several times over on a busy box.
+SLOW_START_FACTOR = 2
+SLOW_START_STEP = 2
+
+
+class StepModel:
+    """step_s = a + b * batch, least squares over exponentially forgotten samples (token gaps and their batch)."""
+
+    MIN_WEIGHT = 3.0  # samples (after forgetting) before the line counts
+    MIN_SPREAD = 0.25  # variance of the batch sizes seen: below, a line through them says nothing of other sizes
+
+    def __init__(self, forget: float = 0.99) -> None:
+        self.forget = forget
+        self._w = self._n = self._y = self._nn = self._ny = 0.0
+        self.recent = 0.0  # the last few gaps' moving average
+
+    def add(self, running: int, step_s: float) -> None:
+        if running <= 0 or step_s <= 0:
+            return
+        self.recent = step_s if not self.recent else 0.7 * self.recent + 0.3 * step_s
+        f = self.forget
+        self._w = self._w * f + 1.0
+        self._n = self._n * f + running
+        self._y = self._y * f + step_s
+        self._nn = self._nn * f + running * running
+        self._ny = self._ny * f + running * step_s
+
+    def mean(self) -> tuple[float, float] | None:
+        """(mean batch, mean step) of the samples; None before the first."""
+        if self._w <= 0:
+            return None
+        return self._n / self._w, self._y / self._w
+
+    def line(self) -> tuple[float, float] | None:
+        """(a, b), or None while the samples cannot tell a slope (too few, too little spread, or falling)."""
+        if self._w < self.MIN_WEIGHT:
+            return None
+        mean_n, mean_y = self._n / self._w, self._y / self._w
+        spread = self._nn / self._w - mean_n * mean_n
+        if spread < self.MIN_SPREAD:
+            return None
+        slope = (self._ny / self._w - mean_n * mean_y) / spread
+        if slope < 0:
+            return None
+        return mean_y - slope * mean_n, slope
+
+
+@dataclass(frozen=True)
+class _Held:
+    arrival: Arrival
+    order: tuple[int, float, int]
+
+
+@dataclass
+class _Room:
+    """A worker's predicted state while one poll admits requests onto it."""
+
+    load: WorkerLoad
+    batch: int
+    pending_tokens: int
+
+
+@dataclass
+class OverloadPolicy:
+    """Decides, for each new request, admit / hold / refuse, and which held requests go or are refused as load changes."""
+
+    settings: AdmissionSettings = field(default_factory=AdmissionSettings)
+
+    def __post_init__(self) -> None:
+        self._models: dict[str, StepModel] = {}
+        self._fleet = StepModel()
+        self._by_id: dict[str, _Held] = {}  # held requests, served by their order (tier, arrival, sequence)
+        self._finished: deque[float] = deque()
+        self._first_seen: float | None = None
+        self._sequence = itertools.count()
+        self._mean_prompt = 0.0
+
+    # -- events ----------------------------------------------------------------------------
+    def on_step(self, worker_id: str, batch: int, step_s: float) -> None:
+        """One step of the worker with `batch` sequences took `step_s` (a token gap the router relayed)."""
+        self._models.setdefault(worker_id, StepModel()).add(batch, step_s)
+        self._fleet.add(batch, step_s)
+
+    def forget_worker(self, worker_id: str) -> None:
+        self._models.pop(worker_id, None)
+
+    def on_finished(self, now: float) -> None:
+        """A stream this router relayed ended: one slot freed somewhere (the drain rate counts it)."""
+        self._finished.append(now)
+        self._trim(now)
+
+    def arrive(self, arrival: Arrival, loads: Sequence[WorkerLoad]) -> tuple[Decision, list[Refuse]]:
+        """The new request's decision, and the held requests it displaced from a full queue (refused)."""
+        now = arrival.arrived_at
+        if self._first_seen is None:
+            self._first_seen = now
+        self._mean_prompt = arrival.prompt_tokens if not self._mean_prompt else 0.9 * self._mean_prompt + 0.1 * arrival.prompt_tokens
+        if not loads:
+            return Admit(arrival.request_id, None), []
+        ahead = self._ahead(arrival.tier)
+        if not ahead:
+            worker = self._fitting([_room(w) for w in loads], arrival, now)
+            if worker is not None:
+                return Admit(arrival.request_id, worker.load.worker_id, 0.0, arrival.prompt_tokens), []
+        wait = self._wait_s(ahead + 1, now)
+        if wait is not None and wait + self._best_ttft(arrival, loads) > arrival.slo.ttft_s * self.settings.headroom:
+            return Refuse(arrival.request_id, RefuseReason.QUEUE_TOO_SLOW, self._retry_after(ahead + 1, now)), []
+        displaced: list[Refuse] = []
+        if len(self._by_id) >= self.settings.max_queued:
+            victim = self._last_held()
+            if victim is None or victim.arrival.tier <= arrival.tier:
+                return Refuse(arrival.request_id, RefuseReason.QUEUE_FULL, self._retry_after(len(self._by_id), now)), []
+            self._drop(victim)
+            displaced.append(Refuse(victim.arrival.request_id, RefuseReason.DISPLACED, self._retry_after(len(self._by_id), now),
+                                    now - victim.arrival.arrived_at))
+        self._by_id[arrival.request_id] = _Held(arrival, (arrival.tier, arrival.arrived_at, next(self._sequence)))
+        return Hold(arrival.request_id), displaced
+
+    def cancel(self, request_id: str) -> None:
+        """A held request's client went away."""
+        held = self._by_id.get(request_id)
+        if held is not None:
+            self._drop(held)
+
+    def poll(self, loads: Sequence[WorkerLoad], now: float) -> list[Admit | Refuse]:
+        """What happens to the held requests now: the head goes while a worker has room; the hopeless are refused."""
+        self._trim(now)
+        effects: list[Admit | Refuse] = []
+        rooms = [_room(w) for w in loads]
+        for held in self._in_order():
+            arrival = held.arrival
+            waited = now - arrival.arrived_at
+            if not rooms:
+                self._drop(held)
+                effects.append(Admit(arrival.request_id, None, waited))
+                continue
+            worker = self._fitting(rooms, arrival, now)
+            if worker is not None:
+                self._drop(held)
+                worker.batch += 1
+                worker.pending_tokens += arrival.prompt_tokens
+                effects.append(Admit(arrival.request_id, worker.load.worker_id, waited, arrival.prompt_tokens))
+                continue
+            if not self._any_itl_fits(rooms, arrival):
+                break  # no worker has room in its batch: nobody behind it would fit either
+            # Room in a batch but not within its TTFT budget: it cannot make it any more.
+            self._drop(held)
+            effects.append(Refuse(arrival.request_id, RefuseReason.BUDGET_SPENT, self._retry_after(len(self._by_id) + 1, now), waited))
+        effects += self._refuse_hopeless(loads, now)
+        return effects
+
+    def next_deadline(self) -> float | None:
+        """The earliest time a held request's budget runs out (the shell polls then at the latest)."""
+        live = [h.arrival.arrived_at + h.arrival.slo.ttft_s * self.settings.headroom for h in self._by_id.values()]
+        return min(live) if live else None
+
+    @property
+    def held(self) -> int:
+        return len(self._by_id)
+
+    def drain_per_s(self, now: float) -> float | None:
+        """Streams finished per second over the drain window; None until a second of history exists."""
+        self._trim(now)
+        if self._first_seen is None:
+            return None
+        span = min(self.settings.drain_window_s, now - self._first_seen)
+        if span < 1.0 or not self._finished:
+            return None
+        return len(self._finished) / span
+
+    # -- predictions ---------------------------------------------------------------------------
+    def step_at(self, load: WorkerLoad, batch: int) -> float | None:
+        """Predicted step time (the ITL of each sequence) of the worker running `batch` sequences; None: nothing measured."""
+        own = self._models.get(load.worker_id)
+        line = _line(own) or self._fleet.line()
+        if line is not None:
+            a, b = line
+            return max(a + b * batch, 0.0)
+        mean = (own.mean() if own is not None else None) or self._fleet.mean()
+        if mean is None:
+            return None
+        mean_batch, mean_step = mean
+        return mean_step * batch / max(1.0, mean_batch)
+
+    def _itl_fits(self, room: _Room, limit_s: float) -> bool:
+        if room.batch == 0:
+            return True  # a lone sequence steps as fast as the worker can: holding it would not make its ITL any better
+        load = room.load
+        if room.batch + 1 > max(SLOW_START_FACTOR * load.running, load.running + SLOW_START_STEP):
+            return False  # beyond what its last report ran, the line is a guess: grow the batch step by step (slow start)
+        own = self._models.get(load.worker_id)
+        if own is not None and own.recent > limit_s and room.batch >= load.running:
+            return False  # its tokens come slower than the SLO already, whatever the line says
+        predicted = self.step_at(load, room.batch + 1)
+        # Nothing measured yet (a cold fleet): one sequence per worker until its first token gaps say what a step costs.
+        return predicted is not None and predicted <= limit_s
+
+    def ttft_s(self, room: _Room | WorkerLoad, prompt_tokens: int) -> float:
+        """Predicted time to first token of a request of `prompt_tokens` sent to the worker now."""
+        if isinstance(room, WorkerLoad):
+            room = _room(room)
+        load = room.load
+        rate = load.prefill_tokens_per_s or self.settings.default_prefill_tokens_per_s
+        queued_tokens = room.pending_tokens + load.queue_depth * self._mean_prompt
+        step = self.step_at(load, room.batch + 1)
+        return (queued_tokens + prompt_tokens) / rate + (step if step is not None else load.step_s)
+
+    # -- internals -------------------------------------------------------------------------------
+    def _fitting(self, rooms: Iterable[_Room], arrival: Arrival, now: float) -> _Room | None:
+        """The worker with the lowest predicted TTFT among those where the request fits both SLOs, if any."""
+        headroom = self.settings.headroom
+        budget = (arrival.arrived_at + arrival.slo.ttft_s - now) * headroom if arrival.slo.ttft_s > 0 else float("inf")
+        itl_limit = arrival.slo.itl_s * headroom if arrival.slo.itl_s > 0 else float("inf")
+        best, best_ttft = None, float("inf")
+        for room in rooms:
+            if not self._itl_fits(room, itl_limit):
+                continue
+            ttft = self.ttft_s(room, arrival.prompt_tokens)
+            if ttft <= budget and (ttft < best_ttft or (ttft == best_ttft and best is not None and room.batch < best.batch)):
+                best, best_ttft = room, ttft
+        return best
+
+    def _any_itl_fits(self, rooms: Iterable[_Room], arrival: Arrival) -> bool:
+        itl_limit = arrival.slo.itl_s * self.settings.headroom if arrival.slo.itl_s > 0 else float("inf")
+        return any(self._itl_fits(room, itl_limit) for room in rooms)
+
+    def _best_ttft(self, arrival: Arrival, loads: Sequence[WorkerLoad]) -> float:
+        """The lowest TTFT the request could see once admitted: its prefill on an idle batch slot."""
+        return min(self.ttft_s(_Room(w, 0, 0), arrival.prompt_tokens) for w in loads)
+
+    def _refuse_hopeless(self, loads: Sequence[WorkerLoad], now: float) -> list[Refuse]:
+        """Held requests that cannot reach a worker before their budget ends, by their place in the queue."""
+        drain = self.drain_per_s(now)
+        refused = []
+        for place, held in enumerate(self._in_order(), start=1):
+            arrival = held.arrival
+            budget_end = arrival.arrived_at + arrival.slo.ttft_s * self.settings.headroom
+            wait = place / drain if drain else 0.0
+            best = self._best_ttft(arrival, loads) if loads else 0.0
+            if arrival.slo.ttft_s > 0 and now + wait + best > budget_end:
+                self._drop(held)
+                refused.append(Refuse(arrival.request_id, RefuseReason.BUDGET_SPENT if now + best >= budget_end else RefuseReason.QUEUE_TOO_SLOW,
+                                      self._retry_after(place, now), now - arrival.arrived_at))
+        return refused
+
+    def _wait_s(self, places: int, now: float) -> float | None:
+        drain = self.drain_per_s(now)
+        return None if drain is None else places / drain
+
+    def _retry_after(self, places: int, now: float) -> float:
+        s = self.settings
+        drain = self.drain_per_s(now)
+        if drain is None:
+            return s.default_retry_after_s
+        return min(s.max_retry_after_s, max(s.min_retry_after_s, places / drain))
+
+    def _ahead(self, tier: int) -> int:
+        return sum(1 for h in self._by_id.values() if h.arrival.tier <= tier)
+
+    def _in_order(self) -> list[_Held]:
+        return sorted(self._by_id.values(), key=lambda h: h.order)
+
+    def _last_held(self) -> _Held | None:
+        return max(self._by_id.values(), key=lambda h: h.order, default=None)
+
+    def _drop(self, held: _Held) -> None:
+        self._by_id.pop(held.arrival.request_id, None)
+
+    def _trim(self, now: float) -> None:
+        horizon = now - self.settings.drain_window_s
+        while self._finished and self._finished[0] < horizon:
+            self._finished.popleft()
+
+
+def _room(load: WorkerLoad) -> _Room:
+    return _Room(load, load.batch, load.pending_prefill_tokens)
+
+
+def _line(model: StepModel | None) -> tuple[float, float] | None:
+    return None if model is None else model.line()
+
+
+def tier_slos(base: TierSlo, factors: Mapping[int, float]) -> dict[int, TierSlo]:
+    """Each tier's SLOs: the deployment's times the tier's factor."""
+    return {tier: TierSlo(base.ttft_s * f, base.itl_s * f) for tier, f in factors.items()}

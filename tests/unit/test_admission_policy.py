@@ -1,0 +1,261 @@
+"""SLO-aware admission (router/overload.py): admit what fits, hold what may still fit, refuse only what cannot make it."""
+
+import pytest
+
+from phalanx.router.admission import Tier
+from phalanx.router.overload import (
+    AdmissionSettings,
+    Admit,
+    Arrival,
+    Hold,
+    OverloadPolicy,
+    Refuse,
+    RefuseReason,
+    StepModel,
+    TierSlo,
+)
+from phalanx.router.routing import WorkerLoad
+
+pytestmark = pytest.mark.unit
+
+SLO = TierSlo(ttft_s=1.0, itl_s=0.25)
+# The workers' step: 40 ms + 20 ms per sequence, so at headroom 0.9 (0.225 s) a batch of 9 fits and 10 does not.
+A, B = 0.04, 0.02
+
+
+def load(worker_id: str = "w1", batch: int = 0, *, running: int | None = None, queue: int = 0, step_s: float | None = None,
+         prefill: float = 10_000.0, pending: int = 0) -> WorkerLoad:
+    running = batch if running is None else running
+    step = (A + B * running if running else 0.0) if step_s is None else step_s
+    return WorkerLoad(worker_id, batch, running, queue, step, prefill, pending)
+
+
+def trained(*workers: str, settings: AdmissionSettings | None = None) -> OverloadPolicy:
+    """A policy that has seen steps of every batch size from 1 to 12 on each worker."""
+    policy = OverloadPolicy(settings or AdmissionSettings())
+    for worker in workers or ("w1",):
+        for n in range(12, 0, -1):
+            policy.on_step(worker, n, A + B * n)
+    return policy
+
+
+def arrival(request_id: str, at: float, *, tier: Tier = Tier.STANDARD, prompt: int = 100, slo: TierSlo = SLO) -> Arrival:
+    return Arrival(request_id, int(tier), prompt, at, slo)
+
+
+def finish(policy: OverloadPolicy, times: list[float]) -> None:
+    for t in times:
+        policy.on_finished(t)
+
+
+# -- predictions -----------------------------------------------------------------------------------------------
+def test_step_model_fits_the_line_of_step_time_over_batch_size():
+    model = StepModel()
+    for n in (1, 2, 4, 8, 3, 6):
+        model.add(n, A + B * n)
+    a, b = model.line()
+    assert a == pytest.approx(A) and b == pytest.approx(B)
+
+
+def test_step_model_tells_no_slope_from_one_batch_size_idle_reports_or_too_few():
+    model = StepModel()
+    for _ in range(10):
+        model.add(4, 0.12)
+        model.add(0, 5.0)  # no batch: no sample
+    assert model.line() is None
+    few = StepModel()
+    few.add(1, 0.06)
+    few.add(8, 0.2)
+    assert few.line() is None
+
+
+def test_without_a_line_the_mean_gap_is_scaled_and_errs_high():
+    policy = OverloadPolicy()
+    for _ in range(5):
+        policy.on_step("w1", 4, 0.12)
+    assert policy.step_at(load(batch=4), 5) == pytest.approx(0.15)  # 0.12 x 5 / 4: above the true 0.14
+
+
+def test_a_cold_fleet_admits_one_sequence_per_worker_until_its_gaps_are_measured():
+    policy = OverloadPolicy()
+    cold = [load("w1", 0, step_s=0.0), load("w2", 0, step_s=0.0)]
+    assert policy.step_at(cold[0], 1) is None
+    assert policy.arrive(arrival("r1", 0.0), cold)[0] == Admit("r1", "w1")
+    busy = [load("w1", 1, step_s=0.0), load("w2", 0, step_s=0.0)]
+    assert policy.arrive(arrival("r2", 0.0), busy)[0] == Admit("r2", "w2")
+    assert policy.arrive(arrival("r3", 0.0), [load("w1", 1, step_s=0.0), load("w2", 1, step_s=0.0)])[0] == Hold("r3")
+    policy.on_step("w1", 1, A + B)
+    assert policy.poll([load("w1", 1), load("w2", 1)], 0.1) == [Admit("r3", "w1", pytest.approx(0.1))]
+
+
+def test_a_batch_grows_at_most_to_twice_what_the_last_report_ran():
+    policy = trained()
+    # The line says 6 sequences fit, but the worker's last report ran 2: 4 at most until a report shows more.
+    assert policy.arrive(arrival("r1", 0.0), [load("w1", 3, running=2)])[0] == Admit("r1", "w1")
+    assert policy.arrive(arrival("r2", 0.0), [load("w1", 4, running=2)])[0] == Hold("r2")
+    assert policy.poll([load("w1", 4, running=4)], 0.1) == [Admit("r2", "w1", pytest.approx(0.1))]
+
+
+def test_no_more_sequences_join_a_worker_whose_tokens_already_come_slower_than_the_slo():
+    policy = trained()
+    for _ in range(5):
+        policy.on_step("w1", 4, 0.3)  # the line says 0.12 at 4 sequences; the gaps say otherwise
+    assert policy.arrive(arrival("r1", 0.0), [load("w1", 4)])[0] == Hold("r1")
+
+
+def test_a_worker_without_spread_borrows_the_fleets_line():
+    policy = trained("w1")
+    for _ in range(5):
+        policy.on_step("w2", 3, A + B * 3)
+    assert policy.step_at(load("w2", 3), 9) == pytest.approx(A + B * 9)
+
+
+def test_ttft_counts_prompt_tokens_queued_ahead_and_one_step_with_the_request():
+    policy = trained()
+    w = load(batch=2, pending=900, prefill=1000.0)
+    assert policy.ttft_s(w, 100) == pytest.approx(1.0 + A + B * 3)
+
+
+# -- arrivals ------------------------------------------------------------------------------------------------------
+def test_an_idle_fleet_admits_at_once_on_the_worker_with_the_lowest_predicted_ttft():
+    policy = trained("w1", "w2")
+    decision, displaced = policy.arrive(arrival("r1", 0.0), [load("w1", 5), load("w2", 1)])
+    assert decision == Admit("r1", "w2") and displaced == []
+
+
+def test_a_request_goes_to_a_worker_with_room_when_the_cheapest_has_none():
+    policy = trained("w1", "w2")
+    # w1 is full (a 10th sequence would step 0.24 s > 0.225); w2 has room though its queue makes it slower to start.
+    decision, _ = policy.arrive(arrival("r1", 0.0), [load("w1", 9), load("w2", 5, pending=3000, prefill=10_000.0)])
+    assert decision == Admit("r1", "w2")
+
+
+def test_no_routable_worker_is_left_to_routing_not_refused_as_overload():
+    decision, _ = OverloadPolicy().arrive(arrival("r1", 0.0), [])
+    assert decision == Admit("r1", None)
+
+
+def test_a_full_fleet_holds_a_request_while_it_may_still_make_its_ttft():
+    policy = trained()
+    decision, _ = policy.arrive(arrival("r1", 0.0), [load("w1", 9)])
+    assert decision == Hold("r1")
+    assert policy.held == 1
+
+
+def test_a_request_is_refused_at_once_when_the_queue_ahead_drains_too_slowly_for_its_budget():
+    policy = trained()
+    policy.arrive(arrival("first", 0.0), [load("w1", 9)])
+    finish(policy, [1.0, 2.0, 3.0, 4.0])  # 4 streams in 4 s: one place in the queue takes a second
+    # Its place behind "first" is 2 s away at 1 a second: beyond its 0.9 s budget.
+    decision, _ = policy.arrive(arrival("r1", 4.0), [load("w1", 9)])
+    assert isinstance(decision, Refuse) and decision.reason is RefuseReason.QUEUE_TOO_SLOW
+    # The hint: how long the queue ahead of it (and its own place) takes to drain.
+    assert decision.retry_after_s == pytest.approx(2.0)
+
+
+def test_a_refusal_is_decided_in_well_under_a_millisecond():
+    import time
+
+    policy = trained("w1", "w2", "w3", "w4")
+    full = [load(f"w{i}", 9) for i in range(1, 5)]
+    for i in range(200):
+        policy.arrive(arrival(f"held-{i}", 0.0, slo=TierSlo(100.0, 0.25)), full)
+    finish(policy, [0.5 * i for i in range(1, 11)])
+    start = time.perf_counter()
+    decision, _ = policy.arrive(arrival("late", 5.0), full)
+    assert isinstance(decision, Refuse)
+    assert time.perf_counter() - start < 0.005
+
+
+def test_a_higher_tier_jumps_the_queue_only_of_lower_tiers():
+    policy = trained()
+    full = [load("w1", 9)]
+    policy.arrive(arrival("standard", 0.0), full)
+    policy.arrive(arrival("premium", 0.1, tier=Tier.PREMIUM), full)
+    policy.arrive(arrival("standard-2", 0.2), full)
+    admitted = policy.poll([load("w1", 8)], 0.3)  # room for exactly one
+    assert admitted == [Admit("premium", "w1", pytest.approx(0.2))]
+    admitted = policy.poll([load("w1", 7)], 0.4)  # room for two: first come, first served
+    assert [e.request_id for e in admitted] == ["standard", "standard-2"]
+
+
+def test_one_poll_does_not_admit_more_than_the_batches_have_room_for():
+    policy = trained("w1", "w2")
+    full = [load("w1", 9), load("w2", 9)]
+    for i in range(6):
+        policy.arrive(arrival(f"r{i}", 0.0), full)
+    effects = policy.poll([load("w1", 7), load("w2", 8)], 0.1)  # 2 + 1 slots
+    assert [e.request_id for e in effects] == ["r0", "r1", "r2"]
+    assert sorted(e.worker_id for e in effects if isinstance(e, Admit)) == ["w1", "w1", "w2"]
+    assert policy.held == 3
+
+
+def test_a_held_request_whose_budget_ran_out_is_refused_with_how_long_it_waited():
+    policy = trained()
+    policy.arrive(arrival("r1", 0.0), [load("w1", 9)])
+    assert policy.poll([load("w1", 9)], 0.5) == []
+    assert policy.next_deadline() == pytest.approx(0.9)
+    (refused,) = policy.poll([load("w1", 9)], 0.95)
+    assert isinstance(refused, Refuse) and refused.reason is RefuseReason.BUDGET_SPENT
+    assert refused.waited_s == pytest.approx(0.95)
+    assert policy.held == 0
+
+
+def test_held_requests_past_what_the_drain_rate_can_reach_are_refused_early():
+    policy = trained()
+    full = [load("w1", 9)]
+    for i in range(5):
+        policy.arrive(arrival(f"r{i}", 0.0, slo=TierSlo(3.0, 0.25)), full)
+    finish(policy, [0.5, 1.0])  # 2 streams in the first second: 2 a second
+    effects = policy.poll(full, 1.0)
+    # Place k waits k / 2 s from now (1 s): places 1-3 reach a worker by 2.5 s, within the 2.7 s budget; 4 and 5 do not.
+    assert sorted(e.request_id for e in effects) == ["r3", "r4"]
+    assert all(isinstance(e, Refuse) and e.reason is RefuseReason.QUEUE_TOO_SLOW for e in effects)
+
+
+def test_a_full_queue_displaces_the_newest_of_a_lower_tier_and_refuses_its_own():
+    policy = trained(settings=AdmissionSettings(max_queued=2))
+    full = [load("w1", 9)]
+    policy.arrive(arrival("be", 0.0, tier=Tier.BEST_EFFORT), full)
+    policy.arrive(arrival("std", 0.0), full)
+    decision, displaced = policy.arrive(arrival("std-2", 0.1), full)
+    assert decision == Hold("std-2")
+    assert [(r.request_id, r.reason) for r in displaced] == [("be", RefuseReason.DISPLACED)]
+    decision, displaced = policy.arrive(arrival("std-3", 0.2), full)
+    assert isinstance(decision, Refuse) and decision.reason is RefuseReason.QUEUE_FULL and displaced == []
+    decision, displaced = policy.arrive(arrival("prem", 0.3, tier=Tier.PREMIUM), full)
+    assert decision == Hold("prem")
+    assert [r.request_id for r in displaced] == ["std-2"]
+
+
+def test_a_cancelled_request_leaves_the_queue():
+    policy = trained()
+    policy.arrive(arrival("r1", 0.0), [load("w1", 9)])
+    policy.cancel("r1")
+    assert policy.held == 0
+    assert policy.poll([load("w1", 0)], 0.1) == []
+
+
+def test_a_tier_with_looser_slos_fits_where_a_stricter_one_does_not():
+    policy = trained()
+    strict, _ = policy.arrive(arrival("strict", 0.0), [load("w1", 9)])
+    loose, _ = policy.arrive(arrival("loose", 0.0, tier=Tier.PREMIUM, slo=TierSlo(2.0, 0.5)), [load("w1", 9)])
+    assert isinstance(strict, Hold) and loose == Admit("loose", "w1")
+
+
+def test_a_new_request_waits_behind_held_ones_of_its_tier_even_if_room_just_appeared():
+    policy = trained()
+    policy.arrive(arrival("first", 0.0), [load("w1", 9)])
+    decision, _ = policy.arrive(arrival("second", 0.1), [load("w1", 5)])
+    assert decision == Hold("second")
+    assert [e.request_id for e in policy.poll([load("w1", 5)], 0.1)] == ["first", "second"]
+
+
+def test_the_drain_rate_is_unknown_for_the_first_second_and_counts_the_last_window():
+    policy = OverloadPolicy(AdmissionSettings(drain_window_s=5.0))
+    policy.arrive(arrival("r", 0.0), [load()])
+    policy.on_finished(0.5)
+    assert policy.drain_per_s(0.5) is None
+    finish(policy, [1.0, 2.0, 3.0, 4.0, 5.0])
+    assert policy.drain_per_s(5.0) == pytest.approx(6 / 5)
+    assert policy.drain_per_s(9.0) == pytest.approx(2 / 5)  # only 4.0 and 5.0 are in the window

@@ -204,12 +204,12 @@ def test_a_held_request_whose_budget_ran_out_is_refused_with_how_long_it_waited(
 def test_held_requests_past_what_the_drain_rate_can_reach_are_refused_early():
     policy = trained()
     full = [load("w1", 9)]
-    for i in range(5):
+    for i in range(6):
         policy.arrive(arrival(f"r{i}", 0.0, slo=TierSlo(3.0, 0.25)), full)
-    finish(policy, [0.5, 1.0])  # 2 streams in the first second: 2 a second
+    finish(policy, [0.4, 0.7, 1.0])  # 3 streams in the first second: 3 a second
     effects = policy.poll(full, 1.0)
-    # Place k waits k / 2 s from now (1 s): places 1-3 reach a worker by 2.5 s, within the 2.7 s budget; 4 and 5 do not.
-    assert sorted(e.request_id for e in effects) == ["r3", "r4"]
+    # Place k waits k / 3 s from now (1 s): places 1-4 reach a worker by 2.4 s, within the 2.7 s budget; 5 and 6 do not.
+    assert sorted(e.request_id for e in effects) == ["r4", "r5"]
     assert all(isinstance(e, Refuse) and e.reason is RefuseReason.QUEUE_TOO_SLOW for e in effects)
 
 
@@ -251,11 +251,13 @@ def test_a_new_request_waits_behind_held_ones_of_its_tier_even_if_room_just_appe
     assert [e.request_id for e in policy.poll([load("w1", 5)], 0.1)] == ["first", "second"]
 
 
-def test_the_drain_rate_is_unknown_for_the_first_second_and_counts_the_last_window():
+def test_the_drain_rate_is_unknown_for_the_first_second_counts_the_last_window_and_outlives_idle_spells():
     policy = OverloadPolicy(AdmissionSettings(drain_window_s=5.0))
     policy.arrive(arrival("r", 0.0), [load()])
     policy.on_finished(0.5)
     assert policy.drain_per_s(0.5) is None
     finish(policy, [1.0, 2.0, 3.0, 4.0, 5.0])
     assert policy.drain_per_s(5.0) == pytest.approx(6 / 5)
-    assert policy.drain_per_s(9.0) == pytest.approx(2 / 5)  # only 4.0 and 5.0 are in the window
+    assert policy.drain_per_s(7.5) == pytest.approx(3 / 5)  # 3.0, 4.0 and 5.0 are in the window
+    # An idle spell empties the window: a burst after it is judged by the last rate measured, not held blind.
+    assert policy.drain_per_s(30.0) == pytest.approx(3 / 5)

@@ -329,3 +329,35 @@ def bench_soak(
     result = run_soak_bench(minutes=minutes, kill_every_s=kill_every, streams=streams, max_tokens=tokens, sample_s=sample,
                             warmup_minutes=warmup, seed=seed)
     print(json.dumps(result, indent=None if as_json else 2))
+
+
+@bench_app.command("goodput")
+def bench_goodput(
+    workers: int = typer.Option(2, min=1, help="Workers of each stack"),
+    seconds: float = typer.Option(20.0, min=2, help="Seconds of arrivals per load"),
+    factors: str = typer.Option("0.5,1,2,4", help="Comma-separated loads as multiples of the measured capacity (must include 1)"),
+    osl: int = typer.Option(16, min=2, help="Tokens generated per request"),
+    ttft_slo: float = typer.Option(1.5, "--ttft-slo", min=0.05, help="TTFT SLO in seconds"),
+    itl_slo: float = typer.Option(0.25, "--itl-slo", min=0.005, help="Mean inter-token latency SLO in seconds"),
+    engine: str = typer.Option("sim", help="The workers' engine: sim (a synthetic profile, minutes on a laptop) or torch (the real model)"),
+    model: str = typer.Option("phalanx-tiny-moe", help="The workers' model (with --engine torch: e.g. smollm2-135m or a checkpoint)"),
+    capacity: float = typer.Option(None, min=0.01, help="Requests/s the stack serves within the SLOs [default: measured first]"),
+    modes: str = typer.Option("off,slo", help="Comma-separated router admission modes, each on its own stack"),
+    seed: int = typer.Option(0, help="Seed of the arrivals"),
+    as_json: AsJson = False,
+) -> None:
+    """Goodput (requests/s meeting both the TTFT and ITL SLOs) at 0.5x-4x the measured capacity, through the OpenAI gateway,
+    with the router's SLO-aware admission on and off side by side."""
+    # It forks `phalanx up` while its gRPC clients run: see run_up for why this is off.
+    os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
+    from phalanx.bench.goodput import run_goodput_bench
+
+    try:
+        result = run_goodput_bench(
+            workers=workers, seconds=seconds, factors=tuple(float(f) for f in factors.split(",") if f.strip()), osl=osl,
+            ttft_slo_s=ttft_slo, itl_slo_s=itl_slo, engine=engine, model=model, capacity_rps=capacity,
+            modes=tuple(m.strip() for m in modes.split(",") if m.strip()), seed=seed,
+        )
+    except ValueError as error:
+        raise typer.BadParameter(str(error)) from None
+    print(json.dumps(result, indent=None if as_json else 2))

@@ -36,8 +36,9 @@ report is fresh, a suspicious worker counting with its routing weight:
 Level 4 is for lost capacity, never for load alone. TPOT, TTFT and KV say the
 fleet is busy: their pressure is capped just below level 4's threshold, so
 ordinary overload (or a busy host whose steps slowed) reaches level 3 at most:
-smaller batches, best_effort shed, relaxed latency SLOs, and every standard
-and premium request still admitted to queue at the workers. Refusing every
+smaller batches, best_effort shed, relaxed latency SLOs, and standard and
+premium requests admitted by each router's SLO-aware admission (phalanx.router.overload:
+what can start within its SLOs is served, the rest refused fast), not refused wholesale. Refusing every
 new request is for the fleet that cannot serve: no routable worker, or the
 throughput SLO (a configured demand) beyond what the healthy workers can do.
 

@@ -8,6 +8,8 @@ served as long as any worker can take it). Levels 1 and 3 act on workers and
 SLOs, not on admission. Only new requests are judged: streams already
 running, their resumes and their handoffs always finish. Shed requests get
 RESOURCE_EXHAUSTED with a retry hint: the system is overloaded, not broken.
+Plain overload (no level) is judged request by request after this, by the SLO-aware
+admission of phalanx.router.overload: whether the request can start within its SLOs.
 
 Each tenant's limits (streams in flight, tokens per minute, prompt size; see
 phalanx.router.limits) are held here too: ``enter`` admits a new stream or

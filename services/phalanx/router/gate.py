@@ -163,8 +163,8 @@ class AdmissionGate:
         return [replace(w, batch=max(w.batch, own[w.worker_id])) if own[w.worker_id] > w.batch else w for w in self.table.loads()]
 
     def _count(self, effect: Admit | Refuse) -> None:
-        outcome = "admitted" if isinstance(effect, Admit) else f"refused_{effect.reason.value}"
-        self.metrics.admission.labels(outcome=outcome).inc()
+        outcome, reason = ("admitted", "") if isinstance(effect, Admit) else ("refused", effect.reason.value)
+        self.metrics.admission.labels(outcome=outcome, reason=reason, held="true" if effect.waited_s > 0 else "false").inc()
         if effect.waited_s > 0:
             self.metrics.admission_wait.observe(effect.waited_s)
 

@@ -134,8 +134,9 @@ class RouterMetrics:
         )
         self.queued = Gauge("phalanx_router_queued_requests", "New requests waiting for a slot of a full router (max_streams)", registry=r)
         self.admission = Counter(
-            "phalanx_router_admission", "SLO admission decisions: admitted, or refused_<reason> (docs/health-and-chaos.md)", ["outcome"],
-            registry=r,
+            "phalanx_router_admission",
+            "SLO admission decisions: outcome admitted or refused, the refusal's reason, and whether it was held first (docs/health-and-chaos.md)",
+            ["outcome", "reason", "held"], registry=r,
         )
         self.admission_held = Gauge("phalanx_router_admission_held", "New requests SLO admission holds until a worker has room", registry=r)
         self.admission_wait = Histogram(

@@ -114,6 +114,8 @@ Decision = Admit | Hold | Refuse
 # A worker's batch may grow to this multiple of the running sequences of its last load report (or by this many), and
 # further once a report shows the bigger batch: the gaps' batch sizes are as old as the report, and a burst admitted on
 # a line measured at small batches overshot the ITL SLO several times over on a busy box.
+# Finished streams in the drain window for its rate to count (fewer: the last rate that had as many).
+MIN_DRAIN_EVENTS = 3
 SLOW_START_FACTOR = 2
 SLOW_START_STEP = 2
 
@@ -189,6 +191,7 @@ class OverloadPolicy:
         self._first_seen: float | None = None
         self._sequence = itertools.count()
         self._mean_prompt = 0.0
+        self._last_drain: float | None = None
 
     # -- events ----------------------------------------------------------------------------
     def on_step(self, worker_id: str, batch: int, step_s: float) -> None:
@@ -274,14 +277,19 @@ class OverloadPolicy:
         return len(self._by_id)
 
     def drain_per_s(self, now: float) -> float | None:
-        """Streams finished per second over the drain window; None until a second of history exists."""
+        """Streams finished per second over the drain window; None until a second of history exists.
+
+        A window with fewer than MIN_DRAIN_EVENTS in it (an idle fleet that a burst just hit) gives the last rate measured
+        with enough events: without it, the burst's first seconds would be held whole and refused only as their budgets
+        ran out, rather than at arrival."""
         self._trim(now)
         if self._first_seen is None:
             return None
         span = min(self.settings.drain_window_s, now - self._first_seen)
-        if span < 1.0 or not self._finished:
-            return None
-        return len(self._finished) / span
+        if span >= 1.0 and len(self._finished) >= MIN_DRAIN_EVENTS:
+            self._last_drain = len(self._finished) / span
+            return self._last_drain
+        return self._last_drain
 
     # -- predictions ---------------------------------------------------------------------------
     def step_at(self, load: WorkerLoad, batch: int) -> float | None:

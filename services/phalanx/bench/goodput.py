@@ -1,0 +1,368 @@
+"""`phalanx bench goodput`: requests per second that meet both latency SLOs, under 0.5x to 4x the stack's capacity,
+with the router's SLO-aware admission on and off, side by side in one run.
+
+One run, on this box, in a few minutes:
+
+- Two `phalanx up` stacks, one after the other, identical but for `PHALANX_ROUTER_ADMISSION` (off first, then slo):
+  NATS, etcd, router, health, the OpenAI gateway and `workers` workers, by default simulated (`--engine sim`) with a
+  synthetic profile (`bench_profile()`: a step of 40 ms + 20 ms per sequence, so about 9 sequences per worker fit the
+  0.25 s ITL SLO), so that the box relays every token with room to spare and what is measured is admission, not the box.
+- Capacity, measured first and briefly on the stack without admission: closed-loop clients at rising concurrency; the
+  capacity is the highest completion rate at which the 90th percentiles of TTFT and mean ITL still meet the SLOs.
+- Each load: open-loop Poisson arrivals at `factor` x capacity for `seconds`, every request a streaming chat completion
+  through the gateway (HTTP, as any OpenAI client sends it), `osl` tokens. A request meets the SLOs when it got all its
+  tokens, its TTFT is within the TTFT SLO and its mean inter-token gap within the ITL SLO. Goodput = those per second
+  of arrivals. A refusal is an HTTP 429 (its latency and Retry-After are recorded); a request still unanswered
+  `drain_s` after the last arrival is cancelled and counts as a miss.
+
+Goals (admission on): goodput at 2x and 4x >= 90 % of goodput at 1x; >= 95 % of admitted requests meet both SLOs;
+refusals answered within 50 ms (p99); and admission off shows the collapse (its goodput at 4x under half its 1x).
+
+The same load with a standard generator, against any OpenAI-compatible endpoint (docs/health-and-chaos.md gives it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import math
+import os
+import random
+import statistics
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+
+from phalanx.bench.planner import Stack
+from phalanx.client import Client, PhalanxClientError
+from phalanx.launch.services import metric_value, scrape
+from phalanx.planner.profile import PerformanceProfile, save_profile
+
+__all__ = ["GOALS", "bench_profile", "judge", "run_goodput_bench", "summarize"]
+
+TTFT_SLO_S = 1.5
+ITL_SLO_S = 0.25
+OSL = 16
+PROMPT_WORDS = 20
+FACTORS = (0.5, 1.0, 2.0, 4.0)
+# off_collapses: admission off, goodput at 4x below this share of its goodput at 1x.
+GOALS = {"goodput_2x_vs_1x": 0.9, "goodput_4x_vs_1x": 0.9, "admitted_meeting_slo": 0.95, "refusal_p99_ms": 50.0, "off_collapses": 0.5}
+_CAPACITY_STEPS = (4, 8, 12, 16, 20, 24, 32)
+_CAPACITY_PROBE_S = 8.0
+
+
+def bench_profile() -> PerformanceProfile:
+    """A synthetic worker: step = 40 ms + 20 ms x concurrency (any context), prefill 20 ms + 0.5 ms per prompt token."""
+    isl = np.array([16.0, 64.0, 256.0, 1024.0])
+    ttft = 0.02 + 0.0005 * isl
+    contexts = np.array([64.0, 1024.0])
+    concurrency = np.array([1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0])
+    itl = np.array([[0.04 + 0.02 * c for c in concurrency] for _ in contexts])
+    return PerformanceProfile(
+        model="phalanx-tiny-moe", gpus_per_worker=1, prefill_isl=isl, prefill_ttft_s=ttft, prefill_tokens_per_s=isl / ttft,
+        decode_context=contexts, decode_concurrency=concurrency, decode_itl_s=itl, decode_tokens_per_s=concurrency / itl,
+    )
+
+
+@dataclass
+class Outcome:
+    """One request as the client saw it."""
+
+    sent_at: float  # since the load started
+    status: str = "error"  # ok | refused | timeout | error
+    ttft_s: float | None = None
+    gaps: list[float] = field(default_factory=list)
+    tokens: int = 0
+    answered_s: float | None = None  # a refusal: seconds until the 429 came
+    retry_after: str = ""
+
+    @property
+    def mean_itl_s(self) -> float | None:
+        return statistics.fmean(self.gaps) if self.gaps else None
+
+    def meets(self, ttft_slo_s: float, itl_slo_s: float, osl: int) -> bool:
+        return (self.status == "ok" and self.tokens >= osl and self.ttft_s is not None and self.ttft_s <= ttft_slo_s
+                and (self.mean_itl_s or 0.0) <= itl_slo_s)
+
+
+@dataclass(frozen=True)
+class _Target:
+    gateway: str
+    model: str
+    osl: int
+
+
+async def _one(http: httpx.AsyncClient, target: _Target, i: int, sent_at: float) -> Outcome:
+    outcome = Outcome(sent_at=sent_at)
+    words = " ".join(f"w{(i * 7 + k) % 997}" for k in range(PROMPT_WORDS))
+    body = {"model": target.model, "messages": [{"role": "user", "content": f"{i} {words}"}], "max_tokens": target.osl,
+            "stream": True, "ignore_eos": True}
+    start = time.monotonic()
+    last = start
+    try:
+        async with http.stream("POST", f"{target.gateway}/v1/chat/completions", json=body) as response:
+            if response.status_code == 429:
+                outcome.status, outcome.answered_s = "refused", time.monotonic() - start
+                outcome.retry_after = response.headers.get("retry-after", "")
+                return outcome
+            if response.status_code != 200:
+                outcome.status = f"http_{response.status_code}"
+                return outcome
+            async for line in response.aiter_lines():
+                if not line.startswith("data:") or line.endswith("[DONE]"):
+                    continue
+                chunk = json.loads(line[5:])
+                delta = (chunk.get("choices") or [{}])[0].get("delta") or {}
+                if not delta.get("content"):
+                    continue
+                now = time.monotonic()
+                if outcome.ttft_s is None:
+                    outcome.ttft_s = now - start
+                else:
+                    outcome.gaps.append(now - last)
+                last = now
+                outcome.tokens += 1
+        outcome.status = "ok"
+    except asyncio.CancelledError:
+        outcome.status = "timeout"
+    except (httpx.HTTPError, ValueError) as error:
+        outcome.status = f"error:{type(error).__name__}"
+    return outcome
+
+
+async def _open_loop(target: _Target, rate: float, seconds: float, drain_s: float, seed: int) -> list[Outcome]:
+    """Poisson arrivals at `rate` for `seconds`; what is unanswered `drain_s` after the last arrival is cancelled."""
+    rng = random.Random(seed)
+    limits = httpx.Limits(max_connections=4096, max_keepalive_connections=256)
+    async with httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(None)) as http:
+        start = time.monotonic()
+        tasks: list[asyncio.Task[Outcome]] = []
+        t = rng.expovariate(rate)
+        i = 0
+        while t < seconds:
+            delay = start + t - time.monotonic()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.create_task(_one(http, target, i, t)))
+            i += 1
+            t += rng.expovariate(rate)
+        if tasks:
+            await asyncio.wait(tasks, timeout=max(0.0, start + seconds + drain_s - time.monotonic()))
+        for task in tasks:
+            task.cancel()
+        return [await task for task in tasks]
+
+
+async def _closed_loop(target: _Target, concurrency: int, seconds: float) -> list[Outcome]:
+    """`concurrency` clients sending one request after the other for `seconds` (requests started after it are not sent)."""
+    async with httpx.AsyncClient(limits=httpx.Limits(max_connections=concurrency + 8), timeout=httpx.Timeout(None)) as http:
+        start = time.monotonic()
+        outcomes: list[Outcome] = []
+
+        async def client(c: int) -> None:
+            n = 0
+            while time.monotonic() - start < seconds:
+                outcomes.append(await _one(http, target, c * 1000 + n, time.monotonic() - start))
+                n += 1
+
+        await asyncio.gather(*(client(c) for c in range(concurrency)))
+        return outcomes
+
+
+def _q(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
+
+
+def _r(value: float | None, digits: int = 3) -> float | None:
+    return None if value is None else round(value, digits)
+
+
+def summarize(outcomes: list[Outcome], seconds: float, *, ttft_slo_s: float, itl_slo_s: float, osl: int) -> dict[str, Any]:
+    """One load's figures (pure; unit-tested)."""
+    ok = [o for o in outcomes if o.status == "ok"]
+    refused = [o for o in outcomes if o.status == "refused"]
+    admitted = [o for o in outcomes if o.status != "refused"]
+    good = [o for o in outcomes if o.meets(ttft_slo_s, itl_slo_s, osl)]
+    refusal_ms = [1e3 * o.answered_s for o in refused if o.answered_s is not None]
+    ttfts = [o.ttft_s for o in ok if o.ttft_s is not None]
+    itls = [o.mean_itl_s for o in ok if o.mean_itl_s is not None]
+    statuses: dict[str, int] = {}
+    for o in outcomes:
+        statuses[o.status] = statuses.get(o.status, 0) + 1
+    return {
+        "requests": len(outcomes), "offered_rps": _r(len(outcomes) / seconds), "goodput_rps": _r(len(good) / seconds),
+        "good": len(good), "statuses": statuses,
+        "admitted_meeting_slo": _r(len(good) / len(admitted)) if admitted else None,
+        "refused": len(refused), "refusal_ms_p50": _r(_q(refusal_ms, 0.5), 1), "refusal_ms_p99": _r(_q(refusal_ms, 0.99), 1),
+        "refused_within_50ms": _r(sum(1 for ms in refusal_ms if ms <= 50) / len(refusal_ms)) if refusal_ms else None,
+        "refusal_ms_max": _r(max(refusal_ms), 1) if refusal_ms else None,
+        "retry_after_s": sorted({o.retry_after for o in refused if o.retry_after}, key=lambda v: float(v))[:8],
+        "ttft_s_p50": _r(_q(ttfts, 0.5)), "ttft_s_p99": _r(_q(ttfts, 0.99)),
+        "mean_itl_s_p50": _r(_q(itls, 0.5)), "mean_itl_s_p99": _r(_q(itls, 0.99)),
+    }
+
+
+def judge(modes: dict[str, dict[str, dict[str, Any]]], goals: dict[str, float] = GOALS) -> tuple[dict[str, Any], dict[str, bool | None]]:
+    """Ratios and ``met`` per goal from each mode's loads (keyed by factor, "1" being capacity)."""
+
+    def ratio(mode: str, factor: str) -> float | None:
+        loads = modes.get(mode) or {}
+        base = (loads.get("1") or {}).get("goodput_rps")
+        value = (loads.get(factor) or {}).get("goodput_rps")
+        return None if not base or value is None else round(value / base, 3)
+
+    slo = modes.get("slo") or {}
+    ratios = {mode: {f: ratio(mode, f) for f in ("0.5", "2", "4")} for mode in modes}
+    shares = [load["admitted_meeting_slo"] for load in slo.values() if load.get("admitted_meeting_slo") is not None]
+    refusals = [load["refusal_ms_p99"] for load in slo.values() if load.get("refusal_ms_p99") is not None]
+
+    def at_least(value: float | None, goal: float) -> bool | None:
+        return None if value is None else value >= goal
+
+    off_4x = ratio("off", "4")
+    met = {
+        "goodput_2x_vs_1x": at_least(ratio("slo", "2"), goals["goodput_2x_vs_1x"]),
+        "goodput_4x_vs_1x": at_least(ratio("slo", "4"), goals["goodput_4x_vs_1x"]),
+        "admitted_meeting_slo": (min(shares) >= goals["admitted_meeting_slo"]) if shares else None,
+        "refusal_p99_ms": (max(refusals) <= goals["refusal_p99_ms"]) if refusals else None,
+        "off_collapses": None if off_4x is None else off_4x < goals["off_collapses"],
+    }
+    return ratios, met
+
+
+async def _idle(router: str, timeout: float = 60.0) -> None:
+    """Until no worker runs or queues anything (the next load starts on an idle fleet)."""
+    deadline = time.monotonic() + timeout
+    async with await Client.connect(router) as client:
+        while time.monotonic() < deadline:
+            with contextlib.suppress(PhalanxClientError):
+                workers = await client.list_workers(timeout=2)
+                if workers and all(w.running_seqs == 0 and w.queue_depth == 0 for w in workers if w.routable):
+                    return
+            await asyncio.sleep(0.25)
+
+
+async def _model(gateway: str) -> str:
+    async with httpx.AsyncClient(timeout=30) as http:
+        for _ in range(120):
+            with contextlib.suppress(httpx.HTTPError):
+                response = await http.get(f"{gateway}/v1/models")
+                if response.status_code == 200:
+                    return str(response.json()["data"][0]["id"])
+            await asyncio.sleep(0.5)
+    raise RuntimeError(f"the gateway at {gateway} never named its model")
+
+
+async def _capacity(target: _Target, ttft_slo_s: float, itl_slo_s: float, probe_s: float) -> dict[str, Any]:
+    """Closed loop at rising concurrency; the highest completion rate whose p90 TTFT and mean ITL meet the SLOs."""
+    probes = []
+    best = 0.0
+    for concurrency in _CAPACITY_STEPS:
+        outcomes = await _closed_loop(target, concurrency, probe_s)
+        ok = [o for o in outcomes if o.status == "ok"]
+        ttft_p90 = _q([o.ttft_s for o in ok if o.ttft_s is not None], 0.9)
+        itl_p90 = _q([o.mean_itl_s for o in ok if o.mean_itl_s is not None], 0.9)
+        spans = [o.sent_at + (o.ttft_s or 0) + sum(o.gaps) for o in ok]
+        rate = len(ok) / max(spans) if spans else 0.0
+        within = ttft_p90 is not None and itl_p90 is not None and ttft_p90 <= ttft_slo_s and itl_p90 <= itl_slo_s
+        probes.append({"concurrency": concurrency, "rps": _r(rate), "ttft_s_p90": _r(ttft_p90), "mean_itl_s_p90": _r(itl_p90),
+                       "within_slo": within})
+        if not within:
+            break
+        best = max(best, rate)
+    return {"rps": _r(best), "probes": probes}
+
+
+@contextlib.contextmanager
+def _started(directory: Path, mode: str, args: list[str], env: dict[str, str]) -> Iterator[Stack]:
+    """A `phalanx up` for one mode; a start that fails (a service slow to register on a busy box) is tried once more."""
+    for attempt in (1, 2):
+        stack = Stack(directory, f"stack-{mode}-{attempt}", args, env)
+        try:
+            stack.__enter__()
+        except RuntimeError:
+            stack.__exit__(None, None, None)
+            if attempt == 2:
+                raise
+            continue
+        try:
+            yield stack
+        finally:
+            stack.__exit__(None, None, None)
+        return
+
+
+def _admission_counts(metrics_address: str) -> dict[str, float | None]:
+    """The router's own count of its decisions over the whole run: refusals at arrival (answered in microseconds there)
+    against refusals after a hold (its budget ran out), so a slow refusal seen by the client is told from a slow path."""
+    text = scrape(metrics_address)
+    name = "phalanx_router_admission_total"
+    return {
+        "admitted": metric_value(text, name, outcome="admitted", held="false"),
+        "admitted_after_hold": metric_value(text, name, outcome="admitted", held="true"),
+        "refused_at_arrival": metric_value(text, name, outcome="refused", held="false"),
+        "refused_after_hold": metric_value(text, name, outcome="refused", held="true"),
+    }
+
+
+def _env(mode: str, ttft_slo_s: float, itl_slo_s: float) -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if not k.startswith("PHALANX_")} | {
+        "PHALANX_ROUTER_ADMISSION": mode,
+        "PHALANX_ROUTER_ADMISSION_TTFT_SLO_S": str(ttft_slo_s), "PHALANX_ROUTER_ADMISSION_ITL_SLO_S": str(itl_slo_s),
+        # What the health service publishes, and so what the router admits by (the same SLOs).
+        "PHALANX_DEGRADATION_SLO_TTFT_S": str(ttft_slo_s), "PHALANX_DEGRADATION_SLO_TPOT_S": str(itl_slo_s),
+    }
+
+
+def run_goodput_bench(
+    *, workers: int = 2, seconds: float = 20.0, factors: tuple[float, ...] = FACTORS, osl: int = OSL, ttft_slo_s: float = TTFT_SLO_S,
+    itl_slo_s: float = ITL_SLO_S, engine: str = "sim", model: str = "phalanx-tiny-moe", capacity_rps: float | None = None,
+    drain_s: float = 10.0, modes: tuple[str, ...] = ("off", "slo"), seed: int = 0, probe_s: float = _CAPACITY_PROBE_S,
+) -> dict[str, Any]:
+    """Runs the bench (module docstring) and returns one JSON-ready dict."""
+    if 1.0 not in factors:
+        raise ValueError("the factors must include 1 (capacity): the goals compare with it")
+    directory = Path(tempfile.mkdtemp(prefix="phalanx-bench-goodput-"))
+    args = ["--workers", str(workers), "--model", model, "--fast", "--engine", engine]
+    if engine == "sim":
+        profile = directory / "goodput-profile.npz"
+        save_profile(bench_profile(), profile)
+        args += ["--profile", str(profile), "--fork-workers"]
+    started = time.monotonic()
+    capacity: dict[str, Any] = {"rps": capacity_rps, "probes": [], "given": capacity_rps is not None}
+    results: dict[str, dict[str, dict[str, Any]]] = {}
+    routers: dict[str, dict[str, float | None]] = {}
+    for mode in modes:
+        with _started(directory, mode, args, _env(mode, ttft_slo_s, itl_slo_s)) as stack:
+            state = stack.state()
+            target = _Target(state["gateway_url"].rstrip("/"), asyncio.run(_model(state["gateway_url"].rstrip("/"))), osl)
+            if capacity["rps"] is None:
+                capacity |= asyncio.run(_capacity(target, ttft_slo_s, itl_slo_s, probe_s))
+                if not capacity["rps"]:
+                    raise RuntimeError(f"no concurrency met the SLOs: {capacity['probes']}")
+            results[mode] = {}
+            for n, factor in enumerate(factors):
+                asyncio.run(_idle(state["router_address"]))
+                outcomes = asyncio.run(_open_loop(target, factor * capacity["rps"], seconds, drain_s, seed + n))
+                results[mode][f"{factor:g}"] = summarize(outcomes, seconds, ttft_slo_s=ttft_slo_s, itl_slo_s=itl_slo_s, osl=osl)
+            if mode == "slo":
+                routers[mode] = _admission_counts(state["router_metrics_address"])
+    ratios, met = judge(results)
+    return {
+        "bench": "goodput", "engine": engine, "model": model, "workers": workers, "seconds_per_load": seconds, "osl": osl,
+        "slo": {"ttft_s": ttft_slo_s, "mean_itl_s": itl_slo_s},
+        "profile": "synthetic (bench_profile): step 40 ms + 20 ms x sequences" if engine == "sim" else "the real engine",
+        "capacity": capacity, "factors": [f"{f:g}" for f in factors], "modes": results, "goodput_ratio_to_1x": ratios,
+        "router_admission": routers,
+        "goals": GOALS, "met": met, "seconds": round(time.monotonic() - started, 1),
+    }

@@ -16,7 +16,8 @@ One run, on this box, in a few minutes:
   `drain_s` after the last arrival is cancelled and counts as a miss.
 
 Goals (admission on): goodput at 2x and 4x >= 90 % of goodput at 1x; >= 95 % of admitted requests meet both SLOs;
-refusals answered within 50 ms (p99); and admission off shows the collapse (its goodput at 4x under half its 1x).
+refusals answered within 50 ms (p99; each load also reports the gateway's own round trip meanwhile, GET /v1/models,
+the floor this box's HTTP stack puts under any answer); and admission off shows the collapse (its goodput at 4x under half its 1x).
 
 The same load with a standard generator, against any OpenAI-compatible endpoint (docs/health-and-chaos.md gives it).
 """
@@ -137,11 +138,27 @@ async def _one(http: httpx.AsyncClient, target: _Target, i: int, sent_at: float)
     return outcome
 
 
-async def _open_loop(target: _Target, rate: float, seconds: float, drain_s: float, seed: int) -> list[Outcome]:
-    """Poisson arrivals at `rate` for `seconds`; what is unanswered `drain_s` after the last arrival is cancelled."""
+async def _floor(http: httpx.AsyncClient, target: _Target, stop: asyncio.Event, samples: list[float]) -> None:
+    """The gateway's own round trip under the same load (GET /v1/models, no router call), twice a second: the part of a
+    refusal's latency that is this box's HTTP stack and CPU, not admission."""
+    while not stop.is_set():
+        start = time.monotonic()
+        with contextlib.suppress(httpx.HTTPError):
+            await http.get(f"{target.gateway}/v1/models")
+            samples.append(time.monotonic() - start)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), 0.5)
+
+
+async def _open_loop(target: _Target, rate: float, seconds: float, drain_s: float, seed: int) -> tuple[list[Outcome], list[float]]:
+    """Poisson arrivals at `rate` for `seconds`; what is unanswered `drain_s` after the last arrival is cancelled. Also
+    returns the gateway's round trips meanwhile (`_floor`)."""
     rng = random.Random(seed)
     limits = httpx.Limits(max_connections=4096, max_keepalive_connections=256)
+    floor: list[float] = []
+    stop = asyncio.Event()
     async with httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(None)) as http:
+        prober = asyncio.create_task(_floor(http, target, stop, floor))
         start = time.monotonic()
         tasks: list[asyncio.Task[Outcome]] = []
         t = rng.expovariate(rate)
@@ -157,7 +174,9 @@ async def _open_loop(target: _Target, rate: float, seconds: float, drain_s: floa
             await asyncio.wait(tasks, timeout=max(0.0, start + seconds + drain_s - time.monotonic()))
         for task in tasks:
             task.cancel()
-        return [await task for task in tasks]
+        stop.set()
+        await prober
+        return [await task for task in tasks], floor
 
 
 async def _closed_loop(target: _Target, concurrency: int, seconds: float) -> list[Outcome]:
@@ -353,8 +372,11 @@ def run_goodput_bench(
             results[mode] = {}
             for n, factor in enumerate(factors):
                 asyncio.run(_idle(state["router_address"]))
-                outcomes = asyncio.run(_open_loop(target, factor * capacity["rps"], seconds, drain_s, seed + n))
-                results[mode][f"{factor:g}"] = summarize(outcomes, seconds, ttft_slo_s=ttft_slo_s, itl_slo_s=itl_slo_s, osl=osl)
+                outcomes, floor = asyncio.run(_open_loop(target, factor * capacity["rps"], seconds, drain_s, seed + n))
+                summary = summarize(outcomes, seconds, ttft_slo_s=ttft_slo_s, itl_slo_s=itl_slo_s, osl=osl)
+                ms = [1e3 * f for f in floor]
+                summary |= {"gateway_floor_ms_p50": _r(_q(ms, 0.5), 1), "gateway_floor_ms_p99": _r(_q(ms, 0.99), 1)}
+                results[mode][f"{factor:g}"] = summary
             if mode == "slo":
                 routers[mode] = _admission_counts(state["router_metrics_address"])
     ratios, met = judge(results)

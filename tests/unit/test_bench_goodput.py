@@ -52,3 +52,16 @@ def test_the_goals_compare_each_load_with_capacity_and_off_must_collapse():
 def test_a_goal_without_its_loads_is_not_judged():
     _, met = judge({"slo": {"1": load(4.0)}})
     assert met["goodput_2x_vs_1x"] is None and met["off_collapses"] is None and met["refusal_p99_ms"] is None
+
+
+def test_after_faults_judges_the_requests_sent_soon_after_each_kill_and_counts_every_lost_one():
+    from phalanx.bench.goodput import after_faults
+
+    def sent(at: float, status: str = "ok", ttft: float = 0.2) -> Outcome:
+        return Outcome(sent_at=at, status=status, ttft_s=ttft if status == "ok" else None, gaps=[0.1], tokens=2)
+
+    outcomes = [sent(1.0, ttft=5.0), sent(21.0, ttft=0.9), sent(25.0, "error:ReadError"), sent(40.0, "refused"), sent(50.0, "timeout")]
+    figures = after_faults(outcomes, [20.0], window_s=10.0)
+    assert figures["kills"] == 1 and figures["requests_after_faults"] == 2
+    assert figures["ttft_s_p99_after_faults"] == 0.9  # the slow one came before the kill
+    assert figures["lost"] == 2  # cut and timed out; the refusal was an answer

@@ -19,6 +19,12 @@ Goals (admission on): goodput at 2x and 4x >= 90 % of goodput at 1x; >= 95 % of 
 refusals answered within 50 ms (p99; each load also reports the gateway's own round trip meanwhile, GET /v1/models,
 the floor this box's HTTP stack puts under any answer); and admission off shows the collapse (its goodput at 4x under half its 1x).
 
+With `faults_every_s` (`--faults S`), then: the load at `fault_factor` x capacity for `fault_seconds` with a worker
+SIGKILLed every S seconds (by PID; the supervisor starts a replacement), admission on, with migration on and off
+(off: the router fails a cut stream and the migration service does not move a dead worker's requests), each on its own
+stack: goodput against the fault-free run's at that load, requests lost, TTFT / ITL p99 of the requests sent in the 10 s
+after each kill. Goals: >= 95 % of fault-free goodput at one kill a minute, 0 requests lost.
+
 The same load with a standard generator, against any OpenAI-compatible endpoint (docs/health-and-chaos.md gives it).
 """
 
@@ -30,6 +36,7 @@ import json
 import math
 import os
 import random
+import signal
 import statistics
 import tempfile
 import time
@@ -321,6 +328,94 @@ def _started(directory: Path, mode: str, args: list[str], env: dict[str, str]) -
         return
 
 
+# -- goodput under failure ----------------------------------------------------------------------------------------
+FAULT_GOALS = {"goodput_vs_fault_free": 0.95, "lost": 0}
+_AFTER_FAULT_S = 10.0
+
+
+async def _killer(stack: Stack, every_s: float, seconds: float, kills: list[float]) -> None:
+    """SIGKILL a serving worker every `every_s` while the load runs (by PID, from the supervisor's state file; the
+    supervisor starts a replacement, as Kubernetes would). `kills`: the times since the load started."""
+    start = time.monotonic()
+    n = 0
+    while True:
+        at = (n + 1) * every_s
+        if at >= seconds:
+            return
+        await asyncio.sleep(max(0.0, start + at - time.monotonic()))
+        workers = [w for w in stack.state()["workers"] if w.get("pid")]
+        if workers:
+            victim = workers[n % len(workers)]["pid"]
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(victim, signal.SIGKILL)
+                kills.append(time.monotonic() - start)
+        n += 1
+
+
+def after_faults(outcomes: list[Outcome], kills: list[float], window_s: float = _AFTER_FAULT_S) -> dict[str, Any]:
+    """TTFT and mean-ITL p99 of the requests sent within `window_s` after a kill, and the requests lost over the run
+    (admitted, then neither finished nor refused: failed or cut). Pure; unit-tested."""
+    near = [o for o in outcomes if any(k <= o.sent_at < k + window_s for k in kills)]
+    ok = [o for o in near if o.status == "ok"]
+    lost = [o for o in outcomes if o.status not in ("ok", "refused")]
+    return {
+        "kills": len(kills), "requests_after_faults": len(near), "lost": len(lost),
+        "ttft_s_p99_after_faults": _r(_q([o.ttft_s for o in ok if o.ttft_s is not None], 0.99)),
+        "mean_itl_s_p99_after_faults": _r(_q([o.mean_itl_s for o in ok if o.mean_itl_s is not None], 0.99)),
+    }
+
+
+async def _faulted_load(target: _Target, stack: Stack, rate: float, seconds: float, drain_s: float, seed: int,
+                        every_s: float) -> tuple[list[Outcome], list[float]]:
+    kills: list[float] = []
+    killer = asyncio.create_task(_killer(stack, every_s, seconds, kills))
+    outcomes, _ = await _open_loop(target, rate, seconds, drain_s, seed)
+    killer.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await killer
+    return outcomes, kills
+
+
+def _fault_runs(directory: Path, args: list[str], o: _FaultOptions, capacity_rps: float, fault_free: float | None) -> dict[str, Any]:
+    """The same faulted load with migration on and off (admission on in both), each on its own stack."""
+    runs: dict[str, Any] = {}
+    for migration in ("on", "off"):
+        env = _env("slo", o.ttft_slo_s, o.itl_slo_s) | {
+            "PHALANX_ROUTER_MIGRATION": "true" if migration == "on" else "false",
+            # Off is off: nor does the migration service move a dead worker's requests on its own.
+            "PHALANX_MIGRATION_TRIGGER_ON_DEAD": "true" if migration == "on" else "false",
+        }
+        with _started(directory, f"faults-{migration}", args, env) as stack:
+            state = stack.state()
+            target = _Target(state["gateway_url"].rstrip("/"), asyncio.run(_model(state["gateway_url"].rstrip("/"))), o.osl)
+            asyncio.run(_idle(state["router_address"]))
+            outcomes, kills = asyncio.run(_faulted_load(target, stack, o.factor * capacity_rps, o.seconds, o.drain_s, o.seed, o.every_s))
+        summary = summarize(outcomes, o.seconds, ttft_slo_s=o.ttft_slo_s, itl_slo_s=o.itl_slo_s, osl=o.osl) | after_faults(outcomes, kills)
+        if fault_free:
+            summary["goodput_vs_fault_free"] = _r(summary["goodput_rps"] / fault_free)
+        runs[migration] = summary
+    on = runs["on"]
+    ratio = on.get("goodput_vs_fault_free")
+    met = {
+        "goodput_vs_fault_free": None if ratio is None else ratio >= FAULT_GOALS["goodput_vs_fault_free"],
+        "lost": on["lost"] <= FAULT_GOALS["lost"],
+    }
+    return {"every_s": o.every_s, "factor": o.factor, "seconds": o.seconds, "fault_free_goodput_rps": fault_free, "migration": runs,
+            "goals": FAULT_GOALS, "met": met}
+
+
+@dataclass(frozen=True)
+class _FaultOptions:
+    every_s: float
+    seconds: float
+    factor: float
+    osl: int
+    ttft_slo_s: float
+    itl_slo_s: float
+    drain_s: float
+    seed: int
+
+
 def _admission_counts(metrics_address: str) -> dict[str, float | None]:
     """The router's own count of its decisions over the whole run: refusals at arrival (answered in microseconds there)
     against refusals after a hold (its budget ran out), so a slow refusal seen by the client is told from a slow path."""
@@ -347,6 +442,7 @@ def run_goodput_bench(
     *, workers: int = 2, seconds: float = 20.0, factors: tuple[float, ...] = FACTORS, osl: int = OSL, ttft_slo_s: float = TTFT_SLO_S,
     itl_slo_s: float = ITL_SLO_S, engine: str = "sim", model: str = "phalanx-tiny-moe", capacity_rps: float | None = None,
     drain_s: float = 10.0, modes: tuple[str, ...] = ("off", "slo"), seed: int = 0, probe_s: float = _CAPACITY_PROBE_S,
+    faults_every_s: float | None = None, fault_seconds: float = 120.0, fault_factor: float = 1.0,
 ) -> dict[str, Any]:
     """Runs the bench (module docstring) and returns one JSON-ready dict."""
     if 1.0 not in factors:
@@ -380,11 +476,16 @@ def run_goodput_bench(
             if mode == "slo":
                 routers[mode] = _admission_counts(state["router_metrics_address"])
     ratios, met = judge(results)
+    faults = None
+    if faults_every_s:
+        options = _FaultOptions(faults_every_s, fault_seconds, fault_factor, osl, ttft_slo_s, itl_slo_s, drain_s, seed + 100)
+        fault_free = ((results.get("slo") or {}).get(f"{fault_factor:g}") or {}).get("goodput_rps")
+        faults = _fault_runs(directory, args, options, capacity["rps"], fault_free)
     return {
         "bench": "goodput", "engine": engine, "model": model, "workers": workers, "seconds_per_load": seconds, "osl": osl,
         "slo": {"ttft_s": ttft_slo_s, "mean_itl_s": itl_slo_s},
         "profile": "synthetic (bench_profile): step 40 ms + 20 ms x sequences" if engine == "sim" else "the real engine",
         "capacity": capacity, "factors": [f"{f:g}" for f in factors], "modes": results, "goodput_ratio_to_1x": ratios,
         "router_admission": routers,
-        "goals": GOALS, "met": met, "seconds": round(time.monotonic() - started, 1),
+        "goals": GOALS, "met": met, "faults": faults, "seconds": round(time.monotonic() - started, 1),
     }

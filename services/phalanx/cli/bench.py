@@ -344,6 +344,11 @@ def bench_goodput(
     capacity: float = typer.Option(None, min=0.01, help="Requests/s the stack serves within the SLOs [default: measured first]"),
     modes: str = typer.Option("off,slo", help="Comma-separated router admission modes, each on its own stack"),
     seed: int = typer.Option(0, help="Seed of the arrivals"),
+    faults: float = typer.Option(
+        None, "--faults", min=5, help="Then SIGKILL a worker every this many seconds under load, migration on vs off (goodput, lost, p99 after)"
+    ),
+    fault_seconds: float = typer.Option(120.0, min=10, help="With --faults: seconds of arrivals of each faulted run"),
+    fault_factor: float = typer.Option(1.0, min=0.1, help="With --faults: the load, as a multiple of capacity (a factor of the sweep)"),
     as_json: AsJson = False,
 ) -> None:
     """Goodput (requests/s meeting both the TTFT and ITL SLOs) at 0.5x-4x the measured capacity, through the OpenAI gateway,
@@ -356,7 +361,8 @@ def bench_goodput(
         result = run_goodput_bench(
             workers=workers, seconds=seconds, factors=tuple(float(f) for f in factors.split(",") if f.strip()), osl=osl,
             ttft_slo_s=ttft_slo, itl_slo_s=itl_slo, engine=engine, model=model, capacity_rps=capacity,
-            modes=tuple(m.strip() for m in modes.split(",") if m.strip()), seed=seed,
+            modes=tuple(m.strip() for m in modes.split(",") if m.strip()), seed=seed, faults_every_s=faults, fault_seconds=fault_seconds,
+            fault_factor=fault_factor,
         )
     except ValueError as error:
         raise typer.BadParameter(str(error)) from None

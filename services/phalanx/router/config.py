@@ -167,6 +167,11 @@ class RouterConfig(BaseSettings):
         default_factory=dict,
         description='Each tier\'s SLOs as a multiple of the deployment\'s, as JSON, e.g. {"best_effort": 2.0}; a tier left out gets 1',
     )
+    migration: bool = Field(
+        True,
+        description="Move a stream whose worker failed or hung to another worker (through the migration service); off: the "
+        "stream fails, as in engines without migration (the goodput bench's baseline under faults)",
+    )
     premium_at_level_4: bool = Field(
         False,
         description="At degradation level 4 keep admitting premium requests while any worker can take them "

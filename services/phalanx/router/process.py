@@ -143,8 +143,8 @@ class RouterProcess:
             shell.push_async_callback(self._close_quarantine)
             servicer = self.servicer = RouterServicer(
                 self.router_id, self.config, self.table, self.admission, records, channels, self.metrics, tokenizer=self._tokenizer,
-                on_broken_stream=self._report_broken_stream, migrate=migration.migrate, media_encoder=media_encoder, quarantine=self.quarantine,
-            )
+                on_broken_stream=self._report_broken_stream, migrate=migration.migrate if self.config.migration else None,
+                media_encoder=media_encoder, quarantine=self.quarantine)
             shell.add_service(SERVICE_NAME, router_pb2_grpc.add_RouterServiceServicer_to_server, servicer)
             await shell.start()
             workers = WorkerDirectory(self.etcd_config)

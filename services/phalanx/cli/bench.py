@@ -338,7 +338,7 @@ def bench_goodput(
     factors: str = typer.Option("0.5,1,2,4", help="Comma-separated loads as multiples of the measured capacity (must include 1)"),
     osl: int = typer.Option(16, min=2, help="Tokens generated per request"),
     ttft_slo: float = typer.Option(1.5, "--ttft-slo", min=0.05, help="TTFT SLO in seconds"),
-    itl_slo: float = typer.Option(0.25, "--itl-slo", min=0.005, help="Mean inter-token latency SLO in seconds"),
+    itl_slo: float = typer.Option(0.5, "--itl-slo", min=0.005, help="Mean inter-token latency SLO in seconds"),
     engine: str = typer.Option("sim", help="The workers' engine: sim (a synthetic profile, minutes on a laptop) or torch (the real model)"),
     model: str = typer.Option("phalanx-tiny-moe", help="The workers' model (with --engine torch: e.g. smollm2-135m or a checkpoint)"),
     capacity: float = typer.Option(None, min=0.01, help="Requests/s the stack serves within the SLOs [default: measured first]"),

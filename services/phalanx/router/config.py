@@ -161,6 +161,11 @@ class RouterConfig(BaseSettings):
     admission_headroom: float = Field(
         0.9, gt=0, le=1, description="SLO admission admits when the predicted TTFT and ITL are within this share of the SLOs"
     )
+    admission_max_hold_share: float = Field(
+        0.5, gt=0, le=1,
+        description="SLO admission holds a request at most this share of its TTFT SLO (the client's and the gateway's share of "
+        "its TTFT come on top of the router's)",
+    )
     admission_ttft_slo_s: float = Field(2.0, gt=0, description="TTFT SLO of admission while the health service publishes none")
     admission_itl_slo_s: float = Field(0.25, gt=0, description="Inter-token latency SLO of admission while the health service publishes none")
     admission_tier_slo_factors: dict[TierName, float] = Field(

@@ -38,8 +38,10 @@ class AdmissionGate:
         self.table = table
         self.metrics = metrics
         self.clock = clock
-        self.policy = OverloadPolicy(AdmissionSettings(max_queued=config.admission_max_queued, headroom=config.admission_headroom,
-                                                       default_retry_after_s=config.no_worker_retry_after_s))
+        self.policy = OverloadPolicy(AdmissionSettings(
+            max_queued=config.admission_max_queued, headroom=config.admission_headroom, max_hold_share=config.admission_max_hold_share,
+            default_retry_after_s=config.no_worker_retry_after_s,
+        ))
         self._defaults = TierSlo(config.admission_ttft_slo_s, config.admission_itl_slo_s)
         self._factors = {Tier.from_name(name): factor for name, factor in config.admission_tier_slo_factors.items()}
         self.slo = LatencySlo()  # what the health service publishes (none: the defaults above)

@@ -174,6 +174,7 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
                 flow, is_retry = await self._open_new(request_id, request, admitted, prompt_ids, params, prefer)
             except BaseException:
                 self.admission.leave(request_id)
+                self.gate.ended(request_id, "", finished=False)  # admitted (or held) but never started: its slot is free
                 raise
             flow.counted = True
             flow.fingerprint = fingerprint

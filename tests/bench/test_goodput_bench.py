@@ -12,7 +12,7 @@ pytestmark = pytest.mark.slow
 
 def test_goodput_bench_compares_admission_on_and_off_at_capacity_and_beyond():
     out = subprocess.run(
-        [sys.executable, "-m", "phalanx.cli", "bench", "goodput", "--seconds", "4", "--factors", "1,4", "--capacity", "3", "--osl", "8",
+        [sys.executable, "-m", "phalanx.cli", "bench", "goodput", "--seconds", "4", "--factors", "1,4", "--capacity", "2", "--osl", "8",
          "--json"],
         capture_output=True, text=True, timeout=600, check=True, env={**os.environ, "GRPC_ENABLE_FORK_SUPPORT": "false"},
     )

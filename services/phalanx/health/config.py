@@ -67,6 +67,18 @@ class HealthConfig(BaseSettings):
         description="Rechecks of a slow canary; it fails only if every one is slow too (a slow answer on a shared host is "
         "as often its scheduler as the worker, a slow worker stays slow)",
     )
+    load_aware: bool = Field(
+        True, description="Judge a canary's latency against the worker's own step time from its load reports, so that a worker "
+        "slow because it (or its host) is busy is not taken for a failing one (health/load.py)"
+    )
+    load_learn_factor: float = Field(
+        1.5, gt=1, description="A load report's step time is learned as the worker's usual for its load level when it is at most "
+        "this multiple of the usual one; a sudden larger jump is not learned (its peers may still explain it)"
+    )
+    load_max_stretch: float = Field(20.0, ge=1, description="The most a worker's load may stretch its canary latency limit")
+    load_report_stale_s: float = Field(
+        2.0, gt=0, description="A load report older than this grants no allowance, nor does one that shows no step for this long"
+    )
     unhealthy_after: int = Field(3, ge=1, description="Consecutive failures that make a worker UNHEALTHY (weight 0, drained)")
     circuit_failure_threshold: int = Field(3, ge=1, description="Consecutive failures that open a worker's circuit")
     circuit_recovery_s: float = Field(60.0, ge=0, description="How long a circuit stays open before one half-open canary")

@@ -46,6 +46,11 @@ class HealthMetrics:
             "Canaries repeated at once because a healthy worker missed one deadline while its engine made progress",
             registry=r,
         )
+        self.busy_passes = Counter(
+            "phalanx_health_busy_passes",
+            "Canaries that passed only thanks to the worker's load allowance: slow because busy, not broken",
+            registry=r,
+        )
         self.transitions = Counter("phalanx_health_transitions", "Health status changes", ["from_status", "to_status"], registry=r)
         self.liveness_deaths = Counter("phalanx_health_liveness_deaths", "Workers marked DEAD by a liveness signal", ["signal"], registry=r)
         self.leader = Gauge("phalanx_health_leader", "1 while this instance is the active health service", registry=r)

@@ -2,7 +2,8 @@
 
 Per registered worker two tasks run: a checker (canaries through the
 worker's normal scheduler, every interval with jitter, sooner after a
-failure, per the circuit breaker) and a liveness watch (a grpc.health Watch
+failure, per the circuit breaker; its latency judged against the worker's own
+load, from its NATS load reports: health/load.py) and a liveness watch (a grpc.health Watch
 stream that breaks the moment the process dies; a failed probe then marks it
 DEAD without waiting for a canary or for its lease). Routers report broken
 streams on NATS and get the same probe. Every change is written to etcd in
@@ -25,13 +26,14 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from phalanx._proto import common_pb2, worker_pb2
 from phalanx.common.config import EtcdConfig
 from phalanx.common.discovery import EtcdDirectory, WorkerDirectory, encode_json
-from phalanx.common.events import EventBus
+from phalanx.common.events import EventBus, check_load_report
 from phalanx.common.leadership import LeaderElection, LeadershipLostError
 from phalanx.common.lease import Backoff
 from phalanx.common.subjects import (
     CANARY_PREFIX,
     HEALTH_PREFIX,
     HEALTH_REPORTS_ALL,
+    LOAD_ALL,
     health_events_subject,
     health_key,
 )
@@ -40,6 +42,7 @@ from phalanx.health.calibration import Calibrator
 from phalanx.health.canary import CANDIDATE_PROMPTS, judge
 from phalanx.health.config import DegradationConfig, HealthConfig
 from phalanx.health.level import DegradationKeeper, RoutedWorker
+from phalanx.health.load import FleetLoad, LoadPolicy
 from phalanx.health.metrics import HealthMetrics
 from phalanx.health.schedule import (
     CanaryDone,
@@ -82,6 +85,7 @@ class FleetMonitor:
         self.metrics = metrics
         self.policy = TrackerPolicy.from_config(config)
         self.schedule = SchedulePolicy.from_config(config)
+        self.load = FleetLoad(LoadPolicy.from_config(config))
         self.workers: dict[str, TrackedWorker] = {}
         self.gone: dict[str, WorkerTracker] = {}  # DEAD and deregistered, kept for dead_retention_s
         self.calibrator = Calibrator(config, metrics, self.workers, self._fenced, self._observe)
@@ -99,13 +103,14 @@ class FleetMonitor:
         workers = WorkerDirectory(self.etcd_config)
         records = EtcdDirectory(self.etcd_config, prefix=HEALTH_PREFIX, message_type=common_pb2.WorkerHealthRecord)
         canaries = EtcdDirectory(self.etcd_config, prefix=CANARY_PREFIX, message_type=common_pb2.CanaryCalibration)
-        report_subscription = None
+        report_subscription = load_subscription = None
         try:
             self._records = await records.list()
             self.calibrations.update({c.model_version: c for c in (await canaries.list()).values()})
             await self.level.start()
             registered = await workers.list()
             report_subscription = await self.bus.subscribe(HEALTH_REPORTS_ALL, common_pb2.WorkerStreamBroken, self._on_report)
+            load_subscription = await self.bus.subscribe(LOAD_ALL, common_pb2.LoadReport, self._on_load, check=check_load_report)
             async with asyncio.TaskGroup() as tasks:
                 self._tasks = tasks
                 for worker_id, registration in registered.items():
@@ -118,9 +123,10 @@ class FleetMonitor:
                 tasks.create_task(self.level.run(self._routed))
         finally:
             self.ready = False
-            if report_subscription is not None:
-                with contextlib.suppress(Exception):
-                    await report_subscription.unsubscribe()
+            for subscription in (report_subscription, load_subscription):
+                if subscription is not None:
+                    with contextlib.suppress(Exception):
+                        await subscription.unsubscribe()
             await self.level.close()
             for w in self.workers.values():
                 for task in w.tasks:
@@ -198,6 +204,7 @@ class FleetMonitor:
 
     async def _stop_worker(self, worker_id: str) -> None:
         w = self.workers.pop(worker_id, None)
+        self.load.forget(worker_id)
         if w is None:
             return
         current = asyncio.current_task()
@@ -235,28 +242,32 @@ class FleetMonitor:
 
     async def _run_round(self, w: TrackedWorker, checks: CheckRound) -> CheckOutcome:
         """Executes one round's effects (see phalanx.health.schedule) until it names the outcome to record."""
-        effect = checks.start(self._fleet_slowdown(w))
+        effect = checks.start(self._fleet_slowdown(w), self._load_factor(w))
         while not isinstance(effect, Record):
             event: StatsTaken | CanaryDone | Paused
             if isinstance(effect, TakeStats):
-                event = StatsTaken(await self._engine_sample(w), self._fleet_slowdown(w))
+                event = StatsTaken(await self._engine_sample(w), self._fleet_slowdown(w), self._load_factor(w))
             elif isinstance(effect, SendCanary):
                 if effect.purpose is CheckPurpose.TIMEOUT_RECHECK:
                     self.metrics.timeout_rechecks.inc()
                 elif effect.purpose is CheckPurpose.LATENCY_RECHECK:
                     self.metrics.latency_rechecks.inc()
                 outcome = await self.check(w, effect.deadline_s)
-                event = CanaryDone(outcome, self._fleet_slowdown(w))
+                event = CanaryDone(outcome, self._fleet_slowdown(w), self._load_factor(w))
             else:
                 await asyncio.sleep(effect.seconds)
-                event = Paused(self._fleet_slowdown(w))
+                event = Paused(self._fleet_slowdown(w), self._load_factor(w))
             effect = checks.on(event)
         return effect.outcome
 
     async def _observe(self, w: TrackedWorker, outcome: CheckOutcome) -> None:
         worker_id = w.registration.worker_id
-        slowdown, slo_factor = self._fleet_slowdown(w), self._slo_factor()
-        outcome = w.tracker.judge_latency(outcome, slowdown, slo_factor)
+        slowdown, slo_factor, load_factor = self._fleet_slowdown(w), self._slo_factor(), self._load_factor(w)
+        judged = w.tracker.judge_latency(outcome, slowdown, slo_factor, load_factor)
+        if judged.result is CheckResult.PASS and w.tracker.judge_latency(outcome, slowdown, slo_factor).result is CheckResult.FAIL:
+            self.metrics.busy_passes.inc()
+            log.info("worker %s is busy, not broken: %s", worker_id, self.load.verdict(worker_id, time.monotonic()).describe())
+        outcome = judged
         self.metrics.checks.labels(result=outcome.result.value).inc()
         if outcome.result is CheckResult.FAIL:
             self.metrics.canary_failures.labels(worker=worker_id, reason=outcome.reason).inc()
@@ -264,7 +275,7 @@ class FleetMonitor:
             self.metrics.check_duration.labels(worker=worker_id, result=outcome.result.value).observe(outcome.latency_s)
         if outcome.result is CheckResult.FAIL:
             log.warning("worker %s failed a check: %s: %s", worker_id, outcome.reason, outcome.detail)
-        transition = w.tracker.observe(outcome, fleet_slowdown=slowdown, slo_factor=slo_factor)
+        transition = w.tracker.observe(outcome, fleet_slowdown=slowdown, slo_factor=slo_factor, load_factor=load_factor)
         if transition is None and abs(w.tracker.baseline_s - w.persisted_baseline) > 0.1 * max(w.persisted_baseline, 1e-3):
             transition = Transition(w.tracker.health, w.tracker.health, w.tracker.reason)  # keep the baseline for a successor
             w.tracker.version += 1
@@ -281,6 +292,18 @@ class FleetMonitor:
         if not ratios:
             return 1.0
         return min(10.0, max(1.0, ratios[len(ratios) // 2]))
+
+    def _load_factor(self, w: TrackedWorker) -> float:
+        """How much the worker's own load and its host's slow its steps right now (1.0: not at all, or not known)."""
+        return self.load.verdict(w.registration.worker_id, time.monotonic()).stretch
+
+    async def _on_load(self, report: common_pb2.LoadReport, subject: str, context) -> None:
+        w = self.workers.get(report.worker_id)
+        if w is not None:
+            self.load.on_report(
+                report.worker_id, w.registration.model_version, step_s=report.step_time_ms / 1e3,
+                held=report.running_seqs + report.queue_depth, now=time.monotonic(),
+            )
 
     def _slo_factor(self) -> float:
         """The latency SLO relaxation of the level in force (x2 from level 3 on): canary latency limits stretch by it."""

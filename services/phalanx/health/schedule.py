@@ -53,10 +53,11 @@ class Deadline(Enum):
     # waiting a little longer tells slow from hung.
     ROUTINE = "routine"
     # After a miss that did not count (or a half-open check after a counted one): the latency limit, with the peers'
-    # slowdown, since an answer past it fails anyway and a busy fleet is no fault.
+    # slowdown and the worker's own load (health/load.py), since an answer past it fails anyway and busy is no fault.
     CONFIRMING = "confirming"
     # After a counted miss: the same limit, but at most half an interval, so that the misses after the first one of a
-    # hang take one interval together and it reaches UNHEALTHY within about three.
+    # hang take one interval together and it reaches UNHEALTHY within about three. Not stretched by the worker's load:
+    # a hung engine's last load report says whatever it was doing when it stopped.
     FOLLOW_UP = "follow_up"
 
 
@@ -86,18 +87,22 @@ class SchedulePolicy:
             latency_rechecks=config.latency_rechecks, latency_recheck_delay_s=config.latency_recheck_delay_s,
         )
 
-    def deadline_s(self, kind: Deadline, tracker: WorkerTracker, fleet_slowdown: float = 1.0, slo_factor: float = 1.0) -> float:
+    def deadline_s(
+        self, kind: Deadline, tracker: WorkerTracker, fleet_slowdown: float = 1.0, slo_factor: float = 1.0, load_factor: float = 1.0
+    ) -> float:
         """Seconds a canary of this kind may take; the full timeout until the worker has a latency baseline."""
         # Not stretched by the peers' slowdown: a hang must not hide behind a busy fleet.
         limit = tracker.latency_limit_s()
         if limit is None:
             return self.timeout_s
         if kind is Deadline.ROUTINE:
-            return self._clamp(min(3 * limit, self.interval_s))
+            # The worker's own load does stretch it (its steps are slower, and a hung engine's load allowance lapses
+            # once its reports show no step for a while: health/load.py), never past one interval.
+            return self._clamp(min(3 * limit * max(1.0, load_factor), self.interval_s))
         stretched = tracker.latency_limit_s(fleet_slowdown, slo_factor)
         assert stretched is not None  # None only without a baseline, handled above
         if kind is Deadline.CONFIRMING:
-            return self._clamp(stretched)
+            return self._clamp(stretched * max(1.0, load_factor))
         return self._clamp(min(stretched, self.interval_s / 2))
 
     def latency_pause_s(self) -> float:
@@ -164,17 +169,20 @@ Effect = TakeStats | SendCanary | Pause | Record
 class StatsTaken:
     sample: EngineSample | None
     fleet_slowdown: float = 1.0
+    load_factor: float = 1.0  # the worker's load allowance now (health/load.py)
 
 
 @dataclass(frozen=True)
 class CanaryDone:
     outcome: CheckOutcome
     fleet_slowdown: float = 1.0
+    load_factor: float = 1.0  # the worker's load allowance now (health/load.py)
 
 
 @dataclass(frozen=True)
 class Paused:
     fleet_slowdown: float = 1.0
+    load_factor: float = 1.0  # the worker's load allowance now (health/load.py)
 
 
 Event = StatsTaken | CanaryDone | Paused
@@ -212,43 +220,43 @@ class CheckRound:
     def done(self) -> bool:
         return self._phase is _Phase.DONE
 
-    def start(self, fleet_slowdown: float = 1.0) -> Effect:
+    def start(self, fleet_slowdown: float = 1.0, load_factor: float = 1.0) -> Effect:
         if self.first_miss_counts:
-            return self._first_canary(fleet_slowdown)
+            return self._first_canary(fleet_slowdown, load_factor)
         return TakeStats()
 
     def on(self, event: Event) -> Effect:
         phase = self._phase
         if phase is _Phase.STATS_BEFORE and isinstance(event, StatsTaken):
             self._before = event.sample
-            return self._first_canary(event.fleet_slowdown)
+            return self._first_canary(event.fleet_slowdown, event.load_factor)
         if phase is _Phase.CANARY and isinstance(event, CanaryDone):
             if event.outcome.timed_out and not self.first_miss_counts:
                 self._missed = event.outcome
                 self._phase = _Phase.STATS_AFTER
                 return TakeStats()
-            return self._judged(event.outcome, event.fleet_slowdown)
+            return self._judged(event.outcome, event.fleet_slowdown, event.load_factor)
         if phase is _Phase.STATS_AFTER and isinstance(event, StatsTaken):
             assert self._missed is not None
             if stuck_with_work(self._before, event.sample):
                 # A hung engine holds its work and computes nothing: its miss counts at once.
-                return self._judged(self._missed, event.fleet_slowdown)
+                return self._judged(self._missed, event.fleet_slowdown, event.load_factor)
             # A busy host, a burst, a canary that never arrived: a confirming check decides.
             self._phase = _Phase.CONFIRMING
-            deadline = self.policy.deadline_s(Deadline.CONFIRMING, self.tracker, event.fleet_slowdown, self.slo_factor)
+            deadline = self.policy.deadline_s(Deadline.CONFIRMING, self.tracker, event.fleet_slowdown, self.slo_factor, event.load_factor)
             return SendCanary(Deadline.CONFIRMING, deadline, CheckPurpose.TIMEOUT_RECHECK)
         if phase in (_Phase.CONFIRMING, _Phase.LATENCY_RECHECK) and isinstance(event, CanaryDone):
-            return self._judged(event.outcome, event.fleet_slowdown)
+            return self._judged(event.outcome, event.fleet_slowdown, event.load_factor)
         if phase is _Phase.PAUSED and isinstance(event, Paused):
             self._phase = _Phase.LATENCY_RECHECK
-            deadline = self.policy.deadline_s(Deadline.ROUTINE, self.tracker, event.fleet_slowdown, self.slo_factor)
+            deadline = self.policy.deadline_s(Deadline.ROUTINE, self.tracker, event.fleet_slowdown, self.slo_factor, event.load_factor)
             return SendCanary(Deadline.ROUTINE, deadline, CheckPurpose.LATENCY_RECHECK)
         raise ValueError(f"{type(event).__name__} does not fit a round in phase {phase.value}")
 
-    def _first_canary(self, fleet_slowdown: float) -> SendCanary:
+    def _first_canary(self, fleet_slowdown: float, load_factor: float) -> SendCanary:
         self._phase = _Phase.CANARY
         kind = self._first_deadline()
-        return SendCanary(kind, self.policy.deadline_s(kind, self.tracker, fleet_slowdown, self.slo_factor))
+        return SendCanary(kind, self.policy.deadline_s(kind, self.tracker, fleet_slowdown, self.slo_factor, load_factor))
 
     def _first_deadline(self) -> Deadline:
         if self.after is not FailureReason.TIMEOUT:
@@ -256,8 +264,9 @@ class CheckRound:
         # The half-open canary of a recovering worker is no part of a hang's detection: it keeps the confirming one.
         return Deadline.FOLLOW_UP if self.tracker.circuit is Circuit.CLOSED else Deadline.CONFIRMING
 
-    def _judged(self, outcome: CheckOutcome, fleet_slowdown: float) -> Effect:
-        if self._rechecks_left > 0 and self.tracker.judge_latency(outcome, fleet_slowdown, self.slo_factor).reason is FailureReason.LATENCY:
+    def _judged(self, outcome: CheckOutcome, fleet_slowdown: float, load_factor: float) -> Effect:
+        judged = self.tracker.judge_latency(outcome, fleet_slowdown, self.slo_factor, load_factor)
+        if self._rechecks_left > 0 and judged.reason is FailureReason.LATENCY:
             # One slow answer is as often the host's scheduler as the worker: more slow answers decide.
             self._rechecks_left -= 1
             self._phase = _Phase.PAUSED

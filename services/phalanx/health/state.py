@@ -188,7 +188,7 @@ class WorkerTracker:
     def weight(self) -> float:
         return WEIGHTS.get(self.health, 0.0)
 
-    def latency_limit_s(self, fleet_slowdown: float = 1.0, slo_factor: float = 1.0) -> float | None:
+    def latency_limit_s(self, fleet_slowdown: float = 1.0, slo_factor: float = 1.0, load_factor: float = 1.0) -> float | None:
         """Slowest passing canary; None until a baseline exists.
 
         ``latency_factor`` x the baseline, and ``peer_factor`` x what the
@@ -198,10 +198,13 @@ class WorkerTracker:
         taking them all out would turn a spike into an outage; a worker that is
         slow while its peers are not still fails at 3x its baseline. All of it
         x ``slo_factor``: the latency SLOs relaxed by the degradation level.
+
+        The baseline is the worker's idle pace; ``load_factor`` (health/load.py) is how much slower its own load and
+        the host's make its steps right now, so a canary queued in a big batch is judged against that batch's pace.
         """
         if self.baseline_s <= 0:
             return None
-        b, p = self.baseline_s, self.policy
+        b, p = self.baseline_s * max(1.0, load_factor), self.policy
         return max(1.0, slo_factor) * max(b * p.latency_factor, b * p.peer_factor * max(1.0, fleet_slowdown), b + p.latency_slack_s)
 
     def next_half_open_at(self) -> float | None:
@@ -223,47 +226,54 @@ class WorkerTracker:
         return False
 
     # -- evidence -------------------------------------------------------------------
-    def judge_latency(self, outcome: CheckOutcome, fleet_slowdown: float = 1.0, slo_factor: float = 1.0) -> CheckOutcome:
+    def judge_latency(
+        self, outcome: CheckOutcome, fleet_slowdown: float = 1.0, slo_factor: float = 1.0, load_factor: float = 1.0
+    ) -> CheckOutcome:
         """A passing canary slower than the latency limit is a failure (``latency``)."""
-        limit = self.latency_limit_s(fleet_slowdown, slo_factor)
+        limit = self.latency_limit_s(fleet_slowdown, slo_factor, load_factor)
         if outcome.result is not CheckResult.PASS or outcome.latency_s is None or limit is None or outcome.latency_s <= limit:
             return outcome
         fleet = f", peers {fleet_slowdown:.1f}x slower than usual" if fleet_slowdown > 1.0 else ""
         relaxed = f", SLOs relaxed x{slo_factor:g}" if slo_factor > 1.0 else ""
+        loaded = f", x{load_factor:.1f} for its load" if load_factor > 1.0 else ""
         return CheckOutcome.failed(
             FailureReason.LATENCY,
             f"canary took {outcome.latency_s * 1e3:.0f} ms, over {limit * 1e3:.0f} ms "
-            f"({self.policy.latency_factor:g}x the {self.baseline_s * 1e3:.0f} ms baseline{fleet}{relaxed})",
+            f"({self.policy.latency_factor:g}x the {self.baseline_s * 1e3:.0f} ms baseline{loaded}{fleet}{relaxed})",
             outcome.latency_s,
         )
 
-    def note_latency(self, latency_s: float | None, now: float) -> None:
-        """Remember how this canary compared with the baseline, for peers' fleet_slowdown."""
+    def note_latency(self, latency_s: float | None, now: float, load_factor: float = 1.0) -> None:
+        """Remember how this canary compared with the baseline at its load, for peers' fleet_slowdown (a peer slowed by
+        its own batch says nothing about the host)."""
         if latency_s is not None and self.baseline_s > 0:
-            self.last_ratio, self.last_ratio_at = latency_s / self.baseline_s, now
+            self.last_ratio, self.last_ratio_at = latency_s / (self.baseline_s * max(1.0, load_factor)), now
 
     def observe(
-        self, outcome: CheckOutcome, now: float | None = None, *, fleet_slowdown: float = 1.0, slo_factor: float = 1.0
+        self, outcome: CheckOutcome, now: float | None = None, *, fleet_slowdown: float = 1.0, slo_factor: float = 1.0,
+        load_factor: float = 1.0,
     ) -> Transition | None:
         """Apply one check; returns the transition if the record changed in a way routing cares about."""
         now = time.time() if now is None else now
         if self.health is Health.DEAD:
             return None
-        self.note_latency(outcome.latency_s, now)
+        self.note_latency(outcome.latency_s, now, load_factor)
         half_open = self.circuit is Circuit.HALF_OPEN
         self.half_open_in_flight = False
         if outcome.result is CheckResult.INCONCLUSIVE:
             return None
         self.last_check_at = now
-        outcome = self.judge_latency(outcome, fleet_slowdown, slo_factor)
+        outcome = self.judge_latency(outcome, fleet_slowdown, slo_factor, load_factor)
         if outcome.result is CheckResult.PASS:
-            return self._passed(outcome, now, half_open)
+            return self._passed(outcome, now, half_open, load_factor)
         return self._failed(outcome, now, half_open)
 
-    def _passed(self, outcome: CheckOutcome, now: float, half_open: bool) -> Transition | None:
+    def _passed(self, outcome: CheckOutcome, now: float, half_open: bool, load_factor: float = 1.0) -> Transition | None:
         if outcome.latency_s is not None:
+            # The baseline stays the idle pace: a canary slowed by its batch counts as what it would take idle.
+            latency = outcome.latency_s / max(1.0, load_factor)
             a = self.policy.ema_alpha
-            self.baseline_s = outcome.latency_s if self.baseline_s <= 0 else (1 - a) * self.baseline_s + a * outcome.latency_s
+            self.baseline_s = latency if self.baseline_s <= 0 else (1 - a) * self.baseline_s + a * latency
         self.consecutive_failures = 0
         old = self.health
         if half_open:

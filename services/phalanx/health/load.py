@@ -1,0 +1,170 @@
+"""Busy or broken: how much slower than its idle self a worker's canary may be because of its load. Pure logic, no I/O.
+
+A canary goes through the worker's normal scheduler: it is one more sequence of the running batch, so it takes about
+(its tokens + 1) x the batch's step time. A worker with a big batch, or on a host whose CPUs other processes hold,
+steps slower and answers its canary slower, and that is load, not a fault. So the latency limit of a canary
+(health/state.py) is judged against the worker's own step time, taken from its NATS load reports (``LoadReport``:
+``step_time_ms``, ``running_seqs``, ``queue_depth``, every ~100 ms), not against an idle baseline alone.
+
+Not every slow step is load. A worker keeps, per load level (held requests 1, 2-3, 4-7, ...: powers of two), the step
+time it usually takes (``StepModel``, learned from its own reports). A step is *explained* when it is no slower than
+what the worker's load level and the host (``fleet_excess``: the median of how much slower than their own usual steps
+its peers step right now) account for. The canary's allowance (``stretch``) is the explained part only:
+
+    stretch = min(step_now, usual_step(level) x max(1, fleet_excess)) / usual_step(idle level)
+
+So a worker that steps slowly for its load while its peers do not (a throttled GPU, a ``slow`` fault) gets no
+allowance and fails its canaries as before; a worker with a big batch gets the slowdown its batch brings; when every
+worker is equally slow (a busy host) each one gets it from its peers. A worker that makes no progress at all (a hang)
+is told apart by its engine counters (health/schedule.py, ``stuck_with_work``), and its allowance lapses once its
+reports show no step for ``stale_s`` (the step-time average moves with every step); wrong tokens are the canary
+judge's, a crash the lease's and stream's, and no allowance touches them.
+
+The usual step of a level is learned from samples no slower than ``learn_factor`` x the usual one: a step that
+suddenly takes twice as long (a fault, or a busy host: the peers explain that one) is not learned as the new usual,
+a faster one always is, and a slow drift is followed. An unseen level is bounded by a
+lower seen one scaled with the batch (a step of 2n sequences costs at most twice one of n), or by a higher one.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from phalanx.health.config import HealthConfig
+
+__all__ = ["FleetLoad", "LoadPolicy", "LoadVerdict", "StepModel", "load_level"]
+
+
+def load_level(held: int) -> int:
+    """The load level of a worker holding ``held`` requests (running and queued): 0 for at most 1, then log2."""
+    return max(0, held.bit_length() - 1)
+
+
+@dataclass(frozen=True)
+class LoadPolicy:
+    enabled: bool = True
+    learn_factor: float = 1.5
+    max_stretch: float = 20.0
+    stale_s: float = 2.0
+    alpha: float = 0.1
+
+    @classmethod
+    def from_config(cls, config: HealthConfig) -> LoadPolicy:
+        return cls(
+            enabled=config.load_aware, learn_factor=config.load_learn_factor, max_stretch=config.load_max_stretch,
+            stale_s=config.load_report_stale_s,
+        )
+
+
+@dataclass
+class StepModel:
+    """One worker's usual step time (seconds) per load level."""
+
+    usual_s: dict[int, float] = field(default_factory=dict)
+
+    def expected_s(self, level: int) -> float | None:
+        """The usual step at ``level``: learned, or bounded from the nearest learned level; None before any."""
+        if level in self.usual_s:
+            return self.usual_s[level]
+        lower = [seen for seen in self.usual_s if seen < level]
+        if lower:
+            seen = max(lower)
+            return self.usual_s[seen] * 2 ** (level - seen)
+        higher = [seen for seen in self.usual_s if seen > level]
+        return self.usual_s[min(higher)] if higher else None
+
+    def learn(self, level: int, step_s: float, alpha: float) -> None:
+        usual = self.usual_s.get(level)
+        self.usual_s[level] = step_s if usual is None else (1 - alpha) * usual + alpha * step_s
+
+
+@dataclass(frozen=True)
+class LoadVerdict:
+    """How a worker's latest load report explains its pace."""
+
+    stretch: float  # the canary's latency allowance for load, x its idle baseline (1: none)
+    excess: float  # its step time over its usual one at its load level (1: as usual)
+    fleet_excess: float  # the median excess of its peers (1: as usual, or no fresh peers)
+    level: int = 0
+
+    @property
+    def busy(self) -> bool:
+        return self.stretch > 1.0
+
+    def describe(self) -> str:
+        return f"load level {self.level}, steps {self.excess:.1f}x usual, peers {self.fleet_excess:.1f}x, allowance x{self.stretch:.1f}"
+
+
+NO_LOAD = LoadVerdict(1.0, 1.0, 1.0)
+
+
+@dataclass
+class _Worker:
+    group: str  # peers are the workers of one group (a model version)
+    model: StepModel = field(default_factory=StepModel)
+    step_s: float = 0.0
+    level: int = 0
+    excess: float = 1.0
+    at: float = float("-inf")
+    # Last report whose step time moved, or that held nothing: the engine's step-time average changes with every step,
+    # so one that holds work and reports the same figure for long took no step (hung, or one step longer than that).
+    moved_at: float = float("-inf")
+
+
+class FleetLoad:
+    """Every worker's latest load and usual steps; ``on_report`` feeds it, ``verdict`` judges one worker now."""
+
+    def __init__(self, policy: LoadPolicy) -> None:
+        self.policy = policy
+        self._workers: dict[str, _Worker] = {}
+
+    def on_report(self, worker_id: str, group: str, *, step_s: float, held: int, now: float) -> None:
+        """One LoadReport of a worker (``held``: running plus queued), received at ``now``."""
+        w = self._workers.get(worker_id)
+        if w is None or w.group != group:
+            w = self._workers[worker_id] = _Worker(group)
+        if step_s <= 0:
+            return  # no step taken yet: nothing to learn or judge
+        level = load_level(held)
+        expected = w.model.expected_s(level)
+        if held == 0 or step_s != w.step_s:
+            w.moved_at = now
+        w.step_s, w.level, w.at = step_s, level, now
+        w.excess = step_s / expected if expected else 1.0
+        # Not stretched by the peers' slowdown: learned, a busy host's pace would become the usual one, and the
+        # allowance (relative to the idle pace the canary baseline was learned at) would vanish while the host stays busy.
+        if expected is None or step_s <= self.policy.learn_factor * expected:
+            w.model.learn(level, step_s, self.policy.alpha)
+
+    def forget(self, worker_id: str) -> None:
+        self._workers.pop(worker_id, None)
+
+    def fleet_excess(self, worker_id: str, now: float) -> float:
+        """How much slower than usual the worker's peers step right now (median; 1.0 without fresh peers)."""
+        w = self._workers.get(worker_id)
+        if w is None:
+            return 1.0
+        peers = [p.excess for pid, p in self._workers.items() if pid != worker_id and p.group == w.group and self._fresh(p, now)]
+        return max(1.0, statistics.median(peers)) if peers else 1.0
+
+    def verdict(self, worker_id: str, now: float) -> LoadVerdict:
+        """The allowance the worker's canary gets for its load and the host's, from its latest fresh report."""
+        w = self._workers.get(worker_id)
+        if not self.policy.enabled or w is None or not self._fresh(w, now):
+            return NO_LOAD
+        if now - w.moved_at > self.policy.stale_s:
+            return LoadVerdict(1.0, w.excess, 1.0, w.level)  # no step for a while: no progress, so no allowance
+        idle = w.model.expected_s(0)
+        usual = w.model.expected_s(w.level)
+        fleet = min(self.fleet_excess(worker_id, now), self.policy.max_stretch)
+        if not idle or not usual:
+            return LoadVerdict(1.0, w.excess, fleet, w.level)
+        explained = min(w.step_s, usual * fleet)
+        stretch = min(self.policy.max_stretch, max(1.0, explained / idle))
+        return LoadVerdict(stretch, w.excess, fleet, w.level)
+
+    def _fresh(self, w: _Worker, now: float) -> bool:
+        return now - w.at <= self.policy.stale_s

@@ -1,0 +1,187 @@
+"""Busy is not broken: the canary latency allowance a worker's load and its host's earn (health/load.py), as the tracker
+and a round of checks apply it. Events in (load reports, canary outcomes, a clock), verdicts out."""
+
+import pytest
+
+from phalanx.health.load import FleetLoad, LoadPolicy, StepModel, load_level
+from phalanx.health.schedule import CanaryDone, CheckRound, Deadline, EngineSample, Record, SchedulePolicy, SendCanary, StatsTaken, TakeStats
+from phalanx.health.state import CheckOutcome, CheckResult, FailureReason, Health, TrackerPolicy, WorkerTracker
+
+pytestmark = pytest.mark.unit
+
+IDLE_STEP = 0.005
+BASELINE = 0.05  # an idle canary: about 10 steps of 5 ms
+POLICY = SchedulePolicy(interval_s=1.0, jitter=0.1, timeout_s=5.0, min_timeout_s=0.25, failure_recheck_s=0.25)
+
+
+class Fleet:
+    """Load reports every 100 ms on an injected clock."""
+
+    def __init__(self, workers=("a", "b", "c"), policy: LoadPolicy | None = None) -> None:
+        self.load = FleetLoad(policy or LoadPolicy())
+        self.workers = workers
+        self.now = 0.0
+
+    def report(self, worker: str, step_s: float, held: int, jitter: float = 0.0) -> None:
+        self.load.on_report(worker, "v1", step_s=step_s + jitter, held=held, now=self.now)
+
+    def run(self, seconds: float, steps: dict[str, tuple[float, int]]) -> None:
+        """Every worker reports (step time, held) every 100 ms for ``seconds``; the step time wobbles as a real one does."""
+        for i in range(int(seconds * 10)):
+            self.now += 0.1
+            for worker in self.workers:
+                step_s, held = steps.get(worker, (IDLE_STEP, 1))
+                self.report(worker, step_s, held, jitter=step_s * 0.01 * (i % 3))
+
+    def stretch(self, worker: str) -> float:
+        return self.load.verdict(worker, self.now).stretch
+
+
+def tracker() -> WorkerTracker:
+    t = WorkerTracker("a", TrackerPolicy())
+    t.baseline_s = BASELINE
+    return t
+
+
+def settled(fleet: Fleet | None = None) -> Fleet:
+    """A fleet that learned its usual steps: idle (5 ms) and with batches of 8 (12 ms)."""
+    fleet = fleet or Fleet()
+    fleet.run(2, {})
+    fleet.run(2, {w: (0.012, 8) for w in fleet.workers})
+    fleet.run(1, {})
+    return fleet
+
+
+def test_load_levels_are_powers_of_two_of_the_held_requests():
+    assert [load_level(n) for n in (0, 1, 2, 3, 4, 7, 8, 100)] == [0, 0, 1, 1, 2, 2, 3, 6]
+
+
+def test_an_unseen_load_level_is_bounded_by_the_batch_growth_from_a_lower_one_or_by_a_higher_one():
+    model = StepModel({1: 0.01})
+    assert model.expected_s(1) == 0.01
+    assert model.expected_s(3) == pytest.approx(0.04)  # 4x the sequences cost at most 4x the step
+    assert model.expected_s(0) == 0.01  # a lighter load is no slower
+    assert StepModel().expected_s(0) is None
+
+
+def test_a_worker_slowed_by_its_own_big_batch_gets_the_slowdown_its_batch_brings_and_stays_healthy():
+    fleet = settled()
+    fleet.run(1, {"a": (0.06, 64)})  # 64 sequences: 12x slower steps, peers idle
+    stretch = fleet.stretch("a")
+    assert 10 < stretch < 13
+    t = tracker()
+    for n in range(5):  # every canary 11x its idle baseline, as its steps are
+        assert t.observe(CheckOutcome.passed(11 * BASELINE), now=float(n), load_factor=stretch) is None
+    assert t.health is Health.HEALTHY and t.consecutive_failures == 0
+    assert t.baseline_s == pytest.approx(BASELINE, rel=0.1)  # the baseline stays the idle pace
+    # Without the allowance the same canaries would have failed: that is what the allowance is for.
+    assert t.judge_latency(CheckOutcome.passed(11 * BASELINE)).reason is FailureReason.LATENCY
+
+
+def test_a_worker_that_steps_slowly_for_its_load_while_its_peers_do_not_gets_no_allowance_and_is_taken_out():
+    fleet = settled()
+    fleet.run(1, {"a": (0.055, 1)})  # a `slow` fault: +50 ms a step at its usual load
+    assert fleet.stretch("a") == 1.0
+    assert fleet.load.verdict("a", fleet.now).excess > 10
+    t = tracker()
+    for n in range(3):
+        t.observe(CheckOutcome.passed(10 * BASELINE), now=float(n), load_factor=fleet.stretch("a"))
+        fleet.run(1, {"a": (0.055, 1)})
+    assert t.health is Health.UNHEALTHY
+    assert fleet.load.verdict("a", fleet.now).excess > 10  # never learned as its usual
+
+
+def test_a_slow_worker_with_a_batch_gets_only_what_its_batch_explains():
+    fleet = settled()
+    fleet.run(1, {"a": (0.1, 8)})  # 8 sequences usually step 12 ms; 100 ms is not the batch
+    stretch = fleet.stretch("a")
+    assert stretch == pytest.approx(0.012 / IDLE_STEP, rel=0.05)
+    t = tracker()
+    assert t.judge_latency(CheckOutcome.passed(20 * BASELINE), load_factor=stretch).reason is FailureReason.LATENCY
+
+
+def test_when_the_whole_host_is_busy_every_worker_gets_the_slowdown_its_peers_share():
+    fleet = settled()
+    hogged = {w: (2.5 * IDLE_STEP, 1) for w in fleet.workers}  # CPU hogs: every worker's steps 2.5x, loads as usual
+    fleet.run(0.2, hogged)  # each worker's peers report within a beat
+    assert all(2.3 < fleet.stretch(w) < 2.7 for w in fleet.workers)
+    fleet.run(30, hogged)  # and while the hogs stay
+    assert all(2.3 < fleet.stretch(w) < 2.7 for w in fleet.workers)
+    t = tracker()
+    for n in range(5):
+        assert t.observe(CheckOutcome.passed(3 * 2.5 * BASELINE), now=float(n), load_factor=fleet.stretch("a")) is None
+    assert t.health is Health.HEALTHY
+
+
+def test_a_lone_worker_on_a_busy_host_has_no_peers_to_explain_a_sudden_slowdown():
+    fleet = settled(Fleet(workers=("a",)))
+    fleet.run(1, {"a": (2.5 * IDLE_STEP, 1)})
+    assert fleet.stretch("a") == 1.0  # the peers' canaries (fleet_slowdown) and the rechecks are all it has
+
+
+def test_gradual_and_faster_steps_are_learned_as_the_usual_pace():
+    fleet = settled()
+    fleet.run(3, {"a": (0.002, 1)})  # faster: always learned
+    assert fleet.load.verdict("a", fleet.now).excess == pytest.approx(1.0, rel=0.1)
+    for factor in (1.2, 1.4, 1.6, 1.8, 2.0):  # a slow drift within learn_factor at each step follows
+        fleet.run(3, {"a": (0.002 * factor, 1)})
+    assert fleet.load.verdict("a", fleet.now).excess == pytest.approx(1.0, rel=0.1)
+
+
+def test_stale_reports_and_a_worker_that_holds_work_but_takes_no_step_get_no_allowance():
+    fleet = settled()
+    fleet.run(1, {"a": (0.06, 64)})
+    assert fleet.stretch("a") > 10
+    assert fleet.load.verdict("a", fleet.now + 2.5).stretch == 1.0  # no report for 2.5 s
+    # A hang under load: reports go on, but the step-time average no longer moves.
+    for _ in range(25):
+        fleet.now += 0.1
+        fleet.load.on_report("a", "v1", step_s=0.06, held=64, now=fleet.now)
+    assert fleet.stretch("a") == 1.0
+
+
+def test_a_forgotten_or_unknown_worker_and_a_disabled_policy_grant_nothing():
+    fleet = settled()
+    fleet.run(1, {"a": (0.06, 64)})
+    fleet.load.forget("a")
+    assert fleet.stretch("a") == 1.0 and fleet.stretch("nobody") == 1.0
+    off = settled(Fleet(policy=LoadPolicy(enabled=False)))
+    off.run(1, {"a": (0.06, 64)})
+    assert off.stretch("a") == 1.0
+
+
+def test_a_busy_workers_slow_canary_passes_its_round_without_rechecks():
+    t = tracker()
+    checks = CheckRound(POLICY, t, after=None)
+    assert checks.start(load_factor=10.0) == TakeStats()
+    first = checks.on(StatsTaken(EngineSample(100, 64), load_factor=10.0))
+    assert isinstance(first, SendCanary) and first.deadline_s == 1.0  # 3x the stretched limit, at most an interval
+    done = checks.on(CanaryDone(CheckOutcome.passed(10 * BASELINE), load_factor=10.0))
+    assert done == Record(CheckOutcome.passed(10 * BASELINE))
+
+
+def test_a_busy_workers_missed_deadline_is_confirmed_with_its_load_but_a_hang_counts_at_once():
+    missed = CheckOutcome.failed(FailureReason.TIMEOUT, "no answer", 1.0)
+    busy = CheckRound(POLICY, tracker(), after=None)
+    busy.start()
+    busy.on(StatsTaken(EngineSample(100, 64), load_factor=4.0))
+    assert busy.on(CanaryDone(missed, load_factor=4.0)) == TakeStats()
+    confirm = busy.on(StatsTaken(EngineSample(400, 64), load_factor=4.0))
+    assert isinstance(confirm, SendCanary) and confirm.deadline is Deadline.CONFIRMING
+    assert confirm.deadline_s == pytest.approx(4 * 3 * BASELINE)
+    hung = CheckRound(POLICY, tracker(), after=None)
+    hung.start()
+    hung.on(StatsTaken(EngineSample(100, 64), load_factor=4.0))
+    hung.on(CanaryDone(missed, load_factor=4.0))
+    assert hung.on(StatsTaken(EngineSample(100, 64), load_factor=4.0)) == Record(missed)
+    # The follow-ups of a counted miss keep their short deadline whatever the load said.
+    t = tracker()
+    assert POLICY.deadline_s(Deadline.FOLLOW_UP, t, load_factor=10.0) == POLICY.deadline_s(Deadline.FOLLOW_UP, t)
+
+
+def test_wrong_tokens_fail_whatever_the_load():
+    t = tracker()
+    wrong = CheckOutcome.failed(FailureReason.TOKEN_MISMATCH, "position 0", 0.5)
+    for n in range(3):
+        t.observe(wrong, now=float(n), load_factor=20.0)
+    assert t.health is Health.UNHEALTHY and t.judge_latency(wrong, load_factor=20.0).result is CheckResult.FAIL

@@ -8,15 +8,23 @@ until the router gives that worker weight 0 (polling ListWorkers every
 worker to be healthy again. A fault-free phase with a fast check interval
 counts false positives over at least `min_checks` checks; the canaries'
 share of engine work is read from the workers' counters at the 1 s interval.
+
+With ``hogs`` > 0 the host is made busy: after the first fault-free phase the
+bench starts that many CPU-spinning processes of its own, counts false
+positives again with them running (busy is not broken: goal 0), and runs the
+fault injections under them, so detection is timed on a busy host. It kills
+the hogs by PID at the end, however the run ends.
 """
 
 from __future__ import annotations
 
-__all__ = ["run_health_bench"]
+__all__ = ["CpuHogs", "run_health_bench"]
 
 import asyncio
 import contextlib
 import statistics
+import subprocess
+import sys
 import time
 
 from prometheus_client.parser import text_string_to_metric_families
@@ -43,10 +51,40 @@ GOALS_S = {"crash": 1.0, "corrupt": 2.5, "hang": 4.5}
 
 
 def run_health_bench(*, workers: int = 3, repeats: int = 3, interval_s: float = 1.0, fp_interval_s: float = 0.0,
-                     min_checks: int = 1000, load_streams: int = 4) -> dict:
+                     min_checks: int = 1000, load_streams: int = 4, hogs: int = 0) -> dict:
     """fp_interval_s 0: the fault-free run checks at interval_s, where the goals are set (1000 checks at 1 s and 3
-    workers take about 6 minutes). A much shorter interval measures a fleet that spends its time on canaries."""
-    return asyncio.run(_run(workers, repeats, interval_s, fp_interval_s or interval_s, min_checks, load_streams))
+    workers take about 6 minutes). A much shorter interval measures a fleet that spends its time on canaries.
+    hogs > 0: a second fault-free run and the detection runs with that many CPU hogs on the host."""
+    return asyncio.run(_run(workers, repeats, interval_s, fp_interval_s or interval_s, min_checks, load_streams, hogs))
+
+
+class CpuHogs:
+    """``count`` processes that each spin on a CPU (a busy host); killed by PID when the context ends, however it ends."""
+
+    def __init__(self, count: int) -> None:
+        self.count = count
+        self.processes: list[subprocess.Popen] = []
+
+    def __enter__(self) -> CpuHogs:
+        try:
+            for _ in range(self.count):
+                self.processes.append(subprocess.Popen([sys.executable, "-c", "while 1: pass"], stdin=subprocess.DEVNULL))
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for process in self.processes:
+            if process.poll() is None:
+                process.kill()  # SIGKILL to its PID: a spinning loop has nothing to clean up
+        for process in self.processes:
+            process.wait()
+        self.processes.clear()
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.processes]
 
 
 def _health_env(interval_s: float) -> dict[str, str]:
@@ -58,7 +96,10 @@ def _health_env(interval_s: float) -> dict[str, str]:
     }
 
 
-async def _run(workers: int, repeats: int, interval_s: float, fp_interval_s: float, min_checks: int, load_streams: int) -> dict:
+async def _run(
+    workers: int, repeats: int, interval_s: float, fp_interval_s: float, min_checks: int, load_streams: int, hogs: int
+) -> dict:
+    fp_hogs: dict | None = None
     with contextlib.ExitStack() as exits:
         nats = exits.enter_context(NatsServer())
         etcd = exits.enter_context(EtcdServer())
@@ -68,6 +109,10 @@ async def _run(workers: int, repeats: int, interval_s: float, fp_interval_s: flo
         router = await stack.add_router()
         async with await Client.connect(router.address, timeout=60) as client, _Load(client, load_streams) as load:
             fp = await _false_positives(stack, fp_interval_s, min_checks)
+            if hogs:
+                # Entered last, so killed first: before the stack stops, and on any error on the way.
+                exits.enter_context(CpuHogs(hogs))
+                fp_hogs = await _false_positives(stack, fp_interval_s, min_checks)
             health = await stack.add_health(env=_health_env(interval_s))
             await _until_all_healthy(stack, timeout=60)
             share = await _canary_share(stack, window_s=max(10 * interval_s, 5.0))
@@ -77,7 +122,7 @@ async def _run(workers: int, repeats: int, interval_s: float, fp_interval_s: flo
                     runs[name].append(await _detect(stack, client, name, fault))
             checks = _count(health, "phalanx_health_checks_total")
     detection = {name: round(statistics.median(values), 3) for name, values in runs.items()}
-    return {
+    result = {
         "detection_s": detection,
         "false_positives": fp["false_positives"],
         "checks": fp["checks"],
@@ -90,9 +135,21 @@ async def _run(workers: int, repeats: int, interval_s: float, fp_interval_s: flo
         "checks_during_faults": checks,
         "load": {"streams": load_streams, "completed": load.completed, "errors": load.errors},
         "workers": workers,
+        "busy_passes": fp["busy_passes"],
+        "hogs": hogs,
         "goals": {"detection_s": GOALS_S, "false_positives": 0},
         "met": {**{name: detection[name] < goal for name, goal in GOALS_S.items()}, "false_positives": fp["false_positives"] == 0},
     }
+    if fp_hogs is not None:
+        # The detection runs above ran with the hogs: their goals are the busy host's too.
+        result.update({
+            "false_positives_with_hogs": fp_hogs["false_positives"], "checks_with_hogs": fp_hogs["checks"],
+            "fp_transitions_with_hogs": fp_hogs["transitions"], "fp_reasons_with_hogs": fp_hogs["reasons"],
+            "busy_passes_with_hogs": fp_hogs["busy_passes"], "detection_with_hogs": True,
+        })
+        result["goals"]["false_positives_with_hogs"] = 0
+        result["met"]["false_positives_with_hogs"] = fp_hogs["false_positives"] == 0
+    return result
 
 
 class _Load:
@@ -134,6 +191,7 @@ async def _false_positives(stack: Stack, interval_s: float, min_checks: int) -> 
     start_fail = _count(health, "phalanx_health_checks_total", result="fail")
     start_transitions = _count(health, "phalanx_health_transitions_total")
     start_reasons = _by_reason(health)
+    start_busy = _count(health, "phalanx_health_busy_passes_total")
     deadline = time.monotonic() + 600
     while _count(health, "phalanx_health_checks_total") - start_checks < min_checks and time.monotonic() < deadline:
         await asyncio.sleep(0.5)
@@ -141,6 +199,7 @@ async def _false_positives(stack: Stack, interval_s: float, min_checks: int) -> 
         "checks": int(_count(health, "phalanx_health_checks_total") - start_checks),
         "false_positives": int(_count(health, "phalanx_health_checks_total", result="fail") - start_fail),
         "transitions": int(_count(health, "phalanx_health_transitions_total") - start_transitions),
+        "busy_passes": int(_count(health, "phalanx_health_busy_passes_total") - start_busy),
         "reasons": {r: int(n - start_reasons.get(r, 0)) for r, n in _by_reason(health).items() if n > start_reasons.get(r, 0)},
     }
     await asyncio.to_thread(health.terminate)

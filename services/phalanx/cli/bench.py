@@ -110,15 +110,20 @@ def bench_health(
     ),
     min_checks: int = typer.Option(1000, min=1, help="Checks in the fault-free run"),
     load_streams: int = typer.Option(4, min=0, help="Background streams through the router"),
+    hogs: int = typer.Option(
+        0, min=0, help="CPU-hog processes the bench starts for a second fault-free run and the detection runs (a busy host); "
+        "killed at the end"
+    ),
     as_json: AsJson = False,
 ) -> None:
-    """Detection latency per fault (inject -> weight 0 in the router), false positives, canary share of engine work."""
+    """Detection latency per fault (inject -> weight 0 in the router), false positives (also on a busy host with --hogs),
+    canary share of engine work."""
     os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
     from phalanx.bench.health import run_health_bench
 
     result = run_health_bench(
         workers=workers, repeats=repeats, interval_s=interval_s, fp_interval_s=fp_interval_s, min_checks=min_checks,
-        load_streams=load_streams,
+        load_streams=load_streams, hogs=hogs,
     )
     print(json.dumps(result, indent=None if as_json else 2))
 

@@ -220,6 +220,42 @@ async def test_corrupted_worker_is_caught_by_the_canary_drained_and_restored_by_
     await assert_eventually(admitted_again, timeout=5, interval=0.05)
 
 
+async def test_a_worker_busy_with_a_big_batch_earns_a_load_allowance_and_stays_healthy(fleet):
+    """Busy is not broken: its canaries are judged against the steps its batch takes (health/load.py), from its load
+    reports on NATS."""
+    busy = next(w for w in fleet.workers if w.process.poll() is None)
+    await calibrated_and_checked(fleet, [busy])
+    failures = health(fleet).metric("phalanx_canary_failures_total", worker=busy.worker_id) or 0.0
+
+    async def stream(stub, i: int) -> None:
+        request = worker_pb2.GenerateRequest(
+            request_id=f"busy-{i}", text=f"busy stream {i}", sampling=common_pb2.SamplingParams(max_tokens=1500, ignore_eos=True)
+        )
+        async for _ in stub.Generate(request):
+            pass
+
+    async with grpc.aio.insecure_channel(busy.address) as channel:
+        stub = worker_pb2_grpc.WorkerServiceStub(channel)
+        streams = [asyncio.create_task(stream(stub, i)) for i in range(48)]
+        try:
+            async def allowed():
+                allowance = health(fleet).metric("phalanx_health_load_allowance", worker=busy.worker_id)
+                assert allowance is not None and allowance > 1.2, allowance
+                return allowance
+
+            await assert_eventually(allowed, timeout=20, interval=0.1)
+            await check_ends(fleet, busy)
+            await check_ends(fleet, busy)
+            assert not any(s.done() for s in streams)  # still busy through both checks
+        finally:
+            for s in streams:
+                s.cancel()
+            await asyncio.gather(*streams, return_exceptions=True)
+    record = (await records(fleet))[busy.worker_id]
+    assert record.health == HEALTHY and record.routing_weight == 1.0, record
+    assert (health(fleet).metric("phalanx_canary_failures_total", worker=busy.worker_id) or 0.0) == failures
+
+
 async def test_killing_the_active_health_instance_hands_over_to_the_standby_without_mis_marking(fleet):
     active = health(fleet)
     standby = await fleet.add_health(env=HEALTH_ENV)

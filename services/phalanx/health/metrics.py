@@ -46,6 +46,11 @@ class HealthMetrics:
             "Canaries repeated at once because a healthy worker missed one deadline while its engine made progress",
             registry=r,
         )
+        self.load_allowance = Gauge(
+            "phalanx_health_load_allowance",
+            "How much the worker's load (and its host's) stretched its latest canary's latency limit (1: not at all)",
+            ["worker"], registry=r,
+        )
         self.busy_passes = Counter(
             "phalanx_health_busy_passes",
             "Canaries that passed only thanks to the worker's load allowance: slow because busy, not broken",
@@ -67,6 +72,7 @@ class HealthMetrics:
             _remove(self.worker_status, worker_id, h.label)
         _remove(self.routing_weight, worker_id)
         _remove(self.circuit, worker_id)
+        _remove(self.load_allowance, worker_id)
 
 
 def _remove(metric, *labels: str) -> None:

@@ -263,6 +263,7 @@ class FleetMonitor:
     async def _observe(self, w: TrackedWorker, outcome: CheckOutcome) -> None:
         worker_id = w.registration.worker_id
         slowdown, slo_factor, load_factor = self._fleet_slowdown(w), self._slo_factor(), self._load_factor(w)
+        self.metrics.load_allowance.labels(worker=worker_id).set(load_factor)
         judged = w.tracker.judge_latency(outcome, slowdown, slo_factor, load_factor)
         if judged.result is CheckResult.PASS and w.tracker.judge_latency(outcome, slowdown, slo_factor).result is CheckResult.FAIL:
             self.metrics.busy_passes.inc()

@@ -100,6 +100,16 @@ def test_a_slow_worker_with_a_batch_gets_only_what_its_batch_explains():
     assert t.judge_latency(CheckOutcome.passed(20 * BASELINE), load_factor=stretch).reason is FailureReason.LATENCY
 
 
+def test_a_slowed_worker_that_piles_up_requests_gets_no_credit_for_its_new_bigger_batch():
+    fleet = settled()
+    fleet.run(1, {"a": (0.055, 1)})  # slow at a load it knows
+    fleet.run(1, {"a": (0.056, 32)})  # its requests pile up: a load level it never saw
+    assert fleet.stretch("a") == pytest.approx(0.012 / IDLE_STEP, rel=0.05)  # what its biggest known batch explains
+    # A worker that was fine gets the batch's growth at a level it never saw (bounded by its actual steps).
+    fleet.run(1, {"b": (0.03, 32)})
+    assert fleet.stretch("b") == pytest.approx(6.0, rel=0.05)
+
+
 def test_when_the_whole_host_is_busy_every_worker_gets_the_slowdown_its_peers_share():
     fleet = settled()
     hogged = {w: (2.5 * IDLE_STEP, 1) for w in fleet.workers}  # CPU hogs: every worker's steps 2.5x, loads as usual

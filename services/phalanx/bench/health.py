@@ -48,6 +48,7 @@ _FAULTS = {
     "slow": chaos_pb2.InjectFaultRequest(kind=chaos_pb2.FAULT_KIND_SLOW, slow_step_s=0.05),
 }
 GOALS_S = {"crash": 1.0, "corrupt": 2.5, "hang": 4.5}
+_UNDETECTED_S = 60.0
 
 
 def run_health_bench(*, workers: int = 3, repeats: int = 3, interval_s: float = 1.0, fp_interval_s: float = 0.0,
@@ -116,12 +117,12 @@ async def _run(
             health = await stack.add_health(env=_health_env(interval_s))
             await _until_all_healthy(stack, timeout=60)
             share = await _canary_share(stack, window_s=max(10 * interval_s, 5.0))
-            runs: dict[str, list[float]] = {name: [] for name in _FAULTS}
+            runs: dict[str, list[float | None]] = {name: [] for name in _FAULTS}
             for _ in range(repeats):
                 for name, fault in _FAULTS.items():
                     runs[name].append(await _detect(stack, client, name, fault))
             checks = _count(health, "phalanx_health_checks_total")
-    detection = {name: round(statistics.median(values), 3) for name, values in runs.items()}
+    detection = {name: _median(values) for name, values in runs.items()}
     result = {
         "detection_s": detection,
         "false_positives": fp["false_positives"],
@@ -131,14 +132,18 @@ async def _run(
         "fp_check_interval_s": fp_interval_s,
         "fp_transitions": fp["transitions"],
         "fp_reasons": fp["reasons"],
-        "detection_runs_s": {name: [round(v, 3) for v in values] for name, values in runs.items()},
+        "detection_runs_s": {name: [None if v is None else round(v, 3) for v in values] for name, values in runs.items()},
+        "undetected": {name: values.count(None) for name, values in runs.items() if None in values},
         "checks_during_faults": checks,
         "load": {"streams": load_streams, "completed": load.completed, "errors": load.errors},
         "workers": workers,
         "busy_passes": fp["busy_passes"],
         "hogs": hogs,
         "goals": {"detection_s": GOALS_S, "false_positives": 0},
-        "met": {**{name: detection[name] < goal for name, goal in GOALS_S.items()}, "false_positives": fp["false_positives"] == 0},
+        "met": {
+            **{name: (d := detection[name]) is not None and d < goal for name, goal in GOALS_S.items()},
+            "false_positives": fp["false_positives"] == 0,
+        },
     }
     if fp_hogs is not None:
         # The detection runs above ran with the hogs: their goals are the busy host's too.
@@ -217,21 +222,34 @@ async def _canary_share(stack: Stack, window_s: float) -> float:
     return canary / computed if computed else 0.0
 
 
-async def _detect(stack: Stack, client: Client, name: str, fault: chaos_pb2.InjectFaultRequest) -> float:
-    """Seconds from injecting ``fault`` into a worker to weight 0 for it in the router; restores the fleet after."""
+def _median(values: list[float | None]) -> float | None:
+    """The median detection time; None when the fault went undetected more often than not."""
+    undetected = values.count(None)
+    seen = sorted(v for v in values if v is not None)
+    if undetected * 2 >= len(values):
+        return None
+    return round(statistics.median(seen + [float("inf")] * undetected), 3)
+
+
+async def _detect(stack: Stack, client: Client, name: str, fault: chaos_pb2.InjectFaultRequest) -> float | None:
+    """Seconds from injecting ``fault`` into a worker to weight 0 for it in the router (None: still routed after
+    ``_UNDETECTED_S``, e.g. a ``slow`` fault that the load of a busy host hides); restores the fleet after."""
     victim = _live(stack)[0]
     async with open_channel(victim.address) as channel:
         chaos = chaos_pb2_grpc.ChaosServiceStub(channel)
         await chaos.InjectFault(fault, metadata=_AUTH, timeout=5)
         injected = time.monotonic()
-        while True:
+        detected: float | None = None
+        while detected is None:
             view = next((w for w in await client.list_workers() if w.worker_id == victim.worker_id), None)
             if view is None or view.routing_weight == 0:
+                detected = time.monotonic() - injected
+            elif time.monotonic() - injected > _UNDETECTED_S:
+                if name == "crash":
+                    raise TimeoutError(f"{name}: {victim.worker_id} still routed after {_UNDETECTED_S:g} s")
                 break
-            if time.monotonic() - injected > 60:
-                raise TimeoutError(f"{name}: {victim.worker_id} still routed after 60 s")
-            await asyncio.sleep(0.005)
-        detected = time.monotonic() - injected
+            else:
+                await asyncio.sleep(0.005)
         if name == "crash":
             await asyncio.to_thread(victim.process.wait, 10)
             stack.workers.remove(victim)

@@ -23,7 +23,9 @@ judge's, a crash the lease's and stream's, and no allowance touches them.
 The usual step of a level is learned from samples no slower than ``learn_factor`` x the usual one: a step that
 suddenly takes twice as long (a fault, or a busy host: the peers explain that one) is not learned as the new usual,
 a faster one always is, and a slow drift is followed. An unseen level is bounded by a
-lower seen one scaled with the batch (a step of 2n sequences costs at most twice one of n), or by a higher one.
+lower seen one scaled with the batch (a step of 2n sequences costs at most twice one of n), or by a higher one; a
+worker whose last step at a level it knows was unexplained gets no credit for the growth (a slowed worker piles up
+requests: the batch it piled up must not excuse it).
 """
 
 from __future__ import annotations
@@ -65,14 +67,15 @@ class StepModel:
 
     usual_s: dict[int, float] = field(default_factory=dict)
 
-    def expected_s(self, level: int) -> float | None:
-        """The usual step at ``level``: learned, or bounded from the nearest learned level; None before any."""
+    def expected_s(self, level: int, *, grow: bool = True) -> float | None:
+        """The usual step at ``level``: learned, or bounded from the nearest learned level (with the batch's growth
+        only if ``grow``); None before any."""
         if level in self.usual_s:
             return self.usual_s[level]
         lower = [seen for seen in self.usual_s if seen < level]
         if lower:
             seen = max(lower)
-            return self.usual_s[seen] * 2 ** (level - seen)
+            return self.usual_s[seen] * (2 ** (level - seen) if grow else 1)
         higher = [seen for seen in self.usual_s if seen > level]
         return self.usual_s[min(higher)] if higher else None
 
@@ -112,6 +115,10 @@ class _Worker:
     # Last report whose step time moved, or that held nothing: the engine's step-time average changes with every step,
     # so one that holds work and reports the same figure for long took no step (hung, or one step longer than that).
     moved_at: float = float("-inf")
+    # Its last report at a load level it knows was slower than that level and its peers explain: until one is not,
+    # a level it does not know gets no credit for the batch's growth (a slowed worker piles up requests, and the
+    # bigger batch must not excuse the slowness that piled them up).
+    suspect: bool = False
 
 
 class FleetLoad:
@@ -129,7 +136,9 @@ class FleetLoad:
         if step_s <= 0:
             return  # no step taken yet: nothing to learn or judge
         level = load_level(held)
-        expected = w.model.expected_s(level)
+        expected = w.model.expected_s(level, grow=not w.suspect)
+        if expected is not None and level in w.model.usual_s:
+            w.suspect = step_s > self.policy.learn_factor * expected * self.fleet_excess(worker_id, now)
         if held == 0 or step_s != w.step_s:
             w.moved_at = now
         w.step_s, w.level, w.at = step_s, level, now
@@ -158,7 +167,7 @@ class FleetLoad:
         if now - w.moved_at > self.policy.stale_s:
             return LoadVerdict(1.0, w.excess, 1.0, w.level)  # no step for a while: no progress, so no allowance
         idle = w.model.expected_s(0)
-        usual = w.model.expected_s(w.level)
+        usual = w.model.expected_s(w.level, grow=not w.suspect)
         fleet = min(self.fleet_excess(worker_id, now), self.policy.max_stretch)
         if not idle or not usual:
             return LoadVerdict(1.0, w.excess, fleet, w.level)

@@ -150,6 +150,18 @@ def test_stale_reports_and_a_worker_that_holds_work_but_takes_no_step_get_no_all
     assert fleet.stretch("a") == 1.0
 
 
+def test_a_worker_whose_reports_are_fresh_and_whose_steps_move_is_progressing_a_silent_or_stuck_one_is_not():
+    fleet = settled()
+    fleet.run(1, {"a": (0.06, 64)})
+    assert fleet.load.progressing("a", fleet.now)
+    assert not fleet.load.progressing("a", fleet.now + 2.5)  # no report: its process may be stuck
+    for _ in range(25):  # reports go on, but no step is taken while it holds work
+        fleet.now += 0.1
+        fleet.load.on_report("a", "v1", step_s=0.06, held=64, now=fleet.now)
+    assert not fleet.load.progressing("a", fleet.now)
+    assert not fleet.load.progressing("nobody", fleet.now)
+
+
 def test_a_forgotten_or_unknown_worker_and_a_disabled_policy_grant_nothing():
     fleet = settled()
     fleet.run(1, {"a": (0.06, 64)})

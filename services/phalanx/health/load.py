@@ -175,5 +175,13 @@ class FleetLoad:
         stretch = min(self.policy.max_stretch, max(1.0, explained / idle))
         return LoadVerdict(stretch, w.excess, fleet, w.level)
 
+    def progressing(self, worker_id: str, now: float) -> bool:
+        """Its reports are fresh and its steps move (or it holds nothing): the process and its engine are alive.
+
+        A liveness probe that times out on such a worker says its event loop is busy, not that it is stuck.
+        """
+        w = self._workers.get(worker_id)
+        return self.policy.enabled and w is not None and self._fresh(w, now) and now - w.moved_at <= self.policy.stale_s
+
     def _fresh(self, w: _Worker, now: float) -> bool:
         return now - w.at <= self.policy.stale_s

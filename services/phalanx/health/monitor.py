@@ -386,8 +386,13 @@ class FleetMonitor:
             return False
         except grpc.aio.AioRpcError as error:
             if error.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                detail = f"{why}; no liveness answer within {self.config.probe_timeout_s} s"
+                if self.load.progressing(w.registration.worker_id, time.monotonic()):
+                    # Its load reports are fresh and its engine steps: busy, and the canaries judge the rest.
+                    await self._observe(w, CheckOutcome.inconclusive(f"{detail}, but it reports progress"))
+                    return False
                 # Up but unresponsive: evidence of a fault, not of death.
-                outcome = CheckOutcome.failed(FailureReason.PROBE_TIMEOUT, f"{why}; no liveness answer within {self.config.probe_timeout_s} s")
+                outcome = CheckOutcome.failed(FailureReason.PROBE_TIMEOUT, detail)
                 await self._observe(w, outcome)
                 return False
             if error.code() != grpc.StatusCode.UNAVAILABLE:

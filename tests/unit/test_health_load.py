@@ -110,6 +110,13 @@ def test_a_slowed_worker_that_piles_up_requests_gets_no_credit_for_its_new_bigge
     assert fleet.stretch("b") == pytest.approx(6.0, rel=0.05)
 
 
+def test_one_slow_peer_of_two_does_not_make_the_host_busy_for_another_slow_worker():
+    fleet = settled()
+    slow = {"a": (0.055, 1), "b": (0.055, 1)}  # two slowed workers, one fine: not a busy host
+    fleet.run(1, slow)
+    assert fleet.stretch("a") == 1.0 and fleet.stretch("b") == 1.0
+
+
 def test_when_the_whole_host_is_busy_every_worker_gets_the_slowdown_its_peers_share():
     fleet = settled()
     hogged = {w: (2.5 * IDLE_STEP, 1) for w in fleet.workers}  # CPU hogs: every worker's steps 2.5x, loads as usual

@@ -152,12 +152,15 @@ class FleetLoad:
         self._workers.pop(worker_id, None)
 
     def fleet_excess(self, worker_id: str, now: float) -> float:
-        """How much slower than usual the worker's peers step right now (median; 1.0 without fresh peers)."""
+        """How much slower than usual the worker's peers step right now (1.0 without fresh peers).
+
+        The lower median: with two peers, one of them slow is that peer's business, not the host's.
+        """
         w = self._workers.get(worker_id)
         if w is None:
             return 1.0
         peers = [p.excess for pid, p in self._workers.items() if pid != worker_id and p.group == w.group and self._fresh(p, now)]
-        return max(1.0, statistics.median(peers)) if peers else 1.0
+        return max(1.0, statistics.median_low(peers)) if peers else 1.0
 
     def verdict(self, worker_id: str, now: float) -> LoadVerdict:
         """The allowance the worker's canary gets for its load and the host's, from its latest fresh report."""

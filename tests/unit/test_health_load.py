@@ -214,3 +214,37 @@ def test_wrong_tokens_fail_whatever_the_load():
     for n in range(3):
         t.observe(wrong, now=float(n), load_factor=20.0)
     assert t.health is Health.UNHEALTHY and t.judge_latency(wrong, load_factor=20.0).result is CheckResult.FAIL
+
+
+def test_a_starved_worker_whose_long_steps_still_move_is_progressing_within_three_of_its_steps():
+    fleet = settled()
+    fleet.run(1, {w: (0.4, 4) for w in fleet.workers})  # a starved host: 400 ms steps
+    at = fleet.now
+    for _ in range(10):  # one whole second on one step: the average does not move
+        fleet.now += 0.1
+        fleet.load.on_report("a", "v1", step_s=0.4 * 1.02, held=4, now=fleet.now)
+    assert fleet.load.progressing("a", fleet.now)
+    fleet.now = at + 1.5  # past 3 of its steps (and reports still come): no progress
+    fleet.load.on_report("a", "v1", step_s=0.4 * 1.02, held=4, now=fleet.now)
+    assert not fleet.load.progressing("a", fleet.now)
+
+
+def test_a_miss_while_the_reports_show_steps_moving_is_confirmed_not_counted_a_hang_still_counts_at_once():
+    missed = CheckOutcome.failed(FailureReason.TIMEOUT, "no answer", 1.0)
+    starved = CheckRound(POLICY, tracker(), after=None)
+    starved.start()
+    starved.on(StatsTaken(EngineSample(100, 4)))
+    starved.on(CanaryDone(missed))
+    confirm = starved.on(StatsTaken(EngineSample(100, 4), load_factor=20.0, progressing=True))  # nothing computed, yet moving
+    assert isinstance(confirm, SendCanary) and confirm.deadline is Deadline.CONFIRMING
+    assert starved.on(CanaryDone(CheckOutcome.passed(0.5), load_factor=20.0)) == Record(CheckOutcome.passed(0.5))
+    # After a counted miss: no second chance, unless its steps visibly move.
+    t = tracker()
+    t.consecutive_failures = 1
+    follow_up = CheckRound(POLICY, t, after=FailureReason.TIMEOUT)
+    assert isinstance(follow_up.start(), SendCanary)
+    assert follow_up.on(CanaryDone(missed, progressing=True)) == TakeStats()
+    assert isinstance(follow_up.on(StatsTaken(EngineSample(100, 4), progressing=True)), SendCanary)
+    hung = CheckRound(POLICY, t, after=FailureReason.TIMEOUT)
+    hung.start()
+    assert hung.on(CanaryDone(missed, progressing=False)) == Record(missed)

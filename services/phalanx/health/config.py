@@ -76,8 +76,10 @@ class HealthConfig(BaseSettings):
         "this multiple of the usual one; a sudden larger jump is not learned (its peers may still explain it)"
     )
     load_max_stretch: float = Field(20.0, ge=1, description="The most a worker's load may stretch its canary latency limit")
-    load_report_stale_s: float = Field(
-        2.0, gt=0, description="A load report older than this grants no allowance, nor does one that shows no step for this long"
+    load_report_stale_s: float = Field(2.0, gt=0, description="A load report older than this grants no allowance")
+    load_stall_s: float = Field(
+        0.5, gt=0, description="A worker that holds work and whose reports show no step for this long (or 3 of its recent steps, "
+        "if longer) makes no progress: no allowance, and a missed canary counts as a hang's"
     )
     unhealthy_after: int = Field(3, ge=1, description="Consecutive failures that make a worker UNHEALTHY (weight 0, drained)")
     circuit_failure_threshold: int = Field(3, ge=1, description="Consecutive failures that open a worker's circuit")

@@ -16,9 +16,11 @@ its peers step right now) account for. The canary's allowance (``stretch``) is t
 So a worker that steps slowly for its load while its peers do not (a throttled GPU, a ``slow`` fault) gets no
 allowance and fails its canaries as before; a worker with a big batch gets the slowdown its batch brings; when every
 worker is equally slow (a busy host) each one gets it from its peers. A worker that makes no progress at all (a hang)
-is told apart by its engine counters (health/schedule.py, ``stuck_with_work``), and its allowance lapses once its
-reports show no step for ``stale_s`` (the step-time average moves with every step); wrong tokens are the canary
-judge's, a crash the lease's and stream's, and no allowance touches them.
+is told apart by its engine counters (health/schedule.py, ``stuck_with_work``) and by its reports: the step-time
+average moves with every step, so one that holds work and stays put for ``stall_s`` (or 3 of its own recent steps, if
+longer) took no step. Such a worker is not ``progressing`` and gets no allowance; one whose steps visibly move is, and
+a missed canary on it is confirmed instead of counted (a starved host can hold a whole step for a second). Wrong
+tokens are the canary judge's, a crash the lease's and stream's, and no allowance touches them.
 
 The usual step of a level is learned from samples no slower than ``learn_factor`` x the usual one: a step that
 suddenly takes twice as long (a fault, or a busy host: the peers explain that one) is not learned as the new usual,
@@ -39,6 +41,8 @@ if TYPE_CHECKING:
 
 __all__ = ["FleetLoad", "LoadPolicy", "LoadVerdict", "StepModel", "load_level"]
 
+_STALL_STEPS = 3.0
+
 
 def load_level(held: int) -> int:
     """The load level of a worker holding ``held`` requests (running and queued): 0 for at most 1, then log2."""
@@ -51,13 +55,14 @@ class LoadPolicy:
     learn_factor: float = 1.5
     max_stretch: float = 20.0
     stale_s: float = 2.0
+    stall_s: float = 0.5
     alpha: float = 0.1
 
     @classmethod
     def from_config(cls, config: HealthConfig) -> LoadPolicy:
         return cls(
             enabled=config.load_aware, learn_factor=config.load_learn_factor, max_stretch=config.load_max_stretch,
-            stale_s=config.load_report_stale_s,
+            stale_s=config.load_report_stale_s, stall_s=config.load_stall_s,
         )
 
 
@@ -167,7 +172,7 @@ class FleetLoad:
         w = self._workers.get(worker_id)
         if not self.policy.enabled or w is None or not self._fresh(w, now):
             return NO_LOAD
-        if now - w.moved_at > self.policy.stale_s:
+        if self._stalled(w, now):
             return LoadVerdict(1.0, w.excess, 1.0, w.level)  # no step for a while: no progress, so no allowance
         idle = w.model.expected_s(0)
         usual = w.model.expected_s(w.level, grow=not w.suspect)
@@ -181,10 +186,15 @@ class FleetLoad:
     def progressing(self, worker_id: str, now: float) -> bool:
         """Its reports are fresh and its steps move (or it holds nothing): the process and its engine are alive.
 
-        A liveness probe that times out on such a worker says its event loop is busy, not that it is stuck.
+        A liveness probe or a canary that times out on such a worker says it is busy, not that it is stuck.
         """
         w = self._workers.get(worker_id)
-        return self.policy.enabled and w is not None and self._fresh(w, now) and now - w.moved_at <= self.policy.stale_s
+        return self.policy.enabled and w is not None and self._fresh(w, now) and not self._stalled(w, now)
+
+    def _stalled(self, w: _Worker, now: float) -> bool:
+        """It holds work and its step-time average has not moved for ``stall_s``, or for ``_STALL_STEPS`` of its own
+        recent steps if those are longer (a starved host's steps can take a second; a hang takes no step at all)."""
+        return now - w.moved_at > max(self.policy.stall_s, _STALL_STEPS * w.step_s)
 
     def _fresh(self, w: _Worker, now: float) -> bool:
         return now - w.at <= self.policy.stale_s

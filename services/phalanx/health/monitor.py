@@ -246,14 +246,14 @@ class FleetMonitor:
         while not isinstance(effect, Record):
             event: StatsTaken | CanaryDone | Paused
             if isinstance(effect, TakeStats):
-                event = StatsTaken(await self._engine_sample(w), self._fleet_slowdown(w), self._load_factor(w))
+                event = StatsTaken(await self._engine_sample(w), self._fleet_slowdown(w), self._load_factor(w), self._progressing(w))
             elif isinstance(effect, SendCanary):
                 if effect.purpose is CheckPurpose.TIMEOUT_RECHECK:
                     self.metrics.timeout_rechecks.inc()
                 elif effect.purpose is CheckPurpose.LATENCY_RECHECK:
                     self.metrics.latency_rechecks.inc()
                 outcome = await self.check(w, effect.deadline_s)
-                event = CanaryDone(outcome, self._fleet_slowdown(w), self._load_factor(w))
+                event = CanaryDone(outcome, self._fleet_slowdown(w), self._load_factor(w), self._progressing(w))
             else:
                 await asyncio.sleep(effect.seconds)
                 event = Paused(self._fleet_slowdown(w), self._load_factor(w))
@@ -297,6 +297,9 @@ class FleetMonitor:
     def _load_factor(self, w: TrackedWorker) -> float:
         """How much the worker's own load and its host's slow its steps right now (1.0: not at all, or not known)."""
         return self.load.verdict(w.registration.worker_id, time.monotonic()).stretch
+
+    def _progressing(self, w: TrackedWorker) -> bool:
+        return self.load.progressing(w.registration.worker_id, time.monotonic())
 
     async def _on_load(self, report: common_pb2.LoadReport, subject: str, context) -> None:
         w = self.workers.get(report.worker_id)
@@ -387,7 +390,7 @@ class FleetMonitor:
         except grpc.aio.AioRpcError as error:
             if error.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
                 detail = f"{why}; no liveness answer within {self.config.probe_timeout_s} s"
-                if self.load.progressing(w.registration.worker_id, time.monotonic()):
+                if self._progressing(w):
                     # Its load reports are fresh and its engine steps: busy, and the canaries judge the rest.
                     await self._observe(w, CheckOutcome.inconclusive(f"{detail}, but it reports progress"))
                     return False

@@ -170,6 +170,8 @@ class StatsTaken:
     sample: EngineSample | None
     fleet_slowdown: float = 1.0
     load_factor: float = 1.0  # the worker's load allowance now (health/load.py)
+    # Its load reports show its steps moving right now (health/load.py): whatever the counters say, not a hang.
+    progressing: bool = False
 
 
 @dataclass(frozen=True)
@@ -177,6 +179,7 @@ class CanaryDone:
     outcome: CheckOutcome
     fleet_slowdown: float = 1.0
     load_factor: float = 1.0  # the worker's load allowance now (health/load.py)
+    progressing: bool = False  # as StatsTaken's
 
 
 @dataclass(frozen=True)
@@ -231,15 +234,18 @@ class CheckRound:
             self._before = event.sample
             return self._first_canary(event.fleet_slowdown, event.load_factor)
         if phase is _Phase.CANARY and isinstance(event, CanaryDone):
-            if event.outcome.timed_out and not self.first_miss_counts:
+            # A worker that already failed gets no second chance, unless its reports show its steps moving: a miss
+            # then is a starved host's, and a confirming check decides as for a healthy worker.
+            if event.outcome.timed_out and (not self.first_miss_counts or event.progressing):
                 self._missed = event.outcome
                 self._phase = _Phase.STATS_AFTER
                 return TakeStats()
             return self._judged(event.outcome, event.fleet_slowdown, event.load_factor)
         if phase is _Phase.STATS_AFTER and isinstance(event, StatsTaken):
             assert self._missed is not None
-            if stuck_with_work(self._before, event.sample):
-                # A hung engine holds its work and computes nothing: its miss counts at once.
+            if stuck_with_work(self._before, event.sample) and not event.progressing:
+                # A hung engine holds its work and computes nothing: its miss counts at once. (One whose reports show
+                # steps moving was only slower than the deadline, a whole step of a starved host can be.)
                 return self._judged(self._missed, event.fleet_slowdown, event.load_factor)
             # A busy host, a burst, a canary that never arrived: a confirming check decides.
             self._phase = _Phase.CONFIRMING

@@ -47,8 +47,8 @@ def settled(fleet: Fleet | None = None) -> Fleet:
     """A fleet that learned its usual steps: idle (5 ms) and with batches of 8 (12 ms)."""
     fleet = fleet or Fleet()
     fleet.run(2, {})
-    fleet.run(2, {w: (0.012, 8) for w in fleet.workers})
-    fleet.run(1, {})
+    fleet.run(8, {w: (0.012, 8) for w in fleet.workers})  # a new level starts at its bound, learned once the load held
+    fleet.run(3, {})
     return fleet
 
 
@@ -134,6 +134,19 @@ def test_a_lone_worker_on_a_busy_host_has_no_peers_to_explain_a_sudden_slowdown(
     fleet = settled(Fleet(workers=("a",)))
     fleet.run(1, {"a": (2.5 * IDLE_STEP, 1)})
     assert fleet.stretch("a") == 1.0  # the peers' canaries (fleet_slowdown) and the rechecks are all it has
+
+
+def test_the_lagging_step_average_at_a_change_of_load_is_neither_learned_as_usual_nor_taken_for_slowness():
+    fleet = settled()
+    # 48 requests arrive: the reported average climbs from the idle pace to 40 ms over a couple of seconds.
+    for i in range(30):
+        fleet.run(0.1, {"a": (min(0.04, 0.006 + 0.002 * i) + 0.0001 * (i % 2), 48)})
+    assert fleet.stretch("a") == pytest.approx(0.04 / IDLE_STEP, rel=0.05)
+    # The requests end; the average still says 120 ms for a while, at the idle level.
+    fleet.run(0.3, {"a": (0.04, 0)})
+    fleet.run(0.5, {"a": (0.005, 1)})
+    fleet.run(0.3, {"a": (0.038, 40)})
+    assert fleet.stretch("a") > 6  # no suspicion left behind by the lagging average
 
 
 def test_gradual_and_faster_steps_are_learned_as_the_usual_pace():
@@ -236,7 +249,7 @@ def test_a_miss_while_the_reports_show_steps_moving_is_confirmed_not_counted_a_h
     starved.on(StatsTaken(EngineSample(100, 4)))
     starved.on(CanaryDone(missed))
     confirm = starved.on(StatsTaken(EngineSample(100, 4), load_factor=20.0, progressing=True))  # nothing computed, yet moving
-    assert isinstance(confirm, SendCanary) and confirm.deadline is Deadline.CONFIRMING
+    assert isinstance(confirm, SendCanary) and confirm.deadline is Deadline.CONFIRMING and confirm.deadline_s == POLICY.timeout_s
     assert starved.on(CanaryDone(CheckOutcome.passed(0.5), load_factor=20.0)) == Record(CheckOutcome.passed(0.5))
     # After a counted miss: no second chance, unless its steps visibly move.
     t = tracker()

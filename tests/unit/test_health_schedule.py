@@ -135,7 +135,8 @@ def test_the_delay_after_a_round_depends_on_how_it_ended():
     schedule = CheckSchedule(POLICY, tracker(failures=1), uniform=lambda lo, hi: lo)
     assert schedule.finish(CheckOutcome.passed(0.1)) == pytest.approx(0.9)  # interval minus the jitter
     assert schedule.last_failure is None
-    assert schedule.finish(CheckOutcome.failed(FailureReason.TOKEN_MISMATCH)) == 0.25
+    assert schedule.finish(CheckOutcome.failed(FailureReason.LATENCY)) == 0.25
+    assert schedule.finish(CheckOutcome.failed(FailureReason.TOKEN_MISMATCH)) == 0.0  # wrong answers do not clear by waiting
     assert schedule.finish(TIMEOUT) == 0.0  # the deadline already waited
     assert schedule.last_failure is FailureReason.TIMEOUT
     assert schedule.begin().start() == SendCanary(Deadline.FOLLOW_UP, pytest.approx(0.3))

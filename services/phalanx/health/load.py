@@ -42,6 +42,11 @@ if TYPE_CHECKING:
 __all__ = ["FleetLoad", "LoadPolicy", "LoadVerdict", "StepModel", "load_level"]
 
 _STALL_STEPS = 3.0
+# The workers' step-time average weighs a new step 0.1 (worker/engine_frontend.py): 20 steps after a change of load it
+# shows 88% of the change. Until a load level has held that long (and at least _SETTLE_S), its reports are neither
+# learned nor taken for slowness.
+_SETTLE_STEPS = 20
+_SETTLE_S = 2.0
 
 
 def load_level(held: int) -> int:
@@ -124,6 +129,7 @@ class _Worker:
     # a level it does not know gets no credit for the batch's growth (a slowed worker piles up requests, and the
     # bigger batch must not excuse the slowness that piled them up).
     suspect: bool = False
+    level_since: float = float("-inf")  # when the current load level began
 
 
 class FleetLoad:
@@ -142,7 +148,15 @@ class FleetLoad:
             return  # no step taken yet: nothing to learn or judge
         level = load_level(held)
         expected = w.model.expected_s(level, grow=not w.suspect)
-        if expected is not None and level in w.model.usual_s:
+        # The report's step time is an average over the last steps: it lags a change of load. A level met for the
+        # first time therefore starts at its bound, and only a load that held a while is learned or says whether the
+        # worker is slow for it (just after a busy spell ends, the average still says busy; just after it began, idle).
+        if level != w.level or w.at == float("-inf"):
+            w.level_since = now
+        stable = now - w.level_since >= max(_SETTLE_S, _SETTLE_STEPS * step_s)
+        if expected is not None and level not in w.model.usual_s:
+            w.model.usual_s[level] = expected
+        if expected is not None and stable:
             w.suspect = step_s > self.policy.learn_factor * expected * self.fleet_excess(worker_id, now)
         if held == 0 or step_s != w.step_s:
             w.moved_at = now
@@ -150,7 +164,7 @@ class FleetLoad:
         w.excess = step_s / expected if expected else 1.0
         # Not stretched by the peers' slowdown: learned, a busy host's pace would become the usual one, and the
         # allowance (relative to the idle pace the canary baseline was learned at) would vanish while the host stays busy.
-        if expected is None or step_s <= self.policy.learn_factor * expected:
+        if expected is None or (stable and step_s <= self.policy.learn_factor * expected):
             w.model.learn(level, step_s, self.policy.alpha)
 
     def forget(self, worker_id: str) -> None:

@@ -250,6 +250,10 @@ class CheckRound:
             # A busy host, a burst, a canary that never arrived: a confirming check decides.
             self._phase = _Phase.CONFIRMING
             deadline = self.policy.deadline_s(Deadline.CONFIRMING, self.tracker, event.fleet_slowdown, self.slo_factor, event.load_factor)
+            if event.progressing:
+                # Its steps visibly move: it is busy, so it gets the whole timeout (its answer is still judged for
+                # latency against its load; a hang does not move, a slow step answers and fails that judgment).
+                deadline = self.policy.timeout_s
             return SendCanary(Deadline.CONFIRMING, deadline, CheckPurpose.TIMEOUT_RECHECK)
         if phase in (_Phase.CONFIRMING, _Phase.LATENCY_RECHECK) and isinstance(event, CanaryDone):
             return self._judged(event.outcome, event.fleet_slowdown, event.load_factor)
@@ -310,6 +314,10 @@ class CheckSchedule:
         self.last_failure = outcome.reason if outcome.result is CheckResult.FAIL else None
         if self.last_failure is FailureReason.TIMEOUT:
             return 0.0  # the deadline already waited; a hang should not wait twice
+        if self.last_failure in (FailureReason.TOKEN_MISMATCH, FailureReason.LOGIT_OUT_OF_RANGE):
+            # Wrong answers are no effect of load and do not clear by waiting; on a busy host each canary already takes
+            # long, and the corruption goal counts from the first wrong answer to the third.
+            return 0.0
         if outcome.result is CheckResult.FAIL:
             return min(p.interval_s, p.failure_recheck_s)
         return p.interval_s * self._uniform(1 - p.jitter, 1 + p.jitter)

@@ -111,3 +111,38 @@ def test_parked_kv_expires(moe):
     assert engine.unpark() == 1
     assert engine.kv.num_free_blocks > free_before
     assert isinstance(engine.cache.gather(torch.tensor([0, 1])), torch.Tensor)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_prefill_role_parks_after_first_token_and_decode_side_continues_identically(moe, temperature):
+    prompt = moe.tokenizer.encode("the lighthouse keeper watched the storm roll in over the bay " * 3)
+    params = SamplingParams(max_tokens=N, ignore_eos=True, temperature=temperature, seed=7)
+    reference = engine_of(moe)
+    reference.add_request(EngineRequest(prompt, params, "r"))
+    expected = [e.token_id for e in finish(reference)["r"]]
+
+    prefill = engine_of(moe, role="prefill")
+    prefill.add_request(EngineRequest(prompt, params, "r"))
+    events = finish(prefill)["r"]
+    first, handed = events
+    assert (first.index, first.token_id, first.finish_reason) == (0, expected[0], FinishReason.NONE)
+    # Parked in the step that made the first token: its KV covers the prompt, nothing past it was computed.
+    assert handed.finish_reason is FinishReason.HANDED_BACK and handed.handoff_kv_tokens == len(prompt)
+    assert handed.handoff.output_ids == expected[:1] and "r" in prefill.parked
+    kv = prefill.export_kv("r", handed.handoff_kv_tokens)
+
+    decode = engine_of(moe, role="decode")
+    snapshot = handed.handoff
+    decode.restore(EngineRequest(snapshot.prompt_ids, params, "r", resume=snapshot, migrated=True), kv, handed.handoff_kv_tokens)
+    rest = finish(decode)["r"]
+    assert [e.index for e in rest] == list(range(1, N)) and [e.token_id for e in rest] == expected[1:]
+
+
+def test_prefill_role_finishes_canaries_and_one_token_requests_in_place(moe):
+    prompt = moe.tokenizer.encode("a short prompt about winter")
+    prefill = engine_of(moe, role="prefill")
+    prefill.add_request(EngineRequest(prompt, SamplingParams(max_tokens=4, ignore_eos=True), "canary", canary=True))
+    prefill.add_request(EngineRequest(prompt, SamplingParams(max_tokens=1, ignore_eos=True), "one"))
+    out = finish(prefill)
+    assert [e.finish_reason for e in out["canary"]][-1] is FinishReason.LENGTH and len(out["canary"]) == 4
+    assert [e.finish_reason for e in out["one"]] == [FinishReason.LENGTH] and not prefill.parked

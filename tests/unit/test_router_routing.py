@@ -379,3 +379,27 @@ def test_route_takes_the_preferred_worker_while_it_is_routable():
     assert decision is not None and decision.worker_id == "a"
     decision = table.route(PROMPT, prefer="a", exclude=frozenset({"a"}))
     assert decision is None
+
+
+# -- worker roles (disaggregated serving) ------------------------------------------------
+def test_prefill_workers_take_no_new_requests_and_route_only_prefills():
+    table = make_table("a")
+    assert table.upsert_worker("p", "p:50051", pid=1, role="prefill") is True
+    assert table.load_kv_snapshot("p", 0, []) is False
+    table.update_load(load("p"))
+    hold(table, "p", PROMPT)
+    assert table.has_prefill_workers()
+    assert table.route(PROMPT).worker_id == "a"  # the prefix holder is a prefill worker: not routed to
+    assert table.route(PROMPT, exclude=frozenset({"a"})) is None
+    decision = table.route(PROMPT, prefill=True)
+    assert decision is not None and decision.worker_id == "p" and decision.cached_tokens == 304
+    assert [e.worker_id for e in table.estimates(PROMPT, prefill=True)] == ["p"]
+    assert [e.worker_id for e in table.estimates(PROMPT)] == ["a"]
+    views = {v.worker_id: v for v in table.workers()}
+    assert views["p"].role == "prefill" and views["p"].routable and views["a"].role == ""
+
+
+def test_a_decode_worker_is_routed_like_any_other():
+    table = RoutingTable(clock=FakeClock())
+    table.upsert_worker("d", "d:50051", pid=1, role="decode")
+    assert table.route(PROMPT).worker_id == "d" and not table.has_prefill_workers()

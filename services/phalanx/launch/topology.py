@@ -25,6 +25,8 @@ class WorkerRole(enum.StrEnum):
 
     MONOLITHIC = "monolithic"  # the whole model, prefill and decode, in one worker (the worker's default)
     ATTENTION = "attention"  # disaggregated MoE: attention and the KV cache here, the experts on expert workers
+    PREFILL = "prefill"  # disaggregated serving: computes prompts, hands each request on with its KV after its first token
+    DECODE = "decode"  # disaggregated serving: takes new requests, and the KV of those prefilled on a prefill worker
 
     @property
     def flags(self) -> tuple[str, ...]:

@@ -38,6 +38,7 @@ from phalanx.common.discovery import CheckpointStoreDirectory, DirectoryView, Wo
 from phalanx.common.errors import MEDIA_SOURCE_SUBJECT, FailedPreconditionError, InvalidRequestError, UnavailableError
 from phalanx.common.events import EventBus
 from phalanx.common.grpc_channels import GrpcChannels
+from phalanx.common.roles import serves_requests
 from phalanx.common.subjects import MIGRATION_EVENTS_SUBJECT
 from phalanx.common.telemetry import get_tracer
 from phalanx.migration.batching import Reservations, RestoreBatcher, SharedCalls
@@ -478,7 +479,8 @@ class Migrator:
         the failed one's tensor-parallel size come first: greedy outputs are bit-identical only between groups of
         the same size. Any other worker with room is the fallback.
         """
-        candidates = {worker_id: r for worker_id, r in registrations.items() if worker_id not in exclude}
+        # Never a prefill worker: it would hand the request on again after one token (common/roles.py).
+        candidates = {w: r for w, r in registrations.items() if w not in exclude and serves_requests(r.role)}
         # The failed worker is excluded but often still registered (its lease outlives it by a TTL); failed targets
         # excluded later were picked with the same preference, so their size is the one to keep.
         source_sizes = {r.tensor_parallel_size or 1 for worker_id, r in registrations.items() if worker_id in exclude}

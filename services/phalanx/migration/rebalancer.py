@@ -30,6 +30,7 @@ from phalanx._proto import common_pb2, worker_pb2, worker_pb2_grpc
 from phalanx.common.config import EtcdConfig
 from phalanx.common.discovery import EtcdDirectory, MigrationDirectory, WorkerDirectory
 from phalanx.common.grpc_channels import GrpcChannels
+from phalanx.common.roles import serves_requests
 from phalanx.common.subjects import SPARES_PREFIX
 from phalanx.migration.config import MigrationConfig
 from phalanx.migration.metrics import MigrationMetrics
@@ -113,7 +114,9 @@ class Rebalancer:
         now = time.monotonic() if now is None else now
         found = []
         reports = self._loads()
-        for worker_id in self.registrations:
+        for worker_id, registration in self.registrations.items():
+            if not serves_requests(registration.role):
+                continue  # a prefill worker hands every request on after its first token: nothing to move off or onto it
             entry = reports.get(worker_id)
             if entry is None or now - entry[1] > _REPORT_MAX_AGE_S:
                 continue

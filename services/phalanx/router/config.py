@@ -182,6 +182,33 @@ class RouterConfig(BaseSettings):
         description="At degradation level 4 keep admitting premium requests while any worker can take them "
         "(off: level 4 rejects every new request, so that the fleet drains the ones in flight)",
     )
+    # Disaggregated serving (router/disagg.py): only with prefill workers registered; without them nothing changes.
+    disagg_mode: Literal["conditional", "always"] = Field(
+        "conditional",
+        description="Disaggregation: conditional prefills remotely when that is estimated cheaper; always whenever a prefill "
+        "worker can take the prompt and the decode worker has room (short prompts still prefill locally)",
+    )
+    disagg_min_prompt_tokens: int = Field(
+        256, ge=1,
+        description="Disaggregation: prompts with fewer tokens uncached on the decode worker prefill there (a short prefill costs "
+        "less than moving its KV)",
+    )
+    disagg_max_prefill_queue: int = Field(
+        4, ge=0, description="Disaggregation: a prefill worker with this many requests queued is saturated (0: any queue is)"
+    )
+    disagg_interference: float = Field(
+        0.25, ge=0,
+        description="Disaggregation: how much a local prefill's time counts again per sequence decoding on the decode worker "
+        "(each of them waits for it); 0 compares times to first token alone",
+    )
+    disagg_transfer_s_per_token: float = Field(
+        2e-5, ge=0, description="Disaggregation: estimated seconds to move one token's KV from a prefill to a decode worker"
+    )
+    disagg_transfer_timeout_s: float = Field(
+        5.0, gt=0,
+        description="Disaggregation: longest a decode worker may take to fetch a prefilled request's KV; past it (or on any "
+        "failure) the request prefills again on a decode worker",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> RouterConfig:

@@ -254,7 +254,8 @@ class RouterProcess:
         assert registration is not None  # a put carries its message
         registrations[worker_id] = registration
         changed = self.table.upsert_worker(
-            worker_id, registration.address, pid=registration.pid, model=registration.model, total_blocks=registration.total_blocks
+            worker_id, registration.address, pid=registration.pid, model=registration.model, total_blocks=registration.total_blocks,
+            role=registration.role,
         )
         if changed:
             self._want_resync(worker_id)

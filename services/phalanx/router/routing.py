@@ -63,6 +63,7 @@ from dataclasses import dataclass
 
 from phalanx._proto import common_pb2
 from phalanx.common.block_hash import MediaSpan, prefix_block_hashes, prefix_block_hashes_with_media
+from phalanx.common.roles import serves_requests
 from phalanx.router.index import KvIndex
 
 RUNNING_SEQ_STEPS = 0.25
@@ -91,6 +92,9 @@ class WorkerEstimate:
     s_per_token: float
     cached_tokens: int
     step_s: float = 0.0  # one engine step there (its report, else the default)
+    queue_depth: int = 0  # its last report's
+    running_seqs: int = 0
+    free_blocks: int | None = None  # None: it has not reported yet
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,11 +134,12 @@ class WorkerView:
     reported: bool
     routed_since_report: int
     spare: bool = False  # a hot spare: registered, not routed to until promoted
+    role: str = ""  # its registered role (common/roles.py); a prefill worker is routable only for prefills
 
 
 class _Worker:
     __slots__ = (
-        "worker_id", "address", "pid", "model", "slot",
+        "worker_id", "address", "pid", "model", "slot", "role",
         "queue_depth", "running_seqs", "free_blocks", "total_blocks", "step_time_ms", "prefill_tokens_per_s",
         "decode_tokens_per_s", "draining", "report_at", "reported", "routed", "routed_tokens", "finished",
         "inv_rate", "base_s",
@@ -145,6 +150,7 @@ class _Worker:
         self.address = ""
         self.pid = 0
         self.model = ""
+        self.role = ""
         self.slot = slot
         self.queue_depth = 0
         self.running_seqs = 0
@@ -196,8 +202,10 @@ class RoutingTable:
         self._weights: dict[str, tuple[float, int]] = {}
         # Hot spares (etcd SPARES_PREFIX): never routed to until promoted. Like health records, the mark may come first.
         self._spares: set[str] = set()
-        # (worker, 1 / weight) of routable workers, sorted by id; rebuilt when routability changes.
+        # (worker, 1 / weight) of routable workers, sorted by id; rebuilt when routability changes. Prefill workers
+        # (common/roles.py) apart: new requests never go to them, only prompts to prefill (router/disagg.py).
         self._routable: list[tuple[_Worker, float]] = []
+        self._prefill_routable: list[tuple[_Worker, float]] = []
         # The medians of the rates the workers measured (None: nobody has): what a worker that has measured nothing yet
         # is priced at, rather than the configured defaults, which on a slow box make it look far faster than the
         # measured workers (an idle newcomer would beat a prefix holder however much the holder's cache saves).
@@ -206,7 +214,9 @@ class RoutingTable:
         self._turn = 0
 
     # -- membership -------------------------------------------------------------
-    def upsert_worker(self, worker_id: str, address: str, *, pid: int = 0, model: str = "", total_blocks: int = 0) -> bool:
+    def upsert_worker(
+        self, worker_id: str, address: str, *, pid: int = 0, model: str = "", total_blocks: int = 0, role: str = "",
+    ) -> bool:
         """Adds or updates a registration. True: new, or its process changed (pid); the caller
         fetches a KvSnapshot and calls load_kv_snapshot."""
         w = self._workers.get(worker_id)
@@ -223,6 +233,9 @@ class RoutingTable:
         w.address, w.pid, w.model = address, pid, model
         if total_blocks and not w.reported:
             w.total_blocks = total_blocks
+        if role != w.role:
+            w.role = role
+            self._rebuild_routable()
         if new or restarted:
             self._refresh(w)
             self._rebuild_routable()
@@ -324,7 +337,7 @@ class RoutingTable:
     # -- the decision -----------------------------------------------------------------
     def route(
         self, prompt_ids: list[int], *, exclude: frozenset[str] | set[str] = frozenset(), media: Sequence[MediaSpan] = (),
-        prefer: str | None = None,
+        prefer: str | None = None, prefill: bool = False,
     ) -> RouteDecision | None:
         """The cheapest routable worker for the prompt; None if no worker is routable (after `exclude`).
 
@@ -332,8 +345,9 @@ class RoutingTable:
         `prefer`: that worker if it is routable and not excluded, whatever the others cost (it was chosen already,
         e.g. it holds the request's text prefix, computed while the media were encoded, and its KV events may not
         have reached the index yet).
+        `prefill`: among the prefill workers instead (router/disagg.py prices them as prefills elsewhere).
         """
-        routable = self._routable
+        routable = self._prefill_routable if prefill else self._routable
         if not routable:
             return None
         n = len(prompt_ids)
@@ -363,18 +377,22 @@ class RoutingTable:
             return None
         return RouteDecision(best.worker_id, matched.get(best.slot, 0) * bs, best_cost, candidates)
 
-    def estimates(self, prompt_ids: list[int], *, exclude: frozenset[str] | set[str] = frozenset()) -> list[WorkerEstimate]:
-        """Every routable worker's cost terms for `prompt_ids` (by worker id), for joint (encoder, worker) routing."""
+    def estimates(
+        self, prompt_ids: list[int], *, exclude: frozenset[str] | set[str] = frozenset(), prefill: bool = False,
+    ) -> list[WorkerEstimate]:
+        """Every routable worker's cost terms for `prompt_ids` (by worker id), for joint (encoder, worker) routing;
+        `prefill`: the prefill workers' instead."""
         matched = self._matched(prompt_ids, ())
         stale_before = self.clock() - self.load_stale_s
         out = []
-        for w, inv_weight in self._routable:
+        for w, inv_weight in self._prefill_routable if prefill else self._routable:
             if w.worker_id in exclude:
                 continue
             wait = w.base_s + (self.stale_penalty_s if w.report_at < stale_before else 0.0)
             step = self._step_s(w)
             out.append(WorkerEstimate(
                 w.worker_id, wait * inv_weight, w.inv_rate * inv_weight, matched.get(w.slot, 0) * self.block_size, step * inv_weight,
+                queue_depth=w.queue_depth + w.routed, running_seqs=w.running_seqs, free_blocks=w.free_blocks if w.reported else None,
             ))
         return out
 
@@ -390,7 +408,7 @@ class RoutingTable:
     # -- views ------------------------------------------------------------------------
     def workers(self) -> list[WorkerView]:
         now = self.clock()
-        routable = {w.worker_id for w, _ in self._routable}
+        routable = {w.worker_id for w, _ in self._routable + self._prefill_routable}
         views = []
         for w in sorted(self._workers.values(), key=lambda w: w.worker_id):
             weight, health = self._weights.get(w.worker_id, (1.0, common_pb2.WORKER_HEALTH_UNSPECIFIED))
@@ -401,7 +419,7 @@ class RoutingTable:
                     running_seqs=w.running_seqs, free_blocks=w.free_blocks, total_blocks=w.total_blocks, step_time_ms=w.step_time_ms,
                     prefill_tokens_per_s=w.prefill_tokens_per_s, decode_tokens_per_s=w.decode_tokens_per_s,
                     indexed_blocks=self.index.indexed_blocks(w.worker_id), load_age_s=max(0.0, now - w.report_at),
-                    reported=w.reported, routed_since_report=w.routed, spare=w.worker_id in self._spares,
+                    reported=w.reported, routed_since_report=w.routed, spare=w.worker_id in self._spares, role=w.role,
                 )
             )
         return views
@@ -435,13 +453,18 @@ class RoutingTable:
                 self._refresh(w)
 
     def _rebuild_routable(self) -> None:
-        routable = []
+        routable: list[tuple[_Worker, float]] = []
+        prefill: list[tuple[_Worker, float]] = []
         for worker_id in sorted(self._workers):
             w = self._workers[worker_id]
             weight, health = self._weights.get(worker_id, (1.0, common_pb2.WORKER_HEALTH_UNSPECIFIED))
             if weight > 0 and not w.draining and health not in _NOT_ROUTABLE_HEALTH and worker_id not in self._spares:
-                routable.append((w, 1.0 / weight))
-        self._routable = routable
+                (routable if serves_requests(w.role) else prefill).append((w, 1.0 / weight))
+        self._routable, self._prefill_routable = routable, prefill
+
+    def has_prefill_workers(self) -> bool:
+        """Whether any prefill worker is routable (disaggregation has somewhere to send prompts)."""
+        return bool(self._prefill_routable)
 
     @staticmethod
     def _health(w: _Worker, weight: float, health: int) -> int:

@@ -290,7 +290,7 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
                 worker_id=w.worker_id, address=w.address, pid=w.pid, model=w.model, health=cast(common_pb2.WorkerHealth, w.health),
                 routing_weight=w.weight, queue_depth=w.queue_depth, running_seqs=w.running_seqs,
                 free_blocks=w.free_blocks, total_blocks=w.total_blocks, step_time_ms=w.step_time_ms,
-                indexed_blocks=w.indexed_blocks, load_age_s=w.load_age_s, spare=w.spare, routable=w.routable,
+                indexed_blocks=w.indexed_blocks, load_age_s=w.load_age_s, spare=w.spare, routable=w.routable, role=w.role,
             )
             record = self.health_records.get(w.worker_id)
             if record is not None:

@@ -78,12 +78,19 @@ class EngineConfig(BaseSettings):
         30.0, gt=0, description="Longest a tensor-parallel collective waits for a rank before the group fail-stops"
     )
 
-    role: Literal["monolithic", "attention"] = Field(
+    role: Literal["monolithic", "attention", "prefill", "decode"] = Field(
         "monolithic",
         description=(
-            "monolithic: the whole model here. attention: attention, gate and KV here, the MoE experts on expert workers "
-            "(`phalanx expert-worker`) found through the expert routing table in etcd (docs/moe.md)"
+            "monolithic: the whole model here, prefill and decode (aggregated). attention: attention, gate and KV here, "
+            "the MoE experts on expert workers (`phalanx expert-worker`) found through the expert routing table in etcd "
+            "(docs/moe.md). prefill / decode (disaggregated serving, docs/disagg.md): the whole model here; a prefill "
+            "worker only computes prompts and hands each request on with its KV after its first token, a decode worker "
+            "takes new requests like a monolithic one and the KV of those prefilled elsewhere"
         ),
+    )
+    handoff_ttl_s: float = Field(
+        10.0, gt=0, le=600,
+        description="Prefill role: how long a prefilled request's KV waits here for the decode worker's transfer before it is freed",
     )
     expert_timeout_s: float = Field(
         2.0, gt=0, description="Attention role: longest wait for an expert worker's reply before it is probed (and its work replayed)"
@@ -161,8 +168,13 @@ class EngineConfig(BaseSettings):
 
         return (
             self.weights == "auto" and self.device == "cpu" and self.torch_dtype() == torch.bfloat16
-            and self.role == "monolithic" and self.tensor_parallel_size == 1
+            and self.whole_model and self.tensor_parallel_size == 1
         )
+
+    @property
+    def whole_model(self) -> bool:
+        """Whether this worker holds the whole model (every role but attention, whose experts live elsewhere)."""
+        return self.role != "attention"
 
 
 MIN_CHAOS_TOKEN_CHARS = 16

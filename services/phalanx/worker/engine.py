@@ -241,6 +241,8 @@ class Engine:
             priority=resume.priority if resume else request.priority,
             media=sorted(request.media, key=lambda m: m.span.start),
         )
+        # A prefill worker hands on what it prefilled; a canary or a prefix prefill ends here as anywhere.
+        seq.hand_back_after_first = self.config.role == "prefill" and not (request.canary or request.prefix_only)
         if resume:
             sampler.restore(resume.generator_state)
             seq.output_ids = list(resume.output_ids)
@@ -482,6 +484,10 @@ class Engine:
                 self.by_id.pop(seq.request_id, None)
                 self._finish(seq)
                 self.released.append(seq.request_id)
+            elif seq.hand_back_after_first:
+                # Its first token is out: parked in the same step, so that no second token is computed here; the
+                # decode worker fetches the KV and goes on from the next token (router/disagg.py).
+                events.extend(self.park([seq.request_id], self.config.handoff_ttl_s))
         return events
 
     def _finish(self, seq: Sequence) -> None:

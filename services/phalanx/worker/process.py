@@ -272,7 +272,7 @@ class WorkerProcess:
         c = self.engine_config
         if not c.engine_process:
             return False
-        applies = c.engine == "torch" and c.tensor_parallel_size == 1 and c.role == "monolithic" and self.failover is None
+        applies = c.engine == "torch" and c.tensor_parallel_size == 1 and c.whole_model and self.failover is None
         if not applies and "engine_process" in c.model_fields_set:  # asked for, not merely the default
             log.warning("engine_process applies to the torch engine of a monolithic worker without tensor parallelism or "
                         "failover: this one keeps its engine on a thread")
@@ -484,7 +484,7 @@ class WorkerProcess:
         return encode_registration(
             common_pb2.WorkerRegistration(
                 worker_id=self.worker_id, address=self.address, pid=os.getpid(), model=model.config.name,
-                role="monolithic", block_size=BLOCK_SIZE, total_blocks=self.engine_config.num_kv_blocks,
+                role=self.engine_config.role, block_size=BLOCK_SIZE, total_blocks=self.engine_config.num_kv_blocks,
                 metrics_address=self.shell.metrics_address,
                 started_at=time.time(), max_model_len=self.engine_config.max_model_len, model_version=model.version,
                 channel_endpoint=self.channels.endpoint_id if self.channels is not None else "",

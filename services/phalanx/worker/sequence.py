@@ -116,6 +116,9 @@ class Sequence:
     canary: bool = False
     # A prefix prefill (EngineRequest.prefix_only): finishes after its prompt, checkpointed never.
     prefix_only: bool = False
+    # A prefill worker's request (EngineConfig.role prefill): parked with its KV once its first token is out, for the
+    # decode worker the router picked to take it over (router/disagg.py).
+    hand_back_after_first: bool = False
     # Migrated here by replaying: recompute one output token per step, as the original decode did.
     sequential_replay: bool = False
     # Migration order if this worker fails, lower first (the router's tier; 0 unknown).

@@ -46,3 +46,5 @@ class Flow:
     counted: bool = False
     # What makes a retry the same request (router/quarantine.py); empty for a stream of a request already running.
     fingerprint: str = ""
+    # Prefilled on a prefill worker: the decode worker it moves to with its KV once handed back (router/disagg_flow.py).
+    decode_worker: str = ""

@@ -46,6 +46,7 @@ from phalanx.model.tokenizer import Tokenizer
 from phalanx.router.admission import Admission, Admitted, Tier
 from phalanx.router.channels import WorkerChannels
 from phalanx.router.config import RouterConfig
+from phalanx.router.disagg_flow import DisaggFlow
 from phalanx.router.flow import Flow
 from phalanx.router.gate import AdmissionGate
 from phalanx.router.limits import TenantPromptError
@@ -146,6 +147,7 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
         # Poison requests (router/crashes.py): without a store (tests of the servicer alone) the refusals stay on this router.
         self.quarantine = quarantine or RequestQuarantine(config, router_id, metrics, None)
         self.moves = RequestMoves(channels, metrics, self.registrations, migrate=migrate, media=self.media, repoint=self._repoint)
+        self.disagg = DisaggFlow(config, table, channels, self.registrations, metrics.registry)  # prefill/decode workers
 
     # -- RPCs -----------------------------------------------------------------
     async def Generate(self, request: router_pb2.GenerateRequest, context):
@@ -345,7 +347,9 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
         noted: bool = False,
     ):
         """Pick a worker (`prefer` if routable) and claim the request's record; returns (flow, existing record of a retry)."""
-        decision = self._route(prompt_ids, media=media, prefer=prefer, noted=noted)
+        decision, decode_worker = self.disagg.split(
+            prompt_ids, self._route(prompt_ids, media=media, prefer=prefer, noted=noted), media
+        )
         record = common_pb2.RequestRecord(
             request_id=request_id, worker_id=decision.worker_id, worker_address=self._address(decision.worker_id),
             router_id=self.router_id, tenant=admitted.tenant, tier=int(admitted.tier), prompt_tokens=len(prompt_ids),
@@ -358,7 +362,7 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
         if existing is not None:
             return None, existing
         self._remember(record)
-        return Flow(record, admitted.tier, prompt_ids, media), None
+        return Flow(record, admitted.tier, prompt_ids, media, decode_worker=decode_worker), None
 
     def _address(self, worker_id: str) -> str:
         registration = self.registrations.get(worker_id)
@@ -441,6 +445,9 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
             finally:
                 call.cancel()
                 self.moves.stopped_reading(request_id)
+            if flow.decode_worker and (handed_over := await self.disagg.hand_over(flow, handoff_chunk, self._route, self._move)):
+                open_call = handed_over  # prefilled on a prefill worker: on to its decode worker (router/disagg_flow.py)
+                continue
             if broken is not None and handoff_chunk is None and is_crash(broken):
                 # Its worker died under it: a poison request ends here (RequestQuarantinedError) instead of moving on.
                 self.quarantine.crashed(request_id, flow.record.worker_id, fingerprint=flow.fingerprint, tenant=flow.record.tenant)

@@ -264,6 +264,10 @@ class WorkerConfig(BaseSettings):
         "whose prompt text contains this marker, as a kernel bug on one rare shape would (a poison request for the quarantine's "
         "tests and game days); empty: off",
     )
+    chaos_stall_kv_send: str = Field(
+        "", description="Chaos (needs chaos_enabled): this worker, as a KV source, stalls for a minute before sending the KV of a "
+        "request whose id contains this marker (a hung transfer: the target's deadline must fire); empty: off",
+    )
     chaos_token: str = Field(
         "", repr=False, description="Admin token the ChaosService requires as 'authorization: Bearer <token>' (16+ characters)"
     )
@@ -278,6 +282,8 @@ class WorkerConfig(BaseSettings):
             raise ValueError("a failover engine needs failover_lock and memory_socket (PHALANX_WORKER_FAILOVER_LOCK, _MEMORY_SOCKET)")
         if self.chaos_crash_on_prompt and not self.chaos_enabled:
             raise ValueError("chaos_crash_on_prompt is fault injection: it needs chaos_enabled")
+        if self.chaos_stall_kv_send and not self.chaos_enabled:
+            raise ValueError("chaos_stall_kv_send is fault injection: it needs chaos_enabled")
         return self
 
     @model_validator(mode="after")

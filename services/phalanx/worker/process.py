@@ -140,6 +140,7 @@ class WorkerProcess:
             servicer.attach(engine, model_version=model.version)
             if self.config.chaos_crash_on_prompt:
                 arm_prompt_crash(engine.engine, self.config.chaos_crash_on_prompt, servicer.tokenizer.decode)
+            servicer.stall_kv_send = self.config.chaos_stall_kv_send
             if self.failover is not None:
                 self.failover.mark("channels+checkpointing")  # the endpoint started while standing by: a no-op here
             self._registration = await shell.register(self.etcd_config, worker_key(self.worker_id), self._registration_value(model))

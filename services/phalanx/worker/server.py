@@ -188,6 +188,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         self.channel_min_bytes = channel_min_bytes  # smaller KV from a source with no channel kept goes over gRPC
         self._warming: dict[str, asyncio.Task] = {}  # channels being formed ahead of the next transfer, by source key
         self.kv_buffers = BufferPool(_KV_BUFFER_KEEP_BYTES)  # what restores receive KV into
+        self.stall_kv_send = ""  # chaos (WorkerConfig.chaos_stall_kv_send): KV of request ids containing it is sent late
         # Media embeddings an encoder holds for this worker's requests (the router's direct delivery).
         self.media = MediaFetcher(
             channels, KvFetchPolicy(media_channel_min_bytes), metrics, timeout_s=channel_timeout_s, worker_id=worker_id
@@ -625,6 +626,7 @@ class KvSourceServicer(migration_pb2_grpc.KvSourceServicer):
             raise UnavailableError("this worker has no tensor-channel endpoint; use FetchKv", retry_after_s=0.1)
         check_send_request(request.target_endpoint, request.channel_id, request.timeout_s)
         timeout = request.timeout_s or self.worker.channel_timeout_s
+        await _chaos_stall(self.worker.stall_kv_send, request.pieces)
         start = time.perf_counter()
         tensors = [await engine.export_kv(p.request_id, p.kv_tokens) for p in request.pieces]
         # Kept afterwards: a drain moves many requests to the same few targets.
@@ -638,12 +640,23 @@ class KvSourceServicer(migration_pb2_grpc.KvSourceServicer):
 
     async def FetchKv(self, request, context):
         engine = self.worker.engine
+        await _chaos_stall(self.worker.stall_kv_send, request.pieces)
         for index, p in enumerate(request.pieces):
             data = tensor_bytes(await engine.export_kv(p.request_id, p.kv_tokens))
             for offset in range(0, len(data), _CHUNK_BYTES):
                 yield migration_pb2.FetchKvResponse(piece=index, data=data[offset : offset + _CHUNK_BYTES])
         for p in request.pieces:
             await engine.unpark(p.request_id)
+
+
+async def _chaos_stall(marker: str, pieces) -> None:
+    """A hung KV transfer (chaos): a minute's wait before sending a piece whose request id contains `marker`."""
+    if marker and any(marker in p.request_id for p in pieces):
+        logging.getLogger(__name__).warning("chaos: stalling the KV transfer of %s", [p.request_id for p in pieces])
+        await asyncio.sleep(_CHAOS_STALL_S)
+
+
+_CHAOS_STALL_S = 60.0
 
 
 async def drain_engine(engine: EngineFrontend, grace_s: float, *, keep_running: bool = False, park_ttl_s: float = 0.0) -> tuple[int, int]:

@@ -49,3 +49,33 @@ def test_up_survives_a_killed_worker_and_answers_through_the_cli_and_the_openai_
     finally:
         down = phalanx("down", "--state-file", state_file, timeout=120)
         assert down.returncode == 0, down.stdout + down.stderr
+
+
+@pytest.mark.slow
+def test_up_with_prefill_and_decode_workers_answers_through_a_kv_transfer(tmp_path):
+    from phalanx.launch.services import metric_value, scrape
+
+    state_file = str(tmp_path / "up.json")
+    # Every prompt prefilled remotely, short ones too: the demo's prompt takes the disaggregated path.
+    env = {**ENV, "PHALANX_ROUTER_DISAGG_MODE": "always", "PHALANX_ROUTER_DISAGG_MIN_PROMPT_TOKENS": "1"}
+    up = subprocess.run(
+        [*CLI, "up", "--detach", "--prefill-workers", "1", "--decode-workers", "1", "--port", "0", "--gateway-port", "0",
+         "--state-file", state_file],
+        env=env, capture_output=True, text=True, timeout=300, check=False,
+    )
+    assert up.returncode == 0, up.stdout + up.stderr
+    try:
+        state = json.loads((tmp_path / "up.json").read_text())
+        assert len(state["workers"]) == 2
+        status = phalanx("status", "--json", "--state-file", state_file)
+        assert status.returncode == 0, status.stderr
+        assert sorted(w["role"] for w in json.loads(status.stdout)["workers"]) == ["decode", "prefill"]
+
+        generated = phalanx("generate", "The capital of France is", "--max-tokens", "8", "--state-file", state_file)
+        assert generated.returncode == 0, generated.stderr
+        assert generated.stdout.startswith(" Paris"), generated.stdout
+        transfers = metric_value(scrape(state["router_metrics_address"]), "phalanx_router_disagg_transfers_total", outcome="ok")
+        assert transfers == 1.0, transfers
+    finally:
+        down = phalanx("down", "--state-file", state_file, timeout=120)
+        assert down.returncode == 0, down.stdout + down.stderr

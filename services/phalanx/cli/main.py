@@ -53,7 +53,8 @@ def worker(
         None, min=1, help="Processes the model is split over, started by this worker [env PHALANX_ENGINE_TENSOR_PARALLEL_SIZE]"
     ),
     role: str = typer.Option(
-        None, help="monolithic (default) or attention: MoE experts on expert workers through the ERT (docs/moe.md) [env PHALANX_ENGINE_ROLE]"
+        None, help="monolithic (default), attention (MoE experts on expert workers through the ERT, docs/moe.md), or prefill / "
+        "decode (disaggregated serving, docs/disagg.md) [env PHALANX_ENGINE_ROLE]"
     ),
     nats_url: NatsUrl = None,
     etcd_endpoint: EtcdEndpoint = None,
@@ -393,6 +394,12 @@ def up(
     tls: bool = typer.Option(
         False, "--tls", help="Mutual TLS between every process, with certificates made (if missing) beside the state file (docs/security.md)"
     ),
+    prefill_workers: int = typer.Option(
+        0, min=0, max=16, help="Disaggregated serving: prefill workers; the workers then run the decode role (docs/disagg.md)"
+    ),
+    decode_workers: int = typer.Option(
+        None, min=1, max=16, help="With --prefill-workers: decode workers (the same as --workers, which they replace)"
+    ),
     fork_workers: bool = typer.Option(
         False, "--fork-workers/--spawn-workers", help="Fork new workers from a process that has done their imports: a new or "
         "replacement worker serves in a fraction of the time (docs/local-stack.md)",
@@ -412,8 +419,12 @@ def up(
         nats_url=nats_url, etcd_endpoint=etcd_endpoint, log_file=Path(log_file) if log_file else None,
         planner=planner, min_workers=min_workers, max_workers=max_workers, failover=failover, hot_spares=hot_spares, engine=engine,
         profile=str(Path(profile).resolve()) if profile else "", expert_workers=expert_workers, shadow_experts=shadow_experts,
-        encoders=encoders, tls=tls, fork_workers=fork_workers,
+        encoders=encoders, tls=tls, fork_workers=fork_workers, prefill_workers=prefill_workers,
     )
+    if decode_workers is not None:
+        if not prefill_workers:
+            raise typer.BadParameter("--decode-workers goes with --prefill-workers", param_hint="--decode-workers")
+        options = replace(options, workers=decode_workers)
     if hot_spares and not planner:
         raise typer.BadParameter("--hot-spares needs --planner (the planner promotes them)", param_hint="--hot-spares")
     if attention_workers is not None:

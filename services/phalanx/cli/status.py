@@ -140,14 +140,14 @@ def _print_events(console: Console, supervisor: UpState) -> None:
 
 def workers_table(target: str, workers: list[WorkerInfo]) -> Table:
     table = Table(title=f"router {target}: {len(workers)} worker(s)", title_justify="left", box=box.SIMPLE_HEAD)
-    left = ("worker", "address", "health", "circuit", "last failure")
-    for column in ("worker", "address", "pid", "health", "weight", "circuit", "queue", "running", "KV free/total", "step ms", "indexed",
+    left = ("worker", "role", "address", "health", "circuit", "last failure")
+    for column in ("worker", "role", "address", "pid", "health", "weight", "circuit", "queue", "running", "KV free/total", "step ms", "indexed",
                    "load age", "last failure"):
         table.add_column(column, justify="left" if column in left else "right", no_wrap=column != "last failure")
     for w in workers:
         health = str(w.health)
         table.add_row(
-            w.worker_id, w.address, str(w.pid or "-"), f"[{_HEALTH_STYLE.get(health, 'dim')}]{health}[/]", f"{w.routing_weight:.2f}",
+            w.worker_id, w.role or "-", w.address, str(w.pid or "-"), f"[{_HEALTH_STYLE.get(health, 'dim')}]{health}[/]", f"{w.routing_weight:.2f}",
             f"[{_CIRCUIT_STYLE.get(w.circuit, 'dim')}]{w.circuit or '-'}[/]", str(w.queue_depth), str(w.running_seqs),
             f"{w.free_blocks}/{w.total_blocks}", f"{w.step_time_ms:.1f}", str(w.indexed_blocks), f"{w.load_age_s:.1f} s",
             _last_failure(w),

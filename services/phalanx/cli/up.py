@@ -102,6 +102,8 @@ class UpOptions:
     encoders: int = 0  # multimodal encoder pool processes (built-in seeded towers, projecting into the model's hidden size)
     tls: bool = False  # mutual TLS between every process, certificates in certs_dir (made if missing)
     fork_workers: bool = False  # workers forked from a pre-imported server (phalanx.launch.fork_server), not spawned
+    # Disaggregated serving (docs/disagg.md): prefill workers beside `workers` decode workers; 0: aggregated workers.
+    prefill_workers: int = 0
 
     def command(self) -> list[str]:
         """The `phalanx up` command line that runs this configuration in the foreground."""
@@ -132,6 +134,8 @@ class UpOptions:
             args += ["--tls"]
         if self.fork_workers:
             args += ["--fork-workers"]
+        if self.prefill_workers:
+            args += ["--prefill-workers", str(self.prefill_workers)]
         return args
 
     @property
@@ -145,9 +149,11 @@ class UpOptions:
 
     def fleet(self) -> Fleet:
         """The processes this configuration runs (phalanx.launch.topology)."""
-        role = WorkerRole.ATTENTION if self.expert_workers else WorkerRole.MONOLITHIC
+        role = WorkerRole.ATTENTION if self.expert_workers else WorkerRole.DECODE if self.prefill_workers else WorkerRole.MONOLITHIC
+        # Decode workers first: a worker the fleet adds (the planner's) is of the first group's role.
+        groups = (WorkerGroup(role, self.workers), *((WorkerGroup(WorkerRole.PREFILL, self.prefill_workers),) if self.prefill_workers else ()))
         return Fleet(
-            workers=() if self.failover else (WorkerGroup(role, self.workers),), failover_slots=self.workers if self.failover else 0,
+            workers=() if self.failover else groups, failover_slots=self.workers if self.failover else 0,
             expert_workers=self.expert_workers, expert_copies=1 + self.shadow_experts if self.expert_workers else 1, encoders=self.encoders,
             gateways=1, planner=self.planner, hot_spares=self.hot_spares if self.planner else 0, nats=not self.nats_url,
             etcd=not self.etcd_endpoint, fork_server=self.fork_workers,
@@ -204,6 +210,9 @@ def _preflight(options: UpOptions) -> None:
         raise UpError("--expert-workers runs real attention workers: not with --failover or --engine sim yet")
     if options.planner and not 0 <= options.min_workers <= options.worker_ceiling:
         raise UpError(f"--min-workers {options.min_workers} and --max-workers {options.worker_ceiling}: need 0 <= min <= max")
+    if options.prefill_workers and (options.failover or options.expert_workers or options.planner or options.engine == "sim"):
+        raise UpError("--prefill-workers runs real prefill and decode workers: not with --failover, --expert-workers, --planner or "
+                      "--engine sim yet")
     if options.expert_workers and not 0 <= options.shadow_experts < options.expert_workers:
         raise UpError(f"--shadow-experts {options.shadow_experts} copies need more than that many --expert-workers ({options.expert_workers})")
 

@@ -237,8 +237,10 @@ class WorkerInfo:
     last_failure_at: float = 0.0
     # A hot spare: registered and warm, not routed to until the planner promotes it.
     spare: bool = False
-    # Whether the router sends new requests to it now.
+    # Whether the router sends new requests to it now (a prefill worker: prompts to prefill).
     routable: bool = False
+    # Its registered role: monolithic, attention, prefill or decode ("" from an older router).
+    role: str = ""
 
     @classmethod
     def from_proto(cls, status: router_pb2.WorkerStatus) -> WorkerInfo:
@@ -262,6 +264,7 @@ class WorkerInfo:
             last_failure_at=status.last_failure_at,
             spare=status.spare,
             routable=status.routable,
+            role=status.role,
         )
 
 

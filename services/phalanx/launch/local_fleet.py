@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from phalanx.launch.events import ProcessState, SupervisorView
-from phalanx.launch.topology import Fleet, ProcessKind, ProcessSpec
+from phalanx.launch.topology import Fleet, ProcessKind, ProcessSpec, WorkerRole
 
 if TYPE_CHECKING:
     from phalanx.common.config import EtcdConfig
@@ -91,6 +91,8 @@ class LocalFleet:
         self.nats_url = settings.nats_url
         self.etcd_endpoint = settings.etcd_endpoint
         self.workers: dict[str, WorkerHandle] = {}  # in id order once all started
+        # Each worker's role when the fleet has several (prefill and decode): its replacement runs the same one.
+        self.worker_roles: dict[str, WorkerRole] = {}
         self.router: RouterHandle | None = None
         self.router_address = ""  # kept while a replacement router starts: it binds the same port
         self.gateway_url = ""  # likewise
@@ -257,6 +259,8 @@ class LocalFleet:
         async def one(spec: ProcessSpec) -> None:
             handle = await self.start_worker(spec.name, spec.role.flags if spec.role else ())
             self.workers[spec.name] = handle
+            if spec.role is not None:
+                self.worker_roles[spec.name] = spec.role
             self._ready(spec.name, handle.address, handle.process.pid)
 
         slots = [spec for spec in phase if spec.kind is ProcessKind.FAILOVER_SLOT]
@@ -297,12 +301,14 @@ class LocalFleet:
         flags = (*self.settings.worker_flags, *(self._worker_role_flags if role_flags is None else role_flags))
         return await start_worker(worker_id, self.nats_url, self.etcd_config, *flags, model=self.settings.model, env=self._env)
 
-    async def new_worker(self) -> tuple[str, int | None]:
-        """A worker under a new id, one of the fleet's once it serves; its (id, pid)."""
+    async def new_worker(self, role: WorkerRole | None = None) -> tuple[str, int | None]:
+        """A worker under a new id (of `role`, else of the first worker group's), one of the fleet's once it serves; its (id, pid)."""
         worker_id = self.new_worker_id()
         self.view.show(worker_id, ProcessState.STARTING)
         try:
-            handle = await self.start_worker(worker_id)
+            handle = await self.start_worker(worker_id, role.flags if role is not None else None)
+            if role is not None:
+                self.worker_roles[worker_id] = role
         except BaseException:
             self.view.forget(worker_id)
             raise

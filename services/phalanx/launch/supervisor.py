@@ -162,7 +162,9 @@ class Supervisor:
         if fleet.workers.pop(name, None) is not None:
             slot = fleet.engine_slot.get(name)
             # An engine of a failover slot is succeeded in its slot, by an engine that stands by.
-            start = fleet.new_worker if slot is None else functools.partial(fleet.replace_engine, slot)
+            # A prefill or decode worker is replaced by one of its role.
+            role = fleet.worker_roles.pop(name, None)
+            start = functools.partial(fleet.new_worker, role) if slot is None else functools.partial(fleet.replace_engine, slot)
             self.replacing_workers.add(name)
         elif fleet.expert_workers.pop(name, None) is not None:
             start = functools.partial(fleet.replace_expert_worker, fleet.expert_slots.pop(name))

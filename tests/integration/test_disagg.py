@@ -120,6 +120,18 @@ async def test_prefilled_on_the_prefill_worker_then_decoded_with_its_kv_as_the_a
     assert router_metric(stack, "phalanx_router_disagg_transferred_bytes_total") > 0
 
 
+async def test_the_prefix_the_decode_worker_caches_is_not_sent_again(stack, aggregated):
+    prefill, decodes = roles(stack)
+    # PROMPTS[0]'s KV reached a decode worker in the first test; this prompt extends it by more than the threshold.
+    prompt = PROMPTS[0] + "Then the keeper climbed the stairs once more and lit the great lamp against the dark. " * 2
+    skipped = router_metric(stack, "phalanx_router_disagg_skipped_tokens_total")
+    async with await Client.connect(stack.routers[0].address, timeout=60) as client:
+        chunks = await stream(client, prompt)
+    assert_exactly_once_and_identical(chunks, aggregated(prompt))
+    assert chunks[0].worker_id == prefill and chunks[-1].worker_id in decodes
+    assert router_metric(stack, "phalanx_router_disagg_skipped_tokens_total") >= skipped + 16
+
+
 async def test_a_stalled_transfer_prefills_again_on_the_decode_side_and_the_next_one_transfers(stack, aggregated):
     prefill, decodes = roles(stack)
     failed_before = router_metric(stack, "phalanx_router_disagg_transfers_total", outcome="failed") + router_metric(

@@ -146,3 +146,26 @@ def test_prefill_role_finishes_canaries_and_one_token_requests_in_place(moe):
     out = finish(prefill)
     assert [e.finish_reason for e in out["canary"]][-1] is FinishReason.LENGTH and len(out["canary"]) == 4
     assert [e.finish_reason for e in out["one"]] == [FinishReason.LENGTH] and not prefill.parked
+
+
+def test_restored_kv_without_the_prefix_the_target_caches_continues_identically(moe):
+    prompt = moe.tokenizer.encode("the lighthouse keeper watched the storm roll in over the bay " * 3)
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    reference = engine_of(moe)
+    reference.add_request(EngineRequest(prompt, params, "r"))
+    expected = [e.token_id for e in finish(reference)["r"]]
+    prefill = engine_of(moe, role="prefill")
+    prefill.add_request(EngineRequest(prompt, params, "r"))
+    handed = finish(prefill)["r"][-1]
+    skip = 32  # two blocks of the prompt the decode worker caches already: not sent
+    kv = prefill.export_kv("r", handed.handoff_kv_tokens)[:, :, skip:]
+    snapshot = handed.handoff
+    for warm in (True, False):  # without the prefix cached (evicted since the router looked), it is recomputed
+        decode = engine_of(moe, role="decode")
+        if warm:
+            decode.add_request(EngineRequest(prompt[:40], SamplingParams(max_tokens=1), "warm"))
+            finish(decode)
+        request = EngineRequest(snapshot.prompt_ids, params, "r", resume=snapshot, migrated=True, kv_from_token=skip)
+        seq = decode.restore(request, kv, handed.handoff_kv_tokens)
+        assert seq.num_computed == (len(prompt) if warm else 0)
+        assert [e.token_id for e in finish(decode)["r"]] == expected[1:]

@@ -20,6 +20,7 @@ request elsewhere (new requests never go to a prefill worker, so it prefills on 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -29,6 +30,7 @@ import grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from phalanx._proto import common_pb2, migration_pb2, worker_pb2
+from phalanx.common.errors import UnavailableError
 from phalanx.router.channels import WorkerChannels
 from phalanx.router.config import RouterConfig
 from phalanx.router.disagg import DisaggSettings, PrefillLocally, decide
@@ -43,6 +45,9 @@ _TRANSFER_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1,
 _BYTES_BUCKETS = tuple(float(2**k) for k in range(16, 34, 2))  # 64 KiB .. 8 GiB
 # Beyond the decode worker's own fetch deadline: time to answer after giving up.
 _RESTORE_GRACE_S = 2.0
+
+# Fallback reasons after which the request prefills on another decode worker than the one that failed it, if any can.
+_AVOID = frozenset({"refused", "unreachable", "timeout", "lost"})
 
 Route = Callable[[list[int], frozenset[str]], RouteDecision]
 Move = Callable[[Flow, RouteDecision], None]
@@ -69,6 +74,9 @@ class DisaggMetrics:
         )
         self.transfer_bytes_total = Counter(
             "phalanx_router_disagg_transferred_bytes", "KV bytes moved from prefill to decode workers", registry=r
+        )
+        self.skipped_tokens = Counter(
+            "phalanx_router_disagg_skipped_tokens", "Prompt tokens whose KV was not moved: the decode worker cached them", registry=r
         )
         self.transfer_seconds = Histogram(
             "phalanx_router_disagg_transfer_seconds", "Seconds the decode worker took to fetch one hand-over's KV",
@@ -99,7 +107,9 @@ class DisaggFlow:
         self.metrics = DisaggMetrics(registry)
 
     def split(self, prompt_ids: list[int], decision: RouteDecision, media: Sequence[Any]) -> tuple[RouteDecision, str]:
-        """(where the request starts, its decode worker when that is another: "" prefills where it was routed)."""
+        """(where the request starts, its decode worker when that is another: "" prefills where it was routed).
+
+        The decode worker's cached prompt tokens are `decision.cached_tokens` (the caller keeps them in the flow)."""
         if media or not self.table.has_prefill_workers():
             return decision, ""  # an aggregated fleet routes as before; media requests prefill with their embeddings
         decode = next((e for e in self.table.estimates(prompt_ids) if e.worker_id == decision.worker_id), None)
@@ -129,8 +139,13 @@ class DisaggFlow:
             return lambda streams: streams.attach(worker_pb2.AttachRequest(request_id=request_id, from_index=flow.next_index))
         # Prefill again from the handed-back state (prompt and first token) on a decode worker; not on one that refused.
         self.metrics.transfers.labels(outcome=refused).inc()
-        exclude = frozenset({decode_id}) if refused in ("refused", "unreachable") else frozenset()
-        decision = route(list(handoff.prompt_token_ids) + list(handoff.output_token_ids), exclude)
+        ids = list(handoff.prompt_token_ids) + list(handoff.output_token_ids)
+        # Not on a decode worker that refused, left, or may hold a copy we stopped (a retried worker keeps the
+        # stopped request's record a while, and a Generate of its id would stream that), while another can take it.
+        try:
+            decision = route(ids, frozenset({decode_id}) if refused in _AVOID else frozenset())
+        except UnavailableError:
+            decision = route(ids, frozenset())
         log.info("KV of %s not moved to %s (%s): prefilling again on %s", flow.record.request_id, decode_id, refused, decision.worker_id)
         move(flow, decision)
         return lambda streams: streams.generate(
@@ -145,25 +160,59 @@ class DisaggFlow:
         if not (chunk.handoff_kv_tokens and chunk.handoff_source):
             return "no_kv"
         handoff = chunk.handoff
+        kv_tokens, bs = chunk.handoff_kv_tokens, self.settings.block_size
+        # The prefix the decode worker caches already stays where it is: only the rest moves (whole blocks, and never
+        # all of it: the decode worker's Restore takes at least one position).
+        skip = min(flow.decode_cached_tokens, (kv_tokens - 1) // bs * bs) // bs * bs
         item = migration_pb2.RestoreItem(
-            state=handoff, seed=handoff.sampling.seed, method=migration_pb2.MIGRATION_METHOD_TRANSFER, kv_tokens=chunk.handoff_kv_tokens,
+            state=handoff, seed=handoff.sampling.seed, method=migration_pb2.MIGRATION_METHOD_TRANSFER, kv_tokens=kv_tokens,
+            kv_from_token=max(0, skip),
         )
         restore = worker_pb2.RestoreRequest(items=[item], kv_source_address=chunk.handoff_source, timeout_s=self.timeout_s)
         start = time.perf_counter()
-        try:
-            reply = await self.channels.stub(registration.address).Restore(restore, timeout=self.timeout_s + _RESTORE_GRACE_S)
-        except grpc.aio.AioRpcError as error:
-            log.warning("decode worker %s could not take %s: %s %s", decode_id, flow.record.request_id, error.code().name, error.details())
-            # UNAVAILABLE is also how a decode worker reports a KV source that failed (or timed out) under its fetch.
-            return "timeout" if error.code() == grpc.StatusCode.DEADLINE_EXCEEDED else "failed"
+        stub = self.channels.stub(registration.address)
+        for attempt in range(2):
+            try:
+                reply = await stub.Restore(restore, timeout=self.timeout_s + _RESTORE_GRACE_S)
+                break
+            except grpc.aio.AioRpcError as error:
+                log.warning("decode worker %s could not take %s: %s %s", decode_id, flow.record.request_id, error.code().name, error.details())
+                # Once more after a connection the worker closed (a GOAWAY refuses calls it never started); then the
+                # request prefills elsewhere, and a copy the worker may have started is stopped (it has no reader).
+                closed = error.code() == grpc.StatusCode.UNAVAILABLE and _connection_closed(error)
+                if attempt == 0 and closed:
+                    continue
+                if closed or error.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                    # It may have taken the request without our knowing: stopped there, before it prefills elsewhere.
+                    await self._cancel(stub, flow.record.request_id)
+                    return "timeout" if error.code() == grpc.StatusCode.DEADLINE_EXCEEDED else "lost"
+                # The worker's own answer (UNAVAILABLE: the KV source failed or stalled past the deadline under its
+                # fetch): it took nothing.
+                return "failed"
         result = reply.results[0] if reply.results else None
         if result is None or not result.ok:
             code = result.code if result is not None else ""
+            if code == "INVALID_REQUEST":
+                await self._cancel(stub, flow.record.request_id)  # a retry found the first call's copy there: not ours to keep
+                return "lost"
             log.info("decode worker %s refused %s: %s %s", decode_id, flow.record.request_id, code, result.message if result else "")
             return "refused" if code == "RESOURCE_EXHAUSTED" else "failed"
         self.metrics.transfers.labels(outcome="ok").inc()
+        self.metrics.skipped_tokens.inc(item.kv_from_token)
         self.metrics.transfer_bytes.observe(reply.kv_bytes)
         self.metrics.transfer_bytes_total.inc(reply.kv_bytes)
         self.metrics.transfer_seconds.observe(reply.transfer_s)
         self.metrics.handover_seconds.observe(time.perf_counter() - start)
         return None
+
+    @staticmethod
+    async def _cancel(stub: Any, request_id: str) -> None:
+        """Stops a copy of the request the decode worker may have started (best effort)."""
+        with contextlib.suppress(grpc.aio.AioRpcError):
+            await stub.Cancel(worker_pb2.CancelRequest(request_id=request_id), timeout=_RESTORE_GRACE_S)
+
+
+def _connection_closed(error: grpc.aio.AioRpcError) -> bool:
+    """Whether the call failed because the worker closed the connection under it (GOAWAY), not in the worker's code."""
+    details = (error.details() or "").lower()
+    return "too many pings" in details or "goaway" in details or "connection reset" in details

@@ -48,3 +48,4 @@ class Flow:
     fingerprint: str = ""
     # Prefilled on a prefill worker: the decode worker it moves to with its KV once handed back (router/disagg_flow.py).
     decode_worker: str = ""
+    decode_cached_tokens: int = 0  # of its prompt, in the decode worker's prefix cache (routing's index): not sent again

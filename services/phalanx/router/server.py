@@ -347,9 +347,8 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
         noted: bool = False,
     ):
         """Pick a worker (`prefer` if routable) and claim the request's record; returns (flow, existing record of a retry)."""
-        decision, decode_worker = self.disagg.split(
-            prompt_ids, self._route(prompt_ids, media=media, prefer=prefer, noted=noted), media
-        )
+        routed = self._route(prompt_ids, media=media, prefer=prefer, noted=noted)
+        decision, decode_worker = self.disagg.split(prompt_ids, routed, media)
         record = common_pb2.RequestRecord(
             request_id=request_id, worker_id=decision.worker_id, worker_address=self._address(decision.worker_id),
             router_id=self.router_id, tenant=admitted.tenant, tier=int(admitted.tier), prompt_tokens=len(prompt_ids),
@@ -362,7 +361,7 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
         if existing is not None:
             return None, existing
         self._remember(record)
-        return Flow(record, admitted.tier, prompt_ids, media, decode_worker=decode_worker), None
+        return Flow(record, admitted.tier, prompt_ids, media, decode_worker=decode_worker, decode_cached_tokens=routed.cached_tokens), None
 
     def _address(self, worker_id: str) -> str:
         registration = self.registrations.get(worker_id)

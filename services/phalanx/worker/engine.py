@@ -58,6 +58,9 @@ class EngineRequest:
     # Only fills the prefix cache (WorkerService.Prefill): the request that follows reuses its blocks; nothing to
     # checkpoint, migrate or hand back.
     prefix_only: bool = False
+    # A restore's KV tensor starts at this position (RestoreItem.kv_from_token): the prefix cache must hold the ones
+    # before, else the request is recomputed here.
+    kv_from_token: int = 0
 
 
 @dataclass
@@ -299,9 +302,12 @@ class Engine:
         cached = self.kv.allocate(request.request_id, ids, reserve_tokens=1, media=spans, reuse=not scores_prompt)
         if cached is None:
             raise ResourceExhaustedError(f"{self.kv.blocks_for(len(ids) + 1)} KV blocks are not free here", retry_after_s=0.1)
+        start = request.kv_from_token if kv is not None else 0
+        if cached < start:
+            kv, kv_tokens = None, 0  # what was not sent is no longer cached here (evicted since): computed here instead
         if kv is not None and kv_tokens > cached:
             # Blocks borrowed from the prefix cache hold the same KV already and may be shared: left alone.
-            self.cache.scatter_range(self.kv, request.request_id, cached, kv_tokens, kv[:, :, cached:kv_tokens])
+            self.cache.scatter_range(self.kv, request.request_id, cached, kv_tokens, kv[:, :, cached - start : kv_tokens - start])
         sampler = RequestSampler(request.params, seed=resume.seed)
         sampler.restore(resume.generator_state)
         seq = Sequence(

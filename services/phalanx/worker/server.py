@@ -461,10 +461,13 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         snapshot = snapshot_from_proto(state)
         if not snapshot.request_id:
             raise InvalidRequestError("items.state.request_id", "is required")
+        if item.kv_from_token and not (item.method == migration_pb2.MIGRATION_METHOD_TRANSFER and 0 < item.kv_from_token < item.kv_tokens):
+            raise InvalidRequestError("items.kv_from_token", f"must be 0, or in (0, kv_tokens {item.kv_tokens}) with a TRANSFER")
         request = EngineRequest(
             snapshot.prompt_ids, snapshot.params, snapshot.request_id, resume=snapshot, migrated=True,
             sequential_replay=item.method == migration_pb2.MIGRATION_METHOD_SEQUENTIAL_REPLAY,
             media=[media_from_proto(i, m, (fetched or {}).get(i)) for i, m in enumerate(item.media)],
+            kv_from_token=item.kv_from_token,
         )
         engine.engine.validate(request)
         total = len(snapshot.prompt_ids) + len(snapshot.output_ids) + 1
@@ -481,10 +484,13 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         layers, _, _, _, heads, dim = cache.full_shape
         if getattr(cache, "simulated", False):
             simulated: Any = cache  # worker/simulated.py's SimulatedKvCache
-            buffers = {i.state.request_id: simulated.empty((layers, 2, i.kv_tokens, heads, dim)) for i in items}
+            buffers = {i.state.request_id: simulated.empty((layers, 2, i.kv_tokens - i.kv_from_token, heads, dim)) for i in items}
         else:
-            buffers = {i.state.request_id: self.kv_buffers.take((layers, 2, i.kv_tokens, heads, dim), cache.data.dtype) for i in items}
-        pieces = [migration_pb2.KvPiece(request_id=i.state.request_id, kv_tokens=i.kv_tokens) for i in items]
+            buffers = {
+                i.state.request_id: self.kv_buffers.take((layers, 2, i.kv_tokens - i.kv_from_token, heads, dim), cache.data.dtype)
+                for i in items
+            }
+        pieces = [migration_pb2.KvPiece(request_id=i.state.request_id, kv_tokens=i.kv_tokens, from_token=i.kv_from_token) for i in items]
         stub = migration_pb2_grpc.KvSourceStub(self.kv_sources.get(source))
         fetcher = KvFetcher(self.channels, KvFetchPolicy(self.channel_min_bytes), warming=self._warming)
         try:
@@ -628,7 +634,7 @@ class KvSourceServicer(migration_pb2_grpc.KvSourceServicer):
         timeout = request.timeout_s or self.worker.channel_timeout_s
         await _chaos_stall(self.worker.stall_kv_send, request.pieces)
         start = time.perf_counter()
-        tensors = [await engine.export_kv(p.request_id, p.kv_tokens) for p in request.pieces]
+        tensors = [_from_token(await engine.export_kv(p.request_id, p.kv_tokens), p.from_token) for p in request.pieces]
         # Kept afterwards: a drain moves many requests to the same few targets.
         async with channels.opened(request.target_endpoint, request.channel_id, reuse=request.reuse_channel, timeout_s=timeout) as channel:
             for tensor in tensors:
@@ -642,11 +648,16 @@ class KvSourceServicer(migration_pb2_grpc.KvSourceServicer):
         engine = self.worker.engine
         await _chaos_stall(self.worker.stall_kv_send, request.pieces)
         for index, p in enumerate(request.pieces):
-            data = tensor_bytes(await engine.export_kv(p.request_id, p.kv_tokens))
+            data = tensor_bytes(_from_token(await engine.export_kv(p.request_id, p.kv_tokens), p.from_token))
             for offset in range(0, len(data), _CHUNK_BYTES):
                 yield migration_pb2.FetchKvResponse(piece=index, data=data[offset : offset + _CHUNK_BYTES])
         for p in request.pieces:
             await engine.unpark(p.request_id)
+
+
+def _from_token(kv: torch.Tensor, from_token: int) -> torch.Tensor:
+    """Positions [from_token, ...) of an exported KV (layers, 2, tokens, heads, dim): what a target lacks."""
+    return kv[:, :, from_token:].contiguous() if from_token else kv
 
 
 async def _chaos_stall(marker: str, pieces) -> None:

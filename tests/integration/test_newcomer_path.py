@@ -54,6 +54,7 @@ def test_up_survives_a_killed_worker_and_answers_through_the_cli_and_the_openai_
 @pytest.mark.slow
 def test_up_with_prefill_and_decode_workers_answers_through_a_kv_transfer(tmp_path):
     from phalanx.launch.services import metric_value, scrape
+    from phalanx.testing.asserts import assert_eventually_sync
 
     state_file = str(tmp_path / "up.json")
     # Every prompt prefilled remotely, short ones too: the demo's prompt takes the disaggregated path.
@@ -70,6 +71,15 @@ def test_up_with_prefill_and_decode_workers_answers_through_a_kv_transfer(tmp_pa
         status = phalanx("status", "--json", "--state-file", state_file)
         assert status.returncode == 0, status.stderr
         assert sorted(w["role"] for w in json.loads(status.stdout)["workers"]) == ["decode", "prefill"]
+        # The prefill worker (decode workers come first) is replaced by a prefill worker.
+        killed = phalanx("chaos", "kill", "worker-1", "--state-file", state_file, timeout=180)
+        assert killed.returncode == 0 and "the supervisor replaced it with worker-2" in killed.stdout, killed.stdout + killed.stderr
+
+        def roles() -> list[str]:
+            listed = phalanx("status", "--json", "--state-file", state_file)
+            return sorted(w["role"] for w in json.loads(listed.stdout)["workers"]) if listed.returncode == 0 else []
+
+        assert assert_eventually_sync(lambda: roles() == ["decode", "prefill"], timeout=30, interval=0.5)
 
         generated = phalanx("generate", "The capital of France is", "--max-tokens", "8", "--state-file", state_file)
         assert generated.returncode == 0, generated.stderr

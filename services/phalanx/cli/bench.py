@@ -372,3 +372,44 @@ def bench_goodput(
     except ValueError as error:
         raise typer.BadParameter(str(error)) from None
     print(json.dumps(result, indent=None if as_json else 2))
+
+
+@bench_app.command("disagg")
+def bench_disagg(
+    workers: int = typer.Option(8, min=2, help="Workers in each run: all aggregated, or --prefill-workers prefill + the rest decode"),
+    prefill_workers: int = typer.Option(2, min=1, help="Prefill workers of the disaggregated run"),
+    seconds: float = typer.Option(60.0, min=2, help="Virtual seconds of arrivals per run"),
+    warmup: float = typer.Option(5.0, min=0, help="Virtual seconds left out of every figure"),
+    streams: int = typer.Option(48, min=1, help="Closed-loop steady streams (short prompts)"),
+    long_rps: float = typer.Option(2.5, min=0.01, help="Long-prompt arrivals per second (Poisson)"),
+    long_min: int = typer.Option(2048, min=256, help="Shortest long prompt, in tokens"),
+    long_max: int = typer.Option(8192, min=256, max=12_000, help="Longest long prompt, in tokens"),
+    max_batched_tokens: int = typer.Option(2048, min=64, help="Tokens per engine step (prefill chunk + decodes)"),
+    transfer_s_per_1k: float = typer.Option(0.01, min=0, help="Simulated KV hand-over seconds per 1,024 prompt tokens"),
+    ttft_slo: float = typer.Option(2.0, min=0, help="Goodput: TTFT SLO in seconds"),
+    itl_slo: float = typer.Option(0.05, min=0, help="Goodput: SLO on a request's mean inter-token gap in seconds"),
+    seed: int = typer.Option(0, help="Seed of the arrivals and prompts"),
+    real: bool = typer.Option(False, "--real", help="Also measure a real KV transfer (python -m phalanx.bench.disagg: 2 worker processes, minutes)"),
+    real_model: str = typer.Option("smollm2-135m-instruct", help="--real: the model of the real transfer"),
+    as_json: AsJson = False,
+) -> None:
+    """Decode ITL during long-prompt arrivals, TTFT and goodput: N aggregated workers against prefill + decode pools of
+    the same count, on the simulated engine in virtual time (the output's `simulated` says what is simulated)."""
+    from phalanx.bench.disagg_serving import DisaggBenchSettings, run_disagg_serving_bench
+
+    settings = DisaggBenchSettings(
+        workers=workers, prefill_workers=prefill_workers, seconds=seconds, warmup_s=warmup, streams=streams, long_rps=long_rps,
+        long_min=long_min, long_max=max(long_min, long_max), max_batched_tokens=max_batched_tokens,
+        transfer_s_per_1k=transfer_s_per_1k, ttft_slo_s=ttft_slo, itl_slo_s=itl_slo, seed=seed,
+    )
+    if not 0 < prefill_workers < workers:
+        raise typer.BadParameter("needs 1 <= --prefill-workers < --workers", param_hint="--prefill-workers")
+    measured = None
+    if real:
+        # It forks worker processes while its gRPC clients run: see run_up for why this is off.
+        os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
+        from phalanx.bench.disagg import run_disagg_bench
+
+        measured = asyncio.run(run_disagg_bench(model=real_model, tokens=1024))
+    result = run_disagg_serving_bench(settings, real=measured)
+    typer.echo(json.dumps(result, indent=None if as_json else 2))

@@ -13,7 +13,7 @@ from phalanx.worker.simulated import SimulatedRunner
 pytestmark = pytest.mark.unit
 
 TINY = DisaggBenchSettings(
-    workers=2, prefill_workers=1, seconds=3.0, warmup_s=0.5, streams=3, steady_tokens=32, long_rps=1.5, long_min=512,
+    workers=2, prefill_workers=1, seconds=4.0, warmup_s=0.5, steady_rps=6.0, steady_tokens=32, long_rps=2.0, long_min=512,
     long_max=1024, long_tokens=8, max_batched_tokens=512,
 )
 
@@ -54,7 +54,7 @@ def test_phalanx_bench_disagg_runs_in_a_tiny_configuration() -> None:
 
     from phalanx.cli.bench import bench_app
 
-    args = ["disagg", "--json", "--workers", "3", "--prefill-workers", "1", "--seconds", "4", "--warmup", "0.5", "--streams", "6",
+    args = ["disagg", "--json", "--workers", "3", "--prefill-workers", "1", "--seconds", "4", "--warmup", "0.5", "--steady-rps", "2",
             "--long-rps", "1", "--long-min", "1024", "--long-max", "2048"]
     outcome = CliRunner().invoke(bench_app, args)
     assert outcome.exit_code == 0, outcome.output

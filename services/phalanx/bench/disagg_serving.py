@@ -16,8 +16,9 @@ What is simulated, and said so in the result's `simulated` field:
   (the policy itself) picks local or remote prefill, the decode worker being the one with the fewest sequences.
   No gRPC, no relay, no NATS.
 
-Workload: `streams` closed-loop clients streaming short-prompt requests (steady decodes) and long prompts
-(uniform in [long_min, long_max] tokens) arriving as a Poisson process. Decode ITL "during long-prompt arrivals" is
+Workload, open loop so that both modes get the same offered load (goodput then compares SLO attainment, not how fast
+a closed loop comes back): short-prompt requests (steady streaming decodes, `steady_rps`) and long prompts (uniform
+in [long_min, long_max] tokens, `long_rps`), both arriving as Poisson processes. Decode ITL "during long-prompt arrivals" is
 every inter-token gap of the steady streams that ends while some long prompt is waiting for its first token.
 """
 
@@ -49,6 +50,7 @@ _MODEL = "phalanx-tiny-moe"  # only its tokenizer (the simulated tokens' alphabe
 _CONTEXT = 16_384
 _KV_BLOCKS = 16_384  # 256k tokens per worker: KV room never decides the comparison
 Role = Literal["monolithic", "prefill", "decode"]
+_S_PER_TOKEN = 6e-5  # bench_profile's prefill time per token
 _STEADY_PROMPT = 128  # under the policy's min_prompt_tokens (256): steady requests prefill where they decode
 
 
@@ -60,7 +62,7 @@ class DisaggBenchSettings:
     prefill_workers: int = 2  # of `workers`, in the disaggregated run; the rest decode
     seconds: float = 60.0  # virtual
     warmup_s: float = 5.0  # left out of every figure
-    streams: int = 48  # closed-loop steady streams (6 per aggregated worker)
+    steady_rps: float = 10.0  # ~45 steady streams at once (~6 per aggregated worker)
     steady_tokens: int = 256
     long_rps: float = 2.5
     long_min: int = 2048
@@ -141,17 +143,20 @@ def _workers(profile: PerformanceProfile, names: list[tuple[str, Role]], max_bat
 
 
 def _arrivals(s: DisaggBenchSettings) -> list[_Request]:
-    """The long prompts (Poisson), the same for both modes."""
+    """Steady and long requests (each a Poisson process), the same for both modes."""
     rng = random.Random(s.seed)
     out: list[_Request] = []
-    t, i = 0.0, 0
-    while True:
-        t += rng.expovariate(s.long_rps)
-        if t >= s.seconds:
-            return out
-        n = rng.randint(s.long_min, s.long_max)
-        out.append(_Request(f"long-{i}", [rng.randrange(3, 256) for _ in range(n)], s.long_tokens, t, steady=False))
-        i += 1
+    for kind, rate in (("steady", s.steady_rps), ("long", s.long_rps)):
+        t, i = 0.0, 0
+        while rate > 0:
+            t += rng.expovariate(rate)
+            if t >= s.seconds:
+                break
+            n = _STEADY_PROMPT if kind == "steady" else rng.randint(s.long_min, s.long_max)
+            tokens = s.steady_tokens if kind == "steady" else s.long_tokens
+            out.append(_Request(f"{kind}-{i}", [rng.randrange(3, 256) for _ in range(n)], tokens, t, steady=kind == "steady"))
+            i += 1
+    return out
 
 
 class _Fleet:
@@ -165,8 +170,6 @@ class _Fleet:
         self.where: dict[str, _Worker] = {}
         self.events: list[tuple[float, int, Callable[[], None]]] = []  # (time, order, action)
         self._order = 0
-        self._rng = random.Random(s.seed + 1)
-        self._steady_n = 0
         self.policy = DisaggSettings(always=True)  # every long prompt that passes the policy's tests goes remote
         self.handovers = 0
         self.transfer_s_total = 0.0
@@ -180,6 +183,10 @@ class _Fleet:
     def _least_loaded(self, pool: list[_Worker]) -> _Worker:
         return min(pool, key=lambda w: (len(w.engine.running) + len(w.engine.waiting) + len(w.engine.parked), w.name))
 
+    @staticmethod
+    def _backlog(worker: _Worker) -> int:
+        return sum(seq.remaining_to_compute for seq in [*worker.engine.running, *worker.engine.waiting])
+
     def _add(self, worker: _Worker, request: _Request, now: float) -> None:
         worker.clock.t = max(worker.clock.t, now)  # an idle worker's time jumps to the arrival
         worker.engine.add_request(EngineRequest(request.prompt, SamplingParams(max_tokens=request.max_tokens, ignore_eos=True), request.rid))
@@ -191,20 +198,19 @@ class _Fleet:
         if not request.steady:
             self.long_in_prefill[request.rid] = now
         if self.disagg and self.prefill:
-            estimates = [WorkerEstimate(w.name, 0.0, 6e-5, 0, queue_depth=len(w.engine.waiting)) for w in self.prefill]
-            local = WorkerEstimate(decode.name, 0.0, 6e-5, 0, running_seqs=len(decode.engine.running))
+            # Wait: the prompt tokens a prefill worker has yet to compute (the router's estimate from load reports);
+            # without it every tie would go to the first prefill worker.
+            estimates = [
+                WorkerEstimate(w.name, self._backlog(w) * _S_PER_TOKEN, _S_PER_TOKEN, 0, queue_depth=len(w.engine.waiting))
+                for w in self.prefill
+            ]
+            local = WorkerEstimate(decode.name, 0.0, _S_PER_TOKEN, 0, running_seqs=len(decode.engine.running))
             choice = decide(self.policy, prompt_tokens=len(request.prompt), decode=local, prefills=estimates)
             if isinstance(choice, PrefillRemotely):
                 request.remote = True
                 self._add(next(w for w in self.prefill if w.name == choice.prefill_worker_id), request, now)
                 return
         self._add(decode, request, now)
-
-    def new_steady(self, now: float) -> None:
-        n = self._steady_n
-        self._steady_n += 1
-        prompt = [self._rng.randrange(3, 256) for _ in range(_STEADY_PROMPT)]
-        self.submit(_Request(f"steady-{n}", prompt, self.s.steady_tokens, now, steady=True), now)
 
     def _hand_over(self, prefill: _Worker, rid: str, snapshot: RequestSnapshot | None, kv_tokens: int, done: float) -> None:
         # The simulated KV hand-over: the real export and Restore, on the worker's clock after the simulated transfer.
@@ -234,14 +240,10 @@ class _Fleet:
             request.token_times.append(t)
             if len(request.token_times) == 1 and event.request_id in self.long_in_prefill:
                 self.arrival_windows.append((self.long_in_prefill.pop(event.request_id), t))
-            if event.finish_reason is not FinishReason.NONE and request.steady and t < self.s.seconds:
-                self.new_steady(t)  # the closed loop: the stream's next request
 
     def run(self) -> None:
         for request in _arrivals(self.s):
             self.at(request.arrival, functools.partial(self.submit, request, request.arrival))
-        for i in range(self.s.streams):
-            self.at(i * 0.01, functools.partial(self.new_steady, i * 0.01))  # staggered starts
         while True:
             busy = [w for w in self.workers if w.engine.has_work()]
             next_event = self.events[0][0] if self.events else float("inf")

@@ -380,7 +380,7 @@ def bench_disagg(
     prefill_workers: int = typer.Option(2, min=1, help="Prefill workers of the disaggregated run"),
     seconds: float = typer.Option(60.0, min=2, help="Virtual seconds of arrivals per run"),
     warmup: float = typer.Option(5.0, min=0, help="Virtual seconds left out of every figure"),
-    streams: int = typer.Option(48, min=1, help="Closed-loop steady streams (short prompts)"),
+    steady_rps: float = typer.Option(10.0, min=0, help="Short-prompt (steady decode) arrivals per second (Poisson)"),
     long_rps: float = typer.Option(2.5, min=0.01, help="Long-prompt arrivals per second (Poisson)"),
     long_min: int = typer.Option(2048, min=256, help="Shortest long prompt, in tokens"),
     long_max: int = typer.Option(8192, min=256, max=12_000, help="Longest long prompt, in tokens"),
@@ -398,7 +398,7 @@ def bench_disagg(
     from phalanx.bench.disagg_serving import DisaggBenchSettings, run_disagg_serving_bench
 
     settings = DisaggBenchSettings(
-        workers=workers, prefill_workers=prefill_workers, seconds=seconds, warmup_s=warmup, streams=streams, long_rps=long_rps,
+        workers=workers, prefill_workers=prefill_workers, seconds=seconds, warmup_s=warmup, steady_rps=steady_rps, long_rps=long_rps,
         long_min=long_min, long_max=max(long_min, long_max), max_batched_tokens=max_batched_tokens,
         transfer_s_per_1k=transfer_s_per_1k, ttft_slo_s=ttft_slo, itl_slo_s=itl_slo, seed=seed,
     )

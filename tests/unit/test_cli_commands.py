@@ -21,7 +21,7 @@ ROOT = _commands(typer.main.get_command(app))
 def test_the_bench_commands_are_a_sub_app_with_their_names():
     assert list(_commands(ROOT["bench"])) == [
         "engine", "route", "multimodal", "health", "channel", "serve", "moe", "failover", "chaos", "engine-failover", "planner", "soak",
-        "goodput",
+        "goodput", "disagg",
     ]
 
 

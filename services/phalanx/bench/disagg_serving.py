@@ -3,7 +3,8 @@
 What runs is the real engine (phalanx.worker.engine: its scheduler, chunked prefill, paged KV, the prefill role's
 park after the first token, Restore) with the simulated engine's runner (worker/simulated.py), one Engine per worker,
 all in this process on virtual clocks: a step takes what the profile says and no wall time, so a minute of an
-8-worker fleet runs in seconds on a small box and the figures do not depend on the box's load.
+8-worker fleet runs in under a minute on a 2-core box (the engines' bookkeeping is the cost) and the figures do not
+depend on the box's load.
 
 What is simulated, and said so in the result's `simulated` field:
 

@@ -164,7 +164,10 @@ class Supervisor:
             # An engine of a failover slot is succeeded in its slot, by an engine that stands by.
             # A prefill or decode worker is replaced by one of its role.
             role = fleet.worker_roles.pop(name, None)
-            start = functools.partial(fleet.new_worker, role) if slot is None else functools.partial(fleet.replace_engine, slot)
+            if slot is not None:
+                start = functools.partial(fleet.replace_engine, slot)
+            else:
+                start = fleet.new_worker if role is None else functools.partial(fleet.new_worker, role)
             self.replacing_workers.add(name)
         elif fleet.expert_workers.pop(name, None) is not None:
             start = functools.partial(fleet.replace_expert_worker, fleet.expert_slots.pop(name))

@@ -351,13 +351,11 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
         decision, decode_worker = self.disagg.split(prompt_ids, routed, media)
         record = common_pb2.RequestRecord(
             request_id=request_id, worker_id=decision.worker_id, worker_address=self._address(decision.worker_id),
-            router_id=self.router_id, tenant=admitted.tenant, tier=int(admitted.tier), prompt_tokens=len(prompt_ids),
-            created_at=time.time(),
+            router_id=self.router_id, tenant=admitted.tenant, tier=int(admitted.tier), prompt_tokens=len(prompt_ids), created_at=time.time(),
         )
         skipped = self.records.skipped
         existing = self._recent.get(request_id) or await self.records.claim(record)
-        if self.records.skipped > skipped:
-            self.metrics.unrecorded.inc()
+        self.metrics.unrecorded.inc(self.records.skipped - skipped)
         if existing is not None:
             return None, existing
         self._remember(record)

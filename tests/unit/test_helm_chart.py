@@ -8,6 +8,7 @@ from __future__ import annotations
 import kubernetes_validate
 import pytest
 import yaml
+from helm_python import HelmRenderError
 
 from phalanx.testing import helm
 
@@ -19,6 +20,7 @@ FEATURE_SWITCHES = [
     ("worker.failover.enabled=true",),
     ("planner.enabled=true",),
     ("moe.enabled=true",),
+    ("worker.prefill.enabled=true", "worker.prefill.replicas=2"),
     ("tls.enabled=true",),
     ("tls.certManager.enabled=true", *helm.REQUIRED_WITH["tls.certManager.enabled=true"]),
     ("nats.bundled.enabled=true", "etcd.bundled.enabled=true"),
@@ -55,7 +57,8 @@ def test_every_feature_switch_renders_lints_clean_and_validates_against_the_kube
 
 
 def test_all_switches_on_at_once_still_render_and_validate():
-    switched_on = [item for sets in FEATURE_SWITCHES for item in sets if not item.endswith("=false")]
+    # Prefill/decode pools and the MoE split exclude each other (a later test): MoE stands for both here.
+    switched_on = [item for sets in FEATURE_SWITCHES for item in sets if not item.endswith("=false") and "prefill" not in item]
     documents = helm.documents(*switched_on)
     kinds = {d["kind"] for d in documents}
     assert {"StatefulSet", "Deployment", "Service", "PodDisruptionBudget", "Role", "Certificate"} <= kinds
@@ -72,3 +75,23 @@ def test_the_worker_statefulset_points_every_engine_at_the_chart_s_nats_and_etcd
             env = {e["name"]: e.get("value") for e in container.get("env", [])}
             if "PHALANX_NATS_URL" in env:
                 assert env["PHALANX_NATS_URL"].startswith("nats://") and env["PHALANX_ETCD_ENDPOINT"]
+
+
+def _engine_role(statefulset: dict) -> str | None:
+    env = {e["name"]: e.get("value") for e in statefulset["spec"]["template"]["spec"]["containers"][0]["env"]}
+    return env.get("PHALANX_ENGINE_ROLE")
+
+
+def test_a_prefill_pool_is_its_own_statefulset_and_turns_the_workers_into_decode_workers():
+    aggregated = helm.objects()
+    assert _engine_role(aggregated[("StatefulSet", "phalanx-worker")]) is None  # the worker's own default: aggregated
+    assert ("StatefulSet", "phalanx-worker-prefill") not in aggregated
+    pools = helm.objects("worker.prefill.enabled=true", "worker.prefill.replicas=3", "worker.replicas=4")
+    decode, prefill = pools[("StatefulSet", "phalanx-worker")], pools[("StatefulSet", "phalanx-worker-prefill")]
+    assert (_engine_role(decode), decode["spec"]["replicas"]) == ("decode", 4)
+    assert (_engine_role(prefill), prefill["spec"]["replicas"]) == ("prefill", 3)
+    # Selectors that do not overlap, and the decode pool keeps the one it had (a StatefulSet's selector is immutable).
+    assert decode["spec"]["selector"] == aggregated[("StatefulSet", "phalanx-worker")]["spec"]["selector"]
+    assert prefill["spec"]["selector"]["matchLabels"]["app.kubernetes.io/component"] == "prefill-worker"
+    with pytest.raises(HelmRenderError, match="not supported yet"):
+        helm.render("worker.prefill.enabled=true", "moe.enabled=true")

@@ -59,7 +59,8 @@ def test_compose_moe_override_places_every_expert_twice_and_switches_every_model
             assert override[name]["environment"]["PHALANX_ENGINE_ROLE"] == "attention", name
         if "PHALANX_ENCODER_LLM_HIDDEN_SIZE" in env:
             assert int(override[name]["environment"]["PHALANX_ENCODER_LLM_HIDDEN_SIZE"]) == model_hidden_size(ert.model)
-    assert not any("PHALANX_ENGINE_ROLE" in s.get("environment", {}) for s in base.values())  # the base stays monolithic
+    # The base's default services stay monolithic (a profile's may not: `disagg` runs a prefill worker).
+    assert not any("PHALANX_ENGINE_ROLE" in s.get("environment", {}) for s in base.values() if "profiles" not in s)
     # One placement: slots 0..n-1 of n workers, the same copies, distinct ids; every expert hosted `copies` times.
     assert sorted(e.index for e in experts) == list(range(len(experts)))
     assert {(e.num_expert_workers, e.copies) for e in experts} == {(len(experts), 2)}

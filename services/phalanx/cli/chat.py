@@ -6,6 +6,7 @@ import asyncio
 import sys
 from typing import TextIO
 
+from phalanx.cli.status import INTERACTIVE_RETRY
 from phalanx.client import Client, PhalanxClientError
 from phalanx.common.errors import InvalidRequestError
 from phalanx.common.tls import sdk_tls
@@ -23,7 +24,7 @@ async def run_chat(
 ) -> int:
     """Read a user turn, stream the answer, repeat; the exit code."""
     try:
-        async with await Client.connect(target, api_key=api_key, tls=sdk_tls()) as client:
+        async with await Client.connect(target, api_key=api_key, tls=sdk_tls(), retry=INTERACTIVE_RETRY) as client:
             if not model:
                 workers = await client.list_workers(timeout=_LIST_WORKERS_TIMEOUT_S)
                 models = sorted({w.model for w in workers if w.model})

@@ -17,7 +17,7 @@ from rich.measure import Measurement
 from rich.table import Table
 
 from phalanx.cli.state import UpState, WorkerEntry
-from phalanx.client import Client, PhalanxClientError, WorkerInfo
+from phalanx.client import Client, PhalanxClientError, RetryPolicy, WorkerInfo
 from phalanx.common.tls import sdk_tls
 
 __all__ = ["show_status", "stream_generate", "workers_table"]
@@ -33,11 +33,16 @@ def _report(error: Exception) -> int:
     return 1
 
 
+# A person at a terminal wants the answer: a request refused as over capacity (before its first token) is sent again
+# after the router's retry hint, a few times, instead of ending the command.
+INTERACTIVE_RETRY = RetryPolicy(retry_overloaded=True)
+
+
 async def stream_generate(target: str, prompt: str, *, api_key: str | None, **options) -> int:
     """Print the completion's text as it streams (stdout holds the text only); the exit code."""
     wrote = False
     try:
-        async with await Client.connect(target, api_key=api_key, tls=sdk_tls()) as client:
+        async with await Client.connect(target, api_key=api_key, tls=sdk_tls(), retry=INTERACTIVE_RETRY) as client:
             async for chunk in client.generate(prompt, **options):
                 sys.stdout.write(chunk.text)
                 sys.stdout.flush()

@@ -262,3 +262,13 @@ def test_the_drain_rate_is_unknown_for_the_first_second_counts_the_last_window_a
     assert policy.drain_per_s(7.5) == pytest.approx(3 / 5)  # 3.0, 4.0 and 5.0 are in the window
     # An idle spell empties the window: a burst after it is judged by the last rate measured, not held blind.
     assert policy.drain_per_s(30.0) == pytest.approx(3 / 5)
+
+
+def test_a_request_no_worker_can_serve_within_its_slo_goes_to_an_idle_worker_and_waits_for_a_busy_one():
+    # 50,000 prompt tokens at 10,000 tokens/s: 5 s to the first token, against a 1 s SLO, even on an idle worker.
+    policy = trained("w1")
+    decision, _ = policy.arrive(arrival("long", 0.0, prompt=50_000), [load("w1")])
+    assert decision == Admit("long", "w1", 0.0, 50_000)
+    # A busy worker is not idle: the request is held (then refused as before), not put in front of its batch.
+    decision, _ = policy.arrive(arrival("long-2", 0.1, prompt=50_000), [load("w1", batch=2)])
+    assert not isinstance(decision, Admit)

@@ -341,13 +341,19 @@ class OverloadPolicy:
         budget = arrival.arrived_at + arrival.slo.ttft_s * headroom - now if arrival.slo.ttft_s > 0 else float("inf")
         itl_limit = arrival.slo.itl_s * headroom if arrival.slo.itl_s > 0 else float("inf")
         best, best_ttft = None, float("inf")
+        # An idle worker serves the request as fast as this fleet can: when even that misses its TTFT SLO (a prompt longer
+        # than the SLO allows on this hardware, a slow or busy host), holding or refusing it serves nobody better, so it
+        # goes there; refusing it would refuse a lone user for good.
+        idle, idle_ttft = None, float("inf")
         for room in rooms:
             if not self._itl_fits(room, itl_limit):
                 continue
             ttft = self.ttft_s(room, arrival.prompt_tokens)
             if ttft <= budget and (ttft < best_ttft or (ttft == best_ttft and best is not None and room.batch < best.batch)):
                 best, best_ttft = room, ttft
-        return best
+            elif _idle(room) and ttft < idle_ttft:
+                idle, idle_ttft = room, ttft
+        return best or idle
 
     def _any_itl_fits(self, rooms: Iterable[_Room], arrival: Arrival) -> bool:
         itl_limit = arrival.slo.itl_s * self.settings.headroom if arrival.slo.itl_s > 0 else float("inf")
@@ -411,6 +417,10 @@ class OverloadPolicy:
 
 def _room(load: WorkerLoad) -> _Room:
     return _Room(load, load.batch, load.pending_prefill_tokens)
+
+
+def _idle(room: _Room) -> bool:
+    return room.batch == 0 and room.pending_tokens == 0 and room.load.queue_depth == 0
 
 
 def _line(model: StepModel | None) -> tuple[float, float] | None:

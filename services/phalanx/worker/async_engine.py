@@ -85,11 +85,12 @@ class Park:
 
 @dataclass(frozen=True, slots=True)
 class ExportKv:
-    """`done` gets a parked request's first `kv_tokens` tokens of KV."""
+    """`done` gets a parked request's KV of positions [from_token, kv_tokens)."""
 
     done: asyncio.Future
     request_id: str
     kv_tokens: int
+    from_token: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,8 +166,8 @@ class AsyncEngine(EngineFrontend):
         """Stops requests keeping their KV (see Engine.park); their logs end with HANDED_BACK."""
         return await self._call(Park(_future(), request_ids, ttl_s, pick))
 
-    async def export_kv(self, request_id: str, kv_tokens: int) -> torch.Tensor:
-        return await self._call(ExportKv(_future(), request_id, kv_tokens))
+    async def export_kv(self, request_id: str, kv_tokens: int, from_token: int = 0) -> torch.Tensor:
+        return await self._call(ExportKv(_future(), request_id, kv_tokens, from_token))
 
     async def unpark(self, request_id: str) -> int:
         return await self._call(Unpark(_future(), request_id))
@@ -264,8 +265,8 @@ class AsyncEngine(EngineFrontend):
                     self._started_loop.call_soon_threadsafe(self._register_restored, seq.request_id, sink, seq.replayed)
                 case Park(request_ids=request_ids, ttl_s=ttl_s, pick=pick):
                     events = result = self.engine.park(request_ids, ttl_s, pick)
-                case ExportKv(request_id=request_id, kv_tokens=kv_tokens):
-                    result = self.engine.export_kv(request_id, kv_tokens)
+                case ExportKv(request_id=request_id, kv_tokens=kv_tokens, from_token=from_token):
+                    result = self.engine.export_kv(request_id, kv_tokens, from_token)
                 case Unpark(request_id=request_id):
                     result = self.engine.unpark(request_id)
                 case _:

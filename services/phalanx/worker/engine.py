@@ -357,15 +357,17 @@ class Engine:
             events.append(TokenEvent(request_id, -1, "", -1, FinishReason.HANDED_BACK, handoff=seq.snapshot(), handoff_kv_tokens=kv_tokens))
         return events
 
-    def export_kv(self, request_id: str, kv_tokens: int) -> torch.Tensor:
-        """A copy of the KV of positions [0, kv_tokens) of a parked (or running) request."""
+    def export_kv(self, request_id: str, kv_tokens: int, from_token: int = 0) -> torch.Tensor:
+        """A copy of the KV of positions [from_token, kv_tokens) of a parked (or running) request."""
         entry = self.parked.get(request_id)
         seq = entry[0] if entry is not None else self.by_id.get(request_id)
         if seq is None or not self.kv.has(request_id):
             raise NotFoundError(f"request {request_id!r} has no KV on this worker")
         if not 0 < kv_tokens <= seq.num_computed:
             raise InvalidRequestError("kv_tokens", f"{kv_tokens} is outside the {seq.num_computed} positions computed here")
-        return self.cache.gather_ranges(self.kv, [(request_id, 0, kv_tokens)])
+        if not 0 <= from_token < kv_tokens:
+            raise InvalidRequestError("from_token", f"{from_token} is outside [0, kv_tokens {kv_tokens})")
+        return self.cache.gather_ranges(self.kv, [(request_id, from_token, kv_tokens)])
 
     def unpark(self, request_id: str | None = None) -> int:
         """Frees parked KV: one request's, or every expired one's (None). Returns how many were freed."""

@@ -324,8 +324,8 @@ class EngineCoreClient(EngineFrontend):
     async def park(self, request_ids: list[str] | None, ttl_s: float, pick: ParkPick | None = None) -> list[TokenEvent]:
         return await self._call(lambda call_id: Park(call_id, request_ids, ttl_s, pick))
 
-    async def export_kv(self, request_id: str, kv_tokens: int) -> torch.Tensor:
-        return await self._call(lambda call_id: ExportKv(call_id, request_id, kv_tokens))
+    async def export_kv(self, request_id: str, kv_tokens: int, from_token: int = 0) -> torch.Tensor:
+        return await self._call(lambda call_id: ExportKv(call_id, request_id, kv_tokens, from_token))
 
     async def unpark(self, request_id: str) -> int:
         return await self._call(lambda call_id: Unpark(call_id, request_id))

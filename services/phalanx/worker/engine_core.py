@@ -104,6 +104,7 @@ class ExportKv:
     call_id: int
     request_id: str
     kv_tokens: int
+    from_token: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -433,8 +434,8 @@ class EngineCore:
                 case Park(request_ids=request_ids, ttl_s=ttl_s, pick=pick):
                     value = engine.park(request_ids, ttl_s, pick)
                     out.events.extend(value)
-                case ExportKv(request_id=request_id, kv_tokens=kv_tokens):
-                    value = engine.export_kv(request_id, kv_tokens)
+                case ExportKv(request_id=request_id, kv_tokens=kv_tokens, from_token=from_token):
+                    value = engine.export_kv(request_id, kv_tokens, from_token)
                 case Unpark(request_id=request_id):
                     value = engine.unpark(request_id)
                 case _:

@@ -142,8 +142,8 @@ class EngineFrontend(ABC):
         """Stops requests keeping their KV (see Engine.park); their logs end with HANDED_BACK."""
 
     @abstractmethod
-    async def export_kv(self, request_id: str, kv_tokens: int) -> torch.Tensor:
-        ...
+    async def export_kv(self, request_id: str, kv_tokens: int, from_token: int = 0) -> torch.Tensor:
+        """A parked request's KV of positions [from_token, kv_tokens) (what a target lacks)."""
 
     @abstractmethod
     async def unpark(self, request_id: str) -> int:

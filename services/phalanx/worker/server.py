@@ -634,7 +634,7 @@ class KvSourceServicer(migration_pb2_grpc.KvSourceServicer):
         timeout = request.timeout_s or self.worker.channel_timeout_s
         await _chaos_stall(self.worker.stall_kv_send, request.pieces)
         start = time.perf_counter()
-        tensors = [_from_token(await engine.export_kv(p.request_id, p.kv_tokens), p.from_token) for p in request.pieces]
+        tensors = [await engine.export_kv(p.request_id, p.kv_tokens, p.from_token) for p in request.pieces]
         # Kept afterwards: a drain moves many requests to the same few targets.
         async with channels.opened(request.target_endpoint, request.channel_id, reuse=request.reuse_channel, timeout_s=timeout) as channel:
             for tensor in tensors:
@@ -648,16 +648,11 @@ class KvSourceServicer(migration_pb2_grpc.KvSourceServicer):
         engine = self.worker.engine
         await _chaos_stall(self.worker.stall_kv_send, request.pieces)
         for index, p in enumerate(request.pieces):
-            data = tensor_bytes(_from_token(await engine.export_kv(p.request_id, p.kv_tokens), p.from_token))
+            data = tensor_bytes(await engine.export_kv(p.request_id, p.kv_tokens, p.from_token))
             for offset in range(0, len(data), _CHUNK_BYTES):
                 yield migration_pb2.FetchKvResponse(piece=index, data=data[offset : offset + _CHUNK_BYTES])
         for p in request.pieces:
             await engine.unpark(p.request_id)
-
-
-def _from_token(kv: torch.Tensor, from_token: int) -> torch.Tensor:
-    """Positions [from_token, ...) of an exported KV (layers, 2, tokens, heads, dim): what a target lacks."""
-    return kv[:, :, from_token:].contiguous() if from_token else kv
 
 
 async def _chaos_stall(marker: str, pieces) -> None:

@@ -162,7 +162,7 @@ class AdmissionGate:
     def _loads(self) -> list[WorkerLoad]:
         """The routable workers' loads, each batch at least the streams this router relays from it."""
         own = self._open_per_worker
-        return [replace(w, batch=max(w.batch, own[w.worker_id])) if own[w.worker_id] > w.batch else w for w in self.table.loads()]
+        return [replace(w, batch=own[w.worker_id]) if own[w.worker_id] > w.batch else w for w in self.table.loads()]
 
     def _count(self, effect: Admit | Refuse) -> None:
         outcome, reason = ("admitted", "") if isinstance(effect, Admit) else ("refused", effect.reason.value)

@@ -233,12 +233,11 @@ class RoutingTable:
         w.address, w.pid, w.model = address, pid, model
         if total_blocks and not w.reported:
             w.total_blocks = total_blocks
-        if role != w.role:
-            w.role = role
-            self._rebuild_routable()
+        role_changed, w.role = role != w.role, role
         if new or restarted:
             self._refresh(w)
-            self._rebuild_routable()
+        if new or restarted or role_changed:
+            self._rebuild_routable()  # once: a new worker's role is set with it
         return new or restarted
 
     def remove_worker(self, worker_id: str) -> None:

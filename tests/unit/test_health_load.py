@@ -261,3 +261,27 @@ def test_a_miss_while_the_reports_show_steps_moving_is_confirmed_not_counted_a_h
     hung = CheckRound(POLICY, t, after=FailureReason.TIMEOUT)
     hung.start()
     assert hung.on(CanaryDone(missed, progressing=False)) == Record(missed)
+
+
+def test_a_successor_seeded_with_the_usual_steps_gives_a_busy_worker_its_allowance_from_the_first_report():
+    learned = settled()
+    usual = learned.load.usual_steps("a")
+    assert set(usual) == {0, 3}  # idle and batches of 8, as learned
+    busy = {w: (0.06, 64) for w in learned.workers}
+
+    # A successor that starts while every worker is busy (64 sequences, 12x slower steps than idle).
+    blank = Fleet()
+    blank.run(0.3, busy)
+    seeded = Fleet()
+    for worker in seeded.workers:
+        seeded.load.seed(worker, "v1", learned.load.usual_steps(worker))
+    seeded.run(0.3, busy)
+    # Without the usual steps the successor takes the busy pace for the idle one: no allowance, and the persisted idle
+    # baseline would fail a busy worker's canaries. With them, the batch's slowdown is allowed at once.
+    assert blank.stretch("a") < 1.1
+    assert seeded.stretch("a") > 10
+    # A seed never replaces what the successor has learned itself, and an empty one changes nothing.
+    seeded.load.seed("a", "v1", {0: 1.0})
+    assert seeded.load.usual_steps("a")[0] == usual[0]
+    seeded.load.seed("z", "v1", {})
+    assert seeded.load.usual_steps("z") == {}

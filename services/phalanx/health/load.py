@@ -33,6 +33,7 @@ requests: the batch it piled up must not excuse it).
 from __future__ import annotations
 
 import statistics
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -169,6 +170,19 @@ class FleetLoad:
 
     def forget(self, worker_id: str) -> None:
         self._workers.pop(worker_id, None)
+
+    def usual_steps(self, worker_id: str) -> dict[int, float]:
+        """The worker's learned usual step per load level (persisted with its health record)."""
+        w = self._workers.get(worker_id)
+        return dict(w.model.usual_s) if w is not None else {}
+
+    def seed(self, worker_id: str, group: str, usual_steps: Mapping[int, float]) -> None:
+        """Start from what a previous health instance learned of the worker: without it, a successor's first report of
+        a busy worker would be learned as its usual pace and its idle pace bounded from it, so the busy worker's
+        canaries would get no allowance against the idle-pace baseline the successor also resumes from."""
+        w = self._workers.get(worker_id)
+        if (w is None or w.group != group or not w.model.usual_s) and usual_steps:
+            self._workers[worker_id] = _Worker(group, StepModel({int(level): s for level, s in usual_steps.items() if s > 0}))
 
     def fleet_excess(self, worker_id: str, now: float) -> float:
         """How much slower than usual the worker's peers step right now (1.0 without fresh peers).

@@ -165,6 +165,9 @@ class FleetMonitor:
         w.persisted_baseline = tracker.baseline_s
         self.metrics.set_worker(worker_id, tracker.health, tracker.weight, tracker.circuit)
         record = self._records.get(worker_id)
+        if record is not None and record.worker_started_at == registration.started_at:
+            self.load.seed(worker_id, registration.model_version, record.usual_step_s)
+            w.persisted_steps = dict(record.usual_step_s)
         if record is None or record.version != tracker.version or record.worker_started_at != registration.started_at:
             await self._write(w)
         log.info("watching worker %s (%s, %s) as %s", worker_id, registration.address, registration.model_version, tracker.health.label)
@@ -277,8 +280,10 @@ class FleetMonitor:
         if outcome.result is CheckResult.FAIL:
             log.warning("worker %s failed a check: %s: %s", worker_id, outcome.reason, outcome.detail)
         transition = w.tracker.observe(outcome, fleet_slowdown=slowdown, slo_factor=slo_factor, load_factor=load_factor)
-        if transition is None and abs(w.tracker.baseline_s - w.persisted_baseline) > 0.1 * max(w.persisted_baseline, 1e-3):
-            transition = Transition(w.tracker.health, w.tracker.health, w.tracker.reason)  # keep the baseline for a successor
+        if transition is None and (_drifted(w.tracker.baseline_s, w.persisted_baseline)
+                                   or _steps_drifted(self.load.usual_steps(worker_id), w.persisted_steps)):
+            # Keep the baseline and the usual steps it is stretched by for a successor.
+            transition = Transition(w.tracker.health, w.tracker.health, w.tracker.reason)
             w.tracker.version += 1
         await self._transition(w, transition)
 
@@ -431,8 +436,10 @@ class FleetMonitor:
     async def _write(self, w: TrackedWorker) -> None:
         async with w.write_lock:  # one write at a time per worker, always of the latest state
             record = w.tracker.to_record()
+            record.usual_step_s.update(self.load.usual_steps(w.registration.worker_id))
             await self._store(record)
             w.persisted_baseline = record.latency_baseline_s
+            w.persisted_steps = dict(record.usual_step_s)
 
     async def _store(self, record: common_pb2.WorkerHealthRecord) -> None:
         """etcd first (fenced: the authority), then the NATS notification routers act on at once."""
@@ -509,3 +516,11 @@ def _channel(address: str) -> grpc.aio.Channel:
         ],
     )
 
+
+def _drifted(value: float, persisted: float) -> bool:
+    return abs(value - persisted) > 0.1 * max(persisted, 1e-3)
+
+
+def _steps_drifted(usual: dict[int, float], persisted: dict[int, float]) -> bool:
+    """A load level learned since the last write, or one whose usual step moved by over 10 %."""
+    return any(level not in persisted or _drifted(step, persisted[level]) for level, step in usual.items())

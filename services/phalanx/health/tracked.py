@@ -25,6 +25,7 @@ class TrackedWorker:
     stopping: bool = False  # its grpc health said NOT_SERVING: it shuts down by itself
     case_turn: int = 0
     persisted_baseline: float = 0.0
+    persisted_steps: dict[int, float] = field(default_factory=dict)  # the usual steps of its last written record
 
     @property
     def stub(self) -> worker_pb2_grpc.WorkerServiceStub:

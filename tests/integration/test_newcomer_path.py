@@ -51,7 +51,6 @@ def test_up_survives_a_killed_worker_and_answers_through_the_cli_and_the_openai_
         assert down.returncode == 0, down.stdout + down.stderr
 
 
-@pytest.mark.slow
 def test_up_with_prefill_and_decode_workers_answers_through_a_kv_transfer(tmp_path):
     from phalanx.launch.services import metric_value, scrape
     from phalanx.testing.asserts import assert_eventually_sync
@@ -86,6 +85,12 @@ def test_up_with_prefill_and_decode_workers_answers_through_a_kv_transfer(tmp_pa
         assert generated.stdout.startswith(" Paris"), generated.stdout
         transfers = metric_value(scrape(state["router_metrics_address"]), "phalanx_router_disagg_transfers_total", outcome="ok")
         assert transfers == 1.0, transfers
+
+        client = openai.OpenAI(base_url=f"{state['gateway_url']}/v1", api_key="unused", max_retries=0, timeout=120)
+        completion = client.completions.create(model="smollm2-135m-instruct", prompt="The capital of France is", max_tokens=8, temperature=0)
+        assert completion.choices[0].text.startswith(" Paris"), completion.choices[0].text
+        transfers = metric_value(scrape(state["router_metrics_address"]), "phalanx_router_disagg_transfers_total", outcome="ok")
+        assert transfers == 2.0, transfers
     finally:
         down = phalanx("down", "--state-file", state_file, timeout=120)
         assert down.returncode == 0, down.stdout + down.stderr

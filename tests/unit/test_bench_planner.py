@@ -44,3 +44,23 @@ def test_worker_seconds_count_every_worker_process_alive_starting_ones_too():
     }
     assert bench._processes(state) == (7, 4)
     assert bench._processes({"workers": [{"worker_id": "worker-0"}]}) == (1, None)  # no planner: the workers alone
+
+
+def test_a_production_trace_is_compressed_thinned_to_the_asked_rate_and_its_bursts_found(tmp_path):
+    # An Azure-layout trace: one request a second for an hour, and ten a second from minute 30 to 33.
+    lines = ["TIMESTAMP,ContextTokens,GeneratedTokens"]
+    for second in range(3600):
+        burst = 1800 <= second < 1980
+        for k in range(10 if burst else 1):
+            lines.append(f"2023-11-16 {18 + second // 3600:02d}:{second // 60 % 60:02d}:{second % 60:02d}.{k:07d},100,20")
+    path = tmp_path / "azure.csv"
+    path.write_text("\n".join(lines) + "\n")
+    duration = 600.0  # compressed to 10 minutes: the burst from 300 s to 330 s
+    times, in_file = bench.trace_arrivals(path, duration, mean_rps=2.0, seed=3)
+    assert in_file == 3600 + 9 * 180
+    assert times == sorted(times) and times == bench.trace_arrivals(path, duration, mean_rps=2.0, seed=3)[0]
+    assert abs(len(times) - 2.0 * duration) < 4 * (2.0 * duration) ** 0.5
+    found = bench.detected_bursts(times, duration)
+    assert len(found) == 1 and 290 <= found[0].start_s <= 300 and 330 <= found[0].end_s <= 340, found
+    rates = bench.windowed_rates(times, duration, 10.0)
+    assert max(rates) > 4 * min(rates[:25])  # the burst is kept by the thinning, at the same share of the load

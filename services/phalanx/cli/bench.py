@@ -294,6 +294,11 @@ def bench_planner(
     fork_workers: bool = typer.Option(
         True, "--fork-workers/--spawn-workers", help="Every live run's workers forked from a pre-imported server (`phalanx up --fork-workers`)"
     ),
+    trace: str = typer.Option(
+        None, help="A public production request trace (Azure or BurstGPT CSV, Mooncake JSON lines) "
+        "replayed instead of the synthetic one: compressed to --minutes, thinned to --trace-rps",
+    ),
+    trace_rps: float = typer.Option(None, min=0.05, help="--trace: mean request rate after thinning [default: what two simulated workers serve]"),
     as_json: AsJson = False,
 ) -> None:
     """The planner against static-min and static-max fleets of simulated workers on a bursty trace: SLO attainment, worker-seconds,
@@ -304,13 +309,15 @@ def bench_planner(
         if not equals or not name.strip():
             raise typer.BadParameter(f"expected NAME=VALUE, got {item!r}", param_hint="--planner-setting")
         settings[name.strip().lower()] = value.strip()
+    if trace and not Path(trace).is_file():
+        raise typer.BadParameter(f"{trace}: no such file", param_hint="--trace")
     # It forks `phalanx up` while its gRPC clients run: see run_up for why this is off.
     os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
     from phalanx.bench.planner import run_planner_bench
 
     result = run_planner_bench(minutes=minutes, peak_rps=peak_rps, seed=seed, out=Path(out).resolve() if out else None, hot_spares=hot_spares,
                                scale_down_window_s=scale_down_window, compare_rebalance=compare_rebalance, planner_settings=settings,
-                               fork_workers=fork_workers)
+                               fork_workers=fork_workers, trace_file=Path(trace).resolve() if trace else None, trace_rps=trace_rps)
     print(json.dumps(result, indent=None if as_json else 2))
 
 
@@ -391,10 +398,18 @@ def bench_disagg(
     seed: int = typer.Option(0, help="Seed of the arrivals and prompts"),
     real: bool = typer.Option(False, "--real", help="Also measure a real KV transfer (python -m phalanx.bench.disagg: 2 worker processes, minutes)"),
     real_model: str = typer.Option("smollm2-135m-instruct", help="--real: the model of the real transfer"),
+    live: bool = typer.Option(
+        False, "--live", help="Also run the workload through real worker processes: 2 aggregated against 1 prefill + 1 decode "
+        "(phalanx.bench.disagg_live: two `phalanx up` stacks, minutes)",
+    ),
+    live_seconds: float = typer.Option(60.0, min=10, help="--live: seconds of load per stack"),
+    live_long_tokens: int = typer.Option(768, min=256, max=1900, help="--live: tokens of each long prompt"),
+    live_long_every: float = typer.Option(10.0, min=1, help="--live: seconds between long prompts"),
     as_json: AsJson = False,
 ) -> None:
     """Decode ITL during long-prompt arrivals, TTFT and goodput: N aggregated workers against prefill + decode pools of
-    the same count, on the simulated engine in virtual time (the output's `simulated` says what is simulated)."""
+    the same count, on the simulated engine in virtual time (the output's `simulated` says what is simulated); with
+    --live, also through real worker processes."""
     from phalanx.bench.disagg_serving import DisaggBenchSettings, run_disagg_serving_bench
 
     settings = DisaggBenchSettings(
@@ -412,4 +427,10 @@ def bench_disagg(
 
         measured = asyncio.run(run_disagg_bench(model=real_model, tokens=1024))
     result = run_disagg_serving_bench(settings, real=measured)
+    if live:
+        from phalanx.bench.disagg_live import LiveSettings, run_disagg_live_bench
+
+        live_settings = LiveSettings(seconds=live_seconds, long_tokens=live_long_tokens, long_every_s=live_long_every, seed=seed)
+        result["live"] = run_disagg_live_bench(live_settings)
+        result["met"].update({f"live_{name}": met for name, met in result["live"]["met"].items()})
     typer.echo(json.dumps(result, indent=None if as_json else 2))

@@ -432,6 +432,8 @@ def _admission_counts(metrics_address: str) -> dict[str, float | None]:
         "admitted_after_hold": metric_value(text, name, outcome="admitted", held="true"),
         "refused_at_arrival": metric_value(text, name, outcome="refused", held="false"),
         "refused_after_hold": metric_value(text, name, outcome="refused", held="true"),
+        **{f"refused_after_hold_{reason}": metric_value(text, name, outcome="refused", held="true", reason=reason)
+           for reason in ("queue_too_slow", "budget_spent", "displaced")},
     }
 
 

@@ -99,6 +99,20 @@ def test_minimum_floors_every_count() -> None:
     assert (plan.prefill, plan.decode, plan.combined) == (0, 0, 0)
 
 
+def test_a_failure_reserve_adds_k_serving_workers_to_every_pool_above_the_minimum() -> None:
+    # N+k with k = 2: the SLOs still hold after any two workers are lost, whichever pool they serve in.
+    plan = plan_replicas(forecast(), PROFILE, SLO, config(failure_reserve=2))
+    assert (plan.prefill, plan.decode, plan.combined) == (1 + 2, 4 + 2, 5 + 2)
+    # An idle interval needs no worker: k of them, or the floor where it is more.
+    idle = plan_replicas(forecast(requests_per_s=0.0), PROFILE, SLO, config(min_workers=1, failure_reserve=2))
+    assert (idle.prefill, idle.decode, idle.combined) == (2, 2, 2)
+    # The GPU budget still bounds the whole: N+k beyond it is cut like any plan.
+    capped = plan_replicas(forecast(), PROFILE, SLO, config(max_gpus=5, failure_reserve=2))
+    assert capped.combined == 5 and capped.budget_limited
+    with pytest.raises(ValueError):
+        config(failure_reserve=-1)
+
+
 def test_gpu_budget_scales_both_down_proportionally() -> None:
     # prefill 1 + decode 20 = 21 GPUs over a budget of 10: x 10/21 -> floor(0.48) = 0 -> minimum 1; floor(9.52) = 9.
     plan = plan_replicas(forecast(), PROFILE, SLO, config(max_gpus=10), CorrectionFactors(decode=2.0))

@@ -5,7 +5,8 @@ Dynamo's formulas, per interval of `interval_s` seconds with `requests` predicte
     prefill = ceil(requests * ISL / interval * min(1, p_corr) / prefill_thpt_per_gpu(ISL) / gpus_per_worker)
     decode  = ceil(requests * OSL / interval / best_thpt_per_gpu(itl_target / d_corr, ISL + OSL / 2) / gpus_per_worker)
 
-each floored at `min_workers`, then, when prefill + decode workers need more GPUs than `max_gpus`, both
+each plus `failure_reserve` k (N+k: the SLOs still hold after k workers are lost) and floored at `min_workers`, then,
+when prefill + decode workers need more GPUs than `max_gpus`, both
 scaled by max_gpus / needed and rounded down (so the budget holds unless the minimums alone exceed it).
 min(1, p_corr) is Dynamo's: a prefill factor above 1 is mostly queueing, which more prefill workers of the
 same speed would not shorten; a factor below 1 (the fleet is faster than profiled) does lower demand.
@@ -87,10 +88,13 @@ class ReplicaConfig:
     length_quantile: float | None = 0.9
     relaxed_slo_level: int = 3
     relaxed_slo_factor: float = 2.0
+    # N+k: workers planned beyond what the SLOs need, so that they still hold after this many serving workers are lost
+    # (each pool gets them: any k losses may fall on one pool). Unlike hot spares, these serve.
+    failure_reserve: int = 0
 
     def __post_init__(self) -> None:
-        if self.interval_s <= 0 or self.min_workers < 0:
-            raise ValueError("interval_s must be > 0 and min_workers >= 0")
+        if self.interval_s <= 0 or self.min_workers < 0 or self.failure_reserve < 0:
+            raise ValueError("interval_s must be > 0, min_workers and failure_reserve >= 0")
         if self.max_gpus is not None and self.max_gpus < 1:
             raise ValueError("max_gpus must be >= 1 when set")
         if self.length_quantile is not None and not 0 < self.length_quantile < 1:
@@ -157,10 +161,10 @@ def plan_replicas(
     decode_tokens_per_s = requests * forecast.osl.mean / config.interval_s
     decode_raw = decode_tokens_per_s / decode_point.tokens_per_s_per_gpu / gpus
 
-    floor = config.min_workers
-    prefill = max(floor, _ceil(prefill_raw))
-    decode = max(floor, _ceil(decode_raw))
-    combined = max(floor, _ceil(prefill_raw + decode_raw))
+    floor, reserve = config.min_workers, config.failure_reserve
+    prefill = max(floor, _ceil(prefill_raw) + reserve)
+    decode = max(floor, _ceil(decode_raw) + reserve)
+    combined = max(floor, _ceil(prefill_raw + decode_raw) + reserve)
 
     budget_limited = False
     if config.max_gpus is not None:

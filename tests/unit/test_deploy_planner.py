@@ -47,6 +47,23 @@ def test_helm_renders_the_planner_only_when_enabled():
     assert {kind for kind, _ in on} == {"ServiceAccount", "Role", "RoleBinding", "Deployment"}
 
 
+def test_with_prefill_workers_the_planner_plans_two_pools_and_may_scale_the_prefill_statefulset():
+    objects = helm.objects("planner.enabled=true", "worker.prefill.enabled=true")
+    role = objects[("Role", "phalanx-planner")]
+    for rule in role["rules"]:
+        assert rule["resourceNames"] == ["phalanx-worker", "phalanx-worker-prefill"]
+    assert ("StatefulSet", "phalanx-worker-prefill") in objects
+    (container,) = objects[("Deployment", "phalanx-planner")]["spec"]["template"]["spec"]["containers"]
+    env = {item["name"]: item.get("value") for item in container["env"]}
+    assert env["PHALANX_PLANNER_DISAGGREGATED"] == "true"
+    assert env["PHALANX_PLANNER_KUBE_PREFILL_STATEFULSET"] == "phalanx-worker-prefill"
+    assert (env["PHALANX_PLANNER_PREFILL_MIN_WORKERS"], env["PHALANX_PLANNER_PREFILL_MAX_WORKERS"]) == ("1", "4")
+    aggregated = helm.objects("planner.enabled=true")
+    assert all(rule["resourceNames"] == ["phalanx-worker"] for rule in aggregated[("Role", "phalanx-planner")]["rules"])
+    (container,) = aggregated[("Deployment", "phalanx-planner")]["spec"]["template"]["spec"]["containers"]
+    assert not [item for item in container["env"] if "PREFILL" in item["name"] or "DISAGGREGATED" in item["name"]]
+
+
 def test_the_planner_dashboard_shows_every_planner_metric_and_filters_gauges_to_the_leader():
     import json
 
@@ -62,7 +79,7 @@ def test_the_planner_dashboard_shows_every_planner_metric_and_filters_gauges_to_
     for name in exported:
         assert name in text, f"{name} is on no panel"
     for expr in exprs:
-        if re.search(r"phalanx_planner_(target|desired|actual)_workers|_per_second|_osl_tokens|correction_factor|interval_seconds", expr):
+        if re.search(r"phalanx_planner_(target|desired|actual)(_prefill)?_workers|_per_second|_osl_tokens|correction_factor|interval_seconds", expr):
             assert "and on (job, instance) (phalanx_planner_leader == 1)" in expr, expr
 
 

@@ -1,13 +1,16 @@
-"""The kubernetes connector's request, built and serialised by the official client itself (no API server here:
-the request is captured where the client hands it to its HTTP layer). A live-cluster test runs with
-PHALANX_TEST_KUBE_STATEFULSET=<namespace>/<name> and a kubeconfig."""
+"""The kubernetes connector's request, built and serialised by the official client itself (captured where the client
+hands it to its HTTP layer, or received by a real HTTP server that answers the two calls the connector makes). A
+live-cluster test runs with PHALANX_TEST_KUBE_STATEFULSET=<namespace>/<name> and a kubeconfig."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import os
+import threading
 import time
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 from kubernetes import client
@@ -73,3 +76,96 @@ def test_against_a_live_cluster_the_statefulset_reaches_the_target() -> None:
         assert (ack.id, ack.workers) == (7, 1)
 
     asyncio.run(scenario())
+
+
+class _ApiServer:
+    """A real HTTP server speaking the two calls the connector makes, StatefulSet scale PATCH and StatefulSet GET, with the
+    ready replicas a test sets: the official client's own requests and deserialisation run unchanged against it."""
+
+    def __init__(self) -> None:
+        self.patches: list[tuple[str, str, dict]] = []  # (StatefulSet, Content-Type, body)
+        self.reads: list[str] = []
+        self.ready: dict[str, int] = {}
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args) -> None:
+                pass
+
+            def _reply(self, body: dict) -> None:
+                data = json.dumps(body).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_PATCH(self) -> None:
+                name = self.path.split("/statefulsets/", 1)[1].removesuffix("/scale")
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                server.patches.append((name, self.headers["Content-Type"], body))
+                replicas = body["spec"]["replicas"]
+                self._reply({"apiVersion": "autoscaling/v1", "kind": "Scale", "metadata": {"name": name},
+                             "spec": {"replicas": replicas}, "status": {"replicas": server.ready.get(name, 0)}})
+
+            def do_GET(self) -> None:
+                name = self.path.split("/statefulsets/", 1)[1]
+                server.reads.append(name)
+                ready = server.ready.get(name, 0)
+                self._reply({"apiVersion": "apps/v1", "kind": "StatefulSet", "metadata": {"name": name},
+                             "spec": {"replicas": ready, "serviceName": name, "selector": {}, "template": {}},
+                             "status": {"replicas": ready, "readyReplicas": ready}})
+
+        self.http = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.thread = threading.Thread(target=self.http.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+        self.thread.start()
+
+    def apps_api(self) -> client.AppsV1Api:
+        configuration = client.Configuration()
+        configuration.host = f"http://127.0.0.1:{self.http.server_address[1]}"
+        return client.AppsV1Api(client.ApiClient(configuration))
+
+    def close(self) -> None:
+        self.http.shutdown()
+        self.http.server_close()
+        self.thread.join(5)
+
+
+@pytest.fixture
+def api_server() -> Iterator[_ApiServer]:
+    server = _ApiServer()
+    yield server
+    server.close()
+
+
+def test_a_disaggregated_decision_scales_the_worker_and_prefill_statefulsets_apart(api_server: _ApiServer) -> None:
+    connector = KubernetesConnector("serving", "phalanx-worker", apps_api=api_server.apps_api(),
+                                    prefill_statefulset="phalanx-worker-prefill")
+    record = DecisionRecord(id=9, workers=3, spares=0, reason="scale", issued_at=time.time(), deadline=time.time() + 60,
+                            prefill_workers=2)
+
+    async def scenario() -> None:
+        assert await connector.publish(record)
+        assert api_server.patches == [("phalanx-worker", "application/merge-patch+json", {"spec": {"replicas": 3}}),
+                                      ("phalanx-worker-prefill", "application/merge-patch+json", {"spec": {"replicas": 2}})]
+        # The decode workers are ready, the prefill pool is not yet: not carried out.
+        api_server.ready = {"phalanx-worker": 3, "phalanx-worker-prefill": 1}
+        assert await connector.acknowledged() is None
+        api_server.ready["phalanx-worker-prefill"] = 2
+        ack = await connector.acknowledged()
+        assert ack is not None and (ack.id, ack.workers, ack.prefill_workers) == (9, 3, 2)
+
+    asyncio.run(scenario())
+
+
+def test_an_aggregated_decision_touches_only_the_worker_statefulset(api_server: _ApiServer) -> None:
+    connector = KubernetesConnector("serving", "phalanx-worker", apps_api=api_server.apps_api())
+    api_server.ready = {"phalanx-worker": 4}
+
+    async def scenario() -> None:
+        assert await connector.publish(_record(4))
+        ack = await connector.acknowledged()
+        assert ack is not None and (ack.workers, ack.prefill_workers) == (4, 0)
+
+    asyncio.run(scenario())
+    assert [name for name, _, _ in api_server.patches] == ["phalanx-worker"] and api_server.reads == ["phalanx-worker"]

@@ -55,3 +55,29 @@ def test_values_written_as_plain_dicts_by_an_older_planner_still_read() -> None:
 def test_large_decision_ids_survive_the_int64_json_string_encoding() -> None:
     record = DecisionRecord(id=2**40 + 1, workers=1, spares=0, reason="scale", issued_at=0.0, deadline=1.0)
     assert DecisionRecord.from_json(encode_json(common_pb2.PlannerDecision(id=record.id, workers=1, reason="scale", deadline=1.0))) == record
+
+
+def test_a_disaggregated_decision_carries_both_pools_and_its_old_fields_are_the_decode_pools() -> None:
+    decision = Decision(id=4, reason=DecisionReason.SCALE, targets=Targets(workers=6, spares=1, prefill=2, prefill_spares=1),
+                        issued_at=10.0, deadline=130.0)
+    record = DecisionRecord.of(decision, [])
+    assert (record.workers, record.spares, record.prefill_workers, record.prefill_spares) == (6, 1, 2, 1) and record.disaggregated
+    message = decode_json(record.to_json(), common_pb2.PlannerDecision)
+    # An orchestrator that knows no pools reads the routed (decode) workers where it always did.
+    assert (message.workers, message.spares) == (6, 1)
+    assert [(p.role, p.workers, p.spares) for p in message.pools] == [("prefill", 2, 1), ("decode", 6, 1)]
+    assert DecisionRecord.from_json(record.to_json()) == record
+
+
+def test_an_aggregated_decision_has_no_pools_and_a_prefill_pool_of_zero_is_still_a_pool() -> None:
+    aggregated = DecisionRecord(id=1, workers=3, spares=0, reason="scale", issued_at=0.0, deadline=1.0)
+    assert not decode_json(aggregated.to_json(), common_pb2.PlannerDecision).pools
+    assert DecisionRecord.from_json(aggregated.to_json()).prefill_workers is None
+    none_prefilling = DecisionRecord(id=2, workers=3, spares=0, reason="scale", issued_at=0.0, deadline=1.0, prefill_workers=0)
+    assert DecisionRecord.from_json(none_prefilling.to_json()).prefill_workers == 0
+
+
+def test_an_ack_counts_the_prefill_workers_too() -> None:
+    ack = AckRecord(id=3, workers=6, at=2.0, orchestrator="kubernetes:ns/phalanx-worker", prefill_workers=2)
+    assert decode_json(ack.to_json(), common_pb2.PlannerAck).prefill_workers == 2
+    assert AckRecord.from_json(ack.to_json()) == ack

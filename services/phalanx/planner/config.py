@@ -101,6 +101,18 @@ class PlannerConfig(BaseSettings):
 
     kube_namespace: str = Field("default", description="Namespace of the worker StatefulSet (connector kubernetes)")
     kube_statefulset: str = Field("phalanx-worker", description="Name of the worker StatefulSet (connector kubernetes)")
+    kube_prefill_statefulset: str = Field(
+        "", description="Name of the prefill workers' StatefulSet of a disaggregated fleet (connector kubernetes); empty: "
+        "<kube_statefulset>-prefill, the Helm chart's"
+    )
+
+    disaggregated: bool | None = Field(
+        None, description="Plan prefill and decode pools apart (docs/disagg.md, Planner): min/max_workers then bound the decode "
+        "pool, prefill_min/max_workers the prefill pool; unset: once a prefill worker is registered"
+    )
+    prefill_min_workers: int = Field(1, ge=0, description="Fewest prefill workers the planner asks for (a disaggregated fleet)")
+    prefill_max_workers: int = Field(8, ge=0, description="Most prefill workers the planner asks for (a disaggregated fleet)")
+    prefill_hot_spares: int = Field(0, ge=0, le=16, description="Hot spares of the prefill pool (hot_spares: the decode pool's)")
 
     @model_validator(mode="after")
     def _check(self) -> PlannerConfig:
@@ -108,9 +120,15 @@ class PlannerConfig(BaseSettings):
             raise ValueError(f"min_workers ({self.min_workers}) exceeds max_workers ({self.max_workers})")
         if self.interval_s > self.max_interval_s:
             raise ValueError("interval_s exceeds max_interval_s")
+        if self.prefill_min_workers > self.prefill_max_workers:
+            raise ValueError(f"prefill_min_workers ({self.prefill_min_workers}) exceeds prefill_max_workers ({self.prefill_max_workers})")
         if 0 < self.surge_withdraw_odds <= 1:
             raise ValueError("surge_withdraw_odds must be 0 (off) or > 1")
         return self
 
     def clamp(self, workers: int) -> int:
         return min(max(workers, self.min_workers), self.max_workers)
+
+    @property
+    def prefill_statefulset(self) -> str:
+        return self.kube_prefill_statefulset or f"{self.kube_statefulset}-prefill"

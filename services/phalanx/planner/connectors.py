@@ -11,7 +11,10 @@ publish returns at once.
   (`PlannerAck`) at PLANNER_ACK_KEY (/phalanx/v1/planner/ack) once the fleet matches the targets; an ack of
   id N acknowledges every decision up to N. `phalanx up --planner` is such an orchestrator (the `local`
   connector, phalanx.planner.local_connector).
-- `kubernetes`: patches the worker StatefulSet's scale subresource (kubernetes_connector.py).
+- `kubernetes`: patches the worker StatefulSet's scale subresource (kubernetes_connector.py), and in a disaggregated
+  fleet the prefill StatefulSet's too.
+
+A disaggregated fleet's decision carries a target per pool (`DecisionRecord.prefill_workers`; docs/disagg.md, "Planner").
 
 `phalanx planner set-target N` writes an operator's target (PLANNER_TARGET_KEY, `PlannerTarget`); the
 planner turns it into a decision at its next ready tick, clamped to its bounds.
@@ -31,6 +34,7 @@ import aetcd
 from phalanx._proto import common_pb2
 from phalanx.common.discovery import decode_json, encode_json
 from phalanx.common.leadership import LeaderElection
+from phalanx.common.roles import DECODE, PREFILL
 from phalanx.common.subjects import PLANNER_ACK_KEY, PLANNER_DECISION_KEY, PLANNER_TARGET_KEY
 from phalanx.planner.decisions import Decision
 
@@ -42,7 +46,12 @@ __all__ = [
 
 @dataclass(frozen=True)
 class DecisionRecord:
-    """What an orchestrator reads: the targets, why, and until when (wall clock) the planner waits for the ack."""
+    """What an orchestrator reads: the targets, why, and until when (wall clock) the planner waits for the ack.
+
+    An aggregated fleet's targets are `workers` and `spares`. A disaggregated fleet's (`prefill_workers` not None) are two
+    pools: `workers` and `spares` are the decode pool's (the workers routed to, so an orchestrator that knows no pools
+    scales those as before), `prefill_workers` and `prefill_spares` the prefill pool's; on the wire both pools are
+    `PlannerDecision.pools`."""
 
     id: int
     workers: int
@@ -53,49 +62,68 @@ class DecisionRecord:
     # Workers health marked DEAD whose replacement is still being carried out (this decision's and earlier ones').
     replaces: list[str] = field(default_factory=list)
     promote: str = ""
+    prefill_workers: int | None = None
+    prefill_spares: int = 0
+
+    @property
+    def disaggregated(self) -> bool:
+        return self.prefill_workers is not None
 
     @classmethod
     def of(cls, decision: Decision, replacing: list[str]) -> DecisionRecord:
         """A DecisionMachine decision (monotonic clock) as a record (wall clock)."""
         now = time.time()
+        targets = decision.targets
         return cls(
-            id=decision.id, workers=decision.targets.workers, spares=decision.targets.spares, reason=str(decision.reason), issued_at=now,
+            id=decision.id, workers=targets.workers, spares=targets.spares, reason=str(decision.reason), issued_at=now,
             deadline=now + (decision.deadline - decision.issued_at), replaces=replacing, promote=decision.promote or "",
+            prefill_workers=targets.prefill, prefill_spares=targets.prefill_spares if targets.prefill is not None else 0,
         )
 
     def to_json(self) -> bytes:
         """The etcd value."""
+        pools = [] if self.prefill_workers is None else [
+            common_pb2.PlannerPoolTarget(role=PREFILL, workers=self.prefill_workers, spares=self.prefill_spares),
+            common_pb2.PlannerPoolTarget(role=DECODE, workers=self.workers, spares=self.spares),
+        ]
         return encode_json(common_pb2.PlannerDecision(
             id=self.id, workers=self.workers, spares=self.spares, reason=self.reason, issued_at=self.issued_at, deadline=self.deadline,
-            replaces=self.replaces, promote=self.promote,
+            replaces=self.replaces, promote=self.promote, pools=pools,
         ))
 
     @classmethod
     def from_json(cls, data: bytes) -> DecisionRecord:
         m = decode_json(data, common_pb2.PlannerDecision)
+        pools = {pool.role: pool for pool in m.pools}
+        workers, spares = (pools[DECODE].workers, pools[DECODE].spares) if DECODE in pools else (m.workers, m.spares)
+        prefill = pools.get(PREFILL)
         return cls(
-            id=m.id, workers=m.workers, spares=m.spares, reason=m.reason, issued_at=m.issued_at, deadline=m.deadline,
-            replaces=list(m.replaces), promote=m.promote,
+            id=m.id, workers=workers, spares=spares, reason=m.reason, issued_at=m.issued_at, deadline=m.deadline,
+            replaces=list(m.replaces), promote=m.promote, prefill_workers=prefill.workers if prefill is not None else None,
+            prefill_spares=prefill.spares if prefill is not None else 0,
         )
 
 
 @dataclass(frozen=True)
 class AckRecord:
-    """An orchestrator's word that the fleet matches decision `id`'s targets (`workers` is what it counts)."""
+    """An orchestrator's word that the fleet matches decision `id`'s targets (`workers` is what it counts: in a
+    disaggregated fleet the decode workers, and `prefill_workers` the prefill ones)."""
 
     id: int
     workers: int
     at: float
     orchestrator: str = ""
+    prefill_workers: int = 0
 
     def to_json(self) -> bytes:
         """The etcd value."""
-        return encode_json(common_pb2.PlannerAck(id=self.id, workers=self.workers, at=self.at, orchestrator=self.orchestrator))
+        return encode_json(common_pb2.PlannerAck(id=self.id, workers=self.workers, at=self.at, orchestrator=self.orchestrator,
+                                                 prefill_workers=self.prefill_workers))
 
     @classmethod
     def from_json(cls, data: bytes) -> AckRecord:
         m = decode_json(data, common_pb2.PlannerAck)
-        return cls(id=m.id, workers=m.workers, at=m.at, orchestrator=m.orchestrator)
+        return cls(id=m.id, workers=m.workers, at=m.at, orchestrator=m.orchestrator, prefill_workers=m.prefill_workers)
 
 
 class Connector(Protocol):

@@ -62,6 +62,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from enum import StrEnum
 
+from phalanx.common.roles import PREFILL
+
 
 class DecisionReason(StrEnum):
     SCALE = "scale"
@@ -78,10 +80,14 @@ class Outcome(StrEnum):
 
 @dataclass(frozen=True)
 class Targets:
-    """What the fleet should be: routed workers, and hot spares (registered, warm, not routed to)."""
+    """What the fleet should be: routed workers, and hot spares (registered, warm, not routed to). A disaggregated fleet
+    (`prefill` not None) has two pools: `workers` and `spares` are its decode pool's, `prefill` and `prefill_spares` its
+    prefill pool's (planner/pools.py)."""
 
     workers: int
     spares: int = 0
+    prefill: int | None = None
+    prefill_spares: int = 0
 
 
 @dataclass(frozen=True)
@@ -126,6 +132,7 @@ class PendingScaleDown:
     planned_rate: float | None  # requests/s the lower count was planned for
     decided_at: float
     due_at: float
+    prefill: int | None = None  # a disaggregated fleet's prefill target to issue with it
 
 
 @dataclass(frozen=True)
@@ -166,6 +173,8 @@ class DecisionConfig:
     replace_deadline_s: float = 60.0
     promote_deadline_s: float = 5.0
     hot_spares: int = 0
+    # A disaggregated fleet's hot spares of the prefill pool (`hot_spares`: the decode pool's).
+    prefill_hot_spares: int = 0
     history: int = 100
     # A tick asks for no fewer workers than the most any tick or surge wanted within this window (0: no hold).
     scale_down_window_s: float = 0.0
@@ -181,7 +190,7 @@ class DecisionConfig:
     def __post_init__(self) -> None:
         if not 0 < self.interval_s <= self.max_interval_s:
             raise ValueError("need 0 < interval_s <= max_interval_s")
-        if self.latency_multiple <= 0 or self.latency_window < 1 or self.hot_spares < 0:
+        if self.latency_multiple <= 0 or self.latency_window < 1 or min(self.hot_spares, self.prefill_hot_spares) < 0:
             raise ValueError("latency_multiple > 0, latency_window >= 1 and hot_spares >= 0 are required")
         if min(self.scale_deadline_s, self.replace_deadline_s, self.promote_deadline_s) <= 0:
             raise ValueError("deadlines must be > 0")
@@ -201,18 +210,21 @@ class DecisionMachine:
     """The rules of the module docstring. `targets` is what the last decision asked for; `in_flight` the
     scaling decision being carried out, `restorations` the restoration decisions being carried out."""
 
-    def __init__(self, config: DecisionConfig, workers: int, *, first_id: int = 1) -> None:
+    def __init__(self, config: DecisionConfig, workers: int, *, first_id: int = 1, prefill: int | None = None) -> None:
         self.config = config
-        self.targets = Targets(workers=workers, spares=config.hot_spares)
+        self.targets = Targets(workers=workers, spares=config.hot_spares, prefill=prefill,
+                               prefill_spares=config.prefill_hot_spares if prefill is not None else 0)
         self.next_id = first_id
         self.in_flight: Decision | None = None
         self.restorations: dict[int, Decision] = {}
-        self.spares: list[str] = []
+        self.spares: list[str] = []  # of the routed pool (aggregated or decode workers)
+        self.prefill_spares: list[str] = []  # of a disaggregated fleet's prefill pool
         self._next_tick_at: float | None = None
         self._latencies: deque[float] = deque(maxlen=config.latency_window)
         self._history: deque[FinishedDecision] = deque(maxlen=config.history)
         self._handled_dead: dict[str, None] = {}
         self._wanted: deque[tuple[float, int]] = deque()  # (when, desired workers) of recent ticks and surges
+        self._wanted_prefill: deque[tuple[float, int]] = deque()  # (when, desired prefill workers) of recent ticks
         self.pending_down: PendingScaleDown | None = None
         self.scale_downs_held = 0  # scale-downs not issued because arrivals rose (at the tick, or while pending)
         self.provisional: ProvisionalSurge | None = None  # with withdraw_odds: a surge still on trial
@@ -237,7 +249,14 @@ class DecisionMachine:
         """
         self._next_tick_at = None
         self._wanted.clear()
+        self._wanted_prefill.clear()
         self.pending_down = None
+
+    def plan_pools(self, prefill: int) -> None:
+        """The fleet turned out disaggregated (a prefill worker registered): from now on the targets carry a prefill pool,
+        of `prefill` workers until a tick plans it. Nothing is issued: the fleet is as it is."""
+        if self.targets.prefill is None:
+            self.targets = self._targets(self.targets.workers, prefill)
 
     def tick_due(self, now: float) -> bool:
         """Whether a tick at `now` may decide (schedule and in-flight rules), so the caller can skip computing
@@ -253,12 +272,16 @@ class DecisionMachine:
     # Events.
 
     def tick(self, now: float, readiness: Readiness, desired_workers: int, *, arrivals: Arrivals | None = None,
-             planned_rate: float | None = None) -> Decision | None:
+             planned_rate: float | None = None, desired_prefill: int | None = None) -> Decision | None:
         """An interval tick with the replica maths' answer; a SCALE decision or None.
 
         `arrivals` (the last seconds) and `planned_rate` (the requests/s `desired_workers` was planned for) gate a scale-down:
         none while arrivals rise, and a pending one for `scale_down_confirm_s` otherwise. Without `arrivals` (no signal, an
-        operator's target) a scale-down is issued at once."""
+        operator's target) a scale-down is issued at once.
+
+        A disaggregated fleet's `desired_prefill` (its prefill pool; `desired_workers` is then the decode pool) is held by
+        the scale-down window like the decode count and otherwise goes with the decision: at once when it rises, with a
+        pending decode scale-down when it falls (`_prefill_at_tick`)."""
         self._expire(now)
         if not readiness.ready:
             self.pending_down = None
@@ -266,6 +289,7 @@ class DecisionMachine:
         if self._next_tick_at is not None and now < self._next_tick_at:
             return None
         self._remember(now, desired_workers)
+        prefill = self._prefill_at_tick(now, desired_prefill)
         if self.in_flight is not None:
             # Not yet past its deadline (_expire would have cleared it): decide when it completes.
             return None
@@ -274,12 +298,32 @@ class DecisionMachine:
         if workers < self.targets.workers:
             workers = min(self.targets.workers, max(d for _, d in self._wanted))  # hold what the window wanted
         if workers < self.targets.workers and arrivals is not None:
-            return self._plan_scale_down(now, workers, arrivals, planned_rate)
+            decision = self._plan_scale_down(now, workers, arrivals, planned_rate, prefill)
+            current = self.targets.prefill
+            if decision is not None or prefill is None or current is None or prefill == current:
+                return decision
+            if self.pending_down is not None and prefill < current:
+                return None  # the prefill pool's fall goes with the pending scale-down
+            # The decode pool's scale-down is held or pending; the prefill pool's rise (or fall, when held) goes now.
+            self.pending_down = None
+            return self._issue_scale(now, self._targets(self.targets.workers, prefill))
         self.pending_down = None  # the plan no longer scales down: a pending scale-down goes
-        wanted = Targets(workers=workers, spares=self.config.hot_spares)
+        wanted = self._targets(workers, prefill)
         if wanted == self.targets:
             return None
         return self._issue_scale(now, wanted)
+
+    def _prefill_at_tick(self, now: float, desired_prefill: int | None) -> int | None:
+        """The prefill pool's count a tick asks for: the plan's, held by the scale-down window like the decode count; the
+        target in force for an aggregated fleet or no plan."""
+        current = self.targets.prefill
+        if desired_prefill is None or current is None:
+            return current
+        self._wanted_prefill.append((now, max(desired_prefill, 0)))
+        while self._wanted_prefill and now - self._wanted_prefill[0][0] > self.config.scale_down_window_s:
+            self._wanted_prefill.popleft()
+        wanted = max(desired_prefill, 0)
+        return wanted if wanted >= current else min(current, max(d for _, d in self._wanted_prefill))
 
     def arrivals(self, now: float, readiness: Readiness, arrivals: Arrivals | None) -> Decision | None:
         """Every poll between ticks: a pending scale-down is cancelled if arrivals rose (or the fleet is not ready), and
@@ -298,7 +342,7 @@ class DecisionMachine:
         if now < pending.due_at:
             return None
         self.pending_down = None
-        return self._issue_scale(now, Targets(workers=pending.workers, spares=self.config.hot_spares))
+        return self._issue_scale(now, self._targets(pending.workers, pending.prefill if pending.prefill is not None else self.targets.prefill))
 
     def surge(self, now: float, readiness: Readiness, desired_workers: int, *, base_rate: float | None = None,
               surge_rate: float | None = None) -> Decision | None:
@@ -319,7 +363,7 @@ class DecisionMachine:
             self._finish(self.in_flight, Outcome.SUPERSEDED, now)
         # A ready spare serves now; the rest of the surge, and a spare in its place, start meanwhile.
         promote = {"promote": self.spares.pop(0)} if self.spares else {}
-        decision = self._issue(now, Targets(workers=desired_workers, spares=self.config.hot_spares), DecisionReason.SURGE,
+        decision = self._issue(now, self._targets(desired_workers, self.targets.prefill), DecisionReason.SURGE,
                                self.config.scale_deadline_s, **promote)
         self.in_flight = decision
         return decision
@@ -348,24 +392,25 @@ class DecisionMachine:
         if self.in_flight is not None:
             self._finish(self.in_flight, Outcome.SUPERSEDED, now)
             self.in_flight = None
-        return self._issue_scale(now, Targets(workers=trial.workers_before, spares=self.config.hot_spares))
+        return self._issue_scale(now, self._targets(trial.workers_before, self.targets.prefill))
 
-    def worker_dead(self, now: float, worker_id: str) -> Decision | None:
+    def worker_dead(self, now: float, worker_id: str, *, role: str = "") -> Decision | None:
         """Health marked a worker DEAD: a restoration decision at once (None for a repeat, or a dead spare
-        when spares are not wanted)."""
+        when spares are not wanted). A prefill worker (`role`) is restored from the prefill pool's spares."""
         self._expire(now)
         if worker_id in self._handled_dead:
             return None
         self._handled_dead[worker_id] = None
         if len(self._handled_dead) > _REMEMBERED_DEAD:
             del self._handled_dead[next(iter(self._handled_dead))]
-        if worker_id in self.spares:
+        if worker_id in self.spares or worker_id in self.prefill_spares:
             # A spare died: the targets already ask for `hot_spares`, so only record the loss; the next
             # reconcile of the connector starts another one.
-            self.spares.remove(worker_id)
+            self.spare_lost(worker_id)
             return None
-        if self.spares:
-            spare = self.spares.pop(0)
+        spares = self.prefill_spares if role == PREFILL else self.spares
+        if spares:
+            spare = spares.pop(0)
             decision = self._issue(
                 now, self.targets, DecisionReason.PROMOTE_SPARE, self.config.promote_deadline_s, replaces=worker_id, promote=spare
             )
@@ -374,15 +419,18 @@ class DecisionMachine:
         self.restorations[decision.id] = decision
         return decision
 
-    def spare_ready(self, worker_id: str) -> None:
-        """A hot spare registered and is warm; promotions take spares in the order they became ready."""
-        if worker_id not in self.spares:
-            self.spares.append(worker_id)
+    def spare_ready(self, worker_id: str, *, role: str = "") -> None:
+        """A hot spare registered and is warm; promotions take spares (of the dead worker's pool: a prefill spare for a
+        prefill worker, `role`) in the order they became ready."""
+        spares = self.prefill_spares if role == PREFILL else self.spares
+        if worker_id not in spares:
+            spares.append(worker_id)
 
     def spare_lost(self, worker_id: str) -> None:
         """A spare left without dying (drained, or promoted by someone else)."""
-        if worker_id in self.spares:
-            self.spares.remove(worker_id)
+        for spares in (self.spares, self.prefill_spares):
+            if worker_id in spares:
+                spares.remove(worker_id)
 
     def complete(self, decision_id: int, now: float) -> bool:
         """A connector carried the decision out. False for an unknown id or a decision already timed out (a
@@ -400,7 +448,8 @@ class DecisionMachine:
 
     # Internals.
 
-    def _plan_scale_down(self, now: float, workers: int, arrivals: Arrivals, planned_rate: float | None) -> Decision | None:
+    def _plan_scale_down(self, now: float, workers: int, arrivals: Arrivals, planned_rate: float | None,
+                         prefill: int | None = None) -> Decision | None:
         """A tick wants fewer workers: none while arrivals rise; else pending until due (at once without a confirm time)."""
         if _rising(arrivals, planned_rate, workers, self.config.hold_confidence):
             self.pending_down = None
@@ -408,11 +457,17 @@ class DecisionMachine:
             return None
         if self.config.scale_down_confirm_s <= 0:
             self.pending_down = None
-            return self._issue_scale(now, Targets(workers=workers, spares=self.config.hot_spares))
+            return self._issue_scale(now, self._targets(workers, prefill))
         # A later tick updates the count but not the due time: ticks must not postpone a scale-down for ever.
         due = self.pending_down.due_at if self.pending_down is not None else now + self.config.scale_down_confirm_s
-        self.pending_down = PendingScaleDown(workers=workers, planned_rate=planned_rate, decided_at=now, due_at=due)
+        self.pending_down = PendingScaleDown(workers=workers, planned_rate=planned_rate, decided_at=now, due_at=due, prefill=prefill)
         return None
+
+    def _targets(self, workers: int, prefill: int | None) -> Targets:
+        """Targets of `workers` (and, in a disaggregated fleet, `prefill` prefill workers) with the configured spares."""
+        if prefill is None:
+            return Targets(workers=workers, spares=self.config.hot_spares)
+        return Targets(workers=workers, spares=self.config.hot_spares, prefill=prefill, prefill_spares=self.config.prefill_hot_spares)
 
     def _issue_scale(self, now: float, targets: Targets) -> Decision:
         self.provisional = None  # a plan (or a withdrawal) decides the count from here

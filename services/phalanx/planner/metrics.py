@@ -40,4 +40,18 @@ class PlannerMetrics:
                                         "tick, or while the scale-down waited to be confirmed)", registry=r)
         self.surges_withdrawn = Counter("phalanx_planner_surges_withdrawn", "Surges withdrawn: the arrivals after them favoured the "
                                         "planned rate (surge_withdraw_odds)", registry=r)
+        # A disaggregated fleet (docs/disagg.md, Planner): the gauges above are then its decode pool's, these its prefill pool's.
+        self.target_prefill_workers = Gauge("phalanx_planner_target_prefill_workers", "Prefill workers the last decision asked for "
+                                            "(a disaggregated fleet)", registry=r)
+        self.desired_prefill_workers = Gauge("phalanx_planner_desired_prefill_workers", "Prefill workers the last interval's plan "
+                                             "wanted (a disaggregated fleet)", registry=r)
+        self.actual_prefill_workers = Gauge("phalanx_planner_actual_prefill_workers", "Prefill workers registered and not DEAD, "
+                                            "UNHEALTHY or DRAINING (a disaggregated fleet)", registry=r)
         self.observe_errors = Counter("phalanx_planner_observe_errors", "Failed scrapes or Prometheus queries", ["source"], registry=r)
+
+    def show_prefill(self, *, target: int | None = None, desired: int | None = None, actual: int | None = None) -> None:
+        """The prefill pool's gauges, each when given (None: an aggregated fleet, or not known here)."""
+        for gauge, value in ((self.target_prefill_workers, target), (self.desired_prefill_workers, desired),
+                             (self.actual_prefill_workers, actual)):
+            if value is not None:
+                gauge.set(value)

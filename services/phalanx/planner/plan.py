@@ -62,18 +62,21 @@ class PlanInputs:
     aim: SloTargets  # what the plan aims at: the SLOs less the headroom
     replicas: ReplicaConfig  # its interval_s: the decision machine's adaptive interval
     serving_workers: int
-    current_target: int
+    current_target: int  # of the routed workers (a disaggregated fleet's decode pool)
     degradation_level: int
+    # Two pools (planner/pools.py): `workers` and `replan` are then the decode pool's, `prefill` the prefill pool's.
+    disaggregated: bool = False
 
 
 @dataclass(frozen=True)
 class PlanOutcome:
-    workers: int  # what the plan wants (before the config's min/max clamp)
+    workers: int  # what the plan wants of the routed workers (before the config's min/max clamp): aggregated, or decode
     plan: ReplicaPlan
     planned_rate: float  # requests/s the plan was made for
     capacity: CapacityView  # for health's degradation, read at the configured SLOs
     replan: Callable[[float], int]  # the same plan for another arrival rate (requests/s)
     held_at_target: bool  # a relaxed level's smaller plan was raised to the target in force (module docstring)
+    prefill: int | None = None  # a disaggregated fleet's prefill workers (before the pool's clamp); None: aggregated
 
 
 def plan_step(inputs: PlanInputs, profile: PerformanceProfile) -> PlanOutcome:
@@ -88,19 +91,23 @@ def plan_step(inputs: PlanInputs, profile: PerformanceProfile) -> PlanOutcome:
     level, config = inputs.degradation_level, inputs.replicas
     plan = plan_replicas(forecast, profile, inputs.aim, config, inputs.factors, degradation_level=level)
 
+    def routed(plan: ReplicaPlan) -> int:
+        return plan.decode if inputs.disaggregated else plan.combined
+
     def replan(arrival_rate: float) -> int:
-        return plan_replicas(replace(forecast, requests=arrival_rate * interval), profile, inputs.aim, config, inputs.factors,
-                             degradation_level=level).combined
+        return routed(plan_replicas(replace(forecast, requests=arrival_rate * interval), profile, inputs.aim, config, inputs.factors,
+                                    degradation_level=level))
 
     planned_rate = forecast.requests / interval
     # The capacity view is read at the configured SLOs (capacity.py), whatever level or headroom the plan targets.
     at_slo = plan if level < config.relaxed_slo_level and inputs.aim == inputs.slo else plan_replicas(
         forecast, profile, inputs.slo, config, inputs.factors, degradation_level=0)
     capacity = capacity_view(at_slo, inputs.serving_workers, planned_rate)
-    workers, held = plan.combined, False
-    if level >= config.relaxed_slo_level and plan.combined < inputs.current_target:
+    workers, held = routed(plan), False
+    if level >= config.relaxed_slo_level and workers < inputs.current_target:
         workers, held = inputs.current_target, True
-    return PlanOutcome(workers=workers, plan=plan, planned_rate=planned_rate, capacity=capacity, replan=replan, held_at_target=held)
+    return PlanOutcome(workers=workers, plan=plan, planned_rate=planned_rate, capacity=capacity, replan=replan, held_at_target=held,
+                       prefill=plan.prefill if inputs.disaggregated else None)
 
 
 def scaled(summary: Summary | None, mean: float) -> Summary:

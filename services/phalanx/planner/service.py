@@ -80,6 +80,7 @@ from phalanx.planner.observations import (
     promql_queries,
 )
 from phalanx.planner.plan import PlanInputs, expectation, plan_step
+from phalanx.planner.pools import FleetPools, PoolBounds
 from phalanx.planner.predictors import Predictor, PredictorConfig, load_trace, make_predictor, warm_start
 from phalanx.planner.profile import PerformanceProfile, load_profile
 from phalanx.planner.replicas import ReplicaConfig, SloTargets
@@ -122,7 +123,9 @@ class Planner:
         self._tick_scrapes: dict[str, Scrape] = {}  # each router's scrape at the last tick: an interval's start
         self._scraped_twice = False
         self._operator_target: int | None = None
-        self._workers = 0
+        self._workers = 0  # serving routed workers (a disaggregated fleet's decode workers)
+        self.pools = FleetPools(config.disaggregated, PoolBounds(config.prefill_min_workers, config.prefill_max_workers))
+        self._desired_prefill: int | None = None  # the last plan's prefill pool (a disaggregated fleet)
         self._spare_marks = EtcdDirectory(etcd_config, prefix=SPARES_PREFIX, message_type=common_pb2.HotSpareRecord)
         self._spares: set[str] = set()  # registered, marked spare, not failing
         self._promoted: dict[str, None] = {}  # spares this planner promoted: their mark may still show in a listing taken before
@@ -151,20 +154,22 @@ class Planner:
             await self._refresh(workers, healths, routers)
             # A successor carries on from the last decision (its ids and targets); a first planner from the fleet as it is.
             start = previous.workers if previous is not None else self._workers
+            prefill = previous.prefill_workers if previous is not None else self.pools.counts.prefill if self.pools.disaggregated else None
             self.machine = DecisionMachine(
                 DecisionConfig(
                     interval_s=self.config.interval_s, max_interval_s=self.config.max_interval_s, scale_deadline_s=self.config.scale_deadline_s,
                     replace_deadline_s=self.config.replace_deadline_s, promote_deadline_s=self.config.promote_deadline_s,
-                    hot_spares=self.config.hot_spares,
+                    hot_spares=self.config.hot_spares, prefill_hot_spares=self.config.prefill_hot_spares,
                     scale_down_window_s=self.config.scale_down_window_s if self.config.scale_down_window_s is not None
                     else 3 * self.config.interval_s,
                     scale_down_confirm_s=self.config.scale_down_confirm_s if self.config.scale_down_confirm_s is not None
                     else self.config.surge_window_s,
                     hold_confidence=self.config.scale_down_hold_confidence, withdraw_odds=self.config.surge_withdraw_odds,
                 ),
-                start, first_id=previous.id + 1 if previous is not None else 1,
+                start, first_id=previous.id + 1 if previous is not None else 1, prefill=prefill,
             )
             self.metrics.target_workers.set(start)
+            self.metrics.show_prefill(target=prefill)
             self._sync_spares()
             deaths = EtcdDirectory(self.etcd_config, prefix=HEALTH_PREFIX, message_type=common_pb2.WorkerHealthRecord)
             await deaths.list()  # DEAD records from before we led were handled then; watch from here on
@@ -187,6 +192,8 @@ class Planner:
         machine = self.machine
         assert machine is not None
         await self._refresh(workers, healths, routers)
+        if self.pools.disaggregated:
+            machine.plan_pools(self.pools.counts.prefill)
         await self._take_acks()
         target = self._target.value.workers if self._target.value is not None else None
         if target is not None and target != self._operator_target:
@@ -246,8 +253,9 @@ class Planner:
         if self._capacity is not None and self.config.capacity_view:
             await self._publish_capacity(self._capacity)
         planned_rate = self._planned_rate if self._operator_target is None else None
-        decision = machine.tick(now, self.readiness, desired, arrivals=recent,
-                                planned_rate=planned_rate)
+        prefill = self.pools.prefill_target(self._desired_prefill, machine.targets.prefill)
+        self.metrics.show_prefill(desired=prefill, actual=self.pools.counts.prefill if prefill is not None else None)
+        decision = machine.tick(now, self.readiness, desired, arrivals=recent, planned_rate=planned_rate, desired_prefill=prefill)
         self._count_held(f"a scale-down to {desired} held at the tick", recent)
         self._record_finished()
         self.metrics.interval.set(machine.interval_s)
@@ -261,16 +269,16 @@ class Planner:
         alive = [w for w in registered if w not in health or health[w].health not in _NOT_SERVING]
         serving = [w for w in alive if w not in marks]
         self._spares = {w for w in alive if w in marks and w not in self._promoted}
+        self._workers = self.pools.update({w: registration.role for w, registration in registered.items()}, serving)
         self._sync_spares()
         found = await routers.list()
-        self._workers = len(serving)
-        self.metrics.actual_workers.set(len(serving))
+        self.metrics.actual_workers.set(self._workers)
         self.metrics.routers.set(len(found))
         if self.config.prometheus_url:
             flowing = await self._prometheus_has_routers()
         else:
             flowing = await self._scrape_routers(found)
-        self.readiness = Readiness(routers_serving=bool(found), serving_workers=len(serving), metrics_flowing=flowing)
+        self.readiness = Readiness(routers_serving=bool(found), serving_workers=self._workers, metrics_flowing=flowing)
         self.metrics.ready.set(1 if self.readiness.ready else 0)
 
     def _sync_spares(self) -> None:
@@ -282,7 +290,7 @@ class Planner:
             if worker_id not in self._spares:
                 machine.spare_lost(worker_id)
         for worker_id in sorted(self._spares):
-            machine.spare_ready(worker_id)
+            machine.spare_ready(worker_id, role=self.pools.role(worker_id))
         self.metrics.spares.set(len(machine.spares))
 
     async def _scrape_routers(self, routers: Mapping[str, common_pb2.RouterRegistration]) -> bool:
@@ -477,19 +485,22 @@ class Planner:
             observation=observation, predicted_requests=requests,
             predicted_isl=self.predictors["isl"].predict_next() if observation.isl else self.config.default_isl,
             predicted_osl=predicted_osl, factors=factors, slo=slo, aim=aim,
-            replicas=ReplicaConfig(interval_s=self.machine.interval_s, min_workers=self.config.min_workers, max_gpus=self.config.max_gpus,
-                                   length_quantile=self.config.length_quantile),
-            serving_workers=self._workers, current_target=self.machine.targets.workers,
-            degradation_level=self._degradation_level,
+            # Two pools are each floored at their own minimum (pools.py), not at min_workers.
+            replicas=ReplicaConfig(interval_s=self.machine.interval_s, min_workers=0 if self.pools.disaggregated else self.config.min_workers,
+                                   max_gpus=self.config.max_gpus, length_quantile=self.config.length_quantile),
+            serving_workers=self._workers + self.pools.counts.prefill, current_target=self.machine.targets.workers,
+            degradation_level=self._degradation_level, disaggregated=self.pools.disaggregated,
         ), self.profile)
         self._replan, self._planned_rate, self._capacity = outcome.replan, outcome.planned_rate, outcome.capacity
+        self._desired_prefill = outcome.prefill
         plan = outcome.plan
         log.info("plan: %.2f req/s arrived, %.2f predicted; ITL %s s observed, %s s profiled at %.0f %% of the operating load; "
                  "factors prefill %.2f decode %.2f;"
-                 " %d workers (prefill %.2f + decode %.2f at ITL target %.3f s), %d serving%s",
+                 " %s workers (prefill %.2f + decode %.2f at ITL target %.3f s), %d serving%s",
                  demand / max(observation.interval_s, 1e-9), outcome.planned_rate,
                  f"{observation.itl.mean:.3f}" if observation.itl else "-", f"{expected.itl_s:.3f}" if expected else "-",
-                 100 * (expected.decode_load if expected else math.nan), factors.prefill, factors.decode, plan.combined, plan.prefill_raw,
+                 100 * (expected.decode_load if expected else math.nan), factors.prefill, factors.decode,
+                 f"{plan.prefill} prefill + {plan.decode} decode" if outcome.prefill is not None else plan.combined, plan.prefill_raw,
                  plan.decode_raw, plan.itl_target_s, self._workers,
                  f"; held at the target of {outcome.workers} at level {self._degradation_level}" if outcome.held_at_target else "")
         return outcome.workers
@@ -503,8 +514,10 @@ class Planner:
             raise LeadershipLostError("a fenced decision write failed: another planner leads")
         self.metrics.decisions.labels(str(decision.reason)).inc()
         self.metrics.target_workers.set(decision.targets.workers)
-        log.info("decision %d (%s): %d workers%s", decision.id, decision.reason, decision.targets.workers,
-                 f", replacing {', '.join(replacing)}" if replacing else "")
+        prefill = decision.targets.prefill
+        self.metrics.show_prefill(target=prefill)
+        log.info("decision %d (%s): %d %sworkers%s", decision.id, decision.reason, decision.targets.workers,
+                 f"decode + {prefill} prefill " if prefill is not None else "", f", replacing {', '.join(replacing)}" if replacing else "")
 
     async def _publish_capacity(self, view: CapacityView) -> None:
         """The view for health's degradation, valid for two intervals (a planner that stops deciding stops counting)."""
@@ -563,7 +576,7 @@ class Planner:
                 log.info("worker %s drained and stopped: nothing to replace", worker_id)
                 continue
             assert self.machine is not None
-            decision = self.machine.worker_dead(time.monotonic(), worker_id)
+            decision = self.machine.worker_dead(time.monotonic(), worker_id, role=self.pools.role(worker_id))
             if decision is None:
                 continue
             if decision.reason is DecisionReason.PROMOTE_SPARE and decision.promote:
@@ -632,7 +645,8 @@ class PlannerProcess:
         if self.config.connector == "kubernetes":
             from phalanx.planner.kubernetes_connector import KubernetesConnector
 
-            return KubernetesConnector(self.config.kube_namespace, self.config.kube_statefulset)
+            return KubernetesConnector(self.config.kube_namespace, self.config.kube_statefulset,
+                                       prefill_statefulset=self.config.prefill_statefulset)
         return VirtualConnector(client, self.election)
 
     async def _resign(self) -> None:

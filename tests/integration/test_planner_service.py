@@ -15,7 +15,7 @@ from phalanx._proto import common_pb2
 from phalanx.common.config import EtcdConfig
 from phalanx.common.discovery import decode_json, encode_json
 from phalanx.common.lease import connect_etcd
-from phalanx.common.subjects import DEGRADATION_KEY, HEALTH_PREFIX, PLANNER_CAPACITY_KEY
+from phalanx.common.subjects import DEGRADATION_KEY, HEALTH_PREFIX, PLANNER_CAPACITY_KEY, SPARES_PREFIX, WORKERS_PREFIX, spare_key, worker_key
 from phalanx.launch.services import PlannerHandle, start_planner
 from phalanx.launch.stack import Stack
 from phalanx.planner.connectors import AckRecord, read_decision, write_ack, write_target
@@ -372,3 +372,57 @@ def _start_prometheus(tmp_path, port: int, target: str) -> subprocess.Popen:
         ["prometheus", f"--config.file={tmp_path / 'prometheus.yml'}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
          f"--web.listen-address=127.0.0.1:{port}"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )
+
+
+async def _register(etcd_config: EtcdConfig, worker_id: str, role: str, *, spare: bool = False) -> None:
+    client = connect_etcd(etcd_config)
+    try:
+        registration = common_pb2.WorkerRegistration(worker_id=worker_id, address="127.0.0.1:1", role=role, started_at=time.time())
+        await client.put(worker_key(worker_id).encode(), encode_json(registration))
+        if spare:
+            await client.put(spare_key(worker_id).encode(), encode_json(common_pb2.HotSpareRecord(worker_id=worker_id, since=time.time())))
+    finally:
+        await client.close()
+
+
+async def _forget_workers(etcd_config: EtcdConfig) -> None:
+    client = connect_etcd(etcd_config)
+    try:
+        await client.delete_prefix(WORKERS_PREFIX.encode())
+        await client.delete_prefix(SPARES_PREFIX.encode())
+    finally:
+        await client.close()
+
+
+def test_a_disaggregated_fleets_dead_worker_is_restored_in_its_own_pool(etcd_config: EtcdConfig) -> None:
+    """Registered roles make the fleet disaggregated: a dead prefill worker promotes a prefill spare, and every decision
+    carries both pools' targets; the role of a worker whose registration lapsed before its death is remembered."""
+    async def scenario() -> None:
+        await _forget_workers(etcd_config)
+        await forget_planner_state(etcd_config)  # before the spare's mark goes in
+        await forget_health_state(etcd_config)
+        for worker_id, role in (("d-0", "decode"), ("d-1", "decode"), ("p-0", "prefill")):
+            await _register(etcd_config, worker_id, role)
+        await _register(etcd_config, "p-spare", "prefill", spare=True)
+        planner = await start_planner("planner-test", etcd_config, env={**FAST, "PHALANX_PLANNER_INTERVAL_S": "600",
+                                                                         "PHALANX_PLANNER_PREFILL_HOT_SPARES": "1"})
+        try:
+            await assert_eventually(lambda: planner.metric("phalanx_planner_leader") == 1, timeout=10)
+            assert planner.metric("phalanx_planner_target_workers") == 2  # the decode pool: the spare counts in neither
+            assert planner.metric("phalanx_planner_target_prefill_workers") == 1
+            await _forget_workers(etcd_config)  # p-0's lease lapses before health's DEAD record is handled
+            await asyncio.sleep(0.5)
+            await _mark_dead(etcd_config, "p-0")
+            first = await assert_eventually(lambda: _decision(etcd_config), timeout=5)
+            assert (first.reason, first.promote, first.replaces) == ("promote_spare", "p-spare", ["p-0"])
+            assert (first.workers, first.spares, first.prefill_workers, first.prefill_spares) == (2, 0, 1, 1)
+            await _mark_dead(etcd_config, "d-0")
+            second = await assert_eventually(lambda: _check_id(etcd_config, first.id + 1), timeout=5)
+            assert (second.reason, second.promote, second.workers, second.prefill_workers) == ("replace_dead", "", 2, 1)
+        finally:
+            assert planner.terminate(timeout=20) == 0
+            await _forget_workers(etcd_config)
+            await forget_health_state(etcd_config)
+            await forget_planner_state(etcd_config)
+
+    asyncio.run(scenario())

@@ -41,3 +41,10 @@ def test_prefill_workers_refuse_what_they_do_not_support_yet(tmp_path):
 def test_only_prefill_workers_take_no_requests():
     assert [serves_requests(role.value) for role in WorkerRole] == [True, True, False, True]
     assert serves_requests("")  # an older worker's registration
+
+
+def test_the_planner_runs_with_prefill_workers_and_is_told_to_plan_two_pools(tmp_path):
+    up = options(tmp_path, workers=2, prefill_workers=1, planner=True, hot_spares=1, max_workers=4)
+    _preflight(up)  # no refusal: the planner scales each pool (docs/disagg.md, Planner)
+    assert up.settings().prefill_workers == 1 and up.fleet().hot_spares == 1
+    assert options(tmp_path, workers=2, planner=True).settings().prefill_workers == 0

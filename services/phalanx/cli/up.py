@@ -16,7 +16,9 @@ the rest) and makes this supervisor its orchestrator, the `local` connector
 (phalanx.planner.local_connector): it follows the decision the planner writes
 to etcd, starts or drains workers toward the target and acknowledges it once
 the fleet matches. ``--hot-spares N`` (with ``--planner``) keeps N more
-workers warm, not routed to, promoted by the planner when a worker dies.
+workers warm, not routed to, promoted by the planner when a worker dies. With
+``--prefill-workers`` the planner plans the prefill and decode pools apart and
+the supervisor scales each (docs/disagg.md, "Planner"), with N spares per pool.
 
 This module is the command's wiring only: the fleet comes from the options
 (phalanx.launch.topology), the supervisor is phalanx.launch.supervisor, the
@@ -166,7 +168,7 @@ class UpOptions:
         return LocalSettings(
             model=self.model, worker_flags=(numerics, *engine), router_port=self.port, gateway_port=self.gateway_port,
             nats_url=self.nats_url or "", etcd_endpoint=self.etcd_endpoint or "", certs_dir=self.certs_dir if self.tls else None,
-            profile=self.profile, min_workers=self.min_workers, max_workers=self.worker_ceiling,
+            profile=self.profile, min_workers=self.min_workers, max_workers=self.worker_ceiling, prefill_workers=self.prefill_workers,
             fork_preload=SIM_PRELOAD if self.engine == "sim" else TORCH_PRELOAD,
         )
 
@@ -210,9 +212,8 @@ def _preflight(options: UpOptions) -> None:
         raise UpError("--expert-workers runs real attention workers: not with --failover or --engine sim yet")
     if options.planner and not 0 <= options.min_workers <= options.worker_ceiling:
         raise UpError(f"--min-workers {options.min_workers} and --max-workers {options.worker_ceiling}: need 0 <= min <= max")
-    if options.prefill_workers and (options.failover or options.expert_workers or options.planner or options.engine == "sim"):
-        raise UpError("--prefill-workers runs real prefill and decode workers: not with --failover, --expert-workers, --planner or "
-                      "--engine sim yet")
+    if options.prefill_workers and (options.failover or options.expert_workers or options.engine == "sim"):
+        raise UpError("--prefill-workers runs real prefill and decode workers: not with --failover, --expert-workers or --engine sim yet")
     if options.expert_workers and not 0 <= options.shadow_experts < options.expert_workers:
         raise UpError(f"--shadow-experts {options.shadow_experts} copies need more than that many --expert-workers ({options.expert_workers})")
 
@@ -313,7 +314,9 @@ async def run_up(options: UpOptions, console: Console) -> int:
     if options.planner:
         from phalanx.planner.local_connector import LocalConnector
 
-        connector = LocalConnector(supervisor, hot_spares=options.hot_spares, planner_id=PLANNER_ID, orchestrator=f"phalanx-up:{os.getpid()}")
+        # A disaggregated fleet keeps --hot-spares spares in each pool (prefill and decode).
+        connector = LocalConnector(supervisor, hot_spares=options.hot_spares, planner_id=PLANNER_ID, orchestrator=f"phalanx-up:{os.getpid()}",
+                                   prefill_hot_spares=options.hot_spares if options.prefill_workers else 0)
         supervisor.owner = connector
     received: list[str] = []
 

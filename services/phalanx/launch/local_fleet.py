@@ -75,6 +75,7 @@ class LocalSettings:
     profile: str = ""  # the simulated engine's profile, which the planner reads too
     min_workers: int = 1  # the planner's bounds
     max_workers: int = 2
+    prefill_workers: int = 0  # a disaggregated fleet's prefill workers at start; the planner then plans two pools
     fork_preload: tuple[str, ...] = ()  # what the fork server imports, with a fork server in the fleet
 
 
@@ -437,6 +438,12 @@ class LocalFleet:
                "PHALANX_PLANNER_CONNECTOR": "virtual", "PHALANX_PLANNER_HOT_SPARES": str(self.fleet.hot_spares)}
         if settings.profile:
             env["PHALANX_PLANNER_PROFILE"] = settings.profile
+        if settings.prefill_workers:
+            # Two pools (docs/disagg.md, Planner): min/max_workers bound the decode pool, these the prefill pool; the same
+            # number of hot spares in each.
+            env |= {"PHALANX_PLANNER_DISAGGREGATED": "true", "PHALANX_PLANNER_PREFILL_MIN_WORKERS": "1",
+                    "PHALANX_PLANNER_PREFILL_MAX_WORKERS": str(max(settings.max_workers, settings.prefill_workers)),
+                    "PHALANX_PLANNER_PREFILL_HOT_SPARES": str(self.fleet.hot_spares)}
         return await start_planner(PLANNER_ID, self.etcd_config, env=env)
 
     # --- starting one again ---------------------------------------------------------------------------------------

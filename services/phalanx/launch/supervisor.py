@@ -35,7 +35,7 @@ from phalanx.launch.local_fleet import (
     LocalSettings,
 )
 from phalanx.launch.restarts import RestartDecision, RestartPolicy, RestartTracker
-from phalanx.launch.topology import Fleet
+from phalanx.launch.topology import Fleet, WorkerRole
 
 if TYPE_CHECKING:
     from phalanx.common.config import EtcdConfig
@@ -131,11 +131,19 @@ class Supervisor:
     def new_worker_id(self) -> str:
         return self.fleet.new_worker_id()
 
-    async def start_worker(self, worker_id: str) -> WorkerHandle:
-        return await self.fleet.start_worker(worker_id)
+    async def start_worker(self, worker_id: str, role: str | None = None) -> WorkerHandle:
+        handle = await (self.fleet.start_worker(worker_id) if role is None else self.fleet.start_worker(worker_id, WorkerRole(role).flags))
+        if role is not None:
+            self.fleet.worker_roles[worker_id] = WorkerRole(role)
+        return handle
 
-    async def new_worker(self) -> tuple[str, int | None]:
-        return await self.fleet.new_worker()
+    async def new_worker(self, role: str | None = None) -> tuple[str, int | None]:
+        return await (self.fleet.new_worker() if role is None else self.fleet.new_worker(WorkerRole(role)))
+
+    def role_of(self, name: str) -> str:
+        """A worker's role ("" when it runs the fleet's default, unrecorded)."""
+        role = self.fleet.worker_roles.get(name)
+        return role.value if role is not None else ""
 
     def show(self, name: str, state: str, address: str = "", pid: int | None = None, *, note: str = "") -> None:
         self.view.show(name, ProcessState(state), address, pid, note=note)

@@ -18,6 +18,13 @@ it. When a worker dies, nothing is started for it: the planner's PROMOTE_SPARE d
 deletes the spare's mark (routers route to it from then on, capacity is back at once), and the spare counts as a
 worker and a new spare starts in the background. Without a ready spare the planner's REPLACE_DEAD decision makes it
 start a worker instead.
+
+Pools: a disaggregated fleet's decision (`DecisionRecord.disaggregated`) has two targets, and each pool is matched on its
+own: the prefill pool counts the workers of role `prefill` (started with `--role prefill`), the routed pool every other
+worker (started with the fleet's default role: `phalanx up --prefill-workers` makes that decode). Starts, drains, spares
+(`hot_spares` for the routed pool, `prefill_hot_spares` for the prefill pool) and dead workers awaiting a promotion
+are each counted in their pool; a dead worker's spare is one of its own pool. An aggregated decision is one pool of
+every worker, as before.
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ import time
 from typing import TYPE_CHECKING, Any, Protocol
 
 from phalanx.common.children import describe_exit
+from phalanx.common.roles import PREFILL
 from phalanx.planner.connectors import AckRecord, DecisionRecord, read_decision, write_ack
 
 if TYPE_CHECKING:
@@ -40,6 +48,9 @@ __all__ = ["LocalConnector", "WorkerPool", "clear_spare_marks"]
 
 # How long a dead worker's slot waits for the planner to promote a hot spare before a worker is started for it.
 _PROMOTION_WAIT_S = 5.0
+
+# The pools a decision targets: the workers requests are routed to (aggregated, or decode), and prefill workers.
+ROUTED = ""
 
 
 class WorkerPool(Protocol):
@@ -68,12 +79,16 @@ class WorkerPool(Protocol):
 
     def new_worker_id(self) -> str: ...
 
-    async def start_worker(self, worker_id: str) -> Any:
-        """A worker process that serves, not yet one of ``workers``."""
+    async def start_worker(self, worker_id: str, role: str | None = None) -> Any:
+        """A worker process (of ``role``, else the fleet's default) that serves, not yet one of ``workers``."""
         ...
 
-    async def new_worker(self) -> tuple[str, int | None]:
-        """A worker under a new id, one of ``workers`` once it serves."""
+    async def new_worker(self, role: str | None = None) -> tuple[str, int | None]:
+        """A worker under a new id (of ``role``, else the fleet's default), one of ``workers`` once it serves."""
+        ...
+
+    def role_of(self, name: str) -> str:
+        """A worker's role ("" for the fleet's default)."""
         ...
 
     def watch(self, name: str) -> None:
@@ -111,9 +126,10 @@ class LocalConnector:
 
     name = "local"
 
-    def __init__(self, pool: WorkerPool, *, hot_spares: int, planner_id: str, orchestrator: str) -> None:
+    def __init__(self, pool: WorkerPool, *, hot_spares: int, planner_id: str, orchestrator: str, prefill_hot_spares: int = 0) -> None:
         self.pool = pool
         self.hot_spares = hot_spares
+        self.prefill_hot_spares = prefill_hot_spares
         self.planner_id = planner_id  # the name its events go under
         self.orchestrator = orchestrator  # what its acks say carried the decision out
         self.started_at = time.time()
@@ -131,6 +147,11 @@ class LocalConnector:
         self.spare_starts: dict[int, asyncio.Task] = {}
         self.awaiting_promotion: dict[str, float] = {}
         self._unmarking: set[asyncio.Task] = set()
+        # The pool of each start in flight (by key) and of every worker or spare seen (a dead worker's role is gone from
+        # the pool by the time it is counted as being replaced).
+        self._start_pool: dict[int, str] = {}
+        self._spare_start_pool: dict[int, str] = {}
+        self._roles: dict[str, str] = {}
         self._etcd_client: Any = None
 
     # --- the relay through etcd ----------------------------------------------------------------------------------
@@ -175,18 +196,24 @@ class LocalConnector:
         if self.decision is None or self.pool.crash_loop is not None:
             return None
         self._keep_spares()
-        pool, target = self.pool, self.decision.workers
-        count = len(pool.workers) + len(self.scaling) + len(pool.replacing_workers) + len(self.awaiting_promotion)
-        for _ in range(target - count):
-            self._scale_up(target)
-        if count > target:
-            self._scale_down(count - target, target)
-        settled = (len(pool.workers) == target and not self.scaling and not pool.replacing_workers and not self.retiring
-                   and not self.awaiting_promotion and len(self.spares) + len(self.spare_starts) == self._target_spares
-                   and not any(dead in pool.workers for dead in self.decision.replaces))
-        if not settled or self.decision.id <= self.acked_id:
+        pool, decision = self.pool, self.decision
+        for name in pool.workers:
+            self._roles[name] = pool.role_of(name) or self._roles.get(name, "")
+        for key, target in self._worker_targets().items():
+            count = len(self._of(key, [*pool.workers, *pool.replacing_workers, *self.awaiting_promotion])) + self._starting(key)
+            for _ in range(target - count):
+                self._scale_up(target, key)
+            if count > target:
+                self._scale_down(count - target, target, key)
+        settled = (all(len(self._of(key, pool.workers)) == target for key, target in self._worker_targets().items())
+                   and not self.scaling and not pool.replacing_workers and not self.retiring and not self.awaiting_promotion
+                   and all(len(self._of(key, self.spares)) + self._spares_starting(key) == target
+                           for key, target in self._spare_targets().items())
+                   and not any(dead in pool.workers for dead in decision.replaces))
+        if not settled or decision.id <= self.acked_id:
             return None
-        return AckRecord(id=self.decision.id, workers=len(pool.workers), at=time.time(), orchestrator=self.orchestrator)
+        return AckRecord(id=decision.id, workers=len(self._of(ROUTED, pool.workers)), at=time.time(), orchestrator=self.orchestrator,
+                         prefill_workers=len(self._of(PREFILL, pool.workers)))
 
     async def close(self) -> None:
         """Unmarks the spares (a later stack on the same etcd may reuse the ids) and closes the etcd client."""
@@ -212,7 +239,9 @@ class LocalConnector:
         if name in self.spares:
             self._spare_gone(self.spares.pop(name), f"exited with {describe_exit(code)}")
             return True
-        if self.hot_spares and name in self.pool.workers:
+        if name in self.pool.workers:
+            self._roles[name] = self.pool.role_of(name) or self._roles.get(name, "")
+        if self._wants_spares(name) and name in self.pool.workers:
             self.pool.unwatch(name)
             self.pool.workers.pop(name)
             self.awaiting_promotion[name] = time.monotonic()
@@ -232,6 +261,8 @@ class LocalConnector:
         return {
             "min_workers": min_workers, "max_workers": max_workers,
             "target_workers": decision.workers if decision else None, "decision_id": decision.id if decision else None,
+            "target_prefill_workers": decision.prefill_workers if decision else None,
+            "prefill_workers": len(self._of(PREFILL, self.pool.workers)),
             "reason": decision.reason if decision else "", "acked_id": self.acked_id, "workers": len(self.pool.workers),
             "starting": len(self.scaling) + len(self.pool.replacing_workers), "draining": sorted(self.retiring), "error": self.error,
             "hot_spares": self._target_spares, "spares": [{"worker_id": w.worker_id, "address": w.address, "pid": w.process.pid}
@@ -261,7 +292,7 @@ class LocalConnector:
                 # Health judged it DEAD but its process runs (hung): kill it. Without spares the restart path replaces it.
                 self.pool.record(dead, handle.process.pid, "marked DEAD by health while its process runs: killing it")
                 handle.process.kill()
-            if self.hot_spares:
+            if self._wants_spares(dead):
                 # Health judged it DEAD before the supervisor saw its process exit: out of the count now, or the promoted
                 # spare would count as a surplus worker; reaped as retired.
                 self.pool.unwatch(dead)
@@ -269,7 +300,43 @@ class LocalConnector:
 
     @property
     def _target_spares(self) -> int:
-        return self.decision.spares if self.decision is not None else self.hot_spares
+        return sum(self._spare_targets().values())
+
+    def _pool_of(self, name: str) -> str:
+        """A worker's pool: PREFILL for a prefill worker (unless the decision followed is aggregated), ROUTED otherwise."""
+        if self.decision is not None and not self.decision.disaggregated:
+            return ROUTED
+        return PREFILL if self._roles.get(name, "") == PREFILL else ROUTED
+
+    def _of(self, key: str, names: Any) -> list[str]:
+        return [name for name in names if self._pool_of(name) == key]
+
+    def _starting(self, key: str) -> int:
+        return sum(1 for start in self.scaling if self._start_pool.get(start, ROUTED) == key)
+
+    def _spares_starting(self, key: str) -> int:
+        return sum(1 for start in self.spare_starts if self._spare_start_pool.get(start, ROUTED) == key)
+
+    def _worker_targets(self) -> dict[str, int]:
+        decision = self.decision
+        assert decision is not None
+        if decision.prefill_workers is None:
+            return {ROUTED: decision.workers}
+        return {ROUTED: decision.workers, PREFILL: decision.prefill_workers}
+
+    def _spare_targets(self) -> dict[str, int]:
+        decision = self.decision
+        if decision is None:
+            return {ROUTED: self.hot_spares, **({PREFILL: self.prefill_hot_spares} if self.prefill_hot_spares else {})}
+        if decision.prefill_workers is None:
+            return {ROUTED: decision.spares}
+        return {ROUTED: decision.spares, PREFILL: decision.prefill_spares}
+
+    def _wants_spares(self, name: str) -> bool:
+        """Whether the pool of ``name`` keeps hot spares (so a dead worker's capacity waits for a promotion)."""
+        if self._pool_of(name) == PREFILL:
+            return self.prefill_hot_spares > 0
+        return self.hot_spares > 0
 
     def _keep_spares(self) -> None:
         """Start spares up to the target; stop surplus ones (the newest) once no dead worker awaits a promotion."""
@@ -284,12 +351,16 @@ class LocalConnector:
                     self._scale_up(len(self.pool.workers) + len(self.scaling) + 1)
         if self.pool.crash_loop is not None:
             return
-        target = self._target_spares
-        for _ in range(target - len(self.spares) - len(self.spare_starts)):
-            self._start_spare()
-        surplus = len(self.spares) - target
+        for key, target in self._spare_targets().items():
+            self._keep_pool_spares(key, target)
+
+    def _keep_pool_spares(self, key: str, target: int) -> None:
+        spares = self._of(key, self.spares)
+        for _ in range(target - len(spares) - self._spares_starting(key)):
+            self._start_spare(key)
+        surplus = len(spares) - target
         if surplus > 0 and not self.awaiting_promotion:
-            for name in sorted(self.spares, key=_number, reverse=True)[:surplus]:
+            for name in sorted(spares, key=_number, reverse=True)[:surplus]:
                 handle = self.spares.pop(name)
                 self.retiring[name] = handle
                 handle.process.send_signal(signal.SIGTERM)
@@ -304,13 +375,15 @@ class LocalConnector:
             self._etcd_client = connect_etcd(self.pool.etcd_config)
         return self._etcd_client
 
-    def _start_spare(self) -> None:
+    def _start_spare(self, pool_key: str = ROUTED) -> None:
         from phalanx._proto import common_pb2
         from phalanx.common.discovery import encode_json
         from phalanx.common.subjects import spare_key
 
         key = max(self.spare_starts, default=0) + 1
         worker_id = self.pool.new_worker_id()
+        self._roles[worker_id] = pool_key
+        self._spare_start_pool[key] = pool_key
 
         async def start() -> None:
             try:
@@ -318,7 +391,7 @@ class LocalConnector:
                 record = common_pb2.HotSpareRecord(worker_id=worker_id, since=time.time(), orchestrator=self.orchestrator)
                 await self._etcd().put(spare_key(worker_id).encode(), encode_json(record))
                 self.pool.show(worker_id, "starting", note="hot spare")
-                handle = await self.pool.start_worker(worker_id)
+                handle = await (self.pool.start_worker(worker_id, PREFILL) if pool_key == PREFILL else self.pool.start_worker(worker_id))
             except Exception as error:  # noqa: BLE001 - the next poll tries again, after a pause
                 self.pool.forget(worker_id)
                 self._unmark_spare(worker_id)
@@ -327,6 +400,7 @@ class LocalConnector:
                 return
             finally:
                 self.spare_starts.pop(key, None)
+                self._spare_start_pool.pop(key, None)
             self.spares[worker_id] = handle
             self.pool.show(worker_id, "spare", handle.address, handle.process.pid, note="hot spare: warm, not routed to")
             self.pool.record(worker_id, handle.process.pid, "started: hot spare")
@@ -349,40 +423,46 @@ class LocalConnector:
         self._unmarking.add(task)
         task.add_done_callback(self._unmarking.discard)
 
-    def _scale_up(self, target: int) -> None:
+    def _scale_up(self, target: int, pool_key: str = ROUTED) -> None:
         key = next(self._scale_keys)
+        what = "prefill workers" if pool_key == PREFILL else "workers"
 
         async def start() -> None:
             try:
-                name, pid = await self.pool.new_worker()
+                name, pid = await (self.pool.new_worker(PREFILL) if pool_key == PREFILL else self.pool.new_worker())
             except Exception as error:  # noqa: BLE001 - the next poll tries again, after a pause
                 self.pool.record(self.planner_id, None, f"could not start a worker: {error or type(error).__name__}")
                 await asyncio.sleep(self.pool.retry_pause_s)
                 return
             finally:
                 self.scaling.pop(key, None)
+                self._start_pool.pop(key, None)
+            self._roles[name] = pool_key
             self.pool.unwatch(name)
             self.pool.watch(name)
-            self.pool.record(name, pid, f"started: planner target {target} workers")
+            self.pool.record(name, pid, f"started: planner target {target} {what}")
 
+        self._start_pool[key] = pool_key
         self.scaling[key] = asyncio.create_task(start())
 
-    def _scale_down(self, surplus: int, target: int) -> None:
+    def _scale_down(self, surplus: int, target: int, pool_key: str = ROUTED) -> None:
         """Cancel the newest starts first (a process not yet registered holds no request: it is killed, nothing moves; a surge
         withdrawn at once costs little), then SIGTERM the newest `surplus` left of the workers: they stop taking requests and
         drain (their requests move through migration)."""
-        cancelled = sorted(self.scaling, reverse=True)[:surplus]
+        what = "prefill workers" if pool_key == PREFILL else "workers"
+        cancelled = sorted((key for key in self.scaling if self._start_pool.get(key, ROUTED) == pool_key), reverse=True)[:surplus]
         for key in cancelled:
             self.scaling.pop(key).cancel()  # out of the count now: the next poll must not take another worker for it
+            self._start_pool.pop(key, None)
         if cancelled:
-            self.pool.record(self.planner_id, None, f"{len(cancelled)} worker start(s) cancelled: planner target {target} workers")
+            self.pool.record(self.planner_id, None, f"{len(cancelled)} worker start(s) cancelled: planner target {target} {what}")
         surplus -= len(cancelled)
-        for name in sorted(self.pool.workers, key=_number, reverse=True)[:surplus]:
+        for name in sorted(self._of(pool_key, self.pool.workers), key=_number, reverse=True)[:max(surplus, 0)]:
             handle = self.pool.workers.pop(name)
             self.retiring[name] = handle
             handle.process.send_signal(signal.SIGTERM)
             self.pool.show(name, "draining", handle.address, handle.process.pid, note=f"planner target {target}")
-            self.pool.record(name, handle.process.pid, f"draining: planner target {target} workers")
+            self.pool.record(name, handle.process.pid, f"draining: planner target {target} {what}")
 
     def _reap_retired(self) -> None:
         for name, handle in list(self.retiring.items()):

@@ -46,6 +46,7 @@ def test_dryrun_prints_a_summary_and_writes_the_plot(tmp_path: Path) -> None:
     # The burst needs more workers than the quiet start; a constant predictor lags it by one interval at least.
     assert summary["max_workers"] > 1 and summary["under_provisioned_intervals"] >= 1
     assert summary["worker_intervals"] > 0 and summary["needed_worker_intervals"] > 0
+    assert summary["pools"]["prefill_worker_intervals"] > 0 and summary["pools"]["max_decode_workers"] >= 1
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

@@ -55,6 +55,10 @@ def test_replay_produces_one_point_per_interval_with_the_planner_maths() -> None
     assert series.combined[11] >= series.needed_combined[11] - 1
     assert series.under_provisioned_intervals >= 1
     assert series.worker_intervals == sum(series.combined)
+    # A disaggregated fleet's two pools, each from its own figure of the same plans.
+    pools = series.pools()
+    assert pools["prefill_worker_intervals"] == sum(series.prefill) and pools["max_decode_workers"] == max(series.decode)
+    assert pools["max_prefill_workers"] >= 1 and pools["decode_worker_intervals"] <= series.worker_intervals
 
 
 def test_a_trend_predictor_under_provisions_less_often_than_constant_on_the_ramp() -> None:

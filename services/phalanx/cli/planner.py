@@ -142,6 +142,6 @@ def dryrun(
         "predictor": predictor, "trace": kind, "requests": sum(i.requests for i in intervals),
         "intervals": len(intervals), "interval_s": interval_s, "worker_intervals": series.worker_intervals,
         "needed_worker_intervals": sum(series.needed_combined), "under_provisioned_intervals": series.under_provisioned_intervals,
-        "max_workers": max(series.combined), "plot": str(draw(series, plot)) if plot else None,
+        "max_workers": max(series.combined), "pools": series.pools(), "plot": str(draw(series, plot)) if plot else None,
     }
     typer.echo(json.dumps(summary, indent=2))

@@ -53,6 +53,12 @@ class DryRunSeries:
     def under_provisioned_intervals(self) -> int:
         return sum(1 for planned, needed in zip(self.combined, self.needed_combined, strict=True) if planned < needed)
 
+    def pools(self) -> dict[str, int]:
+        """What a disaggregated fleet would have run (docs/disagg.md, Planner): each pool's worker-intervals and its most
+        workers, from the plan's prefill (TTFT-driven) and decode (ITL-driven) counts."""
+        return {"prefill_worker_intervals": sum(self.prefill), "decode_worker_intervals": sum(self.decode),
+                "max_prefill_workers": max(self.prefill, default=0), "max_decode_workers": max(self.decode, default=0)}
+
 
 def trace_interval_s(trace: Sequence[TraceInterval]) -> float:
     """The trace's interval: the median spacing of its timestamps (one interval: 60 s)."""

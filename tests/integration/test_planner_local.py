@@ -98,6 +98,54 @@ def test_the_supervisor_scales_workers_to_the_planners_target_with_no_token_lost
         assert down.returncode == 0, down.stdout + down.stderr
 
 
+def _pools_settled(state_file: Path, decode: int, prefill: int) -> dict | None:
+    """The state once the supervisor acknowledged a two-pool decision for `decode` + `prefill` workers and runs just those."""
+    state = read_state(state_file)
+    planner = state["planner"]
+    done = (planner["target_workers"], planner["target_prefill_workers"], planner["prefill_workers"]) == (decode, prefill, prefill)
+    done = done and planner["acked_id"] == planner["decision_id"] and len(state["workers"]) == decode + prefill
+    return state if done and not planner["draining"] and not planner["starting"] else None
+
+
+def _state_roles(state_file: Path) -> dict[str, str]:
+    status = json.loads(phalanx("status", "--json", "--state-file", str(state_file)).stdout)
+    return {w["worker_id"]: w.get("role", "") for w in status["workers"]}
+
+
+@pytest.mark.slow
+def test_with_prefill_workers_the_supervisor_scales_the_decode_pool_and_restores_the_prefill_pool(tmp_path: Path) -> None:
+    """`phalanx up --planner --prefill-workers 1 --workers 1` (real workers): the planner's decisions carry both pools; an
+    operator's target scales the decode pool (a new worker registers as decode; the scale-down drains it, not the newer
+    prefill worker) and a killed prefill worker comes back as a prefill worker."""
+    state_file = tmp_path / "up.json"
+    result = phalanx(
+        "up", "--detach", "--planner", "--workers", "1", "--prefill-workers", "1", "--min-workers", "1", "--max-workers", "3",
+        "--model", "phalanx-tiny-moe", "--port", "0", "--gateway-port", "0", "--state-file", str(state_file), timeout=180,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    try:
+        etcd = read_state(state_file)["etcd_endpoint"]
+        assert phalanx("planner", "set-target", "2", "--etcd-endpoint", etcd).returncode == 0
+        assert_eventually_sync(lambda: _pools_settled(state_file, 2, 1), timeout=90, interval=0.2, message="no second decode worker")
+        assert _state_roles(state_file) == {"worker-0": "decode", "worker-1": "prefill", "worker-2": "decode"}
+        shown = json.loads(phalanx("planner", "show", "--etcd-endpoint", etcd).stdout)
+        assert (shown["decision"]["workers"], shown["decision"]["prefill_workers"], shown["ack"]["prefill_workers"]) == (2, 1, 1)
+
+        assert phalanx("chaos", "kill", "worker-1", "--wait", "--state-file", str(state_file), timeout=90).returncode == 0
+        assert_eventually_sync(lambda: "worker-1" not in _state_roles(state_file) and _pools_settled(state_file, 2, 1), timeout=90,
+                               interval=0.5, message="the prefill worker was not replaced")
+        roles = _state_roles(state_file)
+        assert sorted(roles.values()) == ["decode", "decode", "prefill"]
+        prefill_worker = next(name for name, role in roles.items() if role == "prefill")
+
+        assert phalanx("planner", "set-target", "1", "--etcd-endpoint", etcd).returncode == 0
+        assert_eventually_sync(lambda: _pools_settled(state_file, 1, 1), timeout=90, interval=0.2, message="the decode worker still runs")
+        assert _state_roles(state_file) == {"worker-0": "decode", prefill_worker: "prefill"}
+    finally:
+        down = phalanx("down", "--state-file", str(state_file), timeout=120)
+        assert down.returncode == 0, down.stdout + down.stderr
+
+
 def _restoration_acked(state_file: Path) -> dict | None:
     state = settled(state_file, 1)
     return state if state is not None and state["planner"]["reason"] == "replace_dead" else None

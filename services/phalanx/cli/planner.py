@@ -65,7 +65,8 @@ def planner_service(
 
 @planner_app.command("set-target")
 def set_target(
-    workers: int = typer.Argument(None, min=0, help="Workers the planner should ask for (within its min and max)"),
+    workers: int = typer.Argument(None, min=0, help="Workers the planner should ask for (within its min and max; a disaggregated "
+                                  "fleet's decode workers)"),
     clear: bool = typer.Option(False, "--clear", help="Remove the operator's target: the planner plans from load again"),
     etcd_endpoint: str = typer.Option(None, help=_ETCD_HELP),
 ) -> None:
@@ -84,7 +85,8 @@ def set_target(
 
 @planner_app.command("show")
 def show(etcd_endpoint: str = typer.Option(None, help=_ETCD_HELP)) -> None:
-    """The planner's last decision, the orchestrator's acknowledgement and the operator's target, as JSON."""
+    """The planner's last decision, the orchestrator's acknowledgement and the operator's target, as JSON (a disaggregated
+    fleet's: workers/spares of the decode pool, prefill_workers/prefill_spares of the prefill pool)."""
     from phalanx.planner.connectors import read_ack, read_decision, read_target
 
     async def read(client):

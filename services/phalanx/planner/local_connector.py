@@ -275,7 +275,8 @@ class LocalConnector:
     def _adopt(self, decision: DecisionRecord) -> None:
         self.decision = decision
         why = f"; {', '.join(decision.replaces)} DEAD" if decision.replaces else ""
-        self.pool.record(self.planner_id, None, f"decision {decision.id} ({decision.reason}): {decision.workers} workers{why}")
+        pools = f" + {decision.prefill_workers} prefill" if decision.prefill_workers is not None else ""
+        self.pool.record(self.planner_id, None, f"decision {decision.id} ({decision.reason}): {decision.workers} workers{pools}{why}")
         for dead in decision.replaces:
             self.awaiting_promotion.pop(dead, None)  # promoted below, or (REPLACE_DEAD) started as a worker by the count
         spare = self.spares.pop(decision.promote, None) if decision.promote else None

@@ -132,7 +132,9 @@ def _print_events(console: Console, supervisor: UpState) -> None:
         console.print(f"OpenAI-compatible gateway: {supervisor.gateway_url}/v1", highlight=False)
     if supervisor.planner is not None:
         planner = supervisor.planner
-        console.print(f"planner: target {planner.get('target_workers')} workers (decision {planner.get('decision_id')}, acknowledged "
+        prefill = planner.get("target_prefill_workers")
+        pools = f" + {prefill} prefill" if prefill is not None else ""
+        console.print(f"planner: target {planner.get('target_workers')} workers{pools} (decision {planner.get('decision_id')}, acknowledged "
                       f"{planner.get('acked_id')}), bounds {planner.get('min_workers')}-{planner.get('max_workers')}", highlight=False)
     replaced = sum(1 for e in supervisor.events if e.what.startswith("started to replace"))
     console.print(f"supervisor pid {supervisor.supervisor_pid}: {replaced} process(es) replaced" + (", latest events:" if replaced else ""),

@@ -22,7 +22,8 @@ class PlannerMetrics:
         self.desired_workers = Gauge("phalanx_planner_desired_workers", "Workers the last interval's plan wanted (before the decision rules)",
                                      registry=r)
         self.actual_workers = Gauge("phalanx_planner_actual_workers", "Workers registered and not DEAD, UNHEALTHY or DRAINING", registry=r)
-        self.spares = Gauge("phalanx_planner_spares", "Hot spares ready (registered, warm, not routed to)", registry=r)
+        self.spares = Gauge("phalanx_planner_spares", "Hot spares ready (registered, warm, not routed to; of both pools of a "
+                            "disaggregated fleet)", registry=r)
         self.capacity_pressure = Gauge("phalanx_planner_capacity_pressure", "Predicted demand over the serving fleet's capacity (1.0: at the SLOs)",
                                        registry=r)
         self.routers = Gauge("phalanx_planner_routers", "Routers registered", registry=r)

@@ -291,7 +291,7 @@ class Planner:
                 machine.spare_lost(worker_id)
         for worker_id in sorted(self._spares):
             machine.spare_ready(worker_id, role=self.pools.role(worker_id))
-        self.metrics.spares.set(len(machine.spares))
+        self.metrics.spares.set(len(machine.spares) + len(machine.prefill_spares))
 
     async def _scrape_routers(self, routers: Mapping[str, common_pb2.RouterRegistration]) -> bool:
         async def one(router_id: str, address: str) -> tuple[str, Scrape | None]:

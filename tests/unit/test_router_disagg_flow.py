@@ -10,6 +10,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from phalanx._proto import common_pb2, router_pb2, worker_pb2
+from phalanx.common.block_hash import MediaSpan, prefix_block_hashes_with_media
 from phalanx.common.errors import UnavailableError
 from phalanx.router.admission import Tier
 from phalanx.router.config import RouterConfig
@@ -58,7 +59,8 @@ def setup(answer, **config):
     table = RoutingTable()
     for worker_id, role in (("d1", "decode"), ("d2", "decode"), ("p", "prefill")):
         table.upsert_worker(worker_id, f"{worker_id}:1", pid=1, role=role)
-    registrations = {w: common_pb2.WorkerRegistration(worker_id=w, address=f"{w}:1") for w in ("d1", "d2", "p")}
+    roles = {"d1": "decode", "d2": "decode", "p": "prefill"}
+    registrations = {w: common_pb2.WorkerRegistration(worker_id=w, address=f"{w}:1", role=role) for w, role in roles.items()}
     worker = DecodeWorker(answer)
     flow_ = DisaggFlow(RouterConfig(**config), table, Channels(worker), registrations, CollectorRegistry())  # type: ignore[arg-type]
     return flow_, worker
@@ -153,12 +155,54 @@ async def test_a_closed_connection_is_retried_once_and_a_copy_it_left_is_stopped
     assert worker.cancelled == ["r"] and calls.routed == [frozenset({"d1"})]
 
 
-async def test_a_broken_prefill_stream_is_left_to_the_relay():
+async def test_a_broken_prefill_stream_is_left_to_the_relay_and_the_hand_over_waits_while_it_runs_there():
     disagg, worker = setup(ok())
-    flow, _ = prefilled()
+    flow, chunk = prefilled()
     calls = Calls(disagg.table.route)
     assert await disagg.hand_over(flow, None, calls.route, calls.move) is None
-    assert flow.decode_worker == "" and not worker.restores
+    # The relay may open it on the prefill worker again (its media encoded again, inline): it still hands over at the end.
+    assert flow.decode_worker == "d1" and not worker.restores
+    assert (await disagg.hand_over(flow, chunk, calls.route, calls.move))(Streams())[0] == "attach" and calls.moved == ["d1"]
+    # Retried on a decode worker instead, it is no longer a hand-over: that stream's end is the relay's alone.
+    flow, chunk = prefilled()
+    flow.record.worker_id = "d2"
+    assert await disagg.hand_over(flow, chunk, calls.route, calls.move) is None
+    assert flow.decode_worker == "" and len(worker.restores) == 1
+
+
+async def test_a_media_requests_embeddings_go_to_the_decode_worker_with_its_kv():
+    disagg, worker = setup(ok())
+    flow, chunk = prefilled()
+    source = common_pb2.MediaSource(encoder_address="e:1", channel_endpoint="encoder-e", key="k")
+    flow.media = [common_pb2.MediaEmbedding(start=1, rows=16, hidden=8, dtype="float32", media_hash=99, source=source)]
+    chunk.handoff.media.add(start=1, rows=16, media_hash=99)
+    assert (await disagg.hand_over(flow, chunk, Calls(disagg.table.route).route, Calls(disagg.table.route).move))(Streams())[0] == "attach"
+    (item,) = worker.restores[0].items
+    assert list(item.media) == flow.media  # handles: the decode worker fetches the rows from their encoder
+
+
+def media_prompt(image_hash: int) -> tuple[list[int], list[common_pb2.MediaEmbedding]]:
+    """A prompt with a 32-position image at position 8, and its media run."""
+    return [1] * 8 + [0] * 32 + list(range(2000, 2040)), [common_pb2.MediaEmbedding(start=8, rows=32, hidden=8, media_hash=image_hash)]
+
+
+@pytest.mark.parametrize(("cached_image", "where"), [(2, "local"), (1, "remote")])
+def test_a_media_prompt_counts_the_decode_workers_cache_only_where_it_holds_the_same_media(cached_image, where):
+    """The decode worker caches the prompt with `cached_image`; the request brings image 2. The same image prefills there
+    (its uncached rest is short); another image's blocks do not match (same placeholder tokens, other media hash), so
+    the prompt is long uncached there and prefills remotely."""
+    disagg, _ = setup(ok(), disagg_mode="always", disagg_min_prompt_tokens=32)
+    for worker_id in ("d1", "d2", "p"):
+        disagg.table.load_kv_snapshot(worker_id, 0, [])
+    prompt, media = media_prompt(image_hash=2)
+    _, cached_media = media_prompt(image_hash=cached_image)
+    spans = [MediaSpan(m.start, m.rows, m.media_hash) for m in cached_media]
+    stored = [common_pb2.KvBlockStored(block_hash=h, num_tokens=16) for h in prefix_block_hashes_with_media(prompt, 16, spans)]
+    disagg.table.on_kv_event(common_pb2.KvEvent(worker_id="d1", sequence=1, stored=stored))
+    routed = disagg.table.route(prompt, media=[MediaSpan(m.start, m.rows, m.media_hash) for m in media], prefer="d1")
+    assert routed is not None and routed.cached_tokens == (64 if cached_image == 2 else 0)
+    decision, decode = disagg.split(prompt, routed, media)
+    assert (decision.worker_id, decode) == (("d1", "") if where == "local" else ("p", "d1"))
 
 
 def test_without_prefill_workers_routing_is_untouched():

@@ -14,6 +14,11 @@ The policy (router/disagg.py) decides where a request is prefilled; this carries
    `disagg_transfer_timeout_s` or is refused, the request prefills again on a decode worker from the handed-back state
    (prompt and first token: a Generate with resume_from, as after a drain) and streams on from there.
 
+A media request goes the same way: the prefill worker gets its embeddings (rows inline, or handles it fetches from the
+encoder that holds them) and the decode worker's Restore gets them too, beside the KV that covers their positions (the
+cached prefix it keeps counts only blocks hashed with the same media). A prefill worker that cannot fetch the rows
+answers as any worker does: the router encodes them again, inline, and opens the prefill there once more.
+
 A prefill worker that dies before its stream ends HANDED_BACK is a broken stream like any other: the relay retries the
 request elsewhere (new requests never go to a prefill worker, so it prefills on a decode worker) or migrates it.
 """
@@ -30,7 +35,9 @@ import grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from phalanx._proto import common_pb2, migration_pb2, worker_pb2
+from phalanx.common.block_hash import MediaSpan
 from phalanx.common.errors import UnavailableError
+from phalanx.common.roles import PREFILL
 from phalanx.router.channels import WorkerChannels
 from phalanx.router.config import RouterConfig
 from phalanx.router.disagg import DisaggSettings, PrefillLocally, decide
@@ -109,13 +116,16 @@ class DisaggFlow:
     def split(self, prompt_ids: list[int], decision: RouteDecision, media: Sequence[Any]) -> tuple[RouteDecision, str]:
         """(where the request starts, its decode worker when that is another: "" prefills where it was routed).
 
-        The decode worker's cached prompt tokens are `decision.cached_tokens` (the caller keeps them in the flow)."""
-        if media or not self.table.has_prefill_workers():
-            return decision, ""  # an aggregated fleet routes as before; media requests prefill with their embeddings
-        decode = next((e for e in self.table.estimates(prompt_ids) if e.worker_id == decision.worker_id), None)
+        The decode worker's cached prompt tokens are `decision.cached_tokens` (the caller keeps them in the flow).
+        `media`: the prompt's media runs (MediaEmbedding): both sides' cached prefixes count only blocks hashed with the
+        same media, as the workers' prefix caches hash them."""
+        if not self.table.has_prefill_workers():
+            return decision, ""  # an aggregated fleet routes as before
+        spans = [MediaSpan(m.start, m.rows, m.media_hash) for m in media]
+        decode = next((e for e in self.table.estimates(prompt_ids, media=spans) if e.worker_id == decision.worker_id), None)
         if decode is None:
             return decision, ""
-        prefills = self.table.estimates(prompt_ids, prefill=True)
+        prefills = self.table.estimates(prompt_ids, media=spans, prefill=True)
         self.metrics.prefill_queue.set(sum(p.queue_depth for p in prefills))
         choice = decide(self.settings, prompt_tokens=len(prompt_ids), decode=decode, prefills=prefills)
         if isinstance(choice, PrefillLocally):
@@ -128,9 +138,14 @@ class DisaggFlow:
     async def hand_over(self, flow: Flow, chunk: Any, route: Route, move: Move) -> Callable[[Any], Any] | None:
         """The next worker call of a request whose prefill worker's stream just ended; None: the relay decides
         (the stream broke or ended without handing the request back)."""
-        decode_id, flow.decode_worker = flow.decode_worker, ""
-        if chunk is None:
+        if not self._on_prefill_worker(flow):
+            flow.decode_worker = ""  # it runs on a decode worker now (the prefill stream broke and was retried there)
             return None
+        if chunk is None:
+            # The prefill stream broke: the relay decides. It may open it again on the same prefill worker (its media could
+            # not be fetched there: encoded again, rows inline), and the hand-over then still waits at its end.
+            return None
+        decode_id, flow.decode_worker = flow.decode_worker, ""
         handoff: common_pb2.RequestState = chunk.handoff
         refused = await self._transfer(flow, chunk, decode_id)
         if refused is None:
@@ -167,6 +182,9 @@ class DisaggFlow:
         item = migration_pb2.RestoreItem(
             state=handoff, seed=handoff.sampling.seed, method=migration_pb2.MIGRATION_METHOD_TRANSFER, kv_tokens=kv_tokens,
             kv_from_token=max(0, skip),
+            # The media ride along (rows inline, or handles the decode worker fetches from their encoder as a migration
+            # target does): the moved KV covers their positions, but a preemption or a later hand-back computes them again.
+            media=flow.media,
         )
         restore = worker_pb2.RestoreRequest(items=[item], kv_source_address=chunk.handoff_source, timeout_s=self.timeout_s)
         start = time.perf_counter()
@@ -204,6 +222,11 @@ class DisaggFlow:
         self.metrics.transfer_seconds.observe(reply.transfer_s)
         self.metrics.handover_seconds.observe(time.perf_counter() - start)
         return None
+
+    def _on_prefill_worker(self, flow: Flow) -> bool:
+        """Whether the request's stream that just ended was on a prefill worker (a worker that left counts as not)."""
+        registration = self.registrations.get(flow.record.worker_id)
+        return registration is not None and registration.role == PREFILL
 
     @staticmethod
     async def _cancel(stub: Any, request_id: str) -> None:

@@ -377,11 +377,13 @@ class RoutingTable:
         return RouteDecision(best.worker_id, matched.get(best.slot, 0) * bs, best_cost, candidates)
 
     def estimates(
-        self, prompt_ids: list[int], *, exclude: frozenset[str] | set[str] = frozenset(), prefill: bool = False,
+        self, prompt_ids: list[int], *, exclude: frozenset[str] | set[str] = frozenset(), media: Sequence[MediaSpan] = (),
+        prefill: bool = False,
     ) -> list[WorkerEstimate]:
-        """Every routable worker's cost terms for `prompt_ids` (by worker id), for joint (encoder, worker) routing;
-        `prefill`: the prefill workers' instead."""
-        matched = self._matched(prompt_ids, ())
+        """Every routable worker's cost terms for `prompt_ids` (by worker id), for joint (encoder, worker) routing and
+        the disaggregation policy; `media`: the prompt's media runs, hashed as `route` hashes them; `prefill`: the
+        prefill workers' instead."""
+        matched = self._matched(prompt_ids, media)
         stale_before = self.clock() - self.load_stale_s
         out = []
         for w, inv_weight in self._prefill_routable if prefill else self._routable:

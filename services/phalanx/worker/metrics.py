@@ -74,8 +74,13 @@ class WorkerMetrics:
         self.media_fetch_failures = Counter(
             "phalanx_worker_media_fetch_failures", "Media fetches that failed (the router encodes again)", labels, registry=self.registry,
         )
+        self.kv_sent_bytes = Counter(
+            "phalanx_worker_kv_sent_bytes", "KV bytes this worker sent as a KV source (hand-overs to decode workers, "
+            "migrations), by transport (channel, grpc)", [*labels, "transport"], registry=self.registry,
+        )
         for transport in ("channel", "grpc"):
             self.media_fetch_bytes.labels(worker=worker_id, transport=transport)
+            self.kv_sent_bytes.labels(worker=worker_id, transport=transport)
         self.worker_id = worker_id
         # This worker's series from the start: a dashboard shows zeros, and rate() sees the first event.
         for metric in (self.restores, self.checkpoint_bytes, self.checkpoint_skipped):

@@ -642,6 +642,7 @@ class KvSourceServicer(migration_pb2_grpc.KvSourceServicer):
         for p in request.pieces:
             await engine.unpark(p.request_id)
         nbytes = sum(t.nbytes for t in tensors)
+        self.worker.metrics.kv_sent_bytes.labels(worker=self.worker.metrics.worker_id, transport="channel").inc(nbytes)
         return migration_pb2.SendKvResponse(bytes=nbytes, seconds=time.perf_counter() - start)
 
     async def FetchKv(self, request, context):
@@ -651,6 +652,7 @@ class KvSourceServicer(migration_pb2_grpc.KvSourceServicer):
             data = tensor_bytes(await engine.export_kv(p.request_id, p.kv_tokens, p.from_token))
             for offset in range(0, len(data), _CHUNK_BYTES):
                 yield migration_pb2.FetchKvResponse(piece=index, data=data[offset : offset + _CHUNK_BYTES])
+            self.worker.metrics.kv_sent_bytes.labels(worker=self.worker.metrics.worker_id, transport="grpc").inc(len(data))
         for p in request.pieces:
             await engine.unpark(p.request_id)
 

@@ -1,6 +1,6 @@
 """Disaggregated prefill and decode with real processes: an image request, and a decode worker without KV room.
 
-One stack for the module: an encoder, a prefill worker, a decode worker with a KV cache of only `DECODE_BLOCKS` blocks,
+One stack for the module: two encoders, a prefill worker, a decode worker with a KV cache of only `DECODE_BLOCKS` blocks,
 and two routers that send every prompt of 16 tokens or more to the prefill worker (PHALANX_ROUTER_DISAGG_MODE=always),
 one delivering the embeddings encoder -> worker (direct, the default) and one through itself (inline). Every stream
 must carry each index exactly once and the greedy tokens of an aggregated run (an encoder and an engine in this
@@ -17,7 +17,7 @@ import pytest
 
 import phalanx.model
 from phalanx._proto import chaos_pb2, chaos_pb2_grpc, router_pb2_grpc
-from phalanx.client import Client
+from phalanx.client import Client, Media
 from phalanx.common.config import EtcdConfig
 from phalanx.launch.stack import Stack
 from phalanx.launch.topology import WorkerRole
@@ -33,7 +33,7 @@ MAX_TOKENS = 10
 CHAOS_TOKEN = "test-chaos-token-disagg-media-0123"
 AUTH = [("authorization", f"Bearer {CHAOS_TOKEN}")]
 # 8 blocks of 16 tokens: room for the blocker below (77 prompt tokens, 5 blocks once restored, 7 at its end) or for the
-# refused prompt (54 tokens, 4 blocks), not for both.
+# refused image request (47 prompt tokens, 4 blocks once restored), not for both.
 DECODE_BLOCKS = 8
 DECODE_ENV = {
     "PHALANX_ENGINE_NUM_KV_BLOCKS": str(DECODE_BLOCKS), "PHALANX_ENGINE_MAX_MODEL_LEN": str(DECODE_BLOCKS * 16),
@@ -46,7 +46,7 @@ ROUTER_ENV = {
 }
 BLOCKER = "The blocker holds the decode worker's cache for a while now. " + "x" * 15  # 77 tokens with BOS
 BLOCKER_TOKENS = 32
-REFUSED = "Refused at first: the ship waits outside the harbour."  # 54 tokens with BOS
+REFUSED = "Refused at first: "  # and an image: 19 + 16 + 12 tokens
 # The module's workers and routers by role.
 ROLES: dict[str, str] = {}
 ROUTERS: dict[str, str] = {}
@@ -59,8 +59,9 @@ def stack(nats_server, etcd_server):
     s = Stack(nats_server.url, EtcdConfig(endpoint=etcd_server.endpoint, lease_ttl_s=1), model=MODEL)
 
     async def start():
-        _, (prefill,), (decode,) = await asyncio.gather(
-            s.add_encoder(), s.add_workers(1, *WorkerRole.PREFILL.flags), s.add_workers(1, *WorkerRole.DECODE.flags, env=DECODE_ENV),
+        *_, (prefill,), (decode,) = await asyncio.gather(
+            s.add_encoder(), s.add_encoder(), s.add_workers(1, *WorkerRole.PREFILL.flags),
+            s.add_workers(1, *WorkerRole.DECODE.flags, env=DECODE_ENV),
         )
         ROLES["prefill"], ROLES["decode"] = prefill.worker_id, decode.worker_id
         direct, inline = await asyncio.gather(
@@ -128,6 +129,35 @@ async def test_an_image_request_is_encoded_prefilled_on_the_prefill_worker_and_d
         assert now == fetched and metric(routed, "phalanx_router_media_inline_bytes_total") > 0
 
 
+async def test_a_prefill_worker_that_cannot_fetch_the_rows_gets_them_inline_and_still_hands_over(stack):
+    prefill, decode, routed = worker(stack, "prefill"), worker(stack, "decode"), router(stack, "direct")
+    image = png(13)
+    encoded = {e.name: metric(e, "phalanx_encoder_items_total", modality="image", result="ok") for e in stack.encoders}
+
+    async def tokens(before: str) -> list:
+        async with grpc.aio.insecure_channel(routed.address) as channel:
+            request = image_request(f"{before}<media> What is it?", image, MAX_TOKENS)
+            return [c async for c in router_pb2_grpc.RouterServiceStub(channel).Generate(request, timeout=120)]
+
+    assert [c.token_id for c in await tokens("Look: ")] == await asyncio.to_thread(in_process_tokens, image, "Look: ", " What is it?", MAX_TOKENS)
+    # The router keeps the handles for a repeat of the image; the encoder holding its rows dies before that repeat's fetch.
+    holder = next(e for e in stack.encoders if metric(e, "phalanx_encoder_items_total", modality="image", result="ok") > encoded[e.name])
+    holder.kill()
+    stack.encoders.remove(holder)
+    failures, reencodes = metric(prefill, "phalanx_worker_media_fetch_failures_total"), metric(
+        routed, "phalanx_router_media_reencodes_total", cause="fetch_failed"
+    )
+    ok = metric(routed, "phalanx_router_disagg_transfers_total", outcome="ok")
+    # Other text before the image: no block of it is cached on the decode worker, so it prefills remotely again.
+    chunks = await tokens("See this: ")
+    assert_exactly_once(chunks, await asyncio.to_thread(in_process_tokens, image, "See this: ", " What is it?", MAX_TOKENS))
+    assert metric(prefill, "phalanx_worker_media_fetch_failures_total") == failures + 1
+    assert metric(routed, "phalanx_router_media_reencodes_total", cause="fetch_failed") == reencodes + 1
+    # Encoded again, inline, it prefilled on the same prefill worker and its KV moved to the decode worker.
+    assert [c.worker_id for c in chunks if c.worker_id] == [prefill.worker_id, decode.worker_id] and chunks[1].worker_id
+    assert metric(routed, "phalanx_router_disagg_transfers_total", outcome="ok") == ok + 1
+
+
 @contextlib.asynccontextmanager
 async def chaos(address: str):
     """The worker's ChaosService; every fault it injected is cleared on the way out."""
@@ -142,11 +172,13 @@ async def chaos(address: str):
 async def test_a_decode_worker_without_kv_room_refuses_the_hand_over_before_any_kv_moves(stack):
     prefill, decode, routed = worker(stack, "prefill"), worker(stack, "decode"), router(stack, "direct")
     expected_blocker = await asyncio.to_thread(aggregated, BLOCKER, BLOCKER_TOKENS)
-    expected = await asyncio.to_thread(aggregated, REFUSED, MAX_TOKENS)
+    image = png(14)
+    expected = await asyncio.to_thread(in_process_tokens, image, REFUSED, " What is it?", MAX_TOKENS)
     outcomes = {o: metric(routed, "phalanx_router_disagg_transfers_total", outcome=o) for o in ("ok", "refused")}
     moved = metric(routed, "phalanx_router_disagg_transferred_bytes_total")
     sent = metric(prefill, "phalanx_worker_kv_sent_bytes_total")
     restores = metric(decode, "phalanx_worker_restores_total")
+    fetched = [metric(w, "phalanx_worker_media_fetch_bytes_total") for w in (prefill, decode)]
     async with await Client.connect(routed.address, timeout=120) as client, chaos(decode.address) as faults:
 
         async def idle() -> bool:
@@ -172,7 +204,8 @@ async def test_a_decode_worker_without_kv_room_refuses_the_hand_over_before_any_
         await faults.InjectFault(slow, metadata=AUTH, timeout=10)
 
         async def refused_stream() -> list:
-            return [c async for c in client.generate(REFUSED, max_tokens=MAX_TOKENS, ignore_eos=True)]
+            media = [Media("image", image)]
+            return [c async for c in client.generate(f"{REFUSED}<media> What is it?", media=media, max_tokens=MAX_TOKENS, ignore_eos=True)]
 
         refused = asyncio.create_task(refused_stream())
 
@@ -192,3 +225,7 @@ async def test_a_decode_worker_without_kv_room_refuses_the_hand_over_before_any_
     assert metric(decode, "phalanx_worker_restores_total") == restores + 1
     moved_now, sent_now = metric(routed, "phalanx_router_disagg_transferred_bytes_total"), metric(prefill, "phalanx_worker_kv_sent_bytes_total")
     assert moved_now > moved and sent_now - sent == moved_now - moved
+    # Nor did it fetch the image's rows for the refused Restore: each worker fetched them once, the decode worker for
+    # the prefill again.
+    now = [metric(w, "phalanx_worker_media_fetch_bytes_total") for w in (prefill, decode)]
+    assert now[0] - fetched[0] == now[1] - fetched[1] > 0

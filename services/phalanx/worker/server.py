@@ -451,7 +451,14 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         media.source) if they cannot come."""
         if not has_sourced_media(item.media):
             return {}
+        self._check_room(item.state)  # a worker without the KV blocks refuses before it fetches the rows, too
         return await self.media.fetch(item.media)
+
+    def _check_room(self, state: common_pb2.RequestState) -> None:
+        """ResourceExhaustedError unless the KV blocks of a restored request's tokens (and the next) are free here."""
+        needed = -(-(len(state.prompt_token_ids) + len(state.output_token_ids) + 1) // BLOCK_SIZE)
+        if needed > self.engine.load().free_blocks:
+            raise ResourceExhaustedError(f"{needed} KV blocks are not free here", retry_after_s=0.1)
 
     def _restore_request(self, item, engine: EngineFrontend, fetched: dict[int, torch.Tensor] | None = None) -> EngineRequest:
         state = common_pb2.RequestState()
@@ -470,10 +477,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             kv_from_token=item.kv_from_token,
         )
         engine.engine.validate(request)
-        total = len(snapshot.prompt_ids) + len(snapshot.output_ids) + 1
-        needed = -(-total // BLOCK_SIZE)
-        if needed > engine.load().free_blocks:
-            raise ResourceExhaustedError(f"{needed} KV blocks are not free here", retry_after_s=0.1)
+        self._check_room(state)
         return request
 
     async def _receive_kv(self, items, source: str, transport: int, timeout: float, engine: EngineFrontend) -> dict[str, torch.Tensor | Any]:

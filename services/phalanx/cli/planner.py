@@ -112,6 +112,7 @@ def dryrun(
     min_workers: int = typer.Option(1, min=0, help="Fewest workers"),
     max_gpus: int = typer.Option(None, min=1, help="GPU budget (unset: none)"),
     length_quantile: float = typer.Option(0.9, min=0.0, max=1.0, help="ISL/OSL quantile of the operating point; 0: the mean (Dynamo's)"),
+    failure_reserve: int = typer.Option(0, min=0, max=16, help="N+k: workers planned beyond the SLOs' need, so they hold after k are lost"),
 ) -> None:
     """Replay a trace offline through the predictor, the profile and the replica maths; print a JSON summary (and plot it)."""
     from phalanx.planner.dryrun import plot as draw, replay, trace_interval_s
@@ -137,7 +138,8 @@ def dryrun(
     interval_s = trace_interval_s(intervals)
     series = replay(
         intervals, loaded, SloTargets(ttft_s=ttft_slo_s, itl_s=itl_slo_s),
-        ReplicaConfig(interval_s=interval_s, min_workers=min_workers, max_gpus=max_gpus, length_quantile=length_quantile or None),
+        ReplicaConfig(interval_s=interval_s, min_workers=min_workers, max_gpus=max_gpus, length_quantile=length_quantile or None,
+                      failure_reserve=failure_reserve),
         predictor=predictor,
     )
     summary = {

@@ -34,6 +34,10 @@ class PlannerConfig(BaseSettings):
     gpus_per_worker: int = Field(1, ge=1, description="Used with max_gpus; the profile's own value wins when a profile is given")
     max_gpus: int | None = Field(None, ge=1, description="GPU budget of the fleet; unset: max_workers is the only bound")
     hot_spares: int = Field(0, ge=0, le=16, description="Hot spares to keep: warm registered workers not routed to, promoted when a worker dies")
+    failure_reserve: int = Field(
+        0, ge=0, le=16, description="N+k: serving workers planned beyond what the SLOs need (in each pool), so that the SLOs still hold "
+        "after this many workers are lost; unlike hot spares, they serve"
+    )
     promote_deadline_s: float = Field(5.0, gt=0, description="A spare's promotion not acknowledged after this long times out")
     capacity_view: bool = Field(True, description="Publish the capacity-vs-demand view (needs a profile) that health's degradation reads")
     scale_deadline_s: float = Field(120.0, gt=0, description="A scaling decision not acknowledged after this long times out")

@@ -487,7 +487,8 @@ class Planner:
             predicted_osl=predicted_osl, factors=factors, slo=slo, aim=aim,
             # Two pools are each floored at their own minimum (pools.py), not at min_workers.
             replicas=ReplicaConfig(interval_s=self.machine.interval_s, min_workers=0 if self.pools.disaggregated else self.config.min_workers,
-                                   max_gpus=self.config.max_gpus, length_quantile=self.config.length_quantile),
+                                   max_gpus=self.config.max_gpus, length_quantile=self.config.length_quantile,
+                                   failure_reserve=self.config.failure_reserve),
             serving_workers=self._workers + self.pools.counts.prefill, current_target=self.machine.targets.workers,
             degradation_level=self._degradation_level, disaggregated=self.pools.disaggregated,
         ), self.profile)

@@ -178,6 +178,11 @@ def _handovers(metrics_address: str) -> dict:
         "outcomes": outcomes,  # the others: the request prefilled again on the decode side (docs/disagg.md)
         "remote_prefills": metric_value(text, "phalanx_router_disagg_prefills_total", where="remote") or 0.0,
         "local_prefills": metric_value(text, "phalanx_router_disagg_prefills_total", where="local") or 0.0,
+        # Why prompts stayed local (the steady ones: too short; a long one: the prefill pool saturated, no KV room ...).
+        "local_by_reason": {
+            sample.labels["reason"]: sample.value for family in text_string_to_metric_families(text) for sample in family.samples
+            if sample.name == "phalanx_router_disagg_prefills_total" and sample.labels.get("where") == "local"
+        },
         "mean_transfer_s": round(seconds / count, 4) if count else None,
         "mean_transfer_bytes": round(kv_bytes / count) if count else None,
     }

@@ -52,6 +52,7 @@ class LocalReason(enum.StrEnum):
     NO_DECODE_ROOM = "no_decode_room"
     PREFILL_SATURATED = "prefill_saturated"
     CHEAPER = "cheaper"
+    DECODE_UNKNOWN = "decode_unknown"  # the worker it was routed to has no estimate (it just left the routable set)
 
 
 @dataclass(frozen=True, slots=True)

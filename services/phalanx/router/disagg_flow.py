@@ -40,7 +40,7 @@ from phalanx.common.errors import UnavailableError
 from phalanx.common.roles import PREFILL
 from phalanx.router.channels import WorkerChannels
 from phalanx.router.config import RouterConfig
-from phalanx.router.disagg import DisaggSettings, PrefillLocally, decide
+from phalanx.router.disagg import DisaggSettings, LocalReason, PrefillLocally, decide
 from phalanx.router.flow import Flow
 from phalanx.router.routing import RouteDecision, RoutingTable
 
@@ -124,6 +124,7 @@ class DisaggFlow:
         spans = [MediaSpan(m.start, m.rows, m.media_hash) for m in media]
         decode = next((e for e in self.table.estimates(prompt_ids, media=spans) if e.worker_id == decision.worker_id), None)
         if decode is None:
+            self.metrics.prefills.labels(where="local", reason=LocalReason.DECODE_UNKNOWN.value).inc()
             return decision, ""
         prefills = self.table.estimates(prompt_ids, media=spans, prefill=True)
         self.metrics.prefill_queue.set(sum(p.queue_depth for p in prefills))

@@ -64,6 +64,7 @@ def test_up_with_prefill_and_decode_workers_answers_through_a_kv_transfer(tmp_pa
         env=env, capture_output=True, text=True, timeout=300, check=False,
     )
     assert up.returncode == 0, up.stdout + up.stderr
+    assert "tls      off: plaintext" in up.stdout, up.stdout  # said once, at start
     try:
         state = json.loads((tmp_path / "up.json").read_text())
         assert len(state["workers"]) == 2

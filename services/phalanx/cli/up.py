@@ -269,6 +269,8 @@ def _print_ready(console: Console, state: UpState, state_file: Path, seconds: fl
         console.print(f"  tls      mutual TLS on: clients need a certificate of {state.certs_dir}/ca.crt, e.g.", highlight=False)
         console.print(f"           PHALANX_TLS_DIR={state.certs_dir}/admin phalanx status{flags}", highlight=False)
         console.print(f"           Client.connect(target, tls=TlsConfig.from_dir('{state.certs_dir}/client'))", highlight=False)
+    else:
+        console.print("  tls      off: plaintext, every process on 127.0.0.1 only (`phalanx up --tls` for mutual TLS)", highlight=False)
 
 
 # --- phalanx up (foreground supervisor) -------------------------------------------------------------

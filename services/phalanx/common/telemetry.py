@@ -40,6 +40,10 @@ log = logging.getLogger(__name__)
 # process that never called setup_telemetry still speaks the same format.
 _PROPAGATOR = CompositePropagator([TraceContextTextMapPropagator(), W3CBaggagePropagator()])
 
+# An export's time limit, and what a stop waits for the last spans' flush before it leaves them.
+_EXPORT_TIMEOUT_S = 3
+_SHUTDOWN_WAIT_S = 2.0
+
 _lock = threading.Lock()
 _provider: TracerProvider | None = None
 _shut_down = False
@@ -72,8 +76,10 @@ def setup_telemetry(service_name: str, config: TelemetryConfig) -> None:
             # Imported lazily: the exporter pulls in its own gRPC channel machinery.
             from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
 
-            exporter = OTLPSpanExporter(endpoint=config.otlp_endpoint, insecure=config.otlp_insecure)
-            provider.add_span_processor(BatchSpanProcessor(exporter))
+            # Bounded: a collector that does not answer costs an export at most this, never a slow stop.
+            timeout_s = _EXPORT_TIMEOUT_S
+            exporter = OTLPSpanExporter(endpoint=config.otlp_endpoint, insecure=config.otlp_insecure, timeout=timeout_s)
+            provider.add_span_processor(BatchSpanProcessor(exporter, export_timeout_millis=timeout_s * 1000))
         logging.getLogger("opentelemetry.context").addFilter(_StreamDetachNoise())
         trace.set_tracer_provider(provider)
         propagate.set_global_textmap(_PROPAGATOR)
@@ -82,14 +88,22 @@ def setup_telemetry(service_name: str, config: TelemetryConfig) -> None:
 
 
 def shutdown_telemetry() -> None:
-    """Flush and stop the exporter; idempotent. Spans after this are dropped."""
+    """Flush and stop the exporter, waiting at most ``_SHUTDOWN_WAIT_S``; idempotent. Spans after this are dropped.
+
+    A collector that is gone must not hold a stopping service past its grace period: the flush goes on in a
+    daemon thread, and what it has not sent by then is lost with the process.
+    """
     global _shut_down
     with _lock:
         provider, already = _provider, _shut_down
         _shut_down = True
     if provider is not None and not already:
         # The global provider cannot be replaced, so it stays installed, shut down.
-        provider.shutdown()
+        flush = threading.Thread(target=provider.shutdown, name="telemetry-shutdown", daemon=True)
+        flush.start()
+        flush.join(_SHUTDOWN_WAIT_S)
+        if flush.is_alive():
+            log.warning("trace export did not finish within %.0f s at shutdown; its last spans are dropped", _SHUTDOWN_WAIT_S)
 
 
 def get_tracer(name: str) -> trace.Tracer:

@@ -69,9 +69,11 @@ class DockerEngine:
     config: Path
     env: dict[str, str] = field(default_factory=dict)
 
-    def docker(self, *args: str | Path, timeout: float = 60, check: bool = True) -> subprocess.CompletedProcess:
+    def docker(self, *args: str | Path, timeout: float = 60, check: bool = True, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+        """The docker CLI against this engine; ``env`` adds variables (compose's PHALANX_* ports, say)."""
         cmd = ["nice", "-n", "10", "docker", *map(str, args)]
-        return subprocess.run(cmd, check=check, timeout=timeout, env=self.env, capture_output=True, text=True, cwd=ROOT)
+        env = {**self.env, **(env or {})}
+        return subprocess.run(cmd, check=check, timeout=timeout, env=env, capture_output=True, text=True, cwd=ROOT)
 
     def has_image(self, tag: str) -> bool:
         return self.docker("image", "inspect", tag, check=False).returncode == 0
@@ -199,10 +201,12 @@ def _base_image(engine: DockerEngine) -> None:
             "ENV PIP_CERT=/etc/ssl/certs/ca-certificates.crt SSL_CERT_FILE=/etc/ssl/certs/ca-certificates.crt",
             'CMD ["python3"]',
         ]
-        tar = subprocess.Popen(["tar", "-C", str(root), "-c", "."], stdout=subprocess.PIPE)
         args = [a for change in changes for a in ("-c", change)]
-        result = subprocess.run(["docker", "import", *args, "-", tag], stdin=tar.stdout, env=engine.env, capture_output=True, timeout=300)
-        tar.wait(timeout=60)
+        with subprocess.Popen(["tar", "-C", str(root), "-c", "."], stdout=subprocess.PIPE) as tar:
+            assert tar.stdout is not None
+            with tar.stdout:
+                result = subprocess.run(["docker", "import", *args, "-", tag], stdin=tar.stdout, env=engine.env, capture_output=True, timeout=300)
+            tar.wait(timeout=60)
         assert result.returncode == 0, result.stderr
     _timed("base image (debootstrap + import)", start)
 

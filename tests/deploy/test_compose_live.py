@@ -54,11 +54,7 @@ class Stack:
         self.gateway = f"http://127.0.0.1:{self.env['PHALANX_GATEWAY_HOST_PORT']}"
 
     def compose(self, *args: str, timeout: float = 120, check: bool = True):
-        self.engine.env, saved = self.env, self.engine.env
-        try:
-            return self.engine.docker("compose", "-p", PROJECT, "-f", COMPOSE_FILE, *args, timeout=timeout, check=check)
-        finally:
-            self.engine.env = saved
+        return self.engine.docker("compose", "-p", PROJECT, "-f", COMPOSE_FILE, *args, timeout=timeout, check=check, env=self.env)
 
     def container(self, service: str) -> str:
         return self.compose("ps", "-q", service).stdout.strip()
@@ -69,7 +65,7 @@ class Stack:
     def metric(self, service: str, port: int, name: str) -> float:
         script = f"import urllib.request; print(urllib.request.urlopen('http://127.0.0.1:{port}/metrics', timeout=5).read().decode())"
         text = self.engine.docker("exec", self.container(service), "python", "-c", script, timeout=30).stdout
-        return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name) and not line.startswith("#"))
+        return sum(float(line.split()[-1]) for line in text.splitlines() if line.split("{")[0].split()[0:1] == [name])
 
     def diagnose(self) -> str:
         ps = self.compose("ps", "-a", check=False).stdout
@@ -103,7 +99,7 @@ def stream(gateway: str, started: threading.Event | None = None) -> str:
 
 @pytest.fixture(scope="module")
 def stack(docker_engine: DockerEngine) -> Iterator[Stack]:
-    env = {**docker_engine.env, **{f"PHALANX_{name}_HOST_PORT": str(_free_port()) for name in HOST_PORTS}}
+    env = {f"PHALANX_{name}_HOST_PORT": str(_free_port()) for name in HOST_PORTS}
     env["PHALANX_BIND_ADDRESS"] = "127.0.0.1"
     probe = Stack(docker_engine, env, [])
     services = [s for s in probe.compose("config", "--services").stdout.split() if s not in NO_OFFLINE_IMAGE]

@@ -279,9 +279,13 @@ def _local_wheels() -> Iterator[list[str]]:
 def _phalanx_image(engine: DockerEngine) -> None:
     start = time.monotonic()
     with _local_wheels() as args:
-        engine.build("phalanx:dev", ROOT, *(args or ["--network=host"]), timeout=1200)
+        args = args or ["--network=host"]
+        # The build stage is tagged too: untagged, its last layer would be dangling, and the prune below would take
+        # the cache of torch and the pip install with it. (The second build reuses every layer of the first.)
+        engine.build("phalanx:dev-build", ROOT, "--target=build", *args, timeout=1200)
+        engine.build("phalanx:dev", ROOT, *args, timeout=1200)
     _timed("phalanx:dev build", start)
-    # The image an earlier run built (a GB or two) is dangling now; its layers that this build reused stay.
+    # What earlier runs built from other sources (a GB or two each) is dangling now; the layers this build used stay.
     engine.docker("image", "prune", "-f", timeout=300)
 
 

@@ -18,6 +18,7 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import httpx
@@ -32,7 +33,8 @@ MODEL = "smollm2-135m-instruct"
 NO_OFFLINE_IMAGE = {"grafana"}
 HOST_PORTS = ("GATEWAY", "ROUTER_1", "ROUTER_2", "HEALTH_1", "HEALTH_2", "PROMETHEUS", "GRAFANA", "JAEGER")
 STREAM_PROMPT = "Once upon a time, in a small village by the sea,"
-STREAM_TOKENS = 48
+# Long enough to be still generating once its server is found (a few seconds on a loaded machine).
+STREAM_TOKENS = 128
 # How long a shed request is retried: longer than a crashed worker's way back to healthy on a slow machine.
 RETRY_FOR_S = 120
 
@@ -188,9 +190,11 @@ class Load(threading.Thread):
 
 def _serving(stack: Stack, candidates: dict[str, tuple[int, str]]) -> str:
     """The one candidate whose gauge says it holds the stream."""
-    deadline = time.monotonic() + 20
+    deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
-        busy = [s for s, (port, name) in candidates.items() if stack.metric(s, port, name) > 0]
+        with ThreadPoolExecutor(len(candidates)) as pool:
+            gauges = dict(zip(candidates, pool.map(lambda s: stack.metric(s, *candidates[s]), candidates), strict=True))
+        busy = [s for s, value in gauges.items() if value > 0]
         if len(busy) == 1:
             return busy[0]
         time.sleep(0.2)
@@ -225,15 +229,17 @@ TARGETS = {
 @pytest.mark.parametrize("target", list(TARGETS))
 def test_a_crashed_service_comes_back_while_requests_and_a_stream_carry_on(stack: Stack, reference: str, target: str) -> None:
     candidates, command = TARGETS[target]
-    load = Load(stack.gateway)
-    load.start()
     started, result = threading.Event(), {}
     streamer = threading.Thread(target=lambda: result.update(text=stream(stack.gateway, started)), daemon=True)
     streamer.start()
+    assert started.wait(120), "the stream did not start"
+    # Found before the load starts: the load's requests would make both candidates busy.
+    service = next(iter(candidates)) if len(candidates) == 1 else _serving(stack, candidates)
+    restarts = stack.state(service)["RestartCount"]
+    load = Load(stack.gateway)
+    load.start()
     try:
-        assert started.wait(120), "the stream did not start"
-        service = next(iter(candidates)) if len(candidates) == 1 else _serving(stack, candidates)
-        restarts = stack.state(service)["RestartCount"]
+        assert streamer.is_alive(), "the stream ended before the crash"
         _crash(stack, service, command)
         TIMINGS[f"{service} crash to healthy"] = _recovered(stack, service, restarts)
         streamer.join(180)

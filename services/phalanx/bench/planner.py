@@ -582,6 +582,10 @@ def run_planner_bench(*, minutes: float = 10.0, peak_rps: float | None = None, s
         described = {"file": trace_file.name, "requests_in_file": in_file, "mean_rps": round(len(times) / duration, 3),
                      "peak_10s_rps": round(peak, 3), "lengths": f"the trace's arrivals; every request {ISL_WORDS} words in, {OSL} tokens out"}
         goal_ratio = GOAL_TRACE_WORKER_SECONDS_RATIO
+    # The planner's runs start on the fleet the trace's first 30 s need (the synthetic trace's: one worker), as a planner
+    # taking over live traffic would: started on one worker, a trace that opens busy is missed while the planner gets ready.
+    planner_start = min(static_max, max(1, workers_for(sum(1 for t in times if t < 30.0) / 30.0, profile, isl)))
+    described["planner_start_workers"] = planner_start
     rows = trace(times, duration, isl)
     offline = dryruns(rows, profile, static_max)
     best = best_predictor(offline)
@@ -595,7 +599,7 @@ def run_planner_bench(*, minutes: float = 10.0, peak_rps: float | None = None, s
               "--fork-workers" if fork_workers else "--spawn-workers"]
     started = time.monotonic()
     runs = _live_runs(directory, common, env, times, static_max=static_max, best=best, hot_spares=hot_spares,
-                      compare_rebalance=compare_rebalance)
+                      compare_rebalance=compare_rebalance, planner_start=planner_start)
     live = _live_summaries(runs, duration, trace_bursts, static_max=static_max, best=best, hot_spares=hot_spares)
     out = out or directory / "bench-planner.json"
     image = plot(out.with_suffix(".png"), duration, times, trace_bursts, runs, offline)
@@ -627,7 +631,7 @@ def _run_names(best: str) -> tuple[str, str]:
 
 
 def _live_runs(directory: Path, common: list[str], env: dict[str, str], times: list[float], *, static_max: int, best: str,
-               hot_spares: int, compare_rebalance: bool) -> dict[str, LiveRun]:
+               hot_spares: int, compare_rebalance: bool, planner_start: int = 1) -> dict[str, LiveRun]:
     """The trace replayed live on each fleet: static-min, static-max, the planner without and with hot spares (and
     without rebalancing, if asked), one after the other."""
 
@@ -648,13 +652,14 @@ def _live_runs(directory: Path, common: list[str], env: dict[str, str], times: l
     # price of restoring capacity in under a second, paid whatever the load: the same planner with spares replays the trace too,
     # its worker-seconds (spares counted) reported beside the goal, and its restoration judged by the restoration goal.
     planner_name, spare_name = _run_names(best)
-    planner_args = ["--workers", "1", "--planner", "--min-workers", "1", "--max-workers", str(static_max), *common]
-    runs[planner_name] = _live(planner_name, directory, planner_args, env, times, kill=False, settle=all_routable(1))
+    planner_args = ["--workers", str(planner_start), "--planner", "--min-workers", "1", "--max-workers", str(static_max), *common]
+    runs[planner_name] = _live(planner_name, directory, planner_args, env, times, kill=False, settle=all_routable(planner_start))
     runs[spare_name] = _live(spare_name, directory, [*planner_args, "--hot-spares", str(hot_spares)], env, times, kill=True,
                              settle=spares_settle)
     if compare_rebalance:
         runs[f"{planner_name}_no_rebalance"] = _live(f"{planner_name}_no_rebalance", directory, planner_args,
-                                                     env | {"PHALANX_MIGRATION_REBALANCE": "false"}, times, kill=False, settle=all_routable(1))
+                                                     env | {"PHALANX_MIGRATION_REBALANCE": "false"}, times, kill=False,
+                                                     settle=all_routable(planner_start))
     return runs
 
 

@@ -646,6 +646,8 @@ def _live_runs(directory: Path, common: list[str], env: dict[str, str], times: l
                                settle=all_routable(static_max))
 
     def spares_settle(stack: Stack) -> None:
+        # Its spares, and the same serving fleet as the run without: a replay started before then is missed at the start.
+        all_routable(planner_start)(stack)
         _wait_for(lambda: len((stack.state().get("planner") or {}).get("spares") or []) >= hot_spares, 60)
 
     # The cost goal compares like with like: the planner's fleet against static-max's, neither with a hot spare. A spare is the

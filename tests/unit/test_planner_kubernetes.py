@@ -7,16 +7,15 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import threading
 import time
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 from kubernetes import client
 
 from phalanx.planner.connectors import DecisionRecord
 from phalanx.planner.kubernetes_connector import KubernetesConnector, scale_patch
+from phalanx.testing.kube_api import StatefulSetApiServer
 
 pytestmark = pytest.mark.unit
 
@@ -78,67 +77,14 @@ def test_against_a_live_cluster_the_statefulset_reaches_the_target() -> None:
     asyncio.run(scenario())
 
 
-class _ApiServer:
-    """A real HTTP server speaking the two calls the connector makes, StatefulSet scale PATCH and StatefulSet GET, with the
-    ready replicas a test sets: the official client's own requests and deserialisation run unchanged against it."""
-
-    def __init__(self) -> None:
-        self.patches: list[tuple[str, str, dict]] = []  # (StatefulSet, Content-Type, body)
-        self.reads: list[str] = []
-        self.ready: dict[str, int] = {}
-        server = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args) -> None:
-                pass
-
-            def _reply(self, body: dict) -> None:
-                data = json.dumps(body).encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-            def do_PATCH(self) -> None:
-                name = self.path.split("/statefulsets/", 1)[1].removesuffix("/scale")
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                server.patches.append((name, self.headers["Content-Type"], body))
-                replicas = body["spec"]["replicas"]
-                self._reply({"apiVersion": "autoscaling/v1", "kind": "Scale", "metadata": {"name": name},
-                             "spec": {"replicas": replicas}, "status": {"replicas": server.ready.get(name, 0)}})
-
-            def do_GET(self) -> None:
-                name = self.path.split("/statefulsets/", 1)[1]
-                server.reads.append(name)
-                ready = server.ready.get(name, 0)
-                self._reply({"apiVersion": "apps/v1", "kind": "StatefulSet", "metadata": {"name": name},
-                             "spec": {"replicas": ready, "serviceName": name, "selector": {}, "template": {}},
-                             "status": {"replicas": ready, "readyReplicas": ready}})
-
-        self.http = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.thread = threading.Thread(target=self.http.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
-        self.thread.start()
-
-    def apps_api(self) -> client.AppsV1Api:
-        configuration = client.Configuration()
-        configuration.host = f"http://127.0.0.1:{self.http.server_address[1]}"
-        return client.AppsV1Api(client.ApiClient(configuration))
-
-    def close(self) -> None:
-        self.http.shutdown()
-        self.http.server_close()
-        self.thread.join(5)
-
-
 @pytest.fixture
-def api_server() -> Iterator[_ApiServer]:
-    server = _ApiServer()
+def api_server() -> Iterator[StatefulSetApiServer]:
+    server = StatefulSetApiServer()
     yield server
     server.close()
 
 
-def test_a_disaggregated_decision_scales_the_worker_and_prefill_statefulsets_apart(api_server: _ApiServer) -> None:
+def test_a_disaggregated_decision_scales_the_worker_and_prefill_statefulsets_apart(api_server: StatefulSetApiServer) -> None:
     connector = KubernetesConnector("serving", "phalanx-worker", apps_api=api_server.apps_api(),
                                     prefill_statefulset="phalanx-worker-prefill")
     record = DecisionRecord(id=9, workers=3, spares=0, reason="scale", issued_at=time.time(), deadline=time.time() + 60,
@@ -158,7 +104,7 @@ def test_a_disaggregated_decision_scales_the_worker_and_prefill_statefulsets_apa
     asyncio.run(scenario())
 
 
-def test_an_aggregated_decision_touches_only_the_worker_statefulset(api_server: _ApiServer) -> None:
+def test_an_aggregated_decision_touches_only_the_worker_statefulset(api_server: StatefulSetApiServer) -> None:
     connector = KubernetesConnector("serving", "phalanx-worker", apps_api=api_server.apps_api())
     api_server.ready = {"phalanx-worker": 4}
 

@@ -7,19 +7,16 @@ and PyPI ship no kube-apiserver), so the authorizer is RBAC's rule matching, app
 from __future__ import annotations
 
 import asyncio
-import json
 import re
-import threading
 import time
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
-from kubernetes import client
 
 from phalanx.planner.connectors import DecisionRecord
 from phalanx.planner.kubernetes_connector import KubernetesConnector
 from phalanx.testing import helm
+from phalanx.testing.kube_api import StatefulSetApiServer
 
 pytestmark = pytest.mark.unit
 
@@ -29,50 +26,11 @@ _PATH = re.compile(
 _VERBS = {"GET": "get", "PATCH": "patch", "PUT": "update", "DELETE": "delete", "POST": "create"}
 
 
-class _ApiServer(BaseHTTPRequestHandler):
-    """Answers the scale subresource and StatefulSet reads as the API server does, every StatefulSet at its scale."""
-
-    requests: list[tuple[str, str]] = []
-    replicas: dict[str, int] = {}
-
-    def log_message(self, *args) -> None:
-        pass  # quiet
-
-    def _reply(self, body: dict) -> None:
-        data = json.dumps(body).encode()
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def do_PATCH(self) -> None:
-        self.requests.append(("PATCH", self.path))
-        patch = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-        name = _PATH.match(self.path)["name"]
-        self.replicas[name] = patch["spec"]["replicas"]
-        self._reply({"apiVersion": "autoscaling/v1", "kind": "Scale", "metadata": {"name": name}, "spec": {"replicas": self.replicas[name]}})
-
-    def do_GET(self) -> None:
-        self.requests.append(("GET", self.path))
-        name = _PATH.match(self.path)["name"]
-        n = self.replicas.get(name, 0)
-        self._reply({"apiVersion": "apps/v1", "kind": "StatefulSet", "metadata": {"name": name},
-                     "spec": {"replicas": n, "selector": {}, "serviceName": name, "template": {}},
-                     "status": {"replicas": n, "readyReplicas": n}})
-
-
 @pytest.fixture
-def api_server() -> Iterator[str]:
-    _ApiServer.requests, _ApiServer.replicas = [], {}
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _ApiServer)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}"
-    finally:
-        server.shutdown()
-        server.server_close()
+def api_server() -> Iterator[StatefulSetApiServer]:
+    server = StatefulSetApiServer()
+    yield server
+    server.close()
 
 
 def _planner(objects: dict) -> tuple[dict, dict[str, str]]:
@@ -107,20 +65,19 @@ def test_every_call_the_planners_connector_makes_is_allowed_by_the_rendered_role
         statefulsets.append(env["PHALANX_PLANNER_KUBE_PREFILL_STATEFULSET"])
     assert all(("StatefulSet", name) in objects for name in statefulsets), statefulsets
 
-    configuration = client.Configuration()
-    configuration.host = api_server
-    apps = client.AppsV1Api(client.ApiClient(configuration))
+    apps = api_server.apps_api()
     # The namespace comes from the pod's own (fieldRef metadata.namespace): the release's, where the Role is.
     connector = KubernetesConnector(helm.NAMESPACE, statefulsets[0], apps_api=apps, prefill_statefulset=statefulsets[-1] if disaggregated else "")
     now = time.time()
     record = DecisionRecord(id=3, workers=4, spares=0, reason="scale", issued_at=now, deadline=now + 60,
                             **({"prefill_workers": 2} if disaggregated else {}))
     assert asyncio.run(connector.publish(record))
+    api_server.ready = {name: patch["spec"]["replicas"] for name, _, patch in api_server.patches}
     ack = asyncio.run(connector.acknowledged())
     assert ack is not None and ack.workers == 4 and (ack.prefill_workers == 2 if disaggregated else True)
 
     used = set()
-    for method, path in _ApiServer.requests:
+    for method, path in api_server.requests:
         match = _PATH.match(path.split("?")[0])
         assert match is not None, path
         assert match["namespace"] == helm.NAMESPACE

@@ -1,0 +1,68 @@
+"""A real HTTP server that answers the Kubernetes API calls the planner's kubernetes connector makes (StatefulSet scale
+PATCH and StatefulSet GET), for tests: the official client's own requests and deserialisation run unchanged against it."""
+
+from __future__ import annotations
+
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from kubernetes import client
+
+__all__ = ["StatefulSetApiServer"]
+
+
+class StatefulSetApiServer:
+    """A real HTTP server speaking the two calls the connector makes, StatefulSet scale PATCH and StatefulSet GET, with the
+    ready replicas a test sets: the official client's own requests and deserialisation run unchanged against it."""
+
+    def __init__(self) -> None:
+        self.patches: list[tuple[str, str, dict]] = []  # (StatefulSet, Content-Type, body)
+        self.reads: list[str] = []
+        self.ready: dict[str, int] = {}
+        self.requests: list[tuple[str, str]] = []  # (method, path) of every call, in order
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args) -> None:
+                pass
+
+            def _reply(self, body: dict) -> None:
+                data = json.dumps(body).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_PATCH(self) -> None:
+                server.requests.append(("PATCH", self.path))
+                name = self.path.split("/statefulsets/", 1)[1].removesuffix("/scale")
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                server.patches.append((name, self.headers["Content-Type"], body))
+                replicas = body["spec"]["replicas"]
+                self._reply({"apiVersion": "autoscaling/v1", "kind": "Scale", "metadata": {"name": name},
+                             "spec": {"replicas": replicas}, "status": {"replicas": server.ready.get(name, 0)}})
+
+            def do_GET(self) -> None:
+                server.requests.append(("GET", self.path))
+                name = self.path.split("/statefulsets/", 1)[1]
+                server.reads.append(name)
+                ready = server.ready.get(name, 0)
+                self._reply({"apiVersion": "apps/v1", "kind": "StatefulSet", "metadata": {"name": name},
+                             "spec": {"replicas": ready, "serviceName": name, "selector": {}, "template": {}},
+                             "status": {"replicas": ready, "readyReplicas": ready}})
+
+        self.http = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.thread = threading.Thread(target=self.http.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+        self.thread.start()
+
+    def apps_api(self) -> client.AppsV1Api:
+        configuration = client.Configuration()
+        configuration.host = f"http://127.0.0.1:{self.http.server_address[1]}"
+        return client.AppsV1Api(client.ApiClient(configuration))
+
+    def close(self) -> None:
+        self.http.shutdown()
+        self.http.server_close()
+        self.thread.join(5)

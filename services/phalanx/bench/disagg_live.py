@@ -43,7 +43,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from phalanx.bench.planner import Stack
 from phalanx.client import Client, PhalanxClientError
-from phalanx.launch.services import metric_value, scrape
+from phalanx.launch.services import scrape
 
 _VOCAB_LOW, _VOCAB_HIGH = 1_000, 40_000  # ordinary tokens of SmolLM2's vocabulary (no special or byte tokens)
 
@@ -125,6 +125,11 @@ def _q(values: list[float], q: float) -> float | None:
     return round(ordered[min(len(ordered) - 1, int(q * len(ordered)))], 4)
 
 
+def _ttft(requests: list[_Request]) -> dict[str, float | None]:
+    ttfts = [r.token_times[0] - r.sent_at for r in requests if r.token_times]
+    return {"p50": _q(ttfts, 0.5), "p99": _q(ttfts, 0.99)}
+
+
 def _meets(r: _Request, s: LiveSettings, wanted: int) -> bool:
     if r.error or len(r.token_times) < wanted or r.indexes != list(range(len(r.indexes))):
         return False
@@ -155,33 +160,33 @@ def figures(requests: list[_Request], s: LiveSettings) -> dict:
         "requests_with_lost_or_repeated_tokens": len(broken),
         "itl_s": {"p50": _q(gaps, 0.5), "p99": _q(gaps, 0.99)},
         "itl_during_long_arrivals_s": {"p50": _q(during, 0.5), "p99": _q(during, 0.99), "gaps": len(during)},
-        "ttft_steady_s": {"p50": _q([r.token_times[0] - r.sent_at for r in steady if r.token_times], 0.5),
-                          "p99": _q([r.token_times[0] - r.sent_at for r in steady if r.token_times], 0.99)},
-        "ttft_long_s": {"p50": _q([r.token_times[0] - r.sent_at for r in longs if r.token_times], 0.5),
-                        "p99": _q([r.token_times[0] - r.sent_at for r in longs if r.token_times], 0.99)},
+        "ttft_steady_s": _ttft(steady),
+        "ttft_long_s": _ttft(longs),
         "goodput_rps": round(len(good) / span, 3),
         "slo_attainment": round(len(good) / len(counted), 4) if counted else None,
     }
 
 
 def _handovers(metrics_address: str) -> dict:
-    text = scrape(metrics_address)
-    seconds = metric_value(text, "phalanx_router_disagg_transfer_seconds_sum") or 0.0
-    count = metric_value(text, "phalanx_router_disagg_transfer_seconds_count") or 0.0
-    kv_bytes = metric_value(text, "phalanx_router_disagg_transferred_bytes_total") or 0.0
-    outcomes = {
-        sample.labels["outcome"]: sample.value for family in text_string_to_metric_families(text) for sample in family.samples
-        if sample.name == "phalanx_router_disagg_transfers_total"
-    }
+    # The exposition parsed once; every figure below is a sum over its samples.
+    samples = [sample for family in text_string_to_metric_families(scrape(metrics_address)) for sample in family.samples]
+
+    def total(name: str, **labels: str) -> float:
+        return sum(s.value for s in samples if s.name == name and labels.items() <= s.labels.items())
+
+    seconds = total("phalanx_router_disagg_transfer_seconds_sum")
+    count = total("phalanx_router_disagg_transfer_seconds_count")
+    kv_bytes = total("phalanx_router_disagg_transferred_bytes_total")
+    outcomes = {s.labels["outcome"]: s.value for s in samples if s.name == "phalanx_router_disagg_transfers_total"}
     return {
         "ok": outcomes.get("ok", 0.0),
         "outcomes": outcomes,  # the others: the request prefilled again on the decode side (docs/disagg.md)
-        "remote_prefills": metric_value(text, "phalanx_router_disagg_prefills_total", where="remote") or 0.0,
-        "local_prefills": metric_value(text, "phalanx_router_disagg_prefills_total", where="local") or 0.0,
+        "remote_prefills": total("phalanx_router_disagg_prefills_total", where="remote"),
+        "local_prefills": total("phalanx_router_disagg_prefills_total", where="local"),
         # Why prompts stayed local (the steady ones: too short; a long one: the prefill pool saturated, no KV room ...).
         "local_by_reason": {
-            sample.labels["reason"]: sample.value for family in text_string_to_metric_families(text) for sample in family.samples
-            if sample.name == "phalanx_router_disagg_prefills_total" and sample.labels.get("where") == "local"
+            s.labels["reason"]: s.value for s in samples
+            if s.name == "phalanx_router_disagg_prefills_total" and s.labels.get("where") == "local"
         },
         "mean_transfer_s": round(seconds / count, 4) if count else None,
         "mean_transfer_bytes": round(kv_bytes / count) if count else None,

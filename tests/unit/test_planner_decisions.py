@@ -131,6 +131,33 @@ def test_the_interval_adapts_to_the_measured_scaling_latency() -> None:
     assert planner.interval_s == 200.0  # 2 x 120 = 240, capped at 200
 
 
+def test_the_lead_time_is_the_p90_of_how_long_decisions_that_start_workers_took() -> None:
+    clock, planner = Clock(), machine(workers=2, interval_s=10.0, hot_spares=1)
+    assert planner.lead_time_s is None  # nothing measured: plans look one interval ahead
+    up = planner.tick(clock.now, READY, 4)
+    assert up is not None and up.starts == 2
+    planner.complete(up.id, clock.advance(12.0))
+    down = planner.tick(clock.advance(30.0), READY, 3)
+    assert down is not None and down.starts == 0
+    planner.complete(down.id, clock.advance(1.0))  # a scale-down says nothing of how long a start takes
+    assert planner.lead_time_s == 12.0
+    planner.spare_ready("spare-1")
+    replace = planner.worker_dead(clock.advance(1.0), "w1")
+    assert replace is not None and replace.reason is DecisionReason.PROMOTE_SPARE and replace.starts == 0  # promotions neither
+    planner.complete(replace.id, clock.advance(0.1))
+    assert planner.lead_time_s == 12.0
+    for latency in (3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0, 10.0, 11.0):  # replacements start one worker each
+        dead = planner.worker_dead(clock.advance(1.0), f"dead-{latency}")
+        assert dead is not None and dead.reason is DecisionReason.REPLACE_DEAD and dead.starts == 1
+        planner.complete(dead.id, clock.advance(latency))
+    # Ten latencies, 3 to 12 s: the 9th of them sorted (nearest rank) covers 90 % of the starts.
+    assert planner.lead_time_s == 11.0
+    timed_out = planner.worker_dead(clock.advance(1.0), "slow")
+    assert timed_out is not None
+    planner.tick(clock.advance(61.0), READY, 3)  # its deadline passed: a start that never finished measures nothing
+    assert planner.lead_time_s == 11.0
+
+
 def test_a_dead_worker_is_replaced_at_once() -> None:
     clock, planner = Clock(), machine(workers=3, replace_deadline_s=60.0)
     tick = planner.tick(clock.now, READY, 3)
@@ -525,7 +552,8 @@ def test_a_surge_the_arrivals_after_it_do_not_bear_out_is_withdrawn_and_the_wind
     assert planner.complete(withdrawn.id, clock.advance(1.0))
     # The 30 s scale-down window no longer holds the surge's 5: a tick's 3 is issued as a scale-up from 2, not held at 5.
     assert planner.tick(clock.advance(1.0), READY, desired_workers=3) == Decision(
-        id=withdrawn.id + 1, targets=Targets(workers=3), reason=DecisionReason.SCALE, issued_at=clock.now, deadline=clock.now + 120.0)
+        id=withdrawn.id + 1, targets=Targets(workers=3), reason=DecisionReason.SCALE, issued_at=clock.now, deadline=clock.now + 120.0,
+        starts=1)
 
 
 def test_a_surge_the_arrivals_after_it_bear_out_stands_and_is_no_longer_on_trial() -> None:

@@ -69,6 +69,23 @@ def test_a_trend_predictor_under_provisions_less_often_than_constant_on_the_ramp
     assert kalman.under_provisioned_intervals < constant.under_provisioned_intervals
 
 
+def test_workers_slow_to_start_under_provision_a_ramp_unless_the_plan_looks_as_far_ahead() -> None:
+    trace = [TraceInterval(10.0 * i, 50.0 + 12.0 * i, 800.0, 200.0) for i in range(40)]
+    config = ReplicaConfig(interval_s=10.0)
+    instant = replay(trace, PROFILE, SLO, config, predictor="kalman")
+    # A worker routable 15 s after its plan: the workers planned for an interval serve only from its second half on, and
+    # the fleet during its first half is the last plan's.
+    late = replay(trace, PROFILE, SLO, config, predictor="kalman")
+    late = type(late)(**{**late.__dict__, "lead_time_s": 15.0})
+    ahead = replay(trace, PROFILE, SLO, config, predictor="kalman", lead_time_s=15.0)
+    assert late.routable()[5:] == [min(late.combined[i - 2:i + 1]) for i in range(5, 40)]
+    assert late.under_provisioned_intervals > instant.under_provisioned_intervals
+    assert ahead.under_provisioned_intervals < late.under_provisioned_intervals
+    # Planned 1.5 intervals ahead on a rise: never fewer workers than the plan for the next interval alone, more in all.
+    assert all(a >= b for a, b in zip(ahead.combined, instant.combined, strict=True))
+    assert ahead.worker_intervals > instant.worker_intervals
+
+
 def test_plot_is_written_from_a_trace_file(tmp_path: Path) -> None:
     trace_path = tmp_path / "trace.jsonl"
     save_trace(trace_path, bursty_trace())

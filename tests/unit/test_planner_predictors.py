@@ -236,8 +236,8 @@ def test_bad_traces_are_refused_with_where_and_what(text: str, fmt: str, message
 class AlwaysHigh(_SafePredictor):
     """A model that is always 50 too high: what the guard exists for."""
 
-    def _model_predict(self, values: np.ndarray) -> float | None:
-        return float(values[-1]) + 50.0
+    def _model_forecast(self, values: np.ndarray, steps: int) -> list[float] | None:
+        return [float(values[-1]) + 50.0 * k for k in range(1, steps + 1)]
 
 
 def test_a_model_worse_than_constant_yields_to_it_until_it_does_better() -> None:
@@ -269,3 +269,37 @@ def test_arima_does_not_zig_zag_after_a_burst_leaves_its_window() -> None:
             predictor.predict_next()
         predictor.observe(value)
     assert max(errors) < 6.0, [round(e, 1) for e in errors]
+
+
+@pytest.mark.parametrize("kind", ["arima", "kalman"])
+def test_looking_further_ahead_on_a_rise_asks_for_the_later_higher_forecast(kind: str) -> None:
+    predictor = make_predictor(kind)  # type: ignore[arg-type]
+    for i in range(30):
+        predictor.observe(100.0 + 10.0 * i)  # next: 400, then 410, 420
+    assert predictor.predict_next() == pytest.approx(400.0, rel=0.02)
+    assert predictor.predict_peak(3) == pytest.approx(420.0, rel=0.02)
+    assert predictor.predict_peak(1.5) == pytest.approx(405.0, rel=0.02)  # half-way into the interval after the next
+    assert predictor.predict_peak(1) == predictor.predict_peak(0.2) == predictor.predict_next()
+
+
+@pytest.mark.parametrize("kind", ["constant", "arima", "kalman"])
+def test_on_a_fall_the_peak_ahead_is_the_next_interval(kind: str) -> None:
+    predictor = make_predictor(kind)  # type: ignore[arg-type]
+    for i in range(30):
+        predictor.observe(400.0 - 10.0 * i)
+    assert predictor.predict_peak(4) == predictor.predict_peak(2.5) == predictor.predict_next()
+
+
+def test_the_peak_ahead_keeps_the_safety_rules() -> None:
+    warming = make_predictor("kalman")
+    for value in (10.0, 20.0, 30.0):
+        warming.observe(value)
+    assert warming.predict_peak(5) == 30.0  # warming up: the last value, however far ahead
+    guarded = AlwaysHigh(PredictorConfig(guard_window=2))
+    for value in [100.0] * 8:
+        guarded.predict_next()
+        guarded.predict_peak(3)
+        guarded.observe(value)
+    # Judged from the 8th interval on (5 warming, 2 to judge by): counted once an interval, however often it is asked.
+    assert guarded.predict_peak(3) == 100.0 and guarded.guarded == 2
+    assert AlwaysHigh(PredictorConfig(guard_window=0)).predict_peak(3) == 0.0  # nothing observed

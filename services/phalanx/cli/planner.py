@@ -113,6 +113,7 @@ def dryrun(
     max_gpus: int = typer.Option(None, min=1, help="GPU budget (unset: none)"),
     length_quantile: float = typer.Option(0.9, min=0.0, max=1.0, help="ISL/OSL quantile of the operating point; 0: the mean (Dynamo's)"),
     failure_reserve: int = typer.Option(0, min=0, max=16, help="N+k: workers planned beyond the SLOs' need, so they hold after k are lost"),
+    lead_time_s: float = typer.Option(0.0, min=0.0, help="New workers' start-to-routable: plan for the load this far past each interval"),
 ) -> None:
     """Replay a trace offline through the predictor, the profile and the replica maths; print a JSON summary (and plot it)."""
     from phalanx.planner.dryrun import plot as draw, replay, trace_interval_s
@@ -140,10 +141,10 @@ def dryrun(
         intervals, loaded, SloTargets(ttft_s=ttft_slo_s, itl_s=itl_slo_s),
         ReplicaConfig(interval_s=interval_s, min_workers=min_workers, max_gpus=max_gpus, length_quantile=length_quantile or None,
                       failure_reserve=failure_reserve),
-        predictor=predictor,
+        predictor=predictor, lead_time_s=lead_time_s,
     )
     summary = {
-        "predictor": predictor, "trace": kind, "requests": sum(i.requests for i in intervals),
+        "predictor": predictor, "lead_time_s": lead_time_s, "trace": kind, "requests": sum(i.requests for i in intervals),
         "intervals": len(intervals), "interval_s": interval_s, "worker_intervals": series.worker_intervals,
         "needed_worker_intervals": sum(series.needed_combined), "under_provisioned_intervals": series.under_provisioned_intervals,
         "max_workers": max(series.combined), "pools": series.pools(), "plot": str(draw(series, plot)) if plot else None,

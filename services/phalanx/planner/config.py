@@ -38,6 +38,10 @@ class PlannerConfig(BaseSettings):
         0, ge=0, le=16, description="N+k: serving workers planned beyond what the SLOs need (in each pool), so that the SLOs still hold "
         "after this many workers are lost; unlike hot spares, they serve"
     )
+    lead_time_s: float | None = Field(
+        None, ge=0, description="How far past the interval a plan sizes the fleet for (its new workers serve only once routable); "
+        "unset: the measured P90 of new workers' start-to-routable (none measured: 0); 0: the next interval only"
+    )
     promote_deadline_s: float = Field(5.0, gt=0, description="A spare's promotion not acknowledged after this long times out")
     capacity_view: bool = Field(True, description="Publish the capacity-vs-demand view (needs a profile) that health's degradation reads")
     scale_deadline_s: float = Field(120.0, gt=0, description="A scaling decision not acknowledged after this long times out")

@@ -101,6 +101,9 @@ class Decision:
     replaces: str | None = None
     # PROMOTE_SPARE: the spare that takes its place.
     promote: str | None = None
+    # Workers it starts (routed and prefill, beyond the targets before it; a replacement starts one): its completion measures
+    # how long a new worker takes to become routable (`DecisionMachine.lead_time_s`).
+    starts: int = 0
 
 
 @dataclass(frozen=True)
@@ -165,6 +168,8 @@ class DecisionConfig:
     # The interval is at least this multiple of recent scaling latencies ...
     latency_multiple: float = 2.0
     latency_window: int = 5
+    # The lead time is the LEAD_QUANTILE of the last this many start-to-routable latencies.
+    lead_window: int = 20
     # ... and at most this long, so a scaling that once took minutes does not blind the planner for hours.
     max_interval_s: float = 600.0
     # A scaling decision not completed after this long is marked timed out.
@@ -190,8 +195,8 @@ class DecisionConfig:
     def __post_init__(self) -> None:
         if not 0 < self.interval_s <= self.max_interval_s:
             raise ValueError("need 0 < interval_s <= max_interval_s")
-        if self.latency_multiple <= 0 or self.latency_window < 1 or min(self.hot_spares, self.prefill_hot_spares) < 0:
-            raise ValueError("latency_multiple > 0, latency_window >= 1 and hot_spares >= 0 are required")
+        if self.latency_multiple <= 0 or min(self.latency_window, self.lead_window) < 1 or min(self.hot_spares, self.prefill_hot_spares) < 0:
+            raise ValueError("latency_multiple > 0, latency_window >= 1, lead_window >= 1 and hot_spares >= 0 are required")
         if min(self.scale_deadline_s, self.replace_deadline_s, self.promote_deadline_s) <= 0:
             raise ValueError("deadlines must be > 0")
         if self.scale_down_window_s < 0 or self.scale_down_confirm_s < 0:
@@ -201,6 +206,9 @@ class DecisionConfig:
         if self.withdraw_odds != 0 and self.withdraw_odds <= 1:
             raise ValueError("withdraw_odds must be 0 (off) or > 1")
 
+
+# A plan's lead time covers this share of the start-to-routable latencies measured.
+LEAD_QUANTILE = 0.9
 
 # Dead worker ids remembered to ignore repeated DEAD events; ids are unique per process, so old ones can go.
 _REMEMBERED_DEAD = 1024
@@ -221,6 +229,7 @@ class DecisionMachine:
         self.prefill_spares: list[str] = []  # of a disaggregated fleet's prefill pool
         self._next_tick_at: float | None = None
         self._latencies: deque[float] = deque(maxlen=config.latency_window)
+        self._start_latencies: deque[float] = deque(maxlen=config.lead_window)  # of completed decisions that started workers
         self._history: deque[FinishedDecision] = deque(maxlen=config.history)
         self._handled_dead: dict[str, None] = {}
         self._wanted: deque[tuple[float, int]] = deque()  # (when, desired workers) of recent ticks and surges
@@ -236,6 +245,16 @@ class DecisionMachine:
     def interval_s(self) -> float:
         slowest = max(self._latencies, default=0.0)
         return min(self.config.max_interval_s, max(self.config.interval_s, self.config.latency_multiple * slowest))
+
+    @property
+    def lead_time_s(self) -> float | None:
+        """How long new workers take to become routable: the LEAD_QUANTILE (nearest rank) of the completed decisions that
+        started workers, issue to acknowledgement; None before the first. A plan sizes the fleet for the load this far past
+        the interval it is made for (docs/planner.md, "Lead time")."""
+        if not self._start_latencies:
+            return None
+        ranked = sorted(self._start_latencies)
+        return ranked[min(len(ranked) - 1, math.ceil(LEAD_QUANTILE * len(ranked)) - 1)]
 
     @property
     def next_tick_at(self) -> float | None:
@@ -476,7 +495,11 @@ class DecisionMachine:
         return decision
 
     def _issue(self, now: float, targets: Targets, reason: DecisionReason, deadline_s: float, **fields: str) -> Decision:
-        decision = Decision(id=self.next_id, targets=targets, reason=reason, issued_at=now, deadline=now + deadline_s, **fields)
+        before = self.targets
+        starts = (max(0, targets.workers - before.workers) + max(0, (targets.prefill or 0) - (before.prefill or 0))
+                  if reason in (DecisionReason.SCALE, DecisionReason.SURGE) else int(reason is DecisionReason.REPLACE_DEAD))
+        decision = Decision(id=self.next_id, targets=targets, reason=reason, issued_at=now, deadline=now + deadline_s, starts=starts,
+                            **fields)
         self.next_id += 1
         self.targets = targets
         return decision
@@ -501,6 +524,8 @@ class DecisionMachine:
         # A promotion says nothing about how fast a new worker starts, nor a superseded decision about how long one takes.
         if decision.reason is not DecisionReason.PROMOTE_SPARE and outcome is not Outcome.SUPERSEDED:
             self._latencies.append(finished.latency_s)
+        if decision.starts and outcome is Outcome.COMPLETED:
+            self._start_latencies.append(finished.latency_s)
 
 
 def _poisson_cdf(count: int, mean: float) -> float:

@@ -3,7 +3,11 @@
 `replay` is pure: for each interval of the trace it predicts requests, ISL and OSL from the intervals
 before it (as the live planner would), plans workers from the prediction, then shows the predictors the
 interval's real values. It also plans from the real values (what a perfect predictor would have asked for),
-so the plot shows where the prediction under- or over-provisions. No correction factors: offline there
+so the plot shows where the prediction under- or over-provisions. With a lead time (new workers take that long to
+become routable), each plan is for the load up to the lead time past its interval (`Predictor.predict_peak`, as the
+live planner plans), and an interval counts as under-provisioned when it needs more than the workers routable all
+through it: the fewest of the plans made within the lead time before its end (a scale-up is not routable yet, a
+scale-down is at once). No correction factors: offline there
 is no observed latency to correct with. A trace records means only, so ISL/OSL quantiles equal the means
 here; quantile planning shows in the live planner, which observes histograms.
 
@@ -13,6 +17,7 @@ state, into a PNG: requests per interval, ISL/OSL, and workers.
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -30,6 +35,7 @@ class DryRunSeries:
 
     predictor: str
     interval_s: float
+    lead_time_s: float = 0.0
     timestamps: list[float] = field(default_factory=list)
     observed_requests: list[float] = field(default_factory=list)
     predicted_requests: list[float] = field(default_factory=list)
@@ -51,7 +57,12 @@ class DryRunSeries:
 
     @property
     def under_provisioned_intervals(self) -> int:
-        return sum(1 for planned, needed in zip(self.combined, self.needed_combined, strict=True) if planned < needed)
+        return sum(1 for routable, needed in zip(self.routable(), self.needed_combined, strict=True) if routable < needed)
+
+    def routable(self) -> list[int]:
+        """Workers routable all through each interval: the fewest the plans of the last lead time asked for."""
+        back = math.ceil(self.lead_time_s / self.interval_s - 1e-9)
+        return [min(self.combined[max(0, i - back):i + 1]) for i in range(len(self.combined))]
 
     def pools(self) -> dict[str, int]:
         """What a disaggregated fleet would have run (docs/disagg.md, Planner): each pool's worker-intervals and its most
@@ -75,12 +86,14 @@ def replay(
     predictor: PredictorKind = "arima",
     predictor_config: PredictorConfig | None = None,
     degradation_level: int = 0,
+    lead_time_s: float = 0.0,
 ) -> DryRunSeries:
     """The trace through the planner's maths (module docstring)."""
     predictors = {name: make_predictor(predictor, predictor_config) for name in ("requests", "isl", "osl")}
-    series = DryRunSeries(predictor=predictor, interval_s=replica_config.interval_s)
+    series = DryRunSeries(predictor=predictor, interval_s=replica_config.interval_s, lead_time_s=lead_time_s)
     for interval in trace:
         predicted = {name: p.predict_next() for name, p in predictors.items()}
+        predicted["requests"] = predictors["requests"].predict_peak(1.0 + lead_time_s / replica_config.interval_s)
         plan = plan_replicas(_forecast(predicted["requests"], predicted["isl"], predicted["osl"]), profile, slo, replica_config,
                              degradation_level=degradation_level)
         needed = plan_replicas(_forecast(interval.requests, interval.isl, interval.osl), profile, slo, replica_config,

@@ -28,6 +28,8 @@ class PlannerMetrics:
                                        registry=r)
         self.routers = Gauge("phalanx_planner_routers", "Routers registered", registry=r)
         self.interval = Gauge("phalanx_planner_interval_seconds", "The adaptive adjustment interval", registry=r)
+        self.lead_time = Gauge("phalanx_planner_lead_time_seconds", "How far past the interval the last plan sized the fleet for (new "
+                               "workers' measured P90 start-to-routable, or the configured lead time)", registry=r)
         self.observed_requests = Gauge("phalanx_planner_observed_requests_per_second", "Request rate over the last interval", registry=r)
         self.predicted_requests = Gauge("phalanx_planner_predicted_requests_per_second", "Request rate predicted for the next interval",
                                         registry=r)

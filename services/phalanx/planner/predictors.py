@@ -29,6 +29,11 @@ Models (`make_predictor`):
 - prophet: Meta's Prophet (installs here with a bundled cmdstan), refit every `refit_every` observations
   on the window; optional extra seasonality with a period in intervals. The slowest (0.3 s a fit).
 
+Looking further ahead (`predict_peak(intervals)`): the highest of the model's forecasts up to `intervals` ahead, from
+each model's own multi-step forecast (ARIMA's, the Kalman state's level + k * slope, Prophet's next dates; the constant's
+is flat). The planner uses it to size the fleet for the intervals its workers take to become routable (lead time,
+docs/planner.md). The same rules hold: a warming, failed or guarded model's path is flat at the last value.
+
 Warm start: feed past values (`warm_start`) or a trace file (`load_trace`) before the first live interval,
 so the model does not start cold.
 
@@ -61,11 +66,13 @@ PREDICTOR_KINDS: tuple[PredictorKind, ...] = ("constant", "arima", "kalman", "pr
 
 
 class Predictor(Protocol):
-    """Observes one value per interval and predicts the next interval's value."""
+    """Observes one value per interval and predicts the next interval's value, or the highest up to some intervals ahead."""
 
     def observe(self, value: float) -> None: ...
 
     def predict_next(self) -> float: ...
+
+    def predict_peak(self, intervals: float) -> float: ...
 
 
 @dataclass(frozen=True)
@@ -101,7 +108,7 @@ class PredictorConfig:
 
 
 class _SafePredictor:
-    """The safety rules of the module docstring; subclasses implement `_model_predict` over the accepted window."""
+    """The safety rules of the module docstring; subclasses implement `_model_forecast` over the accepted window."""
 
     def __init__(self, config: PredictorConfig | None = None) -> None:
         self.config = config or PredictorConfig()
@@ -109,8 +116,9 @@ class _SafePredictor:
         # Accepted observations since the model last fitted (ARIMA, Prophet) or ever (Kalman).
         self._observed = 0
         self._accepted = 0
-        # predict_next may be called more than once per interval (metrics, status): the model runs once per observation.
-        self._cached: tuple[int, float] | None = None
+        # Predictions may be asked for more than once per interval (metrics, status): the model runs once per observation
+        # (and again only to look further ahead). (accepted count, path, whether the path is flat whatever its length)
+        self._cached: tuple[int, list[float], bool] | None = None
         # (model error, constant error) of the intervals whose prediction was asked for, for the guard.
         self._errors: deque[tuple[float, float]] = deque(maxlen=max(self.config.guard_window, 1))
         self._model_prediction: tuple[int, float] | None = None
@@ -135,23 +143,43 @@ class _SafePredictor:
         self._on_observation(float(value))
 
     def predict_next(self) -> float:
+        return self._path(1)[0]
+
+    def predict_peak(self, intervals: float) -> float:
+        """The highest forecast from the next interval to `intervals` ahead (at least 1), the last fraction of an interval
+        interpolated: 1.25 is the next interval's and a quarter of the way to the one after."""
+        intervals = max(1.0, intervals)
+        whole = math.floor(intervals)
+        path = self._path(math.ceil(intervals))
+        path += [path[-1]] * (math.ceil(intervals) - len(path))  # a flat path, shorter than asked
+        peak = max(path[:whole])
+        if intervals > whole:
+            peak = max(peak, path[whole - 1] + (intervals - whole) * (path[whole] - path[whole - 1]))
+        return peak
+
+    def _path(self, steps: int) -> list[float]:
+        """Forecasts of the next `steps` intervals (fewer: flat at the last value), with the module's safety rules."""
         if not self._values:
-            return 0.0
+            return [0.0]
         last = self._values[-1]
         if len(self._values) < self.config.warmup_points:
-            return last
-        if self._cached is not None and self._cached[0] == self._accepted:
-            return self._cached[1]
-        predicted = self._model_predict(np.asarray(self._values, dtype=np.float64))
-        if predicted is None or not math.isfinite(predicted):
-            self.fallbacks += 1
-            predicted = last
-        self._model_prediction = (self._accepted, predicted)
+            return [last]
+        cached = self._cached
+        if cached is not None and cached[0] == self._accepted and (len(cached[1]) >= steps or cached[2]):
+            return cached[1][:steps]
+        path = self._model_forecast(np.asarray(self._values, dtype=np.float64), steps)
+        fresh = cached is None or cached[0] != self._accepted  # count a fallback once per interval, however far it looks
+        if not path or not all(math.isfinite(v) for v in path):
+            self.fallbacks += fresh
+            path, flat = [last], True
+        else:
+            flat = steps > 1 and len(path) == 1
+        self._model_prediction = (self._accepted, path[0])
         if self._worse_than_constant():
-            self.guarded += 1
-            predicted = last
-        result = max(0.0, predicted)
-        self._cached = (self._accepted, result)
+            self.guarded += fresh
+            path, flat = [last], True
+        result = [max(0.0, v) for v in path]
+        self._cached = (self._accepted, result, flat)
         return result
 
     def _worse_than_constant(self) -> bool:
@@ -162,15 +190,16 @@ class _SafePredictor:
     def _on_observation(self, value: float) -> None:
         """Hook for models that update incrementally (Kalman)."""
 
-    def _model_predict(self, values: np.ndarray) -> float | None:
+    def _model_forecast(self, values: np.ndarray, steps: int) -> list[float] | None:
+        """The model's forecasts of the next `steps` intervals (a single value: flat from there); None: it failed."""
         raise NotImplementedError
 
 
 class ConstantPredictor(_SafePredictor):
     """Next interval = this interval: no model, never wrong about the level for long, always late on changes."""
 
-    def _model_predict(self, values: np.ndarray) -> float | None:
-        return float(values[-1])
+    def _model_forecast(self, values: np.ndarray, steps: int) -> list[float] | None:
+        return [float(values[-1])]
 
 
 class ArimaPredictor(_SafePredictor):
@@ -179,7 +208,8 @@ class ArimaPredictor(_SafePredictor):
     def __init__(self, config: PredictorConfig | None = None) -> None:
         super().__init__(config)
         self._results: Any = None
-        self._last_forecast: float | None = None
+        self._last_forecast: float | None = None  # the one-step forecast of the latest observation, for `_surprised`
+        self._forecast_at = -1  # the accepted count `_last_forecast` was made at
         self.fits = 0
 
     def _surprised(self, latest: float) -> bool:
@@ -188,19 +218,24 @@ class ArimaPredictor(_SafePredictor):
         sigma = math.sqrt(max(float(self._results.params[-1]), 0.0))  # sigma2, the innovation variance, is the last parameter
         return abs(latest - self._last_forecast) > self.config.arima_surprise_sigmas * max(sigma, 1e-9)
 
-    def _model_predict(self, values: np.ndarray) -> float | None:
-        self._last_forecast = self._forecast(values)
-        return self._last_forecast
+    def _model_forecast(self, values: np.ndarray, steps: int) -> list[float] | None:
+        # Asked again in the same interval (to look further ahead): the same parameters, and no surprise check against a
+        # forecast that is already the next interval's.
+        again = self._forecast_at == self._accepted
+        path = self._forecast(values, steps, may_refit=not again)
+        if not again:
+            self._last_forecast, self._forecast_at = (path[0] if path else None), self._accepted
+        return path
 
-    def _forecast(self, values: np.ndarray) -> float | None:
+    def _forecast(self, values: np.ndarray, steps: int, *, may_refit: bool) -> list[float] | None:
         if values.size < self.config.arima_min_points:
-            return float(values[-1])
+            return [float(values[-1])]
         diffs = np.diff(values)
         if np.ptp(diffs) <= 1e-9 * max(float(np.max(np.abs(values))), 1.0):
             # An exactly flat or linear window: the likelihood is degenerate (zero innovation variance) and the
             # optimiser crawls; the forecast is the line itself.
             self._results = None
-            return float(values[-1] + diffs[-1])
+            return [float(values[-1] + k * diffs[-1]) for k in range(1, steps + 1)]
         from statsmodels.tsa.arima.model import ARIMA
         from threadpoolctl import threadpool_limits
 
@@ -210,7 +245,8 @@ class ArimaPredictor(_SafePredictor):
             # Convergence and starting-parameter warnings on short or flat windows: the forecast is checked below anyway.
             warnings.simplefilter("ignore")
             try:
-                if self._results is None or self._observed >= self.config.refit_every or self._surprised(float(values[-1])):
+                refit = may_refit and (self._observed >= self.config.refit_every or self._surprised(float(values[-1])))
+                if self._results is None or refit:
                     start = self._results.params if self._results is not None else None
                     model = ARIMA(values, order=self.config.arima_order, trend="t" if self.config.arima_order[1] >= 1 else "c")
                     # No standard errors needed: cov_type none skips a numerical Hessian, the costliest part.
@@ -220,7 +256,7 @@ class ArimaPredictor(_SafePredictor):
                     results = self._results
                 else:
                     results = self._results.apply(values)
-                return float(results.forecast(1)[0])
+                return [float(v) for v in results.forecast(steps)]
             except Exception:  # noqa: BLE001 - statsmodels raises many kinds (LinAlgError, ValueError, ...): fall back to constant
                 self._results = None
                 return None
@@ -258,11 +294,11 @@ class KalmanPredictor(_SafePredictor):
         kf.Q = np.diag([self.config.kalman_level_noise, self.config.kalman_slope_noise]) * measurement_var
         return kf
 
-    def _model_predict(self, values: np.ndarray) -> float | None:
+    def _model_forecast(self, values: np.ndarray, steps: int) -> list[float] | None:
         if self._filter is None:
             return None
         level, slope = (float(v) for v in self._filter.x[:, 0])
-        return level + slope
+        return [level + k * slope for k in range(1, steps + 1)]
 
 
 class ProphetPredictor(_SafePredictor):
@@ -274,7 +310,7 @@ class ProphetPredictor(_SafePredictor):
         self._model: Any = None
         self.fits = 0
 
-    def _model_predict(self, values: np.ndarray) -> float | None:
+    def _model_forecast(self, values: np.ndarray, steps: int) -> list[float] | None:
         # Prophet reports its missing optional plotly at import, and cmdstanpy logs at INFO on every fit,
         # through a stderr handler of its own that it adds unless the logger already has a handler.
         logging.getLogger("prophet.plot").setLevel(logging.CRITICAL)
@@ -299,9 +335,9 @@ class ProphetPredictor(_SafePredictor):
                     self._observed = 0
                     self.fits += 1
                 # The fitted model's dates end at its own window; the next interval is one minute past the current one.
-                next_date = dates[-1] + pd.Timedelta(minutes=1)
-                forecast = self._model.predict(pd.DataFrame({"ds": [next_date]}))
-                return float(forecast["yhat"].iloc[0])
+                ahead = [dates[-1] + pd.Timedelta(minutes=k) for k in range(1, steps + 1)]
+                forecast = self._model.predict(pd.DataFrame({"ds": ahead}))
+                return [float(v) for v in forecast["yhat"]]
             except Exception:  # noqa: BLE001 - Prophet and cmdstan raise many kinds: fall back to constant
                 self._model = None
                 return None

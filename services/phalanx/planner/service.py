@@ -458,7 +458,9 @@ class Planner:
         elif self._osl_seen:
             osl_mean = self.predictors["osl"].predict_next()
         self.metrics.observed_requests.set(demand / max(observation.interval_s, 1e-9))
-        requests = self.predictors["requests"].predict_next()
+        assert self.machine is not None
+        self.metrics.lead_time.set(lead_s := self.config.lead_time_s if self.config.lead_time_s is not None else self.machine.lead_time_s or 0.0)
+        requests = self.predictors["requests"].predict_peak(1.0 + lead_s / self.machine.interval_s)
         self.metrics.predicted_requests.set(requests / max(observation.interval_s, 1e-9))
         if self.profile is None or osl_mean is None:
             return None
@@ -480,7 +482,6 @@ class Planner:
             factors = self.correction.factors
         self.metrics.correction.labels("prefill").set(factors.prefill)
         self.metrics.correction.labels("decode").set(factors.decode)
-        assert self.machine is not None
         outcome = plan_step(PlanInputs(
             observation=observation, predicted_requests=requests,
             predicted_isl=self.predictors["isl"].predict_next() if observation.isl else self.config.default_isl,
@@ -495,10 +496,9 @@ class Planner:
         self._replan, self._planned_rate, self._capacity = outcome.replan, outcome.planned_rate, outcome.capacity
         self._desired_prefill = outcome.prefill
         plan = outcome.plan
-        log.info("plan: %.2f req/s arrived, %.2f predicted; ITL %s s observed, %s s profiled at %.0f %% of the operating load; "
-                 "factors prefill %.2f decode %.2f;"
-                 " %s workers (prefill %.2f + decode %.2f at ITL target %.3f s), %d serving%s",
-                 demand / max(observation.interval_s, 1e-9), outcome.planned_rate,
+        log.info("plan: %.2f req/s arrived, %.2f predicted (lead time %.1f s); ITL %s s observed, %s s profiled at %.0f %% of the operating "
+                 "load; factors prefill %.2f decode %.2f; %s workers (prefill %.2f + decode %.2f at ITL target %.3f s), %d serving%s",
+                 demand / max(observation.interval_s, 1e-9), outcome.planned_rate, lead_s,
                  f"{observation.itl.mean:.3f}" if observation.itl else "-", f"{expected.itl_s:.3f}" if expected else "-",
                  100 * (expected.decode_load if expected else math.nan), factors.prefill, factors.decode,
                  f"{plan.prefill} prefill + {plan.decode} decode" if outcome.prefill is not None else plan.combined, plan.prefill_raw,

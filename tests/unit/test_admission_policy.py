@@ -39,8 +39,9 @@ def trained(*workers: str, settings: AdmissionSettings | None = None) -> Overloa
     return policy
 
 
-def arrival(request_id: str, at: float, *, tier: Tier = Tier.STANDARD, prompt: int = 100, slo: TierSlo = SLO) -> Arrival:
-    return Arrival(request_id, int(tier), prompt, at, slo)
+def arrival(request_id: str, at: float, *, tier: Tier = Tier.STANDARD, prompt: int = 100, slo: TierSlo = SLO,
+            max_tokens: int = 0) -> Arrival:
+    return Arrival(request_id, int(tier), prompt, at, slo, max_tokens)
 
 
 def finish(policy: OverloadPolicy, times: list[float]) -> None:
@@ -103,6 +104,22 @@ def test_no_more_sequences_join_a_worker_whose_tokens_already_come_slower_than_t
     assert policy.arrive(arrival("r1", 0.0), [load("w1", 4)])[0] == Hold("r1")
 
 
+def test_a_slot_freed_since_the_last_report_is_refilled_while_the_workers_gaps_are_within_the_limit():
+    # A line a little off at the SLO's edge: 9 sequences predicted over the 0.225 s limit, but the worker's latest gaps,
+    # at 9, are 0.19 s. A stream that ended since the report (8 counted, 9 running) leaves a slot to refill.
+    policy = OverloadPolicy()
+    for _ in range(3):
+        for n in range(1, 13):
+            policy.on_step("w1", n, 0.07 + 0.02 * n)
+    for _ in range(4):
+        policy.on_step("w1", 9, 0.19)
+    assert policy.step_at(load("w1", 9), 9) > 0.225
+    decision, _ = policy.arrive(arrival("refill", 0.0), [load("w1", 8, running=9)])
+    assert decision == Admit("refill", "w1", 0.0, 100)
+    # Growing past what it ran is the line's call: at 9 running and 9 counted, no room.
+    assert not isinstance(policy.arrive(arrival("grow", 0.0), [load("w1", 9)])[0], Admit)
+
+
 def test_a_worker_without_spread_borrows_the_fleets_line():
     policy = trained("w1")
     for _ in range(5):
@@ -151,6 +168,67 @@ def test_a_request_is_refused_at_once_when_the_queue_ahead_drains_too_slowly_for
     assert isinstance(decision, Refuse) and decision.reason is RefuseReason.QUEUE_TOO_SLOW
     # The hint: how long the queue ahead of it (and its own place) takes to drain.
     assert decision.retry_after_s == pytest.approx(2.0)
+
+
+def test_a_request_is_held_only_when_a_slot_is_likely_to_free_within_its_hold():
+    # Held at most 0.5 s (half its 1 s SLO). Slots freeing 2 a second: one within 0.5 s has a chance of 1 - e^-1 = 63 %,
+    # short of the 95 % a hold needs, so it is refused at once instead of after a hold that fails 1 time in 3.
+    slow = trained()
+    slow.arrive(arrival("first", 0.0), [load("w1")])  # admitted on an idle worker: the policy's history starts here
+    finish(slow, [0.5 * i for i in range(1, 9)])
+    decision, _ = slow.arrive(arrival("r1", 4.0), [load("w1", 9)])
+    assert isinstance(decision, Refuse) and decision.reason is RefuseReason.QUEUE_TOO_SLOW and decision.waited_s == 0
+    # 10 a second: the first place frees within 0.5 s at 99.3 %, the second at 96 %, the third at 88 %.
+    fast = trained()
+    fast.arrive(arrival("first", 0.0), [load("w1")])
+    finish(fast, [0.1 * i for i in range(1, 41)])
+    decisions = [fast.arrive(arrival(f"r{i}", 4.0), [load("w1", 9)])[0] for i in range(3)]
+    assert decisions[:2] == [Hold("r0"), Hold("r1")]
+    assert isinstance(decisions[2], Refuse)
+    # At a lower confidence the second place of the slow fleet is held too (1 - 2/e^1 = 26 % >= 25 %).
+    lenient = trained(settings=AdmissionSettings(hold_confidence=0.25))
+    lenient.arrive(arrival("first", 0.0), [load("w1")])
+    finish(lenient, [0.5 * i for i in range(1, 9)])
+    assert [lenient.arrive(arrival(f"r{i}", 4.0), [load("w1", 9)])[0] for i in range(3)][:2] == [Hold("r0"), Hold("r1")]
+
+
+def test_the_streams_it_relays_tell_when_slots_free_better_than_the_drain_rate():
+    # A full batch of 9 on w1 (step 40 + 20 x 9 = 220 ms), admitted by this policy with 4, 9, 14 ... tokens to go: the
+    # first slot frees with its 4th token (0.88 s), the second with its 9th (1.98 s).
+    policy = trained()
+    policy.arrive(arrival("first-seen", 0.0), [load("w1")])
+    finish(policy, [0.5 * i for i in range(1, 9)])  # 2 a second: by the drain rate, a slot within 0.5 s at 63 %
+    for i in range(9):
+        policy.arrive(arrival(f"run-{i}", 4.0, max_tokens=5 + 5 * i), [load("w1", i)])
+    patient = TierSlo(ttft_s=3.0, itl_s=0.25)  # held up to 1.5 s: the first slot comes in time, the second does not
+    assert policy.arrive(arrival("first", 4.0, slo=patient), [load("w1", 9)])[0] == Hold("first")
+    second, _ = policy.arrive(arrival("second", 4.0, slo=patient), [load("w1", 9)])
+    assert isinstance(second, Refuse) and second.reason is RefuseReason.QUEUE_TOO_SLOW
+    # A stream that ends leaves the count (its slot goes to "first"); run-0 next, 0.86 s from now: more than the 0.8 s a
+    # request of a 1.6 s SLO may be held.
+    policy.stream_ended("run-1")
+    assert policy.poll([load("w1", 8)], 4.02) == [Admit("first", "w1", pytest.approx(0.02), 100)]
+    hurried = TierSlo(ttft_s=1.6, itl_s=0.25)
+    assert isinstance(policy.arrive(arrival("early", 4.02, slo=hurried), [load("w1", 9)])[0], Refuse)
+    # Tokens relayed count down, from the last one: 1 to go after 3 more, 0.22 s away.
+    for _ in range(3):
+        policy.on_step("w1", 9, 0.22, "run-0", 4.5)
+    assert policy.arrive(arrival("third", 4.5, slo=hurried), [load("w1", 9)])[0] == Hold("third")
+
+
+def test_on_a_batch_above_what_fits_a_slot_opens_only_once_enough_streams_ended():
+    # 11 running on w1 (step 260 ms, over the 225 ms limit), 10 of them this router's with 1, 2, 3 ... tokens to go: the
+    # ITL fits 9 at most, so the batch must be down to 8 before one more may join: 3 ends, 0.78 s (not 0.26 s, one end).
+    policy = trained()
+    for i in range(11):
+        policy.arrive(arrival(f"run-{i}", 1.0, max_tokens=2 + i), [load("w1", min(i, 8))])
+    policy.stream_ended("run-10")
+    for _ in range(5):
+        policy.on_step("w1", 11, 0.26)  # its gaps: over the limit, so no slot is refilled at 11 either
+    # Held at most half the TTFT SLO: 0.6 s of a 1.2 s SLO is too short, 1 s of a 2 s SLO is enough.
+    decisions = {slo: policy.arrive(arrival(f"slo-{slo}", 1.0, slo=TierSlo(slo, 0.25)), [load("w1", 11)])[0] for slo in (1.2, 2.0)}
+    assert isinstance(decisions[1.2], Refuse)
+    assert decisions[2.0] == Hold("slo-2.0")
 
 
 def test_a_refusal_is_decided_in_well_under_a_millisecond():

@@ -166,6 +166,11 @@ class RouterConfig(BaseSettings):
         description="SLO admission holds a request at most this share of its TTFT SLO (the client's and the gateway's share of "
         "its TTFT come on top of the router's)",
     )
+    admission_hold_confidence: float = Field(
+        0.95, ge=0, lt=1,
+        description="SLO admission holds a request only when it reaches a worker within its hold at least this likely (slots "
+        "freeing at the measured drain rate); otherwise it is refused at once rather than after a wait",
+    )
     admission_ttft_slo_s: float = Field(2.0, gt=0, description="TTFT SLO of admission while the health service publishes none")
     admission_itl_slo_s: float = Field(0.25, gt=0, description="Inter-token latency SLO of admission while the health service publishes none")
     admission_tier_slo_factors: dict[TierName, float] = Field(

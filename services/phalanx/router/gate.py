@@ -40,6 +40,7 @@ class AdmissionGate:
         self.clock = clock
         self.policy = OverloadPolicy(AdmissionSettings(
             max_queued=config.admission_max_queued, headroom=config.admission_headroom, max_hold_share=config.admission_max_hold_share,
+            hold_confidence=config.admission_hold_confidence,
             default_retry_after_s=config.no_worker_retry_after_s,
         ))
         self._defaults = TierSlo(config.admission_ttft_slo_s, config.admission_itl_slo_s)
@@ -61,14 +62,14 @@ class AdmissionGate:
         itl = self.slo.itl_s or self._defaults.itl_s
         return TierSlo(ttft * factor, itl * factor)
 
-    async def enter(self, request_id: str, tier: Tier, prompt_tokens: int) -> str | None:
+    async def enter(self, request_id: str, tier: Tier, prompt_tokens: int, max_tokens: int = 0) -> str | None:
         """The worker to route a new request to (None: routing picks), once admitted; raises OverCapacityError if refused.
 
         A worker returned is already counted as routed to (`RoutingTable.note_routed`)."""
         if not self.enabled:
             return None
         now = self.clock()
-        arrival = Arrival(request_id, int(tier), prompt_tokens, now, self.tier_slo(tier))
+        arrival = Arrival(request_id, int(tier), prompt_tokens, now, self.tier_slo(tier), max_tokens)
         decision, displaced = self.policy.arrive(arrival, self._loads())
         for refused in displaced:
             self._settle(refused)
@@ -97,16 +98,17 @@ class AdmissionGate:
         admitted_on = self._open.pop(request_id, None)
         if admitted_on is not None:
             self._open_per_worker[admitted_on] -= 1
+        self.policy.stream_ended(request_id)
         if finished:
             self.table.note_finished(worker_id)
             self.policy.on_finished(self.clock())
         if self._waiting:
             self._wake.set()
 
-    def on_gap(self, worker_id: str, seconds: float) -> None:
-        """The router relayed a token `seconds` after the previous one of its request, from `worker_id`."""
+    def on_gap(self, worker_id: str, seconds: float, request_id: str = "") -> None:
+        """The router relayed a token of `request_id` `seconds` after its previous one, from `worker_id`."""
         if self.enabled:
-            self.policy.on_step(worker_id, self.table.running(worker_id), seconds)
+            self.policy.on_step(worker_id, self.table.running(worker_id), seconds, request_id, self.clock())
             if self._waiting:
                 self._wake.set()  # a cold worker's first gaps may make room
 

@@ -172,7 +172,7 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
             request_id = request.request_id or uuid.uuid4().hex
             await self._enter(admitted, request_id, len(prompt_ids))
             try:
-                prefer = None if request_id in self._recent else await self.gate.enter(request_id, admitted.tier, len(prompt_ids))
+                prefer = None if request_id in self._recent else await self.gate.enter(request_id, admitted.tier, len(prompt_ids), params.max_tokens)
                 flow, is_retry = await self._open_new(request_id, request, admitted, prompt_ids, params, prefer)
             except BaseException:
                 self.admission.leave(request_id)
@@ -588,7 +588,7 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
                         self.metrics.migration_stall.observe(now - last)
                     (itl if flow.first_sent else ttft).observe(now - last)
                     if flow.first_sent:
-                        self.gate.on_gap(flow.record.worker_id, now - last)
+                        self.gate.on_gap(flow.record.worker_id, now - last, request_id)
                     kind = LatencyKind.ITL if flow.first_sent else LatencyKind.TTFT
                     if self.slo.missed(kind, now - last):
                         self.metrics.slo_violations.labels(kind=kind.value).inc()

@@ -118,25 +118,19 @@ def test_a_dead_worker_gets_a_decision_at_once_an_ack_completes_it_and_silence_t
     asyncio.run(scenario())
 
 
-async def _load_until_max(router_address: str, etcd_config: EtcdConfig, workers: int, timeout: float):
-    """Bursts of 4 streams through the router, acknowledging each decision as an orchestrator would (so the next one may
-    come), until a decision asks for `workers`; that decision (or the last one, or None)."""
-    from phalanx.client import Client
-
+async def _load_until_max(etcd_config: EtcdConfig, workers: int, timeout: float):
+    """Under `_loading`'s load, acknowledging each decision as an orchestrator would (so the next one may come), until a
+    decision asks for `workers`; that decision (or the last one, or None). The load goes on after it returns, so that the
+    planner's interval rates read then are those of a loaded interval."""
     decision = None
-    async with await Client.connect(router_address) as client:
-        async def one(i: int) -> None:
-            async for _ in client.generate(f"load {i}", max_tokens=32, ignore_eos=True):
-                pass
-
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            await asyncio.gather(*(one(i) for i in range(4)))
-            decision = await _decision(etcd_config)
-            if decision is not None:
-                if decision.workers == workers:
-                    return decision
-                await _ack(etcd_config, decision.id, decision.workers)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        await asyncio.sleep(0.2)
+        decision = await _decision(etcd_config)
+        if decision is not None:
+            if decision.workers == workers:
+                return decision
+            await _ack(etcd_config, decision.id, decision.workers)
     return decision
 
 
@@ -209,11 +203,12 @@ def test_with_a_profile_the_planner_scales_with_the_load_it_scrapes_from_the_rou
             await assert_eventually(lambda: planner.metric("phalanx_planner_ready") == 1, timeout=10)
             await asyncio.sleep(2.5)  # idle intervals: 1 worker is enough
             assert await _decision(etcd_config) is None
-            decision = await _load_until_max(router.address, etcd_config, 3, timeout=15)
-            assert decision is not None and (decision.reason, decision.workers) == ("scale", 3)
-            assert planner.metric("phalanx_planner_observed_requests_per_second") > 0
-            assert planner.metric("phalanx_planner_predicted_requests_per_second") > 0
-            assert planner.metric("phalanx_planner_desired_workers") == 3
+            async with _loading(router.address):
+                decision = await _load_until_max(etcd_config, 3, timeout=15)
+                assert decision is not None and (decision.reason, decision.workers) == ("scale", 3)
+                assert planner.metric("phalanx_planner_observed_requests_per_second") > 0
+                assert planner.metric("phalanx_planner_predicted_requests_per_second") > 0
+                assert planner.metric("phalanx_planner_desired_workers") == 3
             assert planner.metric("phalanx_planner_correction_factor", phase="decode") is not None
             assert planner.metric("phalanx_planner_degradation_level") == 3
         finally:
@@ -225,39 +220,45 @@ def test_with_a_profile_the_planner_scales_with_the_load_it_scrapes_from_the_rou
     asyncio.run(scenario())
 
 
-async def _load_until_pressure(router_address: str, view, timeout: float):
-    """Bursts of 4 streams until the planner's published view says the fleet is short (> 1); refusals (health's level rising
-    on that very view) are part of it. The last view read."""
-    from phalanx.client import Client, PhalanxClientError
-
+async def _load_until_pressure(view, timeout: float):
+    """Under `_load_until`'s load, the planner's published view once it says the fleet is short (> 1), or the last read."""
     published = None
-    async with await Client.connect(router_address) as client:
-        async def one(i: int) -> None:
-            with contextlib.suppress(PhalanxClientError):
-                async for _ in client.generate(f"load {i}", max_tokens=32, ignore_eos=True):
-                    pass
-
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            await asyncio.gather(*(one(i) for i in range(4)))
-            published = await view()
-            if published is not None and published.pressure > 1:
-                break
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        await asyncio.sleep(0.2)
+        published = await view()
+        if published is not None and published.pressure > 1:
+            break
     return published
 
 
-async def _load_until(router_address: str, stop: asyncio.Event) -> None:
-    """Bursts of 4 streams until ``stop`` is set (refusals are part of it)."""
+async def _load_until(router_address: str, stop: asyncio.Event, streams: int = 4) -> None:
+    """`streams` streams at all times, each replaced as it ends, until ``stop`` is set (refusals are part of it). Arrivals
+    spread over every planner interval: bursts of 4 that outlast an interval (a loaded box) left intervals with no arrival,
+    and an interval rate read after a burst was 0."""
     from phalanx.client import Client, PhalanxClientError
 
     async with await Client.connect(router_address) as client:
-        async def one(i: int) -> None:
-            with contextlib.suppress(PhalanxClientError):
-                async for _ in client.generate(f"load {i}", max_tokens=32, ignore_eos=True):
-                    pass
+        async def keep(slot: int) -> None:
+            i = 0
+            while not stop.is_set():
+                with contextlib.suppress(PhalanxClientError):
+                    async for _ in client.generate(f"load {slot}-{i}", max_tokens=32, ignore_eos=True):
+                        pass
+                i += 1
 
-        while not stop.is_set():
-            await asyncio.gather(*(one(i) for i in range(4)))
+        await asyncio.gather(*(keep(slot) for slot in range(streams)))
+
+
+@contextlib.asynccontextmanager
+async def _loading(router_address: str):
+    stop = asyncio.Event()
+    task = asyncio.create_task(_load_until(router_address, stop))
+    try:
+        yield
+    finally:
+        stop.set()
+        await task
 
 
 def test_the_planners_capacity_view_feeds_healths_degradation_level(nats_server, etcd_config: EtcdConfig, tmp_path) -> None:
@@ -299,18 +300,13 @@ def test_the_planners_capacity_view_feeds_healths_degradation_level(nats_server,
         planner = await _planner(etcd_config, PHALANX_PLANNER_PROFILE=str(tmp_path / "profile.npz"), PHALANX_PLANNER_MAX_WORKERS="3")
         try:
             await assert_eventually(lambda: planner.metric("phalanx_planner_ready") == 1, timeout=15)
-            published = await _load_until_pressure(router.address, view, timeout=20)
-            assert published is not None and published.serving_workers == 1 and published.valid_for_s > 0
-            assert published.pressure > 1 and published.needed_workers > 1, published
-            assert planner.metric("phalanx_planner_capacity_pressure") > 1
-            # The load goes on: the planner's demand is the arrivals, so an idle fleet would soon read as unpressed.
-            stop = asyncio.Event()
-            loading = asyncio.create_task(_load_until(router.address, stop))
-            try:
+            # The load goes on throughout: the planner's demand is the arrivals, so an idle fleet would soon read as unpressed.
+            async with _loading(router.address):
+                published = await _load_until_pressure(view, timeout=20)
+                assert published is not None and published.serving_workers == 1 and published.valid_for_s > 0
+                assert published.pressure > 1 and published.needed_workers > 1, published
+                assert planner.metric("phalanx_planner_capacity_pressure") > 1
                 state = await assert_eventually(level_from_planner, timeout=10, message="health never took the planner's view")
-            finally:
-                stop.set()
-                await loading
             print(f"planner view {published.pressure:.2f}; health: level {state.level}, {state.reason}")
         finally:
             assert planner.terminate(timeout=20) == 0
@@ -348,9 +344,10 @@ def test_observations_from_a_real_prometheus_scraping_a_real_router(nats_server,
                 PHALANX_PLANNER_PROFILE=str(tmp_path / "profile.npz"), PHALANX_PLANNER_MAX_WORKERS="3",
             )
             await assert_eventually(lambda: planner.metric("phalanx_planner_ready") == 1, timeout=30, interval=0.2)
-            decision = await _load_until_max(router.address, etcd_config, 3, timeout=30)
-            assert decision is not None and (decision.reason, decision.workers) == ("scale", 3)
-            assert planner.metric("phalanx_planner_observed_requests_per_second") > 0
+            async with _loading(router.address):
+                decision = await _load_until_max(etcd_config, 3, timeout=30)
+                assert decision is not None and (decision.reason, decision.workers) == ("scale", 3)
+                assert planner.metric("phalanx_planner_observed_requests_per_second") > 0
             assert not planner.metric("phalanx_planner_observe_errors_total", source="prometheus")
         finally:
             if planner is not None:

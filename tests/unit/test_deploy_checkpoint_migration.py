@@ -226,7 +226,11 @@ def test_helm_renders_the_store_and_migration_with_their_env_and_ports():
     assert env["PHALANX_PROBE_SERVICE"]["value"] == STORE_SERVICE
     assert env["PHALANX_PROBE_PORT"]["value"] == env["PHALANX_CHECKPOINT_PORT"]["value"] == "50051"
     assert {p["name"]: p["containerPort"] for p in container["ports"]} == {"grpc": 50051, "metrics": 9467}
-    assert pod["volumes"] == [{"name": "spill", "emptyDir": {"sizeLimit": "8Gi"}}]
+    # Its spill directory, and its certificate (TLS is on by default).
+    assert pod["volumes"] == [
+        {"name": "phalanx-tls", "secret": {"secretName": "phalanx-checkpoint-store-tls", "defaultMode": 0o440}},
+        {"name": "spill", "emptyDir": {"sizeLimit": "8Gi"}},
+    ]
     assert "podAntiAffinity" in pod["affinity"]
     store_service = objects[("Service", "phalanx-checkpoint-store")]
     assert store_service["spec"]["clusterIP"] == "None"

@@ -26,7 +26,9 @@ def test_the_bundled_etcd_is_a_three_member_statefulset_started_all_at_once():
     # One initial cluster naming every member by its stable peer name, the member's own name from the pod.
     assert "range $i := until $members" in TEMPLATE and "--initial-cluster={{ join \",\" $peers }}" in TEMPLATE
     assert "--name=$(POD_NAME)" in TEMPLATE and "fieldPath: metadata.name" in TEMPLATE
-    assert "--initial-advertise-peer-urls=http://$(POD_NAME).{{ $fullname }}-etcd-peers:2380" in TEMPLATE
+    assert "--initial-advertise-peer-urls={{ $scheme }}://$(POD_NAME).{{ $fullname }}-etcd-peers:2380" in TEMPLATE
+    # https with TLS on (the default), http with the plaintext switch.
+    assert '$scheme := ternary "https" "http" .Values.tls.enabled' in TEMPLATE
     # 1 s leases and compaction as everywhere else.
     assert "--election-timeout=500" in TEMPLATE and "--auto-compaction-mode=periodic" in TEMPLATE
 
@@ -49,5 +51,8 @@ def test_helm_renders_the_etcd_cluster():
     assert statefulset["spec"]["replicas"] == 3
     command = statefulset["spec"]["template"]["spec"]["containers"][0]["command"]
     cluster = next(f for f in command if f.startswith("--initial-cluster="))
-    assert cluster.count("http://phalanx-etcd-") == 3
+    assert cluster.count("https://phalanx-etcd-") == 3  # TLS on by default
+    plaintext = helm.objects("etcd.bundled.enabled=true", "tls.enabled=false")[("StatefulSet", "phalanx-etcd")]
+    command = plaintext["spec"]["template"]["spec"]["containers"][0]["command"]
+    assert next(f for f in command if f.startswith("--initial-cluster=")).count("http://phalanx-etcd-") == 3
     assert {("Service", "phalanx-etcd"), ("Service", "phalanx-etcd-peers")} <= {(d["kind"], d["metadata"]["name"]) for d in documents}

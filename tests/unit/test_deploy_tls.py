@@ -22,9 +22,9 @@ PODS = {
 }
 
 
-def test_tls_is_off_by_default_and_names_the_server_name_the_services_check() -> None:
+def test_tls_is_on_by_default_and_names_the_server_name_the_services_check() -> None:
     values = yaml.safe_load((DEPLOY / "helm" / "phalanx" / "values.yaml").read_text())
-    assert values["tls"]["enabled"] is False
+    assert values["tls"]["enabled"] is True
     assert values["tls"]["serverName"] == "phalanx.internal"
     assert values["tls"]["certManager"]["enabled"] is False
 
@@ -40,7 +40,9 @@ def test_every_phalanx_container_reads_its_identity_from_a_mounted_secret(templa
 
 def test_cert_manager_issues_every_identity_a_pod_mounts_plus_admin_and_client() -> None:
     text = (TEMPLATES / "certificates.yaml").read_text()
-    servers = set(re.search(r"\$servers := list ((?:\"[a-z-]+\" ?)+)", text).group(1).replace('"', "").split())
+    assert 'splitList " " (include "phalanx.tls.servers" .)' in text
+    helpers = (TEMPLATES / "_helpers.tpl").read_text()
+    servers = set(re.search(r'define "phalanx.tls.servers" -}}\n([a-z -]+)\n', helpers).group(1).split())
     assert set().union(*PODS.values()) <= servers <= set(SERVICE_IDENTITIES)
     assert 'list "admin" "client"' in text and set(CLIENT_IDENTITIES) == {"admin", "client"}
     assert "spiffe://phalanx/{{ $identity }}" in text

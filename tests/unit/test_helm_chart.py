@@ -21,9 +21,13 @@ FEATURE_SWITCHES = [
     ("planner.enabled=true",),
     ("moe.enabled=true",),
     ("worker.prefill.enabled=true", "worker.prefill.replicas=2"),
-    ("tls.enabled=true",),
+    # TLS is on by default (its certificates from the chart's hook Job); the plaintext switch, and cert-manager instead.
+    ("tls.enabled=false",),
     ("tls.certManager.enabled=true", *helm.REQUIRED_WITH["tls.certManager.enabled=true"]),
+    # The bundled servers serve TLS with client certificates and authorization by default; plaintext ones with TLS off.
     ("nats.bundled.enabled=true", "etcd.bundled.enabled=true"),
+    ("nats.bundled.enabled=true", "etcd.bundled.enabled=true", "tls.enabled=false"),
+    ("nats.clientTls=true", "etcd.clientTls=true"),
     ("worker.chaos.enabled=true", *helm.REQUIRED_WITH["worker.chaos.enabled=true"]),
     ("encoder.enabled=false", "gateway.enabled=false", "checkpointStore.enabled=false", "migration.enabled=false"),
     ("worker.podDisruptionBudget.enabled=false", "router.podDisruptionBudget.enabled=false", "health.degradation.enabled=false"),
@@ -61,7 +65,7 @@ def test_all_switches_on_at_once_still_render_and_validate():
     switched_on = [item for sets in FEATURE_SWITCHES for item in sets if not item.endswith("=false") and "prefill" not in item]
     documents = helm.documents(*switched_on)
     kinds = {d["kind"] for d in documents}
-    assert {"StatefulSet", "Deployment", "Service", "PodDisruptionBudget", "Role", "Certificate"} <= kinds
+    assert {"StatefulSet", "Deployment", "Service", "PodDisruptionBudget", "Role", "Certificate", "Job", "ConfigMap"} <= kinds
     for document in documents:
         if (document["apiVersion"], document["kind"]) not in FOREIGN_KINDS:
             kubernetes_validate.validate(document, _kube_version(), strict=True)

@@ -15,6 +15,7 @@ _SERVICES_OPTION = typer.Option(
 _HOSTS_OPTION = typer.Option(
     None, "--host", help="More DNS names or IPs for the server certificates (repeatable); localhost and 127.0.0.1 are always in"
 )
+_LABEL_OPTION = typer.Option(None, "--label", help="key=value put on every Secret created (repeatable)")
 
 
 @certs_app.command("init")
@@ -85,3 +86,38 @@ def certs_etcd_auth(
         typer.echo(f"error: cannot set up etcd's authorization at {endpoint}: {why} (is PHALANX_ETCD_TLS_DIR the admin identity?)", err=True)
         raise typer.Exit(1) from None
     print(json.dumps({"etcd": endpoint, "authorization": "enabled"}))
+
+
+@certs_app.command("kube-secrets")
+def certs_kube_secrets(
+    prefix: str = typer.Option(..., "--prefix", help="Secret names: <prefix>-<identity>-tls, and <prefix>-ca for the CA"),
+    namespace: str = typer.Option(
+        "", "--namespace", envvar="POD_NAMESPACE", help="Where the Secrets go (default: the namespace this pod runs in)"
+    ),
+    services: list[str] = _SERVICES_OPTION,
+    hosts: list[str] = _HOSTS_OPTION,
+    days: int = typer.Option(365, min=1, max=3650, help="Validity of the CA and the certificates"),
+    label: list[str] = _LABEL_OPTION,
+) -> None:
+    """Inside a Kubernetes pod (the Helm chart's hook Job): create the Secret of every identity that has none, issued by
+    the CA kept in <prefix>-ca (made on the first run). Existing Secrets are never overwritten; delete one to reissue it."""
+    from pathlib import Path
+
+    from kubernetes import client, config
+
+    from phalanx.common.tls import CLIENT_IDENTITIES, INFRA_IDENTITIES, SERVICE_IDENTITIES
+    from phalanx.launch.kube_certs import KubeSecretsError, ensure_tls_secrets
+
+    identities = [name.strip() for given in services or () for name in given.split(",") if name.strip()]
+    identities = identities or [*SERVICE_IDENTITIES, *CLIENT_IDENTITIES, *INFRA_IDENTITIES]
+    labels = dict(item.split("=", 1) for item in label or () if "=" in item)
+    if len(labels) != len(label or ()):
+        raise typer.BadParameter(f"--label takes key=value: {label}")
+    config.load_incluster_config()
+    namespace = namespace or Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace").read_text().strip()
+    try:
+        result = ensure_tls_secrets(client.CoreV1Api(), namespace, prefix, identities, hosts=list(hosts or ()), days=days, labels=labels)
+    except (KubeSecretsError, ValueError) as error:
+        typer.echo(f"error: {error}", err=True)
+        raise typer.Exit(1) from None
+    print(json.dumps({"namespace": namespace, "created": result.created, "kept": result.kept}))

@@ -87,7 +87,33 @@ Mutual TLS (tls.enabled, docs/security.md): each component mounts the Secret of 
   value: /etc/phalanx/tls
 - name: PHALANX_TLS_SERVER_NAME
   value: {{ .Values.tls.serverName | quote }}
+{{- /* The same identity towards NATS and etcd when they serve TLS with the chart's CA (bundled, or said so). */}}
+{{- if or .Values.etcd.bundled.enabled .Values.etcd.clientTls }}
+- name: PHALANX_ETCD_TLS_DIR
+  value: /etc/phalanx/tls
 {{- end }}
+{{- if or .Values.nats.bundled.enabled .Values.nats.clientTls }}
+- name: PHALANX_NATS_TLS_DIR
+  value: /etc/phalanx/tls
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* The identities that serve (a server certificate besides the client one), and those that only call. */}}
+{{- define "phalanx.tls.servers" -}}
+router gateway worker expert-worker health migration checkpoint-store planner ert-manager encoder-pool
+{{- end }}
+
+{{/* Every identity the chart's certificate job issues (phalanx.common.tls: services, admin and client, etcd and nats). */}}
+{{- define "phalanx.tls.identities" -}}
+{{ include "phalanx.tls.servers" . }} admin client etcd nats
+{{- end }}
+
+{{/* DNS names of the bundled servers, for the etcd and nats certificates: clients dial the Services, etcd's members
+each other by their stable names under the headless Service. */}}
+{{- define "phalanx.tls.infraHosts" -}}
+{{- $fullname := include "phalanx.fullname" . }}
+{{- printf "%s-etcd *.%s-etcd-peers %s-nats" $fullname $fullname $fullname }}
 {{- end }}
 
 {{- define "phalanx.tls.volumeMount" -}}

@@ -1,8 +1,11 @@
 """``docker compose up`` of the project's own compose file on a real Docker Engine, as users run it.
 
 The stack is deploy/compose/docker-compose.yml's default services but Grafana (no image of it can be built offline),
-from images built on this machine (docker_engine.py). Checked: every service healthy; the gateway answers with the real
-model; a worker, a router and the checkpoint store SIGKILLed inside their containers (a crash, not ``docker stop``)
+from images built on this machine (docker_engine.py), with the file's defaults: mutual TLS between every service and
+etcd's and NATS's authorization, from the certificates its `certs` one-shot makes. Checked: every service healthy (the
+one-shots `certs` and `etcd-auth` completed); only the public entries published, on loopback; a client holding the
+`client` certificate copied out of the certs volume is served by a router's published port, one without is refused;
+the gateway answers with the real model; a worker, a router and the checkpoint store SIGKILLed inside their containers (a crash, not ``docker stop``)
 come back by their restart policy while requests keep answering and an in-flight stream finishes identical to a
 reference; ``docker compose down -v`` leaves no container, network or volume behind.
 
@@ -21,9 +24,11 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+import grpc
 import httpx
 import pytest
 from docker_engine import ROOT, TIMINGS, DockerEngine
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 pytestmark = [pytest.mark.compose, pytest.mark.slow, pytest.mark.timeout(1800)]
 
@@ -31,6 +36,8 @@ COMPOSE_FILE = ROOT / "deploy" / "compose" / "docker-compose.yml"
 PROJECT = "phalanx-ci"
 MODEL = "smollm2-135m-instruct"
 NO_OFFLINE_IMAGE = {"grafana"}
+# Run once before every other service and exit 0: the certificates, then etcd's users and roles.
+ONE_SHOTS = {"certs", "etcd-auth"}
 HOST_PORTS = ("GATEWAY", "ROUTER_1", "ROUTER_2", "HEALTH_1", "HEALTH_2", "PROMETHEUS", "GRAFANA", "JAEGER")
 STREAM_PROMPT = "Once upon a time, in a small village by the sea,"
 # Long enough to be still generating once its server is found (a few seconds on a loaded machine).
@@ -59,7 +66,7 @@ class Stack:
         return self.engine.docker("compose", "-p", PROJECT, "-f", COMPOSE_FILE, *args, timeout=timeout, check=check, env=self.env)
 
     def container(self, service: str) -> str:
-        return self.compose("ps", "-q", service).stdout.strip()
+        return self.compose("ps", "-a", "-q", service).stdout.strip()  # -a: the one-shots have exited
 
     def state(self, service: str) -> dict:
         return json.loads(self.engine.docker("inspect", self.container(service)).stdout)[0]
@@ -108,7 +115,9 @@ def stack(docker_engine: DockerEngine) -> Iterator[Stack]:
     stack = Stack(docker_engine, env, services)
     stack.compose("down", "-v", "--remove-orphans", timeout=120, check=False)  # a run killed before its teardown
     start = time.monotonic()
-    up = stack.compose("up", "-d", "--no-build", "--wait", "--wait-timeout", "420", *services, timeout=480, check=False)
+    # The one-shots start as dependencies of the rest; --wait waits for the services that stay up.
+    long_running = [s for s in services if s not in ONE_SHOTS]
+    up = stack.compose("up", "-d", "--no-build", "--wait", "--wait-timeout", "420", *long_running, timeout=480, check=False)
     TIMINGS["up to healthy"] = round(time.monotonic() - start, 1)
     try:
         assert up.returncode == 0, f"docker compose up failed: {up.stderr[-3000:]}\n{stack.diagnose()}"
@@ -119,8 +128,12 @@ def stack(docker_engine: DockerEngine) -> Iterator[Stack]:
 
 
 def test_every_service_is_running_and_healthy(stack: Stack) -> None:
+    assert ONE_SHOTS <= set(stack.services)
     for service in stack.services:
         state = stack.state(service)["State"]
+        if service in ONE_SHOTS:
+            assert (state["Status"], state["ExitCode"]) == ("exited", 0), f"{service}: {state['Status']} {state['ExitCode']}"
+            continue
         assert state["Status"] == "running", f"{service}: {state['Status']}"
         if "Health" in state:
             assert state["Health"]["Status"] == "healthy", f"{service}: {state['Health']['Status']}"
@@ -149,6 +162,26 @@ def test_the_gateway_answers_with_the_real_model(stack: Stack) -> None:
             time.sleep(1)
     TIMINGS["first completion after healthy"] = round(time.monotonic() - start, 1)
     assert text.startswith(" Paris"), text
+
+
+def test_a_router_serves_a_client_holding_a_certificate_of_the_certs_volume_and_refuses_one_without(stack: Stack, tmp_path) -> None:
+    from phalanx.client import SyncClient, TlsConfig
+
+    # As deploy/README.md tells a user: the `client` identity (public RPCs only), copied out of the certs one-shot.
+    stack.compose("cp", "certs:/certs/client", str(tmp_path / "client"))
+    router = f"127.0.0.1:{stack.env['PHALANX_ROUTER_1_HOST_PORT']}"
+    with SyncClient.connect(router, tls=TlsConfig.from_dir(tmp_path / "client"), timeout=120) as client:
+        assert client.complete("The capital of France is", max_tokens=4, temperature=0).text.startswith(" Paris")
+    # A service holds its own identity's key alone: not the CA's, not another identity's.
+    listed = stack.engine.docker("exec", stack.container("worker-1"), "ls", "-A", "/certs").stdout.split()
+    assert listed == ["worker"], listed
+    # No certificate: plaintext, or TLS trusting the CA but presenting none; both refused before any RPC.
+    ca = (tmp_path / "client" / "ca.crt").read_bytes()
+    options = [("grpc.ssl_target_name_override", "phalanx.internal")]
+    for channel in (grpc.insecure_channel(router), grpc.secure_channel(router, grpc.ssl_channel_credentials(ca), options)):
+        with channel, pytest.raises(grpc.RpcError) as refused:
+            health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE, refused.value
 
 
 @pytest.fixture(scope="module")

@@ -43,7 +43,7 @@ def test_torch_comes_from_a_build_argument_and_grpcio_tools_stays_out_of_the_ima
 
 
 def test_only_the_public_entries_are_published_and_on_loopback_by_default():
-    for name in ("docker-compose.yml", "docker-compose.tls.yml", "docker-compose.moe.yml"):
+    for name in ("docker-compose.yml", "docker-compose.plaintext.yml", "docker-compose.moe.yml", "docker-compose.moe-plaintext.yml"):
         for service, spec in _services(name).items():
             for port in spec.get("ports", []):
                 assert service in PUBLISHED, f"{name}: {service} publishes {port}"
@@ -56,7 +56,7 @@ def test_only_the_public_entries_are_published_and_on_loopback_by_default():
 def test_tracing_is_a_profile_nothing_depends_on():
     services = _services()
     assert services["jaeger"]["profiles"] == ["tracing"]
-    for name in ("docker-compose.yml", "docker-compose.tls.yml", "docker-compose.moe.yml"):
+    for name in ("docker-compose.yml", "docker-compose.plaintext.yml", "docker-compose.moe.yml", "docker-compose.moe-plaintext.yml"):
         for service, spec in _services(name).items():
             assert "jaeger" not in (spec.get("depends_on") or {}), f"{name}: {service} depends on jaeger"
             endpoint = (spec.get("environment") or {}).get("PHALANX_TELEMETRY_OTLP_ENDPOINT")

@@ -208,13 +208,13 @@ def test_compose_runs_a_three_member_etcd_that_every_service_is_given_whole():
     members = {f"etcd-{n}" for n in (1, 2, 3)}
     assert members <= services.keys() and "etcd" not in services
     flags = {name: dict(f.split("=", 1) for f in services[name]["command"][1:]) for name in members}
-    # Peer URLs are ETCD_* variables (the TLS file switches them to https).
+    # Peer URLs are ETCD_* variables, https (docker-compose.plaintext.yml switches them to http).
     environments = {name: services[name]["environment"] for name in members}
     assert len({e["ETCD_INITIAL_CLUSTER"] for e in environments.values()}) == 1  # one cluster, the same three peers for each
-    assert set(environments["etcd-1"]["ETCD_INITIAL_CLUSTER"].split(",")) == {f"{m}=http://{m}:2380" for m in members}
+    assert set(environments["etcd-1"]["ETCD_INITIAL_CLUSTER"].split(",")) == {f"{m}=https://{m}:2380" for m in members}
     for name in members:
-        assert flags[name]["--name"] == name and environments[name]["ETCD_INITIAL_ADVERTISE_PEER_URLS"] == f"http://{name}:2380"
-        assert services[name]["environment"]["ETCD_ADVERTISE_CLIENT_URLS"] == f"http://{name}:2379"
+        assert flags[name]["--name"] == name and environments[name]["ETCD_INITIAL_ADVERTISE_PEER_URLS"] == f"https://{name}:2380"
+        assert services[name]["environment"]["ETCD_ADVERTISE_CLIENT_URLS"] == f"https://{name}:2379"
         assert flags[name]["--election-timeout"] == "500"  # 1 s leases hold
     volumes = {services[name]["volumes"][0].split(":")[0] for name in members}
     assert len(volumes) == 3  # a data directory each

@@ -18,11 +18,13 @@ from pathlib import Path
 
 import aetcd.exceptions
 import pytest
+from aetcd import rpc
 from google.protobuf import json_format
 
 from phalanx._proto import common_pb2
 from phalanx.client import Client
 from phalanx.common.config import EtcdConfig, NatsConfig
+from phalanx.common.control_plane_acl import ETCD_MEMBER_USER
 from phalanx.common.discovery import WorkerDirectory
 from phalanx.common.events import EventBus
 from phalanx.common.lease import EtcdPermissionDeniedError, EtcdUnavailableError, LeasedKey, connect_etcd
@@ -202,6 +204,24 @@ async def test_a_tenant_certificate_gets_nothing_from_etcd_or_nats(tls_etcd_serv
     while "tenant" in await asyncio.to_thread(_connections, tls_nats_server) and time.monotonic() < deadline:
         await asyncio.sleep(0.1)
     assert "tenant" not in await asyncio.to_thread(_connections, tls_nats_server)
+
+
+async def test_the_members_own_certificate_is_a_user_without_a_role(tls_etcd_server, control_plane_certs):
+    # The compose members' healthchecks present it: their read is refused (healthy to etcdctl), as a known user's, so
+    # etcd logs no "cannot find a user for permission check" error for every check.
+    admin = connect_etcd(etcd_tls(tls_etcd_server, control_plane_certs))
+    try:
+        await admin.connect()
+        user = await rpc.AuthStub(admin.channel).UserGet(rpc.AuthUserGetRequest(name=ETCD_MEMBER_USER))
+        assert list(user.roles) == []
+    finally:
+        await admin.close()
+    member = connect_etcd(etcd_tls(tls_etcd_server, control_plane_certs, "etcd"))
+    try:
+        with pytest.raises(aetcd.exceptions.ClientError, match="permission denied"):
+            await member.get(b"health")
+    finally:
+        await member.close()
 
 
 async def test_a_worker_cannot_write_the_planners_keys_nor_publish_the_routers_usage(

@@ -51,6 +51,7 @@ __all__ = [
     "ADMIN",
     "ALLOWED_IDENTITIES",
     "ETCD_READ_PREFIX",
+    "ETCD_MEMBER_USER",
     "ETCD_ROOT_USER",
     "EtcdPermission",
     "Grant",
@@ -65,6 +66,9 @@ __all__ = [
 ADMIN = "admin"
 # etcd refuses to enable auth without a user named root holding the root role; it is never a certificate's name.
 ETCD_ROOT_USER = "root"
+# The members' own certificate (CN etcd), which their healthchecks present: a user with no role, so a check's read is
+# refused (etcdctl counts that as healthy) without etcd logging an error for an unknown user every time.
+ETCD_MEMBER_USER = "etcd"
 # Every key Phalanx keeps is under this prefix: what every service may read and watch.
 ETCD_READ_PREFIX = "/phalanx/v1/"
 # The routers' session leases (phalanx.router.records.SESSIONS_PREFIX; named here so this module imports no router).

@@ -16,7 +16,15 @@ import grpc
 from aetcd import rpc
 
 from phalanx.common.config import EtcdConfig
-from phalanx.common.control_plane_acl import ACL, ADMIN, ALLOWED_IDENTITIES, ETCD_ROOT_USER, etcd_permissions, etcd_role
+from phalanx.common.control_plane_acl import (
+    ACL,
+    ADMIN,
+    ALLOWED_IDENTITIES,
+    ETCD_MEMBER_USER,
+    ETCD_ROOT_USER,
+    etcd_permissions,
+    etcd_role,
+)
 from phalanx.common.lease import connect_etcd
 
 __all__ = ["apply_etcd_auth"]
@@ -35,7 +43,7 @@ async def _ignoring_exists(call: object) -> None:
 
 async def _apply(auth: rpc.AuthStub, timeout: float) -> None:
     no_password = rpc.auth_pb2.UserAddOptions(no_password=True)
-    for user in (ETCD_ROOT_USER, *ALLOWED_IDENTITIES):
+    for user in (ETCD_ROOT_USER, ETCD_MEMBER_USER, *ALLOWED_IDENTITIES):
         await _ignoring_exists(auth.UserAdd(rpc.AuthUserAddRequest(name=user, options=no_password), timeout=timeout))
     for user in (ETCD_ROOT_USER, ADMIN):
         await auth.UserGrantRole(rpc.AuthUserGrantRoleRequest(user=user, role=_ROOT_ROLE), timeout=timeout)

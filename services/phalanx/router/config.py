@@ -168,8 +168,9 @@ class RouterConfig(BaseSettings):
     )
     admission_hold_confidence: float = Field(
         0.95, ge=0, lt=1,
-        description="SLO admission holds a request only when it reaches a worker within its hold at least this likely (slots "
-        "freeing at the measured drain rate); otherwise it is refused at once rather than after a wait",
+        description="Where the streams a router relays cannot tell when batch slots free (no max_tokens, other routers' streams), "
+        "SLO admission holds a request only when slots freeing at the measured drain rate bring its own within its hold at least "
+        "this likely; otherwise it is refused at once rather than after a wait",
     )
     admission_ttft_slo_s: float = Field(2.0, gt=0, description="TTFT SLO of admission while the health service publishes none")
     admission_itl_slo_s: float = Field(0.25, gt=0, description="Inter-token latency SLO of admission while the health service publishes none")

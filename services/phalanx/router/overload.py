@@ -4,9 +4,9 @@ A new request is admitted when, on the worker it would go to, both its predicted
 inter-token latency that worker's batch would have with it fit its tier's SLOs (times ``headroom``). Otherwise it is
 held in a bounded queue (higher tiers first, first come first served within a tier) until a worker has room, for
 at most ``max_hold_share`` of its TTFT SLO, and refused only when it cannot make its TTFT SLO any more: at once when
-the queue ahead of it is unlikely to drain within its hold (``hold_confidence``: so nearly every refusal is answered in
-microseconds, not after a hold), later if it was held and its budget ran out after all. The router's shell (phalanx.router.gate)
-feeds it events and executes its effects.
+the batch slot its place in the queue needs will not open within its hold (`OverloadPolicy._likely_served`: so most
+refusals are answered in microseconds, not after a hold), later if it was held and its slot came too late after all.
+The router's shell (phalanx.router.gate) feeds it events and executes its effects.
 
 Predictions, per routable worker, from what the router already knows (phalanx.router.routing.WorkerLoad):
 

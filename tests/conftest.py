@@ -15,6 +15,12 @@ os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 # Routers admit by SLO by default (router/overload.py); most tests load a slow worker on a busy box on purpose and expect
 # every request served, so they run with admission off. The tests of admission turn it on for their routers.
 os.environ.setdefault("PHALANX_ROUTER_ADMISSION", "off")
+# Engines (and expert workers) compute in float32 on every machine: `auto` picks bfloat16 where the CPU has AVX512-BF16 or
+# AMX, and there a sequence's greedy tokens depend on what else is in its batch (bfloat16 rounding beats the margins), so
+# the tests that compare streams token for token across workers and batch sizes would pass or fail by the CPU. The
+# bfloat16 and int4 paths have their own tests, which ask for their dtype.
+os.environ.setdefault("PHALANX_ENGINE_DTYPE", "float32")
+os.environ.setdefault("PHALANX_EXPERT_DTYPE", "float32")
 
 from phalanx.common.config import EtcdConfig, NatsConfig
 from phalanx.common.tls import init_certs

@@ -427,11 +427,13 @@ class FleetMonitor:
             level = logging.INFO if transition.new in (Health.HEALTHY, Health.DRAINING) else logging.WARNING
             log.log(level, "worker %s: %s -> %s (%s)", worker_id, transition.old.label, transition.new.label, transition.reason)
         self.metrics.set_worker(worker_id, tracker.health, tracker.weight, tracker.circuit)
+        if transition.undrain:
+            # Re-admitting before the record says HEALTHY: a router that acts on the record at once must find the
+            # worker admitting (a record first left a window in which its requests were refused by a quarantine).
+            await self._release(w)
         await self._write(w)
         if transition.drain:
             self._group.create_task(self._quarantine(w))
-        if transition.undrain:
-            self._group.create_task(self._release(w))
 
     async def _write(self, w: TrackedWorker) -> None:
         async with w.write_lock:  # one write at a time per worker, always of the latest state

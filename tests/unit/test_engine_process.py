@@ -256,3 +256,29 @@ async def test_stop_ends_the_engine_process_and_aborts_open_streams(model):
         event = stream.get_nowait()
     assert event.finish_reason is FinishReason.ABORTED and event.error is None
     await client.stop()  # idempotent
+
+
+def test_token_events_and_a_restores_replayed_events_cross_the_pipe_whole():
+    import dataclasses
+    import pickle
+
+    from phalanx.worker.engine_core import Admitted
+    from phalanx.worker.sequence import PositionLogprobs, TokenLogprob
+
+    # Every field set apart from its default: a field that TokenEvent.__reduce__ forgot would come back as the default.
+    values = {"finish_reason": FinishReason.STOP, "top_logit": 1.5, "top_margin": 0.25, "prompt_tokens": 3, "cached_prompt_tokens": 2,
+              "seed": 9, "error": ValueError("x"), "handoff_kv_tokens": 4, "logprobs": PositionLogprobs(TokenLogprob(5, -0.5)),
+              "prompt_logprobs": [PositionLogprobs(TokenLogprob(6, None))]}
+    full = TokenEvent("r", 7, "a", 0, **values)
+    names = {f.name for f in dataclasses.fields(TokenEvent)} - {"request_id", "token_id", "text", "index", "handoff"}
+    assert names == set(values)
+    again = pickle.loads(pickle.dumps(full))
+    assert repr(again) == repr(full) and type(again.error) is ValueError
+
+    # Replayed events go as columns; one that carries more than a token, its text and logprobs goes whole.
+    replayed = [TokenEvent("r", 100 + i, f"t{i}", i, logprobs=PositionLogprobs(TokenLogprob(i, -1.0)) if i % 3 else None) for i in range(50)]
+    replayed[0].prompt_tokens, replayed[0].seed = 12, 7
+    assert pickle.loads(pickle.dumps(Admitted("r", False, replayed))) == Admitted("r", False, replayed)
+    replayed[20].top_logit = 2.0
+    assert pickle.loads(pickle.dumps(Admitted("r", False, replayed))).replayed == replayed
+    assert pickle.loads(pickle.dumps(Admitted("c", True, []))) == Admitted("c", True, [])

@@ -205,6 +205,58 @@ async def test_checkpoint_captures_from_the_process_equal_the_engine_threads(mod
         await thread.stop()
 
 
+async def test_checkpoint_kv_crosses_in_the_capture_ring_reused_once_sent_and_equals_the_engine_threads(model):
+    ring_bytes = 1 << 20  # a few requests' KV: the ring wraps
+    thread_capture = CheckpointCapture(ring_bytes, interval_tokens=4)
+    thread = await thread_engine(model, checkpoints=thread_capture)
+    client = await started(checkpoint_max_pending_bytes=ring_bytes, checkpoint_interval_tokens=4)
+    try:
+        remote = client.checkpoints
+        assert remote is not None and remote.ring is not None
+        ring = remote.ring.untyped_storage().data_ptr()
+        offsets: list[int] = []
+        for capture in (thread_capture, remote):
+            capture.connected = True
+            capture._notify = lambda: None
+        for i in range(8):
+            await tokens(thread, request(model, f"c{i}", max_tokens=N))
+            await tokens(client, request(model, f"c{i}", max_tokens=N))
+            expected = await settled(thread_capture, lambda items: thread_capture.sent(sum(item.nbytes for item in items)))
+
+            def in_ring(items: list) -> None:
+                for item in items:
+                    for piece in item.pieces:
+                        if piece.kv is not None:
+                            assert piece.kv.untyped_storage().data_ptr() == ring  # a view of the ring, not a segment of its own
+                            offsets.append(piece.kv.data_ptr() - ring)
+                remote.sent(sum(item.nbytes for item in items))  # as the streamer does once its message is built
+
+            actual = await settled(remote, in_ring)
+            assert [p[:5] for p in actual] == [p[:5] for p in expected]
+            assert all((a[5] is None and b[5] is None) or torch.equal(a[5], b[5]) for a, b in zip(actual, expected, strict=True))
+        assert any(b < a for a, b in zip(offsets, offsets[1:], strict=False))  # wrapped round: space reused
+    finally:
+        await client.stop()
+        await thread.stop()
+
+
+async def settled(capture: CheckpointCapture, seen) -> list[tuple]:
+    """Every piece captured until nothing more arrives for 0.5 s (KV cloned), each batch shown to `seen` first."""
+    pieces: list[tuple] = []
+    quiet_since = time.monotonic()
+    while time.monotonic() - quiet_since < 0.5:
+        items = capture.take()
+        if items:
+            seen(items)
+            pieces += [
+                (p.request_id, p.seq, p.kv_start, p.kv_end, tuple(p.appended), p.kv.clone() if p.kv is not None else None)
+                for item in items for p in item.pieces
+            ]
+            quiet_since = time.monotonic()
+        await asyncio.sleep(0.02)
+    return pieces
+
+
 async def test_kv_events_and_the_cached_blocks_come_from_the_process(model):
     events: list[KvEvents] = []
     client = await started(on_kv_events=events.append)

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 from phalanx.common.children import pdeathsig_preexec
 from phalanx.common.errors import EngineDeadError, UnavailableError
 from phalanx.model.kv_cache import KvEvents
+from phalanx.worker.capture_ring import RingSlice, ring_view
 from phalanx.worker.checkpointing import CheckpointCapture, _Capture
 from phalanx.worker.config import EngineConfig
 from phalanx.worker.engine import EngineRequest, ParkPick, clamp_batch_scale, validate_request
@@ -147,12 +148,17 @@ class EngineView:
 
 class RemoteCapture(CheckpointCapture):
     """The CheckpointStreamer's capture when the engine runs in a child: captures arrive from the child's
-    CheckpointCapture (see engine_core.py); what the streamer tells this one goes to the child's as CaptureControl."""
+    CheckpointCapture (see engine_core.py); what the streamer tells this one goes to the child's as CaptureControl.
+
+    On a CPU a capture's KV is a view of the capture ring (capture_ring.py), which the child reuses once `sent`
+    reported its bytes: whoever takes captures reads their KV before it reports them sent.
+    """
 
     def __init__(self, send: Callable[[Command], None], max_pending_bytes: int, *, interval_tokens: int) -> None:
         self._send_control = send
         self._connected = False
         self._epoch = 0  # of the last resync of every request
+        self.ring: torch.Tensor | None = None  # the child's capture ring, once it started
         super().__init__(max_pending_bytes, interval_tokens=interval_tokens)
 
     @property
@@ -185,6 +191,12 @@ class RemoteCapture(CheckpointCapture):
 
     def deliver(self, captures: list[_Capture], epoch: int) -> None:
         """Queues the child's captures, unless a resync of every request made them stale."""
+        ring = self.ring
+        if ring is not None:
+            for capture in captures:
+                for piece in capture.pieces:
+                    if isinstance(piece.kv, RingSlice):
+                        piece.kv = ring_view(ring, piece.kv)
         with self._lock:
             if epoch != self._epoch:
                 return
@@ -249,6 +261,8 @@ class EngineCoreClient(EngineFrontend):
         ready = await asyncio.to_thread(self._wait_ready)
         model = await skeleton_model
         self._view = EngineView(model, ready, self.faults, self._send)
+        if self.checkpoints is not None:
+            self.checkpoints.ring = ready.capture_ring
         self.faults.on_change = lambda faults: self._send(SetFaults(tuple(faults.values())))
         self._reader = threading.Thread(target=self._read, name="phalanx-engine-pipe", daemon=True)
         self._reader.start()

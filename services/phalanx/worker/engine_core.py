@@ -46,6 +46,7 @@ from typing import TYPE_CHECKING, Any, assert_never
 
 from phalanx.common.children import set_parent_death_signal, set_process_name
 from phalanx.model.kv_cache import KvEvents
+from phalanx.worker.capture_ring import CaptureRing
 from phalanx.worker.checkpointing import CheckpointCapture, _Capture
 from phalanx.worker.config import EngineConfig
 from phalanx.worker.engine import Engine, EngineRequest, ParkPick
@@ -252,6 +253,7 @@ class Ready:
     full_shape: tuple[int, ...]
     bytes_per_block: int
     dtype: str
+    capture_ring: torch.Tensor | None = None  # shared memory checkpoint KV crosses in (capture_ring.py); CPU only
 
 
 @dataclass(slots=True)
@@ -331,17 +333,24 @@ def shared_cache(config: EngineConfig, model: Any) -> Any:
     nbytes = model.dtype.itemsize
     for n in shape:
         nbytes *= n
-    storage = torch.UntypedStorage._new_shared(nbytes)
-    return KvCacheTensors.over(torch.empty(0, dtype=model.dtype).set_(storage).view(shape))
+    return KvCacheTensors.over(_shared(nbytes).view(model.dtype).view(shape))
+
+
+def _shared(nbytes: int) -> torch.Tensor:
+    """`nbytes` of shared memory (uint8), untouched until written."""
+    import torch
+
+    return torch.empty(0, dtype=torch.uint8).set_(torch.UntypedStorage._new_shared(nbytes))
 
 
 class EngineCore:
     """The loop: commands, a step, checkpoint capture, KV events, one StepOutput; until Stop or the pipe's EOF."""
 
-    def __init__(self, engine: Engine, conn: Connection, capture: CheckpointCapture | None) -> None:
+    def __init__(self, engine: Engine, conn: Connection, capture: CheckpointCapture | None, ring: CaptureRing | None = None) -> None:
         self.engine = engine
         self.conn = conn
         self.capture = capture
+        self.ring = ring
         self.rates = StepRates()
         self.stopping = False
         # Commands read off the pipe by a thread of their own: fault changes and Stop act at once even while a step
@@ -364,13 +373,18 @@ class EngineCore:
         config = config.sized_for(c.num_layers, c.num_kv_heads, c.head_dim, model.dtype.itemsize)
         cache = shared_cache(config, model)
         engine = Engine(model, config, faults=FaultState(), cache=cache)
-        capture = None
+        capture = ring = None
         if options.checkpoint_max_pending_bytes:
             capture = CheckpointCapture(options.checkpoint_max_pending_bytes, interval_tokens=options.checkpoint_interval_tokens)
         shared = cache.data if cache.data.is_shared() and cache.data.device.type == "cpu" else None
-        conn.send(Ready(engine.config, shared, cache.full_shape, cache.bytes_per_block, str(cache.data.dtype).removeprefix("torch.")))
+        if capture is not None and shared is not None:  # the budget of unsent KV, its pages touched only as used
+            ring = CaptureRing(_shared(options.checkpoint_max_pending_bytes))
+        conn.send(Ready(
+            engine.config, shared, cache.full_shape, cache.bytes_per_block, str(cache.data.dtype).removeprefix("torch."),
+            capture_ring=ring.data if ring is not None else None,
+        ))
         log.info("engine process %d serving %s (%d KV blocks)", os.getpid(), c.name, engine.config.num_kv_blocks)
-        return cls(engine, conn, capture)
+        return cls(engine, conn, capture, ring)
 
     def run(self) -> None:
         engine = self.engine
@@ -494,12 +508,16 @@ class EngineCore:
         if control.resync_epoch:
             capture.resync()
             self._capture_epoch = control.resync_epoch
+            if self.ring is not None:
+                self.ring.reset()
         if control.resync_request:
             capture.resync(control.resync_request)
         if control.superseded is not None:
             capture.superseded(*control.superseded)
         if control.sent_bytes:
             capture.sent(control.sent_bytes)
+            if self.ring is not None:
+                self.ring.sent(control.sent_bytes)
 
     def _capture_checkpoints(self) -> None:
         engine = self.engine
@@ -510,6 +528,9 @@ class EngineCore:
             return
         self.capture.capture(engine)
         captures = self.capture.take()
+        if self.ring is not None:
+            for item in captures:
+                self.ring.place(item)
         if captures:
             self._out.captures.extend(captures)
             self._out.capture_epoch = self._capture_epoch

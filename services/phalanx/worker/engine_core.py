@@ -14,9 +14,10 @@ memory: the pickle carries a file descriptor, never the bytes.
 
 Checkpoints are captured here, in the child: `CheckpointCapture.capture` runs after each step exactly as on the
 engine thread (it needs the sequences' progress and block tables, which live here), and its captures ship in the
-step's output with their KV gathered into shared memory; the worker's `RemoteCapture` queues them for the
-CheckpointStreamer. Copying from the shared cache in the worker instead would need the child to hold freed blocks
-until the worker copied them: a second ordering protocol for no gain, the gather being the same copy either way.
+step's output with their KV copied into the capture ring (capture_ring.py, shared memory both map once); the
+worker's `RemoteCapture` queues them for the CheckpointStreamer. Copying from the shared cache in the worker instead
+would need the child to hold freed blocks until the worker copied them: a second ordering protocol for no gain, the
+gather being the same copy either way.
 What the streamer tells the capture (connected, resync, superseded, bytes sent) comes back as commands. A resync of
 every request carries an epoch: captures taken before the child saw it are dropped by the worker, as the thread
 version's resync clears the queue.

@@ -183,6 +183,7 @@ def test_packed_weights_run_on_a_cpu_only():
 def test_the_engine_config_picks_bfloat16_where_the_cpu_has_it_and_packs_only_a_whole_model_in_one_process(monkeypatch):
     import phalanx.model.ops as ops
 
+    monkeypatch.delenv("PHALANX_ENGINE_DTYPE", raising=False)  # the suite pins float32 (tests/conftest.py); `auto` here
     monkeypatch.setattr(ops, "cpu_has_native_bfloat16", lambda: True)
     assert EngineConfig().torch_dtype() is torch.bfloat16 and EngineConfig().keeps_int4()
     assert EngineConfig(dtype="float32").torch_dtype() is torch.float32 and not EngineConfig(dtype="float32").keeps_int4()

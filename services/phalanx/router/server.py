@@ -586,9 +586,9 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
                     if flow.migrations > flow.stalls_seen:
                         flow.stalls_seen = flow.migrations
                         self.metrics.migration_stall.observe(now - last)
-                    (itl if flow.first_sent else ttft).observe(now - last)
-                    if flow.first_sent:
+                    elif flow.first_sent:  # a migration's stall is no step of the worker the stream moved to
                         self.gate.on_gap(flow.record.worker_id, now - last, request_id)
+                    (itl if flow.first_sent else ttft).observe(now - last)
                     kind = LatencyKind.ITL if flow.first_sent else LatencyKind.TTFT
                     if self.slo.missed(kind, now - last):
                         self.metrics.slo_violations.labels(kind=kind.value).inc()

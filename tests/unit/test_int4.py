@@ -129,6 +129,8 @@ def served_variants():
         "float32": phalanx.model.load(name),
         "bfloat16": phalanx.model.load(name, dtype=torch.bfloat16),
         "bfloat16+int4": phalanx.model.load(name, dtype=torch.bfloat16, keep_int4=True),
+        # What a worker serves by default where oneDNN multiplies bfloat16: whole prompts go by the prepacked copies.
+        "bfloat16+int4+copies": phalanx.model.load(name, dtype=torch.bfloat16, keep_int4=True, dense_copy=True),
     }
 
 
@@ -141,7 +143,7 @@ def test_the_packaged_checkpoint_loads_its_4_bit_weights_packed(served_variants)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("variant", ["bfloat16", "bfloat16+int4"])
+@pytest.mark.parametrize("variant", ["bfloat16", "bfloat16+int4", "bfloat16+int4+copies"])
 def test_served_paths_stay_within_the_stated_accuracy_bound_of_float32(served_variants, variant):
     # The bound README.md states, on float32's own 24-token greedy continuation of each standard prompt (teacher
     # forcing, so that one early flip does not decide the rest): logits within 2.5 of float32's (they span about 60),

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from phalanx.model import onednn
 from phalanx.model.config import CheckpointError, ModelConfig
 from phalanx.model.gguf_format import (
     CACHE_FORMAT,
@@ -70,11 +71,14 @@ _IN_BLOCK = {
 }
 
 
-def load_gguf(path: Path, *, name: str, cache_root: Path | None = None, keep_int4: bool = False) -> tuple[Transformer, HFTokenizer, str]:
+def load_gguf(
+    path: Path, *, name: str, cache_root: Path | None = None, keep_int4: bool = False, dense_copy: bool = False,
+) -> tuple[Transformer, HFTokenizer, str]:
     """(model on CPU in float32, its tokenizer, its model_version ``<name>@<sha256[:12]>``).
 
     ``keep_int4``: linear weights the file holds as 4-bit codes stay codes (phalanx.model.int4), read from the file
-    itself; the rest comes dequantized as always.
+    itself; the rest comes dequantized as always. ``dense_copy``: each of them also gets its bfloat16 copy prepacked for
+    oneDNN (Int4Weight.dense), where oneDNN multiplies bfloat16 in hardware.
     """
     digest = content_hash(path)
     cached = cache_file(digest, cache_root)
@@ -93,6 +97,9 @@ def load_gguf(path: Path, *, name: str, cache_root: Path | None = None, keep_int
     if keep_int4:
         packed = _int4_weights(path, digest, config, cache_root)
         pack_linears(model, packed)
+        if dense_copy and onednn.available():
+            for weight_name, weight in packed.items():
+                weight.dense = onednn.pack(state[weight_name])
         state = {name: tensor for name, tensor in state.items() if name not in packed}
     _check_complete(model, state, path)
     # Packed modules bring their own buffers; everything else must come from the state.

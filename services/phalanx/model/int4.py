@@ -20,6 +20,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from phalanx.model import onednn
+
 GROUP = 32
 # GGML's quantization types whose blocks are 4-bit codes with a scale and an offset per group of GROUP weights.
 _Q4_0, _Q4_1, _Q4_K = 2, 3, 12
@@ -108,6 +110,9 @@ class Int4Weight(nn.Module):
         self.out_features, self.in_features = packed.shape[0], packed.shape[1] * 2
         self.register_buffer("packed", packed)
         self.register_buffer("scales_and_zeros", scales_and_zeros)  # [in // GROUP, out, 2], the kernel's layout
+        # The same weight dense in bfloat16, prepacked for oneDNN (phalanx.model.onednn), for steps of several rows; None:
+        # the codes alone. Not a buffer: derived at load, it stays out of state dicts and `.to()`.
+        self.dense: torch.Tensor | None = None
 
     @classmethod
     def from_codes(cls, codes: Int4Codes) -> Int4Weight:
@@ -126,8 +131,13 @@ class Int4Weight(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.scales_and_zeros.dtype
 
-    def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """x [rows, in] -> [rows, out]; x must have the scales' dtype (bfloat16 where it is fast)."""
+    def matmul(self, x: torch.Tensor, *, invariant: bool = False) -> torch.Tensor:
+        """x [rows, in] -> [rows, out]; x must have the scales' dtype (bfloat16 where it is fast).
+
+        From onednn.DENSE_FROM_ROWS rows by the dense copy, if there is one; in batch-invariant mode by the codes at any
+        rows (the two round differently, and a sequence's tokens must not depend on its batch)."""
+        if self.dense is not None and not invariant and x.shape[0] >= onednn.DENSE_FROM_ROWS:
+            return onednn.matmul(x, self.dense)
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, GROUP, self.scales_and_zeros)
 
 

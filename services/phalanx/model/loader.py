@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from phalanx.model import onednn
 from phalanx.model.config import BUILTIN_CHECKPOINTS, BUILTIN_MODELS, CheckpointError, ModelConfig, builtin_config, gguf_file, known_models
 from phalanx.model.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
 from phalanx.model.transformer import Transformer, initialise
@@ -38,6 +39,7 @@ def load(
     seed: int | None = None,
     cache_root: Path | None = None,
     keep_int4: bool = False,
+    dense_copy: bool = False,
 ) -> Transformer:
     """Loads a built-in model by name, a GGUF file (or a directory holding one) or an HF-layout checkpoint directory.
 
@@ -45,7 +47,9 @@ def load(
     `.tokenizer` and its `model_version` as `.version`. A GGUF's dequantized
     weights are cached under ``cache_root`` (default: $PHALANX_CACHE_DIR or
     ~/.cache/phalanx). ``keep_int4`` keeps a GGUF's 4-bit linear weights as codes for torch's int4 CPU kernel
-    (phalanx.model.int4; fast with bfloat16 on a CPU only); other sources ignore it.
+    (phalanx.model.int4; fast with bfloat16 on a CPU only); other sources ignore it. ``dense_copy`` (with ``keep_int4``,
+    where oneDNN multiplies bfloat16 in hardware) adds each 4-bit weight's bfloat16 copy prepacked for oneDNN, which
+    steps of several rows multiply by, and prepacks the LM head (phalanx.model.onednn).
     """
     if keep_int4 and torch.device(device).type != "cpu":
         raise ValueError(f"4-bit packed weights run on a CPU only, not on {device}")
@@ -59,7 +63,7 @@ def load(
         from phalanx.model.gguf_weights import load_gguf
 
         name = str(name_or_path) if str(name_or_path) in BUILTIN_CHECKPOINTS else gguf.stem
-        model, tokenizer, version = load_gguf(gguf, name=name, cache_root=cache_root, keep_int4=keep_int4)
+        model, tokenizer, version = load_gguf(gguf, name=name, cache_root=cache_root, keep_int4=keep_int4, dense_copy=dense_copy)
     else:
         path = Path(name_or_path)
         if not (path / "config.json").is_file():
@@ -73,6 +77,8 @@ def load(
         version = model_version(name_or_path, config)
     model = model.to(device=device, dtype=dtype).eval()
     model.requires_grad_(False)
+    if keep_int4 and dense_copy and dtype == torch.bfloat16 and onednn.available():
+        model.lm_head_packed = onednn.pack(model.lm_head_weight())
     model.tokenizer = tokenizer
     model.version = version
     return model

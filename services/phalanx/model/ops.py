@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
+from phalanx.model import onednn
+
 if TYPE_CHECKING:
     from phalanx.model.int4 import Int4Weight
 
@@ -26,17 +28,20 @@ INVARIANT_MIN_ROWS = 4
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor | Int4Weight, *, invariant: bool) -> torch.Tensor:
-    """x @ weight.T, for a dense weight or one packed as 4-bit codes (phalanx.model.int4)."""
+    """x @ weight.T, for a dense weight, one prepacked for oneDNN (phalanx.model.onednn) or one packed as 4-bit codes
+    (phalanx.model.int4)."""
     rows = x.shape[0]
     if not invariant or rows >= INVARIANT_MIN_ROWS:
-        return _multiply(x, weight)
+        return _multiply(x, weight, invariant)
     x_padded = torch.zeros((INVARIANT_MIN_ROWS, x.shape[1]), dtype=x.dtype, device=x.device)
     x_padded[:rows] = x
-    return _multiply(x_padded, weight)[:rows]
+    return _multiply(x_padded, weight, invariant)[:rows]
 
 
-def _multiply(x: torch.Tensor, weight: torch.Tensor | Int4Weight) -> torch.Tensor:
-    return F.linear(x, weight) if isinstance(weight, torch.Tensor) else weight.matmul(x)
+def _multiply(x: torch.Tensor, weight: torch.Tensor | Int4Weight, invariant: bool) -> torch.Tensor:
+    if not isinstance(weight, torch.Tensor):
+        return weight.matmul(x, invariant=invariant)
+    return onednn.matmul(x, weight) if weight.is_mkldnn else F.linear(x, weight)
 
 
 def cpu_has_native_bfloat16() -> bool:

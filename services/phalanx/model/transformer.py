@@ -155,6 +155,8 @@ class Transformer(nn.Module):
     version: str
     tp_rank: int
     tp_size: int
+    # The LM head prepacked for oneDNN (phalanx.model.onednn) by the loader where it pays; None: the dense weight.
+    lm_head_packed: torch.Tensor | None = None
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -199,8 +201,11 @@ class Transformer(nn.Module):
             x = layer(x, cos, sin, i, backend, invariant)
         return rms_norm(x, self.norm, self.config.rms_norm_eps)
 
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
     def logits(self, hidden: torch.Tensor, *, invariant: bool = False) -> torch.Tensor:
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        weight = self.lm_head_packed if self.lm_head_packed is not None else self.lm_head_weight()
         return linear(hidden, weight, invariant=invariant).float()
 
     @torch.inference_mode()

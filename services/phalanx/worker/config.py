@@ -44,12 +44,14 @@ class EngineConfig(BaseSettings):
             "step's bytes; float32 on other CPUs, where torch emulates bfloat16 slower than float32"
         ),
     )
-    weights: Literal["auto", "dense"] = Field(
+    weights: Literal["auto", "int4", "dense"] = Field(
         "auto",
         description=(
-            "auto keeps a GGUF's 4-bit linear weights (Q4_0, Q4_1, Q4_K) as the file's codes for torch's int4 kernel "
-            "when the engine runs in bfloat16 on a CPU in one process (an eighth of float32's bytes a step); dense "
-            "dequantizes every weight to the engine's dtype"
+            "int4 keeps a GGUF's 4-bit linear weights (Q4_0, Q4_1, Q4_K) as the file's codes for torch's int4 kernel "
+            "when the engine runs in bfloat16 on a CPU in one process (an eighth of float32's bytes a step); auto does "
+            "that and, where the CPU multiplies bfloat16 in hardware, adds each one's bfloat16 copy prepacked for oneDNN, "
+            "which steps of 4 or more rows multiply by (the int4 kernel slows with every row; the copy costs the "
+            "weights' bfloat16 bytes again in memory); dense dequantizes every weight to the engine's dtype"
         ),
     )
     num_kv_blocks: int = Field(
@@ -159,7 +161,10 @@ class EngineConfig(BaseSettings):
         from it): one place for what the worker, its engine process and the benches load."""
         from phalanx.model import load
 
-        return load(self.model, device=self.device, dtype=self.torch_dtype(), seed=self.seed, keep_int4=self.keeps_int4())
+        return load(
+            self.model, device=self.device, dtype=self.torch_dtype(), seed=self.seed, keep_int4=self.keeps_int4(),
+            dense_copy=self.weights == "auto",
+        )
 
     def keeps_int4(self) -> bool:
         """Whether the model's 4-bit GGUF weights stay packed: bfloat16 on a CPU, one process holding the whole model
@@ -167,7 +172,7 @@ class EngineConfig(BaseSettings):
         import torch
 
         return (
-            self.weights == "auto" and self.device == "cpu" and self.torch_dtype() == torch.bfloat16
+            self.weights != "dense" and self.device == "cpu" and self.torch_dtype() == torch.bfloat16
             and self.whole_model and self.tensor_parallel_size == 1
         )
 

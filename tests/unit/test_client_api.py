@@ -6,6 +6,7 @@ import inspect
 import json
 import random
 import re
+import time
 
 import grpc
 import pytest
@@ -41,6 +42,7 @@ from phalanx.client._client import build_request
 from phalanx.client._errors import from_rpc_error
 from phalanx.client._options import GenerateParams
 from phalanx.client._stream import GenerateStream, is_retryable
+from phalanx.client._transport import REOPEN_INTERVAL_S
 from phalanx.common import errors as domain
 from phalanx.common.grpc_status import to_status
 
@@ -471,6 +473,9 @@ class RecordingTransport:
     def stream_closed(self, stream, *, finished):
         self.log.append(("closed", stream.request_id, finished))
 
+    def drop_wrong_peer(self, error):
+        self.log.append(("wrong peer", error.code()))
+
 
 FAST = RetryPolicy(initial_backoff_s=0.001, max_backoff_s=0.001)
 
@@ -502,3 +507,70 @@ async def test_a_detached_stream_closes_unfinished_without_cancelling_its_reques
     stream.detach()  # another process resumes the request
     await stream.aclose()
     assert transport.log == [("opened", "r"), ("closed", "r", True)]  # "finished": nothing to cancel
+
+
+# A call that reached another service at a router's address (a checkpoint store given the router's old IP).
+WRONG_PEER = rpc_error(C.UNIMPLEMENTED, "Method not found!")
+
+
+async def test_a_wrong_peer_is_dropped_then_the_generate_is_sent_again_or_the_stream_resumed():
+    transport = RecordingTransport(
+        ScriptedCall([], error=WRONG_PEER), ScriptedCall([0, 1], error=BROKEN), ScriptedCall([], error=WRONG_PEER),
+        ScriptedCall([2], last=2),
+    )
+    stream = GenerateStream(transport, retry=FAST, request_id="r", request=request(), start_index=0, timeout=None)
+    started = time.monotonic()
+    assert [chunk.index async for chunk in stream] == [0, 1, 2]
+    assert time.monotonic() - started < 0.5  # paced by the backoff, not by the retry hint meant for the caller
+    assert transport.opened == [("generate", "r", 0), ("generate", "r", 0), ("resume", "r", 2), ("resume", "r", 2)]
+    assert transport.log == [("opened", "r"), ("wrong peer", C.UNIMPLEMENTED), ("wrong peer", C.UNIMPLEMENTED), ("closed", "r", True)]
+
+
+async def test_a_stream_that_only_meets_wrong_peers_fails_unavailable_with_a_retry_hint():
+    transport = RecordingTransport(*(ScriptedCall([], error=WRONG_PEER) for _ in range(3)))
+    retry = RetryPolicy(max_attempts=3, initial_backoff_s=0.001, max_backoff_s=0.001)
+    with pytest.raises(UnavailableError) as caught:
+        [chunk async for chunk in GenerateStream(transport, retry=retry, request_id="r", request=request(), start_index=0, timeout=None)]
+    assert (caught.value.code, caught.value.reason, caught.value.retry_after_s) == (C.UNAVAILABLE, "WRONG_PEER", 1.0)
+    assert len(transport.opened) == 3 and transport.log.count(("wrong peer", C.UNIMPLEMENTED)) == 3
+
+
+class FakeChannel:
+    def __init__(self):
+        self.closed = False
+
+    async def close(self, grace=None):
+        self.closed = True
+
+
+class UnaryStub:
+    def __init__(self, error=None):
+        self.error = error
+        self.calls = 0
+
+    async def ListWorkers(self, request, *, timeout, metadata):
+        self.calls += 1
+        if self.error is not None:
+            raise self.error
+        return router_pb2.ListWorkersResponse()
+
+
+async def test_a_wrong_peer_reopens_the_channel_once_a_burst_and_unary_calls_retry_on_the_fresh_one():
+    first, second, wrong, right = FakeChannel(), FakeChannel(), UnaryStub(error=WRONG_PEER), UnaryStub()
+    fresh = [(second, right)]
+    client = Client(first, wrong, api_key=None, timeout=None, retry=FAST, reopen=lambda: fresh.pop(0))
+    assert await client.list_workers() == []
+    assert (wrong.calls, right.calls, client.wrong_peers) == (1, 1, 1)
+    client._transport.drop_wrong_peer(WRONG_PEER)  # a second call of the same burst: no channel opened (none is left to open)
+    assert client.wrong_peers == 2 and not first.closed  # calls still on the old channel get their grace
+    started = time.monotonic()
+    await client.close()
+    assert first.closed and second.closed and time.monotonic() - started < REOPEN_INTERVAL_S
+
+
+async def test_unary_calls_that_only_meet_wrong_peers_fail_unavailable_with_a_retry_hint():
+    wrong = UnaryStub(error=WRONG_PEER)
+    client = Client(None, wrong, api_key=None, timeout=None, retry=RetryPolicy(max_attempts=2, initial_backoff_s=0.001, max_backoff_s=0.001))
+    with pytest.raises(UnavailableError) as caught:
+        await client.list_workers()
+    assert (caught.value.reason, caught.value.retry_after_s, wrong.calls, client.wrong_peers) == ("WRONG_PEER", 1.0, 2, 2)

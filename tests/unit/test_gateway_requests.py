@@ -17,6 +17,7 @@ from phalanx.client import (
     RequestQuarantinedError,
     UnavailableError,
 )
+from phalanx.client._errors import wrong_peer_error
 from phalanx.gateway.auth import Caller, KeyRing
 from phalanx.gateway.config import GatewayConfig
 from phalanx.gateway.errors import GatewayError, from_client_error
@@ -290,6 +291,8 @@ def test_shed_and_unavailable_carry_retry_after():
     assert (shed.status, shed.headers()) == (429, {"Retry-After": "2", "retry-after-ms": "1500"})
     down = from_client_error(UnavailableError("no worker", code=grpc.StatusCode.UNAVAILABLE, retry_after_s=0.2))
     assert (down.status, down.headers()["Retry-After"]) == (503, "1")
+    wrong_peer = from_client_error(wrong_peer_error(grpc.aio.AioRpcError(grpc.StatusCode.UNIMPLEMENTED, None, None, "Method not found!")))
+    assert (wrong_peer.status, wrong_peer.code, wrong_peer.headers()["Retry-After"]) == (503, "unavailable", "1")
     unauthenticated = from_client_error(ClientAuthenticationError("bad key", code=grpc.StatusCode.UNAUTHENTICATED))
     assert unauthenticated.status == 401
 

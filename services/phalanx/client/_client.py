@@ -14,7 +14,7 @@ from phalanx.client._config import RetryPolicy, TlsConfig
 from phalanx.client._errors import InvalidArgumentError
 from phalanx.client._options import GenerateOptions, GenerateParams, with_params
 from phalanx.client._stream import GenerateStream
-from phalanx.client._transport import Transport
+from phalanx.client._transport import ChannelOpener, Transport
 from phalanx.client._types import Completion, Media, WorkerInfo, tier_to_proto
 
 __all__ = ["Client"]
@@ -28,14 +28,14 @@ class Client:
     """
 
     def __init__(
-        self, channel: grpc.aio.Channel | None, stub: Any, *, api_key: str | None, timeout: float | None, retry: RetryPolicy
+        self, channel: grpc.aio.Channel | None, stub: Any, *, api_key: str | None, timeout: float | None, retry: RetryPolicy,
+        reopen: ChannelOpener | None = None,
     ) -> None:
         # Use Client.connect; this is for the SDK (and tests that bring their own stub).
-        self._channel = channel
         self._stub = stub
         self._timeout = timeout
         self._retry = retry
-        self._transport = Transport(stub, api_key=api_key)
+        self._transport = Transport(stub, api_key=api_key, retry=retry, channel=channel, reopen=reopen)
         self._closed = False
 
     @classmethod
@@ -51,14 +51,21 @@ class Client:
     ) -> Client:
         """Opens a channel to ``target`` ("host:port", or "ipv4:h1:p1,h2:p2" for several replicas).
 
-        Does not wait for a router to answer: calls retry until one does.
+        Does not wait for a router to answer: calls retry until one does. A call that reaches another
+        service at a router's address (UNIMPLEMENTED) is retried on a fresh channel, which resolves
+        ``target`` again.
         ``timeout`` is the default overall deadline of each call in seconds
         (None: none). ``tls`` is True for the system trust store or a
         TlsConfig. ``channel_options`` override the SDK's gRPC channel options.
         """
-        channel = open_channel(target, tls=tls, retry=retry, extra_options=channel_options)
-        channel.get_state(try_to_connect=True)  # start connecting now, not on the first call
-        return cls(channel, router_pb2_grpc.RouterServiceStub(channel), api_key=api_key, timeout=timeout, retry=retry)
+
+        def reopen() -> tuple[grpc.aio.Channel, Any]:
+            channel = open_channel(target, tls=tls, retry=retry, extra_options=channel_options)
+            channel.get_state(try_to_connect=True)  # start connecting now, not on the first call
+            return channel, router_pb2_grpc.RouterServiceStub(channel)
+
+        channel, stub = reopen()
+        return cls(channel, stub, api_key=api_key, timeout=timeout, retry=retry, reopen=reopen)
 
     def generate(
         self,
@@ -115,14 +122,17 @@ class Client:
         response = await self._unary("ListWorkers", router_pb2.ListWorkersRequest(), timeout, None)
         return [WorkerInfo.from_proto(worker) for worker in response.workers]
 
+    @property
+    def wrong_peers(self) -> int:
+        """Calls so far that reached a service that is not a router (each dropped its channel or was retried)."""
+        return self._transport.wrong_peers
+
     async def close(self) -> None:
         """Cancels unfinished streams server-side (best-effort, bounded), then closes the channel. Idempotent."""
         if self._closed:
             return
         self._closed = True
         await self._transport.close()
-        if self._channel is not None:
-            await self._channel.close()
 
     async def __aenter__(self) -> Client:
         return self

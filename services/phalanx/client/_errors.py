@@ -19,6 +19,8 @@ __all__ = [
     "StreamGapError",
     "UnavailableError",
     "from_rpc_error",
+    "is_wrong_peer",
+    "wrong_peer_error",
 ]
 
 
@@ -105,6 +107,9 @@ class RequestQuarantinedError(PhalanxClientError):
 # The router's ErrorInfo reason for a quarantined request (phalanx.common.errors.REQUEST_QUARANTINED; the SDK imports
 # nothing of the services).
 _QUARANTINED = "REQUEST_QUARANTINED"
+# The reason of the UnavailableError raised when every attempt reached a service that is not a router.
+WRONG_PEER = "WRONG_PEER"
+_WRONG_PEER_RETRY_AFTER_S = 1.0
 
 
 class InternalError(PhalanxClientError):
@@ -180,3 +185,21 @@ def from_rpc_error(error: grpc.RpcError, *, request_id: str | None = None) -> Ph
     if kind is InvalidArgumentError:
         return InvalidArgumentError(message, violations=violations, **common)
     return kind(message, **common)
+
+
+def is_wrong_peer(error: grpc.RpcError) -> bool:
+    """Whether a RouterService call reached a service that is not a router.
+
+    Every router implements every RouterService method, so UNIMPLEMENTED means another service now listens at an
+    address that was a router's: containers restarted together may be given each other's old IPs, and with mutual
+    TLS the handshake still succeeds (every Phalanx server certificate names the same host, signed by the same CA).
+    """
+    return error.code() == grpc.StatusCode.UNIMPLEMENTED
+
+
+def wrong_peer_error(error: grpc.RpcError, *, request_id: str | None = None) -> UnavailableError:
+    """What the caller gets when the retries kept reaching services that are not routers: no router, try again."""
+    return UnavailableError(
+        f"the router's address is served by another service ({error.details() or 'UNIMPLEMENTED'})",
+        code=grpc.StatusCode.UNAVAILABLE, reason=WRONG_PEER, request_id=request_id, retry_after_s=_WRONG_PEER_RETRY_AFTER_S,
+    )

@@ -12,13 +12,16 @@ import grpc
 from phalanx._proto import router_pb2
 from phalanx.client._config import RetryPolicy
 from phalanx.client._errors import (
+    WRONG_PEER,
     DeadlineExceededError,
     PhalanxClientError,
     RequestCancelledError,
     StreamGapError,
     UnavailableError,
     from_rpc_error,
+    is_wrong_peer,
     rich_status,
+    wrong_peer_error,
 )
 from phalanx.client._types import FINISH_FROM_PROTO, Chunk, FinishReason
 
@@ -50,7 +53,8 @@ class StreamTransport(Protocol):
 
     ``stream_opened``/``stream_closed`` bracket the stream's life (so that closing the client cancels
     the streams still open, and one left unfinished is cancelled); a request the caller cancelled
-    itself is not resumed. The client's ``Transport`` is the one in use.
+    itself is not resumed; a call that reached a service that is not a router is reported with
+    ``drop_wrong_peer`` before the retry. The client's ``Transport`` is the one in use.
     """
 
     def generate(self, request: router_pb2.GenerateRequest, *, timeout: float | None) -> Any: ...
@@ -62,6 +66,8 @@ class StreamTransport(Protocol):
     def stream_opened(self, stream: Any) -> None: ...
 
     def stream_closed(self, stream: Any, *, finished: bool) -> asyncio.Task | None: ...
+
+    def drop_wrong_peer(self, error: grpc.RpcError) -> None: ...
 
 
 class _State:
@@ -220,13 +226,19 @@ async def _backoff_or_raise(
         retry = True
     elif transport.cancelled_by_caller(state.request_id):
         error, retry = RequestCancelledError("cancelled by this client", code=_CODE.CANCELLED, request_id=state.request_id), False
+    elif is_wrong_peer(failure):
+        # The other service ran nothing: a Generate is sent again as it was, a stream with tokens resumes.
+        transport.drop_wrong_peer(failure)
+        error, retry = wrong_peer_error(failure, request_id=state.request_id), True
     else:
         error = from_rpc_error(failure, request_id=state.request_id)
         retry = is_retryable(failure, policy, before_first_token=state.next_index == 0)
     state.failures += 1
     if not retry or state.failures >= policy.max_attempts:
         raise error from failure
-    delay = max(policy.backoff_s(state.failures), error.retry_after_s or 0.0)
+    # A wrong peer's retry hint is for the caller once the retries are spent; the server's own RetryInfo paces them.
+    server_delay = 0.0 if error.reason == WRONG_PEER else error.retry_after_s or 0.0
+    delay = max(policy.backoff_s(state.failures), server_delay)
     if deadline is not None and time.monotonic() + delay >= deadline:
         raise error from failure
     await asyncio.sleep(delay)

@@ -209,6 +209,11 @@ class SyncClient:
         """Blocking twin of ``Client.list_workers``."""
         return self._loop.run(self._client.list_workers(timeout=timeout))
 
+    @property
+    def wrong_peers(self) -> int:
+        """Calls so far that reached a service that is not a router (``Client.wrong_peers``)."""
+        return self._client.wrong_peers
+
     def close(self) -> None:
         """Closes the client and stops its thread. Idempotent."""
         with self._close_lock:

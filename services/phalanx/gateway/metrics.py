@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
 
 from phalanx.gateway.responses import CHAT, COMPLETIONS
 
@@ -34,3 +38,19 @@ class GatewayMetrics:
         for dialect in (COMPLETIONS, CHAT):
             for metric in (self.latency, self.ttft, self.tokens):
                 metric.labels(endpoint=dialect.endpoint)
+
+    def count_wrong_peers(self, wrong_peers: Callable[[], int]) -> None:
+        """Exports ``wrong_peers()``, the SDK's count of router calls that reached another service."""
+        self.registry.register(_WrongPeers(wrong_peers))
+
+
+class _WrongPeers(Collector):
+    def __init__(self, wrong_peers: Callable[[], int]) -> None:
+        self._wrong_peers = wrong_peers
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        yield CounterMetricFamily(
+            "phalanx_gateway_router_wrong_peers",
+            "Router calls that reached another service at a router's address; each dropped its channel and was retried",
+            value=self._wrong_peers(),
+        )

@@ -95,6 +95,7 @@ class GatewayProcess:
             stack.callback(shutdown_telemetry)
             clients = RouterClients(self.config)
             stack.push_async_callback(clients.close)
+            self.metrics.count_wrong_peers(clients.wrong_peers)
             gateway = GatewayServer(self.config, clients, self.metrics)
             app = build_app(gateway)
             if self.config.responses_api:

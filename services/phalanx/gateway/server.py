@@ -77,6 +77,10 @@ class RouterClients:
                 await made.close()
         return client
 
+    def wrong_peers(self) -> int:
+        """Router calls of every client so far that reached another service (the SDK dropped the channel and retried)."""
+        return sum(client.wrong_peers for client in list(self._clients.values()))
+
     async def close(self) -> None:
         self._closed = True
         clients, self._clients = list(self._clients.values()), {}

@@ -93,7 +93,7 @@ class Transport:
                 delay = self._retry.backoff_s(failures)
                 if failures >= self._retry.max_attempts or (deadline is not None and time.monotonic() + delay >= deadline):
                     raise wrong_peer_error(error, request_id=request_id) from error
-            await asyncio.sleep(delay)
+                await asyncio.sleep(delay)
 
     def drop_wrong_peer(self, error: grpc.RpcError) -> None:
         """A call reached a service that is not a router: later calls go on a fresh channel, which resolves the target

@@ -221,3 +221,28 @@ def test_a_cpus_one_query_attention_equals_sdpa_with_grouped_heads_and_padding()
     mask = (torch.arange(40)[None, :] < torch.tensor([40, 17, 1, 33, 25])[:, None])[:, None, None, :]
     assert torch.allclose(_one_query_attention(q, k, v, mask), _sdpa(q, k, v, mask), atol=1e-5)
     assert torch.allclose(_one_query_attention(q, k, v, None), _sdpa(q, k, v, None), atol=1e-5)
+
+
+def test_a_canary_in_bfloat16_gives_the_same_tokens_and_logits_alone_and_beside_a_big_batch():
+    # Without deterministic mode a lone decode and a full batch take different kernels; in bfloat16 that moved this
+    # canary's logits by up to 0.3 and flipped its third token. A canary's steps are batch-invariant, so health never
+    # takes a busy worker for a corrupt one.
+    import torch
+
+    model = phalanx.model.load("phalanx-tiny-moe", dtype=torch.bfloat16)
+    prompt = model.tokenizer.encode("To be, or not to be, that is the")
+
+    def canary():
+        return EngineRequest(prompt, greedy(prompt, 8), request_id="canary", record_top_logits=True, canary=True)
+
+    alone = run(Engine(model, EngineConfig()), [canary()])["canary"]
+    engine = Engine(model, EngineConfig())
+    for i in range(48):
+        engine.add_request(EngineRequest(model.tokenizer.encode(f"busy stream {i}"), greedy(prompt, 40), request_id=f"busy-{i}"))
+    for _ in range(3):  # the batch decodes when the canary joins it
+        engine.step()
+    engine.add_request(canary())
+    beside = []
+    while len(beside) < 8:
+        beside += [e for e in engine.step() if e.request_id == "canary"]
+    assert [(e.token_id, e.top_logit, e.top_margin) for e in beside] == [(e.token_id, e.top_logit, e.top_margin) for e in alone]

@@ -565,7 +565,10 @@ class TorchRunner:
             if start + n == seq.num_tokens:
                 sample_rows.append(len(token_ids) - 1)
                 sampled_seqs.append(seq)
-        invariant = self.invariant
+        # A step that carries a canary is batch-invariant whatever the config: otherwise the canary's tokens would depend on
+        # what else is in its batch (in bfloat16 a near-tie flips between a lone decode's kernel and a full batch's), and
+        # health would take a busy worker for a corrupt one. It costs only the steps a canary runs in.
+        invariant = self.invariant or any(seq.canary for seq, _ in batch)
         with torch.inference_mode():
             backend = PagedAttention(self.cache.data, torch.cat(slots).to(device), chunks, invariant=invariant)
             embeds = (torch.cat(media_rows).to(device), torch.cat(media_values)) if media_rows else None

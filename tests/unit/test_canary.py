@@ -2,7 +2,20 @@
 
 from __future__ import annotations
 
-from phalanx.health.canary import CANARY_FACTS, CANDIDATE_PROMPTS, CanaryFact, CanaryRun, calibrate, canary_facts, judge
+from phalanx._proto import common_pb2
+from phalanx.health.canary import (
+    CANARY_FACTS,
+    CANDIDATE_PROMPTS,
+    CanaryFact,
+    CanaryRun,
+    calibrate,
+    canary_facts,
+    coarsest_dtype,
+    judge,
+    logit_ulp,
+    required_margin,
+    worker_compute_dtype,
+)
 from phalanx.health.state import CheckResult
 from phalanx.model.config import BUILTIN_CHECKPOINTS
 
@@ -28,12 +41,52 @@ def test_calibration_keeps_prompts_the_majority_agrees_on_and_names_the_dissente
 
 def test_calibration_rejects_unsteady_prompts_and_near_ties():
     runs = [run("a", P0, [1, 2]), run("a", P0, [1, 3])]  # two runs disagree
-    runs += twice("a", P1, [4, 5], margins=[0.5, 0.01])  # a near tie
+    runs += twice("a", P1, [4, 5], margins=[0.01, 0.5])  # a near tie at the first token
     runs += twice("a", P2, [6, 7], logits=[9.0, 11.0])
     result = calibrate("m@1", "m", runs, prompts_wanted=3, min_margin=0.05)
     assert [c.prompt_text for c in result.calibration.cases] == [P2]
     assert set(result.rejected) == {P0, P1}
     assert list(result.calibration.cases[0].top_logit_min) == [9.0, 11.0]
+
+
+def test_calibration_keeps_a_prompts_tokens_up_to_its_first_near_tie():
+    runs = twice("a", P0, [1, 2, 3], margins=[0.5, 0.01, 0.5])
+    result = calibrate("m@1", "m", runs, prompts_wanted=1, min_margin=0.05)
+    (case,) = result.calibration.cases
+    assert list(case.expected_token_ids) == [1] and len(case.top_logit_min) == len(case.top_logit_max) == 1
+
+
+def test_a_dtypes_ulp_is_its_spacing_at_the_logits_magnitude():
+    assert logit_ulp("bfloat16", 20.0) == logit_ulp("bfloat16", -16.0) == 0.125  # 8 bits of mantissa: 16-32 in steps of 1/8
+    assert logit_ulp("bfloat16", 3.0) == 2.0**-6
+    assert logit_ulp("float32", 20.0) == 2.0**-19
+    assert logit_ulp("float16", 20.0) == 2.0**-6
+    assert logit_ulp("float8_e4m3fn", 20.0) == logit_ulp("bfloat16", 20.0)  # unknown: as coarse as bfloat16
+
+
+def test_the_required_margin_follows_the_dtype_and_the_logits_magnitude():
+    assert required_margin("float32", 20.0, min_margin=0.05, margin_ulps=8) == 0.05
+    assert required_margin("bfloat16", 20.0, min_margin=0.05, margin_ulps=8) == 1.0
+    assert required_margin("bfloat16", 40.0, min_margin=0.05, margin_ulps=8) == 2.0
+    assert required_margin("bfloat16", 0.5, min_margin=0.05, margin_ulps=8) == 0.05  # below, min_margin rules
+
+
+def test_a_margin_float32_keeps_is_a_near_tie_in_bfloat16():
+    # The reported canary: a greedy token won by one bfloat16 ulp at logit 20 (0.125, over min_margin) and flipped in a batch.
+    runs = twice("a", P0, [260, 7], logits=[20.0, 20.0], margins=[0.125, 3.0]) + twice("a", P1, [5, 6], logits=[20.0, 20.0])
+    kept = calibrate("m@1", "m", runs, prompts_wanted=3, min_margin=0.05, margin_ulps=8, compute_dtype="float32")
+    assert [c.prompt_text for c in kept.calibration.cases] == [P0, P1]
+    bf16 = calibrate("m@1", "m", runs, prompts_wanted=3, min_margin=0.05, margin_ulps=8, compute_dtype="bfloat16")
+    assert [c.prompt_text for c in bf16.calibration.cases] == [P1]
+    assert "below 1.0000 (bfloat16)" in bf16.rejected[P0]
+
+
+def test_workers_calibrate_together_at_the_coarsest_dtype_they_compute_in():
+    assert coarsest_dtype(["float32", "bfloat16", "float16"]) == "bfloat16"
+    assert coarsest_dtype([]) == "float32"
+    assert worker_compute_dtype(common_pb2.WorkerRegistration(compute_dtype="bfloat16", kv_dtype="bfloat16")) == "bfloat16"
+    assert worker_compute_dtype(common_pb2.WorkerRegistration(kv_dtype="bfloat16")) == "bfloat16"  # an older worker
+    assert worker_compute_dtype(common_pb2.WorkerRegistration()) == "float32"
 
 
 def test_calibration_without_a_majority_fails():

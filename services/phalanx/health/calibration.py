@@ -17,7 +17,15 @@ import grpc
 from phalanx._proto import common_pb2, worker_pb2
 from phalanx.common.discovery import encode_json
 from phalanx.common.subjects import canary_key
-from phalanx.health.canary import CANDIDATE_PROMPTS, CanaryFact, CanaryRun, calibrate, canary_facts
+from phalanx.health.canary import (
+    CANDIDATE_PROMPTS,
+    CanaryFact,
+    CanaryRun,
+    calibrate,
+    canary_facts,
+    coarsest_dtype,
+    worker_compute_dtype,
+)
 from phalanx.health.config import HealthConfig
 from phalanx.health.metrics import HealthMetrics
 from phalanx.health.state import CheckOutcome, FailureReason, Health
@@ -83,7 +91,8 @@ class Calibrator:
         runs = await asyncio.gather(*(self._runs(w, facts) for w in candidates))
         result = calibrate(
             model_version, model, [r for rs in runs for r in rs],
-            prompts_wanted=self.config.canary_prompts, min_margin=self.config.min_margin, facts=facts,
+            prompts_wanted=self.config.canary_prompts, min_margin=self.config.min_margin, margin_ulps=self.config.min_margin_ulps,
+            compute_dtype=coarsest_dtype(worker_compute_dtype(w.registration) for w in candidates), facts=facts,
         )
         for worker_id, why in result.dissenters.items():
             w = self.workers.get(worker_id)

@@ -5,8 +5,11 @@ scheduler. Calibration runs candidate prompts on up to
 ``calibration_workers`` workers of one model version, twice each, and keeps
 the prompts on which a majority of workers agree token for token and whose
 greedy choices win by a clear margin (a near-tie could flip with harmless
-batch-order rounding and raise false alarms). The expected tokens and the
-range of top logits seen are stored in etcd per model version and reused.
+rounding and raise false alarms). The margin follows the dtype the workers
+compute in (``required_margin``); a prompt keeps the tokens up to its first
+near-tie, as a greedy token depends only on those before it. The expected
+tokens and the range of top logits seen are stored in etcd per model
+version and reused.
 
 Agreement alone cannot tell a real model that is wrong everywhere (a bad
 conversion, corrupt weights on every worker) from a right one. A model
@@ -19,6 +22,7 @@ agreement calibration.
 
 from __future__ import annotations
 
+import math
 import time
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Sequence
@@ -27,7 +31,10 @@ from dataclasses import dataclass
 from phalanx._proto import common_pb2
 from phalanx.health.state import CheckOutcome, FailureReason
 
-__all__ = ["CANARY_FACTS", "CANDIDATE_PROMPTS", "CalibrationResult", "CanaryFact", "CanaryRun", "calibrate", "canary_facts", "judge"]
+__all__ = [
+    "CANARY_FACTS", "CANDIDATE_PROMPTS", "CalibrationResult", "CanaryFact", "CanaryRun", "calibrate", "canary_facts", "coarsest_dtype",
+    "judge", "logit_ulp", "required_margin", "worker_compute_dtype",
+]
 
 # Varied, plain prompts; calibration keeps the steadiest of them.
 CANDIDATE_PROMPTS: tuple[str, ...] = (
@@ -45,6 +52,41 @@ CANDIDATE_PROMPTS: tuple[str, ...] = (
     "Dear customer, thank you for your",
 )
 _MIN_ABS_LOGIT_TOLERANCE = 0.05
+
+# Explicit mantissa bits of the dtypes an engine may compute in (torch's names). An unknown name counts as bfloat16,
+# the coarsest an engine computes in today.
+_MANTISSA_BITS = {"float64": 52, "float32": 23, "float16": 10, "bfloat16": 7}
+_DEFAULT_MANTISSA_BITS = _MANTISSA_BITS["bfloat16"]
+
+
+def worker_compute_dtype(registration: common_pb2.WorkerRegistration) -> str:
+    """The dtype a worker computes in; an older worker says it only as its KV dtype (the model's), an older still not at all."""
+    return registration.compute_dtype or registration.kv_dtype or "float32"
+
+
+def coarsest_dtype(dtypes: Iterable[str]) -> str:
+    """The dtype with the fewest mantissa bits: margins calibrated across workers must suit the roughest of them."""
+    return min(dtypes, key=lambda d: _MANTISSA_BITS.get(d, _DEFAULT_MANTISSA_BITS), default="float32")
+
+
+def logit_ulp(dtype: str, value: float) -> float:
+    """The spacing of ``dtype``'s numbers at ``value``'s magnitude (bfloat16: 0.125 from 16 to 32)."""
+    _, exponent = math.frexp(value)  # value = m * 2**exponent, 0.5 <= |m| < 1
+    return math.ldexp(1.0, exponent - 1 - _MANTISSA_BITS.get(dtype, _DEFAULT_MANTISSA_BITS))
+
+
+def required_margin(dtype: str, top_logit: float, *, min_margin: float, margin_ulps: float) -> float:
+    """The greedy margin a canary position needs: max(min_margin, margin_ulps * ulp(dtype, |top logit|)).
+
+    The two logits compared are each rounded to ``dtype`` (half an ulp of their magnitude, one ulp in their difference)
+    and carry the rounding of every layer before them, which another kernel rounds otherwise. Measured in bfloat16:
+    smollm2's " Paris" margin (2.5 at logit 17) is 0.2 ulp from float32's, while a lone decode's kernel against a full
+    batch's moved a random-weight 4-layer model's margins (logits near 3, small beside its hidden states) by up to 19
+    ulps. Canaries therefore compute batch-invariant (worker/engine.py), so one worker's answer does not depend
+    on its batch; the margin covers the rounding itself and what differs between workers' kernels: 8 ulps by default
+    (bfloat16 at logits of 16-32: 1.0). In float32 the ulps are negligible and ``min_margin`` rules.
+    """
+    return max(min_margin, margin_ulps * logit_ulp(dtype, top_logit))
 
 
 @dataclass(frozen=True)
@@ -94,6 +136,8 @@ def calibrate(
     *,
     prompts_wanted: int,
     min_margin: float,
+    margin_ulps: float = 0.0,
+    compute_dtype: str = "float32",
     facts: Sequence[CanaryFact] = (),
     now: float | None = None,
 ) -> CalibrationResult:
@@ -101,7 +145,10 @@ def calibrate(
 
     With ``facts``, only the facts' prompts count, and one is kept only if
     the majority answers it right; a worker that answers it wrong dissents.
+    ``compute_dtype`` (the coarsest the runs' workers compute in) and
+    ``margin_ulps`` set the margin each position needs with ``min_margin``.
     """
+    margin = _MarginRule(compute_dtype, min_margin, margin_ulps)
     answers = {fact.prompt: fact.answer for fact in facts}
     by_prompt: dict[str, list[CanaryRun]] = defaultdict(list)
     for run in runs:
@@ -116,9 +163,9 @@ def calibrate(
         prompt_runs = by_prompt[prompt]
         workers.update(r.worker_id for r in prompt_runs)
         if prompt in answers:
-            case, why, odd = _calibrate_fact(prompt, answers[prompt], prompt_runs, min_margin)
+            case, why, odd = _calibrate_fact(prompt, answers[prompt], prompt_runs, margin)
         else:
-            case, why, odd = _calibrate_prompt(prompt, prompt_runs, min_margin)
+            case, why, odd = _calibrate_prompt(prompt, prompt_runs, margin)
         for worker_id, why_odd in odd.items():
             dissenters.setdefault(worker_id, why_odd)
         if case is None:
@@ -134,19 +181,29 @@ def calibrate(
     return CalibrationResult(calibration, dissenters, rejected)
 
 
+@dataclass(frozen=True)
+class _MarginRule:
+    dtype: str
+    min_margin: float
+    margin_ulps: float
+
+    def at(self, top_logit: float) -> float:
+        return required_margin(self.dtype, top_logit, min_margin=self.min_margin, margin_ulps=self.margin_ulps)
+
+
 def _calibrate_fact(
-    prompt: str, answer: str, runs: Sequence[CanaryRun], min_margin: float
+    prompt: str, answer: str, runs: Sequence[CanaryRun], margin: _MarginRule
 ) -> tuple[common_pb2.CanaryCase | None, str, dict[str, str]]:
     """Agreement calibration of a fact's prompt on the workers that answer it right; the truth outvotes any majority."""
     wrong = {r.worker_id: f"answered {prompt!r} with {r.text!r}, not {answer!r}" for r in runs if r.text != answer}
     right = [r for r in runs if r.worker_id not in wrong]
     if not right:
         return None, f"no worker answers {prompt!r} with {answer!r}", wrong
-    case, why, odd = _calibrate_prompt(prompt, right, min_margin)
+    case, why, odd = _calibrate_prompt(prompt, right, margin)
     return case, why, {**wrong, **odd}
 
 
-def _calibrate_prompt(prompt: str, runs: Sequence[CanaryRun], min_margin: float) -> tuple[common_pb2.CanaryCase | None, str, dict[str, str]]:
+def _calibrate_prompt(prompt: str, runs: Sequence[CanaryRun], margin: _MarginRule) -> tuple[common_pb2.CanaryCase | None, str, dict[str, str]]:
     """The case for one prompt (or None and why), and the workers that disagree with the majority (and why)."""
     answers: dict[str, set[tuple[int, ...]]] = defaultdict(set)
     for run in runs:
@@ -160,13 +217,18 @@ def _calibrate_prompt(prompt: str, runs: Sequence[CanaryRun], min_margin: float)
         return None, f"no majority among {len(answers)} workers", {}
     odd = {w: f"answered {prompt!r} unlike the majority" for w, a in answers.items() if tokens not in a}
     agreeing = [r for r in runs if r.token_ids == tokens]
-    margin = min(min(r.top_margins, default=0.0) for r in agreeing)
-    if margin < min_margin:
-        return None, f"greedy margin {margin:.4f} below {min_margin}", odd
-    positions = len(tokens)
+    positions = 0  # the tokens before the first near-tie: each depends only on those before it
+    for i in range(len(tokens)):
+        won_by = min(r.top_margins[i] if i < len(r.top_margins) else 0.0 for r in agreeing)
+        needed = margin.at(max(abs(r.top_logits[i]) if i < len(r.top_logits) else 0.0 for r in agreeing))
+        if won_by < needed:
+            if positions == 0:
+                return None, f"greedy margin {won_by:.4f} at the first token below {needed:.4f} ({margin.dtype})", odd
+            break
+        positions += 1
     case = common_pb2.CanaryCase(
         prompt_text=prompt,
-        expected_token_ids=tokens,
+        expected_token_ids=tokens[:positions],
         top_logit_min=[min(r.top_logits[i] for r in agreeing) for i in range(positions)],
         top_logit_max=[max(r.top_logits[i] for r in agreeing) for i in range(positions)],
     )

@@ -94,7 +94,12 @@ class HealthConfig(BaseSettings):
         0.05, ge=0, description="Accepted deviation of a top logit from its calibrated range, relative to its magnitude (min 0.05 absolute)"
     )
     min_margin: float = Field(
-        0.05, ge=0, description="Calibration keeps only prompts whose greedy choices win by at least this logit margin"
+        0.05, ge=0, description="Calibration keeps a prompt's tokens only while their greedy choices win by at least this logit margin"
+    )
+    min_margin_ulps: float = Field(
+        8.0, ge=0, description="...and by this many units in the last place of the workers' compute dtype at the top logit's "
+        "magnitude (bfloat16 at logits of 16-32: 8 x 0.125 = 1.0), which covers the logits' own rounding and what differs "
+        "between workers' kernels (health/canary.py, required_margin)"
     )
 
     leader_ttl_s: int = Field(2, ge=1, le=60, description="TTL of the leadership lease; a standby takes over within about this")

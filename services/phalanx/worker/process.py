@@ -491,7 +491,7 @@ class WorkerProcess:
                 channel_endpoint=self.channels.endpoint_id if self.channels is not None else "",
                 tensor_parallel_size=self.engine_config.tensor_parallel_size,
                 num_layers=model.config.num_layers, num_kv_heads=model.config.num_kv_heads, head_dim=model.config.head_dim,
-                kv_dtype=str(model.dtype).removeprefix("torch."),
+                kv_dtype=str(model.dtype).removeprefix("torch."), compute_dtype=str(model.dtype).removeprefix("torch."),
                 failover_slot=self.failover.slot if self.failover is not None else "",
             )
         )

@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 from phalanx._proto import common_pb2
+from phalanx.common.subjects import canary_key
 from phalanx.health.canary import (
     CANARY_FACTS,
     CANDIDATE_PROMPTS,
     CanaryFact,
+    CanaryGroup,
     CanaryRun,
     calibrate,
     canary_facts,
-    coarsest_dtype,
     judge,
     logit_ulp,
     required_margin,
@@ -81,12 +82,16 @@ def test_a_margin_float32_keeps_is_a_near_tie_in_bfloat16():
     assert "below 1.0000 (bfloat16)" in bf16.rejected[P0]
 
 
-def test_workers_calibrate_together_at_the_coarsest_dtype_they_compute_in():
-    assert coarsest_dtype(["float32", "bfloat16", "float16"]) == "bfloat16"
-    assert coarsest_dtype([]) == "float32"
-    assert worker_compute_dtype(common_pb2.WorkerRegistration(compute_dtype="bfloat16", kv_dtype="bfloat16")) == "bfloat16"
-    assert worker_compute_dtype(common_pb2.WorkerRegistration(kv_dtype="bfloat16")) == "bfloat16"  # an older worker
+def test_workers_share_canary_expectations_only_within_one_model_version_and_dtype():
+    bf16 = common_pb2.WorkerRegistration(model_version="m@1", compute_dtype="bfloat16", kv_dtype="bfloat16")
+    older = common_pb2.WorkerRegistration(model_version="m@1", kv_dtype="bfloat16")  # registered before compute_dtype
+    f32 = common_pb2.WorkerRegistration(model_version="m@1", compute_dtype="float32")
     assert worker_compute_dtype(common_pb2.WorkerRegistration()) == "float32"
+    assert CanaryGroup.of_worker(bf16) == CanaryGroup.of_worker(older) == CanaryGroup("m@1", "bfloat16") != CanaryGroup.of_worker(f32)
+    runs = twice("a", P0, [1, 2])
+    calibration = calibrate("m@1", "m", runs, prompts_wanted=1, min_margin=0.05, margin_ulps=8, compute_dtype="bfloat16").calibration
+    assert CanaryGroup.of_calibration(calibration) == CanaryGroup("m@1", "bfloat16")
+    assert canary_key("m@1", "bfloat16") != canary_key("m@1", "float32")
 
 
 def test_calibration_without_a_majority_fails():

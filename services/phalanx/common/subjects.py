@@ -162,10 +162,10 @@ def health_report_subject(worker_id: str) -> str:
     return HEALTH_REPORTS_PREFIX + validate_worker_id(worker_id)
 
 
-def canary_key(model_version: str) -> str:
-    """etcd key of a model version's canary calibration: ``/phalanx/v1/canary/<hex digest of the version>``."""
+def canary_key(model_version: str, compute_dtype: str) -> str:
+    """etcd key of a model version's canary calibration in one dtype: ``/phalanx/v1/canary/<hex digest of both>``."""
     # Versions hold paths and '@': a digest keeps the key one segment.
-    return CANARY_PREFIX + hashlib.sha256(model_version.encode()).hexdigest()[:32]
+    return CANARY_PREFIX + hashlib.sha256(f"{model_version}\0{compute_dtype}".encode()).hexdigest()[:32]
 
 
 def worker_key(worker_id: str) -> str:

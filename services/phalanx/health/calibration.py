@@ -1,9 +1,11 @@
-"""The canary expectations of each model version: computed on workers that pass, stored (fenced), handed out in turn.
+"""The canary expectations of each model version and compute dtype: computed on workers that pass, stored (fenced), handed
+out in turn.
 
-A model version served by a registered worker and not calibrated yet wakes the loop; it asks up to
-`calibration_workers` HEALTHY workers of that version each candidate prompt twice (health/canary.py judges
+A group (model version, dtype) served by a registered worker and not calibrated yet wakes the loop; it asks up to
+`calibration_workers` HEALTHY workers of that group each candidate prompt twice (health/canary.py judges
 the runs), stores the calibration under `canary_key` and reports workers that disagreed with the majority
-as failed checks. A failed calibration is retried after a pause.
+as failed checks. A failed calibration is retried after a pause. Dtypes calibrate apart: their greedy tokens
+differ, and so do the margins a token needs to be steady.
 """
 
 from __future__ import annotations
@@ -17,15 +19,7 @@ import grpc
 from phalanx._proto import common_pb2, worker_pb2
 from phalanx.common.discovery import encode_json
 from phalanx.common.subjects import canary_key
-from phalanx.health.canary import (
-    CANDIDATE_PROMPTS,
-    CanaryFact,
-    CanaryRun,
-    calibrate,
-    canary_facts,
-    coarsest_dtype,
-    worker_compute_dtype,
-)
+from phalanx.health.canary import CANDIDATE_PROMPTS, CanaryFact, CanaryGroup, CanaryRun, calibrate, canary_facts
 from phalanx.health.config import HealthConfig
 from phalanx.health.metrics import HealthMetrics
 from phalanx.health.state import CheckOutcome, FailureReason, Health
@@ -38,7 +32,7 @@ _CALIBRATION_RETRY_S = 5.0
 
 
 class Calibrator:
-    """Keeps `calibrations` (by model version) complete for the versions ``workers`` serve; run ``run()`` as a task."""
+    """Keeps `calibrations` (by model version and dtype) complete for the groups ``workers`` form; run ``run()`` as a task."""
 
     def __init__(
         self, config: HealthConfig, metrics: HealthMetrics, workers: Mapping[str, TrackedWorker],
@@ -49,40 +43,40 @@ class Calibrator:
         self.workers = workers
         self._fenced_put = fenced_put
         self._on_dissent = on_dissent
-        self.calibrations: dict[str, common_pb2.CanaryCalibration] = {}
-        self.wake = asyncio.Event()  # set: a version may lack its calibration
+        self.calibrations: dict[CanaryGroup, common_pb2.CanaryCalibration] = {}
+        self.wake = asyncio.Event()  # set: a group may lack its calibration
 
     async def run(self) -> None:
         while True:
             await self.wake.wait()
             self.wake.clear()
-            versions = {w.registration.model_version for w in self.workers.values()} - set(self.calibrations)
+            groups = {CanaryGroup.of_worker(w.registration) for w in self.workers.values()} - set(self.calibrations)
             failed = False
-            for version in sorted(versions):
-                failed |= not await self.calibrate(version)
+            for group in sorted(groups):
+                failed |= not await self.calibrate(group)
             if failed:
                 await asyncio.sleep(_CALIBRATION_RETRY_S)
                 self.wake.set()
 
     def next_case(self, w: TrackedWorker) -> common_pb2.CanaryCase | None:
-        """The worker's next canary of its version's calibration, in turn (None while uncalibrated)."""
-        calibration = self.calibrations.get(w.registration.model_version)
+        """The worker's next canary of its group's calibration, in turn (None while uncalibrated)."""
+        calibration = self.calibrations.get(CanaryGroup.of_worker(w.registration))
         if calibration is None or not calibration.cases:
             return None
         w.case_turn += 1
         return calibration.cases[w.case_turn % len(calibration.cases)]
 
     def recalibrate(self, model_version: str = "") -> None:
-        """Forget stored expectations (one version or all) and calibrate again."""
-        for version in [model_version] if model_version else list(self.calibrations):
-            self.calibrations.pop(version, None)
+        """Forget stored expectations (one version's, in every dtype, or all) and calibrate again."""
+        for group in [g for g in self.calibrations if not model_version or g.model_version == model_version]:
+            del self.calibrations[group]
         self.wake.set()
 
-    async def calibrate(self, model_version: str) -> bool:
-        """Compute and store the canary expectations of one model version on workers that pass; False to retry later."""
+    async def calibrate(self, group: CanaryGroup) -> bool:
+        """Compute and store the canary expectations of one group on workers that pass; False to retry later."""
         candidates = [
             w for w in self.workers.values()
-            if w.registration.model_version == model_version and w.tracker.health is Health.HEALTHY and not w.stopping
+            if CanaryGroup.of_worker(w.registration) == group and w.tracker.health is Health.HEALTHY and not w.stopping
         ][: self.config.calibration_workers]
         if not candidates:
             return False
@@ -90,9 +84,9 @@ class Calibrator:
         facts = canary_facts(model)
         runs = await asyncio.gather(*(self._runs(w, facts) for w in candidates))
         result = calibrate(
-            model_version, model, [r for rs in runs for r in rs],
+            group.model_version, model, [r for rs in runs for r in rs],
             prompts_wanted=self.config.canary_prompts, min_margin=self.config.min_margin, margin_ulps=self.config.min_margin_ulps,
-            compute_dtype=coarsest_dtype(worker_compute_dtype(w.registration) for w in candidates), facts=facts,
+            compute_dtype=group.compute_dtype, facts=facts,
         )
         for worker_id, why in result.dissenters.items():
             w = self.workers.get(worker_id)
@@ -100,13 +94,14 @@ class Calibrator:
                 await self._on_dissent(w, CheckOutcome.failed(FailureReason.TOKEN_MISMATCH, f"at calibration: {why}"))
         if result.calibration is None:
             self.metrics.calibrations.labels(outcome="failed").inc()
-            log.warning("canary calibration of %s failed: %s", model_version, result.rejected)
+            log.warning("canary calibration of %s in %s failed: %s", group.model_version, group.compute_dtype, result.rejected)
             return False
-        await self._fenced_put(canary_key(model_version), encode_json(result.calibration))
-        self.calibrations[model_version] = result.calibration
+        await self._fenced_put(canary_key(group.model_version, group.compute_dtype), encode_json(result.calibration))
+        self.calibrations[group] = result.calibration
         self.metrics.calibrations.labels(outcome="ok").inc()
         log.info(
-            "calibrated %d canaries for %s on %s", len(result.calibration.cases), model_version, list(result.calibration.calibrated_on)
+            "calibrated %d canaries for %s in %s on %s", len(result.calibration.cases), group.model_version, group.compute_dtype,
+            list(result.calibration.calibrated_on),
         )
         return True
 

@@ -32,7 +32,7 @@ from phalanx._proto import common_pb2
 from phalanx.health.state import CheckOutcome, FailureReason
 
 __all__ = [
-    "CANARY_FACTS", "CANDIDATE_PROMPTS", "CalibrationResult", "CanaryFact", "CanaryRun", "calibrate", "canary_facts", "coarsest_dtype",
+    "CANARY_FACTS", "CANDIDATE_PROMPTS", "CalibrationResult", "CanaryFact", "CanaryGroup", "CanaryRun", "calibrate", "canary_facts",
     "judge", "logit_ulp", "required_margin", "worker_compute_dtype",
 ]
 
@@ -64,9 +64,20 @@ def worker_compute_dtype(registration: common_pb2.WorkerRegistration) -> str:
     return registration.compute_dtype or registration.kv_dtype or "float32"
 
 
-def coarsest_dtype(dtypes: Iterable[str]) -> str:
-    """The dtype with the fewest mantissa bits: margins calibrated across workers must suit the roughest of them."""
-    return min(dtypes, key=lambda d: _MANTISSA_BITS.get(d, _DEFAULT_MANTISSA_BITS), default="float32")
+@dataclass(frozen=True, order=True)
+class CanaryGroup:
+    """Workers that share canary expectations: one model version computed in one dtype (greedy tokens differ between dtypes)."""
+
+    model_version: str
+    compute_dtype: str
+
+    @classmethod
+    def of_worker(cls, registration: common_pb2.WorkerRegistration) -> CanaryGroup:
+        return cls(registration.model_version, worker_compute_dtype(registration))
+
+    @classmethod
+    def of_calibration(cls, calibration: common_pb2.CanaryCalibration) -> CanaryGroup:
+        return cls(calibration.model_version, calibration.compute_dtype)
 
 
 def logit_ulp(dtype: str, value: float) -> float:
@@ -145,8 +156,8 @@ def calibrate(
 
     With ``facts``, only the facts' prompts count, and one is kept only if
     the majority answers it right; a worker that answers it wrong dissents.
-    ``compute_dtype`` (the coarsest the runs' workers compute in) and
-    ``margin_ulps`` set the margin each position needs with ``min_margin``.
+    ``compute_dtype`` (the runs' workers') and ``margin_ulps`` set the
+    margin each position needs with ``min_margin``.
     """
     margin = _MarginRule(compute_dtype, min_margin, margin_ulps)
     answers = {fact.prompt: fact.answer for fact in facts}
@@ -176,7 +187,7 @@ def calibrate(
         return CalibrationResult(None, dissenters, rejected)
     calibration = common_pb2.CanaryCalibration(
         model_version=model_version, model=model, cases=cases, calibrated_on=sorted(workers - set(dissenters)),
-        calibrated_at=time.time() if now is None else now,
+        calibrated_at=time.time() if now is None else now, compute_dtype=compute_dtype,
     )
     return CalibrationResult(calibration, dissenters, rejected)
 

@@ -39,7 +39,7 @@ from phalanx.common.subjects import (
 )
 from phalanx.common.tls import open_channel
 from phalanx.health.calibration import Calibrator
-from phalanx.health.canary import CANDIDATE_PROMPTS, judge
+from phalanx.health.canary import CANDIDATE_PROMPTS, CanaryGroup, judge
 from phalanx.health.config import DegradationConfig, HealthConfig
 from phalanx.health.level import DegradationKeeper, RoutedWorker
 from phalanx.health.load import FleetLoad, LoadPolicy
@@ -106,7 +106,7 @@ class FleetMonitor:
         report_subscription = load_subscription = None
         try:
             self._records = await records.list()
-            self.calibrations.update({c.model_version: c for c in (await canaries.list()).values()})
+            self.calibrations.update({CanaryGroup.of_calibration(c): c for c in (await canaries.list()).values()})
             await self.level.start()
             registered = await workers.list()
             report_subscription = await self.bus.subscribe(HEALTH_REPORTS_ALL, common_pb2.WorkerStreamBroken, self._on_report)
@@ -175,7 +175,7 @@ class FleetMonitor:
             self._group.create_task(self._check_loop(w)),
             self._group.create_task(self._liveness_loop(w)),
         ]
-        if registration.model_version not in self.calibrations:
+        if CanaryGroup.of_worker(registration) not in self.calibrations:
             self.calibrator.wake.set()
 
     def _tracker_for(self, worker_id: str, registration: common_pb2.WorkerRegistration) -> WorkerTracker:
@@ -472,11 +472,11 @@ class FleetMonitor:
 
     # -- calibration (health/calibration.py) -------------------------------------------
     @property
-    def calibrations(self) -> dict[str, common_pb2.CanaryCalibration]:
+    def calibrations(self) -> dict[CanaryGroup, common_pb2.CanaryCalibration]:
         return self.calibrator.calibrations
 
     def recalibrate(self, model_version: str = "") -> None:
-        """Forget stored expectations (one version or all) and calibrate again."""
+        """Forget stored expectations (one version's, in every dtype, or all) and calibrate again."""
         self.calibrator.recalibrate(model_version)
 
     # -- degradation ----------------------------------------------------------------

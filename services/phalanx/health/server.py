@@ -11,6 +11,7 @@ from phalanx.common.discovery import EtcdDirectory, decode_json
 from phalanx.common.errors import NotFoundError, UnavailableError
 from phalanx.common.lease import TRANSIENT_ERRORS
 from phalanx.common.subjects import CANARY_PREFIX, DEGRADATION_KEY, DEGRADATION_PREFIX, HEALTH_PREFIX
+from phalanx.health.canary import CanaryGroup
 
 log = logging.getLogger(__name__)
 _RECALIBRATE_TIMEOUT_S = 60.0
@@ -54,12 +55,16 @@ class HealthServicer(health_pb2_grpc.HealthServiceServicer):
             raise NotFoundError(f"no registered worker serves model version {request.model_version!r}; serving: {sorted(served)}")
         monitor.recalibrate(request.model_version)
         deadline = time.monotonic() + _RECALIBRATE_TIMEOUT_S
-        wanted = {request.model_version} if request.model_version else {w.registration.model_version for w in monitor.workers.values()}
+        wanted = {
+            CanaryGroup.of_worker(w.registration) for w in monitor.workers.values()
+            if not request.model_version or w.registration.model_version == request.model_version
+        }
         while not wanted <= set(monitor.calibrations):
             if time.monotonic() > deadline:
-                raise UnavailableError(f"calibration of {sorted(wanted - set(monitor.calibrations))} did not finish", retry_after_s=5.0)
+                missing = [f"{g.model_version} in {g.compute_dtype}" for g in sorted(wanted - set(monitor.calibrations))]
+                raise UnavailableError(f"calibration of {missing} did not finish", retry_after_s=5.0)
             await asyncio.sleep(0.1)
-        return health_pb2.RecalibrateResponse(calibrations=[monitor.calibrations[v] for v in sorted(wanted)])
+        return health_pb2.RecalibrateResponse(calibrations=[monitor.calibrations[g] for g in sorted(wanted)])
 
 
 async def _list(process, prefix: str, message_type):

@@ -9,7 +9,7 @@ rounding and raise false alarms). The margin follows the dtype the workers
 compute in (``required_margin``); a prompt keeps the tokens up to its first
 near-tie, as a greedy token depends only on those before it. The expected
 tokens and the range of top logits seen are stored in etcd per model
-version and reused.
+version and compute dtype (CanaryGroup) and reused.
 
 Agreement alone cannot tell a real model that is wrong everywhere (a bad
 conversion, corrupt weights on every worker) from a right one. A model

@@ -118,8 +118,13 @@ async def test_a_busy_bfloat16_worker_passes_its_canaries_beside_a_48_sequence_b
                 return True
 
             await assert_eventually(batch_running, timeout=20, interval=0.1)
-            # One check per calibrated case, so each canary prompt runs beside the batch.
-            for _ in range(len(calibration.cases) + 1):
+            # Every calibrated canary beside the batch gives the tokens calibrated on the idle worker...
+            for case in calibration.cases:
+                request = worker_pb2.CanaryRequest(text=case.prompt_text, max_tokens=len(case.expected_token_ids))
+                answer = await stub.Canary(request, timeout=30)
+                assert list(answer.token_ids) == list(case.expected_token_ids), case.prompt_text
+            # ...and so health's own checks, one a case, pass.
+            for _ in range(len(calibration.cases)):
                 await check_ends(fleet, busy.worker_id)
             assert not any(s.done() for s in streams)  # still busy through every check
         finally:

@@ -79,10 +79,16 @@ def rope_tables(
     return emb.cos(), emb.sin()
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [tokens, heads, head_dim]; cos/sin: [tokens, head_dim] (float32)."""
+def rope_rows(cos_table: torch.Tensor, sin_table: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (cos, signed sin) rows `apply_rope` takes for tokens at `positions`, [tokens, 1, head_dim] in `dtype`: made once a
+    step for every layer's q and k (two casts and reshapes per call were a tenth of a batch-1 CPU step's small ops). sin's
+    first half is negated here, so that rotating x needs no negation: (-x2) * s equals x2 * (-s) exactly."""
+    cos, sin = cos_table[positions].unsqueeze(1).to(dtype), sin_table[positions].unsqueeze(1).to(dtype)
+    half = sin.shape[-1] // 2
+    return cos, torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """x: [tokens, heads, head_dim]; cos/signed_sin: `rope_rows` (HF's x * cos + rotate_half(x) * sin)."""
     half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    cos = cos.unsqueeze(1).to(x.dtype)
-    sin = sin.unsqueeze(1).to(x.dtype)
-    return x * cos + rotated * sin
+    return x * cos + torch.cat((x[..., half:], x[..., :half]), dim=-1) * signed_sin

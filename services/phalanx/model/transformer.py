@@ -15,7 +15,7 @@ from torch import nn
 
 from phalanx.model.attention import AttentionBackend, CausalNoCache
 from phalanx.model.config import ModelConfig
-from phalanx.model.ops import apply_rope, linear, rms_norm, rope_tables
+from phalanx.model.ops import apply_rope, linear, rms_norm, rope_rows, rope_tables
 from phalanx.model.rope import inverse_frequencies
 
 if TYPE_CHECKING:
@@ -192,8 +192,8 @@ class Transformer(nn.Module):
         embeddings of those rows: media placeholders take the encoder's output.
         """
         cos_table, sin_table = self.rope()
-        cos, sin = cos_table[positions], sin_table[positions]
         x = self.embed_tokens(token_ids)
+        cos, sin = rope_rows(cos_table, sin_table, positions, x.dtype)
         if input_embeds is not None:
             rows, embeddings = input_embeds
             x[rows] = embeddings.to(device=x.device, dtype=x.dtype)

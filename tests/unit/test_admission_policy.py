@@ -216,6 +216,24 @@ def test_the_streams_it_relays_tell_when_slots_free_better_than_the_drain_rate()
     assert policy.arrive(arrival("third", 4.5, slo=hurried), [load("w1", 9)])[0] == Hold("third")
 
 
+def test_a_burst_on_an_idle_worker_waits_for_slow_start_not_for_the_drain_rate():
+    # w1's line fits a batch of 9 within the ITL limit. A burst of 12 reaches it between two load reports (running 0), after
+    # a slow drain (by it alone a second place would be refused): slow start lets 2 join now, and the next 7 are held for
+    # the batch's growth at the next reports rather than refused; the 10th on is beyond what the batch will take.
+    policy = trained()
+    policy.arrive(arrival("first-seen", 0.0), [load("w1")])
+    finish(policy, [0.5 * i for i in range(1, 9)])
+    admitted = 0
+    decisions = []
+    for i in range(12):
+        decision, _ = policy.arrive(arrival(f"r{i}", 4.0), [load("w1", admitted, running=0)])
+        admitted += isinstance(decision, Admit)
+        decisions.append(decision)
+    assert [type(d) for d in decisions] == [Admit] * 2 + [Hold] * 7 + [Refuse] * 3
+    # The next report shows 2 running: the batch may double, and the head of the queue joins.
+    assert [type(e) for e in policy.poll([load("w1", 2)], 4.1)] == [Admit] * 2
+
+
 def test_on_a_batch_above_what_fits_a_slot_opens_only_once_enough_streams_ended():
     # 11 running on w1 (step 260 ms, over the 225 ms limit), 10 of them this router's with 1, 2, 3 ... tokens to go: the
     # ITL fits 9 at most, so the batch must be down to 8 before one more may join: 3 ends, 0.78 s (not 0.26 s, one end).

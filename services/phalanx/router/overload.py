@@ -337,11 +337,13 @@ class OverloadPolicy:
         mean_batch, mean_step = mean
         return mean_step * batch / max(1.0, mean_batch)
 
-    def _itl_fits(self, room: _Room, limit_s: float) -> bool:
+    def _itl_fits(self, room: _Room, limit_s: float, *, slow_start: bool = True) -> bool:
+        """Whether one more sequence on the room's batch keeps its ITL within `limit_s`; `slow_start` False: as the batch
+        may grow once load reports show it running (how many slots will open, not whether one is open now)."""
         if room.batch == 0:
             return True  # a lone sequence steps as fast as the worker can: holding it would not make its ITL any better
         load = room.load
-        if room.batch + 1 > max(SLOW_START_FACTOR * load.running, load.running + SLOW_START_STEP):
+        if slow_start and room.batch + 1 > max(SLOW_START_FACTOR * load.running, load.running + SLOW_START_STEP):
             return False  # beyond what its last report ran, the line is a guess: grow the batch step by step (slow start)
         own = self._models.get(load.worker_id)
         if own is not None and 0 < own.recent <= limit_s and room.batch < load.running:
@@ -427,11 +429,14 @@ class OverloadPolicy:
         """Seconds from now until each batch slot the request's ITL fits in opens, soonest first, by the streams this router
         relays: a stream ends (its slot free) with its last token, its tokens left a step each after its latest. On a
         worker whose batch is above what fits (`_itl_fits`, as admission will judge it), that many more must end first; a
-        slot open now counts 0. Streams of other routers, or without max_tokens, are not counted (their ends are unknown)."""
+        slot open now counts 0, and so does one that slow start holds back (the batch grows to it within a few load
+        reports: a burst on an idle fleet was refused at once by a drain rate from before it, 15 of `bench serve`'s 16
+        streams). Streams of other routers, or without max_tokens, are not counted (their ends are unknown)."""
         itl_limit = arrival.slo.itl_s * self.settings.headroom if arrival.slo.itl_s > 0 else math.inf
         streams: dict[str, list[_Stream]] = {}
         for stream in self._streams.values():
             streams.setdefault(stream.worker_id, []).append(stream)
+        wanted = len(self._by_id) + 1  # no more slots than the queue and this request can take matter
         opens: list[float] = []
         for load in loads:
             step = self.step_at(load, max(load.batch, 1)) or load.step_s
@@ -440,8 +445,10 @@ class OverloadPolicy:
             ends = sorted(max(0.0, s.last_at + max(s.left, 0) * step - now) for s in streams.get(load.worker_id, ()))
             batch = max(load.batch, len(ends))
             # The largest batch the request's ITL fits in: above it, the batch must shrink by the difference before a slot opens.
-            fits = next((b for b in range(batch + 1, 0, -1) if self._itl_fits(_Room(load, b - 1, 0), itl_limit)), 0)
-            opens += [0.0, *ends] if fits > batch else ends[batch - fits:]
+            fits = 0
+            while fits < batch + wanted and self._itl_fits(_Room(load, fits, 0), itl_limit, slow_start=False):
+                fits += 1
+            opens += [0.0] * (fits - batch) + ends if fits > batch else ends[batch - fits:]
         return sorted(opens)
 
     def _track(self, arrival: Arrival, worker_id: str, now: float) -> None:

@@ -16,6 +16,7 @@ from phalanx.common.config import EtcdConfig
 from phalanx.launch.stack import Stack
 from phalanx.testing.asserts import assert_eventually
 from phalanx.testing.cleanup import forget_health_state
+from phalanx.testing.workers import busy_batch
 
 pytestmark = pytest.mark.integration
 
@@ -227,17 +228,8 @@ async def test_a_worker_busy_with_a_big_batch_earns_a_load_allowance_and_stays_h
     await calibrated_and_checked(fleet, [busy])
     failures = health(fleet).metric("phalanx_canary_failures_total", worker=busy.worker_id) or 0.0
 
-    async def stream(stub, i: int) -> None:
-        request = worker_pb2.GenerateRequest(
-            request_id=f"busy-{i}", text=f"busy stream {i}", sampling=common_pb2.SamplingParams(max_tokens=1500, ignore_eos=True)
-        )
-        async for _ in stub.Generate(request):
-            pass
-
     async with grpc.aio.insecure_channel(busy.address) as channel:
-        stub = worker_pb2_grpc.WorkerServiceStub(channel)
-        streams = [asyncio.create_task(stream(stub, i)) for i in range(48)]
-        try:
+        async with busy_batch(worker_pb2_grpc.WorkerServiceStub(channel), 48) as streams:
             async def allowed():
                 allowance = health(fleet).metric("phalanx_health_load_allowance", worker=busy.worker_id)
                 assert allowance is not None and allowance > 1.2, allowance
@@ -247,10 +239,6 @@ async def test_a_worker_busy_with_a_big_batch_earns_a_load_allowance_and_stays_h
             await check_ends(fleet, busy)
             await check_ends(fleet, busy)
             assert not any(s.done() for s in streams)  # still busy through both checks
-        finally:
-            for s in streams:
-                s.cancel()
-            await asyncio.gather(*streams, return_exceptions=True)
     record = (await records(fleet))[busy.worker_id]
     assert record.health == HEALTHY and record.routing_weight == 1.0, record
     assert (health(fleet).metric("phalanx_canary_failures_total", worker=busy.worker_id) or 0.0) == failures

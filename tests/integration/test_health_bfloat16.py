@@ -16,6 +16,7 @@ from phalanx.common.discovery import WorkerDirectory
 from phalanx.launch.stack import Stack
 from phalanx.testing.asserts import assert_eventually
 from phalanx.testing.cleanup import forget_health_state
+from phalanx.testing.workers import busy_batch
 
 pytestmark = pytest.mark.integration
 
@@ -101,17 +102,9 @@ async def test_a_busy_bfloat16_worker_passes_its_canaries_beside_a_48_sequence_b
     calibration = await calibrated_in_bfloat16_and_checked(fleet)
     mismatches = fleet.healths[0].metric("phalanx_canary_failures_total", worker=busy.worker_id, reason="token_mismatch") or 0.0
 
-    async def stream(stub, i: int) -> None:
-        request = worker_pb2.GenerateRequest(
-            request_id=f"busy-{i}", text=f"busy stream {i}", sampling=common_pb2.SamplingParams(max_tokens=1500, ignore_eos=True)
-        )
-        async for _ in stub.Generate(request):
-            pass
-
     async with grpc.aio.insecure_channel(busy.address) as channel:
         stub = worker_pb2_grpc.WorkerServiceStub(channel)
-        streams = [asyncio.create_task(stream(stub, i)) for i in range(48)]
-        try:
+        async with busy_batch(stub, 48) as streams:
             async def batch_running():
                 stats = await stub.Stats(worker_pb2.StatsRequest(), timeout=5)
                 assert stats.running_seqs >= 48, stats
@@ -127,12 +120,6 @@ async def test_a_busy_bfloat16_worker_passes_its_canaries_beside_a_48_sequence_b
             for _ in range(len(calibration.cases)):
                 await check_ends(fleet, busy.worker_id)
             assert not any(s.done() for s in streams)  # still busy through every check
-        finally:
-            for s in streams:
-                s.cancel()
-            await asyncio.gather(*streams, return_exceptions=True)
-            # A broken stream's request runs on for a resume: end them, or the worker computes them beside the next test.
-            await asyncio.gather(*(stub.Cancel(worker_pb2.CancelRequest(request_id=f"busy-{i}"), timeout=5) for i in range(48)))
     record = (await records(fleet))[busy.worker_id]
     assert record.health == HEALTHY and record.routing_weight == 1.0, record
     assert not record.last_failure.startswith("token_mismatch"), record.last_failure

@@ -73,3 +73,28 @@ async def clear_faults(workers: list[WorkerHandle], chaos_token: str) -> None:
             await chaos_pb2_grpc.ChaosServiceStub(channel).ClearFaults(
                 chaos_pb2.ClearFaultsRequest(), metadata=[("authorization", f"Bearer {chaos_token}")], timeout=5,
             )
+
+
+@contextlib.asynccontextmanager
+async def busy_batch(stub: worker_pb2_grpc.WorkerServiceStub, sequences: int = 48) -> AsyncIterator[list[asyncio.Task]]:
+    """`sequences` long streams running on the worker (each to 1,500 tokens), until the block ends; yields their tasks (a
+    test checks none ended early). On the way out they are cancelled on the worker too: a broken stream's request runs on
+    for a resume, and would take the worker's steps from the next test."""
+    ids = [f"busy-{i}" for i in range(sequences)]
+
+    async def stream(request_id: str) -> None:
+        request = worker_pb2.GenerateRequest(
+            request_id=request_id, text=f"busy stream {request_id}",
+            sampling=common_pb2.SamplingParams(max_tokens=1500, ignore_eos=True),
+        )
+        async for _ in stub.Generate(request):
+            pass
+
+    streams = [asyncio.create_task(stream(request_id)) for request_id in ids]
+    try:
+        yield streams
+    finally:
+        for task in streams:
+            task.cancel()
+        await asyncio.gather(*streams, return_exceptions=True)
+        await asyncio.gather(*(stub.Cancel(worker_pb2.CancelRequest(request_id=i), timeout=5) for i in ids), return_exceptions=True)

@@ -4,6 +4,7 @@ import pytest
 
 from phalanx.router.admission import Tier
 from phalanx.router.overload import (
+    WARMUP_GAPS,
     AdmissionSettings,
     Admit,
     Arrival,
@@ -85,8 +86,35 @@ def test_a_cold_fleet_admits_one_sequence_per_worker_until_its_gaps_are_measured
     busy = [load("w1", 1, step_s=0.0), load("w2", 0, step_s=0.0)]
     assert policy.arrive(arrival("r2", 0.0), busy)[0] == Admit("r2", "w2")
     assert policy.arrive(arrival("r3", 0.0), [load("w1", 1, step_s=0.0), load("w2", 1, step_s=0.0)])[0] == Hold("r3")
+    # A fresh worker's first gaps are its warm-up (its kernels' first calls): left out, the fleet is still cold.
+    for _ in range(WARMUP_GAPS):
+        policy.on_step("w1", 1, 0.9)
+    assert policy.step_at(load("w1", 1), 1) is None
+    assert policy.poll([load("w1", 1), load("w2", 1)], 0.05) == []
     policy.on_step("w1", 1, A + B)
     assert policy.poll([load("w1", 1), load("w2", 1)], 0.1) == [Admit("r3", "w1", pytest.approx(0.1))]
+
+
+def test_a_cold_fleets_burst_is_not_refused_for_its_workers_warm_up_steps():
+    # 12 streams on 3 fresh workers: one each at once, the rest held (up to 1 s of a 2 s SLO). Each worker's first gap
+    # takes 0.4 s (its first step), its steps after that 60 ms. Counted, that first gap would make a batch of 2 look over
+    # the ITL limit, so that the held requests waited for streams of 64 tokens and were refused as hopeless.
+    patient = TierSlo(ttft_s=2.0, itl_s=0.25)
+    policy = OverloadPolicy()
+    batch = {"w1": 0, "w2": 0, "w3": 0}
+    for i in range(12):
+        loads = [load(w, n, step_s=0.0) for w, n in batch.items()]
+        decision, _ = policy.arrive(arrival(f"r{i}", 0.0, slo=patient, max_tokens=64), loads)
+        if isinstance(decision, Admit):
+            batch[decision.worker_id] += 1
+    assert sum(batch.values()) == 3 and policy.held == 9
+    for i, worker in enumerate(batch):
+        for gap, at in ((0.4, 0.4), (0.06, 0.46), (0.06, 0.52)):
+            policy.on_step(worker, 1, gap, f"r{i}", at)
+    effects = policy.poll([load(w, n) for w, n in batch.items()], 0.53)
+    assert not [e for e in effects if isinstance(e, Refuse)]
+    assert len([e for e in effects if isinstance(e, Admit)]) == 6  # each batch to 3, as slow start allows; 3 still held
+    assert policy.held == 3
 
 
 def test_a_batch_grows_at_most_to_twice_what_the_last_report_ran():

@@ -130,6 +130,10 @@ Decision = Admit | Hold | Refuse
 MIN_DRAIN_EVENTS = 3
 SLOW_START_FACTOR = 2
 SLOW_START_STEP = 2
+# A worker's first token gaps are left out of the step models: a fresh process's first steps pay its kernels' first-call
+# setup, and a cold fleet's burst, held while those gaps said a step took most of a second, was refused as hopeless (the
+# fault-free wave of `bench failover`: 12 streams on 3 fresh workers).
+WARMUP_GAPS = 2
 
 
 class StepModel:
@@ -206,6 +210,7 @@ class OverloadPolicy:
 
     def __post_init__(self) -> None:
         self._models: dict[str, StepModel] = {}
+        self._warm_up: dict[str, int] = {}  # gaps still to leave out, by worker
         self._fleet = StepModel()
         self._by_id: dict[str, _Held] = {}  # held requests, served by their order (tier, arrival, sequence)
         self._finished: deque[float] = deque()
@@ -218,8 +223,12 @@ class OverloadPolicy:
     # -- events ----------------------------------------------------------------------------
     def on_step(self, worker_id: str, batch: int, step_s: float, request_id: str = "", now: float = 0.0) -> None:
         """One step of the worker with `batch` sequences took `step_s` (a token gap of `request_id` the router relayed `now`)."""
-        self._models.setdefault(worker_id, StepModel()).add(batch, step_s)
-        self._fleet.add(batch, step_s)
+        left_out = self._warm_up.setdefault(worker_id, WARMUP_GAPS)
+        if left_out and batch > 0 and step_s > 0:
+            self._warm_up[worker_id] = left_out - 1
+        else:
+            self._models.setdefault(worker_id, StepModel()).add(batch, step_s)
+            self._fleet.add(batch, step_s)
         stream = self._streams.get(request_id)
         if stream is not None:
             stream.worker_id = worker_id  # it may have moved (migration)
@@ -232,6 +241,7 @@ class OverloadPolicy:
 
     def forget_worker(self, worker_id: str) -> None:
         self._models.pop(worker_id, None)
+        self._warm_up.pop(worker_id, None)
 
     def on_finished(self, now: float) -> None:
         """A stream this router relayed ended: one slot freed somewhere (the drain rate counts it)."""
@@ -445,9 +455,14 @@ class OverloadPolicy:
             ends = sorted(max(0.0, s.last_at + max(s.left, 0) * step - now) for s in streams.get(load.worker_id, ()))
             batch = max(load.batch, len(ends))
             # The largest batch the request's ITL fits in: above it, the batch must shrink by the difference before a slot opens.
-            fits = 0
-            while fits < batch + wanted and self._itl_fits(_Room(load, fits, 0), itl_limit, slow_start=False):
-                fits += 1
+            if _line(self._models.get(load.worker_id)) is None and self._fleet.line() is None:
+                # No slope measured yet (gaps at one batch size, whose scaled mean errs high): slow start finds how far
+                # the batch grows, and until then its slots count as opening.
+                fits = batch + wanted
+            else:
+                fits = 0
+                while fits < batch + wanted and self._itl_fits(_Room(load, fits, 0), itl_limit, slow_start=False):
+                    fits += 1
             opens += [0.0] * (fits - batch) + ends if fits > batch else ends[batch - fits:]
         return sorted(opens)
 

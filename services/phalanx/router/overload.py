@@ -440,8 +440,8 @@ class OverloadPolicy:
         relays: a stream ends (its slot free) with its last token, its tokens left a step each after its latest. On a
         worker whose batch is above what fits (`_itl_fits`, as admission will judge it), that many more must end first; a
         slot open now counts 0, and so does one that slow start holds back (the batch grows to it within a few load
-        reports: a burst on an idle fleet was refused at once by a drain rate from before it, 15 of `bench serve`'s 16
-        streams). Streams of other routers, or without max_tokens, are not counted (their ends are unknown)."""
+        reports: otherwise a burst on an idle fleet was refused at once by a drain rate from before it, as `bench serve`'s 16
+        streams were). Streams of other routers, or without max_tokens, are not counted (their ends are unknown)."""
         itl_limit = arrival.slo.itl_s * self.settings.headroom if arrival.slo.itl_s > 0 else math.inf
         streams: dict[str, list[_Stream]] = {}
         for stream in self._streams.values():

@@ -4,6 +4,7 @@ import pytest
 
 from phalanx.router.admission import Tier
 from phalanx.router.overload import (
+    HOLD_ERROR_AGE_S,
     WARMUP_GAPS,
     AdmissionSettings,
     Admit,
@@ -218,6 +219,43 @@ def test_a_request_is_held_only_when_a_slot_is_likely_to_free_within_its_hold():
     lenient.arrive(arrival("first", 0.0), [load("w1")])
     finish(lenient, [0.5 * i for i in range(1, 9)])
     assert [lenient.arrive(arrival(f"r{i}", 4.0), [load("w1", 9)])[0] for i in range(3)][:2] == [Hold("r0"), Hold("r1")]
+
+
+def test_holds_whose_slots_came_late_make_the_next_holds_stricter_until_they_age_out():
+    policy = trained()
+    policy.arrive(arrival("first", 0.0), [load("w1")])
+    finish(policy, [0.1 * i for i in range(1, 41)])  # 10 a second: the head's slot is expected 0.1 s after it arrives
+    assert policy.arrive(arrival("r0", 4.0), [load("w1", 9)])[0] == Hold("r0")
+    (admitted,) = policy.poll([load("w1", 8)], 4.45)
+    assert isinstance(admitted, Admit) and admitted.late_s == pytest.approx(0.35)
+    assert policy.hold_margin_s(4.45) == pytest.approx(0.35)
+    # At 8 a second a slot within its 0.5 s hold is 98 % likely; within the 0.15 s the margin leaves, 70 %: refused at once.
+    decision, _ = policy.arrive(arrival("r1", 5.0), [load("w1", 9)])
+    assert isinstance(decision, Refuse) and decision.reason is RefuseReason.QUEUE_TOO_SLOW and decision.waited_s == 0
+    # A minute on, that hold no longer counts.
+    assert policy.hold_margin_s(4.45 + HOLD_ERROR_AGE_S + 0.1) == 0.0
+
+
+def test_a_failed_hold_counts_at_least_as_late_as_the_deadline_it_missed_and_one_in_32_is_within_the_margin():
+    policy = trained()
+    policy.arrive(arrival("first", 0.0), [load("w1")])
+    finish(policy, [0.1 * i for i in range(1, 41)])
+    for i in range(31):  # slots that came sooner than predicted
+        at = 4.0 + 0.01 * i
+        assert policy.arrive(arrival(f"quick-{i}", at), [load("w1", 9)])[0] == Hold(f"quick-{i}")
+        (admitted,) = policy.poll([load("w1", 8)], at + 0.005)
+        assert isinstance(admitted, Admit) and admitted.late_s < 0
+    assert policy.hold_margin_s(4.4) == 0.0
+    policy.arrive(arrival("r0", 4.4), [load("w1", 9)])  # expected at 4.4 + 4.4 / 40, held until 4.9 at the latest
+    (refused,) = policy.poll([load("w1", 9)], 4.95)
+    assert isinstance(refused, Refuse) and refused.reason is RefuseReason.BUDGET_SPENT
+    # Its slot, by the drain rate now (40 in 4.95 s), was still 4.95 / 40 s away: later than its deadline.
+    late = 4.95 + 4.95 / 40 - (4.4 + 4.4 / 40)
+    assert refused.late_s == pytest.approx(late)
+    assert policy.hold_margin_s(4.95) == 0.0  # 1 failure in 32 holds: within the 95 %
+    policy.arrive(arrival("r1", 5.0), [load("w1", 9)])
+    policy.poll([load("w1", 9)], 5.55)
+    assert policy.hold_margin_s(5.55) > 0.4  # 2 in 32 are not: the margin is the lesser failure's lateness
 
 
 def test_the_streams_it_relays_tell_when_slots_free_better_than_the_drain_rate():

@@ -434,6 +434,10 @@ def _admission_counts(metrics_address: str) -> dict[str, float | None]:
         "refused_after_hold": metric_value(text, name, outcome="refused", held="true"),
         **{f"refused_after_hold_{reason}": metric_value(text, name, outcome="refused", held="true", reason=reason)
            for reason in ("queue_too_slow", "budget_spent", "displaced")},
+        # How much later than predicted held requests' slots came: the errors the hold margin is learned from.
+        "hold_late_count": metric_value(text, "phalanx_router_admission_hold_late_seconds_count"),
+        "hold_late_within_0s": metric_value(text, "phalanx_router_admission_hold_late_seconds_bucket", le="0.0"),
+        "hold_margin_s": metric_value(text, "phalanx_router_admission_hold_margin_seconds"),
     }
 
 

@@ -55,6 +55,7 @@ class AdmissionGate:
         self._wake = asyncio.Event()
         self._pump: asyncio.Task[None] | None = None
         metrics.admission_held.set_function(lambda: self.policy.held)
+        metrics.admission_hold_margin.set_function(lambda: self.policy.hold_margin_s(self.clock()))
 
     def tier_slo(self, tier: Tier) -> TierSlo:
         factor = self._factors.get(tier, 1.0)
@@ -171,6 +172,8 @@ class AdmissionGate:
         self.metrics.admission.labels(outcome=outcome, reason=reason, held="true" if effect.waited_s > 0 else "false").inc()
         if effect.waited_s > 0:
             self.metrics.admission_wait.observe(effect.waited_s)
+        if effect.late_s is not None:
+            self.metrics.admission_hold_late.observe(effect.late_s)
 
 
 def _refusal(refused: Refuse) -> OverCapacityError:

@@ -143,6 +143,15 @@ class RouterMetrics:
             "phalanx_router_admission_wait_seconds", "How long SLO admission held a request before admitting or refusing it",
             buckets=_LATENCY_BUCKETS, registry=r,
         )
+        self.admission_hold_late = Histogram(
+            "phalanx_router_admission_hold_late_seconds",
+            "How much later than predicted a held request's slot opened (negative: sooner; a failed hold: at least its deadline)",
+            buckets=(-2.0, -1.0, -0.5, -0.25, -0.1, 0.0, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0), registry=r,
+        )
+        self.admission_hold_margin = Gauge(
+            "phalanx_router_admission_hold_margin_seconds",
+            "How much sooner than its hold ends a request's slot must be predicted to open for it to be held (from hold_late)", registry=r,
+        )
 
 
 def tenant_label(tenant: str, configured: frozenset[str]) -> str:

@@ -4,7 +4,7 @@ A new request is admitted when, on the worker it would go to, both its predicted
 inter-token latency that worker's batch would have with it fit its tier's SLOs (times ``headroom``). Otherwise it is
 held in a bounded queue (higher tiers first, first come first served within a tier) until a worker has room, for
 at most ``max_hold_share`` of its TTFT SLO, and refused only when it cannot make its TTFT SLO any more: at once when
-the batch slot its place in the queue needs will not open within its hold (`OverloadPolicy._likely_served`: so most
+the batch slot its place in the queue needs will not open within its hold (`OverloadPolicy._hold_prediction`: so most
 refusals are answered in microseconds, not after a hold), later if it was held and its slot came too late after all.
 The router's shell (phalanx.router.gate) feeds it events and executes its effects.
 
@@ -24,6 +24,12 @@ Predictions, per routable worker, from what the router already knows (phalanx.ro
   sequences of the last load report, and not at all while the worker's recent gaps are over the SLO already;
 - TTFT = prompt tokens queued ahead and its own over the measured prefill rate, plus one step at batch + 1; a held
   request's budget is what is left of its SLO since it arrived.
+
+A request is held only when its slot is predicted to open within its hold by more than the hold margin: the
+`hold_confidence` quantile of how late recent holds' slots came against their prediction (a failed hold counts at least
+as late as its deadline). The predictions err (streams end early or late, batches of other routers grow, prompts queue
+ahead) and a hold that fails answers its client with a refusal up to half a TTFT SLO late: the margin keeps failed holds
+as rare as `hold_confidence` says, measured on this fleet rather than assumed.
 
 A held request ``k`` places from the head waits for the ``k``-th batch slot to free: the ``k``-th soonest end of the
 streams this router relays (each within its tokens left, at its worker's step time), or, where those are too few to
@@ -72,7 +78,7 @@ class AdmissionSettings:
     # the gateway's and the network's share of it come on top, and a request admitted at the very end of its budget
     # missed it (the goodput bench on a busy box: 61 % of admitted requests met the SLOs at 4x with the whole budget).
     max_hold_share: float = 0.5
-    # Hold a request only when it reaches a worker within its hold at least this likely (`OverloadPolicy._likely_served`); a
+    # Hold a request only when it reaches a worker within its hold at least this likely (`OverloadPolicy._hold_prediction`); a
     # refusal after a hold comes late (the client waited for nothing), one at arrival in microseconds.
     hold_confidence: float = 0.95
     drain_window_s: float = 5.0  # finished streams counted for the drain rate
@@ -105,6 +111,7 @@ class Admit:
     worker_id: str | None  # None: no routable worker; routing answers UNAVAILABLE (that is not overload)
     waited_s: float = 0.0
     prompt_tokens: int = field(default=0, compare=False)  # what the worker will prefill (the shell notes it as routed)
+    late_s: float | None = field(default=None, compare=False)  # held: how much later than predicted it went (None: no prediction)
 
 
 @dataclass(frozen=True)
@@ -118,6 +125,7 @@ class Refuse:
     reason: RefuseReason
     retry_after_s: float
     waited_s: float = 0.0
+    late_s: float | None = field(default=None, compare=False)  # held: at least how much later than predicted it would have gone
 
 
 Decision = Admit | Hold | Refuse
@@ -134,6 +142,10 @@ SLOW_START_STEP = 2
 # setup, and a cold fleet's burst, held while those gaps said a step took most of a second, was refused as hopeless (the
 # fault-free wave of `bench failover`: 12 streams on 3 fresh workers).
 WARMUP_GAPS = 2
+# The hold margin counts the last HOLD_ERRORS_KEPT holds' errors of at most HOLD_ERROR_AGE_S ago: a fleet's errors change
+# with its load, and a margin grown by a burst's failed holds must not refuse every hold for good once it passed.
+HOLD_ERRORS_KEPT = 32
+HOLD_ERROR_AGE_S = 30.0
 
 
 class StepModel:
@@ -182,6 +194,8 @@ class StepModel:
 class _Held:
     arrival: Arrival
     order: tuple[int, float, int]
+    expected_at: float | None = None  # when its slot was predicted to open (None: nothing measured to predict it)
+    deadline_at: float = math.inf  # the latest it could go and still make its TTFT SLO, as predicted when it was held
 
 
 @dataclass
@@ -219,6 +233,7 @@ class OverloadPolicy:
         self._mean_prompt = 0.0
         self._last_drain: float | None = None
         self._streams: dict[str, _Stream] = {}  # admitted with a known max_tokens, until they end
+        self._hold_errors: deque[tuple[float, float]] = deque(maxlen=HOLD_ERRORS_KEPT)  # (when, seconds later than predicted)
 
     # -- events ----------------------------------------------------------------------------
     def on_step(self, worker_id: str, batch: int, step_s: float, request_id: str = "", now: float = 0.0) -> None:
@@ -262,7 +277,8 @@ class OverloadPolicy:
             if worker is not None:
                 self._track(arrival, worker.load.worker_id, now)
                 return Admit(arrival.request_id, worker.load.worker_id, 0.0, arrival.prompt_tokens), []
-        if not self._likely_served(arrival, ahead + 1, loads, now):
+        likely, expected_wait, may_wait = self._hold_prediction(arrival, ahead + 1, loads, now)
+        if not likely:
             return Refuse(arrival.request_id, RefuseReason.QUEUE_TOO_SLOW, self._retry_after(ahead + 1, now)), []
         displaced: list[Refuse] = []
         if len(self._by_id) >= self.settings.max_queued:
@@ -272,7 +288,8 @@ class OverloadPolicy:
             self._drop(victim)
             displaced.append(Refuse(victim.arrival.request_id, RefuseReason.DISPLACED, self._retry_after(len(self._by_id), now),
                                     now - victim.arrival.arrived_at))
-        self._by_id[arrival.request_id] = _Held(arrival, (arrival.tier, arrival.arrived_at, next(self._sequence)))
+        self._by_id[arrival.request_id] = _Held(arrival, (arrival.tier, arrival.arrived_at, next(self._sequence)),
+                                                None if expected_wait is None else now + expected_wait, now + may_wait)
         return Hold(arrival.request_id), displaced
 
     def cancel(self, request_id: str) -> None:
@@ -299,13 +316,14 @@ class OverloadPolicy:
                 worker.batch += 1
                 worker.pending_tokens += arrival.prompt_tokens
                 self._track(arrival, worker.load.worker_id, now)
-                effects.append(Admit(arrival.request_id, worker.load.worker_id, waited, arrival.prompt_tokens))
+                effects.append(Admit(arrival.request_id, worker.load.worker_id, waited, arrival.prompt_tokens, self._hold_ended(held, now)))
                 continue
             if not self._any_itl_fits(rooms, arrival):
                 break  # no worker has room in its batch: nobody behind it would fit either
             # Room in a batch but not within its TTFT budget: it cannot make it any more.
             self._drop(held)
-            effects.append(Refuse(arrival.request_id, RefuseReason.BUDGET_SPENT, self._retry_after(len(self._by_id) + 1, now), waited))
+            effects.append(Refuse(arrival.request_id, RefuseReason.BUDGET_SPENT, self._retry_after(len(self._by_id) + 1, now), waited,
+                                  self._hold_ended(held, now, failed=True)))
         effects += self._refuse_hopeless(loads, now)
         return effects
 
@@ -408,8 +426,30 @@ class OverloadPolicy:
         held request wait so long that the TTFT of the full batch it then joined no longer fit, 1 hold in 3 at 4x."""
         return min(self.ttft_s(_Room(w, max(w.batch - 1, 0), w.pending_prefill_tokens), arrival.prompt_tokens) for w in loads)
 
-    def _likely_served(self, arrival: Arrival, place: int, loads: Sequence[WorkerLoad], now: float) -> bool:
-        """Whether a request that would be `place`-th in the queue reaches a worker within its hold.
+    def hold_margin_s(self, now: float) -> float:
+        """How much later than predicted a held request's slot may come (the `hold_confidence` quantile of the recent
+        holds' errors; 0 while none is known, and never below: the margin only makes holds stricter)."""
+        while self._hold_errors and now - self._hold_errors[0][0] > HOLD_ERROR_AGE_S:
+            self._hold_errors.popleft()
+        if not self._hold_errors:
+            return 0.0
+        errors = sorted(error for _, error in self._hold_errors)
+        return max(0.0, errors[min(len(errors) - 1, int(self.settings.hold_confidence * len(errors)))])
+
+    def _hold_ended(self, held: _Held, now: float, *, failed: bool = False, wait_left: float = 0.0) -> float | None:
+        """Records how much later than predicted the held request went (`failed`: would have gone; it was refused, `wait_left`
+        before its slot as predicted now, and no sooner than its deadline, which it missed); None: it had no prediction."""
+        if held.expected_at is None:
+            return None
+        went_at = max(now + wait_left, held.deadline_at) if failed else now
+        late = went_at - held.expected_at
+        self._hold_errors.append((now, late))
+        return late
+
+    def _hold_prediction(self, arrival: Arrival, place: int, loads: Sequence[WorkerLoad], now: float) -> tuple[bool, float | None, float]:
+        """Whether a request that would be `place`-th in the queue reaches a worker within its hold, with the hold margin
+        (`hold_margin_s`) to spare; when its slot is predicted to open (seconds from now; None: not measured); and how long
+        it may wait.
 
         A request held on an even chance (its place over the drain rate within its hold) was refused after its hold 3
         times in 4 at 4x capacity (the goodput bench: 43 of 55 holds), and those refusals came half a second late. So a
@@ -417,18 +457,21 @@ class OverloadPolicy:
         joins leaves): by the streams this router relays, each done within its tokens left at its worker's step time
         (`_slot_opens`); where those are too few to tell, when slots freeing as a Poisson process at the drain rate bring
         `place` of them at `hold_confidence`. Otherwise it is refused at once. Unknown until either is measured: held (a
-        cold fleet's burst waits for its first steps). Measured the same way: 54 of 76 holds admitted."""
+        cold fleet's burst waits for its first steps). Measured the same way: 54 of 76 holds admitted; then 40 of 64,
+        before the hold margin."""
         budget = arrival.slo.ttft_s * self.settings.headroom - self._freed_slot_ttft(arrival, loads) if arrival.slo.ttft_s > 0 else math.inf
         may_wait = min(self._hold_s(arrival), budget)
         if may_wait == math.inf:
-            return True
+            return True, None, may_wait
+        within = may_wait - self.hold_margin_s(now)
         slot = self._slot_wait_s(place, arrival, loads, now)
         if slot is not None:
-            return slot <= may_wait
+            return slot <= within, slot, may_wait
         drain = self.drain_per_s(now)
         if drain is None:
-            return True
-        return may_wait > 0 and _poisson_at_least(place, drain * may_wait) >= self.settings.hold_confidence
+            return True, None, may_wait
+        likely = within > 0 and _poisson_at_least(place, drain * within) >= self.settings.hold_confidence
+        return likely, place / drain, may_wait
 
     def _slot_wait_s(self, place: int, arrival: Arrival, loads: Sequence[WorkerLoad], now: float) -> float | None:
         """When the `place`-th batch slot the request fits in opens (`_slot_opens`); None when fewer than `place` tell."""
@@ -488,7 +531,8 @@ class OverloadPolicy:
                 self._drop(held)
                 spent = now >= hold_end or now + best >= budget_end
                 refused.append(Refuse(arrival.request_id, RefuseReason.BUDGET_SPENT if spent else RefuseReason.QUEUE_TOO_SLOW,
-                                      self._retry_after(place, now), now - arrival.arrived_at))
+                                      self._retry_after(place, now), now - arrival.arrived_at,
+                                      self._hold_ended(held, now, failed=True, wait_left=wait)))
         return refused
 
     def _hold_s(self, arrival: Arrival) -> float:

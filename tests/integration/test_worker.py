@@ -19,7 +19,7 @@ from phalanx.common.subjects import kv_events_subject, load_subject
 from phalanx.launch.services import start_worker
 from phalanx.model import ByteTokenizer
 from phalanx.testing.asserts import assert_eventually
-from phalanx.testing.workers import shared_worker, worker_stub
+from phalanx.testing.workers import busy_batch, shared_worker, worker_stub
 
 pytestmark = pytest.mark.integration
 
@@ -101,6 +101,25 @@ async def test_canary_reports_tokens_and_top_logits_matching_generate(stub):
     with pytest.raises(grpc.aio.AioRpcError) as info:
         await stub.Canary(worker_pb2.CanaryRequest(text="x", max_tokens=1000))
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+async def test_canary_says_what_load_it_ran_beside(stub):
+    """Health judges a canary's latency by the load it met (health/load.py): its answer names the requests the worker
+    held while it ran and the mean time of its steps."""
+    alone = await stub.Canary(worker_pb2.CanaryRequest(text="canary prompt", max_tokens=6))
+    assert alone.held_requests == 1  # itself
+    assert alone.step_s == pytest.approx(alone.latency_s / 6)
+    async with busy_batch(stub, 8) as streams:
+        async def running():
+            stats = await stub.Stats(worker_pb2.StatsRequest(), timeout=5)
+            assert stats.running_seqs + stats.queue_depth >= 8, stats
+            return True
+
+        await assert_eventually(running, timeout=20, interval=0.05)
+        beside = await stub.Canary(worker_pb2.CanaryRequest(text="canary prompt", max_tokens=6))
+        assert not any(s.done() for s in streams)
+    assert beside.held_requests >= 9
+    assert beside.step_s == pytest.approx(beside.latency_s / 6) and beside.step_s > 0
 
 
 async def test_kv_events_and_load_reports_arrive_over_nats(worker, stub, nats_config):

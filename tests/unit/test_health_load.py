@@ -1,6 +1,8 @@
 """Busy is not broken: the canary latency allowance a worker's load and its host's earn (health/load.py), as the tracker
 and a round of checks apply it. Events in (load reports, canary outcomes, a clock), verdicts out."""
 
+from dataclasses import replace
+
 import pytest
 
 from phalanx.health.load import FleetLoad, LoadPolicy, StepModel, load_level
@@ -147,6 +149,38 @@ def test_the_lagging_step_average_at_a_change_of_load_is_neither_learned_as_usua
     fleet.run(0.5, {"a": (0.005, 1)})
     fleet.run(0.3, {"a": (0.038, 40)})
     assert fleet.stretch("a") > 6  # no suspicion left behind by the lagging average
+
+
+def test_a_canary_sent_as_a_big_batch_begins_is_judged_by_the_load_its_answer_says_it_met():
+    fleet = settled()
+    fleet.run(0.2, {"a": (0.006, 48)})  # 48 requests just arrived: the reported average still says idle
+    assert fleet.stretch("a") < 1.5
+    # The canary ran beside them: 9 steps of 40 ms, as its answer says.
+    met = fleet.load.canary_verdict("a", step_s=0.04, held=49, now=fleet.now)
+    assert met.stretch == pytest.approx(0.04 / IDLE_STEP, rel=0.05) and met.level == load_level(49)
+    t = tracker()
+    slow = CheckOutcome.passed(8 * BASELINE)
+    assert t.judge_latency(slow, load_factor=fleet.stretch("a")).reason is FailureReason.LATENCY  # by the reports alone
+    judged = replace(slow, load_factor=met.stretch)
+    assert t.judge_latency(judged, load_factor=fleet.stretch("a")).result is CheckResult.PASS
+    assert t.observe(judged, now=1.0, load_factor=fleet.stretch("a")) is None
+    assert t.baseline_s == pytest.approx(BASELINE, rel=0.1)  # learned as the idle pace it would have taken
+
+
+def test_a_canary_answer_explains_only_what_its_load_and_the_peers_do():
+    fleet = settled()
+    fleet.run(1, {"a": (0.055, 1)})  # a `slow` fault at its usual load: the canary's own steps are slow too
+    assert fleet.load.canary_verdict("a", step_s=0.055, held=1, now=fleet.now).stretch == 1.0
+    # With a batch of 8 it knows (12 ms steps), 100 ms steps are not the batch.
+    assert fleet.load.canary_verdict("a", step_s=0.1, held=8, now=fleet.now).stretch == pytest.approx(0.012 / IDLE_STEP, rel=0.05)
+    # An answer that says nothing (an older worker), an unknown worker or a disabled policy grant nothing.
+    assert fleet.load.canary_verdict("a", step_s=0.0, held=0, now=fleet.now).stretch == 1.0
+    assert fleet.load.canary_verdict("x", step_s=0.04, held=48, now=fleet.now).stretch == 1.0
+    off = settled(Fleet(policy=LoadPolicy(enabled=False)))
+    assert off.load.canary_verdict("a", step_s=0.04, held=48, now=off.now).stretch == 1.0
+    # Wrong tokens fail whatever load the canary met.
+    wrong = CheckOutcome.failed(FailureReason.TOKEN_MISMATCH, "position 0", 0.5, load_factor=20.0)
+    assert tracker().judge_latency(wrong).reason is FailureReason.TOKEN_MISMATCH
 
 
 def test_gradual_and_faster_steps_are_learned_as_the_usual_pace():

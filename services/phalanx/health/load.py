@@ -202,14 +202,31 @@ class FleetLoad:
             return NO_LOAD
         if self._stalled(w, now):
             return LoadVerdict(1.0, w.excess, 1.0, w.level)  # no step for a while: no progress, so no allowance
+        return self._explained(worker_id, w, w.step_s, w.level, now)
+
+    def canary_verdict(self, worker_id: str, *, step_s: float, held: int, now: float) -> LoadVerdict:
+        """The allowance a canary's own answer earns: the load it met, as the worker reported with the answer (``held``:
+        the most requests it ran beside; ``step_s``: the mean time of the steps it ran in), explained as a report's is.
+
+        The reports' step time is an average that lags a batch that just began by some 20 steps; a canary sent at
+        once runs at the new batch's pace and would be judged against the old one. Its answer says what it met.
+        """
+        w = self._workers.get(worker_id)
+        if not self.policy.enabled or w is None or step_s <= 0 or held <= 0:
+            return NO_LOAD
+        return self._explained(worker_id, w, step_s, load_level(held), now)
+
+    def _explained(self, worker_id: str, w: _Worker, step_s: float, level: int, now: float) -> LoadVerdict:
+        """The part of ``step_s`` at ``level`` that the worker's usual steps and its peers' slowdown explain."""
         idle = w.model.expected_s(0)
-        usual = w.model.expected_s(w.level, grow=not w.suspect)
+        usual = w.model.expected_s(level, grow=not w.suspect)
         fleet = min(self.fleet_excess(worker_id, now), self.policy.max_stretch)
+        excess = step_s / usual if usual else 1.0
         if not idle or not usual:
-            return LoadVerdict(1.0, w.excess, fleet, w.level)
-        explained = min(w.step_s, usual * fleet)
+            return LoadVerdict(1.0, excess, fleet, level)
+        explained = min(step_s, usual * fleet)
         stretch = min(self.policy.max_stretch, max(1.0, explained / idle))
-        return LoadVerdict(stretch, w.excess, fleet, w.level)
+        return LoadVerdict(stretch, excess, fleet, level)
 
     def progressing(self, worker_id: str, now: float) -> bool:
         """Its reports are fresh and its steps move (or it holds nothing): the process and its engine are alive.

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from contextlib import aclosing
@@ -266,11 +267,15 @@ class FleetMonitor:
     async def _observe(self, w: TrackedWorker, outcome: CheckOutcome) -> None:
         worker_id = w.registration.worker_id
         slowdown, slo_factor, load_factor = self._fleet_slowdown(w), self._slo_factor(), self._load_factor(w)
-        self.metrics.load_allowance.labels(worker=worker_id).set(load_factor)
+        self.metrics.load_allowance.labels(worker=worker_id).set(max(load_factor, outcome.load_factor))
         judged = w.tracker.judge_latency(outcome, slowdown, slo_factor, load_factor)
-        if judged.result is CheckResult.PASS and w.tracker.judge_latency(outcome, slowdown, slo_factor).result is CheckResult.FAIL:
+        unloaded = dataclasses.replace(outcome, load_factor=1.0)
+        if judged.result is CheckResult.PASS and w.tracker.judge_latency(unloaded, slowdown, slo_factor).result is CheckResult.FAIL:
             self.metrics.busy_passes.inc()
-            log.info("worker %s is busy, not broken: %s", worker_id, self.load.verdict(worker_id, time.monotonic()).describe())
+            log.info(
+                "worker %s is busy, not broken: its canary earned x%.1f for the load it met; its reports say %s", worker_id,
+                outcome.load_factor, self.load.verdict(worker_id, time.monotonic()).describe(),
+            )
         outcome = judged
         self.metrics.checks.labels(result=outcome.result.value).inc()
         if outcome.result is CheckResult.FAIL:
@@ -354,9 +359,15 @@ class FleetMonitor:
                 reason = FailureReason.UNREACHABLE if code == grpc.StatusCode.UNAVAILABLE else FailureReason.ERROR
                 return CheckOutcome.failed(reason, f"{code.name}: {error.details()}")
             latency = time.perf_counter() - start
-            if case is None:
-                return CheckOutcome.passed(latency)
-            return judge(case, response.token_ids, response.top_logits, latency, tolerance=self.config.logit_tolerance)
+            outcome = CheckOutcome.passed(latency) if case is None else judge(
+                case, response.token_ids, response.top_logits, latency, tolerance=self.config.logit_tolerance
+            )
+            # Judged by the load it met, as the worker says with its answer: a batch that began just before outruns
+            # the load reports (health/load.py).
+            met = self.load.canary_verdict(
+                w.registration.worker_id, step_s=response.step_s, held=response.held_requests, now=time.monotonic()
+            )
+            return dataclasses.replace(outcome, load_factor=met.stretch)
         raise AssertionError("unreachable")
 
     # -- liveness -------------------------------------------------------------------

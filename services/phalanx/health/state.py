@@ -85,14 +85,17 @@ class CheckOutcome:
     reason: FailureReason | None = None  # None when it passed
     detail: str = ""
     latency_s: float | None = None
+    # The allowance the canary's own answer earned for the load it met (health/load.py, ``canary_verdict``): its
+    # latency is judged against the larger of it and the allowance of the worker's load reports, which lag.
+    load_factor: float = 1.0
 
     @classmethod
     def passed(cls, latency_s: float) -> CheckOutcome:
         return cls(CheckResult.PASS, latency_s=latency_s)
 
     @classmethod
-    def failed(cls, reason: FailureReason | str, detail: str = "", latency_s: float | None = None) -> CheckOutcome:
-        return cls(CheckResult.FAIL, FailureReason(reason), detail, latency_s)
+    def failed(cls, reason: FailureReason | str, detail: str = "", latency_s: float | None = None, load_factor: float = 1.0) -> CheckOutcome:
+        return cls(CheckResult.FAIL, FailureReason(reason), detail, latency_s, load_factor)
 
     @classmethod
     def inconclusive(cls, detail: str) -> CheckOutcome:
@@ -230,6 +233,7 @@ class WorkerTracker:
         self, outcome: CheckOutcome, fleet_slowdown: float = 1.0, slo_factor: float = 1.0, load_factor: float = 1.0
     ) -> CheckOutcome:
         """A passing canary slower than the latency limit is a failure (``latency``)."""
+        load_factor = max(load_factor, outcome.load_factor)
         limit = self.latency_limit_s(fleet_slowdown, slo_factor, load_factor)
         if outcome.result is not CheckResult.PASS or outcome.latency_s is None or limit is None or outcome.latency_s <= limit:
             return outcome
@@ -240,7 +244,7 @@ class WorkerTracker:
             FailureReason.LATENCY,
             f"canary took {outcome.latency_s * 1e3:.0f} ms, over {limit * 1e3:.0f} ms "
             f"({self.policy.latency_factor:g}x the {self.baseline_s * 1e3:.0f} ms baseline{loaded}{fleet}{relaxed})",
-            outcome.latency_s,
+            outcome.latency_s, outcome.load_factor,
         )
 
     def note_latency(self, latency_s: float | None, now: float, load_factor: float = 1.0) -> None:
@@ -257,6 +261,7 @@ class WorkerTracker:
         now = time.time() if now is None else now
         if self.health is Health.DEAD:
             return None
+        load_factor = max(load_factor, outcome.load_factor)
         self.note_latency(outcome.latency_s, now, load_factor)
         half_open = self.circuit is Circuit.HALF_OPEN
         self.half_open_in_flight = False

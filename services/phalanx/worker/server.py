@@ -538,7 +538,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         logits: list[float] = []
         margins: list[float] = []
         text: list[str] = []
+        held = 0  # the most requests it ran beside (health judges its latency by them, not by lagging load reports)
         async for event in self.engine.generate(engine_request):
+            load = self.engine.load()
+            held = max(held, load.running_seqs + load.queue_depth)
             if event.index >= 0:
                 assert event.top_logit is not None and event.top_margin is not None  # a canary records them
                 tokens.append(event.token_id)
@@ -547,9 +550,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
                 text.append(event.text)
             if event.finish_reason in (FinishReason.ABORTED, FinishReason.HANDED_BACK):
                 raise UnavailableError("the canary was interrupted: the worker is stopping", retry_after_s=0.5)
+        latency = time.perf_counter() - start
         return worker_pb2.CanaryResponse(
-            token_ids=tokens, top_logits=logits, top_margins=margins, latency_s=time.perf_counter() - start,
+            token_ids=tokens, top_logits=logits, top_margins=margins, latency_s=latency,
             model=self.engine.engine.model.config.name, model_version=self.model_version, text="".join(text),
+            held_requests=held, step_s=latency / max(1, len(tokens)),
         )
 
     async def Prefill(self, request, context):

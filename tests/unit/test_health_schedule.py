@@ -142,6 +142,27 @@ def test_the_delay_after_a_round_depends_on_how_it_ended():
     assert schedule.begin().start() == SendCanary(Deadline.FOLLOW_UP, pytest.approx(0.3))
 
 
+def test_after_a_wrong_answer_the_failures_that_make_a_worker_unhealthy_go_out_together():
+    t = tracker()
+    schedule = CheckSchedule(POLICY, t)
+    assert schedule.rounds_due() == 1
+    wrong = CheckOutcome.failed(FailureReason.TOKEN_MISMATCH, "position 0", 0.5)
+    t.observe(wrong, now=1.0)
+    schedule.finish(wrong)
+    assert schedule.rounds_due() == 2  # 3 wrong answers make it UNHEALTHY: the other 2 at once, each its own canary
+    rounds = [schedule.begin() for _ in range(schedule.rounds_due())]
+    assert [r.start() for r in rounds] == [SendCanary(Deadline.ROUTINE, pytest.approx(0.9))] * 2  # no stats: it failed already
+    for checks in rounds:
+        t.observe(checks.on(CanaryDone(wrong)).outcome, now=2.0)
+    assert t.health is Health.UNHEALTHY
+    # Anything else that failed is rechecked one round at a time, as is a worker that is out already.
+    for reason in (FailureReason.LATENCY, FailureReason.TIMEOUT, FailureReason.UNREACHABLE):
+        schedule.finish(CheckOutcome.failed(reason))
+        assert schedule.rounds_due() == 1
+    schedule.finish(wrong)
+    assert schedule.rounds_due() == 1
+
+
 def test_an_open_circuit_holds_checks_off_until_its_half_open_time():
     t = tracker()
     t.circuit, t.circuit_opened_at = Circuit.OPEN, 100.0

@@ -240,9 +240,10 @@ class FleetMonitor:
             if held is not None:
                 delay = held
                 continue
-            outcome = await self._run_round(w, schedule.begin(slo_factor=self._slo_factor()))
-            await self._observe(w, outcome)
-            delay = schedule.finish(outcome)
+            rounds = [schedule.begin(slo_factor=self._slo_factor()) for _ in range(schedule.rounds_due())]
+            for outcome in await asyncio.gather(*(self._run_round(w, checks) for checks in rounds)):
+                await self._observe(w, outcome)
+                delay = schedule.finish(outcome)
 
     async def _run_round(self, w: TrackedWorker, checks: CheckRound) -> CheckOutcome:
         """Executes one round's effects (see phalanx.health.schedule) until it names the outcome to record."""

@@ -6,7 +6,19 @@ from dataclasses import replace
 import pytest
 
 from phalanx.health.load import FleetLoad, LoadPolicy, StepModel, load_level
-from phalanx.health.schedule import CanaryDone, CheckRound, Deadline, EngineSample, Record, SchedulePolicy, SendCanary, StatsTaken, TakeStats
+from phalanx.health.schedule import (
+    CanaryDone,
+    CheckRound,
+    Deadline,
+    EngineSample,
+    Pause,
+    Paused,
+    Record,
+    SchedulePolicy,
+    SendCanary,
+    StatsTaken,
+    TakeStats,
+)
 from phalanx.health.state import CheckOutcome, CheckResult, FailureReason, Health, TrackerPolicy, WorkerTracker
 
 pytestmark = pytest.mark.unit
@@ -295,6 +307,43 @@ def test_a_miss_while_the_reports_show_steps_moving_is_confirmed_not_counted_a_h
     hung = CheckRound(POLICY, t, after=FailureReason.TIMEOUT)
     hung.start()
     assert hung.on(CanaryDone(missed, progressing=False)) == Record(missed)
+
+
+def test_a_stall_of_the_whole_host_is_no_hang_one_worker_stuck_while_its_peers_move_is():
+    fleet = settled()
+    fleet.run(1, {w: (0.05, 4) for w in fleet.workers})
+    at = fleet.now
+    fleet.now += 0.8  # the host stalls: no worker steps (nor reports) for 0.8 s
+    assert fleet.load.host_stalled("a", fleet.now)
+    fleet.now = at
+    for _ in range(8):  # only "a" is stuck; its peers step on
+        fleet.now += 0.1
+        fleet.load.on_report("a", "v1", step_s=0.05, held=4, now=fleet.now)
+        for peer in ("b", "c"):
+            fleet.report(peer, 0.05, 4, jitter=0.001 * (fleet.now % 0.3))
+    assert not fleet.load.progressing("a", fleet.now) and not fleet.load.host_stalled("a", fleet.now)
+    assert not settled(Fleet(workers=("a",))).load.host_stalled("a", 100.0)  # a lone worker cannot tell
+    # A miss that looks like a hang while the host stalled is confirmed; the same miss beside moving peers counts at once.
+    missed = CheckOutcome.failed(FailureReason.TIMEOUT, "no answer", 1.0)
+    for host_stalled, counted in ((True, False), (False, True)):
+        checks = CheckRound(POLICY, tracker(), after=None)
+        checks.start()
+        checks.on(StatsTaken(EngineSample(100, 4)))
+        checks.on(CanaryDone(missed))
+        effect = checks.on(StatsTaken(EngineSample(100, 4), host_stalled=host_stalled))
+        assert (effect == Record(missed)) is counted
+        assert isinstance(effect, SendCanary) is not counted
+
+
+def test_a_latency_recheck_of_a_worker_whose_steps_move_waits_for_its_answer():
+    slow = CheckOutcome.passed(5 * BASELINE)
+    for progressing, deadline_s in ((True, POLICY.timeout_s), (False, pytest.approx(9 * BASELINE))):
+        checks = CheckRound(POLICY, tracker(), after=None)
+        checks.start()
+        checks.on(StatsTaken(EngineSample(100, 4)))
+        assert checks.on(CanaryDone(slow)) == Pause(POLICY.latency_pause_s())
+        recheck = checks.on(Paused(progressing=progressing))
+        assert isinstance(recheck, SendCanary) and recheck.deadline_s == deadline_s
 
 
 def test_a_successor_seeded_with_the_usual_steps_gives_a_busy_worker_its_allowance_from_the_first_report():

@@ -236,6 +236,19 @@ class FleetLoad:
         w = self._workers.get(worker_id)
         return self.policy.enabled and w is not None and self._fresh(w, now) and not self._stalled(w, now)
 
+    def host_stalled(self, worker_id: str, now: float) -> bool:
+        """None of the worker's peers makes progress either (each stalled, or silent): the host stalled, not the worker.
+
+        A hang is one engine's; a host whose CPUs other processes hold can stop every worker on it for a second, and a
+        worker's missed canary then looks like a hang without being one. False without peers (a lone worker cannot
+        tell the two apart).
+        """
+        w = self._workers.get(worker_id)
+        if not self.policy.enabled or w is None:
+            return False
+        peers = [pid for pid, p in self._workers.items() if pid != worker_id and p.group == w.group]
+        return bool(peers) and not any(self.progressing(pid, now) for pid in peers)
+
     def _stalled(self, w: _Worker, now: float) -> bool:
         """It holds work and its step-time average has not moved for ``stall_s``, or for ``_STALL_STEPS`` of its own
         recent steps if those are longer (a starved host's steps can take a second; a hang takes no step at all)."""

@@ -251,7 +251,11 @@ class FleetMonitor:
         while not isinstance(effect, Record):
             event: StatsTaken | CanaryDone | Paused
             if isinstance(effect, TakeStats):
-                event = StatsTaken(await self._engine_sample(w), self._fleet_slowdown(w), self._load_factor(w), self._progressing(w))
+                sample = await self._engine_sample(w)
+                event = StatsTaken(
+                    sample, self._fleet_slowdown(w), self._load_factor(w), self._progressing(w),
+                    self.load.host_stalled(w.registration.worker_id, time.monotonic()),
+                )
             elif isinstance(effect, SendCanary):
                 if effect.purpose is CheckPurpose.TIMEOUT_RECHECK:
                     self.metrics.timeout_rechecks.inc()
@@ -261,7 +265,7 @@ class FleetMonitor:
                 event = CanaryDone(outcome, self._fleet_slowdown(w), self._load_factor(w), self._progressing(w))
             else:
                 await asyncio.sleep(effect.seconds)
-                event = Paused(self._fleet_slowdown(w), self._load_factor(w))
+                event = Paused(self._fleet_slowdown(w), self._load_factor(w), self._progressing(w))
             effect = checks.on(event)
         return effect.outcome
 

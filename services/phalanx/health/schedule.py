@@ -172,6 +172,8 @@ class StatsTaken:
     load_factor: float = 1.0  # the worker's load allowance now (health/load.py)
     # Its load reports show its steps moving right now (health/load.py): whatever the counters say, not a hang.
     progressing: bool = False
+    # None of its peers' steps move either (health/load.py): the host stalled, and a miss is no sign of a hang.
+    host_stalled: bool = False
 
 
 @dataclass(frozen=True)
@@ -186,6 +188,7 @@ class CanaryDone:
 class Paused:
     fleet_slowdown: float = 1.0
     load_factor: float = 1.0  # the worker's load allowance now (health/load.py)
+    progressing: bool = False  # as StatsTaken's
 
 
 Event = StatsTaken | CanaryDone | Paused
@@ -243,9 +246,10 @@ class CheckRound:
             return self._judged(event.outcome, event.fleet_slowdown, event.load_factor)
         if phase is _Phase.STATS_AFTER and isinstance(event, StatsTaken):
             assert self._missed is not None
-            if stuck_with_work(self._before, event.sample) and not event.progressing:
+            if stuck_with_work(self._before, event.sample) and not event.progressing and not event.host_stalled:
                 # A hung engine holds its work and computes nothing: its miss counts at once. (One whose reports show
-                # steps moving was only slower than the deadline, a whole step of a starved host can be.)
+                # steps moving was only slower than the deadline, a whole step of a starved host can be; and when
+                # none of its peers moves either, the host stalled them all.)
                 return self._judged(self._missed, event.fleet_slowdown, event.load_factor)
             # A busy host, a burst, a canary that never arrived: a confirming check decides.
             self._phase = _Phase.CONFIRMING
@@ -260,6 +264,10 @@ class CheckRound:
         if phase is _Phase.PAUSED and isinstance(event, Paused):
             self._phase = _Phase.LATENCY_RECHECK
             deadline = self.policy.deadline_s(Deadline.ROUTINE, self.tracker, event.fleet_slowdown, self.slo_factor, event.load_factor)
+            if event.progressing:
+                # It answered, slowly, and its steps move: the recheck is for its latency, and an answer past the limit
+                # fails that anyway. Cut short at the routine deadline, a slow answer became a timeout that counts.
+                deadline = self.policy.timeout_s
             return SendCanary(Deadline.ROUTINE, deadline, CheckPurpose.LATENCY_RECHECK)
         raise ValueError(f"{type(event).__name__} does not fit a round in phase {phase.value}")
 

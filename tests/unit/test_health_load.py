@@ -344,6 +344,8 @@ def test_a_latency_recheck_of_a_worker_whose_steps_move_waits_for_its_answer():
         assert checks.on(CanaryDone(slow)) == Pause(POLICY.latency_pause_s())
         recheck = checks.on(Paused(progressing=progressing))
         assert isinstance(recheck, SendCanary) and recheck.deadline_s == deadline_s
+        # The whole timeout holds only while the steps keep moving: once they stop, the routine deadline again (a hang).
+        assert recheck.while_progressing_from_s == (pytest.approx(9 * BASELINE) if progressing else None)
 
 
 def test_a_successor_seeded_with_the_usual_steps_gives_a_busy_worker_its_allowance_from_the_first_report():

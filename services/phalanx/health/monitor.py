@@ -64,6 +64,8 @@ from phalanx.health.tracked import TrackedWorker
 
 log = logging.getLogger(__name__)
 _RETENTION_SWEEP_S = 10.0
+# How often a canary given the whole timeout (a latency recheck of a worker whose steps move) looks whether they still do.
+_PROGRESS_POLL_S = 0.05
 _INCONCLUSIVE_CODES = {
     # The checker's own mistake, or deliberate backpressure: never the worker's fault.
     grpc.StatusCode.INVALID_ARGUMENT,
@@ -261,7 +263,10 @@ class FleetMonitor:
                     self.metrics.timeout_rechecks.inc()
                 elif effect.purpose is CheckPurpose.LATENCY_RECHECK:
                     self.metrics.latency_rechecks.inc()
-                outcome = await self.check(w, effect.deadline_s)
+                if effect.while_progressing_from_s is None:
+                    outcome = await self.check(w, effect.deadline_s)
+                else:
+                    outcome = await self._check_while_progressing(w, effect.deadline_s, effect.while_progressing_from_s)
                 event = CanaryDone(outcome, self._fleet_slowdown(w), self._load_factor(w), self._progressing(w))
             else:
                 await asyncio.sleep(effect.seconds)
@@ -312,6 +317,22 @@ class FleetMonitor:
     def _load_factor(self, w: TrackedWorker) -> float:
         """How much the worker's own load and its host's slow its steps right now (1.0: not at all, or not known)."""
         return self.load.verdict(w.registration.worker_id, time.monotonic()).stretch
+
+    async def _check_while_progressing(self, w: TrackedWorker, timeout: float, short_s: float) -> CheckOutcome:
+        """A canary with `timeout` while the worker's steps move, cut short once `short_s` passed and they stopped: a hang
+        that began after its slow answer then counts at the routine deadline (waited out, one took 6.2 s to detect)."""
+        started = time.perf_counter()
+        canary = asyncio.ensure_future(self.check(w, timeout))
+        try:
+            while True:
+                done, _ = await asyncio.wait({canary}, timeout=_PROGRESS_POLL_S)
+                if done:
+                    return canary.result()
+                waited = time.perf_counter() - started
+                if waited >= short_s and not self._progressing(w):
+                    return CheckOutcome.failed(FailureReason.TIMEOUT, f"no answer within {waited:.2f} s, and its steps stopped", waited)
+        finally:
+            canary.cancel()
 
     def _progressing(self, w: TrackedWorker) -> bool:
         return self.load.progressing(w.registration.worker_id, time.monotonic())

@@ -145,6 +145,9 @@ class SendCanary:
     deadline: Deadline
     deadline_s: float
     purpose: CheckPurpose = CheckPurpose.CHECK
+    # Given more than its deadline because the worker's steps move: cut short at this many seconds once they stop (a
+    # hang that begins meanwhile is not waited out for the whole timeout). None: `deadline_s` holds.
+    while_progressing_from_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -266,8 +269,9 @@ class CheckRound:
             deadline = self.policy.deadline_s(Deadline.ROUTINE, self.tracker, event.fleet_slowdown, self.slo_factor, event.load_factor)
             if event.progressing:
                 # It answered, slowly, and its steps move: the recheck is for its latency, and an answer past the limit
-                # fails that anyway. Cut short at the routine deadline, a slow answer became a timeout that counts.
-                deadline = self.policy.timeout_s
+                # fails that anyway. Cut short at the routine deadline, a slow answer became a timeout that counts; so it
+                # gets the whole timeout while its steps keep moving, and the routine deadline once they stop (a hang).
+                return SendCanary(Deadline.ROUTINE, self.policy.timeout_s, CheckPurpose.LATENCY_RECHECK, while_progressing_from_s=deadline)
             return SendCanary(Deadline.ROUTINE, deadline, CheckPurpose.LATENCY_RECHECK)
         raise ValueError(f"{type(event).__name__} does not fit a round in phase {phase.value}")
 

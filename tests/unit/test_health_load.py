@@ -296,6 +296,8 @@ def test_a_miss_while_the_reports_show_steps_moving_is_confirmed_not_counted_a_h
     starved.on(CanaryDone(missed))
     confirm = starved.on(StatsTaken(EngineSample(100, 4), load_factor=20.0, progressing=True))  # nothing computed, yet moving
     assert isinstance(confirm, SendCanary) and confirm.deadline is Deadline.CONFIRMING and confirm.deadline_s == POLICY.timeout_s
+    # ... while its steps keep moving: once they stop, its confirming deadline (a hang that began within the round).
+    assert confirm.while_progressing_from_s is not None and confirm.while_progressing_from_s < POLICY.timeout_s
     assert starved.on(CanaryDone(CheckOutcome.passed(0.5), load_factor=20.0)) == Record(CheckOutcome.passed(0.5))
     # After a counted miss: no second chance, unless its steps visibly move.
     t = tracker()

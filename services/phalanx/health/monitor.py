@@ -64,7 +64,8 @@ from phalanx.health.tracked import TrackedWorker
 
 log = logging.getLogger(__name__)
 _RETENTION_SWEEP_S = 10.0
-# How often a canary given the whole timeout (a latency recheck of a worker whose steps move) looks whether they still do.
+# How often a canary given the whole timeout because the worker's steps move (a confirming check, a latency recheck) looks
+# whether they still do.
 _PROGRESS_POLL_S = 0.05
 _INCONCLUSIVE_CODES = {
     # The checker's own mistake, or deliberate backpressure: never the worker's fault.
@@ -320,7 +321,7 @@ class FleetMonitor:
 
     async def _check_while_progressing(self, w: TrackedWorker, timeout: float, short_s: float) -> CheckOutcome:
         """A canary with `timeout` while the worker's steps move, cut short once `short_s` passed and they stopped: a hang
-        that began after its slow answer then counts at the routine deadline (waited out, one took 6.2 s to detect)."""
+        that began within the round then counts at the round's own deadline (waited out, one took 6.2 s to detect)."""
         started = time.perf_counter()
         canary = asyncio.ensure_future(self.check(w, timeout))
         try:

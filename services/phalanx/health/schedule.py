@@ -258,9 +258,10 @@ class CheckRound:
             self._phase = _Phase.CONFIRMING
             deadline = self.policy.deadline_s(Deadline.CONFIRMING, self.tracker, event.fleet_slowdown, self.slo_factor, event.load_factor)
             if event.progressing:
-                # Its steps visibly move: it is busy, so it gets the whole timeout (its answer is still judged for
-                # latency against its load; a hang does not move, a slow step answers and fails that judgment).
-                deadline = self.policy.timeout_s
+                # Its steps visibly move: it is busy, so it gets the whole timeout while they keep moving (its answer is
+                # still judged for latency against its load; a hang does not move, a slow step answers and fails that
+                # judgment), and the confirming deadline once they stop: a hang that began within the round.
+                return SendCanary(Deadline.CONFIRMING, self.policy.timeout_s, CheckPurpose.TIMEOUT_RECHECK, while_progressing_from_s=deadline)
             return SendCanary(Deadline.CONFIRMING, deadline, CheckPurpose.TIMEOUT_RECHECK)
         if phase in (_Phase.CONFIRMING, _Phase.LATENCY_RECHECK) and isinstance(event, CanaryDone):
             return self._judged(event.outcome, event.fleet_slowdown, event.load_factor)

@@ -1,11 +1,13 @@
 """Fault injection on real worker processes, the quarantine drain, degradation, and `phalanx chaos`."""
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
 import sys
 import time
+from pathlib import Path
 
 import grpc
 import pytest
@@ -113,6 +115,36 @@ async def test_crash_kills_the_worker_by_sigkill_and_its_registration_lapses(nat
     finally:
         handle.kill()
         await directory.close()
+
+
+async def test_a_marked_prompt_kills_a_worker_whose_engine_runs_in_a_process_of_its_own(nats_server, etcd_config):
+    """chaos_crash_on_prompt with the engine in a child process (engine_core.py): the child's step that schedules the
+    marked prompt kills the worker by SIGKILL, as the engine thread's does, and the child goes with it."""
+    marker = "<<poison-in-the-child>>"
+    env = {**CHAOS_ENV, "PHALANX_WORKER_CHAOS_CRASH_ON_PROMPT": marker, "PHALANX_ENGINE_ENGINE_PROCESS": "true"}
+    handle = await start_worker(unique_id("w-poison"), nats_server.url, etcd_config, env=env, model="phalanx-tiny-moe")
+    try:
+        children = handle.engine_process_pids()
+        assert len(children) == 1
+        async with grpc.aio.insecure_channel(handle.address) as channel:
+            stub = worker_pb2_grpc.WorkerServiceStub(channel)
+            assert len([r async for r in stub.Generate(generate(max_tokens=4), timeout=30)]) > 0  # a plain prompt is served
+            poison = worker_pb2.GenerateRequest(text=f"a note {marker} to summarise",
+                                                sampling=common_pb2.SamplingParams(max_tokens=4, ignore_eos=True))
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                _ = [r async for r in stub.Generate(poison, timeout=30)]
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert await asyncio.to_thread(handle.process.wait, 10) == -signal.SIGKILL
+
+        def child_gone():
+            stat = Path(f"/proc/{children[0]}/stat")
+            with contextlib.suppress(FileNotFoundError):
+                assert " Z " in stat.read_text()  # a zombie at most
+            return True
+
+        await assert_eventually(child_gone, timeout=5, interval=0.05)
+    finally:
+        handle.kill()
 
 
 async def test_canary_reports_margins_and_model_version_and_its_work_is_counted(worker, stubs):

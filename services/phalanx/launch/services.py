@@ -126,11 +126,18 @@ class WorkerHandle(ServiceHandle):
 
     def follower_pids(self) -> list[int]:
         """PIDs of the tensor-parallel follower ranks this worker started (its children running phalanx.worker.tp_follower)."""
+        return self._children_running(b"phalanx.worker.tp_follower")
+
+    def engine_process_pids(self) -> list[int]:
+        """PID of the engine process this worker started (engine_core.py), if it runs its engine in one: [] or [pid]."""
+        return self._children_running(b"phalanx.worker.engine_core")
+
+    def _children_running(self, module: bytes) -> list[int]:
         pids = []
         for children in Path(f"/proc/{self.process.pid}/task").glob("*/children"):
             for pid in children.read_text().split():
                 with contextlib.suppress(OSError):
-                    if b"phalanx.worker.tp_follower" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                    if module in Path(f"/proc/{pid}/cmdline").read_bytes():
                         pids.append(int(pid))
         return sorted(pids)
 

@@ -211,7 +211,7 @@ class EngineCoreClient(EngineFrontend):
 
     def __init__(
         self, config: EngineConfig, *, faults: FaultState | None = None, on_kv_events: Callable[[KvEvents], None] | None = None,
-        checkpoint_max_pending_bytes: int = 0, checkpoint_interval_tokens: int = 8,
+        checkpoint_max_pending_bytes: int = 0, checkpoint_interval_tokens: int = 8, crash_on_prompt: str = "",
     ) -> None:
         super().__init__()
         self.config = config
@@ -224,7 +224,7 @@ class EngineCoreClient(EngineFrontend):
         self._options = CoreOptions(
             os.getpid(), authkey=bytes(multiprocessing.current_process().authkey),
             checkpoint_max_pending_bytes=checkpoint_max_pending_bytes, checkpoint_interval_tokens=checkpoint_interval_tokens,
-            log_level=logging.getLogger().getEffectiveLevel(),
+            log_level=logging.getLogger().getEffectiveLevel(), crash_on_prompt=crash_on_prompt,
         )
         self._conn: Connection | None = None
         self.process: subprocess.Popen | None = None

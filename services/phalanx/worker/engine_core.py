@@ -286,6 +286,9 @@ class CoreOptions:
     checkpoint_max_pending_bytes: int = 0  # 0: no checkpointing
     checkpoint_interval_tokens: int = 8
     log_level: int = logging.INFO
+    # Chaos (WorkerConfig.chaos_crash_on_prompt): the step that first schedules a prompt containing this kills the
+    # worker (SIGKILL to the parent; this process follows by its death signal), as on the engine thread. Empty: off.
+    crash_on_prompt: str = ""
 
 
 # -- the child ------------------------------------------------------------------------------------------------------
@@ -374,6 +377,10 @@ class EngineCore:
         config = config.sized_for(c.num_layers, c.num_kv_heads, c.head_dim, model.dtype.itemsize)
         cache = shared_cache(config, model)
         engine = Engine(model, config, faults=FaultState(), cache=cache)
+        if options.crash_on_prompt:
+            from phalanx.worker.fault_service import arm_prompt_crash
+
+            arm_prompt_crash(engine, options.crash_on_prompt, model.tokenizer.decode, kill=lambda: os.kill(options.parent_pid, signal.SIGKILL))
         capture = ring = None
         if options.checkpoint_max_pending_bytes:
             capture = CheckpointCapture(options.checkpoint_max_pending_bytes, interval_tokens=options.checkpoint_interval_tokens)

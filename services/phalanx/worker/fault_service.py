@@ -60,7 +60,8 @@ class PromptCrash:
     the engine step that first schedules a request whose prompt text contains `marker` (a new one or one a migration
     restored), as it would on a kernel bug on one rare shape.
 
-    The engine thread calls it with each step's batch. The step holds `delay_s` before the kill, as a crashing kernel
+    The engine's step calls it with its batch (on the engine thread, or in the engine process: engine_core.py, whose
+    kill ends the worker, its parent, and the engine process with it). The step holds `delay_s` before the kill, as a crashing kernel
     runs a while: nothing on the worker streams meanwhile, and the answer of a Restore that brought the poison leaves
     (the migration sees it placed, rather than failing over to the next worker at once).
     """
@@ -81,18 +82,20 @@ class PromptCrash:
             if seq.request_id in self._checked or self.marker not in self._decode(list(seq.prompt_ids)):
                 continue
             log.warning("chaos: request %s carries the crash marker; SIGKILL in %.0f ms", seq.request_id, self._delay_s * 1e3)
-            time.sleep(self._delay_s)  # the engine thread: the step hangs as a crashing kernel would
+            time.sleep(self._delay_s)  # in the engine's step: it hangs as a crashing kernel would
             self._kill()
             return
         self._checked = batch
 
 
-def arm_prompt_crash(engine: object, marker: str, decode: Callable[[list[int]], str]) -> None:
-    """Arms a `PromptCrash` on the engine thread's steps (not with the engine in a process of its own)."""
+def arm_prompt_crash(engine: object, marker: str, decode: Callable[[list[int]], str], *, kill: Callable[[], None] = _kill_self) -> None:
+    """Arms a `PromptCrash` on an engine's steps: the engine thread's, or an engine process's (engine_core.py, whose
+    `kill` ends the worker, its parent). An engine in another process has no step hook here: the worker passes the
+    marker to that process instead (EngineCoreClient's crash_on_prompt)."""
     if not hasattr(engine, "on_scheduled"):
-        log.error("chaos_crash_on_prompt needs the engine in the worker's process (PHALANX_ENGINE_ENGINE_PROCESS=false): not armed")
+        log.error("chaos_crash_on_prompt: this engine has no step hook here (it runs in another process): not armed")
         return
-    engine.on_scheduled = PromptCrash(marker, decode)
+    engine.on_scheduled = PromptCrash(marker, decode, kill=kill)
     log.warning("chaos: this worker dies when it schedules a prompt containing %r", marker)
 
 

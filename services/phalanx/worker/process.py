@@ -104,6 +104,7 @@ class WorkerProcess:
         self.channels: ChannelEndpoint | None = None
         self._streamer: CheckpointStreamer | None = None
         self._capture: CheckpointCapture | None = None
+        self._engine_process = False  # the engine runs in a child process (engine_core.py)
         # The follower ranks and their group, when tensor_parallel_size > 1.
         self._tensor_parallel: TensorParallelLeader | None = None
         # The forwarding engine, in the attention role (docs/moe.md).
@@ -138,7 +139,7 @@ class WorkerProcess:
                 shell.push_async_callback(self._streamer.stop)
                 await self._streamer.start()
             servicer.attach(engine, model_version=model.version)
-            if self.config.chaos_crash_on_prompt:
+            if self.config.chaos_crash_on_prompt and not self._engine_process:  # an engine process armed its own steps
                 arm_prompt_crash(engine.engine, self.config.chaos_crash_on_prompt, servicer.tokenizer.decode)
             servicer.stall_kv_send = self.config.chaos_stall_kv_send
             if self.failover is not None:
@@ -287,10 +288,11 @@ class WorkerProcess:
         engine = EngineCoreClient(
             self.engine_config, faults=self.faults, on_kv_events=self._kv_events.outbox.put_nowait,
             checkpoint_max_pending_bytes=c.checkpoint_max_pending_bytes if c.checkpointing else 0,
-            checkpoint_interval_tokens=c.checkpoint_interval_tokens,
+            checkpoint_interval_tokens=c.checkpoint_interval_tokens, crash_on_prompt=c.chaos_crash_on_prompt,
         )
         shell.push_async_callback(engine.stop)
         await engine.start()
+        self._engine_process = True
         self._capture = engine.checkpoints
         self.engine_config = engine.engine.config  # sized by the child for its model
         return engine, engine.engine.model

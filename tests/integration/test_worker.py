@@ -1,6 +1,7 @@
 """A real worker process: registration, events, gRPC API and its failure modes."""
 
 import asyncio
+import contextlib
 import time
 from pathlib import Path
 
@@ -187,11 +188,24 @@ async def test_the_worker_s_heap_is_backed_by_huge_pages(worker, stub):
     assert huge_kb >= 2048  # at least one 2 MiB page
 
 
+async def test_the_engine_runs_in_a_process_of_its_own_by_default_and_on_a_thread_when_told(worker, nats_server, etcd_config):
+    assert len(worker.engine_process_pids()) == 1  # the default (EngineConfig.engine_process)
+    handle = await start_worker("w-thread", nats_server.url, etcd_config, env={"PHALANX_ENGINE_ENGINE_PROCESS": "false"},
+                                model="phalanx-tiny-moe")
+    try:
+        assert handle.engine_process_pids() == []
+        async with grpc.aio.insecure_channel(handle.address) as channel:
+            assert len(await collect(worker_pb2_grpc.WorkerServiceStub(channel), request(max_tokens=4))) == 4
+    finally:
+        assert handle.terminate() == 0
+
+
 async def test_registration_vanishes_within_the_lease_ttl_after_sigkill(nats_server, etcd_config):
     handle = await start_worker("w-doomed", nats_server.url, etcd_config, model="phalanx-tiny-moe")
     directory = WorkerDirectory(etcd_config)
     try:
         assert "w-doomed" in await directory.list()
+        engine_processes = handle.engine_process_pids()
         handle.kill()
         killed = time.monotonic()
 
@@ -200,6 +214,14 @@ async def test_registration_vanishes_within_the_lease_ttl_after_sigkill(nats_ser
 
         await assert_eventually(gone, timeout=etcd_config.lease_ttl_s + 1.5, interval=0.05)
         assert time.monotonic() - killed <= etcd_config.lease_ttl_s + 1.5
+
+        def engine_process_gone():  # its death signal: no orphan holds the weights
+            for pid in engine_processes:
+                with contextlib.suppress(FileNotFoundError):
+                    assert " Z " in Path(f"/proc/{pid}/stat").read_text()
+            return True
+
+        await assert_eventually(engine_process_gone, timeout=5, interval=0.05)
     finally:
         handle.kill()
         await directory.close()

@@ -101,12 +101,12 @@ class EngineConfig(BaseSettings):
     ert_wait_s: float = Field(60.0, gt=0, description="Attention role: how long start-up waits for a complete expert routing table")
 
     engine_process: bool = Field(
-        False,
+        True,
         description=(
             "Run the engine loop in a child process of its own (its own GIL; the worker keeps no weights), talking to the "
             "worker over a pipe and shared memory. Applies to the torch engine of a monolithic worker with "
             "tensor_parallel_size 1 and no failover engine; other workers keep the engine on a thread (and log that they "
-            "do when it was asked for)"
+            "do when it was asked for). false: the engine thread for every worker"
         ),
     )
     torch_threads: int = Field(

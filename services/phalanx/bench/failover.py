@@ -502,9 +502,14 @@ async def _overhead(fleet: Stack, o: _Options, rng: random.Random) -> dict:
 
 
 def _cpu_seconds(handle: ServiceHandle) -> float:
-    """User + system CPU seconds of the process so far (all its threads), from /proc."""
-    fields = Path(f"/proc/{handle.process.pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS
+    """User + system CPU seconds of the process so far (all its threads), and of its engine process if it runs one (a
+    worker's steps and checkpoint captures are that child's), from /proc."""
+    pids = [handle.process.pid, *(handle.engine_process_pids() if isinstance(handle, WorkerHandle) else ())]
+    total = 0
+    for pid in pids:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        total += int(fields[11]) + int(fields[12])
+    return total / _CLOCK_TICKS
 
 
 async def _direct_wave(stub: worker_pb2_grpc.WorkerServiceStub, prompts: list[list[int]], max_tokens: int) -> int:

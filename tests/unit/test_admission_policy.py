@@ -96,6 +96,19 @@ def test_a_cold_fleet_admits_one_sequence_per_worker_until_its_gaps_are_measured
     assert policy.poll([load("w1", 1), load("w2", 1)], 0.1) == [Admit("r3", "w1", pytest.approx(0.1))]
 
 
+def test_a_burst_on_an_idle_worker_joins_at_once_up_to_the_batch_its_gaps_were_measured_at():
+    # w1 ran batches of 1 to 12 before (its line fits 9): a burst on it idle (running 0) needs no slow start up to 9.
+    policy = trained()
+    decisions = [policy.arrive(arrival(f"r{i}", 0.0), [load("w1", i, running=0)])[0] for i in range(12)]
+    assert [type(d) for d in decisions[:9]] == [Admit] * 9
+    assert not isinstance(decisions[9], Admit)  # the 10th is over the ITL limit, measured or not
+    # Beyond what it measured, slow start again: measured up to 3, an idle burst takes 3 at once; the 4th waits for a report.
+    small = OverloadPolicy()
+    for n in (3, 2, 1, 3, 2, 1):
+        small.on_step("w1", n, A + B * n)
+    assert [type(small.arrive(arrival(f"s{i}", 0.0), [load("w1", i, running=0)])[0]) for i in range(4)] == [Admit, Admit, Admit, Hold]
+
+
 def test_a_cold_fleets_burst_is_not_refused_for_its_workers_warm_up_steps():
     # 12 streams on 3 fresh workers: one each at once, the rest held (up to 1 s of a 2 s SLO). Each worker's first gap
     # takes 0.4 s (its first step), its steps after that 60 ms. Counted, that first gap would make a batch of 2 look over
@@ -119,7 +132,7 @@ def test_a_cold_fleets_burst_is_not_refused_for_its_workers_warm_up_steps():
 
 
 def test_a_batch_grows_at_most_to_twice_what_the_last_report_ran():
-    policy = trained()
+    policy = trained("w0")  # w1 measured nothing itself: the fleet's line is a guess for it
     # The line says 6 sequences fit, but the worker's last report ran 2: 4 at most until a report shows more.
     assert policy.arrive(arrival("r1", 0.0), [load("w1", 3, running=2)])[0] == Admit("r1", "w1")
     assert policy.arrive(arrival("r2", 0.0), [load("w1", 4, running=2)])[0] == Hold("r2")
@@ -283,10 +296,11 @@ def test_the_streams_it_relays_tell_when_slots_free_better_than_the_drain_rate()
 
 
 def test_a_burst_on_an_idle_worker_waits_for_slow_start_not_for_the_drain_rate():
-    # w1's line fits a batch of 9 within the ITL limit. A burst of 12 reaches it between two load reports (running 0), after
-    # a slow drain (by it alone a second place would be refused): slow start lets 2 join now, and the next 7 are held for
-    # the batch's growth at the next reports rather than refused; the 10th on is beyond what the batch will take.
-    policy = trained()
+    # The fleet's line fits a batch of 9 within the ITL limit, but w1 itself measured nothing yet. A burst of 12 reaches it
+    # between two load reports (running 0), after a slow drain (by it alone a second place would be refused): slow start
+    # lets 2 join now, and the next 7 are held for the batch's growth at the next reports rather than refused; the 10th
+    # on is beyond what the batch will take.
+    policy = trained("w0")
     policy.arrive(arrival("first-seen", 0.0), [load("w1")])
     finish(policy, [0.5 * i for i in range(1, 9)])
     admitted = 0
@@ -362,6 +376,14 @@ def test_a_held_request_whose_budget_ran_out_is_refused_with_how_long_it_waited(
     assert isinstance(refused, Refuse) and refused.reason is RefuseReason.BUDGET_SPENT
     assert refused.waited_s == pytest.approx(0.55)
     assert policy.held == 0
+
+
+def test_a_held_request_waits_for_another_workers_slot_when_the_one_with_room_has_too_long_a_prefill_queue():
+    policy = trained("w1", "w2")
+    queued = load("w1", 2, pending=20_000)  # room in its batch, but 2 s of prefill queued: beyond the 0.9 s budget
+    assert policy.arrive(arrival("r1", 0.0), [queued, load("w2", 9)])[0] == Hold("r1")
+    assert policy.poll([queued, load("w2", 9)], 0.05) == []  # not refused "budget spent": w2's slot may still come
+    assert policy.poll([queued, load("w2", 8)], 0.1) == [Admit("r1", "w2", pytest.approx(0.1))]
 
 
 def test_held_requests_past_what_the_drain_rate_can_reach_are_refused_early():
